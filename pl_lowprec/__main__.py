@@ -1,0 +1,4 @@
+from pl_lowprec.cli import main
+
+if __name__ == "__main__":
+    main()

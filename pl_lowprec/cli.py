@@ -1,0 +1,49 @@
+"""``pl-lowprec`` / ``python -m pl_lowprec``: LightningCLI with this package's plugins, strategies and callbacks.
+
+Any ``LightningModule`` and ``LightningDataModule`` can be named by ``class_path`` in the YAML; the package's
+classes are imported here, so jsonargparse also resolves them by short name (``class_path: AMPPrecision``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from pl_lowprec._imports import require_cli
+
+DEFAULT_ROOT_DIR = "runs"
+
+
+def _cli_class() -> type:
+    require_cli()
+    from lightning.pytorch.cli import LightningCLI
+
+    import pl_lowprec  # noqa: F401  (registers the package's classes for short class names)
+
+    class LowPrecisionCLI(LightningCLI):
+        """LightningCLI that writes under ``runs/`` by default and reports the loss scale after fit."""
+
+        def add_arguments_to_parser(self, parser: Any) -> None:
+            parser.set_defaults({"trainer.default_root_dir": DEFAULT_ROOT_DIR})
+
+        def after_fit(self) -> None:
+            state_fn = getattr(self.trainer.precision_plugin, "loss_scale_state", None)
+            if state_fn is not None and self.trainer.is_global_zero:
+                print(f"loss scale: {state_fn()}")
+
+    return LowPrecisionCLI
+
+
+def main(args: list[str] | None = None) -> None:
+    """Run the CLI; ``args`` replaces ``sys.argv[1:]`` (for tests)."""
+    # Lightning 2.6 warns about torch's LeafSpec on every fit; it is Lightning's own and not actionable here.
+    warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
+    cli_class = _cli_class()
+    cli_class(
+        model_class=None,
+        datamodule_class=None,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=args,
+        save_config_kwargs={"overwrite": True},
+    )

@@ -1,0 +1,82 @@
+"""Tiny LightningModules and recording callbacks shared by the tests."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class Classifier(pl.LightningModule):
+    """Wraps any classifier ``nn.Module``; optional step-interval LR schedule and injected overflows."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float = 1e-2,
+        scheduler: bool = False,
+        overflow_at_steps: tuple[int, ...] = (),
+        optimizer_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.lr = lr
+        self.scheduler = scheduler
+        self.overflow_at_steps = set(overflow_at_steps)
+        self.optimizer_kwargs = optimizer_kwargs or {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def on_after_backward(self) -> None:
+        # Poison one gradient before unscale_, as an fp16 overflow in backward would.
+        if self.trainer.global_step in self.overflow_at_steps:
+            next(self.parameters()).grad.fill_(float("inf"))
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.lr, **self.optimizer_kwargs)
+        if not self.scheduler:
+            return opt
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class StepRecorder(pl.Callback):
+    """Records parameters, optimizer state and LR: entry k is the state after k optimizer steps."""
+
+    def __init__(self) -> None:
+        self.params: list[dict[str, torch.Tensor]] = []
+        self.optim_states: list[dict] = []
+        self.lrs: list[float] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._record(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if len(self.params) <= trainer.global_step:  # an optimizer step happened (not mid-window)
+            self._record(trainer, pl_module)
+
+    def _record(self, trainer, pl_module) -> None:
+        self.params.append({k: v.detach().clone() for k, v in pl_module.named_parameters()})
+        self.optim_states.append(copy.deepcopy(trainer.optimizers[0].state_dict()["state"]))
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def quiet_trainer(**kwargs: Any) -> pl.Trainer:
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    return pl.Trainer(**{**defaults, **kwargs})

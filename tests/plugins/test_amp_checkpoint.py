@@ -1,0 +1,59 @@
+"""Scaler state and step counters survive checkpoints; Lightning's own fp16 checkpoints load."""
+
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning_helpers import Classifier, quiet_trainer
+from plain_amp_loop import make_classification_data, make_mlp
+
+from pl_lowprec import AMPPrecision
+
+STEPS_PER_EPOCH = 4
+
+
+def _loader():
+    return torch.utils.data.DataLoader(make_classification_data(n=STEPS_PER_EPOCH * 8), batch_size=8)
+
+
+def _plugin():
+    return AMPPrecision("16-mixed", init_scale=1024.0, growth_interval=3)
+
+
+def _module():
+    return Classifier(make_mlp(), scheduler=True, overflow_at_steps=(1,))
+
+
+def test_resume_matches_uninterrupted_run(tmp_path):
+    straight_plugin, straight = _plugin(), _module()
+    quiet_trainer(plugins=[straight_plugin], max_epochs=2).fit(straight, _loader())
+
+    first = quiet_trainer(plugins=[_plugin()], max_epochs=1)
+    first.fit(_module(), _loader())
+    ckpt = tmp_path / "mid.ckpt"
+    first.save_checkpoint(ckpt)
+    assert torch.load(ckpt, weights_only=False)["AMPPrecision"]["tracker"]["skipped_steps"] == 1
+
+    resumed_plugin, resumed = _plugin(), _module()
+    trainer = quiet_trainer(plugins=[resumed_plugin], max_epochs=2)
+    trainer.fit(resumed, _loader(), ckpt_path=ckpt)
+
+    assert resumed_plugin.loss_scale_state() == straight_plugin.loss_scale_state()
+    # backed off to 512 at step 1, grew at steps 4 and 7: needs the growth tracker restored mid-interval
+    assert resumed_plugin.loss_scale_state().scale == 2048.0
+    assert trainer.optimizers[0].param_groups[0]["lr"] == straight.trainer.optimizers[0].param_groups[0]["lr"]
+    for ours, theirs in zip(resumed.parameters(), straight.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_loads_checkpoint_from_lightning_mixed_precision(tmp_path):
+    scaler = torch.amp.GradScaler("cpu", init_scale=512.0, growth_interval=7)
+    lightning_trainer = quiet_trainer(plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)], max_epochs=1)
+    lightning_trainer.fit(Classifier(make_mlp()), _loader())
+    ckpt = tmp_path / "lightning.ckpt"
+    lightning_trainer.save_checkpoint(ckpt)
+
+    plugin = AMPPrecision("16-mixed")
+    trainer = quiet_trainer(plugins=[plugin], max_epochs=2)
+    trainer.fit(Classifier(make_mlp()), _loader(), ckpt_path=ckpt)
+    assert plugin.scaler.get_growth_interval() == 7
+    assert plugin.loss_scale_state().scale == 1024.0  # 512 restored, grown once after 7 clean steps
+    assert trainer.global_step == 2 * STEPS_PER_EPOCH

@@ -1,0 +1,38 @@
+"""The README's main command runs end to end through the console entry point (with fewer steps)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_quickstart_runs_through_python_dash_m(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pl_lowprec",
+            "fit",
+            "--config",
+            str(ROOT / "configs/quickstart.yaml"),
+            "--trainer.max_steps",
+            "3",
+            "--trainer.val_check_interval",
+            "3",
+            "--trainer.limit_val_batches",
+            "1",
+            "--trainer.enable_progress_bar",
+            "false",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "loss scale: LossScaleState(scale=1024.0" in result.stdout
+    assert "LeafSpec" not in result.stderr
+    # the default root dir keeps logs and the saved config out of the working directory
+    assert (tmp_path / "runs/lightning_logs/version_0/config.yaml").exists()
+    assert not (tmp_path / "config.yaml").exists() and not (tmp_path / "lightning_logs").exists()
