@@ -1,7 +1,18 @@
 """pl_lowprec: mixed precision with honest loss scaling, QLoRA, activation checkpointing and accumulation
 for any LightningModule, by configuration."""
 
+from pl_lowprec.checkpointing import remove_activation_checkpointing, set_activation_checkpointing
 from pl_lowprec.plugins import AMPPrecision, LossScaleCollapseError, LossScaleState, SkipAwareScheduler
+from pl_lowprec.strategies import LowPrecisionDDPStrategy, LowPrecisionStrategy
 
-__all__ = ["AMPPrecision", "LossScaleCollapseError", "LossScaleState", "SkipAwareScheduler"]
+__all__ = [
+    "AMPPrecision",
+    "LossScaleCollapseError",
+    "LossScaleState",
+    "LowPrecisionDDPStrategy",
+    "LowPrecisionStrategy",
+    "SkipAwareScheduler",
+    "remove_activation_checkpointing",
+    "set_activation_checkpointing",
+]
 __version__ = "0.1.0"

@@ -50,6 +50,8 @@ class TinyGPT(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        self.lr = lr
+        self.warmup_steps = warmup_steps
         self.embed = nn.Embedding(VOCAB_SIZE, dim)
         self.pos = nn.Parameter(torch.zeros(max_len, dim))
         self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
@@ -78,7 +80,7 @@ class TinyGPT(pl.LightningModule):
         self.log("val/perplexity", loss.exp())
 
     def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
-        warmup = max(1, self.hparams.warmup_steps)
+        opt = torch.optim.AdamW(self.parameters(), lr=self.lr)
+        warmup = max(1, self.warmup_steps)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

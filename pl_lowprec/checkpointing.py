@@ -1,0 +1,132 @@
+"""Activation checkpointing for any ``nn.Module``, chosen by module class, class name or a predicate.
+
+``set_activation_checkpointing(model, policy)`` replaces the ``forward`` of each selected block with a
+``CheckpointedForward`` that recomputes the block in backward instead of keeping its activations. No module is
+wrapped or renamed, so ``state_dict`` keys, ``named_parameters`` and ``isinstance`` checks stay exactly as
+they were: checkpoints move freely between runs with and without checkpointing.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from pl_lowprec.memory.activations import note_checkpoint_inputs
+
+CheckpointPolicy = type[nn.Module] | str | Iterable[type[nn.Module] | str] | Callable[[nn.Module, str], bool]
+CheckpointImpl = Literal["non_reentrant", "reentrant"]
+
+
+class CheckpointedForward:
+    """A module's ``forward``, recomputed during backward; plain ``forward`` when no grad is being recorded."""
+
+    def __init__(self, forward: Callable[..., Any], impl: CheckpointImpl) -> None:
+        self.forward = forward
+        self.impl = impl
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.forward(*args, **kwargs)
+        note_checkpoint_inputs([*args, *kwargs.values()])
+        if self.impl == "non_reentrant":
+            return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+        # Reentrant checkpointing takes positional tensors only and returns no grad if none requires one,
+        # which silently freezes the block when the embeddings are frozen (LoRA; transformers #26221).
+        return checkpoint(functools.partial(self.forward, **kwargs), *_with_grad_input(args), use_reentrant=True)
+
+
+def _with_grad_input(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if any(t.requires_grad for t in tensors):
+        return args
+    for i, arg in enumerate(args):
+        if isinstance(arg, torch.Tensor) and arg.is_floating_point():
+            return (*args[:i], arg.detach().requires_grad_(), *args[i + 1 :])
+    return args
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    return isinstance(module.__dict__.get("forward"), CheckpointedForward)
+
+
+def select_modules(model: nn.Module, policy: CheckpointPolicy) -> list[tuple[str, nn.Module]]:
+    """The outermost modules that ``policy`` selects, in ``named_modules`` order.
+
+    Raises ``ValueError`` when the policy, or any class or class name in it, selects nothing, listing the
+    classes the model contains: a typo in a YAML file must not turn checkpointing silently off.
+    """
+    items = _policy_items(policy)
+    unmatched = [i for i in items if not any(_item_matches(i, m) for m in model.modules())] if items else []
+    matches = policy if items is None else (lambda module, _name: any(_item_matches(i, module) for i in items))
+    selected: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if module is model or any(name.startswith(f"{outer}.") for outer, _ in selected):
+            continue
+        if matches(module, name):
+            selected.append((name, module))
+    if unmatched or not selected:
+        what = _describe(unmatched) if unmatched else getattr(policy, "__name__", repr(policy))
+        classes = sorted({type(m).__name__ for m in model.modules()})
+        raise ValueError(
+            f"activation_checkpointing: {what} matches no module of {type(model).__name__}."
+            f" The model contains these classes: {', '.join(classes)}. Name the repeated block, for example"
+            " the decoder layer class."
+        )
+    return selected
+
+
+def set_activation_checkpointing(
+    model: nn.Module, policy: CheckpointPolicy, every_n: int = 1, impl: CheckpointImpl = "non_reentrant"
+) -> list[str]:
+    """Checkpoint every ``every_n``-th selected block (idempotent); return the names of checkpointed blocks."""
+    validate_checkpoint_args(every_n, impl)
+    chosen = select_modules(model, policy)[::every_n]
+    for _, module in chosen:
+        if not is_checkpointed(module):
+            module.forward = CheckpointedForward(module.forward, impl)
+    return [name for name, _ in chosen]
+
+
+def remove_activation_checkpointing(model: nn.Module) -> None:
+    for module in model.modules():
+        if is_checkpointed(module):
+            del module.forward
+
+
+def validate_checkpoint_args(every_n: int, impl: str) -> None:
+    if isinstance(every_n, bool) or not isinstance(every_n, int) or every_n < 1:
+        raise ValueError(
+            f"checkpoint_every_n={every_n!r} is not valid: use an integer >= 1 (1 checkpoints every selected"
+            " block; 2 every other block, trading memory back for speed)."
+        )
+    if impl not in ("non_reentrant", "reentrant"):
+        raise ValueError(f"checkpoint_impl={impl!r} is not valid: use 'non_reentrant' (default) or 'reentrant'.")
+
+
+def _policy_items(policy: CheckpointPolicy) -> list[type[nn.Module] | str] | None:
+    """The classes and class names of a policy; ``None`` for a predicate."""
+    if isinstance(policy, (str, type)):
+        return [policy]
+    if callable(policy) and not isinstance(policy, Iterable):
+        return None
+    items = list(policy)
+    for item in items:
+        if not isinstance(item, (str, type)):
+            raise TypeError(
+                f"activation_checkpointing got {item!r}: give module classes, class names such as"
+                " 'LlamaDecoderLayer', or a callable (module, name) -> bool."
+            )
+    return items
+
+
+def _item_matches(item: type[nn.Module] | str, module: nn.Module) -> bool:
+    return type(module).__name__ == item if isinstance(item, str) else isinstance(module, item)
+
+
+def _describe(items: list[type[nn.Module] | str]) -> str:
+    return ", ".join(repr(i.__name__ if isinstance(i, type) else i) for i in items)

@@ -1,0 +1,65 @@
+"""Count the bytes that autograd keeps for backward: the activation memory of a training step.
+
+``torch.autograd.graph.saved_tensors_hooks`` sees every tensor an op saves for its backward. Storages are
+counted once, and storages shared with the model's parameters are left out (they are weights, not
+activations). Activation checkpointing replaces a block's saved tensors with its inputs; the checkpointed
+forward reports those inputs here (``note_checkpoint_inputs``), so the count stays the real one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+_ACTIVE: list[SavedTensorCounter] = []
+
+
+class SavedTensorCounter:
+    """Accumulates unique saved-tensor storages; read ``nbytes`` after the forward pass."""
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self._seen: set[int] = {_storage_key(t) for t in exclude}
+        self.nbytes = 0
+
+    def add(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type == "meta" or tensor.layout != torch.strided:
+            return
+        key = _storage_key(tensor)
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        self.nbytes += tensor.untyped_storage().nbytes()
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.add(tensor)
+        return tensor
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+@contextmanager
+def count_saved_tensors(model: nn.Module | None = None) -> Iterator[SavedTensorCounter]:
+    """Count the bytes saved for backward inside the block, excluding ``model``'s parameters and buffers."""
+    exclude = [*model.parameters(), *model.buffers()] if model is not None else []
+    counter = SavedTensorCounter(exclude)
+    _ACTIVE.append(counter)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(counter._pack, lambda t: t):
+            yield counter
+    finally:
+        _ACTIVE.remove(counter)
+
+
+def note_checkpoint_inputs(tensors: Iterable[object]) -> None:
+    """Called by checkpointed forwards: their inputs are what they keep for backward."""
+    if not _ACTIVE:
+        return
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor):
+            for counter in _ACTIVE:
+                counter.add(tensor)

@@ -1,0 +1,60 @@
+"""``LowPrecisionDDPStrategy``: Lightning's DDP plus the model transform (``"lowprec_ddp"``, ``"lowprec_ddp_spawn"``).
+
+The transform runs on every rank before the DDP wrapper, so DDP sees the final parameters (only trainable ones
+are reduced) and every rank holds the same transformed model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.strategy import _StrategyRegistry
+
+from pl_lowprec.checkpointing import CheckpointImpl, CheckpointPolicy
+from pl_lowprec.strategies.transform import ModelTransform
+
+
+class LowPrecisionDDPStrategy(DDPStrategy):
+    """DDP that transforms the model once per fit (see ``pl_lowprec.strategies.transform``).
+
+    Args:
+        activation_checkpointing: Blocks to recompute in backward: module classes, class names (YAML), or a
+            callable ``(module, name) -> bool``.
+        checkpoint_every_n: Checkpoint only every n-th selected block.
+        checkpoint_impl: ``"non_reentrant"`` (default) or ``"reentrant"``.
+        **kwargs: Every argument of ``DDPStrategy`` (``process_group_backend``, ``find_unused_parameters``, ...).
+    """
+
+    strategy_name = "lowprec_ddp"
+
+    def __init__(
+        self,
+        activation_checkpointing: CheckpointPolicy | None = None,
+        checkpoint_every_n: int = 1,
+        checkpoint_impl: CheckpointImpl = "non_reentrant",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.transform = ModelTransform(activation_checkpointing, checkpoint_every_n, checkpoint_impl)
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        self.transform.apply(self.lightning_module)
+        super().setup(trainer)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self.transform.apply(self.lightning_module)
+        super().load_model_state_dict(checkpoint, strict=strict)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for name, start_method in ((cls.strategy_name, "popen"), (f"{cls.strategy_name}_spawn", "spawn")):
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"DDP ({start_method}) with activation checkpointing and QLoRA",
+                override=True,
+                start_method=start_method,
+            )

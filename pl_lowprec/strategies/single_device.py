@@ -1,0 +1,75 @@
+"""``LowPrecisionStrategy``: Lightning's single-device strategy plus the model transform (``"lowprec"``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.strategies.strategy import _StrategyRegistry
+
+from pl_lowprec.checkpointing import CheckpointImpl, CheckpointPolicy
+from pl_lowprec.strategies.transform import ModelTransform
+
+
+class LowPrecisionStrategy(SingleDeviceStrategy):
+    """One device; transforms the model once per fit (see ``pl_lowprec.strategies.transform``).
+
+    Args:
+        activation_checkpointing: Blocks to recompute in backward: module classes, class names (YAML), or a
+            callable ``(module, name) -> bool``.
+        checkpoint_every_n: Checkpoint only every n-th selected block: less recompute, more memory.
+        checkpoint_impl: ``"non_reentrant"`` (default) or ``"reentrant"``.
+        device: The device; ``None`` takes the Trainer's (``accelerator``/``devices``).
+        accelerator, checkpoint_io, precision_plugin: As for ``SingleDeviceStrategy``.
+    """
+
+    strategy_name = "lowprec"
+
+    def __init__(
+        self,
+        activation_checkpointing: CheckpointPolicy | None = None,
+        checkpoint_every_n: int = 1,
+        checkpoint_impl: CheckpointImpl = "non_reentrant",
+        device: str | torch.device | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            device=device or "cpu",
+            accelerator=accelerator,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._device_from_trainer = device is None
+        self.transform = ModelTransform(activation_checkpointing, checkpoint_every_n, checkpoint_impl)
+
+    @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        """Lets the Trainer's accelerator connector hand over its device when none was given."""
+        return None if self._device_from_trainer else [self.root_device]
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        if self._device_from_trainer and devices:
+            self._root_device = devices[0]
+            self._device_from_trainer = False
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        self.transform.apply(self.lightning_module)
+        super().setup(trainer)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self.transform.apply(self.lightning_module)
+        super().load_model_state_dict(checkpoint, strict=strict)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="Single device with activation checkpointing and QLoRA", override=True
+        )

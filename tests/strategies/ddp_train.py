@@ -1,0 +1,66 @@
+"""Trains TinyGPT for a few steps, on 2 DDP CPU processes or on 1 with the same global batch.
+
+Usage: python ddp_train.py {ddp|single} OUT_DIR PRECISION   (PRECISION: 32-true | 16-mixed | bf16-mixed)
+Writes OUT_DIR/rank{N}.pt with the final parameters (and the loss-scale state under "_loss_scale").
+Run by tests/strategies/test_ddp.py; Lightning's DDP launcher re-runs this script for rank 1.
+"""
+
+import os
+import sys
+import warnings
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DistributedSampler
+
+from pl_lowprec import AMPPrecision, LowPrecisionDDPStrategy, LowPrecisionStrategy
+from pl_lowprec.demo.tiny_gpt import TinyGPT
+
+GLOBAL_BATCH, STEPS = 8, 4
+
+
+class SGDTinyGPT(TinyGPT):
+    """SGD, not Adam: Adam normalises gradient scale away and amplifies rounding noise in tiny gradients, so a
+    wrongly summed (not averaged) DDP gradient would go unseen and exact comparisons would be noisy."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def main(mode: str, out: str, precision: str) -> None:
+    warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
+    ids = torch.randint(0, 256, (GLOBAL_BATCH * STEPS, 33), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": row} for row in ids]
+    ddp = mode == "ddp"
+    # Lightning's own DistributedSampler shuffles the training set; keep the order to compare with 1 process.
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    sampler = DistributedSampler(data, num_replicas=2, rank=rank, shuffle=False) if ddp else None
+    loader = torch.utils.data.DataLoader(data, batch_size=GLOBAL_BATCH // 2 if ddp else GLOBAL_BATCH, sampler=sampler)
+    if ddp:
+        strategy = LowPrecisionDDPStrategy(activation_checkpointing="Block", process_group_backend="gloo")
+    else:
+        strategy = LowPrecisionStrategy(activation_checkpointing="Block")
+    plugins = [] if precision == "32-true" else [AMPPrecision(precision)]
+    torch.manual_seed(0)
+    model = SGDTinyGPT(dim=32, layers=2, heads=2, max_len=64)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2 if ddp else 1,
+        strategy=strategy,
+        plugins=plugins,
+        max_steps=STEPS,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, loader)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state["_loss_scale"] = plugins[0].loss_scale_state() if plugins else None
+    state["_checkpointed"] = [type(b.__dict__.get("forward")).__name__ for b in model.blocks]
+    torch.save(state, f"{out}/rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

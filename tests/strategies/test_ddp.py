@@ -1,0 +1,34 @@
+"""LowPrecisionDDPStrategy on 2 CPU processes (gloo) trains to the parameters of 1 process on the same batch."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).with_name("ddp_train.py")
+
+
+def _run(mode, out, precision):
+    out.mkdir()
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), mode, str(out), precision], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return {p.name: torch.load(p, weights_only=False) for p in sorted(out.glob("rank*.pt"))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
+def test_ddp_matches_single_process(tmp_path, precision):
+    ddp = _run("ddp", tmp_path / "ddp", precision)
+    single = _run("single", tmp_path / "single", precision)["rank0.pt"]
+    assert sorted(ddp) == ["rank0.pt", "rank1.pt"]
+    for rank in ddp.values():
+        assert rank["_checkpointed"] == ["CheckpointedForward"] * 2
+        assert rank["_loss_scale"] == single["_loss_scale"]
+    params = [k for k in single if not k.startswith("_")]
+    for key in params:
+        torch.testing.assert_close(ddp["rank0.pt"][key], ddp["rank1.pt"][key], rtol=0, atol=0)  # ranks agree
+        torch.testing.assert_close(ddp["rank0.pt"][key], single[key])

@@ -1,0 +1,187 @@
+"""LowPrecisionStrategy: activation checkpointing by configuration, in the right place in the Trainer."""
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.cli import LightningCLI
+from lightning_helpers import quiet_trainer
+
+from pl_lowprec import AMPPrecision, LowPrecisionDDPStrategy, LowPrecisionStrategy
+from pl_lowprec.checkpointing import CheckpointedForward, is_checkpointed
+from pl_lowprec.demo.tiny_gpt import Block, TinyGPT
+
+
+def _loader(batches=6):
+    ids = torch.randint(0, 256, (batches * 4, 33), generator=torch.Generator().manual_seed(0))
+    dataset = [{"input_ids": row} for row in ids]
+    return torch.utils.data.DataLoader(dataset, batch_size=4)
+
+
+class GradRecorder(pl.Callback):
+    def __init__(self):
+        self.grads = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grads.append({n: p.grad.clone() for n, p in pl_module.named_parameters()})
+
+
+def _gpt(layers=4):
+    torch.manual_seed(0)
+    return TinyGPT(dim=32, layers=layers, heads=2, max_len=64, warmup_steps=1)
+
+
+def _fit(strategy, plugins=(), steps=4, model=None):
+    recorder = GradRecorder()
+    model = model or _gpt()
+    trainer = quiet_trainer(strategy=strategy, plugins=list(plugins), max_steps=steps, callbacks=[recorder])
+    trainer.fit(model, _loader())
+    return model, recorder.grads
+
+
+@pytest.mark.parametrize("precision", [None, "bf16-mixed"])
+def test_gradients_identical_with_and_without_checkpointing(precision):
+    plugins = lambda: [AMPPrecision(precision)] if precision else []  # noqa: E731
+    _, expected = _fit("auto", plugins())
+    model, actual = _fit(LowPrecisionStrategy(activation_checkpointing=["Block"]), plugins())
+    assert all(is_checkpointed(b) for b in model.blocks)
+    assert len(actual) == len(expected) == 4
+    for step_expected, step_actual in zip(expected, actual, strict=True):
+        for name, grad in step_expected.items():
+            torch.testing.assert_close(step_actual[name], grad)
+
+
+def test_registry_name_works():
+    model, _ = _fit("lowprec", steps=1)
+    assert not any(is_checkpointed(m) for m in model.modules())  # no policy: nothing checkpointed
+
+
+def test_every_n_checkpoints_every_other_block():
+    model, _ = _fit(LowPrecisionStrategy(activation_checkpointing=Block, checkpoint_every_n=2), steps=1)
+    assert [is_checkpointed(b) for b in model.blocks] == [True, False, True, False]
+
+
+def test_fit_twice_and_validate_after_fit_wrap_once():
+    strategy = LowPrecisionStrategy(activation_checkpointing={Block})
+    model = _gpt()
+    trainer = quiet_trainer(strategy=strategy, max_steps=1)
+    trainer.fit(model, _loader())
+    trainer.fit_loop.epoch_loop.max_steps = 2
+    trainer.fit(model, _loader())
+    trainer.validate(model, _loader(1))
+    for block in model.blocks:
+        assert isinstance(block.forward, CheckpointedForward)
+        assert not isinstance(block.forward.forward, CheckpointedForward)
+
+
+class BuiltInConfigureModel(TinyGPT):
+    """Builds its blocks in ``configure_model``: the transform must come after it."""
+
+    def __init__(self):
+        super().__init__(dim=32, layers=0, heads=2, max_len=64)
+
+    def configure_model(self):
+        if len(self.blocks) == 0:
+            self.blocks.extend(Block(32, 2) for _ in range(2))
+
+
+def test_transform_runs_after_configure_model():
+    model, grads = _fit(LowPrecisionStrategy(activation_checkpointing="Block"), model=BuiltInConfigureModel(), steps=1)
+    assert len(model.blocks) == 2 and all(is_checkpointed(b) for b in model.blocks)
+    assert "blocks.1.mlp.0.weight" in grads[0]
+
+
+def test_unknown_class_fails_before_training():
+    trainer = quiet_trainer(strategy=LowPrecisionStrategy(activation_checkpointing="LlamaDecoderLayer"), max_steps=1)
+    with pytest.raises(ValueError, match=r"'LlamaDecoderLayer' matches no module of TinyGPT.*Block"):
+        trainer.fit(_gpt(), _loader())
+    assert trainer.global_step == 0
+
+
+@pytest.mark.parametrize("bad", [0, "2"])
+def test_invalid_every_n_fails_at_construction(bad):
+    with pytest.raises(ValueError, match=rf"checkpoint_every_n={bad!r} is not valid"):
+        LowPrecisionStrategy(activation_checkpointing="Block", checkpoint_every_n=bad)
+
+
+def test_state_dict_keys_same_and_checkpoint_resumes_without_checkpointing(tmp_path):
+    plain_keys = list(_gpt().state_dict())
+    model = _gpt()
+    trainer = quiet_trainer(strategy=LowPrecisionStrategy(activation_checkpointing="Block"), max_steps=2)
+    trainer.fit(model, _loader())
+    assert list(model.state_dict()) == plain_keys
+    ckpt = tmp_path / "ckpt.ckpt"
+    trainer.save_checkpoint(ckpt)
+
+    # resume the checkpointed run's checkpoint without checkpointing, and a plain one with it
+    resumed = _gpt()
+    quiet_trainer(strategy="lowprec", max_steps=3).fit(resumed, _loader(), ckpt_path=ckpt)
+    assert not any(is_checkpointed(m) for m in resumed.modules())
+    plain_trainer = quiet_trainer(max_steps=2)
+    plain_trainer.fit(_gpt(), _loader())
+    plain_trainer.save_checkpoint(tmp_path / "plain.ckpt")
+    again = _gpt()
+    trainer = quiet_trainer(strategy=LowPrecisionStrategy(activation_checkpointing="Block"), max_steps=3)
+    trainer.fit(again, _loader(), ckpt_path=tmp_path / "plain.ckpt")
+    assert trainer.global_step == 3 and all(is_checkpointed(b) for b in again.blocks)
+
+
+class CLIGPT(TinyGPT):
+    def __init__(self):
+        super().__init__(dim=32, layers=2, heads=2, max_len=64)
+
+    def train_dataloader(self):
+        return _loader(2)
+
+
+def test_yaml_class_path(tmp_path):
+    config = tmp_path / "ckpt.yaml"
+    config.write_text(
+        """
+trainer:
+  accelerator: cpu
+  max_steps: 1
+  logger: false
+  enable_checkpointing: false
+  strategy:
+    class_path: pl_lowprec.LowPrecisionStrategy
+    init_args:
+      activation_checkpointing: [Block]
+      checkpoint_every_n: 2
+      checkpoint_impl: reentrant
+"""
+    )
+    cli = LightningCLI(CLIGPT, args=["fit", "--config", str(config)], save_config_callback=None)
+    assert isinstance(cli.trainer.strategy, LowPrecisionStrategy)
+    assert [is_checkpointed(b) for b in cli.model.blocks] == [True, False]
+    assert cli.model.blocks[0].forward.impl == "reentrant"
+    assert cli.trainer.global_step == 1
+
+
+def test_ddp_strategy_takes_ddp_arguments_from_yaml(tmp_path):
+    config = tmp_path / "ddp.yaml"
+    config.write_text(
+        """
+trainer:
+  accelerator: cpu
+  devices: 2
+  logger: false
+  strategy:
+    class_path: LowPrecisionDDPStrategy
+    init_args:
+      activation_checkpointing: [Block]
+      process_group_backend: gloo
+      find_unused_parameters: true
+      start_method: spawn
+"""
+    )
+    cli = LightningCLI(CLIGPT, args=["--config", str(config)], run=False, save_config_callback=None)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, LowPrecisionDDPStrategy)
+    assert strategy.transform.activation_checkpointing == ["Block"]
+    assert strategy._process_group_backend == "gloo" and strategy._start_method == "spawn"
+    assert strategy._ddp_kwargs["find_unused_parameters"] is True  # forwarded to DistributedDataParallel
+
+
+def test_ddp_registry_names():
+    trainer = quiet_trainer(strategy="lowprec_ddp_spawn", devices=2)
+    assert isinstance(trainer.strategy, LowPrecisionDDPStrategy) and trainer.strategy._start_method == "spawn"
