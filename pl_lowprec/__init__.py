@@ -1,6 +1,7 @@
 """pl_lowprec: mixed precision with honest loss scaling, QLoRA, activation checkpointing and accumulation
 for any LightningModule, by configuration."""
 
+from pl_lowprec.callbacks import LossScaleMonitor, MemoryTracker, PersistentOverflowError
 from pl_lowprec.checkpointing import remove_activation_checkpointing, set_activation_checkpointing
 from pl_lowprec.plugins import AMPPrecision, LossScaleCollapseError, LossScaleState, SkipAwareScheduler
 from pl_lowprec.strategies import LowPrecisionDDPStrategy, LowPrecisionStrategy
@@ -8,9 +9,12 @@ from pl_lowprec.strategies import LowPrecisionDDPStrategy, LowPrecisionStrategy
 __all__ = [
     "AMPPrecision",
     "LossScaleCollapseError",
+    "LossScaleMonitor",
     "LossScaleState",
     "LowPrecisionDDPStrategy",
     "LowPrecisionStrategy",
+    "MemoryTracker",
+    "PersistentOverflowError",
     "SkipAwareScheduler",
     "remove_activation_checkpointing",
     "set_activation_checkpointing",

@@ -21,15 +21,10 @@ def _cli_class() -> type:
     import pl_lowprec  # noqa: F401  (registers the package's classes for short class names)
 
     class LowPrecisionCLI(LightningCLI):
-        """LightningCLI that writes under ``runs/`` by default and reports the loss scale after fit."""
+        """LightningCLI that writes under ``runs/`` by default."""
 
         def add_arguments_to_parser(self, parser: Any) -> None:
             parser.set_defaults({"trainer.default_root_dir": DEFAULT_ROOT_DIR})
-
-        def after_fit(self) -> None:
-            state_fn = getattr(self.trainer.precision_plugin, "loss_scale_state", None)
-            if state_fn is not None and self.trainer.is_global_zero:
-                print(f"loss scale: {state_fn()}")
 
     return LowPrecisionCLI
 

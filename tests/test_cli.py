@@ -31,7 +31,9 @@ def test_quickstart_runs_through_python_dash_m(tmp_path):
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "loss scale: LossScaleState(scale=1024.0" in result.stdout
+    assert "Loss scale: 1024 at the end; 0 of 3 optimizer steps skipped" in result.stdout
+    assert "Memory, fit (cpu, 1 rank, max across ranks)" in result.stdout
+    assert (tmp_path / "runs/lightning_logs/version_0/memory_summary.json").exists()
     assert "LeafSpec" not in result.stderr
     # the default root dir keeps logs and the saved config out of the working directory
     assert (tmp_path / "runs/lightning_logs/version_0/config.yaml").exists()

@@ -1,0 +1,7 @@
+"""Callbacks that report loss-scale health and where the memory went, through any Lightning logger."""
+
+from pl_lowprec.callbacks.loss_scale_monitor import LossScaleMonitor, PersistentOverflowError
+from pl_lowprec.callbacks.memory_tracker import MemoryTracker
+from pl_lowprec.callbacks.overflow_locator import OverflowLocation
+
+__all__ = ["LossScaleMonitor", "MemoryTracker", "OverflowLocation", "PersistentOverflowError"]

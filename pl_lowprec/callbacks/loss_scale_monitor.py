@@ -1,0 +1,224 @@
+"""``LossScaleMonitor``: logs loss-scale health, warns once, stops on persistent overflow, names the culprit.
+
+It reads ``AMPPrecision.loss_scale_state()``; for Lightning's own ``MixedPrecision`` and ``FSDPPrecision`` it
+reads their ``scaler`` and counts skipped steps itself (a dynamic scale only falls on an overflow). Without a
+scaler (bf16, fp32) it watches the loss and the gradient norm for non-finite values instead.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from pl_lowprec.callbacks.overflow_locator import OverflowLocation, OverflowLocator
+from pl_lowprec.plugins.loss_scale import LossScaleState, LossScaleTracker
+
+
+class PersistentOverflowError(RuntimeError):
+    """Raised after ``max_consecutive_overflows`` optimizer steps in a row had non-finite gradients."""
+
+
+class LossScaleMonitor(pl.Callback):
+    """Logs ``loss_scale/*`` metrics every optimizer step and guards against runs that stopped learning.
+
+    Args:
+        window: Optimizer steps over which ``loss_scale/skip_rate`` is computed.
+        warn_skip_rate: Warn once when the skip rate over a full window exceeds this.
+        warn_scale_below: Warn once when the loss scale falls below this.
+        max_consecutive_overflows: Stop with ``PersistentOverflowError`` after this many overflowing steps in a
+            row. ``None`` never stops.
+        locate_overflow: After an overflow, hook every module for one step to find where the first non-finite
+            value appears (module, forward or backward, dtype). No hooks run on healthy steps.
+        check_gradients: Without a loss scaler, check the gradient norm for inf/NaN before each step.
+        print_summary: Print a one-line summary at the end of fit (rank zero).
+    """
+
+    def __init__(
+        self,
+        window: int = 100,
+        warn_skip_rate: float = 0.1,
+        warn_scale_below: float = 1.0,
+        max_consecutive_overflows: int | None = 25,
+        locate_overflow: bool = True,
+        check_gradients: bool = True,
+        print_summary: bool = True,
+    ) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"LossScaleMonitor(window={window!r}) must be an integer >= 1.")
+        if not 0.0 <= warn_skip_rate <= 1.0:
+            raise ValueError(f"LossScaleMonitor(warn_skip_rate={warn_skip_rate!r}) must be between 0 and 1.")
+        if max_consecutive_overflows is not None and max_consecutive_overflows < 1:
+            raise ValueError(
+                f"LossScaleMonitor(max_consecutive_overflows={max_consecutive_overflows!r}) must be >= 1,"
+                " or None to never stop."
+            )
+        self.window = window
+        self.warn_skip_rate = warn_skip_rate
+        self.warn_scale_below = warn_scale_below
+        self.max_consecutive_overflows = max_consecutive_overflows
+        self.locate_overflow = locate_overflow
+        self.check_gradients = check_gradients
+        self.print_summary = print_summary
+        self.last_location: OverflowLocation | None = None
+        self.growths = 0
+        self.backoffs = 0
+        self._recent: deque[bool] = deque(maxlen=window)
+        self._own_tracker = LossScaleTracker()  # for plugins that keep no counts (Lightning's, or no scaler)
+        self._previous: LossScaleState | None = None
+        self._seen_step = 0
+        self._nonfinite_this_step = False
+        self._warned: set[str] = set()
+        self._locator = OverflowLocator()
+
+    # -- where the state comes from ---------------------------------------------------------------------
+
+    @staticmethod
+    def _scaler(trainer: pl.Trainer) -> Any:
+        return getattr(trainer.precision_plugin, "scaler", None)
+
+    def _read_state(self, trainer: pl.Trainer, steps: int) -> LossScaleState:
+        plugin = trainer.precision_plugin
+        if hasattr(plugin, "loss_scale_state") and self._scaler(trainer) is not None:
+            return plugin.loss_scale_state()
+        scaler = self._scaler(trainer)
+        scale = scaler.get_scale() if scaler is not None else 1.0
+        if scaler is not None:  # Lightning's plugins: a dynamic scale falls only when a step was skipped
+            overflow = self._previous is not None and scale < self._previous.scale
+        else:
+            overflow = self._nonfinite_this_step
+        for i in range(steps):
+            self._own_tracker.record(overflow and i == steps - 1, scale)
+        return self._own_tracker.snapshot(scale)
+
+    # -- hooks ------------------------------------------------------------------------------------------
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After checkpoint restore: counts restored into AMPPrecision are history, not new overflows.
+        self._seen_step = trainer.global_step
+        plugin = trainer.precision_plugin
+        scaling = self._scaler(trainer) is not None
+        self._previous = plugin.loss_scale_state() if scaling and hasattr(plugin, "loss_scale_state") else None
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._scaler(trainer) is None:
+            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+            if isinstance(loss, torch.Tensor) and not bool(torch.isfinite(loss.detach()).all()):
+                self._nonfinite_this_step = True
+        steps = trainer.global_step - self._seen_step
+        if steps <= 0:
+            return  # inside an accumulation window
+        self._seen_step = trainer.global_step
+        state = self._read_state(trainer, steps)
+        previous = self._previous or state
+        new_overflows = state.overflows - (self._previous.overflows if self._previous else 0)
+        overflowed = new_overflows > 0
+        self._recent.extend([False] * max(0, steps - new_overflows) + [True] * min(steps, new_overflows))
+        self.growths += state.scale > previous.scale
+        self.backoffs += state.scale < previous.scale
+        self._previous = state
+        self._nonfinite_this_step = False
+
+        if self._locator.armed:
+            if overflowed and self._locator.location is not None:
+                self.last_location = self._locator.location
+            self._locator.disarm()
+        pl_module.log_dict(self._metrics(trainer, state), on_step=True, on_epoch=False)
+        self._check(trainer, state, overflowed)
+        if overflowed and self.locate_overflow:
+            self._locator.arm(pl_module)
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if not self.check_gradients or self._scaler(trainer) is not None:
+            return
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        if grads and not bool(torch.isfinite(torch.nn.utils.get_total_norm(grads))):
+            self._nonfinite_this_step = True
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._locator.disarm()
+        if self.print_summary and trainer.is_global_zero and self._previous is not None:
+            print(self.summary_line(trainer, self._previous))
+
+    def summary_line(self, trainer: pl.Trainer, state: LossScaleState) -> str:
+        steps = trainer.global_step
+        if self._scaler(trainer) is None:
+            return f"Loss scale: none (no scaler); {state.overflows} of {steps} optimizer steps had a non-finite loss."
+        return (
+            f"Loss scale: {state.scale:g} at the end; {state.skipped_steps} of {steps} optimizer steps skipped for"
+            f" overflow; {self.growths} growths, {self.backoffs} back-offs."
+        )
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._locator.disarm()
+
+    # -- reporting --------------------------------------------------------------------------------------
+
+    @property
+    def skip_rate(self) -> float:
+        return sum(self._recent) / len(self._recent) if self._recent else 0.0
+
+    def _metrics(self, trainer: pl.Trainer, state: LossScaleState) -> dict[str, float]:
+        metrics = {
+            "loss_scale/overflows": float(state.overflows),
+            "loss_scale/skipped_steps": float(state.skipped_steps),
+            "loss_scale/consecutive_overflows": float(state.consecutive_overflows),
+            "loss_scale/skip_rate": self.skip_rate,
+        }
+        if self._scaler(trainer) is not None:
+            metrics["loss_scale/scale"] = state.scale
+            metrics["loss_scale/growths"] = float(self.growths)
+            metrics["loss_scale/backoffs"] = float(self.backoffs)
+        else:  # nothing was skipped: the optimizer applied these non-finite updates
+            metrics["loss_scale/skipped_steps"] = 0.0
+            metrics["loss_scale/nonfinite_steps"] = float(state.overflows)
+        return metrics
+
+    def _where(self) -> str:
+        if self.last_location is not None:
+            return f" The first non-finite value appeared at {self.last_location}."
+        if self.locate_overflow:
+            return " Its origin was not located yet (the hooks look at the step after an overflow)."
+        return " Pass LossScaleMonitor(locate_overflow=True) to find the module that overflows."
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            rank_zero_warn(message, category=RuntimeWarning)
+
+    def _check(self, trainer: pl.Trainer, state: LossScaleState, overflowed: bool) -> None:
+        scaling = self._scaler(trainer) is not None
+        if self.max_consecutive_overflows is not None and state.consecutive_overflows >= self.max_consecutive_overflows:
+            what = "had inf/NaN gradients and were skipped" if scaling else "had a non-finite loss or gradients"
+            raise PersistentOverflowError(
+                f"{state.consecutive_overflows} optimizer steps in a row {what}"
+                f" (max_consecutive_overflows={self.max_consecutive_overflows}; scale {state.scale:g},"
+                f" {state.skipped_steps} steps skipped in all).{self._where()} Check that module's inputs and"
+                " dtype, the data for NaN, and the learning rate; AMPPrecision('bf16-mixed') avoids fp16's"
+                " range limit where the hardware supports it."
+            )
+        if overflowed and not scaling:
+            self._warn_once(
+                "nonfinite",
+                f"A non-finite loss or gradient at step {trainer.global_step}: with no loss scaler the"
+                f" optimizer applied it, so the parameters may now hold NaN.{self._where()}",
+            )
+        if scaling and state.scale < self.warn_scale_below:
+            self._warn_once(
+                "scale",
+                f"The loss scale fell to {state.scale:g} (below {self.warn_scale_below:g}) at step"
+                f" {trainer.global_step}: fp16 gradients are overflowing even unscaled.{self._where()}",
+            )
+        if len(self._recent) == self.window and self.skip_rate > self.warn_skip_rate:
+            self._warn_once(
+                "rate",
+                f"{self.skip_rate:.0%} of the last {self.window} optimizer steps were skipped for overflow"
+                f" (threshold {self.warn_skip_rate:.0%}); these steps did not train.{self._where()}",
+            )

@@ -1,0 +1,173 @@
+"""``MemoryTracker``: per-stage memory peaks and an exact breakdown of where the memory went.
+
+Peaks are reset at the start of each stage (fit, validate, test, predict), so a validate run after fit
+reports its own peak. The breakdown walks the model and optimizer (``pl_lowprec.memory.breakdown``) and
+counts the bytes saved for backward on one sampled training step (``pl_lowprec.memory.activations``). At the
+end of each stage rank zero prints a table (max across ranks, and min where ranks differ), logs
+``memory/<stage>/<figure>`` and writes ``memory_summary.json`` next to the logs.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from pl_lowprec.memory.activations import count_saved_tensors
+from pl_lowprec.memory.breakdown import buffer_bytes, gradient_bytes, optimizer_state_bytes, parameter_bytes
+from pl_lowprec.memory.process import memory_stats, reset_peak
+
+SUMMARY_FILE = "memory_summary.json"
+
+
+class MemoryTracker(pl.Callback):
+    """Tracks memory per stage; the result is in ``summary`` (bytes, as ints) and in ``memory_summary.json``.
+
+    Args:
+        activation_sample_step: The optimizer step whose first micro-batch is measured for activation bytes.
+        print_summary: Print the table at the end of each stage (rank zero).
+    """
+
+    def __init__(self, activation_sample_step: int = 0, print_summary: bool = True) -> None:
+        if isinstance(activation_sample_step, bool) or activation_sample_step < 0:
+            raise ValueError(f"MemoryTracker(activation_sample_step={activation_sample_step!r}) must be >= 0.")
+        self.activation_sample_step = activation_sample_step
+        self.print_summary = print_summary
+        self.summary: dict[str, dict[str, Any]] = {}
+        self._figures: dict[str, int] = {}
+        self._peak_is_per_stage = True
+        self._sampling = ExitStack()
+        self._counter: Any = None
+
+    # -- stage boundaries -------------------------------------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        device = trainer.strategy.root_device
+        if device.type not in ("cpu", "cuda"):
+            rank_zero_warn(
+                f"MemoryTracker reports peaks for CPU and CUDA only; Trainer(accelerator=...) runs on {device.type},"
+                " so only the model breakdown will be reported."
+            )
+
+    def _start(self, trainer: pl.Trainer) -> None:
+        self._figures = {}
+        self._peak_is_per_stage = reset_peak(trainer.strategy.root_device)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start(trainer)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == "validate":
+            self._start(trainer)
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start(trainer)
+
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start(trainer)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish(trainer, pl_module, "fit")
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == "validate":
+            self._finish(trainer, pl_module, "validate")
+
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish(trainer, pl_module, "test")
+
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish(trainer, pl_module, "predict")
+
+    # -- the sampled training step ----------------------------------------------------------------------
+
+    def _is_sample_step(self, trainer: pl.Trainer) -> bool:
+        return trainer.global_step == self.activation_sample_step and "activations" not in self._figures
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
+        if self._is_sample_step(trainer) and self._counter is None:
+            self._counter = self._sampling.enter_context(count_saved_tensors(pl_module))
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop_sampling()
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if trainer.global_step == self.activation_sample_step:
+            self._figures["gradients"] = gradient_bytes(pl_module)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._stop_sampling()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._sampling.close()
+        self._counter = None
+
+    def _stop_sampling(self) -> None:
+        if self._counter is not None:
+            self._sampling.close()
+            self._figures["activations"] = self._counter.nbytes
+            self._counter = None
+
+    # -- the summary ------------------------------------------------------------------------------------
+
+    def _collect(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> dict[str, int]:
+        figures = dict(memory_stats(trainer.strategy.root_device))
+        for dtype, nbytes in parameter_bytes(pl_module).items():
+            figures[f"params_{dtype}"] = nbytes
+        figures["buffers"] = buffer_bytes(pl_module)
+        if stage == "fit":
+            figures["optimizer_state"] = optimizer_state_bytes(trainer.optimizers)
+            figures.update(self._figures)
+        return figures
+
+    def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        local = self._collect(trainer, pl_module, stage)
+        keys = sorted(local)
+        gathered = trainer.strategy.all_gather(torch.tensor([local[k] for k in keys], dtype=torch.int64))
+        per_rank = gathered.reshape(-1, len(keys)).cpu()
+        high, low = per_rank.max(0).values.tolist(), per_rank.min(0).values.tolist()
+        entry: dict[str, Any] = {
+            "device": trainer.strategy.root_device.type,
+            "world_size": trainer.world_size,
+            "peak_is_per_stage": self._peak_is_per_stage,
+            "bytes": dict(zip(keys, high, strict=True)),
+        }
+        differing = {k: lo for k, hi, lo in zip(keys, high, low, strict=True) if hi != lo}
+        if differing:
+            entry["min_bytes_across_ranks"] = differing
+        self.summary[stage] = entry
+        if not trainer.is_global_zero:
+            return
+        for logger in trainer.loggers:
+            logger.log_metrics(
+                {f"memory/{stage}/{k}": float(v) for k, v in entry["bytes"].items()}, trainer.global_step
+            )
+        self._write_json(trainer)
+        if self.print_summary:
+            print(format_table(stage, entry))
+
+    def _write_json(self, trainer: pl.Trainer) -> None:
+        folder = Path(trainer.log_dir or trainer.default_root_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / SUMMARY_FILE).write_text(json.dumps(self.summary, indent=2, sort_keys=True))
+
+
+def format_table(stage: str, entry: dict[str, Any]) -> str:
+    """A plain table of one stage: figure, MiB and exact bytes (and the minimum across ranks if they differ)."""
+    low = entry.get("min_bytes_across_ranks", {})
+    ranks = entry["world_size"]
+    lines = [f"Memory, {stage} ({entry['device']}, {ranks} rank{'s' if ranks > 1 else ''}, max across ranks)"]
+    lines.append(f"  {'figure':<26}{'MiB':>12}{'bytes':>16}" + (f"{'min MiB':>12}" if low else ""))
+    for key, value in entry["bytes"].items():
+        row = f"  {key:<26}{value / 2**20:>12.2f}{value:>16d}"
+        if key in low:
+            row += f"{low[key] / 2**20:>12.2f}"
+        lines.append(row)
+    if not entry["peak_is_per_stage"]:
+        lines.append("  (the CPU peak could not be reset: it is the peak since the process started)")
+    return "\n".join(lines)

@@ -1,0 +1,87 @@
+"""Exact byte counts of where training memory goes: weights by dtype, gradients, optimizer state.
+
+Each function walks the live objects and counts every storage once, so tied weights and views are not counted
+twice. bitsandbytes weights are recognised by their attributes (no import needed) and counted together with
+their quantization state: ``absmax``, the code book, and the nested constants of double quantization.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+
+class _StorageSet:
+    """Sums ``untyped_storage().nbytes()`` of tensors whose storage was not seen before."""
+
+    def __init__(self) -> None:
+        self._seen: set[int] = set()
+
+    def nbytes(self, tensor: torch.Tensor | None) -> int:
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+            return 0
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in self._seen:
+            return 0
+        self._seen.add(storage.data_ptr())
+        return storage.nbytes()
+
+
+def quantization_kind(param: torch.Tensor) -> str | None:
+    """``"4bit"`` for bitsandbytes ``Params4bit``, ``"8bit"`` for ``Int8Params``, else ``None``."""
+    if getattr(param, "quant_state", None) is not None:
+        return "4bit"
+    if getattr(param, "SCB", None) is not None:
+        return "8bit"
+    return None
+
+
+def quant_state_tensors(param: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that dequantize ``param``: absmax and code book, nested ones for double quantization."""
+    state = getattr(param, "quant_state", None)
+    if state is None:
+        scb = getattr(param, "SCB", None)
+        return [scb] if isinstance(scb, torch.Tensor) else []
+    tensors = [state.absmax, state.code, getattr(state, "offset", None)]
+    nested = getattr(state, "state2", None)
+    if nested is not None:
+        tensors += [nested.absmax, nested.code]
+    return [t for t in tensors if isinstance(t, torch.Tensor)]
+
+
+def parameter_bytes(model: nn.Module) -> dict[str, int]:
+    """Parameter bytes keyed by dtype name, quantized weights as ``quantized_4bit``/``quantized_8bit``."""
+    seen = _StorageSet()
+    out: dict[str, int] = {}
+    for param in model.parameters():
+        kind = quantization_kind(param)
+        key = f"quantized_{kind}" if kind else str(param.dtype).removeprefix("torch.")
+        size = seen.nbytes(param) + sum(seen.nbytes(t) for t in quant_state_tensors(param))
+        out[key] = out.get(key, 0) + size
+    return out
+
+
+def buffer_bytes(model: nn.Module) -> int:
+    seen = _StorageSet()
+    return sum(seen.nbytes(b) for b in model.buffers())
+
+
+def gradient_bytes(model: nn.Module) -> int:
+    seen = _StorageSet()
+    return sum(seen.nbytes(p.grad) for p in model.parameters())
+
+
+def optimizer_state_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> int:
+    """Bytes of every tensor in the optimizers' per-parameter state (Adam moments, 8-bit quantiles, ...)."""
+    seen = _StorageSet()
+    total = 0
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            total += sum(seen.nbytes(v) for v in state.values())
+    return total
+
+
+def trainable_parameter_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -1,0 +1,162 @@
+"""LossScaleMonitor: logged series match the plugin, warnings come once, persistent overflow stops and is located."""
+
+import csv
+
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning_helpers import Classifier, quiet_trainer
+from plain_amp_loop import make_classification_data, make_mlp
+from torch import nn
+
+from pl_lowprec import AMPPrecision, LossScaleMonitor, PersistentOverflowError
+
+
+def _loader(steps=10):
+    return torch.utils.data.DataLoader(make_classification_data(n=steps * 8), batch_size=8)
+
+
+def _rows(trainer):
+    with open(f"{trainer.logger.log_dir}/metrics.csv") as f:
+        return [r for r in csv.DictReader(f) if r.get("loss_scale/scale") or r.get("loss_scale/skipped_steps")]
+
+
+def test_series_in_csv_match_loss_scale_state(tmp_path):
+    plugin = AMPPrecision("16-mixed", init_scale=1024.0, growth_interval=3)
+    trainer = quiet_trainer(
+        plugins=[plugin],
+        max_steps=10,
+        callbacks=[LossScaleMonitor(window=4)],
+        logger=CSVLogger(tmp_path),
+        log_every_n_steps=1,
+    )
+    with pytest.warns(RuntimeWarning, match=r"50% of the last 4 optimizer steps were skipped"):
+        trainer.fit(Classifier(make_mlp(), overflow_at_steps=(2, 3)), _loader())
+    rows = _rows(trainer)
+    assert len(rows) == 10
+    state = plugin.loss_scale_state()
+    last = rows[-1]
+    assert float(last["loss_scale/scale"]) == state.scale
+    assert float(last["loss_scale/skipped_steps"]) == state.skipped_steps == 2
+    assert float(last["loss_scale/overflows"]) == state.overflows
+    assert float(last["loss_scale/backoffs"]) == 2
+    assert float(last["loss_scale/growths"]) == 2  # after steps 4-6 and 7-9 without overflow
+    assert [float(r["loss_scale/scale"]) for r in rows[:5]] == [1024, 1024, 512, 256, 256]
+    assert float(rows[3]["loss_scale/skip_rate"]) == 0.5
+
+
+class Boom(nn.Module):
+    """Overflows fp16 in forward: 1e6 is beyond fp16's largest value (65504)."""
+
+    def forward(self, x):
+        return x * 1e6
+
+
+class _GradBoom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 1e30
+
+
+class BackwardBoom(nn.Module):
+    """Fine in forward, overflows in backward."""
+
+    def forward(self, x):
+        return _GradBoom.apply(x)
+
+
+@pytest.mark.parametrize(
+    ("culprit", "phase", "dtype"), [(Boom, "forward", "float16"), (BackwardBoom, "backward", "float16")]
+)
+def test_persistent_overflow_stops_and_names_the_module(culprit, phase, dtype):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), culprit(), nn.GELU(), nn.Linear(64, 4))
+    monitor = LossScaleMonitor(max_consecutive_overflows=3)
+    trainer = quiet_trainer(plugins=[AMPPrecision("16-mixed")], max_steps=10, callbacks=[monitor])
+    with pytest.raises(PersistentOverflowError) as err:
+        trainer.fit(Classifier(model), _loader())
+    message = str(err.value)
+    assert "3 optimizer steps in a row had inf/NaN gradients and were skipped" in message
+    assert f"'model.1' ({dtype}" in message and f"in {phase}" in message
+    assert monitor.last_location.module == "model.1" and monitor.last_location.phase == phase
+    assert not monitor._locator.armed and not any(m._forward_hooks for m in model.modules())
+
+
+def test_no_hooks_on_healthy_steps():
+    model = make_mlp()
+    monitor = LossScaleMonitor()
+    seen_hooks = []
+
+    class Spy(Classifier):
+        def training_step(self, batch, batch_idx):
+            seen_hooks.append(sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in self.modules()))
+            return super().training_step(batch, batch_idx)
+
+    quiet_trainer(plugins=[AMPPrecision("16-mixed")], max_steps=6, callbacks=[monitor]).fit(
+        Spy(model, overflow_at_steps=(2,)), _loader()
+    )
+    assert seen_hooks == [0, 0, 0, len(list(model.modules())) * 2, 0, 0]  # armed only on the step after the overflow
+
+
+def test_lightning_mixed_precision_is_monitored(tmp_path):
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=256.0))
+    monitor = LossScaleMonitor()
+    trainer = quiet_trainer(
+        plugins=[plugin], max_steps=5, callbacks=[monitor], logger=CSVLogger(tmp_path), log_every_n_steps=1
+    )
+    trainer.fit(Classifier(make_mlp(), overflow_at_steps=(1,)), _loader())
+    last = _rows(trainer)[-1]
+    assert float(last["loss_scale/scale"]) == 128.0
+    assert float(last["loss_scale/skipped_steps"]) == 1 and monitor.backoffs == 1
+
+
+class NaNLoss(Classifier):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.global_step in self.overflow_at_steps else loss
+
+
+def test_bf16_without_scaler_warns_then_stops_and_locates():
+    # With no scaler nothing is skipped: one NaN loss poisons the parameters and every later step.
+    monitor = LossScaleMonitor(max_consecutive_overflows=3)
+    trainer = quiet_trainer(plugins=[AMPPrecision("bf16-mixed")], max_steps=8, callbacks=[monitor])
+    with (
+        pytest.warns(RuntimeWarning, match=r"non-finite loss or gradient at step 2: with no loss scaler the optimizer"),
+        pytest.raises(
+            PersistentOverflowError,
+            match=r"3 optimizer steps in a row had a non-finite loss or gradients"
+            r".*'model.0' \(bfloat16 output in forward\)",
+        ),
+    ):
+        trainer.fit(NaNLoss(model := make_mlp(), overflow_at_steps=(1,)), _loader())
+    assert torch.isnan(model[0].weight).all()  # what the monitor warned about: the update was applied
+    assert trainer.callback_metrics["loss_scale/nonfinite_steps"] == 2  # logged before the third stopped the run
+    assert trainer.callback_metrics["loss_scale/skipped_steps"] == 0
+
+
+def test_scale_warning_comes_once_and_works_without_logger(recwarn):
+    plugin = AMPPrecision("16-mixed", init_scale=4.0, min_scale=None)
+    monitor = LossScaleMonitor(warn_scale_below=2.0, max_consecutive_overflows=None)
+    trainer = quiet_trainer(plugins=[plugin], max_steps=6, callbacks=[monitor], logger=False)
+    trainer.fit(Classifier(make_mlp(), overflow_at_steps=(1, 2, 3)), _loader())
+    scale_warnings = [w for w in recwarn if "The loss scale fell to" in str(w.message)]
+    assert len(scale_warnings) == 1 and "fell to 1 (below 2)" in str(scale_warnings[0].message)
+    assert trainer.callback_metrics["loss_scale/skipped_steps"] == 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"window": 0}, "window=0"),
+        ({"warn_skip_rate": 2.0}, "warn_skip_rate=2.0"),
+        ({"max_consecutive_overflows": 0}, "max_consecutive_overflows=0"),
+    ],
+)
+def test_bad_arguments(kwargs, named):
+    with pytest.raises(ValueError, match=named):
+        LossScaleMonitor(**kwargs)

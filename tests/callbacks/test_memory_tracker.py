@@ -1,0 +1,102 @@
+"""MemoryTracker: each figure equals an independent count; per-stage entries; activation drop with checkpointing."""
+
+import json
+
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from lightning_helpers import Classifier, quiet_trainer
+from plain_amp_loop import make_classification_data, make_mlp
+
+from pl_lowprec import LowPrecisionStrategy, MemoryTracker
+from pl_lowprec.callbacks.memory_tracker import format_table
+from pl_lowprec.demo.tiny_gpt import TinyGPT
+
+
+def _loader(n=64):
+    return torch.utils.data.DataLoader(make_classification_data(n=n), batch_size=8)
+
+
+def test_breakdown_equals_independent_counts(tmp_path):
+    model = make_mlp()
+    model[0].requires_grad_(False)  # frozen weights: no gradient, no Adam state
+    tracker = MemoryTracker()
+    trainer = quiet_trainer(max_steps=3, callbacks=[tracker], logger=CSVLogger(tmp_path))
+    trainer.fit(Classifier(model), _loader())
+
+    figures = tracker.summary["fit"]["bytes"]
+    all_bytes = sum(p.numel() * 4 for p in model.parameters())
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    trainable_bytes = sum(p.numel() * 4 for p in trainable)
+    assert figures["params_float32"] == all_bytes
+    assert figures["gradients"] == trainable_bytes
+    # Adam keeps exp_avg and exp_avg_sq (2x the fp32 trainable parameters) plus a 4-byte step per parameter
+    assert figures["optimizer_state"] == 2 * trainable_bytes + 4 * len(trainable)
+    assert figures["activations"] > 0 and figures["rss_peak"] >= figures["rss_current"] > 0
+    assert all(isinstance(v, int) for v in figures.values())
+
+    on_disk = json.loads((tmp_path / "lightning_logs/version_0/memory_summary.json").read_text())
+    assert on_disk == tracker.summary
+    with open(tmp_path / "lightning_logs/version_0/metrics.csv") as f:
+        assert "memory/fit/optimizer_state" in f.readline()
+
+
+def _gpt():
+    torch.manual_seed(0)
+    return TinyGPT(dim=32, layers=4, heads=2, max_len=64)
+
+
+def _gpt_loader():
+    ids = torch.randint(0, 256, (16, 65), generator=torch.Generator().manual_seed(0))
+    return torch.utils.data.DataLoader([{"input_ids": r} for r in ids], batch_size=4)
+
+
+def test_activation_figure_halves_with_checkpointing():
+    plain, checkpointed = MemoryTracker(), MemoryTracker()
+    quiet_trainer(max_steps=1, callbacks=[plain]).fit(_gpt(), _gpt_loader())
+    quiet_trainer(
+        max_steps=1, callbacks=[checkpointed], strategy=LowPrecisionStrategy(activation_checkpointing="Block")
+    ).fit(_gpt(), _gpt_loader())
+    before = plain.summary["fit"]["bytes"]["activations"]
+    after = checkpointed.summary["fit"]["bytes"]["activations"]
+    assert after <= before / 2
+
+
+class Hungry(TinyGPT):
+    """Holds 256 MiB during each training step, so the fit peak is well above what validation needs."""
+
+    def training_step(self, batch, batch_idx):
+        ballast = torch.ones(64 * 2**20)
+        loss = super().training_step(batch, batch_idx)
+        return loss + 0 * ballast[0]
+
+
+def test_one_entry_per_stage_with_its_own_peak_and_no_logger(tmp_path, capsys):
+    tracker = MemoryTracker()
+    torch.manual_seed(0)
+    model = Hungry(dim=32, layers=1, heads=2, max_len=64)
+    trainer = quiet_trainer(max_steps=2, callbacks=[tracker], default_root_dir=tmp_path, limit_val_batches=1)
+    trainer.fit(model, _gpt_loader(), _gpt_loader())
+    trainer.validate(model, _gpt_loader())
+
+    assert set(tracker.summary) == {"fit", "validate"}
+    fit, validate = tracker.summary["fit"]["bytes"], tracker.summary["validate"]["bytes"]
+    assert tracker.summary["fit"]["peak_is_per_stage"]
+    assert fit["rss_peak"] - validate["rss_peak"] > 128 * 2**20  # validate's peak was reset, not inherited
+    assert "optimizer_state" not in validate
+    assert json.loads((tmp_path / "memory_summary.json").read_text()).keys() == {"fit", "validate"}
+    printed = capsys.readouterr().out
+    assert "Memory, fit (cpu, 1 rank, max across ranks)" in printed and "Memory, validate" in printed
+
+
+def test_table_shows_min_where_ranks_differ():
+    entry = {
+        "device": "cuda",
+        "world_size": 2,
+        "peak_is_per_stage": True,
+        "bytes": {"cuda_max_allocated": 3 * 2**20, "gradients": 2**20},
+        "min_bytes_across_ranks": {"cuda_max_allocated": 2 * 2**20},
+    }
+    table = format_table("fit", entry).splitlines()
+    assert table[0] == "Memory, fit (cuda, 2 ranks, max across ranks)"
+    assert table[2].split() == ["cuda_max_allocated", "3.00", str(3 * 2**20), "2.00"]
+    assert table[3].split() == ["gradients", "1.00", str(2**20)]
