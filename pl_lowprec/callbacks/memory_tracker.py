@@ -141,18 +141,18 @@ class MemoryTracker(pl.Callback):
         if differing:
             entry["min_bytes_across_ranks"] = differing
         self.summary[stage] = entry
+        folder = Path(trainer.log_dir or trainer.default_root_dir)  # a collective: every rank must ask
         if not trainer.is_global_zero:
             return
         for logger in trainer.loggers:
             logger.log_metrics(
                 {f"memory/{stage}/{k}": float(v) for k, v in entry["bytes"].items()}, trainer.global_step
             )
-        self._write_json(trainer)
+        self._write_json(folder)
         if self.print_summary:
             print(format_table(stage, entry))
 
-    def _write_json(self, trainer: pl.Trainer) -> None:
-        folder = Path(trainer.log_dir or trainer.default_root_dir)
+    def _write_json(self, folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / SUMMARY_FILE).write_text(json.dumps(self.summary, indent=2, sort_keys=True))
 

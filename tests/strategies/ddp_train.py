@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DistributedSampler
 
-from pl_lowprec import AMPPrecision, LowPrecisionDDPStrategy, LowPrecisionStrategy
+from pl_lowprec import AMPPrecision, LowPrecisionDDPStrategy, LowPrecisionStrategy, MemoryTracker
 from pl_lowprec.demo.tiny_gpt import TinyGPT
 
 GLOBAL_BATCH, STEPS = 8, 4
@@ -43,7 +43,9 @@ def main(mode: str, out: str, precision: str) -> None:
     plugins = [] if precision == "32-true" else [AMPPrecision(precision)]
     torch.manual_seed(0)
     model = SGDTinyGPT(dim=32, layers=2, heads=2, max_len=64)
+    tracker = MemoryTracker(print_summary=False)
     trainer = pl.Trainer(
+        callbacks=[tracker],
         accelerator="cpu",
         devices=2 if ddp else 1,
         strategy=strategy,
@@ -58,6 +60,7 @@ def main(mode: str, out: str, precision: str) -> None:
     trainer.fit(model, loader)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     state["_loss_scale"] = plugins[0].loss_scale_state() if plugins else None
+    state["_memory"] = tracker.summary["fit"]
     state["_checkpointed"] = [type(b.__dict__.get("forward")).__name__ for b in model.blocks]
     torch.save(state, f"{out}/rank{trainer.global_rank}.pt")
 

@@ -28,6 +28,10 @@ def test_ddp_matches_single_process(tmp_path, precision):
     for rank in ddp.values():
         assert rank["_checkpointed"] == ["CheckpointedForward"] * 2
         assert rank["_loss_scale"] == single["_loss_scale"]
+        # MemoryTracker gathered every rank: same summary everywhere, parameters counted once per rank
+        assert rank["_memory"]["world_size"] == 2
+        assert rank["_memory"] == ddp["rank0.pt"]["_memory"]
+        assert rank["_memory"]["bytes"]["params_float32"] == single["_memory"]["bytes"]["params_float32"]
     params = [k for k in single if not k.startswith("_")]
     for key in params:
         torch.testing.assert_close(ddp["rank0.pt"][key], ddp["rank1.pt"][key], rtol=0, atol=0)  # ranks agree
