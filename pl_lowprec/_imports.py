@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
+from types import ModuleType
+
 from lightning_utilities.core.imports import RequirementCache
 
 _JSONARGPARSE = RequirementCache("jsonargparse[signatures]>=4.27")
+_BITSANDBYTES = RequirementCache("bitsandbytes>=0.45")
+_PEFT = RequirementCache("peft>=0.13")
 
 
 def require_cli() -> None:
@@ -13,3 +18,28 @@ def require_cli() -> None:
             f"The pl-lowprec command line needs jsonargparse: {_JSONARGPARSE.message}."
             ' Install it with: pip install "pl_lowprec[cli]"'
         )
+
+
+@lru_cache
+def import_bitsandbytes() -> ModuleType:
+    """bitsandbytes, or an error naming the feature and the install command."""
+    if not _BITSANDBYTES:
+        raise ModuleNotFoundError(
+            f"quantization= and the 8-bit optimizers need bitsandbytes: {_BITSANDBYTES.message}."
+            ' Install it with: pip install "pl_lowprec[qlora]"'
+        )
+    import bitsandbytes
+
+    return bitsandbytes
+
+
+@lru_cache
+def import_peft() -> ModuleType:
+    """peft, or an error naming the feature and the install command."""
+    if not _PEFT:
+        raise ModuleNotFoundError(
+            f'lora= needs peft: {_PEFT.message}. Install it with: pip install "pl_lowprec[qlora]"'
+        )
+    import peft
+
+    return peft

@@ -2,5 +2,6 @@
 
 from pl_lowprec.demo.stdlib_text import StdlibTextDataModule
 from pl_lowprec.demo.tiny_gpt import TinyGPT
+from pl_lowprec.demo.tiny_llama import TinyLlama
 
-__all__ = ["StdlibTextDataModule", "TinyGPT"]
+__all__ = ["StdlibTextDataModule", "TinyGPT", "TinyLlama"]

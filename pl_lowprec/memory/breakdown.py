@@ -33,21 +33,23 @@ def quantization_kind(param: torch.Tensor) -> str | None:
     """``"4bit"`` for bitsandbytes ``Params4bit``, ``"8bit"`` for ``Int8Params``, else ``None``."""
     if getattr(param, "quant_state", None) is not None:
         return "4bit"
-    if getattr(param, "SCB", None) is not None:
+    if type(param).__name__ == "Int8Params":
         return "8bit"
     return None
 
 
-def quant_state_tensors(param: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors that dequantize ``param``: absmax and code book, nested ones for double quantization."""
+def quant_state_tensors(module: nn.Module, param: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that dequantize ``param`` of ``module``: absmax and code books (nested ones with double
+    quantization) for 4-bit; the row scales for int8, which bitsandbytes moves to ``module.state`` after the
+    first forward."""
     state = getattr(param, "quant_state", None)
-    if state is None:
-        scb = getattr(param, "SCB", None)
-        return [scb] if isinstance(scb, torch.Tensor) else []
-    tensors = [state.absmax, state.code, getattr(state, "offset", None)]
-    nested = getattr(state, "state2", None)
-    if nested is not None:
-        tensors += [nested.absmax, nested.code]
+    if state is not None:
+        tensors = [state.absmax, state.code, getattr(state, "offset", None)]
+        nested = getattr(state, "state2", None)
+        if nested is not None:
+            tensors += [nested.absmax, nested.code]
+    else:
+        tensors = [getattr(param, "SCB", None), getattr(getattr(module, "state", None), "SCB", None)]
     return [t for t in tensors if isinstance(t, torch.Tensor)]
 
 
@@ -55,11 +57,13 @@ def parameter_bytes(model: nn.Module) -> dict[str, int]:
     """Parameter bytes keyed by dtype name, quantized weights as ``quantized_4bit``/``quantized_8bit``."""
     seen = _StorageSet()
     out: dict[str, int] = {}
-    for param in model.parameters():
-        kind = quantization_kind(param)
-        key = f"quantized_{kind}" if kind else str(param.dtype).removeprefix("torch.")
-        size = seen.nbytes(param) + sum(seen.nbytes(t) for t in quant_state_tensors(param))
-        out[key] = out.get(key, 0) + size
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            kind = quantization_kind(param)
+            key = f"quantized_{kind}" if kind else str(param.dtype).removeprefix("torch.")
+            size = seen.nbytes(param) + sum(seen.nbytes(t) for t in quant_state_tensors(module, param))
+            if size:
+                out[key] = out.get(key, 0) + size
     return out
 
 

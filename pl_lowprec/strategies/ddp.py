@@ -14,6 +14,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import _StrategyRegistry
 
 from pl_lowprec.checkpointing import CheckpointImpl, CheckpointPolicy
+from pl_lowprec.optimizers import OptimizerName
+from pl_lowprec.quantization import QuantizationConfig, QuantMode
 from pl_lowprec.strategies.transform import ModelTransform
 
 
@@ -25,6 +27,13 @@ class LowPrecisionDDPStrategy(DDPStrategy):
             callable ``(module, name) -> bool``.
         checkpoint_every_n: Checkpoint only every n-th selected block.
         checkpoint_impl: ``"non_reentrant"`` (default) or ``"reentrant"``.
+        quantization: Base-weight quantization: ``"nf4"``, ``"nf4-dq"``, ``"fp4"``, ``"fp4-dq"``, ``"int8"``,
+            or a ``QuantizationConfig``.
+        lora: LoRA adapters: a ``peft.LoraConfig`` or a dict of its fields (``target_modules`` defaults to
+            ``"all-linear"``). Base weights are frozen.
+        optimizer: Swap the configured AdamW for ``"adamw8bit"``, ``"paged_adamw8bit"``,
+            ``"paged_adamw32bit"`` or ``"lion8bit"`` (bitsandbytes).
+        adapter_only_checkpoint: With ``lora``, checkpoints hold only the trainable weights.
         **kwargs: Every argument of ``DDPStrategy`` (``process_group_backend``, ``find_unused_parameters``, ...).
     """
 
@@ -35,18 +44,37 @@ class LowPrecisionDDPStrategy(DDPStrategy):
         activation_checkpointing: CheckpointPolicy | None = None,
         checkpoint_every_n: int = 1,
         checkpoint_impl: CheckpointImpl = "non_reentrant",
+        quantization: QuantMode | QuantizationConfig | None = None,
+        lora: dict[str, Any] | None = None,
+        optimizer: OptimizerName | None = None,
+        adapter_only_checkpoint: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.transform = ModelTransform(activation_checkpointing, checkpoint_every_n, checkpoint_impl)
+        self.transform = ModelTransform(
+            activation_checkpointing,
+            checkpoint_every_n,
+            checkpoint_impl,
+            quantization,
+            lora,
+            optimizer,
+            adapter_only_checkpoint,
+        )
 
     def setup(self, trainer: pl.Trainer) -> None:
-        self.transform.apply(self.lightning_module)
+        self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)
         super().setup(trainer)
 
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        self.optimizers = self.transform.swap_optimizers(self.optimizers, self.lr_scheduler_configs, self.root_device)
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self.transform.state_dict(self.lightning_module)
+
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        self.transform.apply(self.lightning_module)
-        super().load_model_state_dict(checkpoint, strict=strict)
+        self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)
+        self.transform.load_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:

@@ -1,0 +1,116 @@
+"""Adapter-only checkpoints and exports: what a fine-tune produced, without the frozen base it ran on.
+
+- ``trainable_state_dict`` / ``load_trainable_state_dict``: the Lightning checkpoint holds only trainable
+  weights; loading checks that exactly the frozen weights are missing, so a wrong checkpoint still fails.
+- ``export_adapter``: a peft adapter directory (``adapter_config.json``, ``adapter_model.safetensors``) that
+  ``peft.PeftModel.from_pretrained(base_model, directory)`` loads.
+- ``merged_state_dict``: base weights dequantized, LoRA deltas merged in, keys of the plain model.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from pl_lowprec._imports import import_peft
+from pl_lowprec.lora import ADAPTER_NAME, lora_layers
+
+
+def trainable_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    trainable = {name for name, p in module.named_parameters() if p.requires_grad}
+    return {k: v for k, v in module.state_dict().items() if k in trainable}
+
+
+def load_trainable_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+    """Load a checkpoint that may hold only the trainable weights; anything else missing is an error."""
+    result = module.load_state_dict(state_dict, strict=False)
+    modules = dict(module.named_modules())
+
+    def owner(key: str) -> nn.Module:
+        parts = key.split(".")
+        for end in range(len(parts) - 1, -1, -1):
+            if ".".join(parts[:end]) in modules:
+                return modules[".".join(parts[:end])]
+        return module
+
+    missing = [k for k in result.missing_keys if any(p.requires_grad for p in owner(k).parameters(recurse=False))]
+    if strict and (result.unexpected_keys or missing):
+        raise RuntimeError(
+            "The checkpoint does not fit this model's trainable weights."
+            f" Unexpected keys: {result.unexpected_keys[:8]}. Missing trainable keys: {missing[:8]}."
+            " Was it written with the same lora= and quantization= settings?"
+        )
+
+
+def find_base_model(module: nn.Module) -> tuple[str, nn.Module]:
+    """The submodule peft would wrap: the first Hugging Face ``PreTrainedModel`` inside, else ``module``."""
+    for name, child in module.named_modules():
+        if hasattr(child, "config") and hasattr(child, "save_pretrained") and name:
+            return name, child
+    return "", module
+
+
+def export_adapter(module: nn.Module, directory: str | Path, base_model: str | None = None) -> Path:
+    """Write a peft adapter directory for the LoRA layers under ``base_model`` (default: the HF model inside)."""
+    import_peft()
+    prefix, base = (base_model, module.get_submodule(base_model)) if base_model else find_base_model(module)
+    lead = f"{prefix}." if prefix else ""
+    layers = {n.removeprefix(lead): m for n, m in lora_layers(module).items() if n.startswith(lead)}
+    if not layers:
+        raise ValueError(f"No LoRA layer found under {prefix or type(module).__name__!r}: nothing to export.")
+    peft_config = getattr(module, "peft_config", {}).get(ADAPTER_NAME)
+    if peft_config is None:
+        raise ValueError("The module has LoRA layers but no peft_config: was it injected by pl_lowprec?")
+    names = sorted(layers)
+    exported = peft_config.__class__(
+        **{**peft_config.to_dict(), "target_modules": "(?:" + "|".join(re.escape(n) for n in names) + ")"}
+    )
+    exported.inference_mode = True
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    exported.save_pretrained(str(directory))
+    marker = f".{ADAPTER_NAME}."
+    tensors = {
+        f"base_model.model.{k}".replace(marker, "."): v.detach().cpu().contiguous()
+        for k, v in base.state_dict().items()
+        if "lora_" in k and marker in k
+    }
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    return directory
+
+
+def merged_state_dict(module: nn.Module, base_model: str | None = None) -> dict[str, torch.Tensor]:
+    """The plain model's state dict: quantized weights dequantized, LoRA deltas merged, no adapter keys."""
+    peft = import_peft()
+    prefix, base = (base_model, module.get_submodule(base_model)) if base_model else find_base_model(module)
+    lead = f"{prefix}." if prefix else ""
+    adapted = {n.removeprefix(lead): m for n, m in lora_layers(module).items() if n.startswith(lead)}
+    quantized = {
+        n: m
+        for n, m in base.named_modules()
+        if type(m).__name__ in ("Linear4bit", "Linear8bitLt")
+        and not any(n == a or n.startswith(f"{a}.") for a in adapted)
+    }
+    replaced = [*adapted, *quantized]
+    merged = {k: v.detach() for k, v in base.state_dict().items() if not any(k.startswith(f"{n}.") for n in replaced)}
+    for name, layer in {**adapted, **quantized}.items():
+        base_layer = layer.get_base_layer() if name in adapted else layer
+        weight = _dequantized(peft, base_layer)
+        for adapter in layer.active_adapters if name in adapted else ():
+            weight = weight + layer.get_delta_weight(adapter).float()
+        merged[f"{name}.weight"] = weight
+        if base_layer.bias is not None:
+            merged[f"{name}.bias"] = base_layer.bias.detach().float()
+    return merged
+
+
+def _dequantized(peft: object, layer: nn.Module) -> torch.Tensor:
+    if type(layer).__name__ in ("Linear4bit", "Linear8bitLt"):
+        state = getattr(layer, "state", None)
+        return peft.utils.integrations.dequantize_bnb_weight(layer.weight, state=state).float()
+    return layer.weight.detach().float()

@@ -1,0 +1,125 @@
+"""peft LoRA adapters injected into any module, plain or quantized, with a selective k-bit preparation.
+
+``inject_lora`` uses peft's own ``inject_adapter_in_model``, so a ``Linear4bit`` or ``Linear8bitLt`` base gets
+peft's bitsandbytes-aware LoRA layer (which can merge), and a plain ``nn.Linear`` gets the plain one.
+``target_modules="all-linear"`` (the default) works for any module, not only ``PreTrainedModel``: it expands to
+every linear layer except the ones that quantization leaves alone by default (the output heads).
+
+``prepare_for_kbit_training`` is the selective alternative to peft's ``prepare_model_for_kbit_training``: it
+upcasts only what mixed precision needs in fp32 (trainable adapters, norm weights) and leaves embeddings and
+the output head in their dtype, where peft upcasts every non-quantized parameter (bitsandbytes #1569).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from pl_lowprec._imports import import_peft
+from pl_lowprec.quantization import DEFAULT_SKIP, QuantizationConfig, linear_names
+
+ADAPTER_NAME = "default"
+
+
+def lora_config(lora: Any) -> Any:
+    """A ``peft.LoraConfig`` from a config or a dict of its fields (YAML); ``target_modules`` defaults to all-linear."""
+    peft = import_peft()
+    if isinstance(lora, peft.LoraConfig):
+        return lora
+    if not isinstance(lora, Mapping):
+        raise TypeError(f"lora= takes a peft.LoraConfig or a dict of its fields, got {type(lora).__name__}.")
+    fields = {"target_modules": "all-linear", **lora}
+    try:
+        return peft.LoraConfig(**fields)
+    except TypeError as err:
+        raise ValueError(f"lora={dict(lora)!r} is not a valid peft.LoraConfig: {err}.") from err
+
+
+def has_lora(model: nn.Module) -> bool:
+    peft = import_peft()
+    return any(isinstance(m, peft.tuners.lora.LoraLayer) for m in model.modules())
+
+
+def resolve_targets(model: nn.Module, config: Any, skip: tuple[str, ...] = DEFAULT_SKIP) -> list[str]:
+    """Full names of the linear layers the config targets; ``ValueError`` listing the linear names if none."""
+    linears = linear_names(model)
+    target = config.target_modules
+    if target in ("all-linear", "all_linear"):
+        skipper = QuantizationConfig(mode="nf4", skip_modules=skip)
+        chosen = [n for n in linears if not skipper.skips(n)]
+    elif isinstance(target, str):
+        chosen = [n for n in linears if re.fullmatch(target, n)]
+    else:
+        suffixes = set(target or ())
+        chosen = [n for n in linears if n in suffixes or n.rpartition(".")[2] in suffixes]
+    if not chosen:
+        raise ValueError(
+            f"LoRA target_modules={target!r} matches no linear layer of {type(model).__name__}."
+            f" Its linear layers are: {', '.join(linears) or 'none'}. Name them by their last part"
+            " (e.g. ['q_proj', 'v_proj']), by a regular expression over full names, or use 'all-linear'."
+        )
+    return chosen
+
+
+def inject_lora(model: nn.Module, lora: Any, skip: tuple[str, ...] = DEFAULT_SKIP) -> list[str]:
+    """Inject LoRA adapters (idempotent) and freeze everything else; return the adapted layer names."""
+    peft = import_peft()
+    config = lora_config(lora)
+    if has_lora(model):
+        return sorted(n for n, m in model.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer))
+    targets = resolve_targets(model, config, skip)
+    exact = config.__class__(**{**config.to_dict(), "target_modules": _exact_regex(targets)})
+    # peft picks its bitsandbytes-aware LoRA layers only when the root model says it was loaded in 4/8 bit,
+    # as transformers' models do; say so for the duration of the injection.
+    kinds = {type(model.get_submodule(n)).__name__ for n in targets}
+    flags = {"is_loaded_in_4bit": "Linear4bit" in kinds, "is_loaded_in_8bit": "Linear8bitLt" in kinds}
+    previous = {k: model.__dict__.get(k) for k in flags}
+    try:
+        model.__dict__.update(flags)
+        peft.inject_adapter_in_model(exact, model, adapter_name=ADAPTER_NAME)
+    finally:
+        for key, value in previous.items():
+            if value is None:
+                model.__dict__.pop(key, None)
+            else:
+                model.__dict__[key] = value
+    return targets
+
+
+def _exact_regex(names: list[str]) -> str:
+    return "(?:" + "|".join(re.escape(n) for n in names) + ")"
+
+
+def is_norm(module: nn.Module) -> bool:
+    """LayerNorm, GroupNorm, and RMSNorm classes of any library (``LlamaRMSNorm`` included)."""
+    return isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)) or type(module).__name__.endswith("RMSNorm")
+
+
+def prepare_for_kbit_training(model: nn.Module, mixed_precision: bool) -> int:
+    """Under mixed precision, upcast trainable parameters and norm weights to fp32; return the bytes added.
+
+    Frozen embeddings, the output head and other frozen weights keep their dtype: they are read in the
+    compute dtype anyway, and upcasting them is what makes peft's preparation cost more than bf16 LoRA.
+    """
+    if not mixed_precision:
+        return 0
+    upcast: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            wanted = param.requires_grad or is_norm(module)
+            if wanted and param.dtype in (torch.float16, torch.bfloat16):
+                upcast[id(param)] = param
+    added = 0
+    for param in upcast.values():
+        added += param.numel() * 2
+        param.data = param.data.float()
+    return added
+
+
+def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+    peft = import_peft()
+    return {n: m for n, m in model.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)}

@@ -1,0 +1,104 @@
+"""Swap the optimizer that ``configure_optimizers`` built for its bitsandbytes 8-bit (or paged) equivalent.
+
+The parameter groups and their hyperparameters move over unchanged, and every LR scheduler bound to the old
+optimizer is re-bound to the new one, so the schedule continues as configured. bitsandbytes keeps 32-bit state
+for tensors under 4096 elements (its ``min_8bit_size``); larger ones get uint8 state.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any, Literal, get_args
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.optim import Optimizer
+
+from pl_lowprec._imports import import_bitsandbytes
+
+OptimizerName = Literal["adamw8bit", "paged_adamw8bit", "paged_adamw32bit", "lion8bit"]
+OPTIMIZER_NAMES: tuple[str, ...] = get_args(OptimizerName)
+_CLASSES = {
+    "adamw8bit": "AdamW8bit",
+    "paged_adamw8bit": "PagedAdamW8bit",
+    "paged_adamw32bit": "PagedAdamW32bit",
+    "lion8bit": "Lion8bit",
+}
+_UNPAGED = {"paged_adamw8bit": "AdamW8bit", "paged_adamw32bit": "AdamW32bit"}
+_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
+
+
+def validate_optimizer_name(name: str) -> None:
+    if name not in OPTIMIZER_NAMES:
+        raise ValueError(
+            f"optimizer={name!r} is not supported. Allowed: {', '.join(map(repr, OPTIMIZER_NAMES))}"
+            " (each replaces the AdamW/Adam that configure_optimizers returns)."
+        )
+
+
+def bitsandbytes_class(name: str, device: torch.device) -> type[Optimizer]:
+    """The bitsandbytes class for ``name``; paged variants fall back to unpaged off CUDA, with a warning."""
+    bnb = import_bitsandbytes()
+    cls_name = _CLASSES[name]
+    if name in _UNPAGED and device.type != "cuda":
+        cls_name = _UNPAGED[name]
+        rank_zero_warn(
+            f"optimizer={name!r} pages optimizer state through CUDA unified memory, which {device.type} does not"
+            f" have: using bitsandbytes.optim.{cls_name} (same update, unpaged)."
+        )
+    return getattr(bnb.optim, cls_name)
+
+
+def swap_optimizer(optimizer: Optimizer, name: str, device: torch.device) -> Optimizer:
+    """A bitsandbytes optimizer over the same parameter groups and hyperparameters as ``optimizer``."""
+    source = type(optimizer).__name__
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise ValueError(
+            f"optimizer={name!r} replaces Adam or AdamW, but configure_optimizers returned {source}. Return"
+            " torch.optim.AdamW there, or drop optimizer= to keep your optimizer."
+        )
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or optimizer.defaults.get("decoupled_weight_decay")
+    if not decoupled and any(group["weight_decay"] for group in optimizer.param_groups):
+        raise ValueError(
+            f"optimizer={name!r} uses decoupled weight decay (AdamW), but {source} applies weight_decay as an L2"
+            " term. Use torch.optim.AdamW in configure_optimizers, or weight_decay=0."
+        )
+    cls = bitsandbytes_class(name, device)
+    groups = []
+    for group in optimizer.param_groups:
+        keys = [k for k in group if k not in optimizer.defaults or k in _HYPERPARAMETERS]
+        groups.append({k: group[k] for k in keys})  # params, hyperparameters, and extras such as initial_lr
+    defaults = {k: optimizer.defaults[k] for k in _HYPERPARAMETERS if k in optimizer.defaults}
+    if cls.__name__ == "Lion8bit":
+        defaults.pop("eps", None)
+        for group in groups:
+            group.pop("eps", None)
+    return cls(groups, **defaults)
+
+
+def rebind_schedulers(lr_scheduler_configs: list[Any], old: Optimizer, new: Optimizer) -> None:
+    """Point the schedulers of ``old`` at ``new``, keeping torch's check that the optimizer steps first."""
+    for config in lr_scheduler_configs:
+        scheduler = getattr(config.scheduler, "scheduler", config.scheduler)  # unwrap SkipAwareScheduler
+        if scheduler.optimizer is old:
+            scheduler.optimizer = new
+            _track_step_calls(new)
+
+
+def _track_step_calls(optimizer: Optimizer) -> None:
+    # torch's LRScheduler wraps optimizer.step at construction to warn when the scheduler steps first; give the
+    # new optimizer the same marker, or every run would warn that step() was overridden.
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    step = type(optimizer).step
+    ref = weakref.ref(optimizer)
+
+    @functools.wraps(step)
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        opt = ref()
+        opt._opt_called = True  # type: ignore[union-attr]
+        return step(opt, *args, **kwargs)
+
+    tracked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = tracked  # type: ignore[method-assign]

@@ -1,0 +1,211 @@
+"""bitsandbytes base weights: ``nn.Linear`` layers become ``Linear4bit`` (nf4/fp4, optionally double-quantized) or
+``Linear8bitLt`` (frozen int8), on CPU or CUDA.
+
+``QuantizationConfig.from_mode("nf4-dq")`` takes Lightning's mode names. ``swap_linear_layers`` is the only
+place that walks a model to replace layers. Only exact ``nn.Linear`` instances are replaced: subclasses such
+as ``MultiheadAttention.out_proj`` are read as raw weights by their parent and must stay as they are, and a
+layer that is already quantized is never quantized twice.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+import torch
+from torch import nn
+
+from pl_lowprec._imports import import_bitsandbytes
+
+QuantMode = Literal["nf4", "nf4-dq", "fp4", "fp4-dq", "int8"]
+QUANT_MODES: tuple[str, ...] = get_args(QuantMode)
+# Output heads stay in full precision: quantizing the logits layer hurts quality most and saves little.
+DEFAULT_SKIP = ("lm_head", "*.lm_head", "head", "*.head", "score", "*.score", "classifier", "*.classifier")
+
+
+def _dtype(value: torch.dtype | str | None) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    resolved = getattr(torch, str(value).removeprefix("torch."), None)
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"{value!r} is not a torch dtype; use a name such as 'bfloat16', 'float16' or 'uint8'.")
+    return resolved
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """How to quantize the base weights.
+
+    Args:
+        mode: ``"nf4"``, ``"nf4-dq"``, ``"fp4"``, ``"fp4-dq"`` (4-bit; ``-dq`` also quantizes the absmax
+            constants) or ``"int8"`` (LLM.int8 with frozen int8 weights).
+        compute_dtype: dtype of the 4-bit matmul; ``None`` takes the precision plugin's compute dtype.
+        skip_modules: Glob patterns of module names to leave unquantized (default: output heads).
+        quant_storage: Storage dtype of packed 4-bit weights (``uint8``; ``bfloat16`` for FSDP sharding).
+    """
+
+    mode: QuantMode
+    compute_dtype: torch.dtype | str | None = None
+    skip_modules: Sequence[str] = field(default=DEFAULT_SKIP)
+    quant_storage: torch.dtype | str = torch.uint8
+
+    def __post_init__(self) -> None:
+        if self.mode not in QUANT_MODES:
+            raise ValueError(
+                f"quantization mode {self.mode!r} is not supported. Allowed: {', '.join(map(repr, QUANT_MODES))}"
+                " ('-dq' adds double quantization of the scaling constants)."
+            )
+        object.__setattr__(self, "compute_dtype", _dtype(self.compute_dtype))
+        object.__setattr__(self, "quant_storage", _dtype(self.quant_storage))
+        object.__setattr__(self, "skip_modules", tuple(self.skip_modules))
+
+    @classmethod
+    def from_mode(cls, mode: str, **overrides: Any) -> QuantizationConfig:
+        return cls(mode=mode, **overrides)  # type: ignore[arg-type]
+
+    @property
+    def is_4bit(self) -> bool:
+        return self.mode != "int8"
+
+    def skips(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.skip_modules)
+
+
+def swap_linear_layers(
+    model: nn.Module,
+    make_layer: Callable[[nn.Linear, str], nn.Module],
+    module_filter: Callable[[nn.Module, str], bool],
+) -> list[str]:
+    """Replace every module for which ``module_filter(module, name)`` holds by ``make_layer(module, name)``."""
+    chosen = [(name, m) for name, m in model.named_modules() if name and module_filter(m, name)]
+    for name, module in chosen:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, make_layer(module, name))
+    return [name for name, _ in chosen]
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    """Names of all linear layers, plain or bitsandbytes (which subclass ``nn.Linear``)."""
+    return [name for name, m in model.named_modules() if name and isinstance(m, nn.Linear)]
+
+
+def is_quantized(module: nn.Module) -> bool:
+    return type(module).__name__ in ("Linear4bit", "Linear8bitLt") and isinstance(module, nn.Linear)
+
+
+def quantize_model(
+    model: nn.Module, config: QuantizationConfig, compute_dtype: torch.dtype, device: torch.device
+) -> list[str]:
+    """Quantize the model's exact ``nn.Linear`` layers on ``device`` (idempotent); return the names replaced.
+
+    Raises ``ValueError`` when nothing can be quantized and the model holds no quantized layer yet.
+    """
+    bnb = import_bitsandbytes()
+    compute_dtype = config.compute_dtype or compute_dtype
+    if not config.is_4bit:
+        check_int8_trains(bnb, device)
+
+    def make_layer(linear: nn.Linear, name: str) -> nn.Module:
+        return _quantized_copy(bnb, linear, config, compute_dtype, device)
+
+    def wanted(module: nn.Module, name: str) -> bool:
+        return type(module) is nn.Linear and not config.skips(name)
+
+    if any(is_quantized(m) for m in model.modules()):
+        return []  # quantized before (a second fit, or validate then fit): LoRA's own Linears must stay as they are
+    replaced = swap_linear_layers(model, make_layer, wanted)
+    share_code_books(model)
+    if not replaced:
+        linears = linear_names(model)
+        raise ValueError(
+            f"quantization={config.mode!r} found no nn.Linear to quantize in {type(model).__name__}"
+            + (
+                f": every linear layer matches skip_modules={list(config.skip_modules)} ({', '.join(linears)})."
+                if linears
+                else " (it has no linear layers). Quantization applies to nn.Linear weights only."
+            )
+        )
+    return replaced
+
+
+def _quantized_copy(
+    bnb: Any, linear: nn.Linear, config: QuantizationConfig, compute_dtype: torch.dtype, device: torch.device
+) -> nn.Module:
+    weight = linear.weight.data
+    has_bias = linear.bias is not None
+    if config.is_4bit:
+        quant_type, _, dq = config.mode.partition("-")
+        layer = bnb.nn.Linear4bit(
+            linear.in_features,
+            linear.out_features,
+            bias=has_bias,
+            compute_dtype=compute_dtype,
+            compress_statistics=bool(dq),
+            quant_type=quant_type,
+            quant_storage=config.quant_storage,
+            device="meta",
+        )
+        layer.weight = bnb.nn.Params4bit(
+            weight,
+            requires_grad=False,
+            compress_statistics=bool(dq),
+            quant_type=quant_type,
+            quant_storage=config.quant_storage,
+            module=layer,
+        )
+        # On CPUs with avx512_bf16, an eval forward repacks the weight for inference, after which training
+        # computes wrong LoRA gradients. Lightning's sanity check is such a forward: keep the training layout.
+        layer.support_avx512bf16_for_cpu = False
+    else:
+        layer = bnb.nn.Linear8bitLt(
+            linear.in_features, linear.out_features, bias=has_bias, has_fp16_weights=False, device="meta"
+        )
+        layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+    if has_bias:
+        layer.bias = nn.Parameter(linear.bias.data, requires_grad=False)
+    return layer.to(device)  # bitsandbytes quantizes on the move to a device
+
+
+def share_code_books(model: nn.Module) -> None:
+    """Point equal 4-bit code books (the NF4/FP4 table, the nested dynamic map) at one tensor.
+
+    bitsandbytes gives every layer its own copy of these constant tables: 1.1 KB per layer with double
+    quantization, 0.27 bytes per parameter on a 64x64 layer. They are only read, so one copy serves all.
+    """
+    shared: dict[tuple, torch.Tensor] = {}
+
+    def one(code: torch.Tensor) -> torch.Tensor:
+        key = (code.device, code.dtype, tuple(code.shape), code.cpu().numpy().tobytes())
+        return shared.setdefault(key, code)
+
+    for module in model.modules():
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if state is None:
+            continue
+        state.code = one(state.code)
+        if getattr(state, "state2", None) is not None:
+            state.state2.code = one(state.state2.code)
+
+
+_INT8_OK: dict[str, bool] = {}
+
+
+def check_int8_trains(bnb: Any, device: torch.device) -> None:
+    """Run one tiny int8 forward and backward on ``device``; raise a clear error if bitsandbytes cannot."""
+    if _INT8_OK.get(str(device)):
+        return
+    try:
+        layer = bnb.nn.Linear8bitLt(64, 64, bias=False, has_fp16_weights=False)
+        layer.weight = bnb.nn.Int8Params(torch.randn(64, 64), requires_grad=False, has_fp16_weights=False)
+        layer = layer.to(device)
+        x = torch.randn(4, 64, device=device, requires_grad=True)
+        layer(x).float().sum().backward()
+    except Exception as err:  # any failure of the backend means the mode cannot train here
+        raise ValueError(
+            f"quantization='int8' cannot train on {device}: bitsandbytes failed a test forward and backward"
+            f" ({type(err).__name__}: {err}). Modes that can run here: 'nf4', 'nf4-dq', 'fp4', 'fp4-dq'."
+        ) from err
+    _INT8_OK[str(device)] = True

@@ -1,0 +1,115 @@
+"""Adapter-only checkpoints: small, resume exactly into a freshly quantized base, export for peft."""
+
+import pytest
+import torch
+from lightning_helpers import quiet_trainer
+from qlora_helpers import ids_loader, tiny_llama
+
+from pl_lowprec import AMPPrecision, LowPrecisionStrategy
+from pl_lowprec.adapters import export_adapter, merged_state_dict
+
+peft = pytest.importorskip("peft")
+pytest.importorskip("bitsandbytes")
+
+STEPS_PER_EPOCH = 4
+
+
+def _strategy(**overrides):
+    return LowPrecisionStrategy(**{"quantization": "nf4-dq", "lora": {"r": 8, "lora_alpha": 16}, **overrides})
+
+
+def _fit(epochs, ckpt_path=None, seed=0, amp=True, lr=3e-3, **strategy_overrides):
+    torch.manual_seed(seed)
+    model = tiny_llama(hidden_size=128, lr=lr)
+    plugins = [AMPPrecision("bf16-mixed")] if amp else []
+    trainer = quiet_trainer(strategy=_strategy(**strategy_overrides), plugins=plugins, max_epochs=epochs)
+    trainer.fit(model, ids_loader(batches=STEPS_PER_EPOCH), ckpt_path=ckpt_path)
+    return trainer, model
+
+
+def test_adapter_checkpoint_is_smaller_by_the_base_and_resumes_exactly(tmp_path):
+    straight_trainer, straight = _fit(epochs=2)
+
+    first, _ = _fit(epochs=1)
+    adapter_ckpt, full_ckpt = tmp_path / "adapter.ckpt", tmp_path / "full.ckpt"
+    first.save_checkpoint(adapter_ckpt)
+    full_trainer, _ = _fit(epochs=1, adapter_only_checkpoint=False)
+    full_trainer.save_checkpoint(full_ckpt)
+
+    saved = torch.load(adapter_ckpt, weights_only=False)["state_dict"]
+    assert saved and all("lora_" in k for k in saved)
+    full = torch.load(full_ckpt, weights_only=False)["state_dict"]
+    base_bytes = sum(v.numel() * v.element_size() for k, v in full.items() if k not in saved and torch.is_tensor(v))
+    size_saved = adapter_ckpt.stat().st_size
+    assert full_ckpt.stat().st_size - size_saved >= 0.95 * base_bytes  # smaller by the (quantized) base
+
+    # another seed draws other initial adapters: the checkpoint must replace them all
+    resumed_trainer, resumed = _fit(epochs=2, ckpt_path=adapter_ckpt, seed=123)
+    assert resumed_trainer.global_step == straight_trainer.global_step == 2 * STEPS_PER_EPOCH
+    straight_params = dict(straight.named_parameters())
+    for name, param in resumed.named_parameters():
+        torch.testing.assert_close(param, straight_params[name], rtol=0, atol=0, msg=name)
+
+
+def test_wrong_checkpoint_fails_clearly(tmp_path):
+    trainer, _ = _fit(epochs=1)
+    ckpt = tmp_path / "r8.ckpt"
+    trainer.save_checkpoint(ckpt)
+    with pytest.raises(RuntimeError, match=r"does not fit this model's trainable weights.*same lora="):
+        _fit(epochs=2, ckpt_path=ckpt, lora={"r": 8, "target_modules": ["q_proj"]})
+
+
+def _logits(model, ids):
+    model.eval()
+    with torch.no_grad():
+        return model(ids).float()
+
+
+def test_exported_adapter_reloads_in_peft_with_the_same_logits(tmp_path):
+    _, trained = _fit(epochs=1, quantization=None)  # plain LoRA: the base is exact
+    directory = export_adapter(trained, tmp_path / "adapter")
+    assert (directory / "adapter_config.json").exists() and (directory / "adapter_model.safetensors").exists()
+
+    base = tiny_llama(hidden_size=128).model  # same init_seed: the same "pretrained" base
+    reloaded = peft.PeftModel.from_pretrained(base, str(directory))
+    ids = ids_loader(batches=1).dataset[0]["input_ids"][None]
+    reloaded.eval()
+    with torch.no_grad():
+        expected = reloaded(input_ids=ids).logits.float()
+    torch.testing.assert_close(_logits(trained, ids), expected)
+
+
+def test_exported_qlora_adapter_reloads_on_a_quantized_base(tmp_path):
+    from pl_lowprec.quantization import QuantizationConfig, quantize_model
+
+    _, trained = _fit(epochs=1)
+    directory = export_adapter(trained, tmp_path / "adapter")
+    base = tiny_llama(hidden_size=128).model
+    quantize_model(base, QuantizationConfig.from_mode("nf4-dq"), torch.bfloat16, torch.device("cpu"))
+    base.is_loaded_in_4bit = True  # as transformers marks a bitsandbytes-loaded model, for peft
+    reloaded = peft.PeftModel.from_pretrained(base, str(directory))
+    assert type(reloaded.base_model.model.model.layers[0].self_attn.q_proj).__module__ == "peft.tuners.lora.bnb"
+    ids = ids_loader(batches=1).dataset[0]["input_ids"][None]
+    reloaded.eval()
+    with torch.no_grad():
+        expected = reloaded(input_ids=ids).logits.float()
+    torch.testing.assert_close(_logits(trained, ids), expected)
+
+
+def test_merged_dequantized_state_dict_loads_into_the_plain_model():
+    from pl_lowprec.quantization import QuantizationConfig
+
+    fp32_compute = QuantizationConfig("nf4-dq", compute_dtype="float32")  # exact comparison, no bf16 rounding
+    _, trained = _fit(epochs=1, amp=False, quantization=fp32_compute, lora={"r": 8, "lora_alpha": 16}, lr=3e-2)
+    merged = merged_state_dict(trained)
+    plain = tiny_llama(hidden_size=128).model
+    assert set(merged) == set(plain.state_dict())
+    q_proj = trained.model.model.layers[0].self_attn.q_proj
+    delta = q_proj.get_delta_weight("default")
+    assert delta.abs().max() > 1e-3  # the adapters moved, so a merge that dropped them would show
+    plain.load_state_dict(merged)
+    ids = ids_loader(batches=1).dataset[0]["input_ids"][None]
+    plain.eval()
+    with torch.no_grad():
+        merged_logits = plain(input_ids=ids).logits.float()
+    torch.testing.assert_close(merged_logits, _logits(trained, ids), atol=1e-4, rtol=1e-4)
