@@ -57,8 +57,9 @@ def resolve_targets(model: nn.Module, config: Any, skip: tuple[str, ...] = DEFAU
         suffixes = set(target or ())
         chosen = [n for n in linears if n in suffixes or n.rpartition(".")[2] in suffixes]
     if not chosen:
+        shown = sorted(target) if isinstance(target, (set, frozenset)) else target  # peft stores a set
         raise ValueError(
-            f"LoRA target_modules={target!r} matches no linear layer of {type(model).__name__}."
+            f"LoRA target_modules={shown!r} matches no linear layer of {type(model).__name__}."
             f" Its linear layers are: {', '.join(linears) or 'none'}. Name them by their last part"
             " (e.g. ['q_proj', 'v_proj']), by a regular expression over full names, or use 'all-linear'."
         )

@@ -1,6 +1,7 @@
 """Trains TinyGPT for a few steps, on 2 DDP CPU processes or on 1 with the same global batch.
 
-Usage: python ddp_train.py {ddp|single} OUT_DIR PRECISION   (PRECISION: 32-true | 16-mixed | bf16-mixed)
+Usage: python ddp_train.py {ddp|single} OUT_DIR PRECISION [qlora]   (PRECISION: 32-true | 16-mixed | bf16-mixed)
+With "qlora", a tiny Llama is trained with nf4-dq base weights, LoRA adapters and checkpointed decoder layers.
 Writes OUT_DIR/rank{N}.pt with the final parameters (and the loss-scale state under "_loss_scale").
 Run by tests/strategies/test_ddp.py; Lightning's DDP launcher re-runs this script for rank 1.
 """
@@ -14,9 +15,14 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from pl_lowprec import AMPPrecision, LowPrecisionDDPStrategy, LowPrecisionStrategy, MemoryTracker
-from pl_lowprec.demo.tiny_gpt import TinyGPT
+from pl_lowprec.demo import TinyGPT, TinyLlama
 
 GLOBAL_BATCH, STEPS = 8, 4
+
+
+class SGDTinyLlama(TinyLlama):
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.5)
 
 
 class SGDTinyGPT(TinyGPT):
@@ -27,7 +33,7 @@ class SGDTinyGPT(TinyGPT):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
-def main(mode: str, out: str, precision: str) -> None:
+def main(mode: str, out: str, precision: str, variant: str = "gpt") -> None:
     warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
     ids = torch.randint(0, 256, (GLOBAL_BATCH * STEPS, 33), generator=torch.Generator().manual_seed(0))
     data = [{"input_ids": row} for row in ids]
@@ -36,13 +42,21 @@ def main(mode: str, out: str, precision: str) -> None:
     rank = int(os.environ.get("LOCAL_RANK", 0))
     sampler = DistributedSampler(data, num_replicas=2, rank=rank, shuffle=False) if ddp else None
     loader = torch.utils.data.DataLoader(data, batch_size=GLOBAL_BATCH // 2 if ddp else GLOBAL_BATCH, sampler=sampler)
+    block = "Block"
+    transform = {}
+    if variant == "qlora":
+        block = "LlamaDecoderLayer"
+        transform = {"quantization": "nf4-dq", "lora": {"r": 8, "lora_alpha": 16}}
     if ddp:
-        strategy = LowPrecisionDDPStrategy(activation_checkpointing="Block", process_group_backend="gloo")
+        strategy = LowPrecisionDDPStrategy(activation_checkpointing=block, process_group_backend="gloo", **transform)
     else:
-        strategy = LowPrecisionStrategy(activation_checkpointing="Block")
+        strategy = LowPrecisionStrategy(activation_checkpointing=block, **transform)
     plugins = [] if precision == "32-true" else [AMPPrecision(precision)]
     torch.manual_seed(0)
-    model = SGDTinyGPT(dim=32, layers=2, heads=2, max_len=64)
+    if variant == "qlora":
+        model = SGDTinyLlama(hidden_size=64, intermediate_size=192, num_layers=2, num_heads=4, max_len=64)
+    else:
+        model = SGDTinyGPT(dim=32, layers=2, heads=2, max_len=64)
     tracker = MemoryTracker(print_summary=False)
     trainer = pl.Trainer(
         callbacks=[tracker],
@@ -61,9 +75,10 @@ def main(mode: str, out: str, precision: str) -> None:
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     state["_loss_scale"] = plugins[0].loss_scale_state() if plugins else None
     state["_memory"] = tracker.summary["fit"]
-    state["_checkpointed"] = [type(b.__dict__.get("forward")).__name__ for b in model.blocks]
+    blocks = model.model.model.layers if variant == "qlora" else model.blocks
+    state["_checkpointed"] = [type(b.__dict__.get("forward")).__name__ for b in blocks]
     torch.save(state, f"{out}/rank{trainer.global_rank}.pt")
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

@@ -10,10 +10,10 @@ import torch
 SCRIPT = Path(__file__).with_name("ddp_train.py")
 
 
-def _run(mode, out, precision):
+def _run(mode, out, precision, variant="gpt"):
     out.mkdir()
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), mode, str(out), precision], capture_output=True, text=True, timeout=300
+        [sys.executable, str(SCRIPT), mode, str(out), precision, variant], capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return {p.name: torch.load(p, weights_only=False) for p in sorted(out.glob("rank*.pt"))}
@@ -36,3 +36,21 @@ def test_ddp_matches_single_process(tmp_path, precision):
     for key in params:
         torch.testing.assert_close(ddp["rank0.pt"][key], ddp["rank1.pt"][key], rtol=0, atol=0)  # ranks agree
         torch.testing.assert_close(ddp["rank0.pt"][key], single[key])
+
+
+@pytest.mark.slow
+def test_qlora_ddp_keeps_adapters_identical_across_ranks(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("peft")
+    ddp = _run("ddp", tmp_path / "ddp", "bf16-mixed", "qlora")
+    single = _run("single", tmp_path / "single", "bf16-mixed", "qlora")["rank0.pt"]
+    adapters = [k for k in single if "lora_" in k]
+    assert len(adapters) == 2 * 7 * 2  # A and B for 7 linear layers in each of 2 decoder layers
+    for rank in ddp.values():
+        assert rank["_checkpointed"] == ["CheckpointedForward"] * 2
+        assert set(rank) == set(single)
+    for key in adapters:
+        assert "lora_A" in key or ddp["rank0.pt"][key].abs().max() > 0  # B starts at zero: it trained
+        torch.testing.assert_close(ddp["rank0.pt"][key], ddp["rank1.pt"][key], rtol=0, atol=0)  # identical
+        # same global batch as one process: equal up to the summation order of bf16/4-bit matmuls
+        torch.testing.assert_close(ddp["rank0.pt"][key], single[key], rtol=0.02, atol=2e-3)

@@ -1,0 +1,99 @@
+"""Bad QLoRA input fails before the first training step, naming the value and the fix."""
+
+from unittest import mock
+
+import pytest
+import torch
+from lightning_helpers import Classifier, quiet_trainer
+from plain_amp_loop import make_classification_data
+from qlora_helpers import ids_loader, tiny_llama
+from torch import nn
+
+from pl_lowprec import LowPrecisionStrategy
+from pl_lowprec import _imports as imports
+from pl_lowprec.quantization import _INT8_OK, QuantizationConfig
+
+pytest.importorskip("bitsandbytes")
+pytest.importorskip("peft")
+
+
+def test_unknown_mode_lists_the_allowed_ones():
+    with pytest.raises(ValueError, match=r"mode 'nf8' is not supported. Allowed: 'nf4', 'nf4-dq', 'fp4', 'fp4-dq'"):
+        LowPrecisionStrategy(quantization="nf8")
+
+
+def test_bad_dtype_name():
+    with pytest.raises(ValueError, match=r"'bf16' is not a torch dtype; use a name such as 'bfloat16'"):
+        QuantizationConfig("nf4", compute_dtype="bf16")
+
+
+def test_model_without_linear_layers():
+    model = Classifier(nn.Sequential(nn.Unflatten(1, (1, 32)), nn.Conv1d(1, 4, 32), nn.Flatten()))
+    trainer = quiet_trainer(strategy=LowPrecisionStrategy(quantization="nf4"), max_steps=1)
+    with pytest.raises(ValueError, match=r"quantization='nf4' found no nn.Linear to quantize in Classifier"):
+        trainer.fit(model, torch.utils.data.DataLoader(make_classification_data(n=8), batch_size=4))
+    assert trainer.global_step == 0
+
+
+def test_every_linear_skipped():
+    model = Classifier(nn.Sequential(nn.Linear(32, 4)))
+    config = QuantizationConfig("nf4", skip_modules=["model.*"])
+    trainer = quiet_trainer(strategy=LowPrecisionStrategy(quantization=config), max_steps=1)
+    with pytest.raises(ValueError, match=r"every linear layer matches skip_modules=\['model.\*'\] \(model.0\)"):
+        trainer.fit(model, torch.utils.data.DataLoader(make_classification_data(n=8), batch_size=4))
+
+
+def test_lora_targets_that_match_nothing_list_the_linear_layers():
+    trainer = quiet_trainer(strategy=LowPrecisionStrategy(lora={"r": 4, "target_modules": ["query"]}), max_steps=1)
+    with pytest.raises(
+        ValueError,
+        match=r"target_modules=\['query'\] matches no linear layer of TinyLlama.*"
+        r"model.model.layers.0.self_attn.q_proj, .*model.lm_head",
+    ):
+        trainer.fit(tiny_llama(), ids_loader())
+    assert trainer.global_step == 0
+
+
+def test_invalid_lora_field():
+    with pytest.raises(ValueError, match=r"lora=\{'rank': 8\} is not a valid peft.LoraConfig"):
+        LowPrecisionStrategy(lora={"rank": 8})
+
+
+@pytest.mark.parametrize(
+    ("cache", "importer", "kwargs", "hint"),
+    [
+        ("_BITSANDBYTES", "import_bitsandbytes", {"quantization": "nf4"}, "quantization= and the 8-bit optimizers"),
+        ("_BITSANDBYTES", "import_bitsandbytes", {"optimizer": "adamw8bit"}, "quantization= and the 8-bit optimizers"),
+        ("_PEFT", "import_peft", {"lora": {"r": 4}}, "lora= needs peft"),
+    ],
+)
+def test_missing_optional_dependency_gives_the_install_command(cache, importer, kwargs, hint):
+    missing = mock.MagicMock(__bool__=lambda self: False, message="'x' is not installed")
+    getattr(imports, importer).cache_clear()
+    try:
+        with mock.patch.object(imports, cache, missing), pytest.raises(ModuleNotFoundError) as err:
+            LowPrecisionStrategy(**kwargs)
+    finally:
+        getattr(imports, importer).cache_clear()
+    assert hint in str(err.value) and 'pip install "pl_lowprec[qlora]"' in str(err.value)
+
+
+def test_int8_on_a_device_bitsandbytes_cannot_train_on():
+    import bitsandbytes
+
+    _INT8_OK.clear()
+    broken = mock.patch.object(bitsandbytes, "matmul", side_effect=NotImplementedError("no int8 kernel for cpu"))
+    trainer = quiet_trainer(strategy=LowPrecisionStrategy(quantization="int8", lora={"r": 4}), max_steps=1)
+    try:
+        with (
+            broken,
+            pytest.raises(
+                ValueError,
+                match=r"quantization='int8' cannot train on cpu.*no int8 kernel"
+                r".*Modes that can run here: 'nf4', 'nf4-dq', 'fp4', 'fp4-dq'",
+            ),
+        ):
+            trainer.fit(tiny_llama(), ids_loader())
+    finally:
+        _INT8_OK.clear()
+    assert trainer.global_step == 0
