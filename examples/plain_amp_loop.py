@@ -9,11 +9,12 @@ This is seed 002's "与梯度累积结合" loop (AMP with gradient accumulation)
 ``Trainer(plugins=[AMPPrecision(...)], accumulate_grad_batches=..., gradient_clip_val=...)`` gives the same
 parameters; ``tests/plugins/test_amp_equivalence.py`` checks it.
 
-Run: python examples/plain_amp_loop.py
+Run: python examples/plain_amp_loop.py [--fast]
 """
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Iterable
 
 import torch
@@ -64,9 +65,12 @@ def make_mlp(features: int = 32, classes: int = 4, hidden: int = 64, seed: int =
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="The plain AMP loop with accumulation and clipping.")
+    parser.add_argument("--fast", action="store_true", help="one short epoch (used by the tests)")
+    fast = parser.parse_args().fast
     model = make_mlp()
-    loader = torch.utils.data.DataLoader(make_classification_data(), batch_size=8)
+    loader = torch.utils.data.DataLoader(make_classification_data(n=64 if fast else 256), batch_size=8)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for epoch in range(3):
+    for epoch in range(1 if fast else 3):
         losses = train_plain_loop(model, loader, opt)
         print(f"epoch {epoch}: mean loss {sum(losses) / len(losses):.4f}")

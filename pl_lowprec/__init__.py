@@ -4,6 +4,7 @@ for any LightningModule, by configuration."""
 from pl_lowprec.callbacks import LossScaleMonitor, MemoryTracker, PersistentOverflowError
 from pl_lowprec.checkpointing import remove_activation_checkpointing, set_activation_checkpointing
 from pl_lowprec.plugins import AMPPrecision, LossScaleCollapseError, LossScaleState, SkipAwareScheduler
+from pl_lowprec.quantization import QuantizationConfig
 from pl_lowprec.strategies import LowPrecisionDDPStrategy, LowPrecisionStrategy
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "LowPrecisionStrategy",
     "MemoryTracker",
     "PersistentOverflowError",
+    "QuantizationConfig",
     "SkipAwareScheduler",
     "remove_activation_checkpointing",
     "set_activation_checkpointing",

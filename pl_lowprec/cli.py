@@ -18,7 +18,8 @@ def _cli_class() -> type:
     require_cli()
     from lightning.pytorch.cli import LightningCLI
 
-    import pl_lowprec  # noqa: F401  (registers the package's classes for short class names)
+    import pl_lowprec
+    import pl_lowprec.demo  # noqa: F401
 
     class LowPrecisionCLI(LightningCLI):
         """LightningCLI that writes under ``runs/`` by default."""
@@ -30,15 +31,21 @@ def _cli_class() -> type:
 
 
 def main(args: list[str] | None = None) -> None:
-    """Run the CLI; ``args`` replaces ``sys.argv[1:]`` (for tests)."""
+    """The ``pl-lowprec`` console script; ``args`` replaces ``sys.argv[1:]``."""
+    build_cli(args)
+
+
+def build_cli(args: list[str] | None = None, run: bool = True) -> Any:
+    """Parse ``args``, build the Trainer, model and data, and run the subcommand; return the LightningCLI."""
     # Lightning 2.6 warns about torch's LeafSpec on every fit; it is Lightning's own and not actionable here.
     warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
     cli_class = _cli_class()
-    cli_class(
+    return cli_class(
         model_class=None,
         datamodule_class=None,
         subclass_mode_model=True,
         subclass_mode_data=True,
         args=args,
+        run=run,
         save_config_kwargs={"overwrite": True},
     )

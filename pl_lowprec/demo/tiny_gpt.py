@@ -79,6 +79,13 @@ class TinyGPT(pl.LightningModule):
         self.log("val/loss", loss, prog_bar=True)
         self.log("val/perplexity", loss.exp())
 
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.log("test/loss", self._loss(batch))
+
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The most likely next byte after each prefix."""
+        return self(batch["input_ids"]).argmax(-1)
+
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=self.lr)
         warmup = max(1, self.warmup_steps)

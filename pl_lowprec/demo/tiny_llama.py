@@ -86,6 +86,14 @@ class TinyLlama(pl.LightningModule):
         self.val_perplexity.update(logits[:, :-1].float(), ids[:, 1:])
         self.log("val/perplexity", self.val_perplexity, prog_bar=True)
 
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        ids = batch["input_ids"]
+        self.log("test/loss", self.model(input_ids=ids, labels=ids, use_cache=False).loss)
+
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The most likely next byte after each prefix."""
+        return self(batch["input_ids"]).argmax(-1)
+
     def configure_optimizers(self):
         params = [p for p in self.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=self.lr)

@@ -1,0 +1,110 @@
+"""Every file in configs/ runs as shipped through the CLI (2 steps on CPU) with what it configures in effect."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pl_lowprec.cli import build_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+SINGLE_PROCESS = [c for c in CONFIGS if c.name != "ddp.yaml"]
+
+
+def _short(class_path: str) -> str:
+    return class_path.rpartition(".")[2]
+
+
+def _fast_args(config: Path) -> list[str]:
+    return [
+        "--config",
+        str(config),
+        "--trainer.max_steps",
+        "2",
+        "--trainer.limit_val_batches",
+        "1",
+        "--trainer.num_sanity_val_steps",
+        "1",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.accelerator",
+        "cpu",
+    ]
+
+
+def test_every_config_starts_with_its_command_and_is_covered():
+    assert {c.name for c in CONFIGS} >= {
+        "quickstart.yaml",
+        "amp-fp16.yaml",
+        "amp-bf16.yaml",
+        "qlora-nf4-bf16.yaml",
+        "qlora-fp16-t4.yaml",
+        "checkpointing.yaml",
+        "accumulation.yaml",
+        "lora-8bit-optimizer.yaml",
+        "ddp.yaml",
+    }
+    for config in CONFIGS:
+        assert config.read_text().splitlines()[0] == f"# Run: pl-lowprec fit --config configs/{config.name}"
+
+
+@pytest.mark.parametrize("config", SINGLE_PROCESS, ids=lambda c: c.stem)
+def test_config_runs_two_steps_with_its_components(config, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    spec = yaml.safe_load(config.read_text())["trainer"]
+    cli = build_cli(["fit", *_fast_args(config)])
+    trainer = cli.trainer
+    assert trainer.global_step == 2 and trainer.state.finished
+    for plugin in spec.get("plugins", []):
+        assert type(trainer.precision_plugin).__name__ == _short(plugin["class_path"])
+        assert trainer.precision == plugin["init_args"]["precision"]
+    if "strategy" in spec:
+        assert type(trainer.strategy).__name__ == _short(spec["strategy"]["class_path"])
+    in_effect = {type(c).__name__ for c in trainer.callbacks}
+    assert {_short(c["class_path"]) for c in spec.get("callbacks", [])} <= in_effect
+    if "accumulate_grad_batches" in spec:
+        assert trainer.accumulate_grad_batches == spec["accumulate_grad_batches"]
+
+
+def test_short_class_names_and_the_other_subcommands(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "short.yaml"
+    config.write_text(
+        """
+trainer:
+  accelerator: cpu
+  max_steps: 1
+  limit_val_batches: 1
+  limit_test_batches: 1
+  limit_predict_batches: 1
+  enable_progress_bar: false
+  plugins: [{class_path: AMPPrecision, init_args: {precision: bf16-mixed}}]
+  strategy: {class_path: LowPrecisionStrategy, init_args: {activation_checkpointing: [Block]}}
+  callbacks: [{class_path: LossScaleMonitor}, {class_path: MemoryTracker, init_args: {print_summary: false}}]
+model: {class_path: TinyGPT, init_args: {dim: 32, layers: 1}}
+data: {class_path: StdlibTextDataModule, init_args: {seq_len: 32, max_bytes: 20000}}
+"""
+    )
+    for subcommand in ("fit", "validate", "test", "predict"):
+        cli = build_cli([subcommand, "--config", str(config)])
+        assert type(cli.trainer.strategy).__name__ == "LowPrecisionStrategy"
+        tracker = next(c for c in cli.trainer.callbacks if type(c).__name__ == "MemoryTracker")
+        assert subcommand in tracker.summary
+    assert (tmp_path / "runs").is_dir() and not (tmp_path / "config.yaml").exists()
+
+
+@pytest.mark.slow
+def test_ddp_config_runs_on_two_cpu_processes(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "pl_lowprec", "fit", *_fast_args(ROOT / "configs/ddp.yaml")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Memory, fit (cpu, 2 ranks, max across ranks)" in result.stdout
+    assert "params_quantized_4bit" in result.stdout
