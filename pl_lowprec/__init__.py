@@ -3,6 +3,7 @@ for any LightningModule, by configuration."""
 
 from pl_lowprec.callbacks import LossScaleMonitor, MemoryTracker, PersistentOverflowError
 from pl_lowprec.checkpointing import remove_activation_checkpointing, set_activation_checkpointing
+from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
 from pl_lowprec.plugins import AMPPrecision, LossScaleCollapseError, LossScaleState, SkipAwareScheduler
 from pl_lowprec.quantization import QuantizationConfig
 from pl_lowprec.strategies import LowPrecisionDDPStrategy, LowPrecisionStrategy
@@ -14,10 +15,12 @@ __all__ = [
     "LossScaleState",
     "LowPrecisionDDPStrategy",
     "LowPrecisionStrategy",
+    "MemoryEstimate",
     "MemoryTracker",
     "PersistentOverflowError",
     "QuantizationConfig",
     "SkipAwareScheduler",
+    "estimate_memory",
     "remove_activation_checkpointing",
     "set_activation_checkpointing",
 ]

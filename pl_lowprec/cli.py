@@ -6,6 +6,7 @@ classes are imported here, so jsonargparse also resolves them by short name (``c
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any
 
@@ -31,7 +32,16 @@ def _cli_class() -> type:
 
 
 def main(args: list[str] | None = None) -> None:
-    """The ``pl-lowprec`` console script; ``args`` replaces ``sys.argv[1:]``."""
+    """The ``pl-lowprec`` console script; ``args`` replaces ``sys.argv[1:]``.
+
+    Subcommands: ``fit``, ``validate``, ``test``, ``predict`` (LightningCLI) and ``estimate`` (memory estimate).
+    """
+    argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["estimate"]:
+        from pl_lowprec.memory.estimate_config import main as estimate_main
+
+        estimate_main(argv[1:])
+        return
     build_cli(args)
 
 

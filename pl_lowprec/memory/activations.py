@@ -25,7 +25,7 @@ class SavedTensorCounter:
         self.nbytes = 0
 
     def add(self, tensor: torch.Tensor) -> None:
-        if tensor.device.type == "meta" or tensor.layout != torch.strided:
+        if tensor.layout != torch.strided:
             return
         key = _storage_key(tensor)
         if key in self._seen:
@@ -39,7 +39,8 @@ class SavedTensorCounter:
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
+    # the StorageImpl's address: one per storage, also for fake tensors (which have no data pointer)
+    return tensor.untyped_storage()._cdata
 
 
 @contextmanager

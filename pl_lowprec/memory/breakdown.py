@@ -23,9 +23,9 @@ class _StorageSet:
         if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
             return 0
         storage = tensor.untyped_storage()
-        if storage.data_ptr() in self._seen:
+        if storage._cdata in self._seen:
             return 0
-        self._seen.add(storage.data_ptr())
+        self._seen.add(storage._cdata)
         return storage.nbytes()
 
 

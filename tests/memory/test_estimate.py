@@ -1,0 +1,99 @@
+"""estimate_memory: exact weights, gradients and optimizer state; activations near the measured; no allocation."""
+
+import functools
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning_helpers import quiet_trainer
+from qlora_helpers import ids_loader
+
+from pl_lowprec import AMPPrecision, LowPrecisionStrategy, MemoryTracker, estimate_memory
+from pl_lowprec.demo import TinyGPT, TinyLlama
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _measure(build, precision, **strategy):
+    tracker = MemoryTracker(print_summary=False)
+    plugins = [AMPPrecision(precision)] if precision.endswith("-mixed") else []
+    kwargs = {} if plugins else {"precision": precision}
+    trainer = quiet_trainer(
+        strategy=LowPrecisionStrategy(**strategy), plugins=plugins, max_steps=1, callbacks=[tracker], **kwargs
+    )
+    torch.manual_seed(0)
+    trainer.fit(build(), ids_loader(batches=1, batch_size=8, seq_len=65))
+    return tracker.summary["fit"]["bytes"]
+
+
+CASES = {
+    "gpt fp32": (functools.partial(TinyGPT, dim=64, layers=2), "32-true", {}),
+    "gpt bf16 checkpointed": (
+        functools.partial(TinyGPT, dim=64, layers=4),
+        "bf16-mixed",
+        {"activation_checkpointing": ["Block"], "checkpoint_every_n": 2},
+    ),
+    "llama qlora adamw8bit": (
+        functools.partial(TinyLlama, hidden_size=128),
+        "bf16-mixed",
+        {"quantization": "nf4-dq", "lora": {"r": 32, "lora_alpha": 64}, "optimizer": "adamw8bit"},
+    ),
+    "llama int8 fp16": (
+        functools.partial(TinyLlama, hidden_size=64, intermediate_size=192),
+        "16-mixed",
+        {"quantization": "int8", "lora": {"r": 8}, "activation_checkpointing": ["LlamaDecoderLayer"]},
+    ),
+    "llama lora bf16-true": (
+        functools.partial(TinyLlama, hidden_size=64, intermediate_size=192),
+        "bf16-true",
+        {"lora": {"r": 8}},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_estimate_matches_the_measured_breakdown(case):
+    pytest.importorskip("bitsandbytes")
+    build, precision, strategy = CASES[case]
+    batch = {"input_ids": torch.zeros(8, 65, dtype=torch.long)}
+    estimate = estimate_memory(build, batch, precision=precision, **{"optimizer": "adamw", **strategy}).as_dict()
+    measured = _measure(build, precision, **strategy)
+    for key in [k for k in measured if k.startswith("params_")] + ["gradients", "optimizer_state"]:
+        assert estimate[key] == measured[key], key  # exact counts
+    assert abs(estimate["activations"] - measured["activations"]) <= 0.25 * measured["activations"]
+
+
+def test_a_billion_parameter_model_is_estimated_without_allocating_it():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    build = functools.partial(
+        TinyLlama, hidden_size=2048, intermediate_size=5632, num_layers=22, num_heads=16, max_len=2048
+    )
+    estimate = estimate_memory(
+        build,
+        {"input_ids": torch.zeros(1, 256, dtype=torch.long)},
+        precision="bf16-mixed",
+        quantization="nf4-dq",
+        lora={"r": 16, "lora_alpha": 32},
+        activation_checkpointing=["LlamaDecoderLayer"],
+    )
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert estimate.parameters >= 1_000_000_000
+    assert estimate.weights["quantized_4bit"] > 0.5 * 1e9 * 0.5  # ~0.52 bytes for each of ~1B quantized weights
+    assert grown_mib < 300, f"peak RSS grew by {grown_mib:.0f} MiB"  # 1B fp32 weights would be 4000 MiB
+
+
+def test_cli_prints_the_table():
+    result = subprocess.run(
+        [sys.executable, "-m", "pl_lowprec", "estimate", "--config", str(ROOT / "configs/quickstart.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("Estimated training memory (")
+    for component in ("params_quantized_4bit", "gradients", "optimizer_state", "activations", "total"):
+        assert any(line.split()[:1] == [component] for line in lines), component
