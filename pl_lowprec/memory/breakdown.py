@@ -85,7 +85,3 @@ def optimizer_state_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> int:
         for state in optimizer.state.values():
             total += sum(seen.nbytes(v) for v in state.values())
     return total
-
-
-def trainable_parameter_count(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
