@@ -29,7 +29,7 @@ from pl_lowprec.checkpointing import CheckpointImpl, CheckpointPolicy, set_activ
 from pl_lowprec.lora import inject_lora, prepare_for_kbit_training
 from pl_lowprec.memory.activations import count_saved_tensors
 from pl_lowprec.quantization import DEFAULT_SKIP, QuantizationConfig, swap_linear_layers
-from pl_lowprec.strategies.transform import _DTYPE_BY_PRECISION
+from pl_lowprec.strategies.transform import dtype_of_precision
 
 MIN_8BIT_SIZE = 4096  # bitsandbytes keeps 32-bit optimizer state below this many elements
 OPTIMIZER_BLOCK = 256  # bitsandbytes' blockwise 8-bit optimizer state: one fp32 absmax per block
@@ -124,7 +124,7 @@ def estimate_memory(
     """
     if isinstance(quantization, str):
         quantization = QuantizationConfig.from_mode(quantization)
-    compute_dtype = _DTYPE_BY_PRECISION.get(precision, torch.float32)
+    compute_dtype = dtype_of_precision(precision)
     mixed = precision.endswith("-mixed")
     with torch.device("meta"):  # structure, dtypes and shapes only: nothing is allocated
         model = build_model()

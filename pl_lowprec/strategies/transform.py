@@ -38,7 +38,7 @@ from pl_lowprec.checkpointing import (
     set_activation_checkpointing,
     validate_checkpoint_args,
 )
-from pl_lowprec.lora import inject_lora, lora_config, prepare_for_kbit_training
+from pl_lowprec.lora import has_lora, inject_lora, lora_config, prepare_for_kbit_training
 from pl_lowprec.optimizers import OptimizerName, rebind_schedulers, swap_optimizer, validate_optimizer_name
 from pl_lowprec.quantization import DEFAULT_SKIP, QuantizationConfig, QuantMode, quantize_model
 
@@ -52,12 +52,17 @@ _DTYPE_BY_PRECISION = {
 }
 
 
+def dtype_of_precision(precision: str) -> torch.dtype:
+    """The compute dtype of a Trainer precision string (``"bf16-mixed"`` -> bfloat16, unknown -> float32)."""
+    return _DTYPE_BY_PRECISION.get(str(precision), torch.float32)
+
+
 def compute_dtype_of(precision_plugin: Any) -> torch.dtype:
     """The dtype a precision plugin computes in: its own ``compute_dtype``, else from its precision string."""
     own = getattr(precision_plugin, "compute_dtype", None)
     if isinstance(own, torch.dtype):
         return own
-    return _DTYPE_BY_PRECISION.get(str(precision_plugin.precision), torch.float32)
+    return dtype_of_precision(precision_plugin.precision)
 
 
 @dataclass
@@ -95,7 +100,7 @@ class ModelTransform:
             replaced = quantize_model(model, self.quantization, compute_dtype, device)
             if replaced:
                 rank_zero_info(f"Quantized {len(replaced)} linear layers to {self.quantization.mode}.")
-        if self.lora is not None:
+        if self.lora is not None and not has_lora(model):
             adapted = inject_lora(model, self.lora, self.skip_modules)
             mixed = str(precision_plugin.precision).endswith("-mixed")
             added = prepare_for_kbit_training(model, mixed_precision=mixed)
