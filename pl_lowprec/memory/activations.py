@@ -4,6 +4,10 @@
 counted once, and storages shared with the model's parameters are left out (they are weights, not
 activations). Activation checkpointing replaces a block's saved tensors with its inputs; the checkpointed
 forward reports those inputs here (``note_checkpoint_inputs``), so the count stays the real one.
+
+Not seen: tensors a custom autograd function keeps as plain attributes instead of ``save_for_backward``.
+bitsandbytes' 4-bit matmul keeps its input that way; where LoRA wraps the layer, LoRA saves the same input
+through the hooks, so the figure still counts it.
 """
 
 from __future__ import annotations
