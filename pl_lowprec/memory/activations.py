@@ -6,8 +6,8 @@ activations). Activation checkpointing replaces a block's saved tensors with its
 forward reports those inputs here (``note_checkpoint_inputs``), so the count stays the real one.
 
 Not seen: tensors a custom autograd function keeps as plain attributes instead of ``save_for_backward``.
-bitsandbytes' 4-bit matmul keeps its input that way; where LoRA wraps the layer, LoRA saves the same input
-through the hooks, so the figure still counts it.
+bitsandbytes' 4-bit matmul keeps its input that way; that input is usually alive anyway (the layer's LoRA
+branch and the residual stream hold it), but where nothing else does, the figure misses it.
 """
 
 from __future__ import annotations
