@@ -70,7 +70,7 @@ class LossScaleMonitor(pl.Callback):
         self._own_tracker = LossScaleTracker()  # for plugins that keep no counts (Lightning's, or no scaler)
         self._previous: LossScaleState | None = None
         self._seen_step = 0
-        self._nonfinite_this_step = False
+        self._nonfinite: torch.Tensor | None = None  # device flag: no host sync until the step ends
         self._warned: set[str] = set()
         self._locator = OverflowLocator()
 
@@ -89,7 +89,7 @@ class LossScaleMonitor(pl.Callback):
         if scaler is not None:  # Lightning's plugins: a dynamic scale falls only when a step was skipped
             overflow = self._previous is not None and scale < self._previous.scale
         else:
-            overflow = self._nonfinite_this_step
+            overflow = self._nonfinite is not None and bool(self._nonfinite)  # one sync per optimizer step
         for i in range(steps):
             self._own_tracker.record(overflow and i == steps - 1, scale)
         return self._own_tracker.snapshot(scale)
@@ -108,8 +108,8 @@ class LossScaleMonitor(pl.Callback):
     ) -> None:
         if self._scaler(trainer) is None:
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-            if isinstance(loss, torch.Tensor) and not bool(torch.isfinite(loss.detach()).all()):
-                self._nonfinite_this_step = True
+            if isinstance(loss, torch.Tensor):
+                self._flag_nonfinite(loss.detach())
         steps = trainer.global_step - self._seen_step
         if steps <= 0:
             return  # inside an accumulation window
@@ -122,7 +122,7 @@ class LossScaleMonitor(pl.Callback):
         self.growths += state.scale > previous.scale
         self.backoffs += state.scale < previous.scale
         self._previous = state
-        self._nonfinite_this_step = False
+        self._nonfinite = None
 
         if self._locator.armed:
             if overflowed and self._locator.location is not None:
@@ -139,8 +139,12 @@ class LossScaleMonitor(pl.Callback):
         if not self.check_gradients or self._scaler(trainer) is not None:
             return
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        if grads and not bool(torch.isfinite(torch.nn.utils.get_total_norm(grads))):
-            self._nonfinite_this_step = True
+        if grads:
+            self._flag_nonfinite(torch.nn.utils.get_total_norm(grads))
+
+    def _flag_nonfinite(self, tensor: torch.Tensor) -> None:
+        bad = ~torch.isfinite(tensor).all()
+        self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._locator.disarm()
