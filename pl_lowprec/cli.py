@@ -58,4 +58,8 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> Any:
         args=args,
         run=run,
         save_config_kwargs={"overwrite": True},
+        parser_kwargs={
+            "description": "pl_lowprec on LightningCLI. Also: `pl-lowprec estimate --config X.yaml` predicts the"
+            " training memory of a config before running it."
+        },
     )
