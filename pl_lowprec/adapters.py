@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from pl_lowprec._imports import import_peft
@@ -58,6 +57,8 @@ def find_base_model(module: nn.Module) -> tuple[str, nn.Module]:
 def export_adapter(module: nn.Module, directory: str | Path, base_model: str | None = None) -> Path:
     """Write a peft adapter directory for the LoRA layers under ``base_model`` (default: the HF model inside)."""
     import_peft()
+    from safetensors.torch import save_file  # ships with peft
+
     prefix, base = (base_model, module.get_submodule(base_model)) if base_model else find_base_model(module)
     lead = f"{prefix}." if prefix else ""
     layers = {n.removeprefix(lead): m for n, m in lora_layers(module).items() if n.startswith(lead)}

@@ -1,0 +1,63 @@
+"""With only the core dependencies (torch, lightning), the package imports and AMP trains; each extra's feature
+fails when asked for, with its install command."""
+
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent(
+    """
+    import importlib.abc, sys, warnings
+
+    BLOCKED = {"bitsandbytes", "peft", "safetensors", "transformers", "jsonargparse"}  # yaml is a lightning dependency
+
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in BLOCKED:
+                raise ModuleNotFoundError(f"No module named {name!r}")
+            return None
+
+    sys.meta_path.insert(0, Block())
+    from lightning_utilities.core import imports
+    available = imports.RequirementCache.__bool__
+    imports.RequirementCache.__bool__ = lambda self: (
+        available(self) and self.requirement.split("[")[0].split(">")[0] not in BLOCKED
+    )
+
+    import torch, lightning.pytorch as pl
+    import pl_lowprec
+    import pl_lowprec.demo
+    from pl_lowprec import AMPPrecision, LowPrecisionStrategy
+
+    warnings.filterwarnings("ignore")
+    model = pl_lowprec.demo.TinyGPT(dim=16, layers=1, heads=2)
+    ids = torch.randint(0, 256, (8, 17))
+    loader = torch.utils.data.DataLoader([{"input_ids": r} for r in ids], batch_size=4)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=2, plugins=[AMPPrecision("16-mixed")], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         strategy=LowPrecisionStrategy(activation_checkpointing=["Block"]))
+    trainer.fit(model, loader)
+    print("trained", trainer.global_step)
+    for kwargs in ({"quantization": "nf4"}, {"lora": {"r": 4}}):
+        try:
+            LowPrecisionStrategy(**kwargs)
+        except ModuleNotFoundError as err:
+            print("refused:", err)
+    try:
+        pl_lowprec.demo.TinyLlama()
+    except ModuleNotFoundError as err:
+        print("refused:", err)
+    """
+)
+
+
+def test_core_install_imports_trains_and_names_the_extras():
+    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "trained 2" in out
+    assert (
+        "quantization= and the 8-bit optimizers need bitsandbytes" in out and 'pip install "pl_lowprec[qlora]"' in out
+    )
+    assert "lora= needs peft" in out
+    assert "TinyLlama needs transformers" in out and 'pip install "pl_lowprec[hf]"' in out
