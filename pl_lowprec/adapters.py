@@ -18,6 +18,7 @@ from torch import nn
 
 from pl_lowprec._imports import import_peft
 from pl_lowprec.lora import ADAPTER_NAME, lora_layers
+from pl_lowprec.quantization import is_quantized
 
 
 def trainable_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -111,7 +112,7 @@ def merged_state_dict(module: nn.Module, base_model: str | None = None) -> dict[
 
 
 def _dequantized(peft: object, layer: nn.Module) -> torch.Tensor:
-    if type(layer).__name__ in ("Linear4bit", "Linear8bitLt"):
+    if is_quantized(layer):
         state = getattr(layer, "state", None)
         return peft.utils.integrations.dequantize_bnb_weight(layer.weight, state=state).float()
     return layer.weight.detach().float()

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from pl_lowprec._imports import import_peft
-from pl_lowprec.quantization import DEFAULT_SKIP, QuantizationConfig, linear_names
+from pl_lowprec.quantization import DEFAULT_SKIP, linear_names, matches_any
 
 ADAPTER_NAME = "default"
 
@@ -49,8 +49,7 @@ def resolve_targets(model: nn.Module, config: Any, skip: tuple[str, ...] = DEFAU
     linears = linear_names(model)
     target = config.target_modules
     if target in ("all-linear", "all_linear"):
-        skipper = QuantizationConfig(mode="nf4", skip_modules=skip)
-        chosen = [n for n in linears if not skipper.skips(n)]
+        chosen = [n for n in linears if not matches_any(n, skip)]
     elif isinstance(target, str):
         chosen = [n for n in linears if re.fullmatch(target, n)]
     else:

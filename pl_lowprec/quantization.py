@@ -70,7 +70,12 @@ class QuantizationConfig:
         return self.mode != "int8"
 
     def skips(self, name: str) -> bool:
-        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.skip_modules)
+        return matches_any(name, self.skip_modules)
+
+
+def matches_any(name: str, patterns: Sequence[str]) -> bool:
+    """Whether a module name matches one of the glob ``patterns`` (``"lm_head"``, ``"*.head"``)."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
 
 
 def swap_linear_layers(
