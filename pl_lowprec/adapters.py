@@ -95,8 +95,7 @@ def merged_state_dict(module: nn.Module, base_model: str | None = None) -> dict[
     quantized = {
         n: m
         for n, m in base.named_modules()
-        if type(m).__name__ in ("Linear4bit", "Linear8bitLt")
-        and not any(n == a or n.startswith(f"{a}.") for a in adapted)
+        if is_quantized(m) and not any(n == a or n.startswith(f"{a}.") for a in adapted)
     }
     replaced = [*adapted, *quantized]
     merged = {k: v.detach() for k, v in base.state_dict().items() if not any(k.startswith(f"{n}.") for n in replaced)}
