@@ -18,6 +18,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from pl_lowprec.memory.breakdown import StorageSet
+
 _ACTIVE: list[SavedTensorCounter] = []
 
 
@@ -25,26 +27,15 @@ class SavedTensorCounter:
     """Accumulates unique saved-tensor storages; read ``nbytes`` after the forward pass."""
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
-        self._seen: set[int] = {_storage_key(t) for t in exclude}
+        self._storages = StorageSet(exclude)
         self.nbytes = 0
 
     def add(self, tensor: torch.Tensor) -> None:
-        if tensor.layout != torch.strided:
-            return
-        key = _storage_key(tensor)
-        if key in self._seen:
-            return
-        self._seen.add(key)
-        self.nbytes += tensor.untyped_storage().nbytes()
+        self.nbytes += self._storages.nbytes(tensor)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self.add(tensor)
         return tensor
-
-
-def _storage_key(tensor: torch.Tensor) -> int:
-    # the StorageImpl's address: one per storage, also for fake tensors (which have no data pointer)
-    return tensor.untyped_storage()._cdata
 
 
 @contextmanager

@@ -13,14 +13,19 @@ import torch
 from torch import nn
 
 
-class _StorageSet:
-    """Sums ``untyped_storage().nbytes()`` of tensors whose storage was not seen before."""
+class StorageSet:
+    """Counts each storage once: ``nbytes(t)`` is the size of ``t``'s storage the first time it is seen, else 0.
 
-    def __init__(self) -> None:
+    Storages are told apart by their StorageImpl address, which fake tensors (no data pointer) have too.
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
         self._seen: set[int] = set()
+        for tensor in exclude:
+            self.nbytes(tensor)
 
-    def nbytes(self, tensor: torch.Tensor | None) -> int:
-        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+    def nbytes(self, tensor: object) -> int:
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta" or tensor.layout != torch.strided:
             return 0
         storage = tensor.untyped_storage()
         if storage._cdata in self._seen:
@@ -55,7 +60,7 @@ def quant_state_tensors(module: nn.Module, param: torch.Tensor) -> list[torch.Te
 
 def parameter_bytes(model: nn.Module) -> dict[str, int]:
     """Parameter bytes keyed by dtype name, quantized weights as ``quantized_4bit``/``quantized_8bit``."""
-    seen = _StorageSet()
+    seen = StorageSet()
     out: dict[str, int] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):
@@ -68,18 +73,18 @@ def parameter_bytes(model: nn.Module) -> dict[str, int]:
 
 
 def buffer_bytes(model: nn.Module) -> int:
-    seen = _StorageSet()
+    seen = StorageSet()
     return sum(seen.nbytes(b) for b in model.buffers())
 
 
 def gradient_bytes(model: nn.Module) -> int:
-    seen = _StorageSet()
+    seen = StorageSet()
     return sum(seen.nbytes(p.grad) for p in model.parameters())
 
 
 def optimizer_state_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> int:
     """Bytes of every tensor in the optimizers' per-parameter state (Adam moments, 8-bit quantiles, ...)."""
-    seen = _StorageSet()
+    seen = StorageSet()
     total = 0
     for optimizer in optimizers:
         for state in optimizer.state.values():
