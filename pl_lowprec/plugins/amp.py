@@ -8,7 +8,12 @@ the LR scheduler when an overflow made the optimizer step a no-op. This plugin e
 - each optimizer step's outcome is recorded (``loss_scale_state()``), skipped steps leave the parameters,
   the optimizer state and ``interval="step"`` schedulers untouched, and a scale that collapses below
   ``min_scale`` stops the run with its history;
-- gradients are unscaled exactly once before clipping, in automatic and in manual optimization.
+- gradients are unscaled exactly once before clipping, in automatic and in manual optimization, and an
+  unscale that no step followed (a ``training_step`` that returned ``None``, a clip without a step, an
+  exception) never leaves the scaler half-done;
+- ``precision="auto"`` picks what is fast and sound on the device the Trainer runs on
+  (``precision_choice.py``), says what it chose and why, and records it in checkpoints;
+- ``float32_matmul_precision`` sets ``torch.set_float32_matmul_precision`` for the run and restores it after.
 
 The step is the one of the plain loop: ``scaler.scale(loss).backward()`` per micro-batch, then ``unscale_``,
 clip, ``scaler.step``, ``scaler.update`` once per accumulation window.
@@ -17,7 +22,8 @@ clip, ``scaler.step``, ``scaler.update`` once per accumulation window.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
 from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
@@ -25,7 +31,7 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import GradClipAlgorithmType
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import LBFGS, Optimizer
 
@@ -36,10 +42,14 @@ from pl_lowprec.plugins.dtype_checks import (
     verify_bf16_support,
 )
 from pl_lowprec.plugins.loss_scale import LossScaleCollapseError, LossScaleState, LossScaleTracker
+from pl_lowprec.plugins.precision_choice import PrecisionChoice, choose_precision
 from pl_lowprec.plugins.scheduler_guard import guard_step_schedulers
 
-AMPPrecisionInput = Literal["16-mixed", "bf16-mixed"]
+AMPPrecisionInput = Literal["auto", "16-mixed", "bf16-mixed"]
 LossScaleInput = Literal["auto", "dynamic"] | float | None
+MatmulPrecision = Literal["highest", "high", "medium"]
+
+_COMPUTE_DTYPE = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "32-true": torch.float32}
 
 _DYNAMIC_DEFAULTS = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
 
@@ -48,7 +58,9 @@ class AMPPrecision(MixedPrecision):
     """Automatic mixed precision (fp16 or bf16) with an honest, configurable loss scaler.
 
     Args:
-        precision: ``"16-mixed"`` (fp16 autocast, loss scaling on by default) or ``"bf16-mixed"``.
+        precision: ``"auto"`` (the fast, sound choice for the Trainer's device, resolved at setup:
+            bf16-mixed on GPUs with bf16 and on CPUs with AMX/avx512_bf16, 16-mixed on GPUs without bf16,
+            fp32 on other CPUs), ``"16-mixed"`` (fp16 autocast, loss scaling on by default) or ``"bf16-mixed"``.
         loss_scale: ``"dynamic"`` (GradScaler), a positive float (static scaling: overflowing steps are still
             skipped), ``None`` (no scaling) or ``"auto"``: dynamic for fp16, none for bf16.
         init_scale: Starting scale of dynamic scaling.
@@ -59,12 +71,14 @@ class AMPPrecision(MixedPrecision):
             history. ``None`` never stops.
         skip_scheduler_on_overflow: Do not step ``interval="step"`` LR schedulers after a skipped step.
         upcast_trainable: Under fp16, cast trainable fp16 parameters to fp32 (and say so) instead of failing.
+        float32_matmul_precision: ``torch.set_float32_matmul_precision`` for the run (``"highest"``, ``"high"``,
+            ``"medium"``), restored at teardown. ``None`` leaves the process setting alone.
         device: Autocast device type. ``None`` takes the Trainer's device at setup.
     """
 
     def __init__(
         self,
-        precision: AMPPrecisionInput,
+        precision: AMPPrecisionInput = "auto",
         loss_scale: LossScaleInput = "auto",
         init_scale: float = 65536.0,
         growth_factor: float = 2.0,
@@ -73,67 +87,128 @@ class AMPPrecision(MixedPrecision):
         min_scale: float | None = 1.0,
         skip_scheduler_on_overflow: bool = True,
         upcast_trainable: bool = False,
+        float32_matmul_precision: MatmulPrecision | None = None,
         device: Literal["cpu", "cuda"] | None = None,
     ) -> None:
         if precision not in get_args(AMPPrecisionInput):
             raise ValueError(
-                f"AMPPrecision(precision={precision!r}) is not supported. Allowed: '16-mixed' (fp16 autocast with"
-                " loss scaling) or 'bf16-mixed'. For fp32 or pure half precision use Lightning's"
-                " Trainer(precision='32-true' | 'bf16-true' | '16-true') without this plugin."
+                f"AMPPrecision(precision={precision!r}) is not supported. Allowed: 'auto' (the fast choice for the"
+                " device), '16-mixed' (fp16 autocast with loss scaling) or 'bf16-mixed'. For fp32 or pure half"
+                " precision use Lightning's Trainer(precision='32-true' | 'bf16-true' | '16-true') without this"
+                " plugin."
             )
-        dynamic = {
+        if float32_matmul_precision not in (*get_args(MatmulPrecision), None):
+            raise ValueError(
+                f"AMPPrecision(float32_matmul_precision={float32_matmul_precision!r}) is not valid. Allowed:"
+                " 'highest' (full fp32), 'high' (TF32 on Ampere+ GPUs), 'medium' (also bf16 passes), or None to"
+                " leave torch's setting alone."
+            )
+        self._dynamic = {
             "init_scale": init_scale,
             "growth_factor": growth_factor,
             "backoff_factor": backoff_factor,
             "growth_interval": growth_interval,
         }
-        self.loss_scale_mode, static_scale = _resolve_loss_scale(precision, loss_scale, dynamic, min_scale)
-        scaler = None
-        if self.loss_scale_mode is not None:
-            scaler_device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-            init = static_scale if self.loss_scale_mode == "static" else init_scale
-            scaler = torch.amp.GradScaler(
-                scaler_device,
-                init_scale=init,
-                growth_factor=growth_factor,
-                backoff_factor=backoff_factor,
-                growth_interval=growth_interval,
-            )
-        super().__init__(precision, device=device or "cpu", scaler=scaler)
-        self.scaler = scaler  # MixedPrecision would create a default fp16 scaler for loss_scale=None
-        self.device = device  # resolved from the Trainer in ``convert_module`` when None
-        self.static_scale = static_scale
-        self.min_scale = min_scale if self.loss_scale_mode == "dynamic" else None
+        self._loss_scale = loss_scale
+        self._min_scale = min_scale
+        # Validate now, as if fp16, so that bad settings fail before the Trainer exists even under "auto".
+        _resolve_loss_scale("16-mixed" if precision == "auto" else precision, loss_scale, self._dynamic, min_scale)
+        super().__init__("bf16-mixed", device=device or "cpu", scaler=None)
+        self.requested_precision = precision
+        self.choice: PrecisionChoice | None = None
+        self.device = device  # resolved from the Trainer at setup when None
         self.skip_scheduler_on_overflow = skip_scheduler_on_overflow
         self.upcast_trainable = upcast_trainable
+        self.float32_matmul_precision = float32_matmul_precision
+        self._matmul_precision_before: str | None = None
         self._tracker = LossScaleTracker()
         self._unscaled: set[int] = set()
         self._applied: set[int] = set()
         self._skipped_by_optimizer: dict[int, bool] = {}
         self._hook_handles: list[Any] = []
+        if precision == "auto":
+            self.precision = "auto"
+            self.scaler = None
+            self.loss_scale_mode, self.static_scale, self.min_scale = None, None, None
+        else:
+            self._configure(precision, device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+    def _configure(self, precision: str, scaler_device: str) -> None:
+        """Set the precision and build the scaler it needs."""
+        self.precision = precision
+        self.loss_scale_mode, self.static_scale = None, None
+        # Under "auto", the loss-scale settings apply only if it chose fp16 (they were validated at init).
+        if precision == "16-mixed" or (precision == "bf16-mixed" and self.requested_precision != "auto"):
+            self.loss_scale_mode, self.static_scale = _resolve_loss_scale(
+                precision, self._loss_scale, self._dynamic, self._min_scale
+            )
+        self.scaler = None
+        if self.loss_scale_mode is not None:
+            init = self.static_scale if self.loss_scale_mode == "static" else self._dynamic["init_scale"]
+            self.scaler = torch.amp.GradScaler(
+                scaler_device,
+                init_scale=init,
+                growth_factor=self._dynamic["growth_factor"],
+                backoff_factor=self._dynamic["backoff_factor"],
+                growth_interval=self._dynamic["growth_interval"],
+            )
+        self.min_scale = self._min_scale if self.loss_scale_mode == "dynamic" else None
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """The dtype autocast computes in: the real one, also on CPU."""
-        return torch.float16 if self.precision == "16-mixed" else torch.bfloat16
+        """The dtype autocast computes in: the real one, also on CPU (fp32 when ``"auto"`` chose no autocast)."""
+        if self.precision == "auto":
+            raise RuntimeError(
+                "AMPPrecision('auto') has not chosen a precision yet: it does so when the Trainer's device is known"
+                " (at setup). Call plugin.resolve(device) first to ask what it would choose."
+            )
+        return _COMPUTE_DTYPE[self.precision]
 
     def loss_scale_state(self) -> LossScaleState:
         """Scale and step counters after the latest optimizer step (scale 1.0 when not scaling)."""
         scale = self.scaler.get_scale() if self.scaler is not None else 1.0
         return self._tracker.snapshot(scale)
 
-    # -- set-up: device, dtype checks, optimizer hooks ------------------------------------------------------
+    # -- set-up: device, precision choice, dtype checks, optimizer hooks ----------------------------------
+
+    def resolve(self, device: torch.device | str) -> None:
+        """Fix the device and, under ``"auto"``, choose the precision for it (once) and say why.
+
+        The package's model transform calls this before it quantizes (QLoRA's compute dtype follows the
+        choice); with any other strategy ``convert_module`` does. Later calls change nothing.
+        It also applies ``float32_matmul_precision``, which ``teardown`` restores.
+        """
+        device = torch.device(device)
+        if self.device is None:
+            self.device = device.type
+        if self.precision == "auto":
+            self.choice = choose_precision(device)
+            self._configure(self.choice.precision, device.type)
+            unused = _changed_loss_scale_settings(self._loss_scale, self._dynamic)
+            note = f" The loss-scale settings ({unused}) apply only when it chooses '16-mixed'." if unused else ""
+            rank_zero_info(self.choice.describe() + note)
+        if self.float32_matmul_precision is not None and self._matmul_precision_before is None:
+            self._matmul_precision_before = torch.get_float32_matmul_precision()
+            torch.set_float32_matmul_precision(self.float32_matmul_precision)
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Runs in ``strategy.setup`` before optimizers exist: resolve the device and check dtypes."""
-        if self.device is None:
-            trainer = getattr(module, "_trainer", None)
-            self.device = trainer.strategy.root_device.type if trainer is not None else "cpu"
+        trainer = getattr(module, "_trainer", None)
+        self.resolve(trainer.strategy.root_device if trainer is not None else torch.device(self.device or "cpu"))
         if self.precision == "bf16-mixed":
             verify_bf16_support(torch.device(self.device))
-        else:
+        elif self.precision == "16-mixed":
             self._check_half_trainable(module)
         return module
+
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        """Autocast, except where ``"auto"`` chose fp32."""
+        if self.precision == "32-true":
+            yield
+            return
+        with self.autocast_context_manager():
+            yield
 
     def _check_half_trainable(self, module: nn.Module) -> None:
         names = half_trainable_parameters(module)
@@ -156,6 +231,7 @@ class AMPPrecision(MixedPrecision):
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
         self._remove_hooks()
+        self._forget_all_unscales()  # a previous fit that stopped mid-step leaves nothing behind
         if self.scaler is not None:
             for optimizer in optimizers:
                 _check_optimizer_supports_scaling(optimizer)
@@ -166,6 +242,10 @@ class AMPPrecision(MixedPrecision):
 
     def teardown(self) -> None:
         self._remove_hooks()
+        self._forget_all_unscales()
+        if self._matmul_precision_before is not None:
+            torch.set_float32_matmul_precision(self._matmul_precision_before)
+            self._matmul_precision_before = None
         super().teardown()
 
     def _remove_hooks(self) -> None:
@@ -177,10 +257,15 @@ class AMPPrecision(MixedPrecision):
         self._applied.add(id(optimizer))
 
     def step_was_skipped(self, optimizer: Optimizer) -> bool:
-        """Whether the latest step of ``optimizer`` was skipped for non-finite gradients."""
+        """Whether the latest step of ``optimizer`` applied no update (overflow, or nothing to step)."""
         return self._skipped_by_optimizer.get(id(optimizer), False)
 
     # -- the step ---------------------------------------------------------------------------------------
+
+    def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
+        # An optimizer unscaled (by a clip) but never stepped must not carry that unscale into a new window.
+        self._forget_all_unscales()
+        return super().pre_backward(tensor, module)
 
     def optimizer_step(  # type: ignore[override]
         self,
@@ -192,14 +277,20 @@ class AMPPrecision(MixedPrecision):
         if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         closure_result = closure()
-        if closure_result is None and model.automatic_optimization:
-            # ``training_step`` returned None: no backward ran, nothing to unscale or step.
+        if closure_result is None and model.automatic_optimization and not _has_gradients(optimizer):
+            # ``training_step`` returned None and no earlier micro-batch of the window left gradients: there is
+            # nothing to unscale or apply. Not a step, not an overflow; step-interval schedulers hold.
             self._after_closure(model, optimizer)
+            self._skipped_by_optimizer[id(optimizer)] = True
             return closure_result
-        self._unscale_once(optimizer)
-        self._after_closure(model, optimizer)
-        self._applied.discard(id(optimizer))
-        output = self.scaler.step(optimizer, **kwargs)
+        try:
+            self._unscale_once(optimizer)
+            self._after_closure(model, optimizer)
+            self._applied.discard(id(optimizer))
+            output = self.scaler.step(optimizer, **kwargs)
+        except BaseException:
+            self._forget_unscale(optimizer)  # the scaler must not keep a half-done step into the next one
+            raise
         skipped = id(optimizer) not in self._applied
         self._skipped_by_optimizer[id(optimizer)] = skipped
         self._update_scale()
@@ -222,9 +313,26 @@ class AMPPrecision(MixedPrecision):
     def _unscale_once(self, optimizer: Optimizer) -> None:
         if isinstance(optimizer, LightningOptimizer):  # ``self.optimizers()`` in manual optimization
             optimizer = optimizer.optimizer
-        if id(optimizer) not in self._unscaled:
+        if id(optimizer) not in self._unscaled and _has_gradients(optimizer):
             self.scaler.unscale_(optimizer)
             self._unscaled.add(id(optimizer))
+
+    def _forget_unscale(self, optimizer: Optimizer) -> None:
+        """Return ``optimizer`` to GradScaler's ready state after an ``unscale_`` that no ``update`` followed.
+
+        GradScaler keeps each optimizer's unscale (and its inf checks) until ``update()``, and offers no public
+        reset; without this, the next step would skip unscaling fresh gradients or fail with "No inf checks
+        were recorded for this optimizer".
+        """
+        self._unscaled.discard(id(optimizer))
+        if self.scaler is not None:
+            self.scaler._per_optimizer_states.pop(id(optimizer), None)
+
+    def _forget_all_unscales(self) -> None:
+        if self.scaler is not None:
+            for optimizer_id in self._unscaled:
+                self.scaler._per_optimizer_states.pop(optimizer_id, None)
+        self._unscaled.clear()
 
     def _update_scale(self) -> None:
         if self.loss_scale_mode == "static":
@@ -251,12 +359,18 @@ class AMPPrecision(MixedPrecision):
 
     def state_dict(self) -> dict[str, Any]:
         scaler_state = self.scaler.state_dict() if self.scaler is not None else {}
-        return {"scaler": scaler_state, "tracker": self._tracker.state_dict()}
+        return {
+            "scaler": scaler_state,
+            "tracker": self._tracker.state_dict(),
+            "precision": self.precision,
+            "requested_precision": self.requested_precision,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Accepts this plugin's state and a bare GradScaler state (Lightning's ``MixedPrecision``)."""
         if "tracker" in state_dict:
             self._tracker.load_state_dict(state_dict["tracker"])
+        self._warn_if_precision_changed(state_dict.get("precision"))
         scaler_state = state_dict.get("scaler", state_dict if "scale" in state_dict else {})
         if self.scaler is None or not scaler_state:
             return
@@ -264,10 +378,36 @@ class AMPPrecision(MixedPrecision):
             scaler_state = {**scaler_state, "scale": self.static_scale}
         self.scaler.load_state_dict(scaler_state)
 
+    def _warn_if_precision_changed(self, recorded: str | None) -> None:
+        if recorded is None or recorded == self.precision:
+            return
+        why = f" ({self.choice.reason})" if self.choice is not None else ""
+        scaler = ""
+        if recorded == "16-mixed" and self.scaler is None:
+            scaler = " The checkpoint's loss-scaler state is not used."
+        elif recorded != "16-mixed" and self.scaler is not None:
+            scaler = f" The loss scaler starts afresh at {self.scaler.get_scale():g}."
+        rank_zero_warn(
+            f"This checkpoint was trained with precision {recorded!r}; this run uses {self.precision!r}{why}."
+            f" Training continues from the same fp32 weights, but the numerics differ.{scaler} To keep"
+            f" {recorded!r}, pass AMPPrecision({recorded!r})."
+        )
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # A checkpoint written with Trainer(precision="16-mixed") stores the scaler under "MixedPrecision".
         if type(self).__qualname__ not in checkpoint and MixedPrecision.__qualname__ in checkpoint:
             self.load_state_dict(checkpoint[MixedPrecision.__qualname__])
+
+
+def _has_gradients(optimizer: Optimizer) -> bool:
+    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
+
+
+def _changed_loss_scale_settings(loss_scale: LossScaleInput, dynamic: dict[str, float]) -> str:
+    changed = [f"{k}={v!r}" for k, v in dynamic.items() if v != _DYNAMIC_DEFAULTS[k]]
+    if loss_scale != "auto":
+        changed.insert(0, f"loss_scale={loss_scale!r}")
+    return ", ".join(changed)
 
 
 def _resolve_loss_scale(

@@ -95,6 +95,8 @@ class ModelTransform:
         return tuple(self.quantization.skip_modules) if self.quantization is not None else DEFAULT_SKIP
 
     def apply(self, model: nn.Module, precision_plugin: Any, device: torch.device) -> None:
+        if hasattr(precision_plugin, "resolve"):  # AMPPrecision("auto") chooses for the device before quantizing
+            precision_plugin.resolve(device)
         compute_dtype = compute_dtype_of(precision_plugin)
         if self.quantization is not None:
             replaced = quantize_model(model, self.quantization, compute_dtype, device)
