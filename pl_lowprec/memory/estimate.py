@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from pl_lowprec.checkpointing import CheckpointImpl, CheckpointPolicy, set_activation_checkpointing
 from pl_lowprec.lora import inject_lora, prepare_for_kbit_training
 from pl_lowprec.memory.activations import count_saved_tensors
+from pl_lowprec.plugins.precision_choice import choose_precision
 from pl_lowprec.quantization import DEFAULT_SKIP, QuantizationConfig, swap_linear_layers
 from pl_lowprec.strategies.transform import dtype_of_precision
 
@@ -111,6 +112,7 @@ def estimate_memory(
     activation_checkpointing: CheckpointPolicy | None = None,
     checkpoint_every_n: int = 1,
     checkpoint_impl: CheckpointImpl = "non_reentrant",
+    device: str | torch.device | None = None,
 ) -> MemoryEstimate:
     """Predict the training memory of a configuration without allocating the model.
 
@@ -118,10 +120,15 @@ def estimate_memory(
         build_model: Builds the ``LightningModule`` (or ``nn.Module`` returning a loss); called on the meta
             device, so it allocates nothing.
         example_batch: One training batch (real or fake tensors of the real shapes).
-        precision: The Trainer's precision string (``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``, ...).
+        precision: The Trainer's precision string (``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``, ...), or
+            ``"auto"`` for what ``AMPPrecision("auto")`` would choose on ``device``.
         quantization, lora, optimizer, activation_checkpointing, checkpoint_every_n, checkpoint_impl:
             As for ``LowPrecisionStrategy`` (``optimizer="adamw"`` is the module's own torch AdamW).
+        device: The device the run will use, for ``precision="auto"``; ``None`` means CUDA if this machine has
+            it, else the CPU.
     """
+    if precision == "auto":
+        precision = choose_precision(device or ("cuda" if torch.cuda.is_available() else "cpu")).precision
     if isinstance(quantization, str):
         quantization = QuantizationConfig.from_mode(quantization)
     compute_dtype = dtype_of_precision(precision)

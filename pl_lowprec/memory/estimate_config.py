@@ -11,6 +11,7 @@ import importlib
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
@@ -34,10 +35,23 @@ def _build(spec: dict[str, Any]) -> Any:
 
 
 def _precision(trainer: dict[str, Any]) -> str:
+    """The config's precision; ``AMPPrecision`` without one is ``"auto"``, its default."""
     for plugin in trainer.get("plugins") or []:
-        if isinstance(plugin, dict) and "precision" in (plugin.get("init_args") or {}):
+        if not isinstance(plugin, dict):
+            continue
+        if "precision" in (plugin.get("init_args") or {}):
             return str(plugin["init_args"]["precision"])
+        if str(plugin.get("class_path", "")).rpartition(".")[2] == "AMPPrecision":
+            return "auto"
     return str(trainer.get("precision") or "32-true")
+
+
+def _device(trainer: dict[str, Any]) -> str:
+    """The device type a config's ``trainer.accelerator`` runs on, as Lightning would pick it here."""
+    accelerator = str(trainer.get("accelerator") or "auto")
+    if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
+        return "cuda"
+    return "cpu"
 
 
 def _strategy_settings(trainer: dict[str, Any]) -> dict[str, Any]:
@@ -63,7 +77,11 @@ def estimate_config(path: str | Path) -> MemoryEstimate:
     datamodule.setup("fit")
     batch = next(iter(datamodule.train_dataloader()))
     return estimate_memory(
-        lambda: _build(model_spec), batch, precision=_precision(trainer), **_strategy_settings(trainer)
+        lambda: _build(model_spec),
+        batch,
+        precision=_precision(trainer),
+        device=_device(trainer),
+        **_strategy_settings(trainer),
     )
 
 
