@@ -23,12 +23,28 @@ def _cli_class() -> type:
     import pl_lowprec.demo  # noqa: F401
 
     class LowPrecisionCLI(LightningCLI):
-        """LightningCLI that writes under ``runs/`` by default."""
+        """LightningCLI that writes under ``runs/`` by default and labels step-limited runs sensibly."""
 
         def add_arguments_to_parser(self, parser: Any) -> None:
             parser.set_defaults({"trainer.default_root_dir": DEFAULT_ROOT_DIR})
 
+        def instantiate_trainer(self, **kwargs: Any) -> Any:
+            trainer = super().instantiate_trainer(**kwargs)
+            use_step_limited_progress_bar(trainer)
+            return trainer
+
     return LowPrecisionCLI
+
+
+def use_step_limited_progress_bar(trainer: Any) -> None:
+    """Swap Lightning's default ``RichProgressBar`` (not a user's own bar) for ``StepLimitedRichProgressBar``."""
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    from pl_lowprec.callbacks.progress import StepLimitedRichProgressBar
+
+    for index, callback in enumerate(trainer.callbacks):
+        if type(callback) is RichProgressBar:
+            trainer.callbacks[index] = StepLimitedRichProgressBar()
 
 
 def main(args: list[str] | None = None) -> None:

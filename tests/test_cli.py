@@ -31,6 +31,7 @@ def test_quickstart_runs_through_python_dash_m(tmp_path):
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "AMPPrecision('auto') chose" in result.stdout + result.stderr  # it says which precision and why
     assert "Loss scale: none (no scaler); 0 of 3 optimizer steps had a non-finite loss." in result.stdout
     assert "params_quantized_4bit" in result.stdout  # the QLoRA quick-start really quantized
     assert "Memory, fit (cpu, 1 rank, max across ranks)" in result.stdout
@@ -39,3 +40,20 @@ def test_quickstart_runs_through_python_dash_m(tmp_path):
     # the default root dir keeps logs and the saved config out of the working directory
     assert (tmp_path / "runs/lightning_logs/version_0/config.yaml").exists()
     assert not (tmp_path / "config.yaml").exists() and not (tmp_path / "lightning_logs").exists()
+
+
+def test_step_limited_run_gets_a_sensible_progress_label(tmp_path):
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    from pl_lowprec.callbacks import StepLimitedRichProgressBar
+    from pl_lowprec.cli import build_cli
+
+    config = str(ROOT / "configs/quickstart.yaml")
+    cli = build_cli(["--config", config, "--trainer.default_root_dir", str(tmp_path)], run=False)
+    bars = [c for c in cli.trainer.callbacks if isinstance(c, RichProgressBar)]
+    assert len(bars) == 1 and isinstance(bars[0], StepLimitedRichProgressBar)
+    bar = bars[0]
+    bar._trainer = cli.trainer
+    cli.trainer.fit_loop.max_epochs = -1  # what fit sets for a run limited by max_steps alone
+    assert "/-2" in RichProgressBar._get_train_description(bar, 0)  # Lightning's own label for max_epochs=-1
+    assert bar._get_train_description(0).strip() == "Epoch 0 (max_steps=200)"

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pl_lowprec import choose_precision
 from pl_lowprec.cli import build_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +61,10 @@ def test_config_runs_two_steps_with_its_components(config, tmp_path, monkeypatch
     assert trainer.global_step == 2 and trainer.state.finished
     for plugin in spec.get("plugins", []):
         assert type(trainer.precision_plugin).__name__ == _short(plugin["class_path"])
-        assert trainer.precision == plugin["init_args"]["precision"]
+        asked = plugin["init_args"]["precision"]
+        assert trainer.precision_plugin.requested_precision == asked
+        expected = choose_precision(trainer.strategy.root_device).precision if asked == "auto" else asked
+        assert trainer.precision == expected
     if "strategy" in spec:
         assert type(trainer.strategy).__name__ == _short(spec["strategy"]["class_path"])
     in_effect = {type(c).__name__ for c in trainer.callbacks}

@@ -3,5 +3,12 @@
 from pl_lowprec.callbacks.loss_scale_monitor import LossScaleMonitor, PersistentOverflowError
 from pl_lowprec.callbacks.memory_tracker import MemoryTracker
 from pl_lowprec.callbacks.overflow_locator import OverflowLocation
+from pl_lowprec.callbacks.progress import StepLimitedRichProgressBar
 
-__all__ = ["LossScaleMonitor", "MemoryTracker", "OverflowLocation", "PersistentOverflowError"]
+__all__ = [
+    "LossScaleMonitor",
+    "MemoryTracker",
+    "OverflowLocation",
+    "PersistentOverflowError",
+    "StepLimitedRichProgressBar",
+]
