@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import tempfile
 from typing import Any
 
 import lightning.pytorch as pl
@@ -78,5 +79,7 @@ def quiet_trainer(**kwargs: Any) -> pl.Trainer:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        # A fresh folder per Trainer: nothing (memory_summary.json, checkpoints) lands in the working directory.
+        default_root_dir=tempfile.mkdtemp(prefix="pl_lowprec_test_"),
     )
     return pl.Trainer(**{**defaults, **kwargs})

@@ -66,6 +66,7 @@ def main(mode: str, out: str, precision: str, variant: str = "gpt") -> None:
         plugins=plugins,
         max_steps=STEPS,
         use_distributed_sampler=False,
+        default_root_dir=out,  # memory_summary.json goes there, not into the working directory
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
