@@ -71,12 +71,13 @@ def _gpt_loader():
     return torch.utils.data.DataLoader([{"input_ids": r} for r in ids], batch_size=4)
 
 
-def test_activation_figure_halves_with_checkpointing():
+def test_activation_figure_halves_with_checkpointing(tmp_path):
     plain, checkpointed = MemoryTracker(), MemoryTracker()
-    quiet_trainer(max_steps=1, callbacks=[plain]).fit(_gpt(), _gpt_loader())
-    quiet_trainer(
-        max_steps=1, callbacks=[checkpointed], strategy=LowPrecisionStrategy(activation_checkpointing="Block")
-    ).fit(_gpt(), _gpt_loader())
+    quiet_trainer(max_steps=1, callbacks=[plain], default_root_dir=tmp_path).fit(_gpt(), _gpt_loader())
+    strategy = LowPrecisionStrategy(activation_checkpointing="Block")
+    quiet_trainer(max_steps=1, callbacks=[checkpointed], strategy=strategy, default_root_dir=tmp_path).fit(
+        _gpt(), _gpt_loader()
+    )
     before = plain.summary["fit"]["bytes"]["activations"]
     after = checkpointed.summary["fit"]["bytes"]["activations"]
     assert after <= before / 2
