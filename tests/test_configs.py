@@ -5,10 +5,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from pl_lowprec import choose_precision
+from pl_lowprec.checkpointing import is_checkpointed
 from pl_lowprec.cli import build_cli
+from pl_lowprec.lora import ADAPTER_NAME, lora_layers
+from pl_lowprec.quantization import is_quantized
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -52,6 +56,48 @@ def test_every_config_starts_with_its_command_and_is_covered():
         assert config.read_text().splitlines()[0] == f"# Run: pl-lowprec fit --config configs/{config.name}"
 
 
+# What each strategy setting must have done, as the bitsandbytes class a user would see on this device.
+BITSANDBYTES_OPTIMIZERS = {"adamw8bit": "AdamW8bit", "paged_adamw8bit": "PagedAdamW8bit", "lion8bit": "Lion8bit"}
+
+
+def _quantization_mode(setting) -> str:
+    return setting if isinstance(setting, str) else setting["init_args"]["mode"]
+
+
+def assert_strategy_in_effect(settings: dict, model: torch.nn.Module, optimizer, device: torch.device) -> None:
+    """Each setting of the config's strategy shows on the trained model or optimizer, not only on the strategy."""
+    if "quantization" in settings:
+        mode = _quantization_mode(settings["quantization"])
+        quantized = {n: m for n, m in model.named_modules() if is_quantized(m)}
+        assert quantized, f"quantization={mode!r} left no bitsandbytes layer"
+        assert not any(n.endswith("lm_head") for n in quantized)  # the output head stays unquantized
+        if mode != "int8":
+            quant_type, _, dq = mode.partition("-")
+            for layer in quantized.values():
+                assert layer.weight.quant_type == quant_type and layer.weight.compress_statistics == bool(dq)
+    if "lora" in settings:
+        adapted = lora_layers(model)
+        assert adapted, "lora= injected no LoRA layer"
+        assert {layer.r[ADAPTER_NAME] for layer in adapted.values()} == {settings["lora"]["r"]}
+        targets = settings["lora"].get("target_modules", "all-linear")
+        if isinstance(targets, list):
+            assert {n.rpartition(".")[2] for n in adapted} == set(targets)
+        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        assert trainable and all("lora_" in n for n in trainable)
+    if "optimizer" in settings:
+        name = settings["optimizer"]
+        expected = BITSANDBYTES_OPTIMIZERS[name]
+        if device.type != "cuda":
+            expected = expected.removeprefix("Paged")  # paged optimizers need CUDA; the swap says so
+        assert type(optimizer).__module__.startswith("bitsandbytes.optim")
+        assert type(optimizer).__name__ == expected
+    if "activation_checkpointing" in settings:
+        names = settings["activation_checkpointing"]
+        blocks = [m for m in model.modules() if type(m).__name__ in names]
+        every_n = settings.get("checkpoint_every_n", 1)
+        assert blocks and [is_checkpointed(b) for b in blocks] == [i % every_n == 0 for i in range(len(blocks))]
+
+
 @pytest.mark.parametrize("config", SINGLE_PROCESS, ids=lambda c: c.stem)
 def test_config_runs_two_steps_with_its_components(config, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -67,6 +113,8 @@ def test_config_runs_two_steps_with_its_components(config, tmp_path, monkeypatch
         assert trainer.precision == expected
     if "strategy" in spec:
         assert type(trainer.strategy).__name__ == _short(spec["strategy"]["class_path"])
+        settings = spec["strategy"].get("init_args", {})
+        assert_strategy_in_effect(settings, cli.model, trainer.optimizers[0], trainer.strategy.root_device)
     in_effect = {type(c).__name__ for c in trainer.callbacks}
     assert {_short(c["class_path"]) for c in spec.get("callbacks", [])} <= in_effect
     if "accumulate_grad_batches" in spec:

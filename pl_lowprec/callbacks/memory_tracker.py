@@ -128,7 +128,9 @@ class MemoryTracker(pl.Callback):
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         local = self._collect(trainer, pl_module, stage)
         keys = sorted(local)
-        gathered = trainer.strategy.all_gather(torch.tensor([local[k] for k in keys], dtype=torch.int64))
+        # On the strategy's device: NCCL gathers only CUDA tensors (gloo takes CPU ones, so CPU tests cannot tell).
+        values = torch.tensor([local[k] for k in keys], dtype=torch.int64, device=trainer.strategy.root_device)
+        gathered = trainer.strategy.all_gather(values)
         per_rank = gathered.reshape(-1, len(keys)).cpu()
         high, low = per_rank.max(0).values.tolist(), per_rank.min(0).values.tolist()
         entry: dict[str, Any] = {

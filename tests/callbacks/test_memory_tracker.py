@@ -40,6 +40,27 @@ def test_breakdown_equals_independent_counts(tmp_path):
         assert "memory/fit/optimizer_state" in f.readline()
 
 
+def test_figures_are_gathered_on_the_strategy_device(tmp_path, monkeypatch):
+    # NCCL gathers only tensors on the GPU, gloo takes CPU ones too: on a CPU run the device of the gathered
+    # tensor is checked against a stand-in root device, as it would be a CUDA device under NCCL.
+    tracker = MemoryTracker(print_summary=False)
+    model = Classifier(make_mlp())
+    trainer = quiet_trainer(max_steps=1, callbacks=[tracker], default_root_dir=tmp_path)
+    trainer.fit(model, _loader(16))
+
+    gathered_on = []
+
+    def all_gather(tensor, group=None, sync_grads=False):
+        gathered_on.append(tensor.device)
+        return torch.zeros(tensor.shape, dtype=tensor.dtype)
+
+    stand_in = torch.device("meta")
+    monkeypatch.setattr(type(trainer.strategy), "root_device", property(lambda self: stand_in))
+    monkeypatch.setattr(trainer.strategy, "all_gather", all_gather)
+    tracker.on_fit_end(trainer, model)
+    assert gathered_on == [stand_in]
+
+
 def _gpt():
     torch.manual_seed(0)
     return TinyGPT(dim=32, layers=4, heads=2, max_len=64)
@@ -50,12 +71,13 @@ def _gpt_loader():
     return torch.utils.data.DataLoader([{"input_ids": r} for r in ids], batch_size=4)
 
 
-def test_activation_figure_halves_with_checkpointing():
+def test_activation_figure_halves_with_checkpointing(tmp_path):
     plain, checkpointed = MemoryTracker(), MemoryTracker()
-    quiet_trainer(max_steps=1, callbacks=[plain]).fit(_gpt(), _gpt_loader())
-    quiet_trainer(
-        max_steps=1, callbacks=[checkpointed], strategy=LowPrecisionStrategy(activation_checkpointing="Block")
-    ).fit(_gpt(), _gpt_loader())
+    quiet_trainer(max_steps=1, callbacks=[plain], default_root_dir=tmp_path).fit(_gpt(), _gpt_loader())
+    strategy = LowPrecisionStrategy(activation_checkpointing="Block")
+    quiet_trainer(max_steps=1, callbacks=[checkpointed], strategy=strategy, default_root_dir=tmp_path).fit(
+        _gpt(), _gpt_loader()
+    )
     before = plain.summary["fit"]["bytes"]["activations"]
     after = checkpointed.summary["fit"]["bytes"]["activations"]
     assert after <= before / 2

@@ -1,6 +1,7 @@
 """Trains TinyGPT for a few steps, on 2 DDP CPU processes or on 1 with the same global batch.
 
-Usage: python ddp_train.py {ddp|single} OUT_DIR PRECISION [qlora]   (PRECISION: 32-true | 16-mixed | bf16-mixed)
+Usage: python ddp_train.py {ddp|single} OUT_DIR PRECISION [gpt|qlora] [cpu|gpu]
+(PRECISION: 32-true | 16-mixed | bf16-mixed; cpu runs gloo, gpu runs nccl)
 With "qlora", a tiny Llama is trained with nf4-dq base weights, LoRA adapters and checkpointed decoder layers.
 Writes OUT_DIR/rank{N}.pt with the final parameters (and the loss-scale state under "_loss_scale").
 Run by tests/strategies/test_ddp.py; Lightning's DDP launcher re-runs this script for rank 1.
@@ -33,7 +34,7 @@ class SGDTinyGPT(TinyGPT):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
-def main(mode: str, out: str, precision: str, variant: str = "gpt") -> None:
+def main(mode: str, out: str, precision: str, variant: str = "gpt", accelerator: str = "cpu") -> None:
     warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
     ids = torch.randint(0, 256, (GLOBAL_BATCH * STEPS, 33), generator=torch.Generator().manual_seed(0))
     data = [{"input_ids": row} for row in ids]
@@ -48,7 +49,11 @@ def main(mode: str, out: str, precision: str, variant: str = "gpt") -> None:
         block = "LlamaDecoderLayer"
         transform = {"quantization": "nf4-dq", "lora": {"r": 8, "lora_alpha": 16}}
     if ddp:
-        strategy = LowPrecisionDDPStrategy(activation_checkpointing=block, process_group_backend="gloo", **transform)
+        strategy = LowPrecisionDDPStrategy(
+            activation_checkpointing=block,
+            process_group_backend="nccl" if accelerator == "gpu" else "gloo",
+            **transform,
+        )
     else:
         strategy = LowPrecisionStrategy(activation_checkpointing=block, **transform)
     plugins = [] if precision == "32-true" else [AMPPrecision(precision)]
@@ -60,7 +65,7 @@ def main(mode: str, out: str, precision: str, variant: str = "gpt") -> None:
     tracker = MemoryTracker(print_summary=False)
     trainer = pl.Trainer(
         callbacks=[tracker],
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=2 if ddp else 1,
         strategy=strategy,
         plugins=plugins,
@@ -82,4 +87,4 @@ def main(mode: str, out: str, precision: str, variant: str = "gpt") -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])

@@ -10,10 +10,13 @@ import torch
 SCRIPT = Path(__file__).with_name("ddp_train.py")
 
 
-def _run(mode, out, precision, variant="gpt"):
+def _run(mode, out, precision, variant="gpt", accelerator="cpu"):
     out.mkdir()
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), mode, str(out), precision, variant], capture_output=True, text=True, timeout=300
+        [sys.executable, str(SCRIPT), mode, str(out), precision, variant, accelerator],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return {p.name: torch.load(p, weights_only=False) for p in sorted(out.glob("rank*.pt"))}
@@ -54,3 +57,15 @@ def test_qlora_ddp_keeps_adapters_identical_across_ranks(tmp_path):
         torch.testing.assert_close(ddp["rank0.pt"][key], ddp["rank1.pt"][key], rtol=0, atol=0)  # identical
         # same global batch as one process: equal up to the summation order of bf16/4-bit matmuls
         torch.testing.assert_close(ddp["rank0.pt"][key], single[key], rtol=0.02, atol=2e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_memory_tracker_gathers_across_two_gpus_with_nccl(tmp_path):
+    # NCCL rejects CPU tensors: before the fix, the end-of-fit gather of MemoryTracker crashed here.
+    ddp = _run("ddp", tmp_path / "ddp", "16-mixed", accelerator="gpu")
+    assert sorted(ddp) == ["rank0.pt", "rank1.pt"]
+    for rank in ddp.values():
+        assert rank["_memory"]["device"] == "cuda" and rank["_memory"]["world_size"] == 2
+        assert rank["_memory"] == ddp["rank0.pt"]["_memory"]
+        assert rank["_memory"]["bytes"]["cuda_max_allocated"] > 0
