@@ -38,3 +38,13 @@ def save_llama(
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **kwargs)
     return directory
+
+
+def save_tokenizer(directory: Path, vocab_size: int = 320) -> Path:
+    """A BPE tokenizer trained on a slice of the standard library, with a chat template, saved to ``directory``."""
+    from pl_lowprec.demo.stdlib_text import stdlib_bytes
+    from pl_lowprec.demo.tokenizer import train_tokenizer
+
+    tokenizer = train_tokenizer([stdlib_bytes(100_000).decode("utf-8", "replace")], vocab_size)
+    tokenizer.save_pretrained(directory)
+    return directory
