@@ -10,6 +10,7 @@ from lightning_utilities.core.imports import RequirementCache
 _JSONARGPARSE = RequirementCache("jsonargparse[signatures]>=4.27")
 _BITSANDBYTES = RequirementCache("bitsandbytes>=0.45")
 _PEFT = RequirementCache("peft>=0.13")
+_SAFETENSORS = RequirementCache("safetensors>=0.4")
 
 
 def require_cli() -> None:
@@ -43,3 +44,15 @@ def import_peft() -> ModuleType:
     import peft
 
     return peft
+
+
+@lru_cache
+def import_safetensors() -> ModuleType:
+    """safetensors, or an error naming the feature and the install command."""
+    if not _SAFETENSORS:
+        raise ModuleNotFoundError(
+            f'pretrained= needs safetensors: {_SAFETENSORS.message}. Install it with: pip install "pl_lowprec[hf]"'
+        )
+    import safetensors
+
+    return safetensors

@@ -117,7 +117,7 @@ def quantize_model(
         return _quantized_copy(bnb, linear, config, compute_dtype, device)
 
     def wanted(module: nn.Module, name: str) -> bool:
-        return type(module) is nn.Linear and not config.skips(name)
+        return will_quantize(module, name, config)
 
     if any(is_quantized(m) for m in model.modules()):
         return []  # quantized before (a second fit, or validate then fit): LoRA's own Linears must stay as they are
@@ -134,6 +134,18 @@ def quantize_model(
             )
         )
     return replaced
+
+
+def will_quantize(module: nn.Module, name: str, config: QuantizationConfig) -> bool:
+    """Whether ``quantize_model`` replaces this module: an exact ``nn.Linear`` not named in ``skip_modules``."""
+    return type(module) is nn.Linear and not config.skips(name)
+
+
+def quantize_linear(
+    linear: nn.Linear, config: QuantizationConfig, compute_dtype: torch.dtype, device: torch.device
+) -> nn.Module:
+    """The bitsandbytes layer for one ``nn.Linear`` with real weights, quantized on ``device``."""
+    return _quantized_copy(import_bitsandbytes(), linear, config, config.compute_dtype or compute_dtype, device)
 
 
 def _quantized_copy(

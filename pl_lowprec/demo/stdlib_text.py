@@ -13,6 +13,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from pl_lowprec.data.resumable import resumable_loader
+
 VOCAB_SIZE = 256
 
 
@@ -69,13 +71,12 @@ class StdlibTextDataModule(pl.LightningDataModule):
         self.val_set = TensorDataset(windows(tokens[split:], self.seq_len))
 
     def _loader(self, dataset: TensorDataset, shuffle: bool) -> DataLoader:
-        generator = torch.Generator().manual_seed(0)
-        return DataLoader(
-            dataset, batch_size=self.batch_size, shuffle=shuffle, generator=generator, collate_fn=_collate
-        )
+        return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, collate_fn=_collate)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
+        """Shuffled by (seed 0, epoch) and resumable mid-epoch: a run killed and resumed from its last checkpoint
+        trains on the batches an uninterrupted run would."""
+        return resumable_loader(self.train_set, self.batch_size, _collate, self.trainer, seed=0)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, shuffle=False)

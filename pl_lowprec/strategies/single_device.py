@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -15,7 +17,7 @@ from lightning.pytorch.strategies.strategy import _StrategyRegistry
 from pl_lowprec.checkpointing import CheckpointImpl, CheckpointPolicy
 from pl_lowprec.optimizers import OptimizerName
 from pl_lowprec.quantization import QuantizationConfig, QuantMode
-from pl_lowprec.strategies.transform import ModelTransform
+from pl_lowprec.strategies.transform import ModelTransform, teardown_with_meta
 
 
 class LowPrecisionStrategy(SingleDeviceStrategy):
@@ -33,6 +35,12 @@ class LowPrecisionStrategy(SingleDeviceStrategy):
         optimizer: Swap the configured AdamW for ``"adamw8bit"``, ``"paged_adamw8bit"``,
             ``"paged_adamw32bit"`` or ``"lion8bit"`` (bitsandbytes).
         adapter_only_checkpoint: With ``lora``, checkpoints hold only the trainable weights.
+        pretrained: Weights for a module built on the meta device (in ``configure_model`` under
+            ``pl_lowprec.loading.empty_weights()``, or under ``trainer.init_module()``): a ``.safetensors`` file,
+            a sharded directory with ``model.safetensors.index.json``, or a Hugging Face model directory. Loaded
+            tensor by tensor; layers to be quantized are quantized as they load.
+        pretrained_prefix: Turns checkpoint keys into module keys: ``"model."`` prepends to every key (a Hugging
+            Face model held as ``self.model``); ``{"model.": "net.model."}`` rewrites a prefix.
         device: The device; ``None`` takes the Trainer's (``accelerator``/``devices``).
         accelerator, checkpoint_io, precision_plugin: As for ``SingleDeviceStrategy``.
     """
@@ -48,6 +56,8 @@ class LowPrecisionStrategy(SingleDeviceStrategy):
         lora: dict[str, Any] | None = None,
         optimizer: OptimizerName | None = None,
         adapter_only_checkpoint: bool = True,
+        pretrained: str | Path | None = None,
+        pretrained_prefix: str | dict[str, str] | None = None,
         device: str | torch.device | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
@@ -68,6 +78,8 @@ class LowPrecisionStrategy(SingleDeviceStrategy):
             lora,
             optimizer,
             adapter_only_checkpoint,
+            pretrained=pretrained,
+            pretrained_prefix=pretrained_prefix,
         )
 
     @property
@@ -84,6 +96,14 @@ class LowPrecisionStrategy(SingleDeviceStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)
         super().setup(trainer)
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        with self.transform.tensor_init_context(super().tensor_init_context(empty_init)):
+            yield
+
+    def teardown(self) -> None:
+        teardown_with_meta(self, super().teardown)
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)

@@ -1,6 +1,8 @@
 """The one place where a model is transformed, shared by ``LowPrecisionStrategy`` and its DDP twin.
 
-What it does, in order: quantize the base ``nn.Linear`` layers (bitsandbytes), inject LoRA adapters (peft)
+What it does, in order: fill a module built on the meta device from ``pretrained=`` safetensors (quantizing
+each layer as its weight streams in, ``pl_lowprec.loading``), quantize the base ``nn.Linear`` layers
+(bitsandbytes), inject LoRA adapters (peft)
 and prepare them for the precision, then checkpoint activations. After ``configure_optimizers`` it may swap
 the optimizer for a bitsandbytes one. With LoRA, checkpoints hold only the trainable weights.
 
@@ -20,8 +22,10 @@ are recognisable), so a second ``fit``, or ``validate`` after ``fit``, changes n
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,6 +42,7 @@ from pl_lowprec.checkpointing import (
     set_activation_checkpointing,
     validate_checkpoint_args,
 )
+from pl_lowprec.loading import PretrainedWeights, empty_weights, has_meta_tensors, load_pretrained
 from pl_lowprec.lora import has_lora, inject_lora, lora_config, prepare_for_kbit_training
 from pl_lowprec.optimizers import OptimizerName, rebind_schedulers, swap_optimizer, validate_optimizer_name
 from pl_lowprec.quantization import DEFAULT_SKIP, QuantizationConfig, QuantMode, quantize_model
@@ -50,6 +55,31 @@ _DTYPE_BY_PRECISION = {
     "32-true": torch.float32,
     "64-true": torch.float64,
 }
+
+
+_LOADED_FROM = "_pl_lowprec_loaded_from"
+
+
+@contextmanager
+def _stacked(outer: AbstractContextManager, inner: AbstractContextManager) -> Iterator[None]:
+    with outer, inner:
+        yield
+
+
+def teardown_with_meta(strategy: Any, teardown: Callable[[], None]) -> None:
+    """Run the strategy's ``teardown`` even when a failed load left the module on the meta device.
+
+    Lightning's teardown moves the module to the CPU, which meta tensors cannot do; that second error would
+    hide the first (the one that names the bad checkpoint keys)."""
+    module = strategy.lightning_module
+    if module is None or not has_meta_tensors(module):
+        teardown()
+        return
+    strategy._lightning_module = None
+    try:
+        teardown()
+    finally:
+        strategy._lightning_module = module
 
 
 def dtype_of_precision(precision: str) -> torch.dtype:
@@ -76,9 +106,14 @@ class ModelTransform:
     lora: Mapping[str, Any] | Any | None = None
     optimizer: OptimizerName | None = None
     adapter_only_checkpoint: bool = True
+    pretrained: str | Path | None = None
+    pretrained_prefix: str | Mapping[str, str] | None = None
 
     def __post_init__(self) -> None:
         validate_checkpoint_args(self.checkpoint_every_n, self.checkpoint_impl)
+        if self.pretrained_prefix is not None and self.pretrained is None:
+            raise ValueError(f"pretrained_prefix={self.pretrained_prefix!r} was given without pretrained=.")
+        self.weights = PretrainedWeights(self.pretrained, self.pretrained_prefix) if self.pretrained else None
         if isinstance(self.quantization, str):
             self.quantization = QuantizationConfig.from_mode(self.quantization)
         if self.quantization is not None:
@@ -98,6 +133,7 @@ class ModelTransform:
         if hasattr(precision_plugin, "resolve"):  # AMPPrecision("auto") chooses for the device before quantizing
             precision_plugin.resolve(device)
         compute_dtype = compute_dtype_of(precision_plugin)
+        self.load_pretrained(model, compute_dtype, device)
         if self.quantization is not None:
             replaced = quantize_model(model, self.quantization, compute_dtype, device)
             if replaced:
@@ -118,6 +154,44 @@ class ModelTransform:
             if not already:
                 shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
                 rank_zero_info(f"Activation checkpointing ({self.checkpoint_impl}) on {len(names)} blocks: {shown}")
+
+    def load_pretrained(self, model: nn.Module, compute_dtype: torch.dtype, device: torch.device) -> None:
+        """Fill a module built on the meta device from ``pretrained=`` (or the module's ``pretrained_weights``),
+        quantizing as it loads; once loaded, the module is marked and later calls change nothing."""
+        weights = self.weights_for(model)
+        if not has_meta_tensors(model):
+            if weights is not None and getattr(model, _LOADED_FROM, None) is None:
+                raise ValueError(
+                    f"pretrained={str(weights.path)!r} needs {type(model).__name__} built without weights, but its"
+                    " parameters are real. Build them on the meta device: inside `configure_model` under"
+                    " `pl_lowprec.loading.empty_weights()`, or under `trainer.init_module(empty_init=True)`."
+                )
+            return
+        if weights is None:
+            raise ValueError(
+                f"{type(model).__name__} has parameters on the meta device and nothing to fill them from: pass"
+                " pretrained= (a safetensors file or model directory) to the strategy, or build it with weights."
+            )
+        load_pretrained(model, weights.path, weights.prefix, self.quantization, compute_dtype, device)
+        setattr(model, _LOADED_FROM, str(weights.path))
+
+    def weights_for(self, model: nn.Module) -> PretrainedWeights | None:
+        """The strategy's ``pretrained=``, else what the module names as its ``pretrained_weights``."""
+        own = getattr(model, "pretrained_weights", None)
+        if own is not None and not isinstance(own, PretrainedWeights):
+            raise TypeError(f"{type(model).__name__}.pretrained_weights must be a PretrainedWeights, got {own!r}.")
+        if self.weights is not None and own is not None and self.weights != own:
+            raise ValueError(
+                f"Two sources of pretrained weights: the strategy's pretrained={str(self.weights.path)!r} and"
+                f" {type(model).__name__}.pretrained_weights={str(own.path)!r}. Name one."
+            )
+        return self.weights or own
+
+    def tensor_init_context(self, default: AbstractContextManager) -> AbstractContextManager:
+        """Under ``trainer.init_module(empty_init=True)`` with ``pretrained=``, parameters go on the meta device."""
+        if self.weights is None:
+            return default
+        return _stacked(default, empty_weights())
 
     def swap_optimizers(self, optimizers: list[Optimizer], lr_scheduler_configs: list[Any], device: torch.device):
         """Replace each optimizer by its bitsandbytes equivalent, re-binding its schedulers."""

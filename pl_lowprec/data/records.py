@@ -1,0 +1,111 @@
+"""Records of a fine-tuning file turned into token ids and labels, with every unusable record counted.
+
+Formats, by the fields of each record (a ``.jsonl`` line; a ``.txt`` file is one ``text`` record):
+- ``text``: language modelling on every token; records are joined (each ends with EOS) and cut into blocks.
+- ``prompt`` + ``completion``: loss on the completion (and its EOS) only.
+- ``messages``: a chat rendered with the tokenizer's chat template; loss on the assistant turns only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pl_lowprec.token_loss import IGNORE_INDEX
+
+SUFFIXES = (".txt", ".jsonl")
+
+
+@dataclass
+class Sample:
+    input_ids: list[int]
+    labels: list[int]
+
+
+@dataclass
+class FileReport:
+    """What one file gave: usable records, and unusable ones by reason with their first line numbers."""
+
+    path: Path
+    used: int = 0
+    bad: Counter = field(default_factory=Counter)
+    first_lines: dict[str, list[int]] = field(default_factory=dict)
+
+    def reject(self, reason: str, line: int) -> None:
+        self.bad[reason] += 1
+        self.first_lines.setdefault(reason, [])
+        if len(self.first_lines[reason]) < 5:
+            self.first_lines[reason].append(line)
+
+    def describe(self) -> str:
+        reasons = "; ".join(f"{n} {reason} (lines {self.first_lines[reason]})" for reason, n in self.bad.items())
+        return f"{self.path}: {self.used} records used, {sum(self.bad.values())} skipped" + (
+            f": {reasons}" if reasons else ""
+        )
+
+
+def read_records(path: Path, report: FileReport) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, record) for each record of a ``.txt`` or ``.jsonl`` file; bad JSON is counted."""
+    if path.suffix == ".txt":
+        yield 1, {"text": path.read_text(encoding="utf-8", errors="replace")}
+        return
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                report.reject("invalid JSON", number)
+                continue
+            if not isinstance(record, dict):
+                report.reject("not a JSON object", number)
+                continue
+            yield number, record
+
+
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    return [*tokenizer(text)["input_ids"], tokenizer.eos_token_id]
+
+
+def encode_prompt_completion(tokenizer: Any, prompt: str, completion: str) -> Sample:
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    completion_ids = [*tokenizer(completion, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+    return Sample(prompt_ids + completion_ids, [IGNORE_INDEX] * len(prompt_ids) + completion_ids)
+
+
+def encode_messages(tokenizer: Any, messages: list[dict[str, str]]) -> Sample:
+    """Render with the chat template; a token is a target when it starts inside an assistant turn's text.
+
+    The spans come from rendering each prefix of the conversation (with the generation prompt before an
+    assistant turn), which works with any template whose rendering of a prefix is a prefix of the whole.
+    """
+    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        start = len(tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True))
+        end = len(tokenizer.apply_chat_template(messages[: i + 1], tokenize=False))
+        spans.append((start, end))
+    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = encoded["input_ids"]
+    labels = [
+        token if any(s <= begin < e for s, e in spans) else IGNORE_INDEX
+        for token, (begin, _) in zip(ids, encoded["offset_mapping"], strict=True)
+    ]
+    return Sample(ids, labels)
+
+
+def record_kind(record: dict[str, Any]) -> str | None:
+    if "messages" in record:
+        return "messages"
+    if "prompt" in record or "completion" in record:
+        return "prompt_completion"
+    if "text" in record:
+        return "text"
+    return None

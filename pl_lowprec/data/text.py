@@ -1,0 +1,211 @@
+"""``TextDataModule``: fine-tune a causal LM on your own ``.txt`` and ``.jsonl`` files.
+
+Batches follow the Hugging Face convention: ``input_ids`` and ``attention_mask`` [B, T], ``labels`` [B, T]
+with -100 where no loss is taken (the model shifts them). The training loader resumes mid-epoch exactly
+(``pl_lowprec.data.resumable``). Unusable records are counted by reason with their line numbers and logged;
+a file with no usable record fails with its path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.utils.data import DataLoader
+
+from pl_lowprec.data.collate import PadCollate
+from pl_lowprec.data.records import (
+    SUFFIXES,
+    FileReport,
+    Sample,
+    encode_messages,
+    encode_prompt_completion,
+    encode_text,
+    read_records,
+    record_kind,
+)
+from pl_lowprec.data.resumable import resumable_loader
+from pl_lowprec.token_loss import IGNORE_INDEX
+
+
+def data_files(files: str | Path | Sequence[str | Path], argument: str) -> list[Path]:
+    """Files named directly or found in named directories; ``ValueError`` for anything else."""
+    named = [files] if isinstance(files, (str, Path)) else list(files)
+    found: list[Path] = []
+    for item in named:
+        path = Path(item).expanduser()
+        if path.is_dir():
+            inside = sorted(p for p in path.rglob("*") if p.suffix in SUFFIXES)
+            if not inside:
+                raise ValueError(f"{argument}: directory {str(path)!r} holds no .txt or .jsonl file.")
+            found += inside
+        elif path.is_file() and path.suffix in SUFFIXES:
+            found.append(path)
+        else:
+            what = "does not exist" if not path.exists() else f"is not a .txt or .jsonl file ({path.suffix!r})"
+            raise ValueError(f"{argument}: {str(path)!r} {what}. Give .txt or .jsonl files or directories of them.")
+    return found
+
+
+class TextDataModule(pl.LightningDataModule):
+    """Causal-LM data from ``.txt`` / ``.jsonl`` files (fields ``text``, ``prompt``/``completion``, ``messages``).
+
+    Args:
+        train_files: Files or directories for training.
+        tokenizer: A model directory (``AutoTokenizer.from_pretrained``, local files only), usually the one the
+            model loads from.
+        val_files: Files for validation; ``None`` holds out ``val_fraction`` of the training samples.
+        seq_len: Tokens per block of packed ``text``; longer prompt/completion and chat samples are truncated.
+        batch_size: Samples per batch (per process under DDP).
+        val_fraction: Share held out when ``val_files`` is ``None`` (0 for none).
+        seed: Seed of the split and of the training order (which depends on the epoch too).
+        num_workers: ``DataLoader`` worker processes.
+    """
+
+    def __init__(
+        self,
+        train_files: str | list[str],
+        tokenizer: str,
+        val_files: str | list[str] | None = None,
+        seq_len: int = 512,
+        batch_size: int = 8,
+        val_fraction: float = 0.05,
+        seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        if seq_len < 2:
+            raise ValueError(f"TextDataModule(seq_len={seq_len}) needs at least 2 tokens per sample.")
+        if batch_size < 1:
+            raise ValueError(f"TextDataModule(batch_size={batch_size}) must be at least 1.")
+        if not 0 <= val_fraction < 1:
+            raise ValueError(f"TextDataModule(val_fraction={val_fraction}) must be in [0, 1).")
+        self.train_paths = data_files(train_files, "train_files")
+        self.val_paths = data_files(val_files, "val_files") if val_files is not None else None
+        self.tokenizer_dir = tokenizer
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.val_fraction = val_fraction
+        self.seed = seed
+        self.num_workers = num_workers
+        self.tokenizer: Any = None
+        self.reports: list[FileReport] = []
+        self.train_set: list[dict[str, torch.Tensor]] | None = None
+        self.val_set: list[dict[str, torch.Tensor]] = []
+
+    def setup(self, stage: str) -> None:
+        if self.train_set is not None:
+            return
+        self.tokenizer = load_tokenizer(self.tokenizer_dir)
+        train = self._samples(self.train_paths)
+        if self.val_paths is not None:
+            self.train_set, self.val_set = train, self._samples(self.val_paths)
+        else:
+            order = torch.randperm(len(train), generator=torch.Generator().manual_seed(self.seed)).tolist()
+            n_val = round(len(train) * self.val_fraction)
+            n_val = max(n_val, 1) if self.val_fraction > 0 and len(train) > 1 else n_val
+            self.val_set = [train[i] for i in order[:n_val]]
+            self.train_set = [train[i] for i in sorted(order[n_val:])]
+        rank_zero_info(f"TextDataModule: {len(self.train_set)} training and {len(self.val_set)} validation samples.")
+
+    def _samples(self, paths: list[Path]) -> list[dict[str, torch.Tensor]]:
+        samples: list[Sample] = []
+        for path in paths:
+            report = FileReport(path)
+            samples += self._file_samples(path, report)
+            self.reports.append(report)
+            rank_zero_info(report.describe())
+            if report.used == 0:
+                raise ValueError(f"No usable record in {report.describe()}.")
+        return [{"input_ids": torch.tensor(s.input_ids), "labels": torch.tensor(s.labels)} for s in samples]
+
+    def _file_samples(self, path: Path, report: FileReport) -> list[Sample]:
+        """One file's samples: its text records packed into ``seq_len`` blocks, the others one sample each."""
+        stream: list[int] = []
+        samples: list[Sample] = []
+        for line, record in read_records(path, report):
+            sample_or_reason = self._encode(record)
+            if isinstance(sample_or_reason, str):
+                report.reject(sample_or_reason, line)
+            elif isinstance(sample_or_reason, list):
+                stream += sample_or_reason
+                report.used += 1
+            else:
+                samples.append(sample_or_reason)
+                report.used += 1
+        for start in range(0, len(stream) - 1, self.seq_len):
+            block = stream[start : start + self.seq_len]
+            if len(block) >= 2:
+                samples.append(Sample(block, list(block)))
+        return samples
+
+    def _encode(self, record: dict[str, Any]) -> Sample | list[int] | str:
+        """A sample, a token stream to pack (text), or the reason the record is unusable."""
+        kind = record_kind(record)
+        if kind is None:
+            return "records without a 'text', 'prompt'/'completion' or 'messages' field"
+        if kind == "text":
+            if not isinstance(record["text"], str) or not record["text"].strip():
+                return "records with empty text"
+            return encode_text(self.tokenizer, record["text"])
+        if kind == "prompt_completion":
+            prompt, completion = record.get("prompt"), record.get("completion")
+            if not isinstance(prompt, str) or not isinstance(completion, str):
+                return "records with 'prompt' and 'completion' not both strings"
+            if not completion.strip():
+                return "records with an empty completion"
+            sample = encode_prompt_completion(self.tokenizer, prompt, completion)
+        else:
+            messages = record["messages"]
+            if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages
+            ):
+                return "records whose 'messages' is not a list of {role, content}"
+            if self.tokenizer.chat_template is None:
+                raise ValueError(
+                    f"'messages' records need a chat template, and the tokenizer in {self.tokenizer_dir!r} has none."
+                    " Use a chat model's tokenizer or convert the records to prompt/completion."
+                )
+            sample = encode_messages(self.tokenizer, messages)
+        sample = Sample(sample.input_ids[: self.seq_len], sample.labels[: self.seq_len])
+        if all(label == IGNORE_INDEX for label in sample.labels[1:]):
+            return f"records with no target tokens within seq_len={self.seq_len}"
+        return sample
+
+    def train_dataloader(self) -> DataLoader:
+        return resumable_loader(
+            self.train_set, self.batch_size, self._collate(), self.trainer, self.seed, self.num_workers
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(
+            self.val_set, batch_size=self.batch_size, collate_fn=self._collate(), num_workers=self.num_workers
+        )
+
+    def _collate(self) -> PadCollate:
+        pad = self.tokenizer.pad_token_id
+        return PadCollate(self.tokenizer.eos_token_id if pad is None else pad)
+
+
+def load_tokenizer(directory: str | Path) -> Any:
+    """The tokenizer saved in a model directory; a clear error when there is none or it lacks EOS."""
+    from transformers import AutoTokenizer
+
+    path = Path(directory).expanduser()
+    if not path.is_dir():
+        raise ValueError(
+            f"tokenizer={str(directory)!r} is not a directory. Give the model directory that holds the tokenizer"
+            " (tokenizer.json, tokenizer_config.json)."
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"tokenizer={str(directory)!r}: no tokenizer could be loaded from it ({err}).") from err
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"The tokenizer in {str(directory)!r} has no EOS token, which ends every sample.")
+    return tokenizer

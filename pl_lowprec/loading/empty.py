@@ -1,0 +1,61 @@
+"""Build a module with its parameters on the meta device and its buffers real.
+
+``torch.device("meta")`` also puts buffers on the meta device, and the non-persistent ones (a rotary
+embedding's ``inv_freq``) are in no checkpoint, so nothing could fill them. Like accelerate's
+``init_empty_weights(include_buffers=False)``, this moves only parameters to the meta device: they cost no
+memory and are filled by ``load_pretrained``; buffers are computed by the module's own ``__init__``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+
+@contextmanager
+def empty_weights() -> Iterator[None]:
+    """Every parameter registered inside this block lives on the meta device (no storage)."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            kept = module._parameters[name]
+            extra = dict(kept.__dict__)
+            extra["requires_grad"] = kept.requires_grad
+            module._parameters[name] = type(kept)(kept.to("meta"), **extra)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    return any(t.device.type == "meta" for t in (*module.parameters(), *module.buffers()))
+
+
+def meta_tensor_names(module: nn.Module) -> list[str]:
+    named = (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False))
+    return [name for name, t in named if t.device.type == "meta"]
+
+
+def assert_no_meta(module: nn.Module) -> None:
+    """Fail with names when something is still on the meta device after loading."""
+    left = meta_tensor_names(module)
+    if left:
+        raise ValueError(
+            f"After loading pretrained weights, {len(left)} tensors of {type(module).__name__} are still on the"
+            f" meta device and in no checkpoint file: {', '.join(left[:8])}{', ...' if len(left) > 8 else ''}."
+            " These are non-persistent buffers: build the module under `pl_lowprec.loading.empty_weights()`"
+            " (parameters on meta, buffers real) or `trainer.init_module(empty_init=True)` instead of"
+            " `torch.device('meta')`."
+        )
+
+
+def is_meta(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "meta"

@@ -1,0 +1,137 @@
+"""Where pretrained tensors are: a safetensors file, a sharded directory, or a Hugging Face model directory.
+
+Only headers are read here (key, shape, dtype per tensor), so every check on names and shapes runs before a
+single weight is loaded. ``prefix_map`` turns checkpoint keys into the module's keys: a LightningModule that
+holds the Hugging Face model as ``self.model`` needs ``"model."`` in front of every checkpoint key.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from pl_lowprec._imports import import_safetensors
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+PrefixMap = dict[str, str]
+
+
+def prefix_map(prefix: str | Mapping[str, str] | None) -> PrefixMap:
+    """``"model."`` prepends to every key; ``{"model.": "net.model."}`` rewrites the keys that start with
+    ``"model."`` (the longest matching prefix wins; ``""`` matches every key); ``None`` keeps keys as they are."""
+    if prefix is None:
+        return {}
+    if isinstance(prefix, str):
+        return {"": prefix}
+    if not isinstance(prefix, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in prefix.items()):
+        raise TypeError(
+            f"pretrained_prefix={prefix!r} must be a string (prepended to every checkpoint key, e.g. 'model.') or a"
+            " mapping of checkpoint-key prefixes to module-key prefixes (e.g. {'model.': 'net.model.'})."
+        )
+    return dict(prefix)
+
+
+def map_key(key: str, prefixes: PrefixMap) -> str:
+    for old in sorted(prefixes, key=len, reverse=True):
+        if key.startswith(old):
+            return prefixes[old] + key[len(old) :]
+    return key
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: Path
+    key: str  # the key in the file
+    shape: tuple[int, ...]
+    dtype: str  # safetensors dtype name: "BF16", "F32", ...
+
+
+@dataclass(frozen=True)
+class CheckpointIndex:
+    """Every tensor of a checkpoint by module key (after the prefix map), read from the headers only."""
+
+    source: Path
+    tensors: dict[str, TensorInfo]
+
+    @property
+    def files(self) -> list[Path]:
+        return sorted({t.file for t in self.tensors.values()})
+
+
+def checkpoint_files(source: str | Path) -> list[Path]:
+    """The safetensors files that make up ``source``; a clear error for anything else."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise ValueError(f"pretrained={str(source)!r} is not a .safetensors file. {_ALLOWED}")
+        return [path]
+    if not path.is_dir():
+        raise FileNotFoundError(f"pretrained={str(source)!r} does not exist. {_ALLOWED}")
+    index = path / INDEX_NAME
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no 'weight_map': it is not a safetensors index.")
+        files = sorted({path / name for name in weight_map.values()})
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise FileNotFoundError(f"{index} names shards that are not in {path}: {', '.join(absent)}.")
+        return files
+    if (path / SINGLE_NAME).is_file():
+        return [path / SINGLE_NAME]
+    found = sorted(path.glob("*.safetensors"))
+    if len(found) == 1:
+        return found
+    others = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt*"))
+    hint = (
+        f" It holds {', '.join(others[:4])}: convert them to safetensors first (load the model once and call"
+        " save_pretrained(..., safe_serialization=True))."
+        if others
+        else ""
+    )
+    many = f" It holds {len(found)} .safetensors files but no index to tell which belong together." if found else ""
+    raise FileNotFoundError(
+        f"pretrained={str(source)!r} holds no {SINGLE_NAME} or {INDEX_NAME}.{many}{hint} {_ALLOWED}"
+    )
+
+
+_ALLOWED = (
+    "Allowed: a .safetensors file, a directory with model.safetensors.index.json and its shards,"
+    " or a Hugging Face model directory (save_pretrained)."
+)
+
+
+def resolve_checkpoint(source: str | Path, prefix: str | Mapping[str, str] | None = None) -> CheckpointIndex:
+    """Read the headers of every file of ``source``; keys are mapped through ``prefix`` (see ``prefix_map``)."""
+    safetensors = import_safetensors()
+    prefixes = prefix_map(prefix)
+    tensors: dict[str, TensorInfo] = {}
+    for file in checkpoint_files(source):
+        with safetensors.safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                tensor = handle.get_slice(key)
+                mapped = map_key(key, prefixes)
+                if mapped in tensors:
+                    raise ValueError(
+                        f"Checkpoint keys {tensors[mapped].key!r} ({tensors[mapped].file.name}) and {key!r}"
+                        f" ({file.name}) both map to {mapped!r}: check pretrained_prefix={prefix!r}."
+                    )
+                tensors[mapped] = TensorInfo(file, key, tuple(tensor.get_shape()), tensor.get_dtype())
+    return CheckpointIndex(Path(source), tensors)
+
+
+@dataclass(frozen=True)
+class PretrainedWeights:
+    """What to load into a module built on the meta device: ``path`` (see ``checkpoint_files``) and the
+    ``prefix`` that turns its keys into the module's (see ``prefix_map``). Checked when built."""
+
+    path: str | Path
+    prefix: str | Mapping[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        prefix_map(self.prefix)
+        checkpoint_files(self.path)

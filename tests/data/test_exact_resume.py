@@ -1,0 +1,41 @@
+"""A run killed with SIGKILL mid-epoch and resumed from last.ckpt ends with the adapters of an uninterrupted run."""
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).with_name("resume_run.py")
+
+pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+
+def _run(mode: str, out: Path, spec: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), mode, str(out), spec], capture_output=True, text=True, timeout=300
+    )
+
+
+def assert_resume_is_exact(tmp_path: Path, spec: str) -> None:
+    full = _run("full", tmp_path / "full", spec)
+    assert full.returncode == 0, full.stderr[-3000:]
+    killed = _run("killed", tmp_path / "resumed", spec)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert not (tmp_path / "resumed" / "adapters.pt").exists()
+    resumed = _run("resumed", tmp_path / "resumed", spec)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "not resumable" not in resumed.stderr
+    expected = torch.load(tmp_path / "full" / "adapters.pt")
+    got = torch.load(tmp_path / "resumed" / "adapters.pt")
+    assert sorted(got) == sorted(expected) and len(got) == 14  # A and B of 7 linear layers
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.slow
+def test_stdlib_text_resumes_exactly(tmp_path):
+    assert_resume_is_exact(tmp_path, "stdlib")

@@ -1,0 +1,147 @@
+"""TextDataModule: the three record formats, the batch contract, the split, and bad records."""
+
+import json
+
+import pytest
+import torch
+from loading_helpers import save_tokenizer
+
+from pl_lowprec.data import TextDataModule
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    return save_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def _jsonl(path, records):
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in records) + "\n")
+    return path
+
+
+def _setup(**kwargs):
+    data = TextDataModule(**{"val_fraction": 0, **kwargs})
+    data.setup("fit")
+    return data
+
+
+def _targets(data, sample):
+    return data.tokenizer.decode([t for t in sample["labels"].tolist() if t != -100])
+
+
+def test_text_is_packed_into_blocks_with_loss_on_every_token(tmp_path, tokenizer_dir):
+    (tmp_path / "a.txt").write_text("def add(a, b):\n    return a + b\n" * 40)
+    data = _setup(train_files=tmp_path / "a.txt", tokenizer=str(tokenizer_dir), seq_len=16)
+    stream = [*data.tokenizer("def add(a, b):\n    return a + b\n" * 40)["input_ids"], data.tokenizer.eos_token_id]
+    blocks = data.train_set
+    assert [len(b["input_ids"]) for b in blocks[:-1]] == [16] * (len(blocks) - 1)
+    assert torch.cat([b["input_ids"] for b in blocks]).tolist() == stream[: sum(len(b["input_ids"]) for b in blocks)]
+    assert all(torch.equal(b["input_ids"], b["labels"]) for b in blocks)
+
+
+def test_prompt_completion_takes_loss_on_the_completion_only(tmp_path, tokenizer_dir):
+    path = _jsonl(tmp_path / "pc.jsonl", [{"prompt": "Q: two plus two?\nA:", "completion": " four"}])
+    data = _setup(train_files=path, tokenizer=str(tokenizer_dir))
+    (sample,) = data.train_set
+    assert _targets(data, sample) == " four</s>"
+    assert data.tokenizer.decode(sample["input_ids"]) == "<s>Q: two plus two?\nA: four</s>"
+
+
+def test_messages_take_loss_on_assistant_turns_only(tmp_path, tokenizer_dir):
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "hi"},
+        {"role": "user", "content": "name?"},
+        {"role": "assistant", "content": "pl"},
+    ]
+    data = _setup(train_files=_jsonl(tmp_path / "chat.jsonl", [{"messages": chat}]), tokenizer=str(tokenizer_dir))
+    (sample,) = data.train_set
+    assert _targets(data, sample) == "hi</s>\npl</s>\n"
+
+
+def test_batches_follow_the_hugging_face_contract(tmp_path, tokenizer_dir):
+    records = [{"prompt": "x" * n, "completion": "y"} for n in (1, 5, 9)]
+    data = _setup(train_files=_jsonl(tmp_path / "pc.jsonl", records), tokenizer=str(tokenizer_dir), batch_size=3)
+    batch = data._collate()(data.train_set)
+    assert set(batch) == {"input_ids", "attention_mask", "labels"}
+    assert batch["input_ids"].dtype == batch["labels"].dtype == torch.long
+    assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape
+    lengths = batch["attention_mask"].sum(1)
+    assert lengths.tolist() == sorted(lengths.tolist()) and lengths[0] < lengths[2]
+    padded = batch["attention_mask"] == 0
+    assert (batch["labels"][padded] == -100).all() and (batch["input_ids"][padded] == data.tokenizer.pad_token_id).all()
+
+
+def test_validation_split_is_seeded_and_disjoint(tmp_path, tokenizer_dir):
+    path = _jsonl(tmp_path / "pc.jsonl", [{"prompt": f"p{i}", "completion": f" c{i}"} for i in range(20)])
+    a = TextDataModule(train_files=path, tokenizer=str(tokenizer_dir), val_fraction=0.2, seed=3)
+    b = TextDataModule(train_files=path, tokenizer=str(tokenizer_dir), val_fraction=0.2, seed=3)
+    a.setup("fit")
+    b.setup("fit")
+    assert len(a.val_set) == 4 and len(a.train_set) == 16
+    key = lambda s: tuple(s["input_ids"].tolist())  # noqa: E731
+    assert [key(s) for s in a.val_set] == [key(s) for s in b.val_set]
+    assert not {key(s) for s in a.val_set} & {key(s) for s in a.train_set}
+
+
+def test_bad_records_are_counted_with_their_lines(tmp_path, tokenizer_dir):
+    records = [
+        {"prompt": "ok", "completion": " yes"},  # 1
+        "{not json",  # 2
+        {"question": "?"},  # 3
+        {"text": "   "},  # 4
+        {"prompt": "p", "completion": ""},  # 5
+        {"prompt": "only a prompt"},  # 6
+        {"messages": [{"role": "user", "content": "no answer"}]},  # 7
+        {"prompt": "x " * 200, "completion": " cut away"},  # 8
+        {"messages": "hi"},  # 9
+    ]
+    data = _setup(train_files=_jsonl(tmp_path / "mixed.jsonl", records), tokenizer=str(tokenizer_dir), seq_len=32)
+    (report,) = data.reports
+    assert report.used == 1 and len(data.train_set) == 1
+    assert report.first_lines == {
+        "invalid JSON": [2],
+        "records without a 'text', 'prompt'/'completion' or 'messages' field": [3],
+        "records with empty text": [4],
+        "records with an empty completion": [5],
+        "records with 'prompt' and 'completion' not both strings": [6],
+        "records with no target tokens within seq_len=32": [7, 8],
+        "records whose 'messages' is not a list of {role, content}": [9],
+    }
+    assert "1 records used, 8 skipped" in report.describe()
+
+
+def test_a_file_with_no_usable_record_fails_with_path_and_lines(tmp_path, tokenizer_dir):
+    path = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "p"}, "oops"])
+    with pytest.raises(
+        ValueError,
+        match=r"No usable record in .*bad.jsonl: 0 records used, 2 skipped: .*\(lines \[1\]\).*"
+        r"invalid JSON \(lines \[2\]\)",
+    ):
+        _setup(train_files=path, tokenizer=str(tokenizer_dir))
+
+
+def test_bad_arguments_fail_when_built(tmp_path, tokenizer_dir):
+    with pytest.raises(ValueError, match=r"train_files: '.*missing.jsonl' does not exist"):
+        TextDataModule(train_files=tmp_path / "missing.jsonl", tokenizer=str(tokenizer_dir))
+    (tmp_path / "x.csv").write_text("a")
+    with pytest.raises(ValueError, match=r"is not a .txt or .jsonl file \('.csv'\)"):
+        TextDataModule(train_files=tmp_path / "x.csv", tokenizer=str(tokenizer_dir))
+    (tmp_path / "a.txt").write_text("text")
+    with pytest.raises(ValueError, match=r"tokenizer='/nope' is not a directory"):
+        _setup(train_files=tmp_path / "a.txt", tokenizer="/nope")
+
+
+def test_workers_give_the_same_batches(tmp_path, tokenizer_dir):
+    path = _jsonl(tmp_path / "pc.jsonl", [{"prompt": f"p{i}", "completion": f" c{i}"} for i in range(10)])
+    batches = {}
+    for workers in (0, 1):
+        data = _setup(train_files=path, tokenizer=str(tokenizer_dir), batch_size=4, num_workers=workers)
+        loader = data.train_dataloader()
+        loader.sampler.set_epoch(1)
+        batches[workers] = [b["input_ids"].tolist() for b in loader]
+    assert batches[0] == batches[1] and len(batches[0]) == 3

@@ -1,0 +1,112 @@
+"""Bad pretrained= input fails before any weight is read or any step runs, naming the keys and the fix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from lightning_helpers import quiet_trainer
+from loading_helpers import save_llama
+from qlora_helpers import ids_loader, tiny_llama
+
+from pl_lowprec import LowPrecisionStrategy
+from pl_lowprec.loading import empty_weights, load_pretrained
+
+pytest.importorskip("bitsandbytes")
+
+
+def _meta_llama(**kwargs):
+    with empty_weights():
+        return tiny_llama(**kwargs)
+
+
+def _fit_fails(directory, match, model=None, **strategy_kwargs):
+    strategy = LowPrecisionStrategy(pretrained=directory, **{"pretrained_prefix": "model.", **strategy_kwargs})
+    trainer = quiet_trainer(strategy=strategy, max_steps=1)
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(model if model is not None else _meta_llama(), ids_loader(batches=1))
+    assert trainer.global_step == 0
+
+
+def test_missing_keys_are_named(tmp_path):
+    directory = save_llama(tmp_path / "ckpt", layers=1)
+    _fit_fails(
+        directory,
+        r"does not fit TinyLlama \(with pretrained_prefix='model.'\); nothing was loaded. Missing from the checkpoint:"
+        r" model.model.layers.1.self_attn.q_proj.weight",
+    )
+
+
+def test_unexpected_keys_are_named(tmp_path):
+    directory = save_llama(tmp_path / "ckpt", layers=3)
+    _fit_fails(
+        directory,
+        r"In the checkpoint but not in the module: model.model.layers.2.input_layernorm.weight, .*\(9 in all\)",
+    )
+
+
+def test_shape_mismatch_is_named(tmp_path):
+    directory = save_llama(tmp_path / "ckpt", hidden_size=32)
+    _fit_fails(directory, r"Shapes differ: model.model.embed_tokens.weight: checkpoint \[256, 32\], module \[256, 64\]")
+
+
+def test_wrong_prefix_suggests_the_right_one(tmp_path):
+    directory = save_llama(tmp_path / "ckpt")
+    _fit_fails(directory, r"try pretrained_prefix='model.'", pretrained_prefix=None)
+    model = _meta_llama()
+    with pytest.raises(ValueError, match=r"try pretrained_prefix=\{'model.': ''\}"):
+        load_pretrained(model.model, directory, prefix="model.")  # model.model.* for an inner LlamaForCausalLM
+
+
+def test_path_that_does_not_exist():
+    with pytest.raises(FileNotFoundError, match=r"pretrained='/no/such/dir' does not exist. Allowed: a .safetensors"):
+        LowPrecisionStrategy(pretrained="/no/such/dir")
+
+
+def test_directory_with_pytorch_bin_only(tmp_path):
+    torch.save({}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match=r"holds no model.safetensors.*pytorch_model.bin: convert them"):
+        LowPrecisionStrategy(pretrained=tmp_path)
+
+
+def test_index_naming_absent_shards(tmp_path):
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "shard-1.safetensors"}}))
+    with pytest.raises(FileNotFoundError, match=r"names shards that are not in .*: shard-1.safetensors"):
+        LowPrecisionStrategy(pretrained=tmp_path)
+
+
+def test_prefix_without_pretrained_and_bad_prefix_type(tmp_path):
+    with pytest.raises(ValueError, match=r"pretrained_prefix='model.' was given without pretrained="):
+        LowPrecisionStrategy(pretrained_prefix="model.")
+    directory = save_llama(tmp_path / "ckpt")
+    with pytest.raises(TypeError, match=r"pretrained_prefix=\['model.'\] must be a string"):
+        LowPrecisionStrategy(pretrained=directory, pretrained_prefix=["model."])
+
+
+def test_module_built_with_real_weights(tmp_path):
+    directory = save_llama(tmp_path / "ckpt")
+    _fit_fails(directory, r"needs TinyLlama built without weights, but its parameters are real", model=tiny_llama())
+
+
+def test_meta_module_without_pretrained():
+    trainer = quiet_trainer(strategy=LowPrecisionStrategy(), max_steps=1)
+    with pytest.raises(ValueError, match=r"TinyLlama has parameters on the meta device and nothing to fill them"):
+        trainer.fit(_meta_llama(), ids_loader(batches=1))
+
+
+def test_meta_buffers_that_no_checkpoint_holds(tmp_path):
+    directory = save_llama(tmp_path / "ckpt")
+    with torch.device("meta"):
+        model = tiny_llama()
+    _fit_fails(directory, r"still on the meta device and in no checkpoint file: model.model.rotary_emb.inv_freq", model)
+
+
+def test_ddp_strategy_takes_the_same_arguments(tmp_path):
+    from pl_lowprec import LowPrecisionDDPStrategy
+
+    with pytest.raises(FileNotFoundError, match=r"pretrained='/no/such/dir' does not exist"):
+        LowPrecisionDDPStrategy(pretrained="/no/such/dir")
+    directory = save_llama(tmp_path / "ckpt")
+    strategy = LowPrecisionDDPStrategy(pretrained=directory, pretrained_prefix="model.")
+    assert strategy.transform.weights.prefix == "model."

@@ -1,0 +1,44 @@
+"""Streaming a checkpoint into a meta-device model keeps peak host memory near the quantized model's size."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).with_name("load_memory.py")
+
+pytest.importorskip("bitsandbytes")
+pytest.importorskip("transformers")
+
+
+def _run(mode: str, directory: Path) -> dict:
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), mode, str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"},  # see load_memory.py
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1]) if mode != "write" else {}
+
+
+@pytest.mark.slow
+def test_streamed_load_peaks_well_under_the_full_precision_model(tmp_path):
+    _run("write", tmp_path)
+    streamed = _run("stream", tmp_path)
+    full = _run("full", tmp_path)
+    size = streamed["fp32_model_bytes"]
+    assert size > 200 * 2**20
+    # Streamed: the quantized model (0.14x) plus one tensor and its quantization temporaries, well under the fp32 model.
+    assert streamed["added_peak_bytes"] < 0.35 * size, streamed
+    # The same measurement sees the whole model when it is loaded before quantizing: it can tell them apart.
+    assert full["added_peak_bytes"] > 0.9 * size, full
+    print(
+        f"\nfp32 model {size / 2**20:.0f} MiB; peak added by loading:"
+        f" streamed {streamed['added_peak_bytes'] / 2**20:.0f} MiB,"
+        f" full load then quantize {full['added_peak_bytes'] / 2**20:.0f} MiB"
+    )

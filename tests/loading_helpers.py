@@ -1,0 +1,50 @@
+"""Tiny pretrained checkpoints written with ``save_pretrained`` for the loading tests (no downloads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def llama_config(hidden_size: int = 64, layers: int = 2, tie: bool = False, **kwargs):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=256,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+        **kwargs,
+    )
+
+
+def save_llama(
+    directory: Path,
+    seed: int = 1,
+    max_shard_size: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    **config_kwargs,
+) -> Path:
+    """A Llama with seeded random weights saved as a Hugging Face directory (sharded if ``max_shard_size``)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(llama_config(**config_kwargs)).to(dtype)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, **kwargs)
+    return directory
+
+
+def save_tokenizer(directory: Path, vocab_size: int = 320) -> Path:
+    """A BPE tokenizer trained on a slice of the standard library, with a chat template, saved to ``directory``."""
+    from pl_lowprec.demo.stdlib_text import stdlib_bytes
+    from pl_lowprec.demo.tokenizer import train_tokenizer
+
+    tokenizer = train_tokenizer([stdlib_bytes(100_000).decode("utf-8", "replace")], vocab_size)
+    tokenizer.save_pretrained(directory)
+    return directory
