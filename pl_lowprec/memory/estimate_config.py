@@ -45,10 +45,26 @@ def _strategy_settings(trainer: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(strategy, dict):
         return {}
     args = dict(strategy.get("init_args") or {})
+    if args.get("fp8") is not None:
+        raise NotImplementedError(
+            "pl-lowprec estimate does not model fp8= yet (its float8 casts need a GPU to run); estimate the same"
+            " config without fp8= for an upper bound of the activations."
+        )
+    if isinstance(args.get("qat"), dict):
+        args["qat"] = _build(args["qat"])
     quantization = args.get("quantization")
     if isinstance(quantization, dict):
         args["quantization"] = _build(quantization)
-    keys = ("quantization", "lora", "optimizer", "activation_checkpointing", "checkpoint_every_n", "checkpoint_impl")
+    keys = (
+        "quantization",
+        "lora",
+        "optimizer",
+        "activation_checkpointing",
+        "checkpoint_every_n",
+        "checkpoint_impl",
+        "activation_offloading",
+        "qat",
+    )
     settings = {k: args[k] for k in keys if k in args}
     settings.setdefault("optimizer", "adamw")
     return settings

@@ -14,7 +14,9 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import _StrategyRegistry
 
 from pl_lowprec.checkpointing import CheckpointImpl, CheckpointPolicy
+from pl_lowprec.fp8 import FP8Config, FP8Recipe
 from pl_lowprec.optimizers import OptimizerName
+from pl_lowprec.qat import QATConfig, QATScheme
 from pl_lowprec.quantization import QuantizationConfig, QuantMode
 from pl_lowprec.strategies.transform import ModelTransform
 
@@ -34,6 +36,12 @@ class LowPrecisionDDPStrategy(DDPStrategy):
         optimizer: Swap the configured AdamW for ``"adamw8bit"``, ``"paged_adamw8bit"``,
             ``"paged_adamw32bit"`` or ``"lion8bit"`` (bitsandbytes).
         adapter_only_checkpoint: With ``lora``, checkpoints hold only the trainable weights.
+        qat: Quantization-aware training (torchao): ``"int8-dynamic-int4-weight"``, ``"int4-weight-only"``,
+            ``"int8-weight-only"``, or a ``QATConfig`` (group size, skipped modules). Converts to the real
+            quantized form at the end of fit.
+        fp8: Float8 training of the linear layers (torchao; compute capability 8.9+): ``"tensorwise"``,
+            ``"rowwise"``, ``"rowwise_with_gw_hp"``, or an ``FP8Config``.
+        activation_offloading: Keep saved activations in host memory between forward and backward (CUDA).
         **kwargs: Every argument of ``DDPStrategy`` (``process_group_backend``, ``find_unused_parameters``, ...).
     """
 
@@ -48,6 +56,9 @@ class LowPrecisionDDPStrategy(DDPStrategy):
         lora: dict[str, Any] | None = None,
         optimizer: OptimizerName | None = None,
         adapter_only_checkpoint: bool = True,
+        qat: QATScheme | QATConfig | None = None,
+        fp8: FP8Recipe | FP8Config | None = None,
+        activation_offloading: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -59,6 +70,9 @@ class LowPrecisionDDPStrategy(DDPStrategy):
             lora,
             optimizer,
             adapter_only_checkpoint,
+            qat,
+            fp8,
+            activation_offloading,
         )
 
     def setup(self, trainer: pl.Trainer) -> None:
@@ -68,6 +82,14 @@ class LowPrecisionDDPStrategy(DDPStrategy):
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         self.optimizers = self.transform.swap_optimizers(self.optimizers, self.lr_scheduler_configs, self.root_device)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.transform.offloading(self.lightning_module, self.root_device):
+            return super().training_step(*args, **kwargs)
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self.transform.on_fit_end(self.lightning_module)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return self.transform.state_dict(self.lightning_module)
