@@ -9,7 +9,8 @@ SCRIPT = textwrap.dedent(
     """
     import importlib.abc, sys, warnings
 
-    BLOCKED = {"bitsandbytes", "peft", "safetensors", "transformers", "jsonargparse"}  # yaml is a lightning dependency
+    # yaml is a lightning dependency
+    BLOCKED = {"bitsandbytes", "peft", "safetensors", "transformers", "jsonargparse", "torchao"}
 
     class Block(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
@@ -38,7 +39,7 @@ SCRIPT = textwrap.dedent(
                          strategy=LowPrecisionStrategy(activation_checkpointing=["Block"]))
     trainer.fit(model, loader)
     print("trained", trainer.global_step)
-    for kwargs in ({"quantization": "nf4"}, {"lora": {"r": 4}}):
+    for kwargs in ({"quantization": "nf4"}, {"lora": {"r": 4}}, {"qat": "int4-weight-only"}, {"fp8": "rowwise"}):
         try:
             LowPrecisionStrategy(**kwargs)
         except ModuleNotFoundError as err:
@@ -60,4 +61,5 @@ def test_core_install_imports_trains_and_names_the_extras():
         "quantization= and the 8-bit optimizers need bitsandbytes" in out and 'pip install "pl_lowprec[qlora]"' in out
     )
     assert "lora= needs peft" in out
+    assert out.count("qat= and fp8= need torchao") == 2 and 'pip install "pl_lowprec[torchao]"' in out
     assert "TinyLlama needs transformers" in out and 'pip install "pl_lowprec[hf]"' in out
