@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import lru_cache
 from types import ModuleType
 
@@ -57,10 +55,9 @@ def import_torchao() -> ModuleType:
         raise ModuleNotFoundError(
             f'qat= and fp8= need torchao: {_TORCHAO.message}. Install it with: pip install "pl_lowprec[torchao]"'
         )
-    with _without_import_noise():
-        import torchao
-        import torchao.float8
-        import torchao.prototype.qat  # imported lazily by QAT's prepare step; its import logs the Enum message
+    import torchao
+    import torchao.float8
+    import torchao.prototype.qat  # imported lazily by QAT's prepare step: import it here, where it is expected
 
     return torchao
 
@@ -86,14 +83,10 @@ class _ImportNoise(logging.Filter):
         return self.cuda_available or not message.startswith("Failed to load")
 
 
-@contextmanager
-def _without_import_noise() -> Iterator[None]:
-    noise = _ImportNoise(torch.cuda.is_available())
-    loggers = [logging.getLogger("torchao"), logging.getLogger("torch.utils._pytree")]
-    for logger in loggers:
-        logger.addFilter(noise)
-    try:
-        yield
-    finally:
-        for logger in loggers:
-            logger.removeFilter(noise)
+def filter_torchao_import_noise() -> None:
+    """Drop torchao's import-time noise for good (idempotent). Called when ``pl_lowprec`` is imported, because
+    transformers imports torchao whenever it is installed, long before ``import_torchao`` runs."""
+    for name in ("torchao", "torch.utils._pytree"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _ImportNoise) for f in logger.filters):
+            logger.addFilter(_ImportNoise(torch.cuda.is_available()))

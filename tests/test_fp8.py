@@ -118,3 +118,28 @@ def test_fp8_base_layers_under_lora_adapters():
     assert is_fp8(layer.base_layer) and not layer.base_layer.weight.requires_grad
     assert type(layer.lora_A["default"]) is torch.nn.Linear  # adapters stay in high precision
     assert losses.losses[-1] < losses.losses[0]
+
+
+def test_fp8_config_refuses_cpu_and_runs_emulated(tmp_path, monkeypatch):
+    from test_configs import ROOT, _fast_args
+
+    from pl_lowprec.cli import build_cli
+
+    monkeypatch.chdir(tmp_path)
+    args = ["fit", *_fast_args(ROOT / "configs/fp8.yaml")]
+    with pytest.raises(RuntimeError, match=r"needs a CUDA GPU with compute capability 8.9 .* runs on cpu"):
+        build_cli(args)
+    cli = build_cli([*args, "--trainer.strategy.init_args.fp8.init_args.emulate", "true"])
+    assert cli.trainer.global_step == 2
+    assert is_fp8(cli.model.model.model.layers[0].mlp.gate_proj)
+
+
+def test_estimate_runs_the_float8_layers_and_matches_the_measured_bytes():
+    from pl_lowprec import MemoryTracker, estimate_memory
+
+    tracker = MemoryTracker(print_summary=False)
+    strategy = LowPrecisionStrategy(fp8=FP8Config(emulate=True))
+    quiet_trainer(strategy=strategy, max_steps=1, callbacks=[tracker]).fit(_gpt(), _repeated_batch(1))
+    batch = next(iter(_repeated_batch(1)))
+    estimate = estimate_memory(_gpt, batch, fp8="tensorwise")  # emulated inside, whatever the config says
+    assert estimate.activations == tracker.summary["fit"]["bytes"]["activations"]

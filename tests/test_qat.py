@@ -150,3 +150,16 @@ def test_group_size_that_does_not_divide_the_layers_is_refused_before_training()
 def test_qat_with_bitsandbytes_quantization_is_refused():
     with pytest.raises(ValueError, match=r"quantization= and qat= cannot be combined: QAT fake-quantizes"):
         LowPrecisionStrategy(quantization="nf4", qat="int4-weight-only")
+
+
+def test_estimate_counts_what_fake_quantization_saves_as_measured():
+    from pl_lowprec import MemoryTracker, estimate_memory
+
+    tracker = MemoryTracker(print_summary=False)
+    strategy = LowPrecisionStrategy(qat="int8-dynamic-int4-weight")
+    quiet_trainer(strategy=strategy, max_steps=1, callbacks=[tracker]).fit(_gpt(), _loader(1))
+    measured = tracker.summary["fit"]["bytes"]
+    estimate = estimate_memory(_gpt, next(iter(_loader(1))), qat="int8-dynamic-int4-weight")
+    plain = estimate_memory(_gpt, next(iter(_loader(1))))
+    assert estimate.activations == measured["activations"] > plain.activations  # fake quantization saves more
+    assert estimate.gradients == measured["gradients"]

@@ -8,7 +8,10 @@ dtypes and a device but no storage, so a model larger than the machine costs not
 - activations are the bytes saved for backward by one fake training step, run under the precision's
   autocast with LoRA injected and activation checkpointing applied, counted as ``MemoryTracker`` counts them;
   with activation offloading the step runs under the same offloading hooks, and the bytes they move are
-  reported apart (``activations_offloaded_to_host``: host memory, not part of the device ``total``).
+  reported apart (``activations_offloaded_to_host``: host memory, not part of the device ``total``);
+- with ``qat=`` and ``fp8=`` the same torchao layers run in the fake step (fp8 emulated: torchao's float8
+  layers save their high-precision inputs and re-cast in backward, so the saved bytes are the real ones; the
+  float8 copies made inside each matmul are transient and not counted).
 
 Quantized layers stay plain ``nn.Linear`` in the fake model (bitsandbytes kernels do not run on fake
 tensors); their frozen weights are put in the compute dtype so that autocast makes no extra copy of them,
@@ -17,6 +20,7 @@ as the 4-bit matmul makes none that autograd keeps.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Mapping
@@ -29,6 +33,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pl_lowprec.checkpointing import CheckpointImpl, CheckpointPolicy, set_activation_checkpointing
+from pl_lowprec.fp8 import FP8Config, convert_to_fp8
 from pl_lowprec.lora import inject_lora, prepare_for_kbit_training
 from pl_lowprec.memory.activations import count_saved_tensors
 from pl_lowprec.offloading import OffloadActivations
@@ -122,6 +127,7 @@ def estimate_memory(
     checkpoint_impl: CheckpointImpl = "non_reentrant",
     activation_offloading: bool = False,
     qat: str | QATConfig | None = None,
+    fp8: str | FP8Config | None = None,
 ) -> MemoryEstimate:
     """Predict the training memory of a configuration without allocating the model.
 
@@ -131,8 +137,8 @@ def estimate_memory(
         example_batch: One training batch (real or fake tensors of the real shapes).
         precision: The Trainer's precision string (``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``, ...).
         quantization, lora, optimizer, activation_checkpointing, checkpoint_every_n, checkpoint_impl,
-        activation_offloading, qat: As for ``LowPrecisionStrategy`` (``optimizer="adamw"`` is the module's own torch
-            AdamW).
+        activation_offloading, qat, fp8: As for ``LowPrecisionStrategy`` (``optimizer="adamw"`` is the module's
+            own torch AdamW).
     """
     if isinstance(quantization, str):
         quantization = QuantizationConfig.from_mode(quantization)
@@ -146,6 +152,9 @@ def estimate_memory(
         estimate.weights, quantized = _weights_after_quantization(model, quantization, compute_dtype)
         if qat is not None:  # weights stay trainable in full precision; fake quantization saves its own tensors
             prepare_qat(model, QATConfig.from_scheme(qat) if isinstance(qat, str) else qat)
+        if fp8 is not None:  # emulated, so it runs on fake CPU tensors; it saves what the real float8 layers save
+            fp8 = FP8Config.from_recipe(fp8) if isinstance(fp8, str) else fp8
+            convert_to_fp8(model, dataclasses.replace(fp8, emulate=True))
         if lora is not None:
             inject_lora(model, lora, quantization.skip_modules if quantization is not None else DEFAULT_SKIP)
             prepare_for_kbit_training(model, mixed_precision=mixed)

@@ -45,13 +45,9 @@ def _strategy_settings(trainer: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(strategy, dict):
         return {}
     args = dict(strategy.get("init_args") or {})
-    if args.get("fp8") is not None:
-        raise NotImplementedError(
-            "pl-lowprec estimate does not model fp8= yet (its float8 casts need a GPU to run); estimate the same"
-            " config without fp8= for an upper bound of the activations."
-        )
-    if isinstance(args.get("qat"), dict):
-        args["qat"] = _build(args["qat"])
+    for key in ("qat", "fp8"):
+        if isinstance(args.get(key), dict):
+            args[key] = _build(args[key])
     quantization = args.get("quantization")
     if isinstance(quantization, dict):
         args["quantization"] = _build(quantization)
@@ -64,6 +60,7 @@ def _strategy_settings(trainer: dict[str, Any]) -> dict[str, Any]:
         "checkpoint_impl",
         "activation_offloading",
         "qat",
+        "fp8",
     )
     settings = {k: args[k] for k in keys if k in args}
     settings.setdefault("optimizer", "adamw")
