@@ -1,11 +1,12 @@
 """Quantization-aware training against post-training quantization, side by side in one run.
 
-Run: python benchmarks/qat_vs_ptq.py [--pretrain-steps 300] [--finetune-steps 200] [--group-size 32 | 0]
+Run: python benchmarks/qat_vs_ptq.py [--pretrain-steps 600] [--finetune-steps 300] [--group-size 32 | 0]
 (``--group-size 0``: one scale per output channel, a coarser int4 grid than groups of 32).
 
 The embedded task (the package's pretrained demo model does not exist yet): a TinyLlama (hidden 128, 2 layers,
 byte-level) is first trained from scratch on Python's stdlib sources, standing in for a pretrained base. From
-that same base, two fine-tunes of the same steps on the same batches:
+that same base, two fine-tunes of the same steps on the same batches, AdamW with a cosine decay to zero (as
+torchtune's fine-tuning recipes; QAT needs the weights to settle on the grid by the end):
 
 - without QAT (fp32), then quantized after training (PTQ) to int8 dynamic activations + int4 grouped weights;
 - with ``LowPrecisionStrategy(qat="int8-dynamic-int4-weight")``, converted to the same format at the end of fit.
@@ -18,7 +19,6 @@ layers (every linear layer but the output head), so the gaps differ only by how 
 from __future__ import annotations
 
 import argparse
-import copy
 import warnings
 
 import torch
@@ -27,6 +27,21 @@ from lightning.pytorch import Trainer
 from pl_lowprec import LowPrecisionStrategy
 from pl_lowprec.demo import StdlibTextDataModule, TinyLlama
 from pl_lowprec.qat import QATConfig, is_converted
+
+
+class FineTune(TinyLlama):
+    """The demo model with the usual fine-tuning schedule: short warm-up, then cosine decay to zero."""
+
+    def __init__(self, total_steps: int, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.total_steps = total_steps
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+        sched = torch.optim.lr_scheduler.OneCycleLR(
+            opt, max_lr=self.lr, total_steps=self.total_steps, pct_start=0.05, anneal_strategy="cos"
+        )
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
 def trainer(steps: int, strategy: LowPrecisionStrategy) -> Trainer:
@@ -58,8 +73,8 @@ def post_training_quantize(model: TinyLlama, config: QATConfig) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pretrain-steps", type=int, default=300)
-    parser.add_argument("--finetune-steps", type=int, default=200)
+    parser.add_argument("--pretrain-steps", type=int, default=600)
+    parser.add_argument("--finetune-steps", type=int, default=300)
     parser.add_argument("--group-size", type=int, default=32, help="weights per scale; 0: one per output channel")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message=r".*(val_dataloader|does not have many workers|LeafSpec).*")
@@ -72,9 +87,9 @@ def main() -> None:
     base_loss = validation_loss(base, data)
 
     config = QATConfig("int8-dynamic-int4-weight", group_size=args.group_size or None)
-    plain, qat = copy.deepcopy(base), copy.deepcopy(base)
+    plain, qat = (FineTune(args.finetune_steps, lr=1e-3) for _ in range(2))
     for model in (plain, qat):
-        model.lr, model.warmup_steps = 1e-3, 1
+        model.load_state_dict(base.state_dict())
     torch.manual_seed(1)
     trainer(args.finetune_steps, LowPrecisionStrategy()).fit(plain, data)
     torch.manual_seed(1)
@@ -88,7 +103,8 @@ def main() -> None:
 
     print(
         f"TinyLlama (hidden 128, 2 layers), base: {args.pretrain_steps} steps from scratch (val loss"
-        f" {base_loss:.4f}); fine-tune: {args.finetune_steps} steps, batch 16 x 128 bytes, AdamW 1e-3, fp32."
+        f" {base_loss:.4f}); fine-tune: {args.finetune_steps} steps, batch 16 x 128 bytes, AdamW 1e-3 cosine"
+        " to 0, fp32."
     )
     groups = f"groups of {args.group_size}" if args.group_size else "one scale per output channel"
     print(f"Target format: int8 dynamic per-token activations, int4 weights, {groups}.\n")

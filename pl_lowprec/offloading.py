@@ -4,7 +4,7 @@
 during forward, each tensor autograd saves on the compute device, of at least ``min_bytes`` and not a parameter
 or buffer, is copied to host memory and its device copy is released; backward copies it back when its node runs.
 The values are copied bit for bit, so gradients are identical to a run without offloading. A tensor that several
-ops save (a layer input read by three projections) is copied once and shared.
+ops save, or the same view of it (a layer input that the q, k and v projections each flatten), is copied once.
 
 On CUDA the host copies are pinned and run on a side stream, so the device-to-host copy overlaps the next ops of
 forward; ``record_stream`` keeps each device buffer alive until the copy that reads it, or the op that reads the
@@ -56,7 +56,7 @@ class OffloadActivations(saved_tensors_hooks):
         self._excluded = {t.untyped_storage()._cdata for t in exclude if t.layout == torch.strided}
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
-        self._copies: dict[int, tuple[weakref.ref, _OnHost]] = {}  # id(tensor) -> (the tensor, its host copy)
+        self._copies: dict[tuple, tuple[weakref.ref, _OnHost]] = {}  # see _identity
         super().__init__(self._pack, self._unpack)
 
     def _moves(self, tensor: torch.Tensor) -> bool:
@@ -72,12 +72,13 @@ class OffloadActivations(saved_tensors_hooks):
         if not self._moves(tensor):
             note_saved(tensor, offloaded=False)
             return tensor
-        known = self._copies.get(id(tensor))
-        if known is not None and known[0]() is tensor:  # the same live tensor, saved again by another op
+        owner, key = _identity(tensor)
+        known = self._copies.get(key)
+        if known is not None and known[0]() is owner:  # the same memory, still alive, saved again by another op
             return known[1]
         note_saved(tensor, offloaded=True)
         packed = _OnHost(self._to_host(tensor), tensor.device)
-        self._copies[id(tensor)] = (weakref.ref(tensor), packed)
+        self._copies[key] = (weakref.ref(owner), packed)
         return packed
 
     def _unpack(self, packed: torch.Tensor | _OnHost) -> torch.Tensor:
@@ -106,6 +107,15 @@ class OffloadActivations(saved_tensors_hooks):
         compute.wait_stream(self._stream)
         restored.record_stream(compute)  # allocated on the side stream, read on the compute stream
         return restored
+
+
+def _identity(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """The live tensor that owns ``tensor``'s memory (its base, for a view) and a key for ``tensor``'s place in it.
+
+    While the owner is alive its memory cannot be reused, so an equal key with the same owner means equal values.
+    """
+    owner = tensor._base if tensor._base is not None else tensor
+    return owner, (id(owner), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
 
 
 def check_offload_device(device: torch.device) -> None:

@@ -134,9 +134,10 @@ def test_fp8_config_refuses_cpu_and_runs_emulated(tmp_path, monkeypatch):
     assert is_fp8(cli.model.model.model.layers[0].mlp.gate_proj)
 
 
-def test_estimate_runs_the_float8_layers_and_matches_the_measured_bytes():
+def test_estimate_runs_the_float8_layers_and_matches_the_measured_bytes(tmp_path, monkeypatch):
     from pl_lowprec import MemoryTracker, estimate_memory
 
+    monkeypatch.chdir(tmp_path)  # MemoryTracker writes its summary into the working directory
     tracker = MemoryTracker(print_summary=False)
     strategy = LowPrecisionStrategy(fp8=FP8Config(emulate=True))
     quiet_trainer(strategy=strategy, max_steps=1, callbacks=[tracker]).fit(_gpt(), _repeated_batch(1))

@@ -30,8 +30,9 @@ def _loader(batches=2):
 
 
 @pytest.fixture
-def offload_on_cpu(monkeypatch):
+def offload_on_cpu(monkeypatch, tmp_path):
     monkeypatch.setattr(transform, "check_offload_device", lambda device: None)
+    monkeypatch.chdir(tmp_path)  # MemoryTracker writes its summary into the working directory
 
 
 def _fit_grads(offloading, checkpointing, precision, steps=2):
@@ -133,3 +134,16 @@ def test_cuda_offloading_overlaps_on_a_side_stream_with_identical_gradients():
     assert counter.nbytes <= 4096 and counter.offloaded_nbytes > 500_000
     for name, grad in expected.items():
         assert torch.equal(model.get_parameter(name).grad, grad), name
+
+
+def test_a_tensor_saved_by_several_ops_is_copied_once():
+    x = torch.randn(1024, requires_grad=True)
+    weights = [torch.randn(1024, requires_grad=True) for _ in range(3)]
+    with count_saved_tensors() as counter, OffloadActivations(torch.device("cpu"), exclude=weights):
+        loss = sum((x * w).sum() for w in weights)  # each mul saves x (and its weight, excluded here)
+    loss.backward()
+    assert counter.offloaded_nbytes == 1024 * 4  # x, once
+    assert counter.nbytes == 3 * 1024 * 4  # the excluded weights stay
+    offloaded, x.grad = x.grad, None
+    sum((x * w).sum() for w in weights).backward()
+    assert torch.equal(offloaded, x.grad)

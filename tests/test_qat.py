@@ -152,9 +152,10 @@ def test_qat_with_bitsandbytes_quantization_is_refused():
         LowPrecisionStrategy(quantization="nf4", qat="int4-weight-only")
 
 
-def test_estimate_counts_what_fake_quantization_saves_as_measured():
+def test_estimate_counts_what_fake_quantization_saves_as_measured(tmp_path, monkeypatch):
     from pl_lowprec import MemoryTracker, estimate_memory
 
+    monkeypatch.chdir(tmp_path)  # MemoryTracker writes its summary into the working directory
     tracker = MemoryTracker(print_summary=False)
     strategy = LowPrecisionStrategy(qat="int8-dynamic-int4-weight")
     quiet_trainer(strategy=strategy, max_steps=1, callbacks=[tracker]).fit(_gpt(), _loader(1))
