@@ -1,8 +1,10 @@
 """pl_lowprec: mixed precision with honest loss scaling, QLoRA, activation checkpointing and accumulation
 for any LightningModule, by configuration."""
 
+from pl_lowprec._imports import filter_torchao_import_noise
 from pl_lowprec.callbacks import LossScaleMonitor, MemoryTracker, PersistentOverflowError
 from pl_lowprec.checkpointing import remove_activation_checkpointing, set_activation_checkpointing
+from pl_lowprec.fp8 import FP8Config
 from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
 from pl_lowprec.plugins import (
     AMPPrecision,
@@ -12,11 +14,15 @@ from pl_lowprec.plugins import (
     SkipAwareScheduler,
     choose_precision,
 )
+from pl_lowprec.qat import QATConfig
 from pl_lowprec.quantization import QuantizationConfig
 from pl_lowprec.strategies import LowPrecisionDDPStrategy, LowPrecisionStrategy
 
+filter_torchao_import_noise()  # before anything (transformers included) imports torchao; see pl_lowprec._imports
+
 __all__ = [
     "AMPPrecision",
+    "FP8Config",
     "LossScaleCollapseError",
     "LossScaleMonitor",
     "LossScaleState",
@@ -26,6 +32,7 @@ __all__ = [
     "MemoryTracker",
     "PersistentOverflowError",
     "PrecisionChoice",
+    "QATConfig",
     "QuantizationConfig",
     "SkipAwareScheduler",
     "choose_precision",

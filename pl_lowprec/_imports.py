@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from functools import lru_cache
 from types import ModuleType
 
+import torch
 from lightning_utilities.core.imports import RequirementCache
 
 _JSONARGPARSE = RequirementCache("jsonargparse[signatures]>=4.27")
 _BITSANDBYTES = RequirementCache("bitsandbytes>=0.45")
 _PEFT = RequirementCache("peft>=0.13")
 _SAFETENSORS = RequirementCache("safetensors>=0.4")
+_TORCHAO = RequirementCache("torchao>=0.18")
 
 
 def require_cli() -> None:
@@ -56,3 +59,46 @@ def import_safetensors() -> ModuleType:
     import safetensors
 
     return safetensors
+
+
+def import_torchao() -> ModuleType:
+    """torchao, or an error naming the features and the install command."""
+    if not _TORCHAO:
+        raise ModuleNotFoundError(
+            f'qat= and fp8= need torchao: {_TORCHAO.message}. Install it with: pip install "pl_lowprec[torchao]"'
+        )
+    import torchao
+    import torchao.float8
+    import torchao.prototype.qat  # imported lazily by QAT's prepare step: import it here, where it is expected
+
+    return torchao
+
+
+class _ImportNoise(logging.Filter):
+    """Drops import-time messages of torchao 0.18 that ask nothing of the user.
+
+    - "Failed to load .../_C_cutlass_90a.abi3.so" (and ``_C_mxfp8``): CUDA-only kernels in torchao's wheel, which
+      cannot load without a CUDA driver; the CPU paths (QAT, FP8 emulation) never call them. Dropped only when CUDA
+      is absent: on a GPU machine a kernel that fails to load is a real problem and must be seen.
+    - "<enum ...> is an Enum subclass and is now natively supported by torch.compile": torch 2.13 deprecating a
+      registration that torchao 0.18 still makes; nothing to do for the user.
+    """
+
+    def __init__(self, cuda_available: bool) -> None:
+        super().__init__()
+        self.cuda_available = cuda_available
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "is an Enum subclass and is now natively supported" in message:
+            return False
+        return self.cuda_available or not message.startswith("Failed to load")
+
+
+def filter_torchao_import_noise() -> None:
+    """Drop torchao's import-time noise for good (idempotent). Called when ``pl_lowprec`` is imported, because
+    transformers imports torchao whenever it is installed, long before ``import_torchao`` runs."""
+    for name in ("torchao", "torch.utils._pytree"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _ImportNoise) for f in logger.filters):
+            logger.addFilter(_ImportNoise(torch.cuda.is_available()))

@@ -9,7 +9,8 @@ SCRIPT = textwrap.dedent(
     """
     import importlib.abc, sys, warnings
 
-    BLOCKED = {"bitsandbytes", "peft", "safetensors", "transformers", "jsonargparse"}  # yaml is a lightning dependency
+    # yaml is a lightning dependency
+    BLOCKED = {"bitsandbytes", "peft", "safetensors", "transformers", "jsonargparse", "torchao"}
 
     class Block(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
@@ -38,7 +39,7 @@ SCRIPT = textwrap.dedent(
                          strategy=LowPrecisionStrategy(activation_checkpointing=["Block"]))
     trainer.fit(model, loader)
     print("trained", trainer.global_step)
-    for kwargs in ({"quantization": "nf4"}, {"lora": {"r": 4}}):
+    for kwargs in ({"quantization": "nf4"}, {"lora": {"r": 4}}, {"qat": "int4-weight-only"}, {"fp8": "rowwise"}):
         try:
             LowPrecisionStrategy(**kwargs)
         except ModuleNotFoundError as err:
@@ -60,4 +61,19 @@ def test_core_install_imports_trains_and_names_the_extras():
         "quantization= and the 8-bit optimizers need bitsandbytes" in out and 'pip install "pl_lowprec[qlora]"' in out
     )
     assert "lora= needs peft" in out
+    assert out.count("qat= and fp8= need torchao") == 2 and 'pip install "pl_lowprec[torchao]"' in out
     assert "TinyLlama needs transformers" in out and 'pip install "pl_lowprec[hf]"' in out
+
+
+def test_torchao_imports_without_its_cuda_only_noise_on_a_cpu_machine():
+    """torchao 0.18's wheel logs 'Failed to load ..._C_cutlass_90a.abi3.so' without a CUDA driver, and torch 2.13
+    logs an Enum deprecation for it; transformers imports torchao whenever it is installed. Neither reaches users."""
+    script = (
+        "import pl_lowprec, pl_lowprec.demo; pl_lowprec.demo.TinyLlama(hidden_size=32, num_layers=1, num_heads=2)\n"
+        "from pl_lowprec._imports import import_torchao; import_torchao()\n"
+        "import sys; print('torchao' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "True"
+    assert "Failed to load" not in result.stderr and "Enum subclass" not in result.stderr, result.stderr

@@ -111,6 +111,8 @@ class MemoryTracker(pl.Callback):
         if self._counter is not None:
             self._sampling.close()
             self._figures["activations"] = self._counter.nbytes
+            if self._counter.offloaded_nbytes:  # activation offloading: these wait in host memory
+                self._figures["activations_offloaded_to_host"] = self._counter.offloaded_nbytes
             self._counter = None
 
     # -- the summary ------------------------------------------------------------------------------------

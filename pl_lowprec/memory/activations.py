@@ -5,6 +5,10 @@ counted once, and storages shared with the model's parameters are left out (they
 activations). Activation checkpointing replaces a block's saved tensors with its inputs; the checkpointed
 forward reports those inputs here (``note_checkpoint_inputs``), so the count stays the real one.
 
+Activation offloading (``pl_lowprec.offloading``) installs its own hooks inside the counter's, and only the
+innermost hooks run; it reports each saved tensor here (``note_saved``) with where it went: moved tensors count
+as ``offloaded_nbytes`` (host memory, one copy per move) instead of ``nbytes`` (the compute device).
+
 Not seen: tensors a custom autograd function keeps as plain attributes instead of ``save_for_backward``.
 bitsandbytes' 4-bit matmul keeps its input that way; that input is usually alive anyway (the layer's LoRA
 branch and the residual stream hold it), but where nothing else does, the figure misses it.
@@ -24,14 +28,28 @@ _ACTIVE: list[SavedTensorCounter] = []
 
 
 class SavedTensorCounter:
-    """Accumulates unique saved-tensor storages; read ``nbytes`` after the forward pass."""
+    """Accumulates unique saved-tensor storages; read ``nbytes`` (device) and ``offloaded_nbytes`` (host) after
+    the forward pass."""
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
         self._storages = StorageSet(exclude)
+        self._on_device: dict[int, int] = {}
         self.nbytes = 0
+        self.offloaded_nbytes = 0
 
     def add(self, tensor: torch.Tensor) -> None:
-        self.nbytes += self._storages.nbytes(tensor)
+        size = self._storages.nbytes(tensor)
+        if size:
+            self._on_device[tensor.untyped_storage()._cdata] = size
+            self.nbytes += size
+
+    def add_offloaded(self, tensor: torch.Tensor) -> None:
+        """A host copy of ``tensor`` was made; its storage no longer stays on the device for backward."""
+        # Counted on the device before it moved (a checkpointed block's input)? Not any more. Its device storage
+        # is freed after the copy, and a new one may take its address: forget it.
+        self.nbytes -= self._on_device.pop(tensor.untyped_storage()._cdata, 0)
+        self._storages.forget(tensor)
+        self.offloaded_nbytes += tensor.numel() * tensor.element_size()
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self.add(tensor)
@@ -59,3 +77,12 @@ def note_checkpoint_inputs(tensors: Iterable[object]) -> None:
         if isinstance(tensor, torch.Tensor):
             for counter in _ACTIVE:
                 counter.add(tensor)
+
+
+def note_saved(tensor: torch.Tensor, offloaded: bool) -> None:
+    """Called by activation offloading for each tensor autograd saves, moved to host or not."""
+    for counter in _ACTIVE:
+        if offloaded:
+            counter.add_offloaded(tensor)
+        else:
+            counter.add(tensor)

@@ -2,7 +2,9 @@
 
 Each function walks the live objects and counts every storage once, so tied weights and views are not counted
 twice. bitsandbytes weights are recognised by their attributes (no import needed) and counted together with
-their quantization state: ``absmax``, the code book, and the nested constants of double quantization.
+their quantization state: ``absmax``, the code book, and the nested constants of double quantization. Tensor
+subclasses that wrap other tensors (torchao's quantized weights: int data, scales, zero points) are counted as
+the tensors they hold, not as the logical size they present.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 class StorageSet:
@@ -27,15 +30,26 @@ class StorageSet:
     def nbytes(self, tensor: object) -> int:
         if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta" or tensor.layout != torch.strided:
             return 0
+        if is_traceable_wrapper_subclass(tensor):  # its own storage is a placeholder of the logical size
+            names, _ = tensor.__tensor_flatten__()
+            return sum(self.nbytes(getattr(tensor, name)) for name in names)
         storage = tensor.untyped_storage()
         if storage._cdata in self._seen:
             return 0
         self._seen.add(storage._cdata)
         return storage.nbytes()
 
+    def forget(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor``'s storage again if seen later: it is about to be freed, and its address reused."""
+        self._seen.discard(tensor.untyped_storage()._cdata)
+
 
 def quantization_kind(param: torch.Tensor) -> str | None:
-    """``"4bit"`` for bitsandbytes ``Params4bit``, ``"8bit"`` for ``Int8Params``, else ``None``."""
+    """``"4bit"`` for bitsandbytes ``Params4bit``, ``"8bit"`` for ``Int8Params``, the target dtype (``"int4"``) for
+    torchao quantized weights, else ``None``."""
+    if is_traceable_wrapper_subclass(param):
+        target = getattr(param, "target_dtype", None)
+        return str(target).removeprefix("torch.") if target is not None else type(param).__name__
     if getattr(param, "quant_state", None) is not None:
         return "4bit"
     if type(param).__name__ == "Int8Params":

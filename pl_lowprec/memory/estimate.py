@@ -6,7 +6,12 @@ dtypes and a device but no storage, so a model larger than the machine costs not
 - weights, quantization constants, gradients and optimizer state are counted from the parameters with the
   same formulas bitsandbytes and torch allocate by (exact for the example models);
 - activations are the bytes saved for backward by one fake training step, run under the precision's
-  autocast with LoRA injected and activation checkpointing applied, counted as ``MemoryTracker`` counts them.
+  autocast with LoRA injected and activation checkpointing applied, counted as ``MemoryTracker`` counts them;
+  with activation offloading the step runs under the same offloading hooks, and the bytes they move are
+  reported apart (``activations_offloaded_to_host``: host memory, not part of the device ``total``);
+- with ``qat=`` and ``fp8=`` the same torchao layers run in the fake step (fp8 emulated: torchao's float8
+  layers save their high-precision inputs and re-cast in backward, so the saved bytes are the real ones; the
+  float8 copies made inside each matmul are transient and not counted).
 
 Quantized layers stay plain ``nn.Linear`` in the fake model (bitsandbytes kernels do not run on fake
 tensors); their frozen weights are put in the compute dtype so that autocast makes no extra copy of them,
@@ -15,9 +20,11 @@ as the 4-bit matmul makes none that autograd keeps.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,9 +33,12 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pl_lowprec.checkpointing import CheckpointImpl, CheckpointPolicy, set_activation_checkpointing
+from pl_lowprec.fp8 import FP8Config, convert_to_fp8
 from pl_lowprec.lora import inject_lora, prepare_for_kbit_training
 from pl_lowprec.memory.activations import count_saved_tensors
+from pl_lowprec.offloading import OffloadActivations
 from pl_lowprec.plugins.precision_choice import choose_precision
+from pl_lowprec.qat import QATConfig, prepare_qat
 from pl_lowprec.quantization import DEFAULT_SKIP, QuantizationConfig, swap_linear_layers
 from pl_lowprec.strategies.transform import dtype_of_precision
 
@@ -45,6 +55,7 @@ class MemoryEstimate:
     gradients: int = 0
     optimizer_state: int = 0
     activations: int = 0
+    activations_offloaded_to_host: int = 0
     parameters: int = 0
     trainable_parameters: int = 0
 
@@ -55,7 +66,10 @@ class MemoryEstimate:
     def as_dict(self) -> dict[str, int]:
         flat = {f"params_{k}": v for k, v in self.weights.items()}
         flat |= {"gradients": self.gradients, "optimizer_state": self.optimizer_state}
-        return flat | {"activations": self.activations, "total": self.total}
+        flat |= {"activations": self.activations}
+        if self.activations_offloaded_to_host:
+            flat["activations_offloaded_to_host"] = self.activations_offloaded_to_host
+        return flat | {"total": self.total}
 
     def table(self) -> str:
         lines = [
@@ -113,6 +127,9 @@ def estimate_memory(
     checkpoint_every_n: int = 1,
     checkpoint_impl: CheckpointImpl = "non_reentrant",
     device: str | torch.device | None = None,
+    activation_offloading: bool = False,
+    qat: str | QATConfig | None = None,
+    fp8: str | FP8Config | None = None,
 ) -> MemoryEstimate:
     """Predict the training memory of a configuration without allocating the model.
 
@@ -122,8 +139,9 @@ def estimate_memory(
         example_batch: One training batch (real or fake tensors of the real shapes).
         precision: The Trainer's precision string (``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``, ...), or
             ``"auto"`` for what ``AMPPrecision("auto")`` would choose on ``device``.
-        quantization, lora, optimizer, activation_checkpointing, checkpoint_every_n, checkpoint_impl:
-            As for ``LowPrecisionStrategy`` (``optimizer="adamw"`` is the module's own torch AdamW).
+        quantization, lora, optimizer, activation_checkpointing, checkpoint_every_n, checkpoint_impl,
+        activation_offloading, qat, fp8: As for ``LowPrecisionStrategy`` (``optimizer="adamw"`` is the module's
+            own torch AdamW).
         device: The device the run will use, for ``precision="auto"``; ``None`` means CUDA if this machine has
             it, else the CPU.
     """
@@ -139,6 +157,11 @@ def estimate_memory(
             model = model.to(compute_dtype)
         estimate = MemoryEstimate()
         estimate.weights, quantized = _weights_after_quantization(model, quantization, compute_dtype)
+        if qat is not None:  # weights stay trainable in full precision; fake quantization saves its own tensors
+            prepare_qat(model, QATConfig.from_scheme(qat) if isinstance(qat, str) else qat)
+        if fp8 is not None:  # emulated, so it runs on fake CPU tensors; it saves what the real float8 layers save
+            fp8 = FP8Config.from_recipe(fp8) if isinstance(fp8, str) else fp8
+            convert_to_fp8(model, dataclasses.replace(fp8, emulate=True))
         if lora is not None:
             inject_lora(model, lora, quantization.skip_modules if quantization is not None else DEFAULT_SKIP)
             prepare_for_kbit_training(model, mixed_precision=mixed)
@@ -156,7 +179,9 @@ def estimate_memory(
             set_activation_checkpointing(model, activation_checkpointing, checkpoint_every_n, checkpoint_impl)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         _materialize_fake(model)
-        estimate.activations = _saved_bytes(model, _to_fake(mode, example_batch), compute_dtype if mixed else None)
+        estimate.activations, estimate.activations_offloaded_to_host = _saved_bytes(
+            model, _to_fake(mode, example_batch), compute_dtype if mixed else None, activation_offloading
+        )
     return estimate
 
 
@@ -235,16 +260,19 @@ def _to_fake(mode: FakeTensorMode, batch: Any) -> Any:
     return batch
 
 
-def _saved_bytes(model: nn.Module, batch: Any, autocast_dtype: torch.dtype | None) -> int:
+def _saved_bytes(model: nn.Module, batch: Any, autocast_dtype: torch.dtype | None, offloading: bool) -> tuple[int, int]:
+    """Bytes saved for backward by one training step: kept on the device, and moved to host by offloading."""
     model.train()
+    offload = OffloadActivations(torch.device("cpu"), [*model.parameters(), *model.buffers()]) if offloading else None
     with warnings.catch_warnings():
         # a dry-run training_step logs without a Trainer; Lightning's warning about that is expected here
         warnings.filterwarnings("ignore", message=r".*self\.log.*")
         with (
             count_saved_tensors(model) as counter,
             torch.autocast("cpu", dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None),
+            offload or nullcontext(),
         ):
             output = model.training_step(batch, 0) if hasattr(model, "training_step") else model(batch)
     loss = output["loss"] if isinstance(output, Mapping) else output
     del loss
-    return counter.nbytes
+    return counter.nbytes, counter.offloaded_nbytes

@@ -59,10 +59,23 @@ def _strategy_settings(trainer: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(strategy, dict):
         return {}
     args = dict(strategy.get("init_args") or {})
+    for key in ("qat", "fp8"):
+        if isinstance(args.get(key), dict):
+            args[key] = _build(args[key])
     quantization = args.get("quantization")
     if isinstance(quantization, dict):
         args["quantization"] = _build(quantization)
-    keys = ("quantization", "lora", "optimizer", "activation_checkpointing", "checkpoint_every_n", "checkpoint_impl")
+    keys = (
+        "quantization",
+        "lora",
+        "optimizer",
+        "activation_checkpointing",
+        "checkpoint_every_n",
+        "checkpoint_impl",
+        "activation_offloading",
+        "qat",
+        "fp8",
+    )
     settings = {k: args[k] for k in keys if k in args}
     settings.setdefault("optimizer", "adamw")
     return settings

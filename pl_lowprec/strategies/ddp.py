@@ -16,7 +16,9 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import _StrategyRegistry
 
 from pl_lowprec.checkpointing import CheckpointImpl, CheckpointPolicy
+from pl_lowprec.fp8 import FP8Config, FP8Recipe
 from pl_lowprec.optimizers import OptimizerName
+from pl_lowprec.qat import QATConfig, QATScheme
 from pl_lowprec.quantization import QuantizationConfig, QuantMode
 from pl_lowprec.strategies.transform import ModelTransform, teardown_with_meta
 
@@ -42,6 +44,12 @@ class LowPrecisionDDPStrategy(DDPStrategy):
             tensor by tensor; layers to be quantized are quantized as they load.
         pretrained_prefix: Turns checkpoint keys into module keys: ``"model."`` prepends to every key (a Hugging
             Face model held as ``self.model``); ``{"model.": "net.model."}`` rewrites a prefix.
+        qat: Quantization-aware training (torchao): ``"int8-dynamic-int4-weight"``, ``"int4-weight-only"``,
+            ``"int8-weight-only"``, or a ``QATConfig`` (group size, skipped modules). Converts to the real
+            quantized form at the end of fit.
+        fp8: Float8 training of the linear layers (torchao; compute capability 8.9+): ``"tensorwise"``,
+            ``"rowwise"``, ``"rowwise_with_gw_hp"``, or an ``FP8Config``.
+        activation_offloading: Keep saved activations in host memory between forward and backward (CUDA).
         **kwargs: Every argument of ``DDPStrategy`` (``process_group_backend``, ``find_unused_parameters``, ...).
     """
 
@@ -58,6 +66,9 @@ class LowPrecisionDDPStrategy(DDPStrategy):
         adapter_only_checkpoint: bool = True,
         pretrained: str | Path | None = None,
         pretrained_prefix: str | dict[str, str] | None = None,
+        qat: QATScheme | QATConfig | None = None,
+        fp8: FP8Recipe | FP8Config | None = None,
+        activation_offloading: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -71,6 +82,9 @@ class LowPrecisionDDPStrategy(DDPStrategy):
             adapter_only_checkpoint,
             pretrained=pretrained,
             pretrained_prefix=pretrained_prefix,
+            qat=qat,
+            fp8=fp8,
+            activation_offloading=activation_offloading,
         )
 
     def setup(self, trainer: pl.Trainer) -> None:
@@ -88,6 +102,14 @@ class LowPrecisionDDPStrategy(DDPStrategy):
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         self.optimizers = self.transform.swap_optimizers(self.optimizers, self.lr_scheduler_configs, self.root_device)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.transform.offloading(self.lightning_module, self.root_device):
+            return super().training_step(*args, **kwargs)
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self.transform.on_fit_end(self.lightning_module)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return self.transform.state_dict(self.lightning_module)

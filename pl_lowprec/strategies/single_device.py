@@ -15,7 +15,9 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.strategies.strategy import _StrategyRegistry
 
 from pl_lowprec.checkpointing import CheckpointImpl, CheckpointPolicy
+from pl_lowprec.fp8 import FP8Config, FP8Recipe
 from pl_lowprec.optimizers import OptimizerName
+from pl_lowprec.qat import QATConfig, QATScheme
 from pl_lowprec.quantization import QuantizationConfig, QuantMode
 from pl_lowprec.strategies.transform import ModelTransform, teardown_with_meta
 
@@ -41,6 +43,12 @@ class LowPrecisionStrategy(SingleDeviceStrategy):
             tensor by tensor; layers to be quantized are quantized as they load.
         pretrained_prefix: Turns checkpoint keys into module keys: ``"model."`` prepends to every key (a Hugging
             Face model held as ``self.model``); ``{"model.": "net.model."}`` rewrites a prefix.
+        qat: Quantization-aware training (torchao): ``"int8-dynamic-int4-weight"``, ``"int4-weight-only"``,
+            ``"int8-weight-only"``, or a ``QATConfig`` (group size, skipped modules). Converts to the real
+            quantized form at the end of fit.
+        fp8: Float8 training of the linear layers (torchao; compute capability 8.9+): ``"tensorwise"``,
+            ``"rowwise"``, ``"rowwise_with_gw_hp"``, or an ``FP8Config``.
+        activation_offloading: Keep saved activations in host memory between forward and backward (CUDA).
         device: The device; ``None`` takes the Trainer's (``accelerator``/``devices``).
         accelerator, checkpoint_io, precision_plugin: As for ``SingleDeviceStrategy``.
     """
@@ -58,6 +66,9 @@ class LowPrecisionStrategy(SingleDeviceStrategy):
         adapter_only_checkpoint: bool = True,
         pretrained: str | Path | None = None,
         pretrained_prefix: str | dict[str, str] | None = None,
+        qat: QATScheme | QATConfig | None = None,
+        fp8: FP8Recipe | FP8Config | None = None,
+        activation_offloading: bool = False,
         device: str | torch.device | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
@@ -80,6 +91,9 @@ class LowPrecisionStrategy(SingleDeviceStrategy):
             adapter_only_checkpoint,
             pretrained=pretrained,
             pretrained_prefix=pretrained_prefix,
+            qat=qat,
+            fp8=fp8,
+            activation_offloading=activation_offloading,
         )
 
     @property
@@ -108,6 +122,14 @@ class LowPrecisionStrategy(SingleDeviceStrategy):
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         self.optimizers = self.transform.swap_optimizers(self.optimizers, self.lr_scheduler_configs, self.root_device)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.transform.offloading(self.lightning_module, self.root_device):
+            return super().training_step(*args, **kwargs)
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self.transform.on_fit_end(self.lightning_module)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return self.transform.state_dict(self.lightning_module)

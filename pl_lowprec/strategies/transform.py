@@ -2,9 +2,11 @@
 
 What it does, in order: fill a module built on the meta device from ``pretrained=`` safetensors (quantizing
 each layer as its weight streams in, ``pl_lowprec.loading``), quantize the base ``nn.Linear`` layers
-(bitsandbytes), inject LoRA adapters (peft)
-and prepare them for the precision, then checkpoint activations. After ``configure_optimizers`` it may swap
-the optimizer for a bitsandbytes one. With LoRA, checkpoints hold only the trainable weights.
+(bitsandbytes), or fake-quantize them for quantization-aware training, or swap them for float8 training
+(torchao), inject LoRA adapters (peft) and prepare them for the precision, then checkpoint activations. During
+each training step it may offload saved activations to host memory; at the end of fit it converts a QAT model
+to its real quantized form. After ``configure_optimizers`` it may swap the optimizer for a bitsandbytes one.
+With LoRA, checkpoints hold only the trainable weights.
 
 Where it runs, in ``Trainer._run`` order:
 
@@ -23,7 +25,7 @@ are recognisable), so a second ``fit``, or ``validate`` after ``fit``, changes n
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.optim import Optimizer
 
-from pl_lowprec._imports import import_bitsandbytes, import_peft
+from pl_lowprec._imports import import_bitsandbytes, import_peft, import_torchao
 from pl_lowprec.adapters import load_trainable_state_dict, trainable_state_dict
 from pl_lowprec.checkpointing import (
     CheckpointImpl,
@@ -42,9 +44,12 @@ from pl_lowprec.checkpointing import (
     set_activation_checkpointing,
     validate_checkpoint_args,
 )
+from pl_lowprec.fp8 import FP8Config, FP8Recipe, check_fp8_device, convert_to_fp8
 from pl_lowprec.loading import PretrainedWeights, empty_weights, has_meta_tensors, load_pretrained
 from pl_lowprec.lora import has_lora, inject_lora, lora_config, prepare_for_kbit_training
+from pl_lowprec.offloading import OffloadActivations, check_offload_device
 from pl_lowprec.optimizers import OptimizerName, rebind_schedulers, swap_optimizer, validate_optimizer_name
+from pl_lowprec.qat import QATConfig, QATScheme, convert_qat, is_converted, prepare_qat
 from pl_lowprec.quantization import DEFAULT_SKIP, QuantizationConfig, QuantMode, quantize_model
 
 _DTYPE_BY_PRECISION = {
@@ -108,6 +113,9 @@ class ModelTransform:
     adapter_only_checkpoint: bool = True
     pretrained: str | Path | None = None
     pretrained_prefix: str | Mapping[str, str] | None = None
+    qat: QATScheme | QATConfig | None = None
+    fp8: FP8Recipe | FP8Config | None = None
+    activation_offloading: bool = False
 
     def __post_init__(self) -> None:
         validate_checkpoint_args(self.checkpoint_every_n, self.checkpoint_impl)
@@ -124,6 +132,15 @@ class ModelTransform:
         if self.lora is not None:
             import_peft()
             self.lora = lora_config(self.lora)
+        if self.qat is not None or self.fp8 is not None:
+            import_torchao()
+        if isinstance(self.qat, str):
+            self.qat = QATConfig.from_scheme(self.qat)
+        if isinstance(self.fp8, str):
+            self.fp8 = FP8Config.from_recipe(self.fp8)
+        _check_linear_transforms(self.quantization, self.qat, self.fp8)
+        if not isinstance(self.activation_offloading, bool):
+            raise TypeError(f"activation_offloading takes True or False, got {self.activation_offloading!r}.")
 
     @property
     def skip_modules(self) -> tuple[str, ...]:
@@ -132,12 +149,27 @@ class ModelTransform:
     def apply(self, model: nn.Module, precision_plugin: Any, device: torch.device) -> None:
         if hasattr(precision_plugin, "resolve"):  # AMPPrecision("auto") chooses for the device before quantizing
             precision_plugin.resolve(device)
+        if self.fp8 is not None:
+            check_fp8_device(device, self.fp8)
+        if self.activation_offloading:
+            check_offload_device(device)
+        if self.qat is not None and is_converted(model):
+            _refuse_fitting_converted(model)
+            return  # converted to its quantized form at the end of fit: the model is final
         compute_dtype = compute_dtype_of(precision_plugin)
         self.load_pretrained(model, compute_dtype, device)
         if self.quantization is not None:
             replaced = quantize_model(model, self.quantization, compute_dtype, device)
             if replaced:
                 rank_zero_info(f"Quantized {len(replaced)} linear layers to {self.quantization.mode}.")
+        if self.qat is not None:
+            faked = prepare_qat(model, self.qat)
+            if faked:
+                rank_zero_info(f"QAT ({self.qat.scheme}): fake-quantized {len(faked)} linear layers.")
+        if self.fp8 is not None:
+            swapped = convert_to_fp8(model, self.fp8)
+            if swapped:
+                rank_zero_info(f"FP8 training ({self.fp8.recipe}) on {len(swapped)} linear layers.")
         if self.lora is not None and not has_lora(model):
             adapted = inject_lora(model, self.lora, self.skip_modules)
             mixed = str(precision_plugin.precision).endswith("-mixed")
@@ -193,6 +225,18 @@ class ModelTransform:
             return default
         return _stacked(default, empty_weights())
 
+    def offloading(self, model: nn.Module, device: torch.device) -> AbstractContextManager:
+        """The context a training step runs in: saved activations to host memory, or nothing."""
+        if not self.activation_offloading:
+            return nullcontext()
+        return OffloadActivations(device, exclude=[*model.parameters(), *model.buffers()])
+
+    def on_fit_end(self, model: nn.Module) -> None:
+        """Convert a QAT model to its real quantized form (``QATConfig.convert_on_fit_end``)."""
+        if self.qat is not None and self.qat.convert_on_fit_end and not is_converted(model):
+            converted = convert_qat(model, self.qat)
+            rank_zero_info(f"QAT: converted {len(converted)} linear layers to {self.qat.scheme}.")
+
     def swap_optimizers(self, optimizers: list[Optimizer], lr_scheduler_configs: list[Any], device: torch.device):
         """Replace each optimizer by its bitsandbytes equivalent, re-binding its schedulers."""
         if self.optimizer is None:
@@ -209,6 +253,8 @@ class ModelTransform:
         return self.lora is not None and self.adapter_only_checkpoint
 
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        if self.qat is not None and is_converted(model):
+            return model.state_dict()  # adapters merged into the quantized weights: nothing trains any more
         return trainable_state_dict(model) if self.adapter_only else model.state_dict()
 
     def load_state_dict(self, model: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool) -> None:
@@ -216,3 +262,31 @@ class ModelTransform:
             load_trainable_state_dict(model, state_dict, strict=strict)
         else:
             model.load_state_dict(state_dict, strict=strict)
+
+
+def _check_linear_transforms(quantization: Any, qat: QATConfig | None, fp8: FP8Config | None) -> None:
+    """quantization=, qat= and fp8= each replace the linear layers; torchao cannot stack them."""
+    given = [name for name, value in (("quantization", quantization), ("qat", qat), ("fp8", fp8)) if value is not None]
+    if len(given) < 2:
+        return
+    why = {
+        frozenset({"quantization", "qat"}): "QAT fake-quantizes full-precision weights that train, while"
+        " quantization= freezes them in bitsandbytes 4/8-bit, which torchao's fake quantizers cannot read."
+        " For a quantized base with adapters use quantization= + lora=; for QAT on adapters use qat= + lora=.",
+        frozenset({"quantization", "fp8"}): "float8 training casts high-precision weights to float8 in every"
+        " matmul; bitsandbytes 4/8-bit weights are neither, and torchao's Float8Linear cannot wrap them.",
+        frozenset({"qat", "fp8"}): "both replace the same nn.Linear layers (FakeQuantizedLinear vs Float8Linear)"
+        " and torchao has no layer that does both. Train with fp8=, then quantize after training; or use qat=.",
+    }
+    pair = frozenset(given[:2])
+    raise ValueError(f"{'= and '.join(given)}= cannot be combined: {why[pair]}")
+
+
+def _refuse_fitting_converted(model: nn.Module) -> None:
+    trainer = getattr(model, "_trainer", None)
+    if trainer is not None and trainer.state.fn == "fit":
+        raise RuntimeError(
+            "qat=: this model was converted to its quantized form at the end of an earlier fit, and quantized"
+            " weights do not train. Fit a fresh model (or resume from a checkpoint written during QAT), or set"
+            " QATConfig(convert_on_fit_end=False) to keep training the fake-quantized model."
+        )
