@@ -54,3 +54,18 @@ def test_qlora_ddp_keeps_adapters_identical_across_ranks(tmp_path):
         torch.testing.assert_close(ddp["rank0.pt"][key], ddp["rank1.pt"][key], rtol=0, atol=0)  # identical
         # same global batch as one process: equal up to the summation order of bf16/4-bit matmuls
         torch.testing.assert_close(ddp["rank0.pt"][key], single[key], rtol=0.02, atol=2e-3)
+
+
+@pytest.mark.slow
+def test_qat_ddp_converts_identically_on_every_rank(tmp_path):
+    pytest.importorskip("torchao")
+    ddp = _run("ddp", tmp_path / "ddp", "32-true", "qat")
+    single = _run("single", tmp_path / "single", "32-true", "qat")["rank0.pt"]
+    quantized = [k for k, v in single.items() if hasattr(v, "qdata")]
+    assert len(quantized) == 4  # the two MLP layers of each block
+    for key in quantized:
+        rank0, rank1 = ddp["rank0.pt"][key], ddp["rank1.pt"][key]
+        assert torch.equal(rank0.qdata, rank1.qdata) and torch.equal(rank0.scale, rank1.scale)
+        # same global batch as one process: a weight on a rounding boundary may land one int4 step away
+        step = single[key].scale.max().item()
+        torch.testing.assert_close(rank0.dequantize(), single[key].dequantize(), rtol=0, atol=step * 1.01)
