@@ -1,8 +1,9 @@
 """Trains TinyGPT for a few steps, on 2 DDP CPU processes or on 1 with the same global batch.
 
-Usage: python ddp_train.py {ddp|single} OUT_DIR PRECISION [gpt|qlora] [cpu|gpu]
+Usage: python ddp_train.py {ddp|single} OUT_DIR PRECISION [gpt|qlora|qat] [cpu|gpu]
 (PRECISION: 32-true | 16-mixed | bf16-mixed; cpu runs gloo, gpu runs nccl)
-With "qlora", a tiny Llama is trained with nf4-dq base weights, LoRA adapters and checkpointed decoder layers.
+With "qlora", a tiny Llama is trained with nf4-dq base weights, LoRA adapters and checkpointed decoder layers;
+with "qat", TinyGPT is trained with int8-dynamic-int4-weight QAT and converted at the end of fit.
 Writes OUT_DIR/rank{N}.pt with the final parameters (and the loss-scale state under "_loss_scale").
 Run by tests/strategies/test_ddp.py; Lightning's DDP launcher re-runs this script for rank 1.
 """
@@ -48,6 +49,8 @@ def main(mode: str, out: str, precision: str, variant: str = "gpt", accelerator:
     if variant == "qlora":
         block = "LlamaDecoderLayer"
         transform = {"quantization": "nf4-dq", "lora": {"r": 8, "lora_alpha": 16}}
+    if variant == "qat":
+        transform = {"qat": "int8-dynamic-int4-weight"}
     if ddp:
         strategy = LowPrecisionDDPStrategy(
             activation_checkpointing=block,

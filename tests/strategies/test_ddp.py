@@ -69,3 +69,18 @@ def test_memory_tracker_gathers_across_two_gpus_with_nccl(tmp_path):
         assert rank["_memory"]["device"] == "cuda" and rank["_memory"]["world_size"] == 2
         assert rank["_memory"] == ddp["rank0.pt"]["_memory"]
         assert rank["_memory"]["bytes"]["cuda_max_allocated"] > 0
+
+
+@pytest.mark.slow
+def test_qat_ddp_converts_identically_on_every_rank(tmp_path):
+    pytest.importorskip("torchao")
+    ddp = _run("ddp", tmp_path / "ddp", "32-true", "qat")
+    single = _run("single", tmp_path / "single", "32-true", "qat")["rank0.pt"]
+    quantized = [k for k, v in single.items() if hasattr(v, "qdata")]
+    assert len(quantized) == 4  # the two MLP layers of each block
+    for key in quantized:
+        rank0, rank1 = ddp["rank0.pt"][key], ddp["rank1.pt"][key]
+        assert torch.equal(rank0.qdata, rank1.qdata) and torch.equal(rank0.scale, rank1.scale)
+        # same global batch as one process: a weight on a rounding boundary may land one int4 step away
+        step = single[key].scale.max().item()
+        torch.testing.assert_close(rank0.dequantize(), single[key].dequantize(), rtol=0, atol=step * 1.01)
