@@ -1,7 +1,8 @@
 """Size on disk of an adapter-only Lightning checkpoint against a full one, for a QLoRA run.
 
-Run: python benchmarks/checkpoint_size.py
-TinyLlama (hidden 512, 4 layers, ~11M parameters), nf4-dq, LoRA r=8 on all linear layers, AdamW, 2 steps on CPU.
+Run: python benchmarks/run_all.py --only checkpoint_size   (or python benchmarks/checkpoint_size.py)
+TinyLlama (hidden 512, 4 layers, ~13M parameters), nf4-dq, LoRA r=8 on all linear layers, AdamW, fp32, 2 steps.
+Exact file sizes of ``trainer.save_checkpoint``, no timing.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from common import markdown_table, write_json
+from common import markdown_table, section, write_json
 
 from pl_lowprec import LowPrecisionStrategy
 from pl_lowprec.demo import TinyLlama
@@ -38,15 +39,18 @@ def checkpoint_bytes(adapter_only: bool, folder: Path) -> int:
     return path.stat().st_size
 
 
-def main() -> dict:
+def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         adapter = checkpoint_bytes(True, Path(folder))
         full = checkpoint_bytes(False, Path(folder))
-    print("Lightning checkpoint size, QLoRA TinyLlama (hidden 512, 4 layers), nf4-dq + LoRA r=8\n")
+    section("Lightning checkpoint size, QLoRA TinyLlama (hidden 512, 4 layers), nf4-dq + LoRA r=8")
     print(
         markdown_table(
-            ["checkpoint", "bytes", "ratio to full"],
-            [("adapter-only (default)", adapter, adapter / full), ("full", full, 1.0)],
+            ["checkpoint", "bytes", "MB", "ratio to full"],
+            [
+                ("adapter-only (default)", adapter, f"{adapter / 1e6:.2f}", f"{adapter / full:.2f}"),
+                ("full", full, f"{full / 1e6:.2f}", "1.00"),
+            ],
         )
     )
     result = {"adapter_only_bytes": adapter, "full_bytes": full, "ratio": adapter / full}

@@ -1,149 +1,214 @@
-"""One training run in a fresh process, so that its peak RSS is its own; prints one JSON line.
+"""One training run in a fresh process, so that its peak memory is its own; prints one ``RESULT {json}`` line.
 
-python benchmarks/train_once.py --stack {lightning,hf,plain} --mode {full,lora,qlora} [--checkpointing]
-    [--steps N] [--hidden H] [--layers L] [--batch B] [--seq T] [--precision bf16-mixed]
+python benchmarks/train_once.py --stack {lightning,hf} --mode {full,lora,qlora} [--checkpointing]
+    [--steps N] [--hidden H] [--layers L] [--batch B] [--seq T] [--precision 32-true] [--pretrained DIR]
 
-lightning: Trainer + AMPPrecision + LowPrecisionStrategy + MemoryTracker (its breakdown is in the output).
-hf: transformers Trainer + peft (prepare_model_for_kbit_training, get_peft_model) on the same quantized model.
-Both see the same batches in the same order, the same LoRA config and seed, AdamW (lr 1e-3, weight decay 0.01),
-clipping at 1.0, constant LR.
+lightning: Trainer + LowPrecisionStrategy (+ AMPPrecision under a "-mixed" precision), + MemoryTracker with
+``--breakdown`` (its per-stage peak reset is accounted for: the peak before the reset is read first).
+hf: the Hugging Face recipe as its users write it: ``AutoModelForCausalLM.from_pretrained(DIR,
+quantization_config=BitsAndBytesConfig(...))`` from a checkpoint written by ``save_pretrained``, peft's
+``prepare_model_for_kbit_training`` and ``get_peft_model``, transformers' ``Trainer``.
+Both see the same batches in the same order, the same base weights, LoRA config and seed, AdamW (lr 1e-3,
+weight decay 0.01), clipping at 1.0 and a constant LR.
+
+Memory is measured from a baseline taken after every library is imported and before the model is built:
+CPU: peak resident set (VmHWM) minus the resident set at the baseline; CUDA: ``max_memory_allocated`` minus
+the memory allocated at the baseline.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 import warnings
+from typing import Any
 
+import bitsandbytes  # noqa: F401  (every library is imported before the memory baseline, on both stacks)
+import lightning.pytorch as pl
+import peft
 import torch
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Trainer, TrainerCallback, TrainingArguments
+from transformers.models.llama import modeling_llama  # noqa: F401
+
+from pl_lowprec import AMPPrecision, LowPrecisionStrategy, MemoryTracker
+from pl_lowprec.demo import TinyLlama
+from pl_lowprec.demo.stdlib_text import stdlib_bytes, windows
+from pl_lowprec.memory.process import memory_stats, reset_peak
 
 warnings.filterwarnings("ignore")
 
 LR, WEIGHT_DECAY, CLIP = 1e-3, 0.01, 1.0
-LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0}
+LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": "all-linear"}
+DTYPES = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
-def batches(args: argparse.Namespace) -> list[dict[str, torch.Tensor]]:
-    from pl_lowprec.demo.stdlib_text import stdlib_bytes, windows
-
-    tokens = torch.frombuffer(bytearray(stdlib_bytes(400_000)), dtype=torch.uint8).long()
-    rows = windows(tokens, args.seq)[: args.steps * args.batch]
-    return [{"input_ids": r} for r in rows]
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def build(args: argparse.Namespace):
-    from pl_lowprec.demo import TinyLlama
-
-    return TinyLlama(
-        hidden_size=args.hidden,
-        intermediate_size=args.hidden * 11 // 4,
-        num_layers=args.layers,
-        num_heads=max(4, args.hidden // 64),
-        max_len=args.seq,
+def model_kwargs(hidden: int, layers: int, seq: int) -> dict[str, Any]:
+    """The TinyLlama every stack trains (and ``estimate_memory`` predicts)."""
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4,
+        num_layers=layers,
+        num_heads=max(4, hidden // 64),
+        max_len=seq,
         lr=LR,
         warmup_steps=1,
     )
 
 
-def rss_peak() -> int:
-    from pl_lowprec.memory.process import memory_stats
+class AdamWLlama(TinyLlama):
+    """TinyLlama with the optimizer both stacks use: AdamW on the trainable parameters, constant LR."""
 
-    return memory_stats(torch.device("cpu"))["rss_peak"]
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        params = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
 
 
-def run_lightning(args: argparse.Namespace) -> dict:
-    import lightning.pytorch as pl
+def batches(args: argparse.Namespace) -> list[dict[str, torch.Tensor]]:
+    tokens = torch.frombuffer(bytearray(stdlib_bytes(400_000)), dtype=torch.uint8).long()
+    rows = windows(tokens, args.seq)[: args.steps * args.batch]
+    return [{"input_ids": r} for r in rows]
 
-    from pl_lowprec import AMPPrecision, LowPrecisionStrategy, MemoryTracker
 
-    times, losses = [], []
+def current(dev: torch.device) -> int:
+    return torch.cuda.memory_allocated(dev) if dev.type == "cuda" else memory_stats(dev)["rss_current"]
 
-    class Record(pl.Callback):
-        def on_train_batch_start(self, *a):
-            self.t = time.perf_counter()
 
-        def on_train_batch_end(self, trainer, module, outputs, *a):
-            times.append(time.perf_counter() - self.t)
-            losses.append(float(outputs["loss"]))
+def baseline(dev: torch.device) -> int:
+    """Memory in use now (before the model exists); peaks are reset so that they start from here."""
+    now = current(dev)
+    reset_peak(dev)
+    return now
 
-    class AdamW(type(build(args))):
-        def configure_optimizers(self):
-            params = [p for p in self.parameters() if p.requires_grad]
-            return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
 
-    settings = {}
+def peak(dev: torch.device) -> int:
+    stats = memory_stats(dev)
+    return stats["cuda_max_allocated"] if dev.type == "cuda" else stats["rss_peak"]
+
+
+class PeakBeforeReset(pl.Callback):
+    """Reads the peak at fit start, before MemoryTracker resets it for its own per-stage figure."""
+
+    def __init__(self) -> None:
+        self.peak = self.current = 0
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.peak = peak(trainer.strategy.root_device)
+        self.current = current(trainer.strategy.root_device)
+
+
+class Record(pl.Callback):
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.losses: list[float] = []
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *a: Any) -> None:
+        self.times.append(time.perf_counter() - self.start)
+        self.losses.append(float(outputs["loss"]))
+
+
+def run_lightning(args: argparse.Namespace, root: str) -> dict[str, Any]:
+    dev = device()
+    loader = torch.utils.data.DataLoader(batches(args), batch_size=args.batch)
+    start = baseline(dev)
+    settings: dict[str, Any] = {}
     if args.mode in ("lora", "qlora"):
-        settings["lora"] = {**LORA, "target_modules": "all-linear"}
+        settings["lora"] = LORA
     if args.mode == "qlora":
         settings["quantization"] = "nf4-dq"
     if args.checkpointing:
         settings["activation_checkpointing"] = ["LlamaDecoderLayer"]
-    tracker = MemoryTracker(print_summary=False)
+    record, before_reset, tracker = Record(), PeakBeforeReset(), MemoryTracker(print_summary=False)
+    callbacks = [before_reset, tracker, record] if args.breakdown else [record]
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator=dev.type,
+        devices=1,
         max_steps=args.steps,
         strategy=LowPrecisionStrategy(**settings),
-        plugins=[AMPPrecision(args.precision)] if args.precision.endswith("mixed") else [],
+        plugins=[AMPPrecision(args.precision)] if args.precision.endswith("-mixed") else [],
+        precision=None if args.precision.endswith("-mixed") else args.precision,
         gradient_clip_val=CLIP,
-        callbacks=[tracker, Record()],
+        callbacks=callbacks,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        default_root_dir=root,  # MemoryTracker writes memory_summary.json there, not into the working directory
     )
-    model = AdamW(**dict(build(args).hparams))
-    loader = torch.utils.data.DataLoader(batches(args), batch_size=args.batch)
-    torch.manual_seed(0)  # LoRA initialisation
+    model = AdamWLlama(**model_kwargs(args.hidden, args.layers, args.seq))
+    torch.manual_seed(0)  # LoRA initialisation, as on the hf side
     trainer.fit(model, loader)
-    return {"times": times, "losses": losses, "rss_peak": rss_peak(), "breakdown": tracker.summary["fit"]["bytes"]}
+    measured = max(before_reset.peak, peak(dev)) - start
+    result = {"times": record.times, "losses": record.losses, "measured_peak": measured}
+    if args.breakdown:
+        result["at_fit_start"] = before_reset.current - start
+    return result | ({"breakdown": tracker.summary["fit"]["bytes"]} if args.breakdown else {})
 
 
-def run_hf(args: argparse.Namespace) -> dict:
-    import peft
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-
-    from pl_lowprec.quantization import QuantizationConfig, quantize_model
-
-    model = build(args).model
+def run_hf(args: argparse.Namespace, root: str) -> dict[str, Any]:
+    dev = device()
+    data = [{"input_ids": b["input_ids"], "labels": b["input_ids"]} for b in batches(args)]
+    start = baseline(dev)
+    dtype = DTYPES[args.precision]
+    quantization = None
     if args.mode == "qlora":
-        quantize_model(model, QuantizationConfig.from_mode("nf4-dq"), torch.bfloat16, torch.device("cpu"))
-        model.is_loaded_in_4bit = True
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype,
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        args.pretrained, quantization_config=quantization, dtype=torch.float32, device_map={"": dev.type}
+    )
+    if args.mode == "qlora":
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.checkpointing)
     elif args.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.mode != "full":
-        torch.manual_seed(0)  # LoRA initialisation
-        model = peft.get_peft_model(model, peft.LoraConfig(**LORA, target_modules="all-linear"))
-    times, losses = [], []
+        torch.manual_seed(0)  # LoRA initialisation, as on the lightning side
+        model = peft.get_peft_model(model, peft.LoraConfig(**LORA))
+    times: list[float] = []
+    losses: list[float] = []
 
     class Record(TrainerCallback):
-        def on_step_begin(self, *a, **k):
-            self.t = time.perf_counter()
+        def on_step_begin(self, *a: Any, **k: Any) -> None:
+            self.start = time.perf_counter()
 
-        def on_step_end(self, *a, **k):
-            times.append(time.perf_counter() - self.t)
+        def on_step_end(self, *a: Any, **k: Any) -> None:
+            times.append(time.perf_counter() - self.start)
 
-        def on_log(self, _args, state, control, logs=None, **k):
+        def on_log(self, _args: Any, state: Any, control: Any, logs: dict | None = None, **k: Any) -> None:
             if logs and "loss" in logs:
                 losses.append(float(logs["loss"]))
 
     class InOrder(Trainer):
-        def _get_train_sampler(self, *a, **k):
+        """The same batch order as the Lightning run (no shuffling)."""
+
+        def _get_train_sampler(self, *a: Any, **k: Any) -> torch.utils.data.Sampler:
             return torch.utils.data.SequentialSampler(self.train_dataset)
 
-    data = [{"input_ids": b["input_ids"], "labels": b["input_ids"]} for b in batches(args)]
     training_args = TrainingArguments(
-        output_dir="/tmp/pl_lowprec_hf_bench",
+        output_dir=root,
         per_device_train_batch_size=args.batch,
         max_steps=args.steps,
         learning_rate=LR,
         weight_decay=WEIGHT_DECAY,
         max_grad_norm=CLIP,
         lr_scheduler_type="constant",
+        optim="adamw_torch",
         bf16=args.precision == "bf16-mixed",
-        use_cpu=True,
+        fp16=args.precision == "16-mixed",
+        use_cpu=dev.type == "cpu",
         logging_steps=1,
         report_to=[],
         save_strategy="no",
@@ -152,7 +217,7 @@ def run_hf(args: argparse.Namespace) -> dict:
         seed=0,
     )
     InOrder(model=model, args=training_args, train_dataset=data, callbacks=[Record()]).train()
-    return {"times": times, "losses": losses, "rss_peak": rss_peak()}
+    return {"times": times, "losses": losses, "measured_peak": peak(dev) - start}
 
 
 def main() -> None:
@@ -160,14 +225,19 @@ def main() -> None:
     parser.add_argument("--stack", choices=["lightning", "hf"], default="lightning")
     parser.add_argument("--mode", choices=["full", "lora", "qlora"], default="qlora")
     parser.add_argument("--checkpointing", action="store_true")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--precision", choices=sorted(DTYPES), default="32-true")
+    parser.add_argument("--breakdown", action="store_true", help="lightning: add MemoryTracker's breakdown")
+    parser.add_argument("--pretrained", help="a save_pretrained directory of the same TinyLlama (hf stack)")
     args = parser.parse_args()
-    result = run_lightning(args) if args.stack == "lightning" else run_hf(args)
+    if args.stack == "hf" and not args.pretrained:
+        parser.error("--stack hf loads the base with from_pretrained: pass --pretrained DIR")
+    with tempfile.TemporaryDirectory() as root:
+        result = run_lightning(args, root) if args.stack == "lightning" else run_hf(args, root)
     print("RESULT " + json.dumps(result))
 
 

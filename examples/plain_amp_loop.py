@@ -1,6 +1,7 @@
 """The plain PyTorch loop that ``AMPPrecision`` reproduces, step for step.
 
-This is seed 002's "与梯度累积结合" loop (AMP with gradient accumulation), made device-neutral:
+It is the loop of PyTorch's own AMP examples (https://pytorch.org/docs/stable/notes/amp_examples.html,
+"Gradient accumulation" combined with "Gradient clipping"), written for any device:
 
     with autocast: loss = loss_fn(model(x), y) / accumulate
     scaler.scale(loss).backward()
