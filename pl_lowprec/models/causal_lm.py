@@ -9,7 +9,6 @@ Validation logs ``val/loss`` (mean per target token) and ``val/perplexity``, thr
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -18,36 +17,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torchmetrics import MeanMetric
 
 from pl_lowprec.loading import PretrainedWeights, empty_weights, load_pretrained
+from pl_lowprec.loading.hub import resolve_pretrained
 from pl_lowprec.models.chunked_loss import causal_lm_loss_sum
 from pl_lowprec.quantization import _dtype
 from pl_lowprec.token_loss import TokenMeanLoss
 
 PREFIX = "model."  # the Hugging Face model is held as self.model
-
-
-def resolve_pretrained(pretrained: str | Path) -> Path:
-    """A local model directory as is; a hub id downloaded (config, tokenizer, safetensors) where there is network."""
-    path = Path(pretrained).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(
-                f"pretrained={str(pretrained)!r} has no config.json: it is not a Hugging Face model directory."
-            )
-        return path
-    if path.exists() or str(pretrained).startswith((".", "/", "~")) or str(pretrained).count("/") != 1:
-        raise ValueError(
-            f"pretrained={str(pretrained)!r} is neither a model directory nor a hub id such as 'org/name'."
-        )
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(str(pretrained), allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
-    except Exception as err:  # offline, unknown repo, gated model: every one needs the same advice
-        raise ValueError(
-            f"pretrained={str(pretrained)!r} is not a local directory, and downloading it from the Hugging Face Hub"
-            f" failed ({type(err).__name__}: {str(err)[:200]}). Download it on a machine with network access"
-            f" (`huggingface-cli download {pretrained} --local-dir DIR`) and pass pretrained=DIR."
-        ) from err
 
 
 class CausalLM(pl.LightningModule):

@@ -130,6 +130,6 @@ def test_resume_loads_the_base_then_the_adapter_checkpoint(tmp_path):
         fresh = tiny_llama()
     resumed.fit(fresh, ids_loader(batches=2), ckpt_path=tmp_path / "last.ckpt")  # already at max_steps
     assert resumed.global_step == 2
-    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
         if torch.is_tensor(a):
             assert torch.equal(a, b), name
