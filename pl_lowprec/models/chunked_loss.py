@@ -6,7 +6,7 @@ log-softmax of the same size for backward: 2 * 4 * 32000 = 256,000 bytes per tok
 4.2 GB for a batch of 8 x 2048 tokens. Each chunk here computes its logits and loss under activation
 checkpointing: forward keeps only the chunk's input (the hidden states, already alive) and backward
 recomputes one chunk's logits at a time, so the peak is ``B * loss_chunk_size * vocab`` fp32 logits twice
-(131 MB for 8 x 256 tokens) for one more output-head matmul per chunk in backward.
+(524 MB for 8 x 256 tokens) for one more output-head matmul per chunk in backward.
 """
 
 from __future__ import annotations
