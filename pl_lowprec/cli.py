@@ -20,7 +20,9 @@ def _cli_class() -> type:
     from lightning.pytorch.cli import LightningCLI
 
     import pl_lowprec
-    import pl_lowprec.demo  # noqa: F401
+    import pl_lowprec.data
+    import pl_lowprec.demo
+    import pl_lowprec.models  # noqa: F401
 
     class LowPrecisionCLI(LightningCLI):
         """LightningCLI that writes under ``runs/`` by default and labels step-limited runs sensibly."""
@@ -50,9 +52,15 @@ def use_step_limited_progress_bar(trainer: Any) -> None:
 def main(args: list[str] | None = None) -> None:
     """The ``pl-lowprec`` console script; ``args`` replaces ``sys.argv[1:]``.
 
-    Subcommands: ``fit``, ``validate``, ``test``, ``predict`` (LightningCLI) and ``estimate`` (memory estimate).
+    Subcommands: ``fit``, ``validate``, ``test``, ``predict`` (LightningCLI), ``estimate`` (memory estimate) and
+    ``make-demo-model`` (a small pretrained model and a fine-tuning task, made locally).
     """
     argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["make-demo-model"]:
+        from pl_lowprec.demo.pretrained import main as make_demo_model_main
+
+        make_demo_model_main(argv[1:])
+        return
     if argv[:1] == ["estimate"]:
         from pl_lowprec.memory.estimate_config import main as estimate_main
 

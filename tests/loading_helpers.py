@@ -7,11 +7,11 @@ from pathlib import Path
 import torch
 
 
-def llama_config(hidden_size: int = 64, layers: int = 2, tie: bool = False, **kwargs):
+def llama_config(hidden_size: int = 64, layers: int = 2, tie: bool = False, vocab_size: int = 256, **kwargs):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=256,
+        vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 3,
         num_hidden_layers=layers,
@@ -48,3 +48,12 @@ def save_tokenizer(directory: Path, vocab_size: int = 320) -> Path:
     tokenizer = train_tokenizer([stdlib_bytes(100_000).decode("utf-8", "replace")], vocab_size)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+def save_pretrained_dir(directory: Path, hidden_size: int = 32, layers: int = 1) -> Path:
+    """A Hugging Face model directory as from the hub: tokenizer and Llama weights of matching vocabulary."""
+    tokenizer = save_tokenizer(directory)
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(tokenizer))
+    return save_llama(directory, hidden_size=hidden_size, layers=layers, vocab_size=vocab)

@@ -29,6 +29,7 @@ from pl_lowprec.data.records import (
     record_kind,
 )
 from pl_lowprec.data.resumable import resumable_loader
+from pl_lowprec.loading.hub import resolve_pretrained
 from pl_lowprec.token_loss import IGNORE_INDEX
 
 
@@ -56,8 +57,7 @@ class TextDataModule(pl.LightningDataModule):
 
     Args:
         train_files: Files or directories for training.
-        tokenizer: A model directory (``AutoTokenizer.from_pretrained``, local files only), usually the one the
-            model loads from.
+        tokenizer: The model directory (or hub id) whose tokenizer to use, usually the model's ``pretrained``.
         val_files: Files for validation; ``None`` holds out ``val_fraction`` of the training samples.
         seq_len: Tokens per block of packed ``text``; longer prompt/completion and chat samples are truncated.
         batch_size: Samples per batch (per process under DDP).
@@ -192,20 +192,15 @@ class TextDataModule(pl.LightningDataModule):
         return PadCollate(self.tokenizer.eos_token_id if pad is None else pad)
 
 
-def load_tokenizer(directory: str | Path) -> Any:
-    """The tokenizer saved in a model directory; a clear error when there is none or it lacks EOS."""
+def load_tokenizer(pretrained: str | Path) -> Any:
+    """The tokenizer of a model directory (or hub id); a clear error when there is none or it lacks EOS."""
     from transformers import AutoTokenizer
 
-    path = Path(directory).expanduser()
-    if not path.is_dir():
-        raise ValueError(
-            f"tokenizer={str(directory)!r} is not a directory. Give the model directory that holds the tokenizer"
-            " (tokenizer.json, tokenizer_config.json)."
-        )
+    path = resolve_pretrained(pretrained, check_config=False)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as err:
-        raise ValueError(f"tokenizer={str(directory)!r}: no tokenizer could be loaded from it ({err}).") from err
+        raise ValueError(f"tokenizer={str(pretrained)!r}: no tokenizer could be loaded from it ({err}).") from err
     if tokenizer.eos_token_id is None:
-        raise ValueError(f"The tokenizer in {str(directory)!r} has no EOS token, which ends every sample.")
+        raise ValueError(f"The tokenizer in {str(pretrained)!r} has no EOS token, which ends every sample.")
     return tokenizer

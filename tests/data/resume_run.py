@@ -1,6 +1,7 @@
 """Train LoRA adapters on a tiny Llama, uninterrupted, killed with SIGKILL mid-epoch, or resumed from last.ckpt.
 
-Usage: python resume_run.py {full|killed|resumed} OUT_DIR DATA   (DATA: stdlib, or a TextDataModule config)
+Usage: python resume_run.py {full|killed|resumed} OUT_DIR SPEC
+(SPEC: stdlib, or JSON {"pretrained": DIR, "data": TextDataModule arguments}: CausalLM, accumulating 2)
 - full: MAX_STEPS steps; writes OUT_DIR/adapters.pt.
 - killed: the same run, killed with SIGKILL at step KILL_AT (checkpoints every EVERY steps, save_last=True).
 - resumed: `fit(ckpt_path=OUT_DIR/ckpts/last.ckpt)` to MAX_STEPS; writes OUT_DIR/adapters.pt.
@@ -30,18 +31,22 @@ class KillAt(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def data_module(spec: str) -> pl.LightningDataModule:
+def model_and_data(spec: str) -> tuple[pl.LightningModule, pl.LightningDataModule, int]:
+    """TinyLlama on StdlibTextDataModule, or CausalLM on TextDataModule (a JSON spec) accumulating 2 batches."""
     if spec == "stdlib":  # 41 training windows of 32 bytes: 11 batches per epoch, so the run spans 3 epochs
-        return StdlibTextDataModule(seq_len=32, batch_size=4, max_bytes=1400)
+        model = TinyLlama(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, max_len=64, warmup_steps=3)
+        return model, StdlibTextDataModule(seq_len=32, batch_size=4, max_bytes=1400), 1
     from pl_lowprec.data import TextDataModule
+    from pl_lowprec.models import CausalLM
 
-    return TextDataModule(**json.loads(spec))
+    spec = json.loads(spec)
+    return CausalLM(spec["pretrained"], lr=1e-2, warmup_steps=3), TextDataModule(**spec["data"]), 2
 
 
 def main(mode: str, out: str, spec: str) -> None:
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
-    model = TinyLlama(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, max_len=64, warmup_steps=3)
+    model, data, accumulate = model_and_data(spec)
     callbacks = [ModelCheckpoint(dirpath=f"{out}/ckpts", every_n_train_steps=EVERY, save_last=True)]
     if mode == "killed":
         callbacks.append(KillAt())
@@ -49,6 +54,7 @@ def main(mode: str, out: str, spec: str) -> None:
         accelerator="cpu",
         strategy=LowPrecisionStrategy(lora={"r": 4, "lora_alpha": 8, "lora_dropout": 0.0}),
         max_steps=MAX_STEPS,
+        accumulate_grad_batches=accumulate,
         callbacks=callbacks,
         limit_val_batches=0,
         logger=False,
@@ -56,7 +62,7 @@ def main(mode: str, out: str, spec: str) -> None:
         enable_model_summary=False,
     )
     ckpt = f"{out}/ckpts/last.ckpt" if mode == "resumed" else None
-    trainer.fit(model, datamodule=data_module(spec), ckpt_path=ckpt)
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt)
     torch.save(trainable_state_dict(model), f"{out}/adapters.pt")
 
 

@@ -1,5 +1,6 @@
 """A run killed with SIGKILL mid-epoch and resumed from last.ckpt ends with the adapters of an uninterrupted run."""
 
+import json
 import signal
 import subprocess
 import sys
@@ -31,7 +32,7 @@ def assert_resume_is_exact(tmp_path: Path, spec: str) -> None:
     assert "not resumable" not in resumed.stderr
     expected = torch.load(tmp_path / "full" / "adapters.pt")
     got = torch.load(tmp_path / "resumed" / "adapters.pt")
-    assert sorted(got) == sorted(expected) and len(got) == 14  # A and B of 7 linear layers
+    assert sorted(got) == sorted(expected) and len(got) == 14  # A and B of 7 linear layers in 1 decoder layer
     for key, value in expected.items():
         torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
 
@@ -39,3 +40,20 @@ def assert_resume_is_exact(tmp_path: Path, spec: str) -> None:
 @pytest.mark.slow
 def test_stdlib_text_resumes_exactly(tmp_path):
     assert_resume_is_exact(tmp_path, "stdlib")
+
+
+@pytest.mark.slow
+def test_text_datamodule_with_causal_lm_resumes_exactly(tmp_path):
+    from loading_helpers import save_pretrained_dir
+
+    pretrained = save_pretrained_dir(tmp_path / "pretrained")
+    rows = [{"prompt": f"def f{i}(x):\n    return", "completion": " x" + " + 1" * (i % 7)} for i in range(40)]
+    (tmp_path / "pc.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    # 36 training samples in batches of 3: 12 batches, 6 optimizer steps (accumulating 2) per epoch
+    data = {
+        "train_files": str(tmp_path / "pc.jsonl"),
+        "tokenizer": str(pretrained),
+        "batch_size": 3,
+        "val_fraction": 0.1,
+    }
+    assert_resume_is_exact(tmp_path, json.dumps({"pretrained": str(pretrained), "data": data}))

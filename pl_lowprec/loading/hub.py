@@ -1,0 +1,30 @@
+"""A Hugging Face model named by a local directory, or by a hub id where this machine has the network."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def resolve_pretrained(pretrained: str | Path, check_config: bool = True) -> Path:
+    """A local model directory as is; a hub id downloaded (config, tokenizer, safetensors) where there is network."""
+    path = Path(pretrained).expanduser()
+    if path.is_dir():
+        if check_config and not (path / "config.json").is_file():
+            raise ValueError(
+                f"pretrained={str(pretrained)!r} has no config.json: it is not a Hugging Face model directory."
+            )
+        return path
+    if path.exists() or str(pretrained).startswith((".", "/", "~")) or str(pretrained).count("/") != 1:
+        raise ValueError(
+            f"pretrained={str(pretrained)!r} is neither a model directory nor a hub id such as 'org/name'."
+        )
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(str(pretrained), allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except Exception as err:  # offline, unknown repo, gated model: every one needs the same advice
+        raise ValueError(
+            f"pretrained={str(pretrained)!r} is not a local directory, and downloading it from the Hugging Face Hub"
+            f" failed ({type(err).__name__}: {str(err)[:200]}). Download it on a machine with network access"
+            f" (`huggingface-cli download {pretrained} --local-dir DIR`) and pass pretrained=DIR."
+        ) from err

@@ -1,0 +1,5 @@
+"""LightningModules for pretrained models."""
+
+from pl_lowprec.models.causal_lm import CausalLM
+
+__all__ = ["CausalLM"]

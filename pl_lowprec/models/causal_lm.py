@@ -1,0 +1,128 @@
+"""``CausalLM``: any Hugging Face causal LM as a LightningModule, built on the meta device and loaded by the
+strategy's streaming loader (quantized as it loads under ``LowPrecisionStrategy(quantization=...)``).
+
+Training uses the token-mean loss across accumulation and ranks (``pl_lowprec.token_loss``) and, with
+``loss_chunk_size``, never holds the whole batch's fp32 logits (``pl_lowprec.models.chunked_loss``).
+Validation logs ``val/loss`` (mean per target token) and ``val/perplexity``, through torchmetrics.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torchmetrics import MeanMetric
+
+from pl_lowprec.loading import PretrainedWeights, empty_weights, load_pretrained
+from pl_lowprec.loading.hub import resolve_pretrained
+from pl_lowprec.models.chunked_loss import causal_lm_loss_sum
+from pl_lowprec.quantization import _dtype
+from pl_lowprec.token_loss import TokenMeanLoss
+
+PREFIX = "model."  # the Hugging Face model is held as self.model
+
+
+class CausalLM(pl.LightningModule):
+    """Fine-tune a Hugging Face causal LM; batches are ``{"input_ids", "attention_mask", "labels"}``.
+
+    Args:
+        pretrained: A local model directory (``save_pretrained``), or a hub id where the network is available.
+        lr: Peak AdamW learning rate (trainable parameters only).
+        weight_decay: AdamW weight decay.
+        warmup_steps: Linear warm-up from 0, in optimizer steps.
+        min_lr_ratio: Cosine decay ends at ``lr * min_lr_ratio`` at the Trainer's last step.
+        loss_chunk_size: Positions per chunk of the loss (``None``: all at once); 256 holds 8x less of
+            the fp32 logits than a 2048-token sequence.
+        dtype: dtype of the parameters that stay unquantized (``"bfloat16"``...); ``None`` follows the
+            default dtype (the precision plugin's under ``-true`` precisions).
+    """
+
+    def __init__(
+        self,
+        pretrained: str,
+        lr: float = 2e-4,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 10,
+        min_lr_ratio: float = 0.1,
+        loss_chunk_size: int | None = None,
+        dtype: str | None = None,
+    ) -> None:
+        super().__init__()
+        if loss_chunk_size is not None and loss_chunk_size < 1:
+            raise ValueError(f"CausalLM(loss_chunk_size={loss_chunk_size}) must be a positive number of positions.")
+        if not 0 <= min_lr_ratio <= 1:
+            raise ValueError(f"CausalLM(min_lr_ratio={min_lr_ratio}) must be between 0 and 1.")
+        from transformers import AutoConfig
+
+        self.save_hyperparameters()
+        self.directory = resolve_pretrained(pretrained)
+        self.config = AutoConfig.from_pretrained(str(self.directory), local_files_only=True)
+        self.pretrained_weights = PretrainedWeights(self.directory, PREFIX)
+        self.dtype_override = _dtype(dtype)
+        self.model: Any = None
+        self.token_mean = TokenMeanLoss()
+        self.val_nll = MeanMetric()
+
+    def configure_model(self) -> None:
+        """Build the model with its parameters on the meta device; the strategy fills them from ``pretrained``."""
+        if self.model is not None:
+            return
+        from transformers import AutoModelForCausalLM
+
+        with empty_weights():
+            self.model = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype_override)
+        if not hasattr(self.trainer.strategy, "transform"):  # a plain Lightning strategy: load it here
+            load_pretrained(self, self.directory, PREFIX)
+            rank_zero_info("CausalLM loaded its weights itself; LowPrecisionStrategy would quantize them as they load.")
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+    def loss_sum(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.model.base_model(
+            input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False
+        ).last_hidden_state
+        head = self.model.get_output_embeddings()
+        return causal_lm_loss_sum(head, hidden, batch["labels"], self.hparams.loss_chunk_size)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss_sum, tokens = self.loss_sum(batch)
+        self.log("train/loss", loss_sum.detach() / tokens.clamp(min=1), prog_bar=True)
+        return self.token_mean.scaled(self.trainer, loss_sum, tokens)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.token_mean.normalize_gradients(self.trainer, self.parameters())
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        loss_sum, tokens = self.loss_sum(batch)
+        if tokens > 0:
+            self.val_nll.update(loss_sum / tokens, weight=tokens)
+
+    def on_validation_epoch_end(self) -> None:
+        nll = self.val_nll.compute()
+        self.val_nll.reset()
+        self.log("val/loss", nll, sync_dist=False)
+        self.log("val/perplexity", torch.exp(nll), prog_bar=True)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        params = [p for p in self.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        schedule = warmup_cosine(self.hparams.warmup_steps, total, self.hparams.min_lr_ratio)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float):
+    """LR multiplier at each optimizer step: linear from 1/warmup to 1, then cosine down to ``min_ratio``."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor

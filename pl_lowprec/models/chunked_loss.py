@@ -1,0 +1,46 @@
+"""Next-token cross-entropy from hidden states, in chunks of the sequence, so the fp32 logits of the whole
+batch are never held at once.
+
+Without chunks, the loss keeps ``B * T * vocab`` fp32 logits alive, and cross-entropy saves its fp32
+log-softmax of the same size for backward: 2 * 4 * 32000 = 256,000 bytes per token at vocab 32000, or
+4.2 GB for a batch of 8 x 2048 tokens. Each chunk here computes its logits and loss under activation
+checkpointing: forward keeps only the chunk's input (the hidden states, already alive) and backward
+recomputes one chunk's logits at a time, so the peak is ``B * loss_chunk_size * vocab`` fp32 logits twice
+(524 MB for 8 x 256 tokens) for one more output-head matmul per chunk in backward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+from pl_lowprec.token_loss import IGNORE_INDEX
+
+
+def _chunk_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden).float()
+    return F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+def causal_lm_loss_sum(
+    head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed loss of position t predicting ``labels[t + 1]``, and the number of target tokens.
+
+    ``chunk_size=None`` computes the logits of the whole sequence at once.
+    """
+    hidden, targets = hidden[:, :-1], labels[:, 1:]
+    tokens = (targets != IGNORE_INDEX).sum()
+    if chunk_size is None:
+        return _chunk_loss(head, hidden, targets), tokens
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, hidden.size(1), chunk_size):
+        part = targets[:, start : start + chunk_size]
+        if (part == IGNORE_INDEX).all():
+            continue  # nothing to learn here: skip the head's matmul entirely
+        total = total + checkpoint(_chunk_loss, head, hidden[:, start : start + chunk_size], part, use_reentrant=False)
+    return total, tokens

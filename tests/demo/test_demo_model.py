@@ -1,0 +1,57 @@
+"""make-demo-model writes a really pretrained Hugging Face directory; the fine-tuning config runs on it."""
+
+import json
+
+import pytest
+import torch
+
+from pl_lowprec.cli import build_cli, main
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    main(["make-demo-model", str(out), "--steps", "40"])
+    return out
+
+
+def test_the_model_loads_as_any_hub_model_and_was_trained(demo):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(demo / "model")
+    tokenizer = AutoTokenizer.from_pretrained(demo / "model")
+    summary = json.loads((demo / "model" / "pretraining.json").read_text())
+    assert summary["last_loss"] < summary["first_loss"] - 1.0  # it learned something of Python's sources
+    ids = torch.tensor([tokenizer("def __init__(self):\n        self.")["input_ids"]])
+    loss = model(input_ids=ids, labels=ids).loss
+    assert loss < torch.log(torch.tensor(float(len(tokenizer))))  # better than uniform over the vocabulary
+    assert tokenizer.chat_template is not None
+    train = [json.loads(line) for line in (demo / "data" / "train.jsonl").read_text().splitlines()]
+    val = [json.loads(line) for line in (demo / "data" / "val.jsonl").read_text().splitlines()]
+    assert {r["prompt"] for r in train}.isdisjoint(r["prompt"] for r in val) and len(val) > 10
+
+
+def test_finetune_config_runs_on_the_demo_model(demo, tmp_path):
+    cli = build_cli(
+        [
+            "fit",
+            "--config=configs/finetune-causal-lm.yaml",
+            f"--model.pretrained={demo / 'model'}",
+            f"--data.tokenizer={demo / 'model'}",
+            f"--data.train_files={demo / 'data' / 'train.jsonl'}",
+            f"--data.val_files={demo / 'data' / 'val.jsonl'}",
+            "--trainer.plugins=[]",  # fp32 on this CPU: bf16 autocast is slower here than fp32
+            "--trainer.precision=32-true",
+            "--trainer.max_steps=4",
+            "--trainer.val_check_interval=4",
+            "--trainer.limit_val_batches=2",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.enable_progress_bar=false",
+        ]
+    )
+    assert cli.trainer.global_step == 4
+    assert type(cli.model.model.model.layers[0].mlp.up_proj.base_layer).__name__ == "Linear4bit"
+    assert torch.isfinite(cli.trainer.callback_metrics["val/perplexity"])

@@ -1,0 +1,124 @@
+"""CausalLM: built on the meta device, loaded (and quantized) by the strategy, token-mean loss, chunked loss."""
+
+import json
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning_helpers import quiet_trainer
+from loading_helpers import save_pretrained_dir
+
+from pl_lowprec import LowPrecisionStrategy
+from pl_lowprec.data import TextDataModule
+from pl_lowprec.models import CausalLM
+from pl_lowprec.models.causal_lm import warmup_cosine
+from pl_lowprec.models.chunked_loss import causal_lm_loss_sum
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+pytest.importorskip("bitsandbytes")
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    return save_pretrained_dir(tmp_path_factory.mktemp("pretrained"))
+
+
+@pytest.fixture
+def data(tmp_path, pretrained):
+    path = tmp_path / "pc.jsonl"
+    rows = [{"prompt": f"def f{i}(x):\n    return", "completion": f" x + {i}"} for i in range(24)]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return TextDataModule(train_files=path, tokenizer=str(pretrained), batch_size=4, val_fraction=0.25)
+
+
+class Metrics(Callback):
+    def __init__(self):
+        self.val = []
+
+    def on_validation_end(self, trainer, pl_module):
+        self.val.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")})
+
+
+def test_qlora_fine_tune_from_a_model_directory(pretrained, data):
+    metrics = Metrics()
+    strategy = LowPrecisionStrategy(quantization="nf4", lora={"r": 8, "lora_alpha": 16})
+    trainer = quiet_trainer(strategy=strategy, max_steps=15, callbacks=[metrics])
+    model = CausalLM(str(pretrained), lr=1e-2, warmup_steps=2)
+    trainer.fit(model, datamodule=data)
+    assert trainer.global_step == 15
+    assert type(model.model.model.layers[0].self_attn.q_proj.base_layer).__name__ == "Linear4bit"
+    first, last = metrics.val[1], metrics.val[-1]  # [0] is the sanity check
+    assert last["val/perplexity"] == pytest.approx(torch.exp(torch.tensor(last["val/loss"])).item(), rel=1e-5)
+    assert last["val/loss"] < first["val/loss"]
+
+
+def test_plain_lightning_strategy_loads_the_same_weights(pretrained):
+    from transformers import AutoModelForCausalLM
+
+    model = CausalLM(str(pretrained))
+    trainer = quiet_trainer(max_steps=0)
+    trainer.strategy._lightning_module = model  # what fit does before configure_model
+    model.trainer = trainer
+    model.configure_model()
+    reference = AutoModelForCausalLM.from_pretrained(pretrained)
+    ids = torch.randint(0, 300, (2, 12))
+    torch.testing.assert_close(model(ids), reference(input_ids=ids).logits, rtol=0, atol=0)
+
+
+def test_chunked_loss_equals_the_whole_and_holds_less_at_vocab_32000():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(32, 32000, bias=False)
+    hidden = torch.randn(2, 64, 32, requires_grad=True)
+    labels = torch.randint(0, 32000, (2, 64))
+    labels[:, :20] = -100
+    results = {}
+    for chunk in (None, 16):
+        saved: list[int] = []
+
+        def pack(t, saved=saved):
+            saved.append(t.numel() * t.element_size())
+            return t
+
+        hidden.grad = head.weight.grad = None
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss, _ = causal_lm_loss_sum(head, hidden, labels, chunk)
+        loss.backward()
+        results[chunk] = (loss.detach(), hidden.grad.clone(), head.weight.grad.clone(), sum(saved))
+    whole, chunked = results[None], results[16]
+    torch.testing.assert_close(chunked[0], whole[0])
+    torch.testing.assert_close(chunked[1], whole[1])
+    torch.testing.assert_close(chunked[2], whole[2])
+    logits_bytes = 2 * 63 * 32000 * 4
+    assert whole[3] >= logits_bytes  # the whole batch's fp32 logits (and log-softmax) are kept for backward
+    assert chunked[3] < logits_bytes / 50  # only hidden-state chunks are kept
+
+
+def test_warmup_then_cosine():
+    f = warmup_cosine(warmup_steps=4, total_steps=14, min_ratio=0.1)
+    assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(9) == pytest.approx(0.55) and f(14) == pytest.approx(0.1) and f(40) == pytest.approx(0.1)
+
+
+def test_hub_id_without_network_says_what_to_do(monkeypatch):
+    import huggingface_hub
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(
+        ValueError,
+        match=r"'meta-llama/Llama-3.2-1B' is not a local directory.*ConnectionError: no"
+        r" network.*huggingface-cli download meta-llama/Llama-3.2-1B --local-dir DIR",
+    ):
+        CausalLM("meta-llama/Llama-3.2-1B")
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match=r"has no config.json"):
+        CausalLM(str(tmp_path))
+    with pytest.raises(ValueError, match=r"is neither a model directory nor a hub id"):
+        CausalLM(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match=r"loss_chunk_size=0\) must be a positive"):
+        CausalLM("x/y", loss_chunk_size=0)
