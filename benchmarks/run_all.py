@@ -16,6 +16,7 @@ Sections (in order):
   quality                   validation perplexity per precision and mode (reported only)
   kbit_prep                 parameter memory after k-bit preparation vs peft
   checkpoint_size           adapter-only vs full Lightning checkpoint
+  precision                 step time per precision and what AMPPrecision("auto") chose (README, "auto")
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ SECTIONS = {
     "quality": "quality",
     "kbit_prep": "kbit_prep_memory",
     "checkpoint_size": "checkpoint_size",
+    "precision": "precision_choice",
 }
 
 
