@@ -13,7 +13,7 @@ from pl_lowprec.plugins import (
     choose_precision,
 )
 from pl_lowprec.quantization import QuantizationConfig
-from pl_lowprec.strategies import LowPrecisionDDPStrategy, LowPrecisionStrategy
+from pl_lowprec.strategies import LowPrecisionDDPStrategy, LowPrecisionFSDPStrategy, LowPrecisionStrategy
 
 __all__ = [
     "AMPPrecision",
@@ -21,6 +21,7 @@ __all__ = [
     "LossScaleMonitor",
     "LossScaleState",
     "LowPrecisionDDPStrategy",
+    "LowPrecisionFSDPStrategy",
     "LowPrecisionStrategy",
     "MemoryEstimate",
     "MemoryTracker",

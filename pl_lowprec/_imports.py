@@ -11,6 +11,7 @@ _JSONARGPARSE = RequirementCache("jsonargparse[signatures]>=4.27")
 _BITSANDBYTES = RequirementCache("bitsandbytes>=0.45")
 _PEFT = RequirementCache("peft>=0.13")
 _SAFETENSORS = RequirementCache("safetensors>=0.4")
+_TORCHAO = RequirementCache("torchao>=0.16")
 
 
 def require_cli() -> None:
@@ -56,3 +57,16 @@ def import_safetensors() -> ModuleType:
     import safetensors
 
     return safetensors
+
+
+@lru_cache
+def import_torchao_nf4() -> ModuleType:
+    """torchao's NF4 tensor module (sharded 4-bit weights), or an error naming the feature and the install command."""
+    if not _TORCHAO:
+        raise ModuleNotFoundError(
+            f"quantization= under strategy='lowprec_fsdp' stores 4-bit weights as torchao NF4 tensors, which shard:"
+            f' {_TORCHAO.message}. Install it with: pip install "pl_lowprec[fsdp]"'
+        )
+    from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+
+    return nf4_tensor
