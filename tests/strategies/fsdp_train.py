@@ -1,7 +1,8 @@
 """QLoRA on a tiny Llama with LowPrecisionFSDPStrategy, on 2 CPU processes (gloo) or on 1 with the same global batch.
 
-Usage: python fsdp_train.py WORLD OUT_DIR PRECISION SCENARIO
-(WORLD: 1 | 2; PRECISION: 32-true | bf16-mixed | 16-mixed; SCENARIO: train | resume | overflow | bad)
+Usage: python fsdp_train.py WORLD OUT_DIR PRECISION SCENARIO [DEVICE]
+(WORLD: 1 | 2; PRECISION: 32-true | bf16-mixed | 16-mixed; SCENARIO: train | resume | overflow | bad;
+DEVICE: cpu (gloo, default) | gpu (nccl) | gpu-offload (nccl, cpu_offload=True))
 
 - train: 4 SGD steps (momentum, so the optimizer state matters), 2 per epoch, an adapter-only checkpoint after
   step 2; records the LoRA gradients of step 1, the final adapters, each rank's NF4 bytes, the sharded logits and
@@ -32,6 +33,7 @@ from pl_lowprec.quantization import QuantizationConfig
 from pl_lowprec.sharding import full_tensor
 
 GLOBAL_BATCH, STEPS_PER_EPOCH = 4, 2
+DEVICE = sys.argv[5] if len(sys.argv) > 5 else "cpu"
 LORA = {"r": 8, "lora_alpha": 16}
 SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "max_len": 32}
 
@@ -79,10 +81,15 @@ def _loader(world: int) -> DataLoader:
 
 def _trainer(world, out, precision, strategy=None, callbacks=(), steps=2 * STEPS_PER_EPOCH) -> pl.Trainer:
     strategy = strategy or LowPrecisionFSDPStrategy(
-        quantization="nf4", lora=LORA, shard_modules="LlamaDecoderLayer", nf4_scaler_block_size=32
+        quantization="nf4",
+        lora=LORA,
+        shard_modules="LlamaDecoderLayer",
+        nf4_scaler_block_size=32,
+        cpu_offload=DEVICE == "gpu-offload",
+        process_group_backend="gloo" if DEVICE == "cpu" else "nccl",
     )
     return pl.Trainer(
-        accelerator="cpu",
+        accelerator="cpu" if DEVICE == "cpu" else "gpu",
         devices=world,
         strategy=strategy,
         precision="32-true" if precision in ("32-true", "bf16-true") else None,
@@ -106,7 +113,7 @@ def _unsharded_logits(adapters: dict[str, torch.Tensor], ids: torch.Tensor) -> t
     inject_lora(model, LORA)
     model.load_state_dict(adapters, strict=False)
     with torch.no_grad():
-        return model(ids)
+        return model.to(ids.device)(ids)
 
 
 def train(world, out, precision) -> dict:
@@ -163,6 +170,7 @@ def bad(world, out, precision) -> dict:
         "unknown_unit": {"shard_modules": "DecoderBlock"},
         "no_unit": {"shard_modules": None},
         "block_split": {"shard_modules": "LlamaDecoderLayer", "nf4_scaler_block_size": 64},
+        "cpu_offload": {"shard_modules": "LlamaDecoderLayer", "nf4_scaler_block_size": 32, "cpu_offload": True},
     }
     errors = {}
     for name, args in cases.items():

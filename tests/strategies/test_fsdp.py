@@ -14,16 +14,16 @@ pytest.importorskip("transformers")
 SCRIPT = Path(__file__).with_name("fsdp_train.py")
 
 
-def _run(world, out, precision, scenario):
+def _run(world, out, precision, scenario, device="cpu"):
     out.mkdir(parents=True)
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), str(world), str(out), precision, scenario],
+        [sys.executable, str(SCRIPT), str(world), str(out), precision, scenario, device],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(world)]
+    return [torch.load(out / f"rank{rank}.pt", weights_only=False, map_location="cpu") for rank in range(world)]
 
 
 def _assert_all_close(actual, expected, **tolerance):
@@ -117,4 +117,17 @@ def test_bad_inputs_fail_before_the_first_step(tmp_path):
         assert "pass shard_modules=" in rank["no_unit"] and "LlamaDecoderLayer" in rank["no_unit"]
         message = rank["block_split"]
         assert "scale group(s) do not split evenly across 2 ranks" in message and "nf4_scaler_block_size=32" in message
-        assert all(rank[f"{case}_steps"] == 0 for case in ("unknown_unit", "no_unit", "block_split"))
+        assert "cpu_offload=True moves sharded parameters off the GPU; the ranks run on cpu" in rank["cpu_offload"]
+        assert all(rank[f"{case}_steps"] == 0 for case in ("unknown_unit", "no_unit", "block_split", "cpu_offload"))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("device", ["gpu", "gpu-offload"])
+def test_nccl_and_cpu_offload_train_like_one_gpu(tmp_path, device):
+    sharded = _run(2, tmp_path / "fsdp", "bf16-mixed", "train", device)
+    single = _run(1, tmp_path / "single", "bf16-mixed", "train", "gpu")[0]
+    for rank in sharded:
+        torch.testing.assert_close(rank["sharded_logits"], rank["unsharded_logits"], rtol=1e-3, atol=1e-3)
+        _assert_all_close(rank["adapters"], single["adapters"], rtol=0.02, atol=2e-3)
+        assert 0.5 <= rank["nf4_bytes"] / single["nf4_bytes"] < 0.52
