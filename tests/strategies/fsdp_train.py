@@ -8,6 +8,8 @@ DEVICE: cpu (gloo, default) | gpu (nccl) | gpu-offload (nccl, cpu_offload=True))
   step 2; records the LoRA gradients of step 1, the final adapters, each rank's NF4 bytes, the sharded logits and
   those of an unsharded NF4 model with the same adapters, merged_state_dict and an exported adapter.
 - resume: resumes OUT_DIR/../train/step=2.ckpt to step 4.
+- pretrained: the same run, but the module is built on the meta device and filled from a saved checkpoint of
+  the same base (pretrained=), each layer stored as NF4 as it loads.
 - overflow: 16-mixed; after the backward of step 2, rank 1 (only) writes inf into its shard of one gradient.
 - bad: one Trainer per bad input; records each error message.
 Writes OUT_DIR/rank{N}.pt. Run by tests/strategies/test_fsdp.py; Lightning's launcher re-runs it for rank 1.
@@ -27,6 +29,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from pl_lowprec import AMPPrecision, LowPrecisionFSDPStrategy
 from pl_lowprec.adapters import export_adapter, merged_state_dict, trainable_state_dict
 from pl_lowprec.demo import TinyLlama
+from pl_lowprec.loading import empty_weights
 from pl_lowprec.lora import inject_lora
 from pl_lowprec.nf4 import NF4Layout, local, nf4_bytes, quantize_model_nf4
 from pl_lowprec.quantization import QuantizationConfig
@@ -149,6 +152,25 @@ def resume(world, out, precision) -> dict:
     return {"adapters": _adapters(model)}
 
 
+def pretrained(world, out, precision) -> dict:
+    directory = Path(out) / f"base{os.environ.get('LOCAL_RANK', 0)}"
+    TinyLlama(**SIZES).model.save_pretrained(directory)  # the base every other run starts from (init_seed=0)
+    with empty_weights():
+        model = SGDTinyLlama(**SIZES)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    strategy = LowPrecisionFSDPStrategy(
+        quantization="nf4",
+        lora=LORA,
+        shard_modules="LlamaDecoderLayer",
+        nf4_scaler_block_size=32,
+        pretrained=directory,
+        pretrained_prefix="model.",
+    )
+    torch.manual_seed(0)
+    _trainer(world, out, precision, strategy=strategy).fit(model, _loader(world))
+    return {"adapters": _adapters(model)}
+
+
 def overflow(world, out, precision) -> dict:
     record = Record(inject_overflow=True)
     torch.manual_seed(0)
@@ -188,7 +210,8 @@ def bad(world, out, precision) -> dict:
 def main(world: str, out: str, precision: str, scenario: str) -> None:
     warnings.filterwarnings("ignore")
     world_size = int(world)
-    result = {"train": train, "resume": resume, "overflow": overflow, "bad": bad}[scenario](world_size, out, precision)
+    scenarios = {"train": train, "resume": resume, "pretrained": pretrained, "overflow": overflow, "bad": bad}
+    result = scenarios[scenario](world_size, out, precision)
     rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.save(result, f"{out}/rank{rank}.pt")
 

@@ -42,6 +42,14 @@ def fp32_runs(tmp_path_factory):
 
 
 @pytest.mark.slow
+def test_meta_module_filled_from_pretrained_trains_like_a_built_one(fp32_runs, tmp_path):
+    sharded, _, _ = fp32_runs
+    loaded = _run(2, tmp_path / "pretrained", "32-true", "pretrained")
+    for built, rank in zip(sharded, loaded, strict=True):
+        _assert_all_close(rank["adapters"], built["adapters"], rtol=0, atol=0)
+
+
+@pytest.mark.slow
 def test_sharded_forward_equals_unsharded_nf4_forward(fp32_runs):
     sharded, _, _ = fp32_runs
     for rank in sharded:
