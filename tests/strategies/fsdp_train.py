@@ -10,6 +10,7 @@ DEVICE: cpu (gloo, default) | gpu (nccl) | gpu-offload (nccl, cpu_offload=True))
 - resume: resumes OUT_DIR/../train/step=2.ckpt to step 4.
 - pretrained: the same run, but the module is built on the meta device and filled from a saved checkpoint of
   the same base (pretrained=), each layer stored as NF4 as it loads.
+- full: LoRA on an unquantized base with full (gathered) checkpoints: 4 steps, then a resume from step 2.
 - overflow: 16-mixed; after the backward of step 2, rank 1 (only) writes inf into its shard of one gradient.
 - bad: one Trainer per bad input; records each error message.
 Writes OUT_DIR/rank{N}.pt. Run by tests/strategies/test_fsdp.py; Lightning's launcher re-runs it for rank 1.
@@ -171,6 +172,21 @@ def pretrained(world, out, precision) -> dict:
     return {"adapters": _adapters(model)}
 
 
+def full(world, out, precision) -> dict:
+    def strategy():
+        return LowPrecisionFSDPStrategy(lora=LORA, shard_modules="LlamaDecoderLayer", adapter_only_checkpoint=False)
+
+    ckpt = ModelCheckpoint(dirpath=out, filename="{step}", every_n_train_steps=2, save_top_k=-1)
+    torch.manual_seed(0)
+    uninterrupted = SGDTinyLlama(**SIZES)
+    _trainer(world, out, precision, strategy=strategy(), callbacks=[ckpt]).fit(uninterrupted, _loader(world))
+    resumed = SGDTinyLlama(**SIZES)
+    trainer = _trainer(world, out, precision, strategy=strategy())
+    trainer.fit(resumed, _loader(world), ckpt_path=str(Path(out) / "step=2.ckpt"))
+    saved = torch.load(Path(out) / "step=2.ckpt", weights_only=False)["state_dict"]
+    return {"uninterrupted": _adapters(uninterrupted), "resumed": _adapters(resumed), "saved_keys": sorted(saved)}
+
+
 def overflow(world, out, precision) -> dict:
     record = Record(inject_overflow=True)
     torch.manual_seed(0)
@@ -210,7 +226,14 @@ def bad(world, out, precision) -> dict:
 def main(world: str, out: str, precision: str, scenario: str) -> None:
     warnings.filterwarnings("ignore")
     world_size = int(world)
-    scenarios = {"train": train, "resume": resume, "pretrained": pretrained, "overflow": overflow, "bad": bad}
+    scenarios = {
+        "train": train,
+        "resume": resume,
+        "pretrained": pretrained,
+        "full": full,
+        "overflow": overflow,
+        "bad": bad,
+    }
     result = scenarios[scenario](world_size, out, precision)
     rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.save(result, f"{out}/rank{rank}.pt")

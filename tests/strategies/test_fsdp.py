@@ -95,6 +95,14 @@ def test_merged_weights_and_exported_adapter_equal_one_process(fp32_runs):
 
 
 @pytest.mark.slow
+def test_full_gathered_checkpoint_resumes_exactly(tmp_path):
+    for rank in _run(2, tmp_path / "full", "32-true", "full"):
+        assert "model.model.embed_tokens.weight" in rank["saved_keys"]  # the frozen base is in it, whole
+        assert any("lora_B" in k for k in rank["saved_keys"])
+        _assert_all_close(rank["resumed"], rank["uninterrupted"], rtol=0, atol=0)
+
+
+@pytest.mark.slow
 def test_bf16_mixed_gradients_equal_one_process(tmp_path):
     sharded = _run(2, tmp_path / "fsdp", "bf16-mixed", "train")
     single = _run(1, tmp_path / "single", "bf16-mixed", "train")[0]
