@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pl_lowprec._imports import import_torchao_nf4
 from pl_lowprec.checkpointing import CheckpointPolicy, select_modules
 from pl_lowprec.nf4 import NF4Layout, check_layout, check_mode, nf4_linear, quantize_model_nf4
 from pl_lowprec.quantization import QuantizationConfig
@@ -136,7 +137,9 @@ class Sharding:
         return self.mesh.size()
 
     def check_quantization(self, config: QuantizationConfig) -> None:
+        """When the strategy is built: a mode that shards, and torchao installed."""
         check_mode(config)
+        import_torchao_nf4()
 
     def check(self, model: nn.Module, config: QuantizationConfig | None) -> None:
         """Everything that can be wrong with the model, before any weight is loaded or quantized."""

@@ -91,3 +91,22 @@ def test_nf4_layout_names_what_does_not_split():
     assert QuantizationConfig("nf4-dq").mode == "nf4-dq"
     with pytest.raises(ValueError, match="nf4_scaler_block_size=3"):
         NF4Layout(64, 3)
+
+
+def test_missing_torchao_fails_when_the_strategy_is_built(monkeypatch):
+    from pl_lowprec import _imports
+
+    class Missing:
+        message = "torchao is not installed"
+
+        def __bool__(self):
+            return False
+
+    monkeypatch.setattr(_imports, "_TORCHAO", Missing())
+    _imports.import_torchao_nf4.cache_clear()
+    try:
+        with pytest.raises(ModuleNotFoundError, match=r'torchao is not installed.*pip install "pl_lowprec\[fsdp\]"'):
+            LowPrecisionFSDPStrategy(quantization="nf4")
+        LowPrecisionFSDPStrategy(lora={"r": 4})  # no quantization: torchao not needed
+    finally:
+        _imports.import_torchao_nf4.cache_clear()
