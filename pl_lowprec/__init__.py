@@ -16,7 +16,7 @@ from pl_lowprec.plugins import (
 )
 from pl_lowprec.qat import QATConfig
 from pl_lowprec.quantization import QuantizationConfig
-from pl_lowprec.strategies import LowPrecisionDDPStrategy, LowPrecisionStrategy
+from pl_lowprec.strategies import LowPrecisionDDPStrategy, LowPrecisionFSDPStrategy, LowPrecisionStrategy
 
 filter_torchao_import_noise()  # before anything (transformers included) imports torchao; see pl_lowprec._imports
 
@@ -27,6 +27,7 @@ __all__ = [
     "LossScaleMonitor",
     "LossScaleState",
     "LowPrecisionDDPStrategy",
+    "LowPrecisionFSDPStrategy",
     "LowPrecisionStrategy",
     "MemoryEstimate",
     "MemoryTracker",

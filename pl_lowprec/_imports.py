@@ -102,3 +102,16 @@ def filter_torchao_import_noise() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _ImportNoise) for f in logger.filters):
             logger.addFilter(_ImportNoise(torch.cuda.is_available()))
+
+
+@lru_cache
+def import_torchao_nf4() -> ModuleType:
+    """torchao's NF4 tensor module (sharded 4-bit weights), or an error naming the feature and the install command."""
+    if not _TORCHAO:
+        raise ModuleNotFoundError(
+            f"quantization= under strategy='lowprec_fsdp' stores 4-bit weights as torchao NF4 tensors, which shard:"
+            f' {_TORCHAO.message}. Install it with: pip install "pl_lowprec[fsdp]"'
+        )
+    from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+
+    return nf4_tensor

@@ -5,6 +5,9 @@
 - ``export_adapter``: a peft adapter directory (``adapter_config.json``, ``adapter_model.safetensors``) that
   ``peft.PeftModel.from_pretrained(base_model, directory)`` loads.
 - ``merged_state_dict``: base weights dequantized, LoRA deltas merged in, keys of the plain model.
+
+Both also work on a model sharded by ``strategy="lowprec_fsdp"``: every rank must call them (they gather the
+shards), and every rank gets the whole result.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from torch import nn
 
 from pl_lowprec._imports import import_peft
 from pl_lowprec.lora import ADAPTER_NAME, lora_layers
+from pl_lowprec.nf4 import dequantize_nf4, is_nf4
 from pl_lowprec.quantization import is_quantized
+from pl_lowprec.sharding import full_tensor
 
 
 def trainable_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -78,7 +83,7 @@ def export_adapter(module: nn.Module, directory: str | Path, base_model: str | N
     exported.save_pretrained(str(directory))
     marker = f".{ADAPTER_NAME}."
     tensors = {
-        f"base_model.model.{k}".replace(marker, "."): v.detach().cpu().contiguous()
+        f"base_model.model.{k}".replace(marker, "."): full_tensor(v.detach()).cpu().contiguous()
         for k, v in base.state_dict().items()
         if "lora_" in k and marker in k
     }
@@ -95,18 +100,23 @@ def merged_state_dict(module: nn.Module, base_model: str | None = None) -> dict[
     quantized = {
         n: m
         for n, m in base.named_modules()
-        if is_quantized(m) and not any(n == a or n.startswith(f"{a}.") for a in adapted)
+        if (is_quantized(m) or (isinstance(m, nn.Linear) and is_nf4(m.weight)))
+        and not any(n == a or n.startswith(f"{a}.") for a in adapted)
     }
     replaced = [*adapted, *quantized]
-    merged = {k: v.detach() for k, v in base.state_dict().items() if not any(k.startswith(f"{n}.") for n in replaced)}
+    merged = {
+        k: full_tensor(v.detach())
+        for k, v in base.state_dict().items()
+        if not any(k.startswith(f"{n}.") for n in replaced)
+    }
     for name, layer in {**adapted, **quantized}.items():
         base_layer = layer.get_base_layer() if name in adapted else layer
         weight = _dequantized(peft, base_layer)
         for adapter in layer.active_adapters if name in adapted else ():
-            weight = weight + layer.get_delta_weight(adapter).float()
+            weight = weight + full_tensor(layer.get_delta_weight(adapter)).float()
         merged[f"{name}.weight"] = weight
         if base_layer.bias is not None:
-            merged[f"{name}.bias"] = base_layer.bias.detach().float()
+            merged[f"{name}.bias"] = full_tensor(base_layer.bias.detach()).float()
     return merged
 
 
@@ -114,4 +124,6 @@ def _dequantized(peft: object, layer: nn.Module) -> torch.Tensor:
     if is_quantized(layer):
         state = getattr(layer, "state", None)
         return peft.utils.integrations.dequantize_bnb_weight(layer.weight, state=state).float()
-    return layer.weight.detach().float()
+    if is_nf4(layer.weight):
+        return dequantize_nf4(layer.weight.detach()).float()
+    return full_tensor(layer.weight.detach()).float()

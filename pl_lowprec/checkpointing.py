@@ -54,7 +54,9 @@ def is_checkpointed(module: nn.Module) -> bool:
     return isinstance(module.__dict__.get("forward"), CheckpointedForward)
 
 
-def select_modules(model: nn.Module, policy: CheckpointPolicy) -> list[tuple[str, nn.Module]]:
+def select_modules(
+    model: nn.Module, policy: CheckpointPolicy, argument: str = "activation_checkpointing"
+) -> list[tuple[str, nn.Module]]:
     """The outermost modules that ``policy`` selects, in ``named_modules`` order.
 
     Raises ``ValueError`` when the policy, or any class or class name in it, selects nothing, listing the
@@ -73,7 +75,7 @@ def select_modules(model: nn.Module, policy: CheckpointPolicy) -> list[tuple[str
         what = _describe(unmatched) if unmatched else getattr(policy, "__name__", repr(policy))
         classes = sorted({type(m).__name__ for m in model.modules()})
         raise ValueError(
-            f"activation_checkpointing: {what} matches no module of {type(model).__name__}."
+            f"{argument}: {what} matches no module of {type(model).__name__}."
             f" The model contains these classes: {', '.join(classes)}. Name the repeated block, for example"
             " the decoder layer class."
         )

@@ -18,8 +18,9 @@ from pl_lowprec.quantization import is_quantized
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 # fp8 needs an FP8 GPU (tests/test_fp8.py runs it emulated); finetune-causal-lm needs the demo model that
-# tests/demo/test_demo_model.py writes and runs it on.
-SINGLE_PROCESS = [c for c in CONFIGS if c.name not in ("ddp.yaml", "fp8.yaml", "finetune-causal-lm.yaml")]
+# tests/demo/test_demo_model.py writes and runs it on; ddp and fsdp-qlora run on 2 processes below.
+MULTI_PROCESS_OR_ELSEWHERE = ("ddp.yaml", "fsdp-qlora.yaml", "fp8.yaml", "finetune-causal-lm.yaml")
+SINGLE_PROCESS = [c for c in CONFIGS if c.name not in MULTI_PROCESS_OR_ELSEWHERE]
 
 
 def _short(class_path: str) -> str:
@@ -54,6 +55,7 @@ def test_every_config_starts_with_its_command_and_is_covered():
         "accumulation.yaml",
         "lora-8bit-optimizer.yaml",
         "ddp.yaml",
+        "fsdp-qlora.yaml",
     }
     for config in CONFIGS:
         assert config.read_text().splitlines()[0] == f"# Run: pl-lowprec fit --config configs/{config.name}"
@@ -166,3 +168,18 @@ def test_ddp_config_runs_on_two_cpu_processes(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Memory, fit (cpu, 2 ranks, max across ranks)" in result.stdout
     assert "params_quantized_4bit" in result.stdout
+
+
+@pytest.mark.slow
+def test_fsdp_config_runs_on_two_cpu_processes(tmp_path):
+    pytest.importorskip("torchao")
+    result = subprocess.run(
+        [sys.executable, "-m", "pl_lowprec", "fit", *_fast_args(ROOT / "configs/fsdp-qlora.yaml")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "FSDP2: 2 shard units and the root across 2 ranks." in result.stdout + result.stderr
+    assert "Memory, fit (cpu, 2 ranks, max across ranks)" in result.stdout

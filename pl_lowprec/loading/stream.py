@@ -14,7 +14,7 @@ at once.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -142,11 +142,13 @@ def load_pretrained(
     quantization: QuantizationConfig | None = None,
     compute_dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    quantize_layer: Callable[[nn.Linear, QuantizationConfig, torch.dtype, torch.device], nn.Module] = quantize_linear,
 ) -> LoadReport:
     """Fill every parameter and persistent buffer of ``model`` from ``source``, quantizing on the way.
 
     Tensors take the dtype the module declared for them. With ``quantization``, each ``nn.Linear`` that
-    ``quantize_model`` would replace becomes its bitsandbytes layer as soon as its weight is loaded.
+    ``quantize_model`` would replace becomes ``quantize_layer(linear, ...)`` (its bitsandbytes layer by default;
+    torchao NF4 under FSDP) as soon as its weight is loaded.
     """
     safetensors = import_safetensors()
     device = torch.device(device)
@@ -180,7 +182,7 @@ def load_pretrained(
         if quantization is not None and will_quantize(owner, owner_name, quantization):
             parent_name, _, child = owner_name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, quantize_linear(owner, quantization, compute_dtype, device))
+            setattr(parent, child, quantize_layer(owner, quantization, compute_dtype, device))
             report.quantized.append(owner_name)
         del owner
     if report.quantized:

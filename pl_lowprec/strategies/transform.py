@@ -18,6 +18,10 @@ Where it runs, in ``Trainer._run`` order:
    swap** runs right after ``configure_optimizers``, before the precision plugin connects to the optimizers;
 4. restoring optimizer, scheduler and precision state, then the loops.
 
+Under ``strategy="lowprec_fsdp"`` the transform holds a ``Sharding`` (``pl_lowprec.sharding``), and that is
+the one place where a step differs: 4-bit weights are stored as torchao NF4 (which shards) instead of
+bitsandbytes, and the last step shards each unit and the root with FSDP2.
+
 ``apply`` is idempotent, derived from the model itself (quantized layers, LoRA layers and checkpointed blocks
 are recognisable), so a second ``fit``, or ``validate`` after ``fit``, changes nothing.
 """
@@ -50,7 +54,8 @@ from pl_lowprec.lora import has_lora, inject_lora, lora_config, prepare_for_kbit
 from pl_lowprec.offloading import OffloadActivations, check_offload_device
 from pl_lowprec.optimizers import OptimizerName, rebind_schedulers, swap_optimizer, validate_optimizer_name
 from pl_lowprec.qat import QATConfig, QATScheme, convert_qat, is_converted, prepare_qat
-from pl_lowprec.quantization import DEFAULT_SKIP, QuantizationConfig, QuantMode, quantize_model
+from pl_lowprec.quantization import DEFAULT_SKIP, QuantizationConfig, QuantMode, quantize_linear, quantize_model
+from pl_lowprec.sharding import Sharding
 
 _DTYPE_BY_PRECISION = {
     "16-mixed": torch.float16,
@@ -116,6 +121,7 @@ class ModelTransform:
     qat: QATScheme | QATConfig | None = None
     fp8: FP8Recipe | FP8Config | None = None
     activation_offloading: bool = False
+    sharding: Sharding | None = None
 
     def __post_init__(self) -> None:
         validate_checkpoint_args(self.checkpoint_every_n, self.checkpoint_impl)
@@ -124,7 +130,9 @@ class ModelTransform:
         self.weights = PretrainedWeights(self.pretrained, self.pretrained_prefix) if self.pretrained else None
         if isinstance(self.quantization, str):
             self.quantization = QuantizationConfig.from_mode(self.quantization)
-        if self.quantization is not None:
+        if self.quantization is not None and self.sharding is not None:
+            self.sharding.check_quantization(self.quantization)
+        elif self.quantization is not None:
             import_bitsandbytes()
         if self.optimizer is not None:
             validate_optimizer_name(self.optimizer)
@@ -157,9 +165,11 @@ class ModelTransform:
             _refuse_fitting_converted(model)
             return  # converted to its quantized form at the end of fit: the model is final
         compute_dtype = compute_dtype_of(precision_plugin)
+        if self.sharding is not None:
+            self.sharding.check(model, self.quantization)
         self.load_pretrained(model, compute_dtype, device)
         if self.quantization is not None:
-            replaced = quantize_model(model, self.quantization, compute_dtype, device)
+            replaced = self.quantize(model, compute_dtype, device)
             if replaced:
                 rank_zero_info(f"Quantized {len(replaced)} linear layers to {self.quantization.mode}.")
         if self.qat is not None:
@@ -186,6 +196,26 @@ class ModelTransform:
             if not already:
                 shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
                 rank_zero_info(f"Activation checkpointing ({self.checkpoint_impl}) on {len(names)} blocks: {shown}")
+        if self.sharding is not None:
+            units = self.sharding.shard(model)
+            if units:
+                rank_zero_info(f"FSDP2: {len(units)} shard units and the root across {self.sharding.world_size} ranks.")
+            elif self.sharding.world_size == 1:
+                rank_zero_info("FSDP2 on one process: the model is not sharded (NF4 weights as they are).")
+
+    def quantize(self, model: nn.Module, compute_dtype: torch.dtype, device: torch.device) -> list[str]:
+        """Base weights to 4/8 bit: bitsandbytes layers, or torchao NF4 weights when sharding (they shard)."""
+        if self.sharding is not None:
+            return self.sharding.quantize_model(model, self.quantization, device)
+        return quantize_model(model, self.quantization, compute_dtype, device)
+
+    def quantize_layer(
+        self, linear: nn.Linear, config: QuantizationConfig, compute_dtype: torch.dtype, device: torch.device
+    ) -> nn.Module:
+        """One layer as ``pretrained=`` streams it in; the same choice of storage as ``quantize``."""
+        if self.sharding is not None:
+            return self.sharding.quantize_layer(linear, config, compute_dtype, device)
+        return quantize_linear(linear, config, compute_dtype, device)
 
     def load_pretrained(self, model: nn.Module, compute_dtype: torch.dtype, device: torch.device) -> None:
         """Fill a module built on the meta device from ``pretrained=`` (or the module's ``pretrained_weights``),
@@ -204,7 +234,9 @@ class ModelTransform:
                 f"{type(model).__name__} has parameters on the meta device and nothing to fill them from: pass"
                 " pretrained= (a safetensors file or model directory) to the strategy, or build it with weights."
             )
-        load_pretrained(model, weights.path, weights.prefix, self.quantization, compute_dtype, device)
+        load_pretrained(
+            model, weights.path, weights.prefix, self.quantization, compute_dtype, device, self.quantize_layer
+        )
         setattr(model, _LOADED_FROM, str(weights.path))
 
     def weights_for(self, model: nn.Module) -> PretrainedWeights | None:

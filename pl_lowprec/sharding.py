@@ -1,0 +1,182 @@
+"""FSDP2 data-parallel sharding of a transformed model: which blocks form a shard unit, and the one place that
+shards them.
+
+``Sharding`` is what ``ModelTransform`` holds under ``strategy="lowprec_fsdp"``: it stores 4-bit base weights as
+torchao NF4 (``pl_lowprec.nf4``), the only storage that keeps its constants through ``fully_shard``, and, as the
+last step of the transform, shards each unit bottom-up and then each top-level network of the LightningModule
+(torchtune's ``shard_model``). The units are chosen like activation checkpointing's blocks (classes, class names
+or a predicate), and a name that matches nothing lists the model's classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from pl_lowprec._imports import import_torchao_nf4
+from pl_lowprec.checkpointing import CheckpointPolicy, select_modules
+from pl_lowprec.nf4 import NF4Layout, check_layout, check_mode, nf4_linear, quantize_model_nf4
+from pl_lowprec.quantization import QuantizationConfig
+
+ShardPolicy = CheckpointPolicy
+
+
+def data_parallel_mesh(device_type: str, world_size: int) -> Any:
+    """A 1-D mesh over every rank (FSDP only, no tensor parallelism), on CPU as on CUDA."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (world_size,), mesh_dim_names=("data_parallel",))
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered into one full tensor on every rank (a collective); any other tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def shard_units(model: nn.Module, policy: ShardPolicy | None) -> list[tuple[str, nn.Module]]:
+    """The blocks that each become one FSDP unit; ``ValueError`` listing the model's classes if none is named."""
+    if policy is None:
+        classes = sorted({type(m).__name__ for m in model.modules()})
+        raise ValueError(
+            f"strategy='lowprec_fsdp' needs to know which blocks of {type(model).__name__} to shard: pass"
+            " shard_modules= (or activation_checkpointing=, whose blocks are then the shard units), e.g. the"
+            f" decoder layer class. The model contains these classes: {', '.join(classes)}."
+        )
+    return select_modules(model, policy, argument="shard_modules")
+
+
+def roots_of(model: nn.Module) -> list[nn.Module]:
+    """The top-level networks a ``training_step`` calls: the children of the LightningModule that hold
+    parameters. Each becomes an FSDP root, so its own forward gathers what the units left (embeddings, head)."""
+    own = [name for name, _ in model.named_parameters(recurse=False)]
+    if own:
+        raise ValueError(
+            f"{type(model).__name__} holds parameters directly ({', '.join(own)}): strategy='lowprec_fsdp' shards"
+            " the networks the module holds as attributes (e.g. self.model), whose forward the training_step calls."
+            " Move these parameters into a submodule."
+        )
+    return [child for child in model.children() if any(True for _ in child.parameters())]
+
+
+SUPPORTED_PRECISIONS = (
+    "AMPPrecision('bf16-mixed' | '16-mixed' | 'auto')",
+    "Trainer(precision='32-true')",
+    "Trainer(precision='bf16-true')",
+    "Trainer(precision='bf16-mixed')",
+)
+
+
+def check_precision(plugin: Any) -> None:
+    """Refuse a precision plugin that cannot run under FSDP2 here, naming the ones that can."""
+    from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+
+    from pl_lowprec.plugins.amp import AMPPrecision
+
+    kind = type(plugin)
+    fits = (
+        isinstance(plugin, AMPPrecision)
+        or kind is Precision
+        or (kind is HalfPrecision and plugin.precision == "bf16-true")
+        or (kind is MixedPrecision and plugin.precision == "bf16-mixed")
+    )
+    if not fits:
+        name = f"{kind.__name__}({str(getattr(plugin, 'precision', ''))!r})"
+        raise ValueError(
+            f"strategy='lowprec_fsdp' cannot run {name}. It runs: {', '.join(SUPPORTED_PRECISIONS)}. fp16 needs"
+            " AMPPrecision('16-mixed'), whose loss scaler agrees on overflows across the shards; pure fp16 weights"
+            " ('16-true') have no scaler, and 64-bit or other precision plugins do not shard here."
+        )
+
+
+def check_trainable_dtypes(model: nn.Module) -> None:
+    """FSDP2 reduce-scatters a unit's gradients in one buffer: every trainable parameter needs one dtype."""
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            by_dtype.setdefault(param.dtype, []).append(name)
+    if len(by_dtype) > 1:
+        shown = "; ".join(f"{dtype}: {', '.join(names[:3])}" for dtype, names in by_dtype.items())
+        raise ValueError(
+            f"Trainable parameters in {len(by_dtype)} dtypes ({shown}): FSDP2 reduces each unit's gradients in one"
+            " buffer. Keep them in one dtype (with a mixed precision, pl_lowprec upcasts the LoRA adapters to fp32)."
+        )
+
+
+@dataclass
+class Sharding:
+    """How ``ModelTransform`` stores and shards the model under FSDP2; ``mesh`` is set by the strategy once the
+    processes exist.
+
+    Args:
+        units: Blocks that each form a shard unit: module classes, class names or ``(module, name) -> bool``.
+        reshard_after_forward: Free each unit's gathered weights after its forward (less memory, one more
+            all-gather in backward).
+        cpu_offload: Keep sharded parameters, gradients and optimizer state in CPU memory (CUDA only).
+        layout: How NF4 weights are blocked (see ``pl_lowprec.nf4.NF4Layout``).
+    """
+
+    units: ShardPolicy | None = None
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    layout: NF4Layout = field(default_factory=NF4Layout)
+    mesh: Any = None
+
+    @property
+    def world_size(self) -> int:
+        if self.mesh is None:
+            raise RuntimeError("The device mesh is built when the processes start (strategy.setup_environment).")
+        return self.mesh.size()
+
+    def check_quantization(self, config: QuantizationConfig) -> None:
+        """When the strategy is built: a mode that shards, and torchao installed."""
+        check_mode(config)
+        import_torchao_nf4()
+
+    def check(self, model: nn.Module, config: QuantizationConfig | None) -> None:
+        """Everything that can be wrong with the model, before any weight is loaded or quantized."""
+        if is_sharded(model):
+            return
+        shard_units(model, self.units)
+        roots_of(model)
+        if config is not None:
+            check_layout(model, config, self.layout, self.world_size)
+
+    def quantize_model(self, model: nn.Module, config: QuantizationConfig, device: torch.device) -> list[str]:
+        return quantize_model_nf4(model, config, self.layout, device)
+
+    def quantize_layer(
+        self, linear: nn.Linear, config: QuantizationConfig, compute_dtype: torch.dtype, device: torch.device
+    ) -> nn.Module:
+        """One layer, as ``pretrained=`` streams it in (the signature of ``quantization.quantize_linear``)."""
+        return nf4_linear(linear, self.layout, device)
+
+    def shard(self, model: nn.Module) -> list[str]:
+        """``fully_shard`` each unit, then each root (idempotent); return the unit names."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+        if is_sharded(model):
+            return []
+        check_trainable_dtypes(model)
+        units = shard_units(model, self.units)
+        if self.world_size == 1:
+            return []  # one process: nothing to split, and NF4 has no FSDP2 path for a mesh of one
+        options = {
+            "mesh": self.mesh,
+            "reshard_after_forward": self.reshard_after_forward,
+            "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
+        }
+        for _, unit in units:
+            fully_shard(unit, **options)
+        for root in roots_of(model):
+            if all(root is not unit for _, unit in units):
+                fully_shard(root, **options)
+        return [name for name, _ in units]

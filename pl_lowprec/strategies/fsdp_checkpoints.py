@@ -1,0 +1,61 @@
+"""One gathered checkpoint file for a model sharded with FSDP2, loaded back into the shards on every rank.
+
+Adapter-only checkpoints are small: every rank gathers the trainable tensors, rank 0 writes them with Lightning's
+``CheckpointIO``, every rank reads the file and keeps its own rows (``set_model_state_dict``). Optimizer state is
+gathered the same way, keyed by parameter name, so a run resumes on any number of ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from pl_lowprec.sharding import full_tensor
+
+
+def gathered_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every tensor whole, on the CPU (a collective: every rank calls it with the same keys)."""
+    return {key: full_tensor(value.detach()).cpu() for key, value in state_dict.items()}
+
+
+def load_full_state_dict(
+    module: nn.Module, state_dict: Mapping[str, torch.Tensor], adapter_only: bool, strict: bool = True
+) -> None:
+    """Load whole tensors into a sharded module; with ``adapter_only`` the frozen weights may be missing,
+    every trainable one must be there."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    expected = {n for n, p in module.named_parameters() if p.requires_grad} if adapter_only else None
+    if expected is not None and strict:
+        missing = sorted(expected - set(state_dict))
+        unexpected = sorted(set(state_dict) - expected)
+        if missing or unexpected:
+            raise RuntimeError(
+                "The checkpoint does not fit this model's trainable weights."
+                f" Unexpected keys: {unexpected[:8]}. Missing trainable keys: {missing[:8]}."
+                " Was it written with the same lora= and quantization= settings?"
+            )
+    options = StateDictOptions(full_state_dict=True, strict=strict and not adapter_only)
+    set_model_state_dict(module, dict(state_dict), options=options)
+
+
+def optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    """The optimizer's state gathered whole and keyed by parameter name (rank 0 holds it; the others get {})."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_optimizer_state_dict(module, optimizer, options=options)
+
+
+def load_optimizer_states(module: nn.Module, optimizers: Sequence[Optimizer], states: Sequence[dict]) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    if len(states) != len(optimizers):
+        raise RuntimeError(f"The checkpoint holds {len(states)} optimizer states; the module has {len(optimizers)}.")
+    for optimizer, state in zip(optimizers, states, strict=True):
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
+        set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))

@@ -1,0 +1,112 @@
+"""LowPrecisionFSDPStrategy refuses what it cannot run when it is built or handed to the Trainer (no processes)."""
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+from torch import nn
+
+from pl_lowprec import AMPPrecision, LowPrecisionFSDPStrategy, QuantizationConfig
+from pl_lowprec.nf4 import NF4Layout
+from pl_lowprec.sharding import check_trainable_dtypes, roots_of, shard_units
+
+
+def test_registered_as_lowprec_fsdp():
+    assert StrategyRegistry["lowprec_fsdp"]["strategy"] is LowPrecisionFSDPStrategy
+
+
+def test_quantization_with_tensor_parallelism_is_refused():
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: 4-bit weights cannot be split by tensor paral"):
+        LowPrecisionFSDPStrategy(quantization="nf4", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: it shards data only"):
+        LowPrecisionFSDPStrategy(tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("mode", ["fp4", "fp4-dq", "int8"])
+def test_bitsandbytes_only_modes_are_refused(mode):
+    with pytest.raises(ValueError, match=rf"quantization='{mode}' cannot shard.*Allowed: 'nf4', 'nf4-dq'.*#1424"):
+        LowPrecisionFSDPStrategy(quantization=mode, lora={"r": 4})
+
+
+def test_8bit_optimizer_is_refused():
+    with pytest.raises(ValueError, match=r"optimizer='adamw8bit'.*not\s+supported on FSDP2"):
+        LowPrecisionFSDPStrategy(optimizer="adamw8bit")
+
+
+@pytest.mark.parametrize("precision", ["16-true", "64-true"])
+def test_precisions_it_cannot_run_are_refused_when_the_trainer_is_built(precision):
+    with pytest.raises(ValueError) as err:
+        pl.Trainer(strategy=LowPrecisionFSDPStrategy(), accelerator="cpu", devices=2, precision=precision)
+    message = str(err.value)
+    assert precision in message or "Precision" in message
+    if precision == "16-true":  # Lightning lets 16-true through to the strategy, which names what it runs
+        assert "cannot run HalfPrecision('16-true')" in message and "AMPPrecision('bf16-mixed'" in message
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true", "bf16-mixed"])
+def test_precisions_it_runs_are_accepted(precision):
+    trainer = pl.Trainer(strategy=LowPrecisionFSDPStrategy(), accelerator="cpu", devices=2, precision=precision)
+    assert trainer.strategy.precision_plugin.precision == precision
+
+
+def test_amp_precision_is_accepted():
+    trainer = pl.Trainer(
+        strategy=LowPrecisionFSDPStrategy(), accelerator="cpu", devices=2, plugins=[AMPPrecision("16-mixed")]
+    )
+    assert isinstance(trainer.strategy.precision_plugin, AMPPrecision)
+
+
+def test_unknown_shard_unit_lists_the_model_classes():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with pytest.raises(ValueError, match=r"shard_modules: 'Block' matches no module.*Linear, ReLU, Sequential"):
+        shard_units(model, "Block")
+    with pytest.raises(ValueError, match=r"pass shard_modules=.*Linear, ReLU, Sequential"):
+        shard_units(model, None)
+
+
+def test_parameters_held_directly_by_the_lightning_module_are_refused():
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(4, 4)
+            self.scale = nn.Parameter(torch.ones(1))
+
+    with pytest.raises(ValueError, match=r"holds parameters directly \(scale\)"):
+        roots_of(Holder())
+
+
+def test_trainable_parameters_in_two_dtypes_are_refused():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"Trainable parameters in 2 dtypes.*torch.bfloat16: 1.weight"):
+        check_trainable_dtypes(model)
+
+
+def test_nf4_layout_names_what_does_not_split():
+    layout = NF4Layout(block_size=64, scaler_block_size=64)
+    assert layout.problem((64, 64), world_size=1) is None
+    assert "scale group(s) do not split evenly across 2 ranks" in layout.problem((64, 64), world_size=2)
+    assert "rows do not split" in NF4Layout(64, 2).problem((3, 256), world_size=2)
+    assert "do not fill blocks" in layout.problem((3, 7), world_size=1)
+    assert layout.scaler_block_sizes_that_fit([(64, 64), (128, 64)], world_size=2)[0] == 32
+    assert QuantizationConfig("nf4-dq").mode == "nf4-dq"
+    with pytest.raises(ValueError, match="nf4_scaler_block_size=3"):
+        NF4Layout(64, 3)
+
+
+def test_missing_torchao_fails_when_the_strategy_is_built(monkeypatch):
+    from pl_lowprec import _imports
+
+    class Missing:
+        message = "torchao is not installed"
+
+        def __bool__(self):
+            return False
+
+    monkeypatch.setattr(_imports, "_TORCHAO", Missing())
+    _imports.import_torchao_nf4.cache_clear()
+    try:
+        with pytest.raises(ModuleNotFoundError, match=r'torchao is not installed.*pip install "pl_lowprec\[fsdp\]"'):
+            LowPrecisionFSDPStrategy(quantization="nf4")
+        LowPrecisionFSDPStrategy(lora={"r": 4})  # no quantization: torchao not needed
+    finally:
+        _imports.import_torchao_nf4.cache_clear()
