@@ -6,12 +6,9 @@ are reduced) and every rank holds the same transformed model.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import _StrategyRegistry
 
@@ -20,10 +17,11 @@ from pl_lowprec.fp8 import FP8Config, FP8Recipe
 from pl_lowprec.optimizers import OptimizerName
 from pl_lowprec.qat import QATConfig, QATScheme
 from pl_lowprec.quantization import QuantizationConfig, QuantMode
-from pl_lowprec.strategies.transform import ModelTransform, teardown_with_meta
+from pl_lowprec.strategies.transform import ModelTransform
+from pl_lowprec.strategies.transform_hooks import TransformHooks
 
 
-class LowPrecisionDDPStrategy(DDPStrategy):
+class LowPrecisionDDPStrategy(TransformHooks, DDPStrategy):
     """DDP that transforms the model once per fit (see ``pl_lowprec.strategies.transform``).
 
     Args:
@@ -86,37 +84,6 @@ class LowPrecisionDDPStrategy(DDPStrategy):
             fp8=fp8,
             activation_offloading=activation_offloading,
         )
-
-    def setup(self, trainer: pl.Trainer) -> None:
-        self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)
-        super().setup(trainer)
-
-    @contextmanager
-    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        with self.transform.tensor_init_context(super().tensor_init_context(empty_init)):
-            yield
-
-    def teardown(self) -> None:
-        teardown_with_meta(self, super().teardown)
-
-    def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        super().setup_optimizers(trainer)
-        self.optimizers = self.transform.swap_optimizers(self.optimizers, self.lr_scheduler_configs, self.root_device)
-
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.transform.offloading(self.lightning_module, self.root_device):
-            return super().training_step(*args, **kwargs)
-
-    def on_train_end(self) -> None:
-        super().on_train_end()
-        self.transform.on_fit_end(self.lightning_module)
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self.transform.state_dict(self.lightning_module)
-
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)
-        self.transform.load_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:

@@ -1,0 +1,53 @@
+"""The strategy hooks that hand the model to ``ModelTransform``, shared by the single-device and DDP strategies.
+
+A mixin placed before the Lightning strategy in the bases, so each hook runs the transform around Lightning's
+own (``super()``). Each strategy keeps its own ``__init__``: jsonargparse reads every class's signature and
+docstring for CLI help.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+
+from pl_lowprec.strategies.transform import ModelTransform, teardown_with_meta
+
+
+class TransformHooks:
+    """Runs ``self.transform`` at setup, around training steps, at the end of fit and for checkpoints."""
+
+    transform: ModelTransform
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)
+        super().setup(trainer)
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        with self.transform.tensor_init_context(super().tensor_init_context(empty_init)):
+            yield
+
+    def teardown(self) -> None:
+        teardown_with_meta(self, super().teardown)
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        self.optimizers = self.transform.swap_optimizers(self.optimizers, self.lr_scheduler_configs, self.root_device)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.transform.offloading(self.lightning_module, self.root_device):
+            return super().training_step(*args, **kwargs)
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self.transform.on_fit_end(self.lightning_module)
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self.transform.state_dict(self.lightning_module)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)
+        self.transform.load_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)
