@@ -51,7 +51,7 @@ class OffloadActivations(saved_tensors_hooks):
     def __init__(
         self, device: torch.device, exclude: Iterable[torch.Tensor] = (), min_bytes: int = MIN_OFFLOAD_BYTES
     ) -> None:
-        self.device = torch.device(device)
+        self.device = _indexed(torch.device(device))
         self.min_bytes = min_bytes
         self._excluded = {t.untyped_storage()._cdata for t in exclude if t.layout == torch.strided}
         self._cuda = self.device.type == "cuda"
@@ -107,6 +107,13 @@ class OffloadActivations(saved_tensors_hooks):
         compute.wait_stream(self._stream)
         restored.record_stream(compute)  # allocated on the side stream, read on the compute stream
         return restored
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` as the tensors on it report it (``cuda:0``): ``torch.device("cuda") != torch.device("cuda:0")``."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _identity(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple]:

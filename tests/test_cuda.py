@@ -2,6 +2,7 @@
 
 import copy
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning_helpers import Classifier, quiet_trainer
@@ -11,6 +12,14 @@ from qlora_helpers import LossRecorder, ids_loader, tiny_llama
 from pl_lowprec import AMPPrecision, LowPrecisionStrategy
 
 pytestmark = pytest.mark.cuda
+
+
+class _BaseWeightDevice(pl.Callback):
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.seen.add(pl_module.model.model.layers[0].self_attn.q_proj.base_layer.weight.device.type)
 
 
 def test_fp16_matches_the_plain_loop_on_cuda():
@@ -26,18 +35,22 @@ def test_fp16_matches_the_plain_loop_on_cuda():
     trainer.fit(Classifier(model), loader)
     assert plugin.device == "cuda" and trainer.strategy.root_device.type == "cuda"
     for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(ours, theirs)
+        torch.testing.assert_close(ours.cuda(), theirs)  # Lightning's teardown moved the model back to the CPU
 
 
 def test_qlora_trains_on_cuda_with_the_registered_strategy_device():
     pytest.importorskip("bitsandbytes")
-    losses = LossRecorder()
+    losses, devices = LossRecorder(), _BaseWeightDevice()
     strategy = LowPrecisionStrategy(quantization="nf4-dq", lora={"r": 8}, activation_checkpointing="LlamaDecoderLayer")
     model = tiny_llama()
     trainer = quiet_trainer(
-        accelerator="gpu", strategy=strategy, plugins=[AMPPrecision("16-mixed")], max_steps=5, callbacks=[losses]
+        accelerator="gpu",
+        strategy=strategy,
+        plugins=[AMPPrecision("16-mixed")],
+        max_steps=5,
+        callbacks=[losses, devices],
     )
     trainer.fit(model, ids_loader())
     assert trainer.strategy.root_device.type == "cuda"
-    assert model.model.model.layers[0].self_attn.q_proj.base_layer.weight.device.type == "cuda"
+    assert devices.seen == {"cuda"}  # read during training: teardown moves the model back to the CPU
     assert all(torch.isfinite(torch.tensor(losses.losses)))
