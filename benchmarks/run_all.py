@@ -12,6 +12,7 @@ Sections (in order):
   activation_checkpointing  bytes saved for backward by an 8-block TinyGPT, plain / every block / every other
   training_memory           full / LoRA / QLoRA x checkpointing, one process each; estimate_memory vs measured peak
   against_hf                QLoRA against transformers + peft + BitsAndBytesConfig, alternating rounds
+  pretrained_vs_hf          the same from a ~100M bf16 checkpoint: streaming load + CausalLM vs HF's recipe
   callbacks                 LossScaleMonitor and MemoryTracker cost, per step and per fit
   quality                   validation perplexity per precision and mode (reported only)
   kbit_prep                 parameter memory after k-bit preparation vs peft
@@ -35,6 +36,7 @@ SECTIONS = {
     "activation_checkpointing": "activation_checkpointing",
     "training_memory": "training_memory",
     "against_hf": "against_hf",
+    "pretrained_vs_hf": "pretrained_vs_hf",
     "callbacks": "callback_overhead",
     "quality": "quality",
     "kbit_prep": "kbit_prep_memory",

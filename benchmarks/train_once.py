@@ -1,10 +1,12 @@
 """One training run in a fresh process, so that its peak memory is its own; prints one ``RESULT {json}`` line.
 
-python benchmarks/train_once.py --stack {lightning,hf} --mode {full,lora,qlora} [--checkpointing]
+python benchmarks/train_once.py --stack {lightning,causal-lm,hf} --mode {full,lora,qlora} [--checkpointing]
     [--steps N] [--hidden H] [--layers L] [--batch B] [--seq T] [--precision 32-true] [--pretrained DIR]
 
 lightning: Trainer + LowPrecisionStrategy (+ AMPPrecision under a "-mixed" precision), + MemoryTracker with
 ``--breakdown`` (its per-stage peak reset is accounted for: the peak before the reset is read first).
+causal-lm: ``pl_lowprec.models.CausalLM(pretrained=DIR)``, built on the meta device and streamed in (quantized as
+it loads) by the same strategy; unquantized weights keep the compute dtype, loss in chunks of 256 positions.
 hf: the Hugging Face recipe as its users write it: ``AutoModelForCausalLM.from_pretrained(DIR,
 quantization_config=BitsAndBytesConfig(...))`` from a checkpoint written by ``save_pretrained``, peft's
 ``prepare_model_for_kbit_training`` and ``get_peft_model``, transformers' ``Trainer``.
@@ -13,7 +15,8 @@ weight decay 0.01), clipping at 1.0 and a constant LR.
 
 Memory is measured from a baseline taken after every library is imported and before the model is built:
 CPU: peak resident set (VmHWM) minus the resident set at the baseline; CUDA: ``max_memory_allocated`` minus
-the memory allocated at the baseline.
+the memory allocated at the baseline. ``after_load`` is the memory held once the model is ready to train
+(quantized base, adapters, before the first step) and ``load_peak`` the peak up to then, both above the baseline.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from pl_lowprec import AMPPrecision, LowPrecisionStrategy, MemoryTracker
 from pl_lowprec.demo import TinyLlama
 from pl_lowprec.demo.stdlib_text import stdlib_bytes, windows
 from pl_lowprec.memory.process import memory_stats, reset_peak
+from pl_lowprec.models import CausalLM
 
 warnings.filterwarnings("ignore")
 
@@ -154,9 +158,63 @@ def run_lightning(args: argparse.Namespace, root: str) -> dict[str, Any]:
     return result | ({"breakdown": tracker.summary["fit"]["bytes"]} if args.breakdown else {})
 
 
+class AdamWCausalLM(CausalLM):
+    """CausalLM with the optimizer both stacks use: AdamW on the trainable parameters, constant LR."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        params = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
+
+
+def labelled_batches(args: argparse.Namespace) -> list[dict[str, torch.Tensor]]:
+    return [{"input_ids": b["input_ids"], "labels": b["input_ids"]} for b in batches(args)]
+
+
+def run_causal_lm(args: argparse.Namespace, root: str) -> dict[str, Any]:
+    dev = device()
+    loader = torch.utils.data.DataLoader(labelled_batches(args), batch_size=args.batch)
+    start = baseline(dev)
+    settings: dict[str, Any] = {"lora": LORA}
+    if args.mode == "qlora":
+        settings["quantization"] = "nf4-dq"
+    if args.checkpointing:
+        settings["activation_checkpointing"] = ["LlamaDecoderLayer"]
+        settings["checkpoint_impl"] = args.checkpoint_impl
+    record, loaded = Record(), PeakBeforeReset()
+    mixed = args.precision.endswith("-mixed")
+    trainer = pl.Trainer(
+        accelerator=dev.type,
+        devices=1,
+        max_steps=args.steps,
+        strategy=LowPrecisionStrategy(**settings),
+        plugins=[AMPPrecision(args.precision)] if mixed else [],
+        precision=None if mixed else args.precision,
+        gradient_clip_val=CLIP,
+        callbacks=[loaded, record],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=root,
+    )
+    dtype = str(DTYPES[args.precision]).removeprefix("torch.")
+    chunk = args.loss_chunk_size or None  # 0: the whole sequence at once
+    model = AdamWCausalLM(args.pretrained, loss_chunk_size=chunk, dtype=dtype)
+    torch.manual_seed(0)  # LoRA initialisation, as on the hf side
+    trainer.fit(model, loader)
+    return {
+        "times": record.times,
+        "losses": record.losses,
+        "measured_peak": peak(dev) - start,
+        "after_load": loaded.current - start,
+        "load_peak": loaded.peak - start,
+    }
+
+
 def run_hf(args: argparse.Namespace, root: str) -> dict[str, Any]:
     dev = device()
-    data = [{"input_ids": b["input_ids"], "labels": b["input_ids"]} for b in batches(args)]
+    data = labelled_batches(args)
     start = baseline(dev)
     dtype = DTYPES[args.precision]
     quantization = None
@@ -168,7 +226,7 @@ def run_hf(args: argparse.Namespace, root: str) -> dict[str, Any]:
             bnb_4bit_compute_dtype=dtype,
         )
     model = AutoModelForCausalLM.from_pretrained(
-        args.pretrained, quantization_config=quantization, dtype=torch.float32, device_map={"": dev.type}
+        args.pretrained, quantization_config=quantization, dtype=dtype, device_map={"": dev.type}
     )
     if args.mode == "qlora":
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.checkpointing)
@@ -177,6 +235,7 @@ def run_hf(args: argparse.Namespace, root: str) -> dict[str, Any]:
     if args.mode != "full":
         torch.manual_seed(0)  # LoRA initialisation, as on the lightning side
         model = peft.get_peft_model(model, peft.LoraConfig(**LORA))
+    loaded = {"after_load": current(dev) - start, "load_peak": peak(dev) - start}
     times: list[float] = []
     losses: list[float] = []
 
@@ -217,12 +276,12 @@ def run_hf(args: argparse.Namespace, root: str) -> dict[str, Any]:
         seed=0,
     )
     InOrder(model=model, args=training_args, train_dataset=data, callbacks=[Record()]).train()
-    return {"times": times, "losses": losses, "measured_peak": peak(dev) - start}
+    return {"times": times, "losses": losses, "measured_peak": peak(dev) - start} | loaded
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stack", choices=["lightning", "hf"], default="lightning")
+    parser.add_argument("--stack", choices=["lightning", "causal-lm", "hf"], default="lightning")
     parser.add_argument("--mode", choices=["full", "lora", "qlora"], default="qlora")
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--steps", type=int, default=5)
@@ -231,13 +290,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--precision", choices=sorted(DTYPES), default="32-true")
+    parser.add_argument("--checkpoint-impl", choices=["non_reentrant", "reentrant"], default="non_reentrant")
+    parser.add_argument("--loss-chunk-size", type=int, default=256, help="causal-lm: 0 for no chunks")
     parser.add_argument("--breakdown", action="store_true", help="lightning: add MemoryTracker's breakdown")
-    parser.add_argument("--pretrained", help="a save_pretrained directory of the same TinyLlama (hf stack)")
+    parser.add_argument("--pretrained", help="a save_pretrained directory of the same model (causal-lm, hf stacks)")
     args = parser.parse_args()
-    if args.stack == "hf" and not args.pretrained:
-        parser.error("--stack hf loads the base with from_pretrained: pass --pretrained DIR")
+    if args.stack != "lightning" and not args.pretrained:
+        parser.error(f"--stack {args.stack} loads the base from a checkpoint: pass --pretrained DIR")
+    run = {"lightning": run_lightning, "causal-lm": run_causal_lm, "hf": run_hf}[args.stack]
     with tempfile.TemporaryDirectory() as root:
-        result = run_lightning(args, root) if args.stack == "lightning" else run_hf(args, root)
+        result = run(args, root)
     print("RESULT " + json.dumps(result))
 
 
