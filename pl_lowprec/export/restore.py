@@ -22,7 +22,6 @@ from pl_lowprec.loading import PretrainedWeights
 from pl_lowprec.lora import has_lora
 from pl_lowprec.strategies.transform import ModelTransform
 
-
 OBJECT_KEYS = {"seed_everything", "trainer", "model", "data", "optimizer", "lr_scheduler"}
 
 
@@ -124,7 +123,9 @@ def _load(module: nn.Module, transform: ModelTransform, state_dict: dict[str, to
             module, state_dict, strict=True
         )
     except RuntimeError as err:
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        shown = " ".join(lines[:3]) + (f" ... ({len(lines) - 3} more lines)" if len(lines) > 3 else "")
         raise ValueError(
-            f"{str(path)!r} does not fit the module built from the config: {err} Pass the config it was trained"
+            f"{str(path)!r} does not fit the module built from the config: {shown} Pass the config it was trained"
             " with (lora= rank and target_modules, quantization=, the model and its pretrained weights)."
         ) from err
