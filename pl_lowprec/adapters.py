@@ -4,7 +4,9 @@
   weights; loading checks that exactly the frozen weights are missing, so a wrong checkpoint still fails.
 - ``export_adapter``: a peft adapter directory (``adapter_config.json``, ``adapter_model.safetensors``) that
   ``peft.PeftModel.from_pretrained(base_model, directory)`` loads.
-- ``merged_state_dict``: base weights dequantized, LoRA deltas merged in, keys of the plain model.
+- ``lora_deltas``: each LoRA layer's weight delta (``scale * B @ A``, peft's ``get_delta_weight``) in fp32.
+- ``merged_state_dict``: base weights dequantized, LoRA deltas merged in, keys of the plain model. To merge into
+  the original full-precision weights instead, see ``pl_lowprec.export.merged``.
 
 Both also work on a model sharded by ``strategy="lowprec_fsdp"``: every rank must call them (they gather the
 shards), and every rank gets the whole result.
@@ -60,8 +62,15 @@ def find_base_model(module: nn.Module) -> tuple[str, nn.Module]:
     return "", module
 
 
-def export_adapter(module: nn.Module, directory: str | Path, base_model: str | None = None) -> Path:
-    """Write a peft adapter directory for the LoRA layers under ``base_model`` (default: the HF model inside)."""
+def export_adapter(
+    module: nn.Module,
+    directory: str | Path,
+    base_model: str | None = None,
+    base_model_name_or_path: str | None = None,
+) -> Path:
+    """Write a peft adapter directory for the LoRA layers under ``base_model`` (default: the HF model inside).
+
+    ``base_model_name_or_path`` goes into ``adapter_config.json``: what ``AutoPeftModelForCausalLM`` loads."""
     import_peft()
     from safetensors.torch import save_file  # ships with peft
 
@@ -78,6 +87,8 @@ def export_adapter(module: nn.Module, directory: str | Path, base_model: str | N
         **{**peft_config.to_dict(), "target_modules": "(?:" + "|".join(re.escape(n) for n in names) + ")"}
     )
     exported.inference_mode = True
+    if base_model_name_or_path is not None:
+        exported.base_model_name_or_path = base_model_name_or_path
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     exported.save_pretrained(str(directory))
@@ -109,15 +120,36 @@ def merged_state_dict(module: nn.Module, base_model: str | None = None) -> dict[
         for k, v in base.state_dict().items()
         if not any(k.startswith(f"{n}.") for n in replaced)
     }
+    deltas = lora_deltas(base)
     for name, layer in {**adapted, **quantized}.items():
         base_layer = layer.get_base_layer() if name in adapted else layer
         weight = _dequantized(peft, base_layer)
-        for adapter in layer.active_adapters if name in adapted else ():
-            weight = weight + full_tensor(layer.get_delta_weight(adapter)).float()
+        if name in deltas:
+            weight = weight + deltas[name]
         merged[f"{name}.weight"] = weight
         if base_layer.bias is not None:
             merged[f"{name}.bias"] = full_tensor(base_layer.bias.detach()).float()
     return merged
+
+
+def lora_deltas(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``{layer name: delta}``: what merging adds to each LoRA layer's base weight (its active adapters' sum), fp32.
+
+    peft's ``get_delta_weight`` applies the scaling (``lora_alpha / r``, or rsLoRA's) and ``fan_in_fan_out``. DoRA
+    rescales the merged weight's columns, which no delta expresses: it is refused."""
+    deltas: dict[str, torch.Tensor] = {}
+    for name, layer in lora_layers(module).items():
+        for adapter in layer.active_adapters:
+            if adapter not in layer.lora_A:
+                continue
+            if layer.use_dora.get(adapter, False):
+                raise ValueError(
+                    f"{name} uses DoRA (use_dora=True), whose merge rescales the weight instead of adding a delta;"
+                    " export it as an adapter directory, or merge it with peft's merge_and_unload."
+                )
+            delta = full_tensor(layer.get_delta_weight(adapter)).float()
+            deltas[name] = deltas[name] + delta if name in deltas else delta
+    return deltas
 
 
 def _dequantized(peft: object, layer: nn.Module) -> torch.Tensor:

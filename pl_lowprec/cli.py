@@ -52,10 +52,21 @@ def use_step_limited_progress_bar(trainer: Any) -> None:
 def main(args: list[str] | None = None) -> None:
     """The ``pl-lowprec`` console script; ``args`` replaces ``sys.argv[1:]``.
 
-    Subcommands: ``fit``, ``validate``, ``test``, ``predict`` (LightningCLI), ``estimate`` (memory estimate) and
-    ``make-demo-model`` (a small pretrained model and a fine-tuning task, made locally).
+    Subcommands: ``fit``, ``validate``, ``test``, ``predict`` (LightningCLI), ``estimate`` (memory estimate),
+    ``make-demo-model`` (a small pretrained model and a fine-tuning task, made locally), ``export`` (a checkpoint
+    to a peft adapter directory or a merged model) and ``generate`` (completions of a file of prompts).
     """
     argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["export"]:
+        from pl_lowprec.export.command import main as export_main
+
+        export_main(argv[1:])
+        return
+    if argv[:1] == ["generate"]:
+        from pl_lowprec.generate import main as generate_main
+
+        generate_main(argv[1:])
+        return
     if argv[:1] == ["make-demo-model"]:
         from pl_lowprec.demo.pretrained import main as make_demo_model_main
 
@@ -84,6 +95,7 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> Any:
         save_config_kwargs={"overwrite": True},
         parser_kwargs={
             "description": "pl_lowprec on LightningCLI. Also: `pl-lowprec estimate --config X.yaml` predicts the"
-            " training memory of a config before running it."
+            " training memory of a config before running it; `pl-lowprec export` and `pl-lowprec generate` turn a"
+            " checkpoint into a peft adapter or merged model and into completions of a file of prompts."
         },
     )

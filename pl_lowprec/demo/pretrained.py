@@ -5,9 +5,11 @@ tokenizer trained with ``tokenizers`` and a small Llama trained briefly (fp32, p
 Python standard library's sources, both saved with ``save_pretrained``. It then loads like any hub model:
 ``CausalLM(pretrained="OUT_DIR/model")``, ``AutoModelForCausalLM.from_pretrained("OUT_DIR/model")``.
 
-Alongside it, ``OUT_DIR/data/{train,val}.jsonl`` hold a small prompt/completion task the base model has not
-seen in that form: complete ``def NAME(self):\\n    return`` with `` self._NAME``, over the standard
-library's function names (validation names are disjoint from training names).
+Alongside it, ``OUT_DIR/data/{train,val}.jsonl`` hold a small prompt/completion task the base model does not
+do: complete an annotated assignment ``NAME: TYPE =`` with the type's empty value (``int`` -> `` 0``, ``str`` ->
+`` ''``, ``list`` -> `` []``, ``dict`` -> `` {}``), over the standard library's function names (validation names
+are disjoint from training names). Greedy decoding of the base model completes none of the held-out prompts so;
+a few dozen LoRA steps teach it (``benchmarks/finetune_demo.py`` prints the counts).
 """
 
 from __future__ import annotations
@@ -47,6 +49,15 @@ def stdlib_function_names(limit: int = 400) -> list[str]:
     return sorted(names)[:limit]
 
 
+EMPTY_VALUES = {"int": "0", "str": "''", "list": "[]", "dict": "{}"}
+
+
+def task_record(name: str, index: int) -> dict[str, str]:
+    """``{"prompt": "NAME: TYPE =", "completion": " EMPTY\\n"}``, the type chosen by ``index``."""
+    kind = list(EMPTY_VALUES)[index % len(EMPTY_VALUES)]
+    return {"prompt": f"{name}: {kind} =", "completion": f" {EMPTY_VALUES[kind]}\n"}
+
+
 def write_task(directory: Path, val_fraction: float = 0.2) -> tuple[Path, Path]:
     """The prompt/completion task as train.jsonl and val.jsonl (every fifth name held out)."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -55,7 +66,7 @@ def write_task(directory: Path, val_fraction: float = 0.2) -> tuple[Path, Path]:
     rows = {"train": [], "val": []}
     for i, name in enumerate(names):
         split = "val" if i % held_out == 0 else "train"
-        rows[split].append({"prompt": f"def {name}(self):\n    return", "completion": f" self._{name}\n"})
+        rows[split].append(task_record(name, i))
     paths = []
     for split, records in rows.items():
         path = directory / f"{split}.jsonl"

@@ -14,7 +14,7 @@ pytest.importorskip("tokenizers")
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
-    main(["make-demo-model", str(out), "--steps", "40"])
+    main(["make-demo-model", str(out), "--steps", "150"])  # enough to learn the task in 40 steps
     return out
 
 
@@ -55,3 +55,14 @@ def test_finetune_config_runs_on_the_demo_model(demo, tmp_path):
     assert cli.trainer.global_step == 4
     assert type(cli.model.model.model.layers[0].mlp.up_proj.base_layer).__name__ == "Linear4bit"
     assert torch.isfinite(cli.trainer.callback_metrics["val/perplexity"])
+
+
+def test_fine_tuning_teaches_the_task_to_held_out_prompts(demo, tmp_path):
+    from pl_lowprec.demo.task_check import check_task
+
+    fast = ["--trainer.plugins=[]", "--trainer.precision=32-true", "--trainer.max_steps=40", "--model.lr=0.01"]
+    result = check_task(demo, tmp_path, fast)
+    print(result)
+    assert result.steps == 40 and result.prompts == 80
+    assert result.val_loss_after < result.val_loss_before - 1.0
+    assert result.matches_before == 0 and result.matches_after >= 40

@@ -1,0 +1,118 @@
+"""``pl-lowprec export``: a training checkpoint and its config to a peft adapter directory or a merged model.
+
+    pl-lowprec export --config configs/finetune-causal-lm.yaml --ckpt_path runs/.../last.ckpt --out runs/adapter
+    pl-lowprec export --config ... --ckpt_path ... --out runs/merged --merged [--dtype float32]
+
+Arguments the export does not know (``--model.pretrained DIR``, ``--trainer.accelerator cpu``) go to the config,
+as for ``pl-lowprec fit``. Without ``--config``, the ``config.yaml`` LightningCLI saved next to the run's
+``checkpoints/`` directory is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+from pl_lowprec.adapters import export_adapter
+from pl_lowprec.export.merged import merge_into_pretrained
+from pl_lowprec.export.restore import Restored, default_config, restore
+
+
+def prepare_out_dir(out: Path, overwrite: bool, protected: list[Path]) -> None:
+    """An empty ``out`` directory; never one of ``protected`` (the pretrained weights it reads from)."""
+    resolved = out.resolve()
+    for path in protected:
+        if resolved == path.resolve() or resolved in path.resolve().parents:
+            raise ValueError(f"--out {str(out)!r} would overwrite the pretrained weights in {str(path)!r}.")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a file; name a directory.")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise ValueError(f"--out {str(out)!r} exists and is not empty: pass --overwrite to replace its contents.")
+        if any(child.is_dir() for child in out.iterdir()):
+            raise ValueError(
+                f"--out {str(out)!r} holds directories, so it is no export: --overwrite will not empty it."
+            )
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def pretrained_dir(restored: Restored) -> Path | None:
+    """The model directory the pretrained weights came from (config, tokenizer), if they came from one."""
+    if restored.weights is None:
+        return None
+    path = Path(restored.weights.path)
+    return path if path.is_dir() else None
+
+
+def save_tokenizer(restored: Restored, out: Path) -> str | None:
+    """The training data's tokenizer (else the pretrained directory's), saved into ``out``; where it came from."""
+    from pl_lowprec.data.text import load_tokenizer
+
+    source = pretrained_dir(restored)
+    for candidate in (restored.tokenizer_dir, source):
+        if candidate is None:
+            continue
+        try:
+            load_tokenizer(candidate).save_pretrained(str(out))
+        except ValueError:
+            continue
+        return str(candidate)
+    return None
+
+
+def export(restored: Restored, out: Path, merged: bool, dtype: str | None, overwrite: bool) -> str:
+    """Write the export and return a one-line summary."""
+    source = pretrained_dir(restored)
+    if merged:
+        if restored.weights is None:
+            raise ValueError(
+                "A merged export adds the adapters to the original pretrained weights, and this config names none"
+                " (CausalLM(pretrained=...) or the strategy's pretrained=): its base was built from a config with"
+                " random or seeded weights. Export the adapter directory instead (leave out --merged)."
+            )
+        if source is None and restored.hf_model is None:
+            raise ValueError(
+                f"pretrained={str(restored.weights.path)!r} is a single file and the module holds no Hugging Face"
+                " model whose config could go with the merged weights. Point pretrained= at a model directory."
+            )
+    prepare_out_dir(out, overwrite, [Path(restored.weights.path)] if restored.weights is not None else [])
+    if merged:
+        counts = merge_into_pretrained(restored.module, restored.weights, out, dtype)
+        if not (out / "config.json").is_file():
+            restored.hf_model.config.save_pretrained(str(out))
+        what = f"merged model ({counts['merged']} of {counts['tensors']} tensors merged"
+        what += f", {dtype})" if dtype else ", in the pretrained files' dtypes)"
+    else:
+        if dtype is not None:
+            raise ValueError("--dtype applies to --merged exports; the adapter keeps the dtype it trained in.")
+        base_name = str(source.resolve()) if source is not None else None
+        export_adapter(restored.module, out, base_model_name_or_path=base_name)
+        what = "peft adapter directory"
+    tokenizer = save_tokenizer(restored, out)
+    tokenizer_note = f"tokenizer from {tokenizer}" if tokenizer else "no tokenizer found"
+    return f"Wrote {what} to {out} from {restored.checkpoint} ({tokenizer_note})."
+
+
+def with_config(checkpoint: Path, cli_args: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """``cli_args``, with the run's saved ``config.yaml`` in front when no ``--config`` is given."""
+    if any(a == "--config" or a.startswith("--config=") for a in cli_args):
+        return cli_args
+    found = default_config(checkpoint)
+    if found is None:
+        parser.error(f"no --config given and no config.yaml in {checkpoint.parent.parent}: pass --config X.yaml.")
+    return ["--config", str(found), *cli_args]
+
+
+def main(args: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pl-lowprec export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ckpt_path", required=True, help="A Lightning checkpoint (adapter-only or full).")
+    parser.add_argument("--out", required=True, help="The directory to write (must be empty, or --overwrite).")
+    parser.add_argument("--merged", action="store_true", help="Merge into the original weights (default: adapter).")
+    parser.add_argument("--dtype", default=None, help="Merged weights' dtype (default: the pretrained files').")
+    parser.add_argument("--overwrite", action="store_true", help="Replace the contents of a non-empty --out.")
+    parsed, cli_args = parser.parse_known_args(args)
+    checkpoint = Path(parsed.ckpt_path)
+    restored = restore(checkpoint, with_config(checkpoint, cli_args, parser))
+    print(export(restored, Path(parsed.out), parsed.merged, parsed.dtype, parsed.overwrite))

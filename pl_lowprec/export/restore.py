@@ -1,0 +1,131 @@
+"""A fine-tuned module rebuilt from the config it was trained with and one of its Lightning checkpoints.
+
+The same path as resuming a fit: LightningCLI builds the Trainer, module and data from the config, Lightning's
+``configure_model`` hook runs under the strategy's and precision's contexts, the strategy's ``ModelTransform``
+loads the pretrained weights (quantizing as they stream in) and injects the adapters, and the checkpoint's
+weights load into it. Nothing is trained; no process group is started, so a DDP config restores in one process,
+and an FSDP config restores unsharded (the adapters are the same tensors either way).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pl_lowprec.adapters import find_base_model
+from pl_lowprec.loading import PretrainedWeights
+from pl_lowprec.lora import has_lora
+from pl_lowprec.strategies.transform import ModelTransform
+
+OBJECT_KEYS = {"seed_everything", "trainer", "model", "data", "optimizer", "lr_scheduler"}
+
+
+@dataclass
+class Restored:
+    """The trained module on its device, in eval mode, and where its original weights came from."""
+
+    module: nn.Module
+    trainer: Any
+    transform: ModelTransform
+    weights: PretrainedWeights | None
+    checkpoint: Path
+    tokenizer_dir: str | None
+
+    @property
+    def hf_model(self) -> nn.Module | None:
+        """The Hugging Face ``PreTrainedModel`` inside the module (what ``generate`` runs on), if there is one."""
+        name, model = find_base_model(self.module)
+        return model if name else None
+
+
+def default_config(checkpoint: Path) -> Path | None:
+    """LightningCLI saves ``config.yaml`` in the run's log directory, the parent of ``checkpoints/``."""
+    candidate = checkpoint.parent.parent / "config.yaml"
+    return candidate if candidate.is_file() else None
+
+
+def without_run_keys(cli_args: list[str]) -> list[str]:
+    """``cli_args`` with each ``--config`` file that holds a subcommand's own keys (a saved ``fit`` config has
+    ``ckpt_path``, ``weights_only``) given inline without them: the parser that only builds the objects rejects them."""
+    import yaml
+
+    out: list[str] = []
+    args = iter(cli_args)
+    for arg in args:
+        name, _, value = arg.partition("=")
+        if name != "--config":
+            out.append(arg)
+            continue
+        value = value or next(args, "")
+        path = Path(value)
+        fields = yaml.safe_load(path.read_text()) if path.is_file() else None
+        if isinstance(fields, dict) and set(fields) - OBJECT_KEYS:
+            value = yaml.safe_dump({k: v for k, v in fields.items() if k in OBJECT_KEYS})
+        out += ["--config", value]
+    return out
+
+
+def restore(checkpoint: str | Path, cli_args: list[str]) -> Restored:
+    """Rebuild the module of ``cli_args`` (``--config X.yaml`` and overrides) with the weights of ``checkpoint``."""
+    from lightning.pytorch.trainer.call import _call_configure_model
+
+    from pl_lowprec.cli import build_cli
+
+    checkpoint = Path(checkpoint)
+    if not checkpoint.is_file():
+        raise FileNotFoundError(f"Checkpoint {str(checkpoint)!r} does not exist (a Lightning .ckpt file).")
+    cli = build_cli(without_run_keys(cli_args), run=False)
+    trainer, module = cli.trainer, cli.model
+    transform = getattr(trainer.strategy, "transform", None)
+    if not isinstance(transform, ModelTransform):
+        raise ValueError(
+            f"The config's strategy is {type(trainer.strategy).__name__}, not a pl_lowprec strategy: there is no"
+            " lora= to export. Use the config the checkpoint was trained with."
+        )
+    if transform.sharding is not None:  # restore unsharded, in this one process (bitsandbytes storage)
+        transform = dataclasses.replace(transform, sharding=None)
+    state = trainer.strategy.load_checkpoint(checkpoint)
+    if not isinstance(state, dict) or "state_dict" not in state:
+        raise ValueError(f"{str(checkpoint)!r} is not a Lightning checkpoint: it has no 'state_dict'.")
+    trainer.strategy.connect(module)
+    module.trainer = trainer
+    _call_configure_model(trainer)
+    device = trainer.strategy.root_device
+    transform.apply(module, trainer.precision_plugin, device)
+    if not has_lora(module):
+        raise ValueError(
+            "The config trains no LoRA adapters (the strategy has no lora=), so there is nothing to export or"
+            " merge. Pass the config the checkpoint was trained with."
+        )
+    _load(module, transform, state["state_dict"], checkpoint)
+    module = trainer.precision_plugin.convert_module(module)
+    module.to(device).eval()
+    tokenizer = getattr(cli.datamodule, "tokenizer_dir", None) if cli.datamodule is not None else None
+    return Restored(module, trainer, transform, transform.weights_for(module), checkpoint, tokenizer)
+
+
+def _load(module: nn.Module, transform: ModelTransform, state_dict: dict[str, torch.Tensor], path: Path) -> None:
+    """Adapter-only or full, whichever the checkpoint holds; a mismatch names the checkpoint and the config."""
+    trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+    if not any("lora_" in key for key in state_dict):
+        raise ValueError(
+            f"{str(path)!r} holds no LoRA weights ({len(state_dict)} tensors, e.g. {sorted(state_dict)[:3]}): it was"
+            " not written by a run with lora=, so there are no adapters to export."
+        )
+    adapter_only = set(state_dict) <= trainable
+    try:
+        dataclasses.replace(transform, adapter_only_checkpoint=adapter_only).load_state_dict(
+            module, state_dict, strict=True
+        )
+    except RuntimeError as err:
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        shown = " ".join(lines[:3]) + (f" ... ({len(lines) - 3} more lines)" if len(lines) > 3 else "")
+        raise ValueError(
+            f"{str(path)!r} does not fit the module built from the config: {shown} Pass the config it was trained"
+            " with (lora= rank and target_modules, quantization=, the model and its pretrained weights)."
+        ) from err
