@@ -281,12 +281,14 @@ def _check_initializable(model: nn.Module, owners: list[str]) -> None:
 def _meta_stand_ins(model: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
     """Swap every ``local_rows`` parameter for a meta tensor of its full shape (``fully_shard`` splits those
     without memory); return the rows to put back once the modules are sharded."""
-    rows = []
+    rows, stand_ins = [], {}
     for module in model.modules():
         for attr, param in list(module._parameters.items()):
             if param is None or not is_local_rows(param):
                 continue
             rows.append((module, attr, param))
-            stand_in = torch.empty(param.shape, dtype=param.dtype, device="meta")
-            module._parameters[attr] = nn.Parameter(stand_in, requires_grad=param.requires_grad)
+            if id(param) not in stand_ins:  # a tied parameter stays one parameter for FSDP2
+                stand_in = torch.empty(param.shape, dtype=param.dtype, device="meta")
+                stand_ins[id(param)] = nn.Parameter(stand_in, requires_grad=param.requires_grad)
+            module._parameters[attr] = stand_ins[id(param)]
     return rows
