@@ -1,8 +1,11 @@
-"""Swap the optimizer that ``configure_optimizers`` built for its bitsandbytes 8-bit (or paged) equivalent.
+"""Swap the optimizer that ``configure_optimizers`` built for its bitsandbytes 8-bit (or paged) equivalent, or
+torchao's 8-bit AdamW.
 
 The parameter groups and their hyperparameters move over unchanged, and every LR scheduler bound to the old
 optimizer is re-bound to the new one, so the schedule continues as configured. bitsandbytes keeps 32-bit state
-for tensors under 4096 elements (its ``min_8bit_size``); larger ones get uint8 state.
+for tensors under 4096 elements (its ``min_8bit_size``); larger ones get uint8 state. torchao's ``AdamW8bit``
+(``"torchao_adamw8bit"``) does the same (8-bit blocks of 256 for tensors of 4096 elements or more) and, unlike
+bitsandbytes' kernels, steps on FSDP2's DTensor shards.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
-from pl_lowprec._imports import import_bitsandbytes
+from pl_lowprec._imports import import_bitsandbytes, import_torchao
 from pl_lowprec.plugins.scheduler_guard import SkipAwareScheduler
 
-OptimizerName = Literal["adamw8bit", "paged_adamw8bit", "paged_adamw32bit", "lion8bit"]
+OptimizerName = Literal["adamw8bit", "paged_adamw8bit", "paged_adamw32bit", "lion8bit", "torchao_adamw8bit"]
 OPTIMIZER_NAMES: tuple[str, ...] = get_args(OptimizerName)
+TORCHAO_OPTIMIZERS = ("torchao_adamw8bit",)
+BITSANDBYTES_OPTIMIZERS = tuple(name for name in OPTIMIZER_NAMES if name not in TORCHAO_OPTIMIZERS)
 _CLASSES = {
     "adamw8bit": "AdamW8bit",
     "paged_adamw8bit": "PagedAdamW8bit",
@@ -38,6 +43,23 @@ def validate_optimizer_name(name: str) -> None:
         )
 
 
+def import_optimizer_library(name: str) -> None:
+    """Fail when the strategy is built if the library behind ``name`` is not installed."""
+    if name in TORCHAO_OPTIMIZERS:
+        import_torchao()
+    else:
+        import_bitsandbytes()
+
+
+def optimizer_class(name: str, device: torch.device) -> type[Optimizer]:
+    if name == "torchao_adamw8bit":
+        import_torchao()
+        from torchao.optim import AdamW8bit
+
+        return AdamW8bit
+    return bitsandbytes_class(name, device)
+
+
 def bitsandbytes_class(name: str, device: torch.device) -> type[Optimizer]:
     """The bitsandbytes class for ``name``; paged variants fall back to unpaged off CUDA, with a warning."""
     bnb = import_bitsandbytes()
@@ -52,7 +74,7 @@ def bitsandbytes_class(name: str, device: torch.device) -> type[Optimizer]:
 
 
 def swap_optimizer(optimizer: Optimizer, name: str, device: torch.device) -> Optimizer:
-    """A bitsandbytes optimizer over the same parameter groups and hyperparameters as ``optimizer``."""
+    """A bitsandbytes (or torchao) optimizer over the same parameter groups and hyperparameters as ``optimizer``."""
     source = type(optimizer).__name__
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         raise ValueError(
@@ -65,7 +87,7 @@ def swap_optimizer(optimizer: Optimizer, name: str, device: torch.device) -> Opt
             f"optimizer={name!r} uses decoupled weight decay (AdamW), but {source} applies weight_decay as an L2"
             " term. Use torch.optim.AdamW in configure_optimizers, or weight_decay=0."
         )
-    cls = bitsandbytes_class(name, device)
+    cls = optimizer_class(name, device)
     groups = []
     for group in optimizer.param_groups:
         keys = [k for k in group if k not in optimizer.defaults or k in _HYPERPARAMETERS]

@@ -6,10 +6,19 @@ torchao NF4 (``pl_lowprec.nf4``), the only storage that keeps its constants thro
 last step of the transform, shards each unit bottom-up and then each top-level network of the LightningModule
 (torchtune's ``shard_model``). The units are chosen like activation checkpointing's blocks (classes, class names
 or a predicate), and a name that matches nothing lists the model's classes.
+
+Memory from the start: a module built on the meta device never exists whole on a rank. As each of its tensors
+is loaded (``pretrained=``) or initialized (its module's ``reset_parameters``), and quantized if it is to be, the
+rank keeps only its own rows, as a DTensor ``local_rows`` (torchtune's ``load_from_full_model_state_dict``:
+quantize the full weight, then take the chunk, so the constants equal those of a weight sharded whole). LoRA,
+k-bit preparation and checkpointing then run on these placeholders; ``shard`` hands FSDP2 meta stand-ins of the
+same shapes and puts the rows back, which FSDP2 adopts at its lazy init (``reset_sharded_param``). A rank holds
+1/N of the model plus the one tensor being loaded.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,17 +27,21 @@ from torch import nn
 
 from pl_lowprec._imports import import_torchao_nf4
 from pl_lowprec.checkpointing import CheckpointPolicy, select_modules
+from pl_lowprec.loading.empty import assert_no_meta
 from pl_lowprec.nf4 import NF4Layout, check_layout, check_mode, nf4_linear, quantize_model_nf4
-from pl_lowprec.quantization import QuantizationConfig
+from pl_lowprec.quantization import QuantizationConfig, will_quantize
 
 ShardPolicy = CheckpointPolicy
 
 
 def data_parallel_mesh(device_type: str, world_size: int) -> Any:
-    """A 1-D mesh over every rank (FSDP only, no tensor parallelism), on CPU as on CUDA."""
+    """A 1-D mesh over every rank (FSDP only, no tensor parallelism), on CPU as on CUDA.
+
+    Its dimension is named ``"fsdp"``: peft sizes LoRA layers by the local shard of a DTensor weight on a mesh
+    with any other name (tensor parallelism), and by the full layer on an ``"fsdp"`` mesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (world_size,), mesh_dim_names=("data_parallel",))
+    return init_device_mesh(device_type, (world_size,), mesh_dim_names=("fsdp",))
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -40,6 +53,23 @@ def is_sharded(model: nn.Module) -> bool:
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor gathered into one full tensor on every rank (a collective); any other tensor as it is."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def local_rows(tensor: torch.Tensor, mesh: Any) -> torch.Tensor:
+    """This rank's rows of a full tensor (``torch.chunk`` along dim 0, as FSDP2 splits it), in their own storage,
+    as a DTensor of the full shape. An NF4 tensor is chunked with its block scales and factors."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    world, rank = mesh.size(), mesh.get_local_rank()
+    chunks = torch.chunk(tensor, world, dim=0)
+    rows = chunks[rank] if rank < len(chunks) else tensor[:0]
+    own = tensor.new_zeros(rows.shape)  # a copy: a view would keep the full tensor's storage alive
+    own.copy_(rows)
+    return DTensor.from_local(own, mesh, [Shard(0)], run_check=False, shape=tensor.shape, stride=tensor.stride())
+
+
+def is_local_rows(tensor: torch.Tensor) -> bool:
+    return hasattr(tensor, "placements")
 
 
 def shard_units(model: nn.Module, policy: ShardPolicy | None) -> list[tuple[str, nn.Module]]:
@@ -159,6 +189,46 @@ class Sharding:
         """One layer, as ``pretrained=`` streams it in (the signature of ``quantization.quantize_linear``)."""
         return nf4_linear(linear, self.layout, device)
 
+    def placement(self) -> Callable[[nn.Parameter], nn.Parameter] | None:
+        """What a rank keeps of each parameter as a meta module is filled: its rows (``local_rows``) when there
+        are several ranks; the whole tensor on one process, where nothing is sharded."""
+        if self.world_size == 1:
+            return None
+
+        def keep_local_rows(param: nn.Parameter) -> nn.Parameter:
+            return nn.Parameter(local_rows(param.detach(), self.mesh), requires_grad=param.requires_grad)
+
+        return keep_local_rows
+
+    def initialize(
+        self,
+        model: nn.Module,
+        config: QuantizationConfig | None,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        quantize_layer: Callable[..., nn.Module],
+    ) -> list[str]:
+        """Materialize a module built on the meta device without pretrained weights, one module at a time: its
+        parameters made real at full size, set by its own ``reset_parameters()``, quantized if it is to be, and
+        only this rank's rows kept. Returns the modules initialized."""
+        owners = [name for name, m in model.named_modules() if any(p.is_meta for p in m.parameters(recurse=False))]
+        _check_initializable(model, owners)
+        place = self.placement()
+        for name in owners:
+            module = model.get_submodule(name)
+            module.to_empty(device=device, recurse=False)
+            with torch.no_grad():
+                module.reset_parameters()
+            if config is not None and will_quantize(module, name, config):
+                parent, _, child = name.rpartition(".")
+                module = quantize_layer(module, config, compute_dtype, device)
+                setattr(model.get_submodule(parent) if parent else model, child, module)
+            if place is not None:
+                for attr, param in module.named_parameters(recurse=False):
+                    module._parameters[attr] = place(param)
+        assert_no_meta(model)
+        return owners
+
     def shard(self, model: nn.Module) -> list[str]:
         """``fully_shard`` each unit, then each root (idempotent); return the unit names."""
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
@@ -174,9 +244,51 @@ class Sharding:
             "reshard_after_forward": self.reshard_after_forward,
             "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
         }
+        rows = _meta_stand_ins(model)
         for _, unit in units:
             fully_shard(unit, **options)
         for root in roots_of(model):
             if all(root is not unit for _, unit in units):
                 fully_shard(root, **options)
+        for module, attr, param in rows:
+            setattr(module, attr, param)  # FSDP2 adopts these rows as its shards at lazy init
         return [name for name, _ in units]
+
+
+def _check_initializable(model: nn.Module, owners: list[str]) -> None:
+    """Every module with meta parameters needs ``reset_parameters``, and no parameter may be shared (tied)."""
+    modules = {name: model.get_submodule(name) for name in owners}
+    lacking = [
+        f"{n} ({type(m).__name__})" for n, m in modules.items() if not callable(getattr(m, "reset_parameters", None))
+    ]
+    seen: dict[int, str] = {}
+    tied = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if param.is_meta and id(param) in seen:
+            tied.append(f"{seen[id(param)]} = {name}")
+        seen.setdefault(id(param), name)
+    if lacking or tied:
+        why = f"these modules have no reset_parameters(): {', '.join(lacking[:6])}" if lacking else ""
+        why += ("; " if why and tied else "") + (f"these parameters are tied: {', '.join(tied[:4])}" if tied else "")
+        raise ValueError(
+            f"{type(model).__name__} was built on the meta device without pretrained weights, so"
+            " strategy='lowprec_fsdp' initializes each module with its own reset_parameters() as it shards it, but"
+            f" {why}. Pass pretrained="
+            " (a safetensors file or model directory), or build the module with real weights."
+        )
+
+
+def _meta_stand_ins(model: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """Swap every ``local_rows`` parameter for a meta tensor of its full shape (``fully_shard`` splits those
+    without memory); return the rows to put back once the modules are sharded."""
+    rows, stand_ins = [], {}
+    for module in model.modules():
+        for attr, param in list(module._parameters.items()):
+            if param is None or not is_local_rows(param):
+                continue
+            rows.append((module, attr, param))
+            if id(param) not in stand_ins:  # a tied parameter stays one parameter for FSDP2
+                stand_in = torch.empty(param.shape, dtype=param.dtype, device="meta")
+                stand_ins[id(param)] = nn.Parameter(stand_in, requires_grad=param.requires_grad)
+            module._parameters[attr] = stand_ins[id(param)]
+    return rows

@@ -143,12 +143,14 @@ def load_pretrained(
     compute_dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     quantize_layer: Callable[[nn.Linear, QuantizationConfig, torch.dtype, torch.device], nn.Module] = quantize_linear,
+    place: Callable[[nn.Parameter], nn.Parameter] | None = None,
 ) -> LoadReport:
     """Fill every parameter and persistent buffer of ``model`` from ``source``, quantizing on the way.
 
     Tensors take the dtype the module declared for them. With ``quantization``, each ``nn.Linear`` that
     ``quantize_model`` would replace becomes ``quantize_layer(linear, ...)`` (its bitsandbytes layer by default;
-    torchao NF4 under FSDP) as soon as its weight is loaded.
+    torchao NF4 under FSDP) as soon as its weight is loaded. ``place`` turns each loaded parameter into what the
+    module keeps (under FSDP: this rank's rows only), right after it is loaded, or after its layer is quantized.
     """
     safetensors = import_safetensors()
     device = torch.device(device)
@@ -165,6 +167,7 @@ def load_pretrained(
     # Names, not modules: a list of modules would keep every replaced layer's full-precision weight alive.
     for owner_name in [name for name, _ in model.named_modules()]:
         owner = model.get_submodule(owner_name)
+        quantizing = quantization is not None and will_quantize(owner, owner_name, quantization)
         firsts = by_owner.get(owner_name, [])
         for file, keys in _by_file(firsts, chosen, index).items():
             with safetensors.safe_open(str(file), framework="pt", device="cpu") as handle:
@@ -176,14 +179,21 @@ def load_pretrained(
                     del loaded
                     is_param = slots[first].is_param
                     value = nn.Parameter(tensor, requires_grad=declared.requires_grad) if is_param else tensor
+                    if is_param and place is not None and not quantizing:
+                        value = place(value)
                     for key in aliases[first]:  # tied weights stay one tensor
                         _assign(model, slots[key], value)
                     report.tensors += 1
-        if quantization is not None and will_quantize(owner, owner_name, quantization):
+        if quantizing:
             parent_name, _, child = owner_name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, quantize_layer(owner, quantization, compute_dtype, device))
+            layer = quantize_layer(owner, quantization, compute_dtype, device)
+            if place is not None:
+                for attr, param in layer.named_parameters(recurse=False):
+                    layer._parameters[attr] = place(param)
+            setattr(parent, child, layer)
             report.quantized.append(owner_name)
+            del layer
         del owner
     if report.quantized:
         share_code_books(model)

@@ -99,7 +99,9 @@ def code_book_bytes(mode: str) -> int:
 
 def optimizer_state_bytes(trainable: list[nn.Parameter], optimizer: str) -> int:
     """AdamW: two moments in the parameter dtype and a fp32 step per tensor. bitsandbytes: 8-bit blockwise state
-    for tensors of 4096+ elements (uint8 plus a fp32 absmax per 256), 32-bit below that."""
+    for tensors of 4096+ elements (uint8 plus a fp32 absmax per 256), 32-bit below that. torchao's AdamW8bit: the
+    same blocks, with its own 256-entry fp32 map per state tensor, state in the parameter dtype below that, and a
+    fp32 step."""
     states = 1 if optimizer == "lion8bit" else 2
     total = 0
     eight_bit = optimizer in ("adamw8bit", "paged_adamw8bit", "lion8bit")
@@ -107,6 +109,10 @@ def optimizer_state_bytes(trainable: list[nn.Parameter], optimizer: str) -> int:
         n = param.numel()
         if optimizer in (None, "adamw"):
             total += 2 * n * param.element_size() + 4
+        elif optimizer == "torchao_adamw8bit":
+            quantized = n >= MIN_8BIT_SIZE and n % OPTIMIZER_BLOCK == 0
+            per_state = n + n // OPTIMIZER_BLOCK * 4 + 256 * 4 if quantized else n * param.element_size()
+            total += states * per_state + 4  # and a fp32 step
         elif eight_bit and n >= MIN_8BIT_SIZE:
             total += states * (n + math.ceil(n / OPTIMIZER_BLOCK) * 4)
         else:

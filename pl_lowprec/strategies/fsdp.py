@@ -6,13 +6,15 @@ for the precision, checkpoints activations and finally shards each unit and the 
 the mesh is one dimension over every rank, built on the device type the ranks run on (gloo on CPU, NCCL on CUDA).
 
 Checkpoints are one gathered file (``torch.save`` on rank 0, read by every rank): with LoRA only the adapters
-(and their optimizer state), otherwise the full, unquantized model.
+(and their optimizer state), otherwise the full, unquantized model. The hooks that are the same as on one device
+(optimizer swap, activation offloading, QAT conversion, teardown) come from ``TransformHooks``; setup (Lightning's
+would ask for ``configure_model``), the meta-device init context and checkpoints are this strategy's own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Generator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -29,8 +31,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 
 from pl_lowprec.checkpointing import CheckpointImpl, CheckpointPolicy
+from pl_lowprec.fp8 import FP8Config, FP8Recipe
+from pl_lowprec.loading import empty_weights
 from pl_lowprec.nf4 import NF4Layout
-from pl_lowprec.optimizers import OptimizerName
+from pl_lowprec.optimizers import BITSANDBYTES_OPTIMIZERS, OptimizerName
+from pl_lowprec.qat import QATConfig, QATScheme
 from pl_lowprec.quantization import QuantizationConfig, QuantMode
 from pl_lowprec.sharding import Sharding, ShardPolicy, check_precision, data_parallel_mesh
 from pl_lowprec.strategies.fsdp_checkpoints import (
@@ -39,10 +44,11 @@ from pl_lowprec.strategies.fsdp_checkpoints import (
     load_optimizer_states,
     optimizer_state,
 )
-from pl_lowprec.strategies.transform import ModelTransform, teardown_with_meta
+from pl_lowprec.strategies.transform import ModelTransform
+from pl_lowprec.strategies.transform_hooks import TransformHooks
 
 
-class LowPrecisionFSDPStrategy(ModelParallelStrategy):
+class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
     """FSDP2 across every rank, with the model transform (see ``pl_lowprec.strategies.transform``).
 
     Args:
@@ -50,7 +56,9 @@ class LowPrecisionFSDPStrategy(ModelParallelStrategy):
         pretrained, pretrained_prefix: As for ``LowPrecisionStrategy``.
         quantization: ``"nf4"`` or ``"nf4-dq"`` (or a ``QuantizationConfig`` with one of them): base weights are
             stored as torchao NF4 tensors, which FSDP2 shards with their constants; both double-quantize.
-        optimizer: Not supported here yet (bitsandbytes' 8-bit optimizers are untested on sharded parameters).
+        optimizer: ``"torchao_adamw8bit"`` swaps the configured AdamW for torchao's 8-bit AdamW, which steps on the
+            sharded parameters. bitsandbytes' optimizers are refused: their kernels do not take DTensors.
+        qat, fp8, activation_offloading: As for ``LowPrecisionStrategy`` (not with ``quantization=``).
         shard_modules: Blocks that each form a shard unit (classes, class names or a predicate); default: the
             ``activation_checkpointing`` blocks.
         reshard_after_forward: Free each unit's gathered weights after its forward (less memory, one more
@@ -76,6 +84,9 @@ class LowPrecisionFSDPStrategy(ModelParallelStrategy):
         adapter_only_checkpoint: bool = True,
         pretrained: str | Path | None = None,
         pretrained_prefix: str | dict[str, str] | None = None,
+        qat: QATScheme | QATConfig | None = None,
+        fp8: FP8Recipe | FP8Config | None = None,
+        activation_offloading: bool = False,
         shard_modules: ShardPolicy | None = None,
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
@@ -92,11 +103,13 @@ class LowPrecisionFSDPStrategy(ModelParallelStrategy):
                 " parameters, gradients and optimizer state across all ranks (FSDP2); leave tensor_parallel_size=1,"
                 " or write the tensor-parallel plan in configure_model with Lightning's ModelParallelStrategy."
             )
-        if optimizer is not None:
+        if optimizer in BITSANDBYTES_OPTIMIZERS:
             raise ValueError(
-                f"strategy='lowprec_fsdp' got optimizer={optimizer!r}: bitsandbytes' 8-bit optimizers are not"
-                " supported on FSDP2's sharded parameters here. Use torch.optim.AdamW (its state is sharded anyway)"
-                " or strategy='lowprec_ddp'."
+                f"strategy='lowprec_fsdp' got optimizer={optimizer!r}: bitsandbytes' optimizer kernels are custom ops"
+                " that do not take DTensors, and FSDP2's parameters are DTensor shards (the step fails with"
+                " 'bitsandbytes.optimizer_update_8bit_blockwise got mixed torch.Tensor and DTensor'). Use"
+                " optimizer='torchao_adamw8bit' (torchao.optim.AdamW8bit steps on the shards, 8-bit state as"
+                " bitsandbytes'), or strategy='lowprec_ddp' for bitsandbytes' optimizers."
             )
         if quantization is not None and not adapter_only_checkpoint:
             raise ValueError(
@@ -122,12 +135,25 @@ class LowPrecisionFSDPStrategy(ModelParallelStrategy):
             checkpoint_impl,
             quantization,
             lora,
-            None,
+            optimizer,
             adapter_only_checkpoint,
             pretrained=pretrained,
             pretrained_prefix=pretrained_prefix,
+            qat=qat,
+            fp8=fp8,
+            activation_offloading=activation_offloading,
             sharding=self.sharding,
         )
+
+        qat_config = self.transform.qat
+        if qat_config is not None and qat_config.convert_on_fit_end:
+            raise ValueError(
+                f"strategy='lowprec_fsdp' got qat={qat_config.scheme!r} with convert_on_fit_end=True: converting"
+                " swaps each weight for a torchao quantized tensor, and this strategy does not convert a sharded"
+                " model. Pass qat=QATConfig(scheme, convert_on_fit_end=False); after fit, load the adapters"
+                " (export_adapter) or a full checkpoint into the model on one device (strategy='lowprec' with the"
+                " same qat=) and call pl_lowprec.qat.convert_qat(model, config)."
+            )
 
     @property
     def precision_plugin(self) -> Precision:
@@ -172,11 +198,12 @@ class LowPrecisionFSDPStrategy(ModelParallelStrategy):
 
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        with self.transform.tensor_init_context(super().tensor_init_context(empty_init)):
+        """``empty_init=True`` (or ``pretrained=``) puts parameters on the meta device and keeps buffers real
+        (``empty_weights``). Lightning's FSDP2 strategy puts buffers there too, but a rotary embedding's
+        ``inv_freq`` is in no checkpoint and only its module's ``__init__`` computes it."""
+        meta = empty_weights() if empty_init or self.transform.weights is not None else nullcontext()
+        with meta, self.precision_plugin.tensor_init_context():
             yield
-
-    def teardown(self) -> None:
-        teardown_with_meta(self, super().teardown)
 
     # -- checkpoints: one gathered file ------------------------------------------------------------------
 

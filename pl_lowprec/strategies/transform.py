@@ -20,7 +20,9 @@ Where it runs, in ``Trainer._run`` order:
 
 Under ``strategy="lowprec_fsdp"`` the transform holds a ``Sharding`` (``pl_lowprec.sharding``), and that is
 the one place where a step differs: 4-bit weights are stored as torchao NF4 (which shards) instead of
-bitsandbytes, and the last step shards each unit and the root with FSDP2.
+bitsandbytes, a meta-device module keeps only each rank's rows of every tensor as it is loaded (or, without
+``pretrained=``, initialized by its modules' ``reset_parameters``), and the last step shards each unit and the
+root with FSDP2.
 
 ``apply`` is idempotent, derived from the model itself (quantized layers, LoRA layers and checkpointed blocks
 are recognisable), so a second ``fit``, or ``validate`` after ``fit``, changes nothing.
@@ -52,7 +54,13 @@ from pl_lowprec.fp8 import FP8Config, FP8Recipe, check_fp8_device, convert_to_fp
 from pl_lowprec.loading import PretrainedWeights, empty_weights, has_meta_tensors, load_pretrained
 from pl_lowprec.lora import has_lora, inject_lora, lora_config, prepare_for_kbit_training
 from pl_lowprec.offloading import OffloadActivations, check_offload_device
-from pl_lowprec.optimizers import OptimizerName, rebind_schedulers, swap_optimizer, validate_optimizer_name
+from pl_lowprec.optimizers import (
+    OptimizerName,
+    import_optimizer_library,
+    rebind_schedulers,
+    swap_optimizer,
+    validate_optimizer_name,
+)
 from pl_lowprec.qat import QATConfig, QATScheme, convert_qat, is_converted, prepare_qat
 from pl_lowprec.quantization import DEFAULT_SKIP, QuantizationConfig, QuantMode, quantize_linear, quantize_model
 from pl_lowprec.sharding import Sharding
@@ -136,7 +144,7 @@ class ModelTransform:
             import_bitsandbytes()
         if self.optimizer is not None:
             validate_optimizer_name(self.optimizer)
-            import_bitsandbytes()
+            import_optimizer_library(self.optimizer)
         if self.lora is not None:
             import_peft()
             self.lora = lora_config(self.lora)
@@ -229,13 +237,17 @@ class ModelTransform:
                     " `pl_lowprec.loading.empty_weights()`, or under `trainer.init_module(empty_init=True)`."
                 )
             return
+        if weights is None and self.sharding is not None:
+            self.sharding.initialize(model, self.quantization, compute_dtype, device, self.quantize_layer)
+            return
         if weights is None:
             raise ValueError(
                 f"{type(model).__name__} has parameters on the meta device and nothing to fill them from: pass"
                 " pretrained= (a safetensors file or model directory) to the strategy, or build it with weights."
             )
+        place = self.sharding.placement() if self.sharding is not None else None
         load_pretrained(
-            model, weights.path, weights.prefix, self.quantization, compute_dtype, device, self.quantize_layer
+            model, weights.path, weights.prefix, self.quantization, compute_dtype, device, self.quantize_layer, place
         )
         setattr(model, _LOADED_FROM, str(weights.path))
 

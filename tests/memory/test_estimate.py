@@ -97,3 +97,24 @@ def test_cli_prints_the_table():
     assert lines[0].startswith("Estimated training memory (")
     for component in ("params_quantized_4bit", "gradients", "optimizer_state", "activations", "total"):
         assert any(line.split()[:1] == [component] for line in lines), component
+
+
+def test_torchao_adamw8bit_state_bytes_are_what_the_optimizer_holds():
+    pytest.importorskip("torchao")
+    from torchao.optim import AdamW8bit
+
+    from pl_lowprec.memory.estimate import optimizer_state_bytes
+
+    params = [torch.nn.Parameter(torch.randn(64, 128)), torch.nn.Parameter(torch.randn(8, 64))]  # 8-bit, fp32 state
+    optimizer = AdamW8bit(params)
+    sum(p.sum() for p in params).backward()
+    optimizer.step()
+
+    def nbytes(tensor):
+        if hasattr(tensor, "__tensor_flatten__"):
+            names, _ = tensor.__tensor_flatten__()
+            return sum(nbytes(getattr(tensor, name)) for name in names)
+        return tensor.numel() * tensor.element_size()
+
+    held = sum(nbytes(t) for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t))
+    assert optimizer_state_bytes(params, "torchao_adamw8bit") == held

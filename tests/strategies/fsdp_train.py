@@ -1,7 +1,8 @@
 """QLoRA on a tiny Llama with LowPrecisionFSDPStrategy, on 2 CPU processes (gloo) or on 1 with the same global batch.
 
 Usage: python fsdp_train.py WORLD OUT_DIR PRECISION SCENARIO [DEVICE]
-(WORLD: 1 | 2; PRECISION: 32-true | bf16-mixed | 16-mixed; SCENARIO: train | resume | overflow | bad;
+(WORLD: 1 | 2; PRECISION: 32-true | bf16-mixed | 16-mixed; SCENARIO: train | resume | pretrained | full | overflow |
+options | bad;
 DEVICE: cpu (gloo, default) | gpu (nccl) | gpu-offload (nccl, cpu_offload=True))
 
 - train: 4 SGD steps (momentum, so the optimizer state matters), 2 per epoch, an adapter-only checkpoint after
@@ -9,7 +10,11 @@ DEVICE: cpu (gloo, default) | gpu (nccl) | gpu-offload (nccl, cpu_offload=True))
   those of an unsharded NF4 model with the same adapters, merged_state_dict and an exported adapter.
 - resume: resumes OUT_DIR/../train/step=2.ckpt to step 4.
 - pretrained: the same run, but the module is built on the meta device and filled from a saved checkpoint of
-  the same base (pretrained=), each layer stored as NF4 as it loads.
+  the same base (pretrained=), each layer stored as NF4 as it loads and only the rank's rows kept (the live NF4
+  bytes are recorded as it loads); then a plain-torch module built on meta without weights, initialized module by
+  module (reset_parameters), beside the same module built whole.
+- options: qat=, fp8= (emulated), activation_offloading=, optimizer='torchao_adamw8bit' and bf16-true, each
+  beside its unsharded reference (a hand-written loop on the same global batch, from the same adapters).
 - full: LoRA on an unquantized base with full (gathered) checkpoints: 4 steps, then a resume from step 2.
 - overflow: 16-mixed; after the backward of step 2, rank 1 (only) writes inf into its shard of one gradient.
 - bad: one Trainer per bad input; records each error message.
@@ -25,16 +30,20 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.plugins.precision import HalfPrecision, Precision
 from torch.utils.data import DataLoader, DistributedSampler
 
 from pl_lowprec import AMPPrecision, LowPrecisionFSDPStrategy
 from pl_lowprec.adapters import export_adapter, merged_state_dict, trainable_state_dict
 from pl_lowprec.demo import TinyLlama
+from pl_lowprec.fp8 import FP8Config
 from pl_lowprec.loading import empty_weights
 from pl_lowprec.lora import inject_lora
-from pl_lowprec.nf4 import NF4Layout, local, nf4_bytes, quantize_model_nf4
+from pl_lowprec.nf4 import NF4Layout, dequantize_nf4, is_nf4, local, nf4_bytes, quantize_model_nf4
+from pl_lowprec.qat import QATConfig
 from pl_lowprec.quantization import QuantizationConfig
 from pl_lowprec.sharding import full_tensor
+from pl_lowprec.strategies.transform import ModelTransform
 
 GLOBAL_BATCH, STEPS_PER_EPOCH = 4, 2
 DEVICE = sys.argv[5] if len(sys.argv) > 5 else "cpu"
@@ -96,7 +105,7 @@ def _trainer(world, out, precision, strategy=None, callbacks=(), steps=2 * STEPS
         accelerator="cpu" if DEVICE == "cpu" else "gpu",
         devices=world,
         strategy=strategy,
-        precision="32-true" if precision in ("32-true", "bf16-true") else None,
+        precision=precision if precision in ("32-true", "bf16-true") else None,
         plugins=[AMPPrecision(precision)] if precision.endswith("-mixed") else [],
         max_steps=steps,
         use_distributed_sampler=False,
@@ -156,9 +165,6 @@ def resume(world, out, precision) -> dict:
 def pretrained(world, out, precision) -> dict:
     directory = Path(out) / f"base{os.environ.get('LOCAL_RANK', 0)}"
     TinyLlama(**SIZES).model.save_pretrained(directory)  # the base every other run starts from (init_seed=0)
-    with empty_weights():
-        model = SGDTinyLlama(**SIZES)
-    assert all(p.device.type == "meta" for p in model.parameters())
     strategy = LowPrecisionFSDPStrategy(
         quantization="nf4",
         lora=LORA,
@@ -167,9 +173,120 @@ def pretrained(world, out, precision) -> dict:
         pretrained=directory,
         pretrained_prefix="model.",
     )
+    held = _track_nf4_held(strategy.sharding)
+    trainer = _trainer(world, out, precision, strategy=strategy)
+    with trainer.init_module(empty_init=True):
+        model = SGDTinyLlama(**SIZES)
+    assert all(p.device.type == "meta" for p in model.parameters())
     torch.manual_seed(0)
-    _trainer(world, out, precision, strategy=strategy).fit(model, _loader(world))
-    return {"adapters": _adapters(model)}
+    trainer.fit(model, _loader(world))
+    weights = [p for p in model.parameters() if not p.requires_grad]
+    return {
+        "adapters": _adapters(model),
+        "nf4_bytes": sum(nf4_bytes(p) for p in weights),
+        "nf4_held_during_load": held,
+        "largest_nf4_layer": max(nf4_bytes(p) * world for p in weights),
+        "initialized": initialized(world, out, precision),  # the same launch: one process group start less
+    }
+
+
+class PlainBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(64)
+        self.up, self.down = torch.nn.Linear(64, 128), torch.nn.Linear(128, 64)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class PlainLM(pl.LightningModule):
+    """Plain torch modules, each with ``reset_parameters``: initialized module by module when built on meta."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Embedding(256, 64), PlainBlock(), PlainBlock(), torch.nn.Linear(64, 256)
+        )
+
+    def training_step(self, batch, batch_idx):
+        ids = batch["input_ids"]
+        logits = self.net(ids[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 256), ids[:, 1:].reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.5)
+
+
+class InitialWeights(Callback):
+    def on_train_start(self, trainer, module):
+        self.weights = _full_weights(module)
+
+
+def _full_weights(module) -> dict[str, torch.Tensor]:
+    return {
+        n: (dequantize_nf4(p) if is_nf4(p) else full_tensor(p)).detach().clone() for n, p in module.named_parameters()
+    }
+
+
+def initialized(world, out, precision) -> dict:
+    """A module built on the meta device without pretrained weights: initialized and quantized module by module,
+    each rank keeping its rows; compared with the same module built whole and quantized in one process."""
+    with empty_weights():
+        model = PlainLM()
+    strategy = LowPrecisionFSDPStrategy(
+        quantization="nf4", lora=LORA, shard_modules="PlainBlock", nf4_scaler_block_size=32
+    )
+    held, initial = _track_nf4_held(strategy.sharding), InitialWeights()
+    torch.manual_seed(0)
+    _trainer(world, out, precision, strategy=strategy, callbacks=[initial], steps=1).fit(model, _loader(world))
+    torch.manual_seed(0)
+    reference = PlainLM()  # reset_parameters in the same module order, from the same seed
+    quantize_model_nf4(reference, QuantizationConfig("nf4"), NF4Layout(scaler_block_size=32), torch.device("cpu"))
+    inject_lora(reference, LORA)
+    weights = [p for p in model.parameters() if not p.requires_grad]
+    return {
+        "initial": initial.weights,
+        "reference": _full_weights(reference),
+        "nf4_bytes": sum(nf4_bytes(p) for p in weights),
+        "nf4_held_during_load": held,
+        "whole_nf4_bytes": sum(nf4_bytes(p) for p in reference.parameters()),
+        "largest_nf4_layer": max(nf4_bytes(p) for p in reference.parameters()),
+    }
+
+
+def _live_nf4_bytes() -> int:
+    """Bytes of every NF4 tensor alive in this process (each storage once): what the rank holds, leaks included."""
+    import gc
+
+    storages = {}
+    for obj in gc.get_objects():
+        if type(obj).__name__ == "NF4Tensor":
+            for inner in (obj.quantized_data, obj.quantized_scalers, obj.quantization_factor, obj.scaler_mean):
+                storage = inner.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _track_nf4_held(sharding) -> list[int]:
+    """The live NF4 bytes each time the loader hands a parameter over to be kept (before and after): the
+    largest is the rank's peak while the model is filled."""
+    held, before = [], _live_nf4_bytes()  # NF4 of an earlier run in this process, not this rank's load
+    placement = sharding.placement
+
+    def tracked():
+        keep = placement()
+
+        def keep_and_count(param):
+            held.append(_live_nf4_bytes() - before)
+            kept = keep(param) if keep is not None else param
+            held.append(_live_nf4_bytes() - before)
+            return kept
+
+        return keep_and_count
+
+    sharding.placement = tracked
+    return held
 
 
 def full(world, out, precision) -> dict:
@@ -196,6 +313,92 @@ def overflow(world, out, precision) -> dict:
     return {"before": record.before_skip, "after": record.after_skip, "loss_scale": _scale_state(trainer)}
 
 
+class AdamWTinyLlama(TinyLlama):
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+
+# 8-bit optimizer state only for tensors of 4096+ elements, decided on each rank's shard: r=128 on down_proj makes
+# every adapter's shard 4096+ elements (A: 128x128, B: 64x128), so sharded and unsharded states are both 8-bit.
+LORA_8BIT = {"r": 128, "lora_alpha": 16, "target_modules": ["down_proj"]}
+NF4 = {"quantization": "nf4", "nf4_scaler_block_size": 32}
+OPTION_CASES = {  # strategy arguments, module, LoRA, precision
+    "qat": ({"qat": QATConfig("int8-dynamic-int4-weight", convert_on_fit_end=False)}, SGDTinyLlama, LORA, "32-true"),
+    "fp8": ({"fp8": FP8Config(emulate=True)}, SGDTinyLlama, LORA, "32-true"),
+    "offloading": ({"activation_offloading": True}, SGDTinyLlama, LORA, "32-true"),
+    "torchao_adamw8bit": ({"optimizer": "torchao_adamw8bit"}, AdamWTinyLlama, LORA_8BIT, "32-true"),
+    "bf16-true": (NF4, SGDTinyLlama, LORA, "bf16-true"),
+}
+
+
+class InitialAdapters(Callback):
+    def on_train_start(self, trainer, module):
+        self.adapters = _adapters(module)
+
+
+def _unsharded_run(args: dict, module_class, lora: dict, precision: str, initial: dict, world: int) -> dict[str, dict]:
+    """The reference: the same transform without sharding (NF4 as FSDP stores it), from the same initial adapters,
+    in one process, with a hand-written loop that accumulates each global batch in the ranks' parts (float8 scales
+    activations per part)."""
+    model = module_class(**SIZES)
+    args = dict(args)
+    if args.pop("quantization", None):
+        layout = NF4Layout(scaler_block_size=args.pop("nf4_scaler_block_size"))
+        quantize_model_nf4(model, QuantizationConfig("nf4"), layout, torch.device("cpu"))
+    plugin = HalfPrecision(precision) if precision == "bf16-true" else Precision()
+    transform = ModelTransform(lora=lora, **args)
+    transform.apply(model, plugin, torch.device("cpu"))
+    model.load_state_dict(initial, strict=False)
+    model = plugin.convert_module(model)
+    (optimizer,) = transform.swap_optimizers([model.configure_optimizers()], [], torch.device("cpu"))
+    grads = None
+    for batch in [*_loader(1), *_loader(1)]:  # the Trainer's 4 steps: 2 epochs of 2
+        for ids in (batch["input_ids"][rank::world] for rank in range(world)):  # as DistributedSampler splits it
+            with transform.offloading(model, torch.device("cpu")), plugin.forward_context():
+                (model.model(input_ids=ids, labels=ids, use_cache=False).loss / world).backward()
+        grads = grads or {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"grads": grads, "adapters": {k: v.detach().clone() for k, v in trainable_state_dict(model).items()}}
+
+
+def options(world, out, precision) -> dict:
+    """qat=, fp8= (emulated), activation_offloading= (the CPU refusal patched out: the hooks run the same) and
+    optimizer='torchao_adamw8bit' under FSDP, each beside its unsharded reference."""
+    from pl_lowprec.offloading import OffloadActivations
+    from pl_lowprec.strategies import transform as transform_module
+
+    transform_module.check_offload_device = lambda device: None
+    to_host, offloaded = OffloadActivations._to_host, []
+
+    def counted(self, tensor):
+        offloaded.append(tensor.numel() * tensor.element_size())
+        return to_host(self, tensor)
+
+    OffloadActivations._to_host = counted
+    results = {}
+    for name, (args, module_class, lora, case_precision) in OPTION_CASES.items():
+        strategy = LowPrecisionFSDPStrategy(lora=lora, shard_modules="LlamaDecoderLayer", **args)
+        model, initial, record = module_class(**SIZES), InitialAdapters(), Record()
+        trainer = _trainer(world, out, case_precision, strategy=strategy, callbacks=[initial, record])
+        offloaded.clear()
+        trainer.fit(model, _loader(world))
+        optimizer = trainer.optimizers[0]
+        states = [local(s) for state in optimizer.state.values() for k, s in state.items() if k == "exp_avg"]
+        results[name] = {
+            "sharded": {"grads": record.grads, "adapters": _adapters(model)},
+            "offloaded_bytes": sum(offloaded),
+            "precision": trainer.precision,
+            "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+            "unsharded": _unsharded_run(args, module_class, lora, case_precision, initial.adapters, world),
+            "plain": _unsharded_run({}, module_class, lora, "32-true", initial.adapters, world),  # without the option
+            "optimizer": type(optimizer).__name__,
+            "state_types": sorted({type(s).__name__ for s in states}),
+            "layers": sorted({type(m).__name__ for m in model.modules()}),
+        }
+    return results
+
+
 def _scale_state(trainer) -> dict | None:
     plugin = trainer.precision_plugin
     if not isinstance(plugin, AMPPrecision):
@@ -220,6 +423,14 @@ def bad(world, out, precision) -> dict:
         except ValueError as err:
             errors[name] = str(err)
             errors[f"{name}_steps"] = model.trainer.global_step if model._trainer else 0
+    with empty_weights():  # on meta, no pretrained=: LlamaRMSNorm has no reset_parameters to initialize it
+        model = SGDTinyLlama(**SIZES)
+    strategy = LowPrecisionFSDPStrategy(lora=LORA, shard_modules="LlamaDecoderLayer")
+    try:
+        _trainer(world, out, precision, strategy=strategy).fit(model, _loader(world))
+        errors["no_reset"] = None
+    except ValueError as err:
+        errors["no_reset"] = str(err)
     return errors
 
 
@@ -232,6 +443,7 @@ def main(world: str, out: str, precision: str, scenario: str) -> None:
         "pretrained": pretrained,
         "full": full,
         "overflow": overflow,
+        "options": options,
         "bad": bad,
     }
     result = scenarios[scenario](world_size, out, precision)

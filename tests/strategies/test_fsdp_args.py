@@ -28,9 +28,30 @@ def test_bitsandbytes_only_modes_are_refused(mode):
         LowPrecisionFSDPStrategy(quantization=mode, lora={"r": 4})
 
 
-def test_8bit_optimizer_is_refused():
-    with pytest.raises(ValueError, match=r"optimizer='adamw8bit'.*not\s+supported on FSDP2"):
-        LowPrecisionFSDPStrategy(optimizer="adamw8bit")
+@pytest.mark.parametrize("name", ["adamw8bit", "paged_adamw8bit", "lion8bit"])
+def test_bitsandbytes_optimizers_are_refused_with_the_torchao_alternative(name):
+    with pytest.raises(
+        ValueError, match=rf"optimizer='{name}': bitsandbytes' optimizer kernels .* do not take DTensors"
+    ):
+        LowPrecisionFSDPStrategy(optimizer=name)
+    with pytest.raises(ValueError, match=r"Use\s+optimizer='torchao_adamw8bit'"):
+        LowPrecisionFSDPStrategy(optimizer=name)
+    assert LowPrecisionFSDPStrategy(optimizer="torchao_adamw8bit").transform.optimizer == "torchao_adamw8bit"
+
+
+def test_qat_conversion_of_a_sharded_model_is_refused_with_how_to_convert():
+    from pl_lowprec.qat import QATConfig
+
+    with pytest.raises(
+        ValueError, match=r"qat='int4-weight-only' with convert_on_fit_end=True.*convert_on_fit_end=Fal"
+    ):
+        LowPrecisionFSDPStrategy(qat="int4-weight-only")
+    LowPrecisionFSDPStrategy(qat=QATConfig("int4-weight-only", convert_on_fit_end=False))
+
+
+def test_options_that_replace_the_linear_layers_still_exclude_quantization():
+    with pytest.raises(ValueError, match=r"quantization= and fp8= cannot be combined"):
+        LowPrecisionFSDPStrategy(quantization="nf4", fp8="tensorwise")
 
 
 @pytest.mark.parametrize("precision", ["16-true", "64-true"])
