@@ -174,6 +174,13 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
                 f"cpu_offload=True moves sharded parameters off the GPU; the ranks run on {self.root_device.type},"
                 " where they already are in CPU memory. Remove cpu_offload."
             )
+        if self.sharding.cpu_offload and self.world_size == 1:
+            raise ValueError(
+                "cpu_offload=True with one process: nothing is sharded on a mesh of one (torchao's NF4 weights"
+                " have no FSDP2 path there), so no FSDP offload policy would manage the parameters and they would"
+                " stay in CPU memory while the GPU computes. Run 2 or more processes (Trainer(devices=2)), or on"
+                " one GPU use LowPrecisionStrategy, with activation_offloading=True to move activations instead."
+            )
         self._device_mesh = data_parallel_mesh(self.root_device.type, self.world_size)
         self.sharding.mesh = self._device_mesh
 
