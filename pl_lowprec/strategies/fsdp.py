@@ -192,6 +192,8 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
         """Transform and shard (no ``configure_model`` needed), then the precision and the optimizers."""
         self.accelerator.setup(trainer)
         self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)
+        if self.world_size == 1:  # nothing was sharded (Sharding.shard), so no fully_shard moved it to the device
+            self.lightning_module.to(self.root_device)
         # ``LightningModule.device_mesh`` from here on: set earlier, peft would read the module as a
         # tensor-parallel Hugging Face model while injecting LoRA.
         self.lightning_module._device_mesh = self._device_mesh

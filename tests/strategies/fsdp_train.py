@@ -137,6 +137,7 @@ def train(world, out, precision) -> dict:
     trainer = _trainer(world, out, precision, callbacks=[record, ckpt])
     trainer.fit(model, _loader(world))
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(trainer.strategy.root_device)  # FSDP leaves the model on the GPU after fit
     with torch.no_grad():
         sharded = model(ids)
     adapters = _adapters(model)
