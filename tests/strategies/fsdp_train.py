@@ -164,8 +164,16 @@ def resume(world, out, precision) -> dict:
 
 
 def pretrained(world, out, precision) -> dict:
-    directory = Path(out) / f"base{os.environ.get('LOCAL_RANK', 0)}"
-    TinyLlama(**SIZES).model.save_pretrained(directory)  # the base every other run starts from (init_seed=0)
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    base = TinyLlama(**SIZES).model  # the base every other run starts from (init_seed=0)
+    if torch.distributed.is_initialized():  # an earlier scenario started it: save_pretrained writes on rank 0 only
+        directory = Path(out) / "base"
+        if rank == 0:
+            base.save_pretrained(directory)
+        torch.distributed.barrier()
+    else:
+        directory = Path(out) / f"base{rank}"
+        base.save_pretrained(directory)
     strategy = LowPrecisionFSDPStrategy(
         quantization="nf4",
         lora=LORA,
@@ -435,7 +443,9 @@ def bad(world, out, precision) -> dict:
     return errors
 
 
-def main(world: str, out: str, precision: str, scenario: str) -> None:
+def main(world: str, out: str, precision: str, scenario_names: str) -> None:
+    """Run each comma-separated scenario in turn in the same processes (one launch, one import of everything);
+    each writes ``OUT/<scenario>/rank<r>.pt``."""
     warnings.filterwarnings("ignore")
     world_size = int(world)
     scenarios = {
@@ -447,9 +457,12 @@ def main(world: str, out: str, precision: str, scenario: str) -> None:
         "options": options,
         "bad": bad,
     }
-    result = scenarios[scenario](world_size, out, precision)
     rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.save(result, f"{out}/rank{rank}.pt")
+    for name in scenario_names.split(","):
+        folder = Path(out) / name
+        folder.mkdir(parents=True, exist_ok=True)
+        result = scenarios[name](world_size, str(folder), precision)
+        torch.save(result, folder / f"rank{rank}.pt")
 
 
 if __name__ == "__main__":

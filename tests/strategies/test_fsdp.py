@@ -15,16 +15,24 @@ SCRIPT = Path(__file__).with_name("fsdp_train.py")
 SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "max_len": 32}
 
 
-def _run(world, out, precision, scenario, device="cpu"):
-    out.mkdir(parents=True)
+def _run_many(world, out, precision, scenarios, device="cpu"):
+    """One launch of ``world`` processes running ``scenarios`` in turn: {scenario: [result of each rank]}."""
+    out.mkdir(parents=True, exist_ok=True)
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), str(world), str(out), precision, scenario, device],
+        [sys.executable, str(SCRIPT), str(world), str(out), precision, ",".join(scenarios), device],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    return [torch.load(out / f"rank{rank}.pt", weights_only=False, map_location="cpu") for rank in range(world)]
+    return {
+        name: [torch.load(out / name / f"rank{r}.pt", weights_only=False, map_location="cpu") for r in range(world)]
+        for name in scenarios
+    }
+
+
+def _run(world, out, precision, scenario, device="cpu"):
+    return _run_many(world, out, precision, [scenario], device)[scenario]
 
 
 def _assert_all_close(actual, expected, **tolerance):
@@ -33,19 +41,26 @@ def _assert_all_close(actual, expected, **tolerance):
         torch.testing.assert_close(actual[key], expected[key], **tolerance, msg=lambda m, k=key: f"{k}: {m}")
 
 
+# Every 2-process scenario at 32-true runs in one launch (each launch costs two imports of torch, Lightning and
+# transformers on 2 cores): train first, then resume from its checkpoint, then the rest.
+TWO_PROCESS = ["train", "resume", "pretrained", "options", "full", "overflow", "bad"]
+
+
 @pytest.fixture(scope="module")
-def fp32_runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fsdp32")
-    sharded = _run(2, root / "train", "32-true", "train")
-    single = _run(1, root / "single", "32-true", "train")[0]
-    resumed = _run(2, root / "resume", "32-true", "resume")
-    return sharded, single, resumed
+def two_process(tmp_path_factory):
+    return _run_many(2, tmp_path_factory.mktemp("fsdp2"), "32-true", TWO_PROCESS)
+
+
+@pytest.fixture(scope="module")
+def fp32_runs(two_process, tmp_path_factory):
+    single = _run(1, tmp_path_factory.mktemp("fsdp1") / "single", "32-true", "train")[0]
+    return two_process["train"], single, two_process["resume"]
 
 
 @pytest.mark.slow
-def test_meta_module_filled_from_pretrained_or_initialized_holds_its_rows_only(fp32_runs, tmp_path):
+def test_meta_module_filled_from_pretrained_or_initialized_holds_its_rows_only(fp32_runs, two_process):
     sharded, single, _ = fp32_runs
-    loaded = _run(2, tmp_path / "pretrained", "32-true", "pretrained")
+    loaded = two_process["pretrained"]
     for built, rank in zip(sharded, loaded, strict=True):
         _assert_all_close(rank["adapters"], built["adapters"], rtol=0, atol=0)
         # Never the whole 4-bit model on a rank: its rows of every layer loaded so far, plus the one layer being
@@ -135,8 +150,8 @@ def test_exported_adapter_loads_in_peft_and_gives_the_single_process_logits(fp32
 
 
 @pytest.fixture(scope="module")
-def option_runs(tmp_path_factory):
-    return _run(2, tmp_path_factory.mktemp("options") / "run", "32-true", "options")
+def option_runs(two_process):
+    return two_process["options"]
 
 
 # What shows each option really ran under FSDP (the unsharded reference runs it too, so equal results alone would
@@ -175,8 +190,8 @@ def test_bf16_true_trains_sharded_like_one_process_within_bf16_rounding(option_r
 
 
 @pytest.mark.slow
-def test_full_gathered_checkpoint_resumes_exactly(tmp_path):
-    for rank in _run(2, tmp_path / "full", "32-true", "full"):
+def test_full_gathered_checkpoint_resumes_exactly(two_process):
+    for rank in two_process["full"]:
         assert "model.model.embed_tokens.weight" in rank["saved_keys"]  # the frozen base is in it, whole
         assert any("lora_B" in k for k in rank["saved_keys"])
         _assert_all_close(rank["resumed"], rank["uninterrupted"], rtol=0, atol=0)
@@ -194,8 +209,8 @@ def test_bf16_mixed_gradients_equal_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_fp16_overflow_on_one_rank_skips_the_step_on_both(tmp_path):
-    ranks = _run(2, tmp_path / "overflow", "16-mixed", "overflow")
+def test_fp16_overflow_on_one_rank_skips_the_step_on_both(two_process):
+    ranks = two_process["overflow"]  # the scenario trains under 16-mixed whatever the launch's precision
     for rank in ranks:
         # the inf sat in rank 1's shard only; the found-inf is all-reduced, so rank 0 skipped as well
         _assert_all_close(rank["after"], rank["before"], rtol=0, atol=0)
@@ -206,8 +221,8 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_both(tmp_path):
 
 
 @pytest.mark.slow
-def test_bad_inputs_fail_before_the_first_step(tmp_path):
-    for rank in _run(2, tmp_path / "bad", "32-true", "bad"):
+def test_bad_inputs_fail_before_the_first_step(two_process):
+    for rank in two_process["bad"]:
         assert "shard_modules: 'DecoderBlock' matches no module" in rank["unknown_unit"]
         assert "LlamaDecoderLayer" in rank["unknown_unit"]  # lists the model's classes
         assert "pass shard_modules=" in rank["no_unit"] and "LlamaDecoderLayer" in rank["no_unit"]
