@@ -119,10 +119,11 @@ class Record(pl.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def run_lightning(args: argparse.Namespace, root: str) -> dict[str, Any]:
-    dev = device()
-    loader = torch.utils.data.DataLoader(batches(args), batch_size=args.batch)
-    start = baseline(dev)
+def lightning_trainer(
+    args: argparse.Namespace, dev: torch.device, callbacks: list[pl.Callback], root: str
+) -> pl.Trainer:
+    """The Trainer both Lightning stacks train with: ``LowPrecisionStrategy`` set from ``--mode`` and
+    ``--checkpointing``, ``AMPPrecision`` under a "-mixed" precision, nothing logged or saved."""
     settings: dict[str, Any] = {}
     if args.mode in ("lora", "qlora"):
         settings["lora"] = LORA
@@ -130,15 +131,15 @@ def run_lightning(args: argparse.Namespace, root: str) -> dict[str, Any]:
         settings["quantization"] = "nf4-dq"
     if args.checkpointing:
         settings["activation_checkpointing"] = ["LlamaDecoderLayer"]
-    record, before_reset, tracker = Record(), PeakBeforeReset(), MemoryTracker(print_summary=False)
-    callbacks = [before_reset, tracker, record] if args.breakdown else [record]
-    trainer = pl.Trainer(
+        settings["checkpoint_impl"] = args.checkpoint_impl
+    mixed = args.precision.endswith("-mixed")
+    return pl.Trainer(
         accelerator=dev.type,
         devices=1,
         max_steps=args.steps,
         strategy=LowPrecisionStrategy(**settings),
-        plugins=[AMPPrecision(args.precision)] if args.precision.endswith("-mixed") else [],
-        precision=None if args.precision.endswith("-mixed") else args.precision,
+        plugins=[AMPPrecision(args.precision)] if mixed else [],
+        precision=None if mixed else args.precision,
         gradient_clip_val=CLIP,
         callbacks=callbacks,
         logger=False,
@@ -148,6 +149,15 @@ def run_lightning(args: argparse.Namespace, root: str) -> dict[str, Any]:
         num_sanity_val_steps=0,
         default_root_dir=root,  # MemoryTracker writes memory_summary.json there, not into the working directory
     )
+
+
+def run_lightning(args: argparse.Namespace, root: str) -> dict[str, Any]:
+    dev = device()
+    loader = torch.utils.data.DataLoader(batches(args), batch_size=args.batch)
+    start = baseline(dev)
+    record, before_reset, tracker = Record(), PeakBeforeReset(), MemoryTracker(print_summary=False)
+    callbacks = [before_reset, tracker, record] if args.breakdown else [record]
+    trainer = lightning_trainer(args, dev, callbacks, root)
     model = AdamWLlama(**model_kwargs(args.hidden, args.layers, args.seq))
     torch.manual_seed(0)  # LoRA initialisation, as on the hf side
     trainer.fit(model, loader)
@@ -174,30 +184,8 @@ def run_causal_lm(args: argparse.Namespace, root: str) -> dict[str, Any]:
     dev = device()
     loader = torch.utils.data.DataLoader(labelled_batches(args), batch_size=args.batch)
     start = baseline(dev)
-    settings: dict[str, Any] = {"lora": LORA}
-    if args.mode == "qlora":
-        settings["quantization"] = "nf4-dq"
-    if args.checkpointing:
-        settings["activation_checkpointing"] = ["LlamaDecoderLayer"]
-        settings["checkpoint_impl"] = args.checkpoint_impl
     record, loaded = Record(), PeakBeforeReset()
-    mixed = args.precision.endswith("-mixed")
-    trainer = pl.Trainer(
-        accelerator=dev.type,
-        devices=1,
-        max_steps=args.steps,
-        strategy=LowPrecisionStrategy(**settings),
-        plugins=[AMPPrecision(args.precision)] if mixed else [],
-        precision=None if mixed else args.precision,
-        gradient_clip_val=CLIP,
-        callbacks=[loaded, record],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        default_root_dir=root,
-    )
+    trainer = lightning_trainer(args, dev, [loaded, record], root)
     dtype = str(DTYPES[args.precision]).removeprefix("torch.")
     chunk = args.loss_chunk_size or None  # 0: the whole sequence at once
     model = AdamWCausalLM(args.pretrained, loss_chunk_size=chunk, dtype=dtype)
