@@ -37,7 +37,7 @@ from pl_lowprec.nf4 import NF4Layout
 from pl_lowprec.optimizers import BITSANDBYTES_OPTIMIZERS, OptimizerName
 from pl_lowprec.qat import QATConfig, QATScheme
 from pl_lowprec.quantization import QuantizationConfig, QuantMode
-from pl_lowprec.sharding import Sharding, ShardPolicy, check_precision, data_parallel_mesh
+from pl_lowprec.sharding import Sharding, ShardPolicy, check_precision, data_parallel_mesh, is_sharded
 from pl_lowprec.strategies.fsdp_checkpoints import (
     gathered_state_dict,
     load_full_state_dict,
@@ -192,7 +192,7 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
         """Transform and shard (no ``configure_model`` needed), then the precision and the optimizers."""
         self.accelerator.setup(trainer)
         self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)
-        if self.world_size == 1:  # nothing was sharded (Sharding.shard), so no fully_shard moved it to the device
+        if not is_sharded(self.lightning_module):  # one process: no fully_shard moved it to the device
             self.lightning_module.to(self.root_device)
         # ``LightningModule.device_mesh`` from here on: set earlier, peft would read the module as a
         # tensor-parallel Hugging Face model while injecting LoRA.
