@@ -1,7 +1,7 @@
 """Activation bytes on the device and in host memory, with and without checkpointing and offloading.
 
 Run: python benchmarks/offloading_memory.py
-The ~26M-parameter TinyLlama of the README's measured figures (hidden 512, 8 layers, batch 8 x 256, bf16-mixed).
+The ~26M-parameter TinyLlama of docs/benchmarks.md (hidden 512, 8 layers, batch 8 x 256, bf16-mixed).
 ``estimate_memory`` runs one fake training step (nothing allocated) under the same saved-tensor hooks that
 ``LowPrecisionStrategy(activation_offloading=True)`` installs, and counts what stays on the device and what
 moves to host memory; ``tests/test_offloading.py`` checks that these counts equal ``MemoryTracker``'s.

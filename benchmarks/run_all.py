@@ -2,9 +2,9 @@
 
 Run: python benchmarks/run_all.py [--only SECTION ...]
 Prints the machine (CPU model, the flags that decide bf16 speed, GPU), the date and the library versions,
-then one markdown table per figure, as the README shows them; writes ``benchmarks/results/all.json`` (or
+then one markdown table per figure, as docs/benchmarks.md shows them; writes ``benchmarks/results/all.json`` (or
 ``benchmarks/results/<section>.json`` per section run; the folder is untracked). On the 2-core AVX2 CPU the
-README names, the whole run takes about 9 minutes; ``--only`` reruns one figure.
+docs/benchmarks.md names, the whole run takes about 9 minutes; ``--only`` reruns one figure.
 
 Sections (in order):
   overhead                  Trainer + AMPPrecision vs Lightning's MixedPrecision vs the plain loop, fp16 and bf16
