@@ -1,4 +1,4 @@
-"""Every figure in the README's "Measured figures", side by side, on the machine this runs on.
+"""Every figure in docs/benchmarks.md, side by side, on the machine this runs on.
 
 Run: python benchmarks/run_all.py [--only SECTION ...]
 Prints the machine (CPU model, the flags that decide bf16 speed, GPU), the date and the library versions,
