@@ -90,7 +90,7 @@ def _cli_class() -> type:
                     raise
                 refuse(
                     f"{subcommand} stopped before its first step: {first_paragraph(str(err))}"
-                    " (JSONARGPARSE_DEBUG=1 shows the traceback)"
+                    " (JSONARGPARSE_DEBUG=true shows the traceback)"
                 )
 
         def _subcommand_config(self) -> dict[str, Any]:

@@ -10,7 +10,7 @@ every option. ``LowPrecisionCLI`` uses three pieces from here instead:
   options the allowed values and the closest one;
 - ``refuse`` prints the paragraph and exits with status 2, argparse's status for bad arguments.
 
-``JSONARGPARSE_DEBUG=1`` (jsonargparse's own switch) shows the original error and its traceback instead.
+``JSONARGPARSE_DEBUG=true`` (jsonargparse's own switch) shows the original error and its traceback instead.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ class ConfigurationError(SystemExit):
 
 
 def debugging() -> bool:
-    return os.environ.get("JSONARGPARSE_DEBUG", "").lower() not in ("", "0", "false")
+    """jsonargparse's debug switch (it accepts ``true`` and ``false`` only)."""
+    return os.environ.get("JSONARGPARSE_DEBUG", "").lower() == "true"
 
 
 def refuse(message: str) -> NoReturn:
@@ -141,7 +142,7 @@ _KEY = re.compile(r'^(?P<indent>\s*)(?:- )?Parser key "(?P<key>[^"]+)"')
 _CLASS_PATH = re.compile(r"^(?P<indent>\s*)(?:- )?Problem with given class_path '(?P<path>[^']+)'")
 _LITERAL = re.compile(r"typing\.Literal\[(?P<values>[^\]]*)\]")
 _GIVEN = re.compile(r"^\s*(?:Given value|Got value): (?P<value>.*)$|\. Got value: (?P<inline>.*)$")
-_CLASS = re.compile(r"<class '(?:[\w.]+\.)?(?P<name>\w+)'>")
+_CLASS = re.compile(r"(?:\ban? )?<class '(?:[\w.]+\.)?(?P<name>\w+)'>")
 _NOISE = re.compile(
     r"Does not validate against any of the Union subtypes|^\s*(?:Subtypes|Errors|Given value type|Given value):"
     r"|Expected a <class '(?:NoneType|str)'>|^\s*- (?:a class path|a dict with|a dict without)|Subclass types expect"
