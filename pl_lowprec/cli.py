@@ -8,15 +8,28 @@ from __future__ import annotations
 
 import sys
 import warnings
+from argparse import ArgumentError
 from typing import Any
 
 from pl_lowprec._imports import require_cli
+from pl_lowprec.config_errors import (
+    REFUSALS,
+    ClassRefusals,
+    class_key,
+    debugging,
+    first_paragraph,
+    parse_error_paragraph,
+    raised_refusal,
+    refuse,
+)
+from pl_lowprec.trainer_checks import batches_started, check_trainer_arguments
 
 DEFAULT_ROOT_DIR = "runs"
 
 
 def _cli_class() -> type:
     require_cli()
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
     from lightning.pytorch.cli import LightningCLI
 
     import pl_lowprec
@@ -25,17 +38,72 @@ def _cli_class() -> type:
     import pl_lowprec.models  # noqa: F401
 
     class LowPrecisionCLI(LightningCLI):
-        """LightningCLI that writes under ``runs/`` by default and labels step-limited runs sensibly."""
+        """LightningCLI that writes under ``runs/`` by default, labels step-limited runs sensibly, and turns a bad
+        configuration into one paragraph and exit status 2 (``pl_lowprec.config_errors``)."""
+
+        def init_parser(self, **kwargs: Any) -> Any:
+            kwargs.setdefault("exit_on_error", False)  # parse_arguments words the error, not jsonargparse's dump
+            return super().init_parser(**kwargs)
 
         def add_arguments_to_parser(self, parser: Any) -> None:
             parser.set_defaults({"trainer.default_root_dir": DEFAULT_ROOT_DIR})
 
+        def parse_arguments(self, parser: Any, args: Any) -> None:
+            try:
+                super().parse_arguments(parser, args)
+            except ArgumentError as err:
+                if debugging():
+                    raise
+                refuse(f"{parse_error_paragraph(str(err))}\n{_help_tip(args)}")
+
+        def _add_instantiators(self) -> None:
+            super()._add_instantiators()  # Lightning's, for the model and data (their hyperparameters)
+            self.class_refusals = ClassRefusals()
+            self.parser.add_instantiator(self.class_refusals, object)  # every other class
+
+        def instantiate_classes(self) -> None:
+            try:
+                super().instantiate_classes()
+            except (*REFUSALS, MisconfigurationException) as err:
+                if debugging():
+                    raise
+                refusal = (
+                    raised_refusal(err, (*REFUSALS, MisconfigurationException))
+                    or getattr(self, "class_refusals", ClassRefusals()).last()
+                )
+                if refusal is None:
+                    raise
+                key = class_key(self._subcommand_config(), refusal.class_name) if refusal.class_name else None
+                refuse(refusal.paragraph(key))
+
         def instantiate_trainer(self, **kwargs: Any) -> Any:
             trainer = super().instantiate_trainer(**kwargs)
+            check_trainer_arguments(trainer)
             use_step_limited_progress_bar(trainer)
             return trainer
 
+        def _run_subcommand(self, subcommand: str) -> None:
+            try:
+                super()._run_subcommand(subcommand)
+            except (*REFUSALS, MisconfigurationException) as err:
+                if debugging() or batches_started(self.trainer):
+                    raise
+                refuse(
+                    f"{subcommand} stopped before its first step: {first_paragraph(str(err))}"
+                    " (JSONARGPARSE_DEBUG=true shows the traceback)"
+                )
+
+        def _subcommand_config(self) -> dict[str, Any]:
+            config = self.config.as_dict()
+            return config.get(self.subcommand, config) if self.subcommand else config
+
     return LowPrecisionCLI
+
+
+def _help_tip(args: list[str] | None) -> str:
+    argv = sys.argv[1:] if args is None else list(args)
+    subcommand = next((a for a in argv if a in ("fit", "validate", "test", "predict")), "")
+    return f"tip: `pl-lowprec {subcommand} --help`".replace("  ", " ") + " lists the options and their types."
 
 
 def use_step_limited_progress_bar(trainer: Any) -> None:

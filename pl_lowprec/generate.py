@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from pl_lowprec.arguments import check_at_least, check_fraction, check_positive, float_in, int_at_least
 
 
 @dataclass
@@ -36,10 +39,12 @@ class Decoding:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be at least 1.")
-        if self.do_sample and self.temperature <= 0:
-            raise ValueError(f"temperature={self.temperature} must be positive when sampling.")
+        check_at_least("Decoding", 1, max_new_tokens=self.max_new_tokens)
+        check_at_least("Decoding", 0, "0 turns top-k filtering off.", top_k=self.top_k)
+        check_positive(
+            "Decoding", "1.0 samples from the model's distribution; lower is greedier.", temperature=self.temperature
+        )
+        check_fraction("Decoding", low_open=True, hint="1.0 keeps every token.", top_p=self.top_p)
 
     def kwargs(self) -> dict[str, Any]:
         chosen: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "do_sample": self.do_sample}
@@ -184,12 +189,12 @@ def main(args: list[str] | None = None) -> None:
     parser.add_argument("--base", help="Base model directory for an adapter (default: from adapter_config.json).")
     parser.add_argument("--tokenizer", help="Tokenizer directory (default: the model's or the config's).")
     parser.add_argument("--device", default="auto", help="For --model: cuda if available, else cpu.")
-    parser.add_argument("--batch_size", type=int, default=8)
-    parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument("--batch_size", type=int_at_least(1), default=8)
+    parser.add_argument("--max_new_tokens", type=int_at_least(1), default=64)
     parser.add_argument("--do_sample", action="store_true", help="Sample instead of greedy decoding.")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top_p", type=float, default=1.0)
-    parser.add_argument("--top_k", type=int, default=50)
+    parser.add_argument("--temperature", type=float_in(0, math.inf), default=1.0, help="With --do_sample.")
+    parser.add_argument("--top_p", type=float_in(0, 1), default=1.0, help="With --do_sample (1.0: no filter).")
+    parser.add_argument("--top_k", type=int_at_least(0), default=50, help="With --do_sample (0: no filter).")
     parser.add_argument("--seed", type=int, default=0)
     parsed, cli_args = parser.parse_known_args(args)
     decoding = Decoding(

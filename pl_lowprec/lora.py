@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from pl_lowprec._imports import import_peft
+from pl_lowprec.arguments import check_at_least, check_fraction, check_positive
 from pl_lowprec.quantization import DEFAULT_SKIP, linear_names, matches_any
 
 ADAPTER_NAME = "default"
@@ -34,9 +35,18 @@ def lora_config(lora: Any) -> Any:
         raise TypeError(f"lora= takes a peft.LoraConfig or a dict of its fields, got {type(lora).__name__}.")
     fields = {"target_modules": "all-linear", **lora}
     try:
-        return peft.LoraConfig(**fields)
+        config = peft.LoraConfig(**fields)
     except TypeError as err:
         raise ValueError(f"lora={dict(lora)!r} is not a valid peft.LoraConfig: {err}.") from err
+    check_lora_numbers(config)
+    return config
+
+
+def check_lora_numbers(config: Any) -> None:
+    """Rank, alpha and dropout checked when the strategy is built; peft checks ``r`` only while injecting."""
+    check_at_least("LoraConfig", 1, "The adapter rank: 8 or 16 is usual; higher learns more.", r=config.r)
+    check_positive("LoraConfig", "The update is scaled by lora_alpha / r; usually 2 x r.", lora_alpha=config.lora_alpha)
+    check_fraction("LoraConfig", high_open=True, hint="0.0 turns dropout off.", lora_dropout=config.lora_dropout)
 
 
 def has_lora(model: nn.Module) -> bool:

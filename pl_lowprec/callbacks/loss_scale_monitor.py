@@ -7,6 +7,7 @@ scaler (bf16, fp32) it watches the loss and the gradient norm for non-finite val
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Any
 
@@ -51,6 +52,11 @@ class LossScaleMonitor(pl.Callback):
             raise ValueError(f"LossScaleMonitor(window={window!r}) must be an integer >= 1.")
         if not 0.0 <= warn_skip_rate <= 1.0:
             raise ValueError(f"LossScaleMonitor(warn_skip_rate={warn_skip_rate!r}) must be between 0 and 1.")
+        if not math.isfinite(warn_scale_below) or warn_scale_below < 0:
+            raise ValueError(
+                f"LossScaleMonitor(warn_scale_below={warn_scale_below!r}) must be a finite number >= 0 (0: never"
+                " warn; the default 1.0 warns when fp16 gradients are no longer scaled up)."
+            )
         if max_consecutive_overflows is not None and max_consecutive_overflows < 1:
             raise ValueError(
                 f"LossScaleMonitor(max_consecutive_overflows={max_consecutive_overflows!r}) must be >= 1,"

@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader
 
+from pl_lowprec.arguments import check_at_least
 from pl_lowprec.data.collate import PadCollate
 from pl_lowprec.data.records import (
     SUFFIXES,
@@ -84,6 +85,7 @@ class TextDataModule(pl.LightningDataModule):
             raise ValueError(f"TextDataModule(batch_size={batch_size}) must be at least 1.")
         if not 0 <= val_fraction < 1:
             raise ValueError(f"TextDataModule(val_fraction={val_fraction}) must be in [0, 1).")
+        check_at_least("TextDataModule", 0, "0 loads batches in the main process.", num_workers=num_workers)
         self.train_paths = data_files(train_files, "train_files")
         self.val_paths = data_files(val_files, "val_files") if val_files is not None else None
         self.tokenizer_dir = tokenizer

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from pl_lowprec.arguments import check_at_least, int_at_least
 from pl_lowprec.demo.stdlib_text import stdlib_bytes
 from pl_lowprec.demo.tokenizer import train_tokenizer
 
@@ -89,6 +90,11 @@ def make_demo_model(
     """Train and save the tokenizer and model to ``out_dir/model`` and the task to ``out_dir/data``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    check_at_least("make_demo_model", 1, steps=steps, hidden_size=hidden_size, num_layers=num_layers)
+    check_at_least("make_demo_model", 1, batch_size=batch_size, max_bytes=max_bytes)
+    check_at_least("make_demo_model", 2, seq_len=seq_len)
+    check_at_least("make_demo_model", 256, "The tokenizer holds the 256 bytes first.", vocab_size=vocab_size)
+
     out = Path(out_dir)
     model_dir = out / "model"
     torch.manual_seed(seed)
@@ -143,7 +149,9 @@ def make_demo_model(
 def main(args: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="pl-lowprec make-demo-model", description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", help="Writes OUT_DIR/model (Hugging Face directory) and OUT_DIR/data.")
-    parser.add_argument("--steps", type=int, default=300, help="Pre-training steps (300: about a minute on 2 cores).")
+    parser.add_argument(
+        "--steps", type=int_at_least(1), default=300, help="Pre-training steps (300: about a minute on 2 cores)."
+    )
     parsed = parser.parse_args(args)
     model_dir = make_demo_model(parsed.out_dir, steps=parsed.steps)
     summary = json.loads((model_dir / "pretraining.json").read_text())

@@ -6,6 +6,7 @@ Every machine that runs Python has this text, so the default task needs no downl
 
 from __future__ import annotations
 
+import math
 import sysconfig
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from pl_lowprec.arguments import check_at_least
 from pl_lowprec.data.resumable import resumable_loader
 
 VOCAB_SIZE = 256
@@ -55,6 +57,10 @@ class StdlibTextDataModule(pl.LightningDataModule):
             raise ValueError(f"StdlibTextDataModule(seq_len={seq_len}) needs at least 2 tokens per sample.")
         if not 0 < val_fraction < 1:
             raise ValueError(f"StdlibTextDataModule(val_fraction={val_fraction}) must be between 0 and 1.")
+        check_at_least("StdlibTextDataModule", 1, batch_size=batch_size)
+        # both splits need one window of seq_len bytes
+        needed = math.ceil(seq_len / min(val_fraction, 1 - val_fraction))
+        check_at_least("StdlibTextDataModule", needed, f"Each split needs {seq_len} bytes.", max_bytes=max_bytes)
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.max_bytes = max_bytes

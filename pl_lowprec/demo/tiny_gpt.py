@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from pl_lowprec.arguments import check_at_least, check_model_sizes, check_positive
 from pl_lowprec.demo.stdlib_text import VOCAB_SIZE
 
 
@@ -49,6 +50,9 @@ class TinyGPT(pl.LightningModule):
         warmup_steps: int = 10,
     ) -> None:
         super().__init__()
+        check_model_sizes("TinyGPT", ("dim", dim), ("heads", heads), layers=layers, max_len=max_len)
+        check_positive("TinyGPT", lr=lr)
+        check_at_least("TinyGPT", 0, warmup_steps=warmup_steps)
         self.save_hyperparameters()
         self.lr = lr
         self.warmup_steps = warmup_steps

@@ -11,6 +11,7 @@ import torch
 from lightning_utilities.core.imports import RequirementCache
 from torchmetrics.text import Perplexity
 
+from pl_lowprec.arguments import check_at_least, check_model_sizes, check_positive
 from pl_lowprec.demo.stdlib_text import VOCAB_SIZE
 
 _TRANSFORMERS = RequirementCache("transformers>=4.45")
@@ -48,6 +49,16 @@ class TinyLlama(pl.LightningModule):
             )
         from transformers import LlamaConfig, LlamaForCausalLM
 
+        check_model_sizes(
+            "TinyLlama",
+            ("hidden_size", hidden_size),
+            ("num_heads", num_heads),
+            intermediate_size=intermediate_size,
+            num_layers=num_layers,
+            max_len=max_len,
+        )
+        check_positive("TinyLlama", lr=lr)
+        check_at_least("TinyLlama", 0, warmup_steps=warmup_steps)
         self.save_hyperparameters()
         config = LlamaConfig(
             vocab_size=VOCAB_SIZE,

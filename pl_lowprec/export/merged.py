@@ -20,10 +20,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pl_lowprec._imports import import_safetensors
 from pl_lowprec.adapters import lora_deltas
 from pl_lowprec.loading import PretrainedWeights, resolve_checkpoint
-from pl_lowprec.loading.sources import INDEX_NAME
+from pl_lowprec.loading.sources import INDEX_NAME, open_safetensors
 from pl_lowprec.quantization import _dtype
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -33,7 +32,6 @@ def merge_into_pretrained(
     module: nn.Module, weights: PretrainedWeights, out_dir: Path, dtype: str | None = None
 ) -> dict[str, int]:
     """Write the merged model to ``out_dir`` (which must exist and be empty); return counts of merged/written."""
-    safetensors = import_safetensors()
     from safetensors.torch import save_file
 
     cast = _dtype(dtype) if dtype is not None else None
@@ -55,7 +53,7 @@ def merge_into_pretrained(
     merged = written = 0
     for file, keys in by_file.items():
         tensors: dict[str, torch.Tensor] = {}
-        with safetensors.safe_open(str(file), framework="pt", device="cpu") as handle:
+        with open_safetensors(file, device="cpu") as handle:
             metadata = handle.metadata()
             for file_key in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
                 tensor = handle.get_tensor(file_key)

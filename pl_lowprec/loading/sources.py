@@ -8,9 +8,11 @@ holds the Hugging Face model as ``self.model`` needs ``"model."`` in front of ev
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pl_lowprec._imports import import_safetensors
 
@@ -105,13 +107,30 @@ _ALLOWED = (
 )
 
 
+@contextmanager
+def open_safetensors(file: Path, device: str | None = None) -> Iterator[Any]:
+    """``safetensors.safe_open``; a file that is not a complete safetensors file fails naming it and its size."""
+    safetensors = import_safetensors()
+    kwargs = {"device": device} if device is not None else {}
+    try:
+        handle = safetensors.safe_open(str(file), framework="pt", **kwargs)
+    except safetensors.SafetensorError as err:
+        size = file.stat().st_size if file.exists() else 0
+        reason = str(err).removeprefix("Error while deserializing header: ")
+        raise ValueError(
+            f"{file} ({size:,} bytes) is not a complete safetensors file: {reason}. A download or copy that was"
+            " cut short does this: fetch or save the file again (its size should match the original)."
+        ) from err
+    with handle:
+        yield handle
+
+
 def resolve_checkpoint(source: str | Path, prefix: str | Mapping[str, str] | None = None) -> CheckpointIndex:
     """Read the headers of every file of ``source``; keys are mapped through ``prefix`` (see ``prefix_map``)."""
-    safetensors = import_safetensors()
     prefixes = prefix_map(prefix)
     tensors: dict[str, TensorInfo] = {}
     for file in checkpoint_files(source):
-        with safetensors.safe_open(str(file), framework="pt") as handle:
+        with open_safetensors(file) as handle:
             for key in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
                 tensor = handle.get_slice(key)
                 mapped = map_key(key, prefixes)

@@ -22,9 +22,9 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from pl_lowprec._imports import import_bitsandbytes, import_safetensors
+from pl_lowprec._imports import import_bitsandbytes
 from pl_lowprec.loading.empty import assert_no_meta
-from pl_lowprec.loading.sources import CheckpointIndex, resolve_checkpoint
+from pl_lowprec.loading.sources import CheckpointIndex, open_safetensors, resolve_checkpoint
 from pl_lowprec.quantization import (
     QuantizationConfig,
     check_int8_trains,
@@ -152,7 +152,6 @@ def load_pretrained(
     torchao NF4 under FSDP) as soon as its weight is loaded. ``place`` turns each loaded parameter into what the
     module keeps (under FSDP: this rank's rows only), right after it is loaded, or after its layer is quantized.
     """
-    safetensors = import_safetensors()
     device = torch.device(device)
     index = resolve_checkpoint(source, prefix)
     chosen = check_against(model, index, prefix)
@@ -170,7 +169,7 @@ def load_pretrained(
         quantizing = quantization is not None and will_quantize(owner, owner_name, quantization)
         firsts = by_owner.get(owner_name, [])
         for file, keys in _by_file(firsts, chosen, index).items():
-            with safetensors.safe_open(str(file), framework="pt", device="cpu") as handle:
+            with open_safetensors(file, device="cpu") as handle:
                 for first in keys:
                     declared = _current(model, slots[first])
                     loaded = handle.get_tensor(index.tensors[chosen[first]].key)

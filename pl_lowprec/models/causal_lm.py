@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torchmetrics import MeanMetric
 
+from pl_lowprec.arguments import check_at_least, check_positive
 from pl_lowprec.loading import PretrainedWeights, empty_weights, load_pretrained
 from pl_lowprec.loading.hub import resolve_pretrained
 from pl_lowprec.models.chunked_loss import causal_lm_loss_sum
@@ -55,6 +56,10 @@ class CausalLM(pl.LightningModule):
             raise ValueError(f"CausalLM(loss_chunk_size={loss_chunk_size}) must be a positive number of positions.")
         if not 0 <= min_lr_ratio <= 1:
             raise ValueError(f"CausalLM(min_lr_ratio={min_lr_ratio}) must be between 0 and 1.")
+        check_positive("CausalLM", "LoRA usually trains at 1e-4 to 3e-3.", lr=lr)
+        check_at_least("CausalLM", 0, warmup_steps=warmup_steps)
+        if not math.isfinite(weight_decay) or weight_decay < 0:
+            raise ValueError(f"CausalLM(weight_decay={weight_decay}) must be a finite number >= 0 (0: none).")
         from transformers import AutoConfig
 
         self.save_hyperparameters()

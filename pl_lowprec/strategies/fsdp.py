@@ -46,6 +46,7 @@ from pl_lowprec.strategies.fsdp_checkpoints import (
 )
 from pl_lowprec.strategies.transform import ModelTransform
 from pl_lowprec.strategies.transform_hooks import TransformHooks
+from pl_lowprec.trainer_checks import check_trainer_arguments
 
 
 class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
@@ -190,6 +191,7 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
 
     def setup(self, trainer: pl.Trainer) -> None:
         """Transform and shard (no ``configure_model`` needed), then the precision and the optimizers."""
+        check_trainer_arguments(trainer)
         self.accelerator.setup(trainer)
         self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)
         if not is_sharded(self.lightning_module):  # one process: no fully_shard moved it to the device

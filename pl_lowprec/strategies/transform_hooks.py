@@ -14,6 +14,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from pl_lowprec.strategies.transform import ModelTransform, teardown_with_meta
+from pl_lowprec.trainer_checks import check_trainer_arguments
 
 
 class TransformHooks:
@@ -22,6 +23,7 @@ class TransformHooks:
     transform: ModelTransform
 
     def setup(self, trainer: pl.Trainer) -> None:
+        check_trainer_arguments(trainer)
         self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)
         super().setup(trainer)
 

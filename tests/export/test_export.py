@@ -229,6 +229,6 @@ def test_generate_reads_txt_prompts_and_names_bad_records(tmp_path):
         read_prompts(bad)
     with pytest.raises(ValueError, match=r"give a .txt file"):
         read_prompts(tmp_path / "p.csv") if (tmp_path / "p.csv").write_text("x") else None
-    with pytest.raises(ValueError, match=r"max_new_tokens=0 must be at least 1"):
+    with pytest.raises(ValueError, match=r"Decoding\(max_new_tokens=0\) must be an integer >= 1"):
         Decoding(max_new_tokens=0)
     assert Decoding().kwargs() == {"max_new_tokens": 64, "do_sample": False}

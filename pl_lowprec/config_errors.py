@@ -1,0 +1,233 @@
+"""Configuration errors as one paragraph: what was wrong, what is allowed, how to fix it.
+
+jsonargparse reports a bad value inside a ``Union`` (every strategy, plugin and callback of the Trainer) as a
+60-100 line dump of each subtype it tried, with the class's own message buried in it, and its usage line lists
+every option. ``LowPrecisionCLI`` uses three pieces from here instead:
+
+- ``ClassRefusals`` is an instantiator (jsonargparse's hook for building classes): it remembers the first error
+  that a class's ``__init__`` raised, so that the CLI prints that message and not jsonargparse's wrapping of it;
+- ``parse_error_paragraph`` turns a parsing error into one paragraph: the option, the value, and for ``Literal``
+  options the allowed values and the closest one;
+- ``refuse`` prints the paragraph and exits with status 2, argparse's status for bad arguments.
+
+``JSONARGPARSE_DEBUG=true`` (jsonargparse's own switch) shows the original error and its traceback instead.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+# Errors by which a class or a check refuses a value; anything else (a bug) keeps its traceback.
+REFUSALS: tuple[type[BaseException], ...] = (ValueError, TypeError, ImportError, FileNotFoundError)
+EXIT_STATUS = 2
+
+
+class ConfigurationError(SystemExit):
+    """Raised by ``refuse``: ``SystemExit`` with status 2, the paragraph already printed."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(EXIT_STATUS)
+        self.message = message
+
+
+def debugging() -> bool:
+    """jsonargparse's debug switch (it accepts ``true`` and ``false`` only)."""
+    return os.environ.get("JSONARGPARSE_DEBUG", "").lower() == "true"
+
+
+def refuse(message: str) -> NoReturn:
+    """Print ``error: <message>`` to stderr and exit with status 2."""
+    sys.stderr.write(f"error: {message.strip()}\n")
+    sys.stderr.flush()
+    raise ConfigurationError(message)
+
+
+@dataclass
+class Refusal:
+    class_name: str | None
+    error: BaseException
+
+    def paragraph(self, key: str | None) -> str:
+        """``key (Class): message``, leaving out what the message already says."""
+        message = first_paragraph(str(self.error))
+        named = self.class_name is None or message.startswith(self.class_name)
+        where = key if named else f"{key} ({self.class_name})" if key else self.class_name
+        return f"{where}: {message}" if where else message
+
+
+@dataclass
+class ClassRefusals:
+    """An instantiator for every class the CLI builds that records the first refusal of a class's ``__init__``."""
+
+    refusals: list[Refusal] = field(default_factory=list)
+
+    def __call__(self, class_type: type, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return class_type(*args, **kwargs)
+        except REFUSALS as err:
+            self.refusals.append(Refusal(class_type.__name__, err))
+            raise
+
+    def last(self) -> Refusal | None:
+        """The latest refusal: an inner class (a ``QuantizationConfig``) refuses before the one holding it."""
+        return self.refusals[-1] if self.refusals else None
+
+
+def class_key(config: Any, class_name: str) -> str | None:
+    """The config key (``trainer.strategy``) whose ``class_path`` names ``class_name``; ``None`` if none does."""
+    found: list[str] = []
+
+    def walk(node: Any, key: str) -> None:
+        if isinstance(node, dict):
+            path = node.get("class_path")
+            if isinstance(path, str) and path.rpartition(".")[2] == class_name:
+                found.append(key)
+            for name, value in node.items():
+                walk(value, f"{key}.{name}" if key else str(name))
+        elif isinstance(node, list):
+            for index, value in enumerate(node):
+                walk(value, f"{key}[{index}]" if len(node) > 1 else key)
+
+    walk(config, "")
+    return found[-1] if found else None
+
+
+def raised_refusal(err: BaseException, kinds: tuple[type[BaseException], ...] = REFUSALS) -> Refusal | None:
+    """The refusal in ``err`` or its causes that a class's ``__init__`` raised, not jsonargparse.
+
+    jsonargparse passes on the error of a class it builds outside a ``Union`` as it is, and inside one as the
+    cause of its dump when the class was the first subtype tried (``model``, ``data``)."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, kinds) and own_error(seen):
+            return Refusal(_refusing_class(seen), seen)
+        seen = seen.__cause__
+    return None
+
+
+def _refusing_class(err: BaseException) -> str | None:
+    """The class whose ``__init__`` is the outermost one in the traceback of ``err``."""
+    tb = err.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "__init__" and "self" in frame.f_locals:
+            return type(frame.f_locals["self"]).__name__
+        tb = tb.tb_next
+    return None
+
+
+def own_error(err: BaseException) -> bool:
+    """Whether ``err`` was raised outside jsonargparse, i.e. by the class it was building (not a wrapping)."""
+    tb = err.__traceback__
+    last = None
+    while tb is not None:
+        last = tb.tb_frame.f_code.co_filename
+        tb = tb.tb_next
+    return last is not None and f"{os.sep}jsonargparse{os.sep}" not in last
+
+
+def first_paragraph(text: str) -> str:
+    """The message up to its first blank line, on one line."""
+    return " ".join(text.strip().split("\n\n")[0].split())
+
+
+# ---- parsing errors ----
+
+_KEY = re.compile(r'^(?P<indent>\s*)(?:- )?Parser key "(?P<key>[^"]+)"')
+_CLASS_PATH = re.compile(r"^(?P<indent>\s*)(?:- )?Problem with given class_path '(?P<path>[^']+)'")
+_LITERAL = re.compile(r"typing\.Literal\[(?P<values>[^\]]*)\]")
+_GIVEN = re.compile(r"^\s*(?:Given value|Got value): (?P<value>.*)$|\. Got value: (?P<inline>.*)$")
+_CLASS = re.compile(r"(?:\ban? )?<class '(?:[\w.]+\.)?(?P<name>\w+)'>")
+_NOISE = re.compile(
+    r"Does not validate against any of the Union subtypes|^\s*(?:Subtypes|Errors|Given value type|Given value):"
+    r"|Expected a <class '(?:NoneType|str)'>|^\s*- (?:a class path|a dict with|a dict without)|Subclass types expect"
+    r"|Expected a path but .* either not accessible|Expected a dot import path string|NestedArg\(|does not correspond"
+    r"|is abstract$|^\s*$"
+)
+
+
+def parse_error_paragraph(message: str) -> str:
+    """One paragraph for a jsonargparse parsing error: the full option name, the value, what is allowed."""
+    lines = message.splitlines()
+    key, section = _innermost_option(lines)
+    value = _given_value(section)
+    literals = _literal_values(section)
+    if literals and value is not None and value not in literals:
+        return _literal_paragraph(key, value, literals, _other_types(section))
+    reasons = [_clean(line) for line in section if not _NOISE.search(line) and not _KEY.match(line)]
+    reasons = [r for r in dict.fromkeys(reasons) if r]
+    if not reasons:
+        return first_paragraph(message)
+    reason = "; ".join(reasons[:3])
+    return f"{key}: {reason}" if key else reason
+
+
+def _innermost_option(lines: list[str]) -> tuple[str | None, list[str]]:
+    """The dotted option of the most deeply nested ``Parser key`` (``trainer.strategy.init_args.quantization``)
+    and the lines of its error; the whole message when it names no key."""
+    parts: list[tuple[int, str]] = []
+    best: tuple[int, str, int] | None = None  # indent, option, line number
+    for number, line in enumerate(lines):
+        match = _KEY.match(line) or _CLASS_PATH.match(line)
+        if match is None:
+            continue
+        indent = len(match.group("indent"))
+        parts = [(i, p) for i, p in parts if i < indent]
+        parts.append((indent, match.group("key") if "key" in match.groupdict() else "init_args"))
+        if _KEY.match(line) and (best is None or indent > best[0]):
+            best = (indent, ".".join(p for _, p in parts), number)
+    if best is None:
+        return None, lines
+    indent, option, number = best
+    section = [lines[number]]
+    for line in lines[number + 1 :]:
+        if line.strip() and len(line) - len(line.lstrip()) <= indent:
+            break
+        section.append(line)
+    return option, section
+
+
+def _given_value(lines: list[str]) -> str | None:
+    for line in lines:
+        match = _GIVEN.search(line)
+        if match:
+            value = (match.group("value") or match.group("inline") or "").strip()
+            if not value.startswith(("NestedArg(", "Namespace(", "[Namespace(")):
+                return value
+    return None
+
+
+def _literal_values(lines: list[str]) -> list[str]:
+    values: list[str] = []
+    for line in lines:
+        for match in _LITERAL.finditer(line):
+            for item in match.group("values").split(","):
+                item = item.strip().strip("'\"")
+                if item and item not in values:
+                    values.append(item)
+    return values
+
+
+def _other_types(lines: list[str]) -> list[str]:
+    """The non-``Literal`` alternatives named in the ``Subtypes`` line (``QuantizationConfig``, ``null``)."""
+    subtypes = next((line for line in lines if line.strip().startswith("Subtypes:")), "")
+    names = [m.group("name") for m in _CLASS.finditer(_LITERAL.sub("", subtypes))]
+    return ["null" if n == "NoneType" else f"a {n}" for n in dict.fromkeys(names) if n not in ("str", "int")]
+
+
+def _literal_paragraph(key: str | None, value: str, allowed: list[str], others: list[str]) -> str:
+    shown = ", ".join(repr(a) for a in allowed) + "".join(f", {o}" for o in others)
+    closest = difflib.get_close_matches(value, allowed, n=1, cutoff=0.5)
+    hint = f" Did you mean {closest[0]!r}?" if closest else ""
+    option = key or "the value"
+    return f"{option}={value!r} is not allowed. Allowed: {shown}.{hint}"
+
+
+def _clean(line: str) -> str:
+    text = _CLASS.sub(lambda match: match.group("name"), line.strip().removeprefix("- ").strip())
+    return text.rstrip(".:")

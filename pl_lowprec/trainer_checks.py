@@ -1,0 +1,57 @@
+"""Trainer arguments that Lightning 2.6 accepts but divides by later, checked before any step.
+
+``Trainer(accumulate_grad_batches=0)`` is accepted and fails inside step 1 with ``ZeroDivisionError``;
+``check_val_every_n_epoch=0`` and ``val_check_interval=0`` fail the same way at the first validation check.
+``check_trainer_arguments`` runs when the CLI builds the Trainer and again in the strategies' ``setup``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def check_trainer_arguments(trainer: Any) -> None:
+    """``ValueError`` naming the first Trainer argument that would fail or mislead once training runs."""
+    accumulate = trainer.accumulate_grad_batches
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(
+            f"Trainer(accumulate_grad_batches={accumulate!r}) must be an integer >= 1 (1: an optimizer step every"
+            " batch; 4: one step every 4 batches, the effective batch 4x larger)."
+        )
+    every_n_epochs = trainer.check_val_every_n_epoch
+    if every_n_epochs is not None and every_n_epochs < 1:
+        raise ValueError(
+            f"Trainer(check_val_every_n_epoch={every_n_epochs!r}) must be an integer >= 1, or None to validate"
+            " every val_check_interval batches regardless of epochs."
+        )
+    interval = trainer.val_check_interval
+    if isinstance(interval, (int, float)) and not isinstance(interval, bool) and interval <= 0:
+        raise ValueError(
+            f"Trainer(val_check_interval={interval!r}) must be > 0: an integer number of batches, or a float in"
+            " (0, 1] for a fraction of the epoch. To skip validation pass limit_val_batches=0."
+        )
+    clip = trainer.gradient_clip_val
+    if clip is not None and (not math.isfinite(clip) or clip < 0):
+        raise ValueError(f"Trainer(gradient_clip_val={clip!r}) must be a finite number >= 0 (0 or None: no clipping).")
+    if trainer.log_every_n_steps < 0:
+        raise ValueError(f"Trainer(log_every_n_steps={trainer.log_every_n_steps!r}) must be >= 0 (0: never log).")
+    sanity = trainer.num_sanity_val_steps
+    if sanity < 0 and sanity != -1 and not math.isinf(sanity):
+        raise ValueError(
+            f"Trainer(num_sanity_val_steps={sanity!r}) must be >= 0, or -1 to check every validation batch."
+        )
+
+
+def batches_started(trainer: Any) -> int:
+    """How many batches any loop (fit, sanity check, validate, test, predict) has started."""
+    if trainer is None:
+        return 0
+    loops = [
+        trainer.fit_loop.epoch_loop,
+        trainer.fit_loop.epoch_loop.val_loop,
+        trainer.validate_loop,
+        trainer.test_loop,
+        trainer.predict_loop,
+    ]
+    return sum(loop.batch_progress.total.ready for loop in loops)
