@@ -201,7 +201,8 @@ def main(args: list[str] | None = None) -> None:
     records = read_prompts(Path(parsed.prompts))
     inputs = {"prompts file": Path(parsed.prompts), "tokenizer": parsed.tokenizer and Path(parsed.tokenizer)}
     if parsed.ckpt_path is not None:
-        from pl_lowprec.export.command import check_checkpoint, config_files, with_config
+        from pl_lowprec.export.command import config_files, with_config
+        from pl_lowprec.resume import check_checkpoint
 
         check_checkpoint(Path(parsed.ckpt_path))
         cli_args = with_config(Path(parsed.ckpt_path), cli_args, parser)

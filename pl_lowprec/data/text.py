@@ -84,6 +84,7 @@ class TextDataModule(pl.LightningDataModule):
             raise ValueError(f"TextDataModule(batch_size={batch_size}) must be at least 1.")
         if not 0 <= val_fraction < 1:
             raise ValueError(f"TextDataModule(val_fraction={val_fraction}) must be in [0, 1).")
+        self.save_hyperparameters()  # saved in checkpoints: a resumption with other data is refused (resume.py)
         self.train_paths = data_files(train_files, "train_files")
         self.val_paths = data_files(val_files, "val_files") if val_files is not None else None
         self.tokenizer_dir = tokenizer

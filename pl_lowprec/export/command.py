@@ -11,13 +11,13 @@ as for ``pl-lowprec fit``. Without ``--config``, the ``config.yaml`` LightningCL
 from __future__ import annotations
 
 import argparse
-import zipfile
 from pathlib import Path
 
 from pl_lowprec.adapters import export_adapter
 from pl_lowprec.export.merged import merge_into_pretrained
 from pl_lowprec.export.out_paths import prepare_out_dir, refuse_inputs
 from pl_lowprec.export.restore import Restored, default_config, restore
+from pl_lowprec.resume import check_checkpoint
 
 
 def pretrained_dir(restored: Restored) -> Path | None:
@@ -93,18 +93,6 @@ def with_config(checkpoint: Path, cli_args: list[str], parser: argparse.Argument
     if found is None:
         parser.error(f"no --config given and no config.yaml in {checkpoint.parent.parent}: pass --config X.yaml.")
     return ["--config", str(found), *cli_args]
-
-
-def check_checkpoint(path: Path) -> None:
-    """A clear error, before any config is read, for a missing path or a file that is no ``torch.save`` archive."""
-    if not path.is_file():
-        what = "is a directory" if path.is_dir() else "does not exist"
-        raise FileNotFoundError(f"--ckpt_path {str(path)!r} {what}: name a Lightning checkpoint file (.ckpt).")
-    if not zipfile.is_zipfile(path):
-        raise ValueError(
-            f"--ckpt_path {str(path)!r} is not a Lightning checkpoint (not a torch.save archive; {path.stat().st_size}"
-            " bytes). Name the .ckpt a run wrote under its checkpoints/ directory."
-        )
 
 
 def config_files(cli_args: list[str]) -> dict[str, Path | None]:
