@@ -1,11 +1,9 @@
 """--ckpt_path on the user's path (CausalLM + TextDataModule through the CLI): a checkpoint that is missing, not a
 checkpoint, or another run's stops the command before anything loads, unless the user says otherwise."""
 
-import json
-
 import pytest
 import torch
-from loading_helpers import save_pretrained_dir
+from loading_helpers import causal_lm_fit_args, save_pretrained_dir, write_prompt_completion
 
 from pl_lowprec.cli import build_cli, main
 
@@ -17,23 +15,8 @@ def run(tmp_path_factory):
     """A 2-step run of CausalLM on prompt/completion records, with ModelCheckpoint(save_last=True)."""
     tmp = tmp_path_factory.mktemp("resume")
     pretrained = save_pretrained_dir(tmp / "pretrained")
-    data = tmp / "pc.jsonl"
-    rows = [{"prompt": f"def f{i}(x):\n    return", "completion": f" x + {i}"} for i in range(40)]
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = [
-        "fit",
-        "--model=pl_lowprec.models.CausalLM",
-        f"--model.pretrained={pretrained}",
-        "--data=pl_lowprec.data.TextDataModule",
-        f"--data.train_files={data}",
-        f"--data.tokenizer={pretrained}",
-        "--data.batch_size=4",
-        "--data.val_fraction=0",
-        "--trainer.accelerator=cpu",
-        "--trainer.precision=32-true",
-        "--trainer.limit_val_batches=0",
-        "--trainer.enable_progress_bar=false",
-        "--trainer.enable_model_summary=false",
+        *causal_lm_fit_args(pretrained, write_prompt_completion(tmp / "pc.jsonl")),
         "--trainer.callbacks+=ModelCheckpoint",
         "--trainer.callbacks.save_last=true",
     ]
