@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 import warnings
 from argparse import ArgumentError
+from pathlib import Path
 from typing import Any
 
 from pl_lowprec._imports import require_cli
@@ -31,11 +32,13 @@ def _cli_class() -> type:
     require_cli()
     from lightning.fabric.utilities.exceptions import MisconfigurationException
     from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
     import pl_lowprec
     import pl_lowprec.data
     import pl_lowprec.demo
     import pl_lowprec.models  # noqa: F401
+    from pl_lowprec.resume import check_checkpoint, check_same_run, resolve_ckpt_path
 
     class LowPrecisionCLI(LightningCLI):
         """LightningCLI that writes under ``runs/`` by default, labels step-limited runs sensibly, and turns a bad
@@ -47,6 +50,56 @@ def _cli_class() -> type:
 
         def add_arguments_to_parser(self, parser: Any) -> None:
             parser.set_defaults({"trainer.default_root_dir": DEFAULT_ROOT_DIR})
+            parser.add_argument(
+                "--allow_fresh_start",
+                type=bool,
+                default=False,
+                help="With --ckpt_path: start from scratch when it finds no checkpoint (default: an error).",
+            )
+            parser.add_argument(
+                "--allow_changed_hparams",
+                type=bool,
+                default=False,
+                help="With --ckpt_path: use the config's model/data arguments where the checkpoint's differ"
+                " (default: an error naming them).",
+            )
+
+        def _parse_ckpt_path(self) -> None:
+            """The config's model is the one trained: a checkpoint of another model or data is refused first.
+
+            LightningCLI would replace the config's model arguments with the checkpoint's, without a word."""
+            subcommand = self.config.get("subcommand")
+            section = self.config[subcommand] if subcommand else None
+            ckpt_path = section.get("ckpt_path") if section is not None else None
+            if not ckpt_path or ckpt_path in ("last", "best", "hpc") or not Path(ckpt_path).exists():
+                return  # resolved, and checked, once the Trainer exists (after_instantiate_classes)
+            check_checkpoint(Path(ckpt_path))
+            if section.get("model") is None:
+                super()._parse_ckpt_path()
+                return
+            changed = check_same_run(Path(ckpt_path), section, section.get("allow_changed_hparams", False))
+            for line in changed:
+                rank_zero_info(
+                    f"--allow_changed_hparams: {line}; the module gets the config's value (the optimizer and"
+                    " scheduler state, learning rate included, still come from the checkpoint)."
+                )
+
+        def after_instantiate_classes(self) -> None:
+            """``--ckpt_path`` that finds nothing stops here, before any weight loads (unless --allow_fresh_start)."""
+            if self.subcommand is None:
+                return
+            section = self.config_init[self.subcommand]
+            requested = section.get("ckpt_path")
+            resolved = resolve_ckpt_path(self.trainer, requested, section.get("allow_fresh_start", False))
+            if requested is not None and resolved is None:
+                rank_zero_info(
+                    f"--ckpt_path {requested}: no checkpoint found; starting from scratch (--allow_fresh_start)."
+                )
+                section["ckpt_path"] = None
+            elif requested == "last" and resolved is not None:
+                check_same_run(
+                    Path(resolved), self.config[self.subcommand], section.get("allow_changed_hparams", False)
+                )
 
         def parse_arguments(self, parser: Any, args: Any) -> None:
             try:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from pl_lowprec.arguments import check_at_least, check_fraction, check_positive, float_in, int_at_least
+from pl_lowprec.export.out_paths import prepare_out_file
 
 
 @dataclass
@@ -185,7 +186,8 @@ def main(args: list[str] | None = None) -> None:
     source.add_argument("--ckpt_path", help="A training checkpoint (with --config, or its run's config.yaml).")
     source.add_argument("--model", help="An exported directory: merged model, or peft adapter.")
     parser.add_argument("--prompts", required=True, help=".txt (a prompt per line) or .jsonl with 'prompt'.")
-    parser.add_argument("--out", required=True, help="The .jsonl file to write.")
+    parser.add_argument("--out", required=True, help="The .jsonl file to write (a new one, or --overwrite).")
+    parser.add_argument("--overwrite", action="store_true", help="Replace an existing --out (never a file read).")
     parser.add_argument("--base", help="Base model directory for an adapter (default: from adapter_config.json).")
     parser.add_argument("--tokenizer", help="Tokenizer directory (default: the model's or the config's).")
     parser.add_argument("--device", default="auto", help="For --model: cuda if available, else cpu.")
@@ -201,15 +203,21 @@ def main(args: list[str] | None = None) -> None:
         parsed.max_new_tokens, parsed.do_sample, parsed.temperature, parsed.top_p, parsed.top_k, parsed.seed
     )
     records = read_prompts(Path(parsed.prompts))
+    inputs = {"prompts file": Path(parsed.prompts), "tokenizer": parsed.tokenizer and Path(parsed.tokenizer)}
     if parsed.ckpt_path is not None:
-        from pl_lowprec.export.command import with_config
+        from pl_lowprec.export.command import config_files, with_config
+        from pl_lowprec.resume import check_checkpoint
 
-        generator = from_checkpoint(
-            parsed.ckpt_path, with_config(Path(parsed.ckpt_path), cli_args, parser), parsed.tokenizer
-        )
+        check_checkpoint(Path(parsed.ckpt_path))
+        cli_args = with_config(Path(parsed.ckpt_path), cli_args, parser)
+        inputs |= {"checkpoint": Path(parsed.ckpt_path), **config_files(cli_args)}
+        prepare_out_file(Path(parsed.out), parsed.overwrite, inputs)
+        generator = from_checkpoint(parsed.ckpt_path, cli_args, parsed.tokenizer)
     else:
         if cli_args:
             parser.error(f"unrecognized arguments: {' '.join(cli_args)} (config overrides go with --ckpt_path)")
+        inputs |= {"model directory": Path(parsed.model), "base model": parsed.base and Path(parsed.base)}
+        prepare_out_file(Path(parsed.out), parsed.overwrite, inputs)
         generator = from_directory(parsed.model, parsed.base, parsed.device)
         if parsed.tokenizer:
             from pl_lowprec.data.text import load_tokenizer

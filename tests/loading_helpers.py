@@ -57,3 +57,30 @@ def save_pretrained_dir(directory: Path, hidden_size: int = 32, layers: int = 1)
 
     vocab = len(AutoTokenizer.from_pretrained(tokenizer))
     return save_llama(directory, hidden_size=hidden_size, layers=layers, vocab_size=vocab)
+
+
+def causal_lm_fit_args(pretrained: Path, data: Path, tokenizer: Path | None = None) -> list[str]:
+    """``pl-lowprec fit`` on the user's path: CausalLM + TextDataModule, fp32 on the CPU, no validation."""
+    return [
+        "fit",
+        "--model=pl_lowprec.models.CausalLM",
+        f"--model.pretrained={pretrained}",
+        "--data=pl_lowprec.data.TextDataModule",
+        f"--data.train_files={data}",
+        f"--data.tokenizer={tokenizer or pretrained}",
+        "--data.batch_size=4",
+        "--data.val_fraction=0",
+        "--trainer.accelerator=cpu",
+        "--trainer.precision=32-true",
+        "--trainer.limit_val_batches=0",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+    ]
+
+
+def write_prompt_completion(path: Path, n: int = 40) -> Path:
+    import json
+
+    rows = [{"prompt": f"def f{i}(x):\n    return", "completion": f" x + {i}"} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

@@ -34,6 +34,31 @@ class FileReport:
     used: int = 0
     bad: Counter = field(default_factory=Counter)
     first_lines: dict[str, list[int]] = field(default_factory=dict)
+    truncated: int = 0
+    target_tokens: int = 0
+    lost_target_tokens: int = 0
+    target_positions: Counter = field(default_factory=Counter)
+
+    def count_targets(self, labels: list[int], seq_len: int) -> None:
+        """Tally a sample's target tokens (the first label is never predicted) and those past ``seq_len``."""
+        positions = [i for i, label in enumerate(labels) if i > 0 and label != IGNORE_INDEX]
+        lost = sum(1 for i in positions if i >= seq_len)
+        self.target_positions.update(positions)
+        self.target_tokens += len(positions)
+        self.lost_target_tokens += lost
+        self.truncated += len(labels) > seq_len
+
+    def lost_share(self) -> float:
+        return self.lost_target_tokens / self.target_tokens if self.target_tokens else 0.0
+
+    def seq_len_keeping(self, share: float) -> int:
+        """The shortest ``seq_len`` (a multiple of 8) that keeps ``share`` of this file's target tokens."""
+        kept = 0
+        for position in sorted(self.target_positions):
+            kept += self.target_positions[position]
+            if kept >= share * self.target_tokens:
+                return -(-(position + 1) // 8) * 8
+        return 8
 
     def reject(self, reason: str, line: int) -> None:
         self.bad[reason] += 1
@@ -43,8 +68,16 @@ class FileReport:
 
     def describe(self) -> str:
         reasons = "; ".join(f"{n} {reason} (lines {self.first_lines[reason]})" for reason, n in self.bad.items())
-        return f"{self.path}: {self.used} records used, {sum(self.bad.values())} skipped" + (
-            f": {reasons}" if reasons else ""
+        truncation = (
+            f"; {self.truncated} truncated, losing {self.lost_target_tokens} of {self.target_tokens} target tokens"
+            f" ({self.lost_share():.1%})"
+            if self.target_tokens
+            else ""
+        )
+        return (
+            f"{self.path}: {self.used} records used, {sum(self.bad.values())} skipped"
+            + (f": {reasons}" if reasons else "")
+            + truncation
         )
 
 

@@ -8,6 +8,7 @@ a file with no usable record fails with its path.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,34 @@ from pl_lowprec.data.resumable import resumable_loader
 from pl_lowprec.loading.hub import resolve_pretrained
 from pl_lowprec.token_loss import IGNORE_INDEX
 
+# Files a directory of records may hold that this module does not read: refused rather than skipped in silence.
+# Others (a README.md, a .gitattributes) are listed in the log.
+DATA_SUFFIXES = {".json", ".csv", ".tsv", ".parquet", ".arrow", ".gz", ".bz2", ".xz", ".zst", ".zip"}
+
+
+def directory_files(path: Path, argument: str) -> list[Path]:
+    """The ``.txt`` / ``.jsonl`` files under ``path``; records in other formats are an error that lists them."""
+    files = [
+        p
+        for p in sorted(path.rglob("*"))
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+    ]
+    read = [p for p in files if p.suffix in SUFFIXES]
+    unread = [p for p in files if p.suffix not in SUFFIXES]
+    by_suffix = Counter(p.suffix or p.name for p in unread)
+    listed = ", ".join(f"{n} {suffix}" for suffix, n in sorted(by_suffix.items()))
+    if any(p.suffix in DATA_SUFFIXES for p in unread):
+        raise ValueError(
+            f"{argument}: directory {str(path)!r} holds files this module does not read ({listed}) beside"
+            f" {len(read)} .txt/.jsonl files. Convert them to .jsonl (one JSON record per line), move them out, or"
+            " name the files to use instead of the directory."
+        )
+    if not read:
+        raise ValueError(f"{argument}: directory {str(path)!r} holds no .txt or .jsonl file.")
+    if unread:
+        rank_zero_info(f"{argument}: {str(path)!r}: read {len(read)} .txt/.jsonl files; not read: {listed}.")
+    return read
+
 
 def data_files(files: str | Path | Sequence[str | Path], argument: str) -> list[Path]:
     """Files named directly or found in named directories; ``ValueError`` for anything else."""
@@ -41,10 +70,7 @@ def data_files(files: str | Path | Sequence[str | Path], argument: str) -> list[
     for item in named:
         path = Path(item).expanduser()
         if path.is_dir():
-            inside = sorted(p for p in path.rglob("*") if p.suffix in SUFFIXES)
-            if not inside:
-                raise ValueError(f"{argument}: directory {str(path)!r} holds no .txt or .jsonl file.")
-            found += inside
+            found += directory_files(path, argument)
         elif path.is_file() and path.suffix in SUFFIXES:
             found.append(path)
         else:
@@ -65,6 +91,8 @@ class TextDataModule(pl.LightningDataModule):
         val_fraction: Share held out when ``val_files`` is ``None`` (0 for none).
         seed: Seed of the split and of the training order (which depends on the epoch too).
         num_workers: ``DataLoader`` worker processes.
+        max_truncated_fraction: Share of a file's prompt/completion and chat target tokens that ``seq_len`` may
+            cut off; above it the file is refused with the ``seq_len`` that keeps 95% (1.0 accepts any loss).
     """
 
     def __init__(
@@ -77,6 +105,7 @@ class TextDataModule(pl.LightningDataModule):
         val_fraction: float = 0.05,
         seed: int = 0,
         num_workers: int = 0,
+        max_truncated_fraction: float = 0.05,
     ) -> None:
         super().__init__()
         if seq_len < 2:
@@ -86,6 +115,9 @@ class TextDataModule(pl.LightningDataModule):
         if not 0 <= val_fraction < 1:
             raise ValueError(f"TextDataModule(val_fraction={val_fraction}) must be in [0, 1).")
         check_at_least("TextDataModule", 0, "0 loads batches in the main process.", num_workers=num_workers)
+        if not 0 <= max_truncated_fraction <= 1:
+            raise ValueError(f"TextDataModule(max_truncated_fraction={max_truncated_fraction}) must be in [0, 1].")
+        self.save_hyperparameters()  # saved in checkpoints: a resumption with other data is refused (resume.py)
         self.train_paths = data_files(train_files, "train_files")
         self.val_paths = data_files(val_files, "val_files") if val_files is not None else None
         self.tokenizer_dir = tokenizer
@@ -94,6 +126,7 @@ class TextDataModule(pl.LightningDataModule):
         self.val_fraction = val_fraction
         self.seed = seed
         self.num_workers = num_workers
+        self.max_truncated_fraction = max_truncated_fraction
         self.tokenizer: Any = None
         self.reports: list[FileReport] = []
         self.train_set: list[dict[str, torch.Tensor]] | None = None
@@ -123,14 +156,29 @@ class TextDataModule(pl.LightningDataModule):
             rank_zero_info(report.describe())
             if report.used == 0:
                 raise ValueError(f"No usable record in {report.describe()}.")
+            self._check_truncation(report)
         return [{"input_ids": torch.tensor(s.input_ids), "labels": torch.tensor(s.labels)} for s in samples]
+
+    def _check_truncation(self, report: FileReport) -> None:
+        """A file that ``seq_len`` cuts more than ``max_truncated_fraction`` of its target tokens from is refused."""
+        if report.lost_share() <= self.max_truncated_fraction:
+            return
+        suggested = report.seq_len_keeping(0.95)
+        raise ValueError(
+            f"{report.path}: seq_len={self.seq_len} cuts {report.truncated} samples, losing"
+            f" {report.lost_target_tokens} of the file's {report.target_tokens} target tokens"
+            f" ({report.lost_share():.1%}),"
+            f" more than max_truncated_fraction={self.max_truncated_fraction}. seq_len={suggested} keeps 95% of"
+            f" them: pass --data.seq_len {suggested}, or accept the loss with --data.max_truncated_fraction"
+            f" {min(1.0, round(report.lost_share() + 0.005, 2))}."
+        )
 
     def _file_samples(self, path: Path, report: FileReport) -> list[Sample]:
         """One file's samples: its text records packed into ``seq_len`` blocks, the others one sample each."""
         stream: list[int] = []
         samples: list[Sample] = []
         for line, record in read_records(path, report):
-            sample_or_reason = self._encode(record)
+            sample_or_reason = self._encode(record, report)
             if isinstance(sample_or_reason, str):
                 report.reject(sample_or_reason, line)
             elif isinstance(sample_or_reason, list):
@@ -145,7 +193,7 @@ class TextDataModule(pl.LightningDataModule):
                 samples.append(Sample(block, list(block)))
         return samples
 
-    def _encode(self, record: dict[str, Any]) -> Sample | list[int] | str:
+    def _encode(self, record: dict[str, Any], report: FileReport) -> Sample | list[int] | str:
         """A sample, a token stream to pack (text), or the reason the record is unusable."""
         kind = record_kind(record)
         if kind is None:
@@ -174,6 +222,7 @@ class TextDataModule(pl.LightningDataModule):
                     " Use a chat model's tokenizer or convert the records to prompt/completion."
                 )
             sample = encode_messages(self.tokenizer, messages)
+        report.count_targets(sample.labels, self.seq_len)
         sample = Sample(sample.input_ids[: self.seq_len], sample.labels[: self.seq_len])
         if all(label == IGNORE_INDEX for label in sample.labels[1:]):
             return f"records with no target tokens within seq_len={self.seq_len}"

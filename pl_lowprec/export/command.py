@@ -11,31 +11,13 @@ as for ``pl-lowprec fit``. Without ``--config``, the ``config.yaml`` LightningCL
 from __future__ import annotations
 
 import argparse
-import shutil
 from pathlib import Path
 
 from pl_lowprec.adapters import export_adapter
 from pl_lowprec.export.merged import merge_into_pretrained
+from pl_lowprec.export.out_paths import prepare_out_dir, refuse_inputs
 from pl_lowprec.export.restore import Restored, default_config, restore
-
-
-def prepare_out_dir(out: Path, overwrite: bool, protected: list[Path]) -> None:
-    """An empty ``out`` directory; never one of ``protected`` (the pretrained weights it reads from)."""
-    resolved = out.resolve()
-    for path in protected:
-        if resolved == path.resolve() or resolved in path.resolve().parents:
-            raise ValueError(f"--out {str(out)!r} would overwrite the pretrained weights in {str(path)!r}.")
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {str(out)!r} is a file; name a directory.")
-    if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            raise ValueError(f"--out {str(out)!r} exists and is not empty: pass --overwrite to replace its contents.")
-        if any(child.is_dir() for child in out.iterdir()):
-            raise ValueError(
-                f"--out {str(out)!r} holds directories, so it is no export: --overwrite will not empty it."
-            )
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+from pl_lowprec.resume import check_checkpoint
 
 
 def pretrained_dir(restored: Restored) -> Path | None:
@@ -62,8 +44,10 @@ def save_tokenizer(restored: Restored, out: Path) -> str | None:
     return None
 
 
-def export(restored: Restored, out: Path, merged: bool, dtype: str | None, overwrite: bool) -> str:
-    """Write the export and return a one-line summary."""
+def export(
+    restored: Restored, out: Path, merged: bool, dtype: str | None, overwrite: bool, inputs: dict | None = None
+) -> str:
+    """Write the export and return a one-line summary; ``inputs`` (``{what: path}``) are never written over."""
     source = pretrained_dir(restored)
     if merged:
         if restored.weights is None:
@@ -77,7 +61,13 @@ def export(restored: Restored, out: Path, merged: bool, dtype: str | None, overw
                 f"pretrained={str(restored.weights.path)!r} is a single file and the module holds no Hugging Face"
                 " model whose config could go with the merged weights. Point pretrained= at a model directory."
             )
-    prepare_out_dir(out, overwrite, [Path(restored.weights.path)] if restored.weights is not None else [])
+    read = {
+        **(inputs or {}),
+        "checkpoint": restored.checkpoint,
+        "pretrained weights": Path(restored.weights.path) if restored.weights is not None else None,
+        "tokenizer directory": Path(restored.tokenizer_dir) if restored.tokenizer_dir else None,
+    }
+    prepare_out_dir(out, overwrite, read)
     if merged:
         counts = merge_into_pretrained(restored.module, restored.weights, out, dtype)
         if not (out / "config.json").is_file():
@@ -105,14 +95,33 @@ def with_config(checkpoint: Path, cli_args: list[str], parser: argparse.Argument
     return ["--config", str(found), *cli_args]
 
 
+def config_files(cli_args: list[str]) -> dict[str, Path | None]:
+    """The ``--config`` files among ``cli_args``, as ``{what: path}`` for the inputs ``--out`` must spare."""
+    paths: list[Path] = []
+    args = iter(cli_args)
+    for arg in args:
+        name, _, value = arg.partition("=")
+        if name == "--config":
+            paths.append(Path(value or next(args, "")))
+    return {"config" if len(paths) == 1 else f"config {i + 1}": path for i, path in enumerate(paths)}
+
+
 def main(args: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="pl-lowprec export", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ckpt_path", required=True, help="A Lightning checkpoint (adapter-only or full).")
     parser.add_argument("--out", required=True, help="The directory to write (must be empty, or --overwrite).")
     parser.add_argument("--merged", action="store_true", help="Merge into the original weights (default: adapter).")
     parser.add_argument("--dtype", default=None, help="Merged weights' dtype (default: the pretrained files').")
-    parser.add_argument("--overwrite", action="store_true", help="Replace the contents of a non-empty --out.")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="Replace a previous export in --out (never a file read).",
+    )
     parsed, cli_args = parser.parse_known_args(args)
     checkpoint = Path(parsed.ckpt_path)
-    restored = restore(checkpoint, with_config(checkpoint, cli_args, parser))
-    print(export(restored, Path(parsed.out), parsed.merged, parsed.dtype, parsed.overwrite))
+    check_checkpoint(checkpoint)
+    cli_args = with_config(checkpoint, cli_args, parser)
+    inputs = {"checkpoint": checkpoint, **config_files(cli_args)}
+    refuse_inputs(Path(parsed.out), inputs)  # before the slow restore; the pretrained directory is checked after
+    restored = restore(checkpoint, cli_args)
+    print(export(restored, Path(parsed.out), parsed.merged, parsed.dtype, parsed.overwrite, inputs))

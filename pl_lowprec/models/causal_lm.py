@@ -20,6 +20,7 @@ from pl_lowprec.arguments import check_at_least, check_positive
 from pl_lowprec.loading import PretrainedWeights, empty_weights, load_pretrained
 from pl_lowprec.loading.hub import resolve_pretrained
 from pl_lowprec.models.chunked_loss import causal_lm_loss_sum
+from pl_lowprec.models.tokenizer_check import check_tokenizer
 from pl_lowprec.quantization import _dtype
 from pl_lowprec.token_loss import TokenMeanLoss
 
@@ -70,6 +71,14 @@ class CausalLM(pl.LightningModule):
         self.model: Any = None
         self.token_mean = TokenMeanLoss()
         self.val_nll = MeanMetric()
+
+    def setup(self, stage: str) -> None:
+        """Before any weight loads (``configure_model`` runs after): the data's tokenizer fits this model."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        tokenizer = getattr(datamodule, "tokenizer", None)
+        if tokenizer is not None:
+            source = getattr(datamodule, "tokenizer_dir", None)
+            check_tokenizer(tokenizer, str(source) if source else None, self.config, self.directory)
 
     def configure_model(self) -> None:
         """Build the model with its parameters on the meta device; the strategy fills them from ``pretrained``."""

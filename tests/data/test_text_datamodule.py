@@ -100,7 +100,8 @@ def test_bad_records_are_counted_with_their_lines(tmp_path, tokenizer_dir):
         {"prompt": "x " * 200, "completion": " cut away"},  # 8
         {"messages": "hi"},  # 9
     ]
-    data = _setup(train_files=_jsonl(tmp_path / "mixed.jsonl", records), tokenizer=str(tokenizer_dir), seq_len=32)
+    path = _jsonl(tmp_path / "mixed.jsonl", records)
+    data = _setup(train_files=path, tokenizer=str(tokenizer_dir), seq_len=32, max_truncated_fraction=1.0)
     (report,) = data.reports
     assert report.used == 1 and len(data.train_set) == 1
     assert report.first_lines == {
@@ -145,3 +146,60 @@ def test_workers_give_the_same_batches(tmp_path, tokenizer_dir):
         loader.sampler.set_epoch(1)
         batches[workers] = [b["input_ids"].tolist() for b in loader]
     assert batches[0] == batches[1] and len(batches[0]) == 3
+
+
+def _expected_loss(tokenizer, records, seq_len):
+    """Target tokens and those past seq_len, counted from the tokenizer directly."""
+    total = lost = 0
+    ends = []
+    for r in records:
+        start = len(tokenizer(r["prompt"])["input_ids"])
+        n = len(tokenizer(r["completion"], add_special_tokens=False)["input_ids"]) + 1  # and EOS
+        positions = range(start, start + n)
+        total += n
+        lost += sum(p >= seq_len for p in positions)
+        ends += positions
+    return total, lost, sorted(ends)
+
+
+def test_truncation_is_reported_by_file_and_refused_past_the_threshold(tmp_path, tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    records = [
+        {"prompt": f"def function_{i}(value):\n    " + "x = x + 1\n    " * 2, "completion": " return " + "value + " * 6}
+        for i in range(400)
+    ]
+    lengths = [len(tokenizer(r["prompt"])["input_ids"] + tokenizer(r["completion"])["input_ids"]) for r in records]
+    assert min(lengths) > 40  # every sample is longer than seq_len=40
+    total, lost, positions = _expected_loss(tokenizer, records, seq_len=40)
+    keep_95 = -(-(positions[int(0.95 * total + 0.999999) - 1] + 1) // 8) * 8
+    path = _jsonl(tmp_path / "long.jsonl", records)
+    with pytest.raises(ValueError) as error:
+        _setup(train_files=path, tokenizer=str(tokenizer_dir), seq_len=40)
+    message = str(error.value)
+    assert f"seq_len=40 cuts 400 samples, losing {lost} of the file's {total} target tokens" in message
+    assert f"({lost / total:.1%}), more than max_truncated_fraction=0.05" in message
+    assert f"pass --data.seq_len {keep_95}" in message and "--data.max_truncated_fraction" in message
+
+    data = _setup(train_files=path, tokenizer=str(tokenizer_dir), seq_len=40, max_truncated_fraction=1.0)
+    assert (
+        data.reports[0]
+        .describe()
+        .endswith(f"400 truncated, losing {lost} of {total} target tokens ({lost / total:.1%})")
+    )
+    data = _setup(train_files=path, tokenizer=str(tokenizer_dir), seq_len=keep_95)  # the suggestion is accepted
+    assert data.reports[0].lost_share() <= 0.05
+
+
+def test_a_directory_with_records_in_other_formats_lists_them(tmp_path, tokenizer_dir):
+    _jsonl(tmp_path / "a.jsonl", [{"prompt": "p", "completion": " c"}])
+    (tmp_path / "b.json").write_text('[{"prompt": "p", "completion": " c"}]')
+    (tmp_path / "c.csv").write_text("prompt,completion\np, c\n")
+    with pytest.raises(ValueError, match=r"holds files this module does not read \(1 .csv, 1 .json\) beside 1 "):
+        TextDataModule(train_files=tmp_path, tokenizer=str(tokenizer_dir))
+    (tmp_path / "b.json").unlink()
+    (tmp_path / "c.csv").unlink()
+    (tmp_path / "README.md").write_text("notes")  # not records: read past, and said so
+    data = TextDataModule(train_files=tmp_path, tokenizer=str(tokenizer_dir))
+    assert data.train_paths == [tmp_path / "a.jsonl"]

@@ -144,7 +144,7 @@ def test_bad_inputs_fail_with_what_to_do(pretrained, data, qlora_run, tmp_path):
     with pytest.raises(ValueError, match=r"exists and is not empty: pass --overwrite"):
         main(["export", f"--ckpt_path={checkpoint}", f"--out={out}", *args])
     assert (out / "keep.txt").is_file()
-    with pytest.raises(ValueError, match=r"would overwrite the pretrained weights"):
+    with pytest.raises(ValueError, match=r"is the pretrained weights this command reads"):
         main(["export", f"--ckpt_path={checkpoint}", f"--out={pretrained}", "--merged", "--overwrite", *args])
     with pytest.raises(ValueError, match=r"does not fit the module built from the config.*lora= rank"):
         main(

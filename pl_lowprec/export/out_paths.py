@@ -1,0 +1,66 @@
+"""Where ``export`` and ``generate`` may write: never over what they read, and over nothing else unless asked.
+
+A command reads a checkpoint, a config, a pretrained directory, a tokenizer, a prompts file. ``--out`` may not be
+one of them, hold one of them, or (for an existing path) lie inside one, even with ``--overwrite``. Otherwise an
+existing ``--out`` needs ``--overwrite``, and an export directory is only emptied when every file in it is one an
+export writes: a directory that also holds a ``.ckpt``, data or anything else is not a previous export.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+# What save_pretrained writes for a model, an adapter or a tokenizer (and nothing a run or a user keeps).
+EXPORT_FILE = re.compile(
+    r"(model|adapter_model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?"
+    r"|config\.json|generation_config\.json|adapter_config\.json|README\.md"
+    r"|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|added_tokens\.json"
+    r"|vocab\.json|merges\.txt|tokenizer\.model|chat_template\.(jinja|json)"
+)
+
+
+def refuse_inputs(out: Path, inputs: dict[str, Path | None]) -> None:
+    """``ValueError`` when ``out`` is, holds, or (existing) lies inside one of ``inputs`` (``{what: path}``)."""
+    resolved = out.resolve()
+    for what, path in inputs.items():
+        if path is None:
+            continue
+        source = Path(path).resolve()
+        holds = resolved == source or resolved in source.parents
+        inside = out.exists() and source.is_dir() and source in resolved.parents
+        if holds or inside:
+            relation = "is" if resolved == source else "holds" if holds else "lies inside"
+            raise ValueError(
+                f"--out {str(out)!r} {relation} the {what} this command reads ({str(path)!r}); writing there would"
+                " destroy it, so no flag allows it (not even --overwrite). Name a new path for --out."
+            )
+
+
+def prepare_out_dir(out: Path, overwrite: bool, inputs: dict[str, Path | None]) -> None:
+    """An empty ``out`` directory; a previous export is replaced only with ``overwrite``."""
+    refuse_inputs(out, inputs)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a file; name a directory.")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise ValueError(f"--out {str(out)!r} exists and is not empty: pass --overwrite to replace its contents.")
+        foreign = sorted(c.name for c in out.iterdir() if c.is_dir() or not EXPORT_FILE.fullmatch(c.name))
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+            raise ValueError(
+                f"--out {str(out)!r} holds {shown}, which no export writes, so it is not a previous export:"
+                " --overwrite will not empty it. Name a new directory, or move those out first."
+            )
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def prepare_out_file(out: Path, overwrite: bool, inputs: dict[str, Path | None]) -> None:
+    """``out`` may be written: new, or an existing file replaced with ``overwrite``."""
+    refuse_inputs(out, inputs)
+    if out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a directory; name a .jsonl file.")
+    if out.exists() and not overwrite:
+        raise ValueError(f"--out {str(out)!r} exists: pass --overwrite to replace it, or name a new file.")

@@ -1,0 +1,130 @@
+"""What ``--ckpt_path`` must satisfy before anything loads: it exists, it is a checkpoint, and it is this run's.
+
+Lightning treats ``ckpt_path="last"`` that finds nothing as a fresh start (one warning), and LightningCLI replaces
+the config's model arguments with those saved in the checkpoint. Either way a user who meant to resume trains
+something else without being told. Here both are errors that say what was searched or what differs, unless the
+user says so: ``--allow_fresh_start true`` (nothing found: start from scratch) and ``--allow_changed_hparams true``
+(the config's values win over the checkpoint's).
+"""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+from typing import Any
+
+RUN_ONLY = {"num_workers"}  # arguments that may change between a run and its resumption
+
+
+def check_checkpoint(path: Path, argument: str = "--ckpt_path") -> None:
+    """A clear error for a missing path or a file that is no ``torch.save`` archive."""
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise FileNotFoundError(f"{argument} {str(path)!r} {what}: name a Lightning checkpoint file (.ckpt).")
+    if not zipfile.is_zipfile(path):
+        raise ValueError(
+            f"{argument} {str(path)!r} is not a Lightning checkpoint (not a torch.save archive; {path.stat().st_size}"
+            " bytes). Name the .ckpt a run wrote under its checkpoints/ directory."
+        )
+
+
+def last_checkpoints(trainer: Any) -> tuple[list[str], list[str]]:
+    """What ``ckpt_path="last"`` resolves among (as Lightning finds it), and the directories searched."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    found: set[str] = set()
+    searched: list[str] = []
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            searched.append(str(callback._ModelCheckpoint__resolve_ckpt_dir(trainer)))
+            found |= {p for p in callback._find_last_checkpoints(trainer) if Path(p).is_file()}
+    return sorted(found), searched
+
+
+def other_runs_last(root: str | Path, limit: int = 3) -> list[Path]:
+    """The newest ``last*.ckpt`` files under ``root``: the runs a user may have meant."""
+    found = sorted(Path(root).glob("**/last*.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True)
+    return found[:limit]
+
+
+def resolve_ckpt_path(trainer: Any, ckpt_path: str | None, allow_fresh_start: bool) -> str | None:
+    """``ckpt_path`` as Lightning will use it; ``None`` for a fresh start the user allowed, else an error."""
+    if ckpt_path is None or ckpt_path in ("best", "hpc") or "://" in str(ckpt_path):
+        return ckpt_path
+    fresh = "pass --allow_fresh_start true to start from scratch when there is nothing to resume"
+    if ckpt_path == "last":
+        found, searched = last_checkpoints(trainer)
+        if found:
+            return max(found, key=lambda p: Path(p).stat().st_mtime)
+        if allow_fresh_start:
+            return None
+        where = f"in {', '.join(map(repr, searched))}" if searched else "(no ModelCheckpoint callback saves one)"
+        others = ", ".join(map(str, other_runs_last(trainer.default_root_dir)))
+        hint = f" Other runs' last checkpoints: {others}; pass one as --ckpt_path to resume it." if others else ""
+        raise FileNotFoundError(
+            f"--ckpt_path last found no last checkpoint {where}; Lightning would train from scratch.{hint} To resume,"
+            f" name the .ckpt; to begin a new run, leave out --ckpt_path or {fresh} (a job that resumes itself)."
+        )
+    path = Path(ckpt_path)
+    if not path.exists() and allow_fresh_start:
+        return None
+    if not path.exists():
+        raise FileNotFoundError(
+            f"--ckpt_path {str(path)!r} does not exist, so there is nothing to resume. Name an existing .ckpt,"
+            f" or {fresh}."
+        )
+    check_checkpoint(path)
+    return ckpt_path
+
+
+def _plain(value: Any) -> Any:
+    """A value as YAML would hold it, so that a config's and a checkpoint's copies compare equal."""
+    if isinstance(value, dict) or hasattr(value, "as_dict"):
+        items = value.as_dict() if hasattr(value, "as_dict") else value
+        return {k: _plain(v) for k, v in items.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, str) and isinstance(b, str) and a != b and Path(a).exists() and Path(b).exists():
+        return Path(a).resolve() == Path(b).resolve()  # runs/demo/model and /abs/runs/demo/model
+    return a == b
+
+
+def hparam_differences(saved: dict[str, Any], configured: Any, key: str) -> list[str]:
+    """``key.arg: checkpoint X, config Y`` for each saved argument the config sets differently."""
+    if not saved or configured is None:
+        return []
+    configured = _plain(configured)
+    saved = {k: _plain(v) for k, v in saved.items() if k != "_instantiator"}
+    differences = []
+    saved_class = saved.pop("_class_path", None)
+    if saved_class and configured.get("class_path") and saved_class != configured["class_path"]:
+        differences.append(f"{key}: checkpoint {saved_class}, config {configured['class_path']}")
+    arguments = configured.get("init_args", {}) if "class_path" in configured else configured
+    for name, value in saved.items():
+        if name in arguments and name not in RUN_ONLY and not _same(value, arguments[name]):
+            differences.append(f"{key}.{name}: checkpoint {value!r}, config {arguments[name]!r}")
+    return differences
+
+
+def check_same_run(checkpoint: Path, config: Any, allow_changed_hparams: bool) -> list[str]:
+    """The model and data arguments saved in ``checkpoint`` against ``config``'s; an error when they differ."""
+    import torch
+
+    saved = torch.load(checkpoint, weights_only=True, map_location="cpu", mmap=True)
+    differences = hparam_differences(saved.get("hyper_parameters", {}), config.get("model"), "model")
+    differences += hparam_differences(saved.get("datamodule_hyper_parameters", {}), config.get("data"), "data")
+    if differences and not allow_changed_hparams:
+        raise ValueError(
+            f"--ckpt_path {str(checkpoint)!r} was trained with other arguments than this config sets: "
+            + "; ".join(differences)
+            + ". Resume with the run's own config (its config.yaml beside checkpoints/), or, if the change is meant"
+            " (a new stage of training), pass --allow_changed_hparams true: the module gets the config's values, and"
+            " the optimizer state (learning rate included) still comes from the checkpoint."
+        )
+    return differences

@@ -1,0 +1,88 @@
+"""export and generate never write over what they read, and over nothing else unless asked (--overwrite)."""
+
+import json
+
+import pytest
+import torch
+
+from pl_lowprec.cli import main
+from pl_lowprec.export.out_paths import prepare_out_dir, prepare_out_file
+
+
+@pytest.fixture
+def run(tmp_path):
+    """A run directory as LightningCLI leaves it: config.yaml beside checkpoints/last.ckpt."""
+    run = tmp_path / "runs/lightning_logs/version_0"
+    (run / "checkpoints").mkdir(parents=True)
+    torch.save({"state_dict": {"w": torch.ones(3)}}, run / "checkpoints/last.ckpt")
+    (run / "config.yaml").write_text("model:\n  class_path: x\n")
+    return run
+
+
+def snapshot(directory):
+    return {p: p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    ("out", "relation"),
+    [("checkpoints", "holds the checkpoint"), (".", "holds the checkpoint"), ("config.yaml", "is the config")],
+)
+def test_export_never_writes_over_the_checkpoint_or_config_it_reads(run, out, relation):
+    before = snapshot(run.parents[2])
+    with pytest.raises(ValueError, match=rf"--out .* {relation} this command reads .*not even --overwrite"):
+        main(["export", f"--ckpt_path={run / 'checkpoints/last.ckpt'}", f"--out={run / out}", "--overwrite"])
+    assert snapshot(run.parents[2]) == before
+
+
+def test_overwrite_replaces_a_previous_export_and_nothing_else(tmp_path):
+    previous = tmp_path / "previous"
+    previous.mkdir()
+    for name in ("adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "README.md"):
+        (previous / name).write_text("old")
+    with pytest.raises(ValueError, match=r"exists and is not empty: pass --overwrite"):
+        prepare_out_dir(previous, overwrite=False, inputs={})
+    prepare_out_dir(previous, overwrite=True, inputs={})
+    assert list(previous.iterdir()) == []
+
+    data = tmp_path / "data"  # a directory of training files is no export, --overwrite or not
+    data.mkdir()
+    (data / "train.jsonl").write_text('{"text": "keep me"}\n')
+    (data / "config.json").write_text("{}")
+    before = snapshot(data)
+    with pytest.raises(ValueError, match=r"holds train.jsonl, which no export writes.*will not empty it"):
+        prepare_out_dir(data, overwrite=True, inputs={})
+    assert snapshot(data) == before
+    pretrained = tmp_path / "pretrained"
+    pretrained.mkdir()
+    (pretrained / "model.safetensors").write_text("weights")
+    with pytest.raises(ValueError, match=r"is the pretrained weights this command reads"):
+        prepare_out_dir(pretrained, overwrite=True, inputs={"pretrained weights": pretrained})
+    with pytest.raises(ValueError, match=r"lies inside the pretrained weights"):
+        prepare_out_file(pretrained / "model.safetensors", overwrite=True, inputs={"pretrained weights": pretrained})
+    assert (pretrained / "model.safetensors").read_text() == "weights"
+
+
+def test_export_says_the_checkpoint_is_missing_or_not_a_checkpoint(run, tmp_path):
+    missing = run / "checkpoints/missing.ckpt"
+    with pytest.raises(FileNotFoundError, match=r"--ckpt_path '.*missing.ckpt' does not exist"):
+        main(["export", f"--ckpt_path={missing}", f"--out={tmp_path / 'out'}"])
+    text = run / "checkpoints/notes.ckpt"
+    text.write_text("not a checkpoint\n")
+    with pytest.raises(ValueError, match=r"'.*notes.ckpt' is not a Lightning checkpoint \(not a torch.save archive"):
+        main(["export", f"--ckpt_path={text}", f"--out={tmp_path / 'out'}"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_generate_refuses_an_existing_out_and_never_overwrites_its_prompts(tmp_path):
+    prompts = tmp_path / "train.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"p{i}", "completion": f"c{i}"}) + "\n" for i in range(400)))
+    existing = tmp_path / "completions.jsonl"
+    existing.write_text('{"prompt": "p", "completion": "kept"}\n')
+    before = snapshot(tmp_path)
+    model = ["generate", f"--model={tmp_path / 'merged'}", f"--prompts={prompts}"]
+    with pytest.raises(ValueError, match=r"--out '.*completions.jsonl' exists: pass --overwrite to replace it"):
+        main([*model, f"--out={existing}"])
+    with pytest.raises(ValueError, match=r"--out '.*train.jsonl' is the prompts file this command reads"):
+        main([*model, f"--out={prompts}", "--overwrite"])
+    assert snapshot(tmp_path) == before
+    prepare_out_file(existing, overwrite=True, inputs={"prompts file": prompts})  # asked: allowed

@@ -1,0 +1,59 @@
+"""The data's tokenizer is checked against the model before step 0, on the user's path (pl-lowprec fit)."""
+
+import pytest
+from loading_helpers import causal_lm_fit_args, save_llama, save_pretrained_dir, save_tokenizer, write_prompt_completion
+
+from pl_lowprec.cli import main
+from pl_lowprec.models.tokenizer_check import check_tokenizer
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tokenizers")
+    return save_pretrained_dir(tmp / "model"), write_prompt_completion(tmp / "pc.jsonl"), tmp
+
+
+def fit(model_dir, data, tokenizer, root):
+    main(
+        [*causal_lm_fit_args(model_dir, data, tokenizer), f"--trainer.default_root_dir={root}", "--trainer.max_steps=1"]
+    )
+
+
+def test_a_larger_vocabulary_is_refused_with_both_sizes(model, tmp_path):
+    model_dir, data, tmp = model
+    larger = save_tokenizer(tmp / "larger", vocab_size=400)
+    with pytest.raises(ValueError) as error:
+        fit(model_dir, data, larger, tmp_path)
+    message = str(error.value)
+    assert (
+        f"--data.tokenizer '{larger}' has 400 tokens with ids up to 399, but the model has 320 embedding rows"
+        in message
+    )
+    assert "80 ids have no row" in message and f"--data.tokenizer '{model_dir}'" in message
+    assert not any(tmp_path.rglob("*.ckpt"))  # refused before step 0
+
+
+def test_another_vocabulary_of_the_same_size_is_refused(model, tmp_path):
+    from pl_lowprec.demo.stdlib_text import stdlib_bytes
+    from pl_lowprec.demo.tokenizer import train_tokenizer
+
+    model_dir, data, tmp = model
+    other = tmp / "other"
+    train_tokenizer([stdlib_bytes(100_000).decode("utf-8", "replace")[::-1]], 320).save_pretrained(other)
+    with pytest.raises(ValueError, match=r"is not the tokenizer saved with the model in .*ids name other tokens there"):
+        fit(model_dir, data, other, tmp_path)
+
+
+def test_padded_embeddings_and_the_models_own_tokenizer_pass(model, tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    model_dir, data, tmp = model
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    padded = save_llama(tmp / "padded", hidden_size=32, layers=1, vocab_size=384)  # rows past the vocabulary
+    check_tokenizer(tokenizer, str(model_dir), AutoConfig.from_pretrained(padded), padded)
+    copy = tmp / "copy"  # the same tokenizer saved elsewhere: same ids, accepted
+    tokenizer.save_pretrained(copy)
+    check_tokenizer(tokenizer, str(copy), AutoConfig.from_pretrained(model_dir), model_dir)
+    fit(model_dir, data, model_dir, tmp_path)

@@ -1,0 +1,81 @@
+"""--ckpt_path on the user's path (CausalLM + TextDataModule through the CLI): a checkpoint that is missing, not a
+checkpoint, or another run's stops the command before anything loads, unless the user says otherwise."""
+
+import pytest
+import torch
+from loading_helpers import causal_lm_fit_args, save_pretrained_dir, write_prompt_completion
+
+from pl_lowprec.cli import build_cli, main
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A 2-step run of CausalLM on prompt/completion records, with ModelCheckpoint(save_last=True)."""
+    tmp = tmp_path_factory.mktemp("resume")
+    pretrained = save_pretrained_dir(tmp / "pretrained")
+    args = [
+        *causal_lm_fit_args(pretrained, write_prompt_completion(tmp / "pc.jsonl")),
+        "--trainer.callbacks+=ModelCheckpoint",
+        "--trainer.callbacks.save_last=true",
+    ]
+    root = tmp / "runs"
+    main([*args, f"--trainer.default_root_dir={root}", "--trainer.max_steps=2"])
+    return args, root, root / "lightning_logs/version_0/checkpoints/last.ckpt"
+
+
+def snapshot(directory):
+    return {p: p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_last_that_finds_nothing_stops_and_names_where_it_looked(run):
+    args, root, last = run
+    before = snapshot(root)
+    with pytest.raises(FileNotFoundError) as error:
+        main([*args, f"--trainer.default_root_dir={root}", "--ckpt_path=last", "--trainer.max_steps=4"])
+    message = str(error.value)
+    assert "found no last checkpoint in '" + str(root / "lightning_logs/version_1/checkpoints") + "'" in message
+    assert f"Other runs' last checkpoints: {last}" in message  # the run the user probably meant
+    assert "--allow_fresh_start true" in message
+    assert snapshot(root) == before  # nothing trained, nothing written
+
+
+def test_allow_fresh_start_trains_from_scratch_when_nothing_is_found(run, tmp_path):
+    args, _, _ = run
+    fresh = [f"--trainer.default_root_dir={tmp_path}", "--ckpt_path=last", "--allow_fresh_start=true"]
+    cli = build_cli([*args, *fresh, "--trainer.max_steps=1"])
+    assert cli.trainer.ckpt_path is None and cli.trainer.global_step == 1
+
+
+def test_a_missing_or_non_checkpoint_path_is_refused(run, tmp_path):
+    args, _, _ = run
+    with pytest.raises(FileNotFoundError, match=r"--ckpt_path '.*missing.ckpt' does not exist.*--allow_fresh_start"):
+        main([*args, f"--trainer.default_root_dir={tmp_path}", f"--ckpt_path={tmp_path / 'missing.ckpt'}"])
+    text = tmp_path / "notes.ckpt"
+    text.write_text("hello")
+    with pytest.raises(ValueError, match=r"'.*notes.ckpt' is not a Lightning checkpoint \(not a torch.save archive"):
+        main([*args, f"--trainer.default_root_dir={tmp_path}", f"--ckpt_path={text}"])
+
+
+def test_another_runs_checkpoint_is_refused_naming_what_differs(run, tmp_path):
+    args, _, last = run
+    other = [*args, f"--trainer.default_root_dir={tmp_path}", f"--ckpt_path={last}", "--trainer.max_steps=3"]
+    with pytest.raises(ValueError) as error:
+        main([*other, "--model.lr=0.01", "--data.batch_size=2"])
+    message = str(error.value)
+    assert "model.lr: checkpoint 0.0002, config 0.01; data.batch_size: checkpoint 4, config 2" in message
+    assert "--allow_changed_hparams true" in message
+    assert not any(tmp_path.iterdir())  # stopped before the Trainer wrote anything
+
+    # asked for: the config's value is the one used (LightningCLI alone would take the checkpoint's None)
+    cli = build_cli([*other, "--model.loss_chunk_size=8", "--allow_changed_hparams=true"])
+    assert cli.model.hparams.loss_chunk_size == 8 and cli.trainer.global_step == 3
+
+
+def test_the_same_run_resumes_where_it_stopped(run, tmp_path):
+    args, _, last = run
+    cli = build_cli([*args, f"--trainer.default_root_dir={tmp_path}", f"--ckpt_path={last}", "--trainer.max_steps=3"])
+    assert cli.trainer.global_step == 3
+    saved = torch.load(last, weights_only=True)
+    assert saved["datamodule_hyper_parameters"]["batch_size"] == 4  # what the check compares against
