@@ -1,5 +1,7 @@
 """The data's tokenizer is checked against the model before step 0, on the user's path (pl-lowprec fit)."""
 
+import re
+
 import pytest
 from loading_helpers import causal_lm_fit_args, save_llama, save_pretrained_dir, save_tokenizer, write_prompt_completion
 
@@ -21,12 +23,20 @@ def fit(model_dir, data, tokenizer, root):
     )
 
 
-def test_a_larger_vocabulary_is_refused_with_both_sizes(model, tmp_path):
+def refusal(capsys, *fit_args) -> str:
+    """pl-lowprec stops before the first step: exit status 2 and one paragraph on stderr, no traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        fit(*fit_args)
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err
+    assert "Traceback" not in message and "fit stopped before its first step" in message
+    return " ".join(message.split())
+
+
+def test_a_larger_vocabulary_is_refused_with_both_sizes(model, tmp_path, capsys):
     model_dir, data, tmp = model
     larger = save_tokenizer(tmp / "larger", vocab_size=400)
-    with pytest.raises(ValueError) as error:
-        fit(model_dir, data, larger, tmp_path)
-    message = str(error.value)
+    message = refusal(capsys, model_dir, data, larger, tmp_path)
     assert (
         f"--data.tokenizer '{larger}' has 400 tokens with ids up to 399, but the model has 320 embedding rows"
         in message
@@ -35,15 +45,16 @@ def test_a_larger_vocabulary_is_refused_with_both_sizes(model, tmp_path):
     assert not any(tmp_path.rglob("*.ckpt"))  # refused before step 0
 
 
-def test_another_vocabulary_of_the_same_size_is_refused(model, tmp_path):
+def test_another_vocabulary_of_the_same_size_is_refused(model, tmp_path, capsys):
     from pl_lowprec.demo.stdlib_text import stdlib_bytes
     from pl_lowprec.demo.tokenizer import train_tokenizer
 
     model_dir, data, tmp = model
     other = tmp / "other"
     train_tokenizer([stdlib_bytes(100_000).decode("utf-8", "replace")[::-1]], 320).save_pretrained(other)
-    with pytest.raises(ValueError, match=r"is not the tokenizer saved with the model in .*ids name other tokens there"):
-        fit(model_dir, data, other, tmp_path)
+    message = refusal(capsys, model_dir, data, other, tmp_path)
+    assert re.search(r"is not the tokenizer saved with the model in .*ids name other tokens there", message), message
+    assert not any(tmp_path.rglob("*.ckpt"))
 
 
 def test_padded_embeddings_and_the_models_own_tokenizer_pass(model, tmp_path):
