@@ -3,9 +3,10 @@ shards them.
 
 ``Sharding`` is what ``ModelTransform`` holds under ``strategy="lowprec_fsdp"``: it stores 4-bit base weights as
 torchao NF4 (``pl_lowprec.nf4``), the only storage that keeps its constants through ``fully_shard``, and, as the
-last step of the transform, shards each unit bottom-up and then each top-level network of the LightningModule
-(torchtune's ``shard_model``). The units are chosen like activation checkpointing's blocks (classes, class names
-or a predicate), and a name that matches nothing lists the model's classes.
+last step of the transform, shards each unit bottom-up and then the LightningModule itself as the root
+(torchtune's ``shard_model``), whose step methods run as the root's forward (``shard_root``). The units are
+chosen like activation checkpointing's blocks (classes, class names or a predicate), and a name that matches
+nothing lists the model's classes.
 
 Memory from the start: a module built on the meta device never exists whole on a rank. As each of its tensors
 is loaded (``pretrained=``) or initialized (its module's ``reset_parameters``), and quantized if it is to be, the
@@ -84,17 +85,34 @@ def shard_units(model: nn.Module, policy: ShardPolicy | None) -> list[tuple[str,
     return select_modules(model, policy, argument="shard_modules")
 
 
-def roots_of(model: nn.Module) -> list[nn.Module]:
-    """The top-level networks a ``training_step`` calls: the children of the LightningModule that hold
-    parameters. Each becomes an FSDP root, so its own forward gathers what the units left (embeddings, head)."""
-    own = [name for name, _ in model.named_parameters(recurse=False)]
-    if own:
-        raise ValueError(
-            f"{type(model).__name__} holds parameters directly ({', '.join(own)}): strategy='lowprec_fsdp' shards"
-            " the networks the module holds as attributes (e.g. self.model), whose forward the training_step calls."
-            " Move these parameters into a submodule."
-        )
-    return [child for child in model.children() if any(True for _ in child.parameters())]
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+def step_methods(model: nn.Module) -> list[str]:
+    """The step methods a LightningModule defines itself: each runs as the FSDP root's forward."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    if not isinstance(model, pl.LightningModule):
+        return []
+    return [name for name in STEP_METHODS if is_overridden(name, model, pl.LightningModule)]
+
+
+def shard_root(model: nn.Module, **options: Any) -> list[str]:
+    """``fully_shard`` the LightningModule itself as the root, and run each of its step methods as the root's
+    forward (FSDP2's ``register_fsdp_forward_method``); return those methods' names.
+
+    Whatever a step calls then sees gathered parameters: the model's own forward, or a submodule and a head
+    called one by one (``CausalLM``'s chunked loss calls the base model and then the output embedding), or a
+    parameter the module holds itself. This is what Lightning does for DDP and FSDP1, whose wrapper's forward
+    runs the step. The root keeps FSDP2's own choice for a root: gathered from the step until its backward."""
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    fully_shard(model, **{**options, "reshard_after_forward": None})
+    methods = step_methods(model)
+    for name in methods:
+        register_fsdp_forward_method(model, name)
+    return methods
 
 
 SUPPORTED_PRECISIONS = (
@@ -176,7 +194,6 @@ class Sharding:
         if is_sharded(model):
             return
         shard_units(model, self.units)
-        roots_of(model)
         if config is not None:
             check_layout(model, config, self.layout, self.world_size)
 
@@ -230,7 +247,7 @@ class Sharding:
         return owners
 
     def shard(self, model: nn.Module) -> list[str]:
-        """``fully_shard`` each unit, then each root (idempotent); return the unit names."""
+        """``fully_shard`` each unit, then the module itself as the root (idempotent); return the unit names."""
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
         if is_sharded(model):
@@ -247,9 +264,8 @@ class Sharding:
         rows = _meta_stand_ins(model)
         for _, unit in units:
             fully_shard(unit, **options)
-        for root in roots_of(model):
-            if all(root is not unit for _, unit in units):
-                fully_shard(root, **options)
+        if all(model is not unit for _, unit in units):
+            shard_root(model, **options)
         for module, attr, param in rows:
             setattr(module, attr, param)  # FSDP2 adopts these rows as its shards at lazy init
         return [name for name, _ in units]

@@ -8,7 +8,7 @@ from torch import nn
 
 from pl_lowprec import AMPPrecision, LowPrecisionFSDPStrategy, QuantizationConfig
 from pl_lowprec.nf4 import NF4Layout
-from pl_lowprec.sharding import check_trainable_dtypes, roots_of, shard_units
+from pl_lowprec.sharding import check_trainable_dtypes, shard_units, step_methods
 
 
 def test_registered_as_lowprec_fsdp():
@@ -85,15 +85,19 @@ def test_unknown_shard_unit_lists_the_model_classes():
         shard_units(model, None)
 
 
-def test_parameters_held_directly_by_the_lightning_module_are_refused():
-    class Holder(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = nn.Linear(4, 4)
-            self.scale = nn.Parameter(torch.ones(1))
+def test_the_root_runs_the_step_methods_the_module_defines():
+    import lightning.pytorch as pl
 
-    with pytest.raises(ValueError, match=r"holds parameters directly \(scale\)"):
-        roots_of(Holder())
+    from pl_lowprec.demo import TinyGPT
+
+    assert step_methods(TinyGPT()) == ["training_step", "validation_step", "test_step", "predict_step"]
+
+    class TrainOnly(pl.LightningModule):
+        def training_step(self, batch, batch_idx):
+            return None
+
+    assert step_methods(TrainOnly()) == ["training_step"]  # no validation_step for Lightning to find
+    assert step_methods(nn.Linear(2, 2)) == []
 
 
 def test_trainable_parameters_in_two_dtypes_are_refused():
