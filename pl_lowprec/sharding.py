@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from pl_lowprec._imports import import_torchao_nf4
 from pl_lowprec.checkpointing import CheckpointPolicy, select_modules
 from pl_lowprec.loading.empty import assert_no_meta
-from pl_lowprec.nf4 import NF4Layout, check_layout, check_mode, nf4_linear, quantize_model_nf4
+from pl_lowprec.nf4 import NF4Layout, check_layout, check_mode, describe_choice, nf4_linear, quantize_model_nf4
 from pl_lowprec.quantization import QuantizationConfig, will_quantize
 
 ShardPolicy = CheckpointPolicy
@@ -195,16 +196,18 @@ class Sharding:
             return
         shard_units(model, self.units)
         if config is not None:
-            check_layout(model, config, self.layout, self.world_size)
+            scaler_sizes = check_layout(model, config, self.layout, self.world_size)
+            if self.layout.is_auto and scaler_sizes:
+                rank_zero_info(describe_choice(scaler_sizes, self.world_size))
 
     def quantize_model(self, model: nn.Module, config: QuantizationConfig, device: torch.device) -> list[str]:
-        return quantize_model_nf4(model, config, self.layout, device)
+        return quantize_model_nf4(model, config, self.layout, device, self.world_size)
 
     def quantize_layer(
         self, linear: nn.Linear, config: QuantizationConfig, compute_dtype: torch.dtype, device: torch.device
     ) -> nn.Module:
         """One layer, as ``pretrained=`` streams it in (the signature of ``quantization.quantize_linear``)."""
-        return nf4_linear(linear, self.layout, device)
+        return nf4_linear(linear, self.layout, device, self.world_size)
 
     def placement(self) -> Callable[[nn.Parameter], nn.Parameter] | None:
         """What a rank keeps of each parameter as a meta module is filled: its rows (``local_rows``) when there

@@ -7,7 +7,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 
 from pl_lowprec import AMPPrecision, LowPrecisionFSDPStrategy, QuantizationConfig
-from pl_lowprec.nf4 import NF4Layout
+from pl_lowprec.nf4 import NF4Layout, check_layout, describe_choice
 from pl_lowprec.sharding import check_trainable_dtypes, shard_units, step_methods
 
 
@@ -116,6 +116,45 @@ def test_nf4_layout_names_what_does_not_split():
     assert QuantizationConfig("nf4-dq").mode == "nf4-dq"
     with pytest.raises(ValueError, match="nf4_scaler_block_size=3"):
         NF4Layout(64, 3)
+
+
+# SmolLM2-135M's projections (hidden 576, 3 of 9 heads for K/V, MLP 1536): torchao's 256 does not split them all
+SMOLLM2 = {"q_proj": (576, 576), "k_proj": (192, 576), "gate_proj": (1536, 576), "down_proj": (576, 1536)}
+
+
+def test_auto_scaler_block_size_picks_per_layer_the_largest_that_splits(caplog):
+    auto = NF4Layout()
+    assert auto.scaler_block_size == "auto"
+    chosen = {name: auto.for_weight(shape, world_size=2).scaler_block_size for name, shape in SMOLLM2.items()}
+    assert chosen == {"q_proj": 32, "k_proj": 32, "gate_proj": 256, "down_proj": 256}
+    # 5184 blocks of q_proj: 81 groups of 64 fill on one process, not across 2 ranks
+    assert auto.for_weight(SMOLLM2["q_proj"], world_size=1).scaler_block_size == 64
+    model = nn.ModuleDict(
+        {name: nn.Linear(shape[1], shape[0], bias=False, device="meta") for name, shape in SMOLLM2.items()}
+    )
+    sizes = check_layout(model, QuantizationConfig("nf4"), auto, world_size=2)
+    assert sizes == chosen
+    line = describe_choice(sizes, world_size=2)
+    assert line == (
+        "NF4 nf4_scaler_block_size='auto' across 2 ranks: 256 for 2 layers (gate_proj, down_proj); 32 for 2 layers"
+        " (q_proj, k_proj)."
+    )
+    # an explicit size keeps its strict check, and the message names the sizes that fit and 'auto'
+    with pytest.raises(
+        ValueError,
+        match=r"2 of 4 layers .*nf4_scaler_block_size=256\): q_proj \[576, 576\]: its"
+        r" 5184 blocks do not fill groups.*Pass nf4_scaler_block_size=32 .*or 'auto'",
+    ):
+        check_layout(model, QuantizationConfig("nf4"), NF4Layout(64, 256), world_size=2)
+    odd = nn.ModuleDict({"odd": nn.Linear(256, 3, bias=False, device="meta")})
+    with pytest.raises(
+        ValueError, match=r"odd \[3, 256\]: its 3 rows do not split evenly across 2 ranks.*skip_modules"
+    ):
+        check_layout(odd, QuantizationConfig("nf4"), auto, world_size=2)
+    with pytest.raises(
+        ValueError, match=r"nf4_scaler_block_size='big' is not valid: use an even integer >= 2 or 'auto'"
+    ):
+        NF4Layout(64, "big")
 
 
 def test_missing_torchao_fails_when_the_strategy_is_built(monkeypatch):
