@@ -198,10 +198,14 @@ def main(args: list[str] | None = None) -> None:
     records = read_prompts(Path(parsed.prompts))
     if parsed.ckpt_path is not None:
         from pl_lowprec.export.command import with_config
+        from pl_lowprec.export.restore import ConfigClassError
 
-        generator = from_checkpoint(
-            parsed.ckpt_path, with_config(Path(parsed.ckpt_path), cli_args, parser), parsed.tokenizer
-        )
+        try:
+            generator = from_checkpoint(
+                parsed.ckpt_path, with_config(Path(parsed.ckpt_path), cli_args, parser), parsed.tokenizer
+            )
+        except ConfigClassError as err:
+            parser.exit(2, f"{parser.prog}: error: {err}\n")
     else:
         if cli_args:
             parser.error(f"unrecognized arguments: {' '.join(cli_args)} (config overrides go with --ckpt_path)")

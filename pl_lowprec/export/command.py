@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pl_lowprec.adapters import export_adapter
 from pl_lowprec.export.merged import merge_into_pretrained
-from pl_lowprec.export.restore import Restored, default_config, restore
+from pl_lowprec.export.restore import ConfigClassError, Restored, default_config, restore
 
 
 def prepare_out_dir(out: Path, overwrite: bool, protected: list[Path]) -> None:
@@ -114,5 +114,8 @@ def main(args: list[str] | None = None) -> None:
     parser.add_argument("--overwrite", action="store_true", help="Replace the contents of a non-empty --out.")
     parsed, cli_args = parser.parse_known_args(args)
     checkpoint = Path(parsed.ckpt_path)
-    restored = restore(checkpoint, with_config(checkpoint, cli_args, parser))
+    try:
+        restored = restore(checkpoint, with_config(checkpoint, cli_args, parser))
+    except ConfigClassError as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
     print(export(restored, Path(parsed.out), parsed.merged, parsed.dtype, parsed.overwrite))
