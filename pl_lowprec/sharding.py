@@ -116,6 +116,33 @@ def shard_root(model: nn.Module, **options: Any) -> list[str]:
     return methods
 
 
+def shard_pretrained_blocks(module: nn.Module, network: nn.Module, mesh: Any) -> list[str]:
+    """FSDP2 for a LightningModule holding a Hugging Face model, under Lightning's own ``ModelParallelStrategy``
+    (whose ``configure_model`` must shard): each block the model names in ``_no_split_modules`` (its decoder
+    layer) is a unit, then the module itself is the root (``shard_root``); returns the unit names."""
+    from torch.distributed.fsdp import fully_shard
+
+    dims = tuple(mesh.mesh_dim_names or ())
+    if "tensor_parallel" in dims and mesh["tensor_parallel"].size() > 1:
+        raise ValueError(
+            f"{type(module).__name__} shards data-parallel only, and ModelParallelStrategy has tensor_parallel_size="
+            f"{mesh['tensor_parallel'].size()} (its 'auto' puts every device of a node in tensor parallelism). Pass"
+            " ModelParallelStrategy(data_parallel_size=<devices>, tensor_parallel_size=1), or strategy='lowprec_fsdp'."
+        )
+    data_parallel = mesh["data_parallel"] if "data_parallel" in dims else mesh
+    names = set(getattr(network, "_no_split_modules", None) or ())
+    blocks = [(name, m) for name, m in network.named_modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(
+            f"{type(network).__name__} names no blocks to shard (_no_split_modules={sorted(names)}): use"
+            " strategy='lowprec_fsdp' with shard_modules=[...]."
+        )
+    for _, block in blocks:
+        fully_shard(block, mesh=data_parallel)
+    shard_root(module, mesh=data_parallel)
+    return [name for name, _ in blocks]
+
+
 SUPPORTED_PRECISIONS = (
     "AMPPrecision('bf16-mixed' | '16-mixed' | 'auto')",
     "Trainer(precision='32-true')",
