@@ -5,7 +5,8 @@ Usage: python causal_lm_cli.py ROOT STEP[,STEP...]   (ROOT/spec.json: {"pretrain
 
 Each STEP is one ``pl-lowprec fit`` run by the console script's ``main`` in this process, in turn (one launch,
 several scenarios; Lightning's launcher re-runs this script for rank 1, which runs the same steps):
-- ``RUN``: an uninterrupted fit in ROOT/RUN (RUN: lowprec, fsdp_one on 1 process; ddp, fsdp, fsdp_auto on 2);
+- ``RUN``: an uninterrupted fit in ROOT/RUN (RUN: lowprec, fsdp_one, lightning on 1 process; ddp, fsdp,
+  fsdp_auto, lightning_fsdp on 2);
 - ``RUN.killed``: the same fit in ROOT/RUN.resume, SIGKILLed at step KILL_AT, after the checkpoint at CKPT_EVERY;
 - ``RUN.resumed``: ``--ckpt_path last`` in ROOT/RUN.resume, to the end.
 Every fit records its losses, first gradients and final adapters in ROOT/<dir>/record.pt, a killed one in
@@ -33,6 +34,13 @@ RUNS = {
     "fsdp": ("pl_lowprec.LowPrecisionFSDPStrategy", {**SHIPPED, "nf4_scaler_block_size": 32}, 2),
     "fsdp_one": ("pl_lowprec.LowPrecisionFSDPStrategy", {**SHIPPED, "nf4_scaler_block_size": 32}, 1),
     "fsdp_auto": ("pl_lowprec.LowPrecisionFSDPStrategy", SHIPPED, 2),
+    # Lightning's own strategies, full fine-tuning (no quantization, no LoRA): CausalLM loads and shards itself
+    "lightning": ("auto", None, 1),
+    "lightning_fsdp": (
+        "lightning.pytorch.strategies.ModelParallelStrategy",
+        {"data_parallel_size": 2, "tensor_parallel_size": 1},
+        2,
+    ),
 }
 GLOBAL_BATCH = 4
 
@@ -66,7 +74,7 @@ def overrides(root: Path, spec: dict, run: str, directory: str, kill: bool) -> s
             "log_every_n_steps": 1,
             "enable_progress_bar": False,
             "enable_model_summary": False,
-            "strategy": {"class_path": strategy, "init_args": init_args},
+            "strategy": strategy if init_args is None else {"class_path": strategy, "init_args": init_args},
             "callbacks": callbacks,
             # a fixed version: the resumed run finds the killed run's last.ckpt under it (--ckpt_path last)
             "logger": {
