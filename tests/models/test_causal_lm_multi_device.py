@@ -19,23 +19,37 @@ pytest.importorskip("bitsandbytes")
 pytest.importorskip("torchao")
 
 SCRIPTS = Path(__file__).parents[1] / "_scripts"
-SHAPES = Path("/work/shared/model-shapes/smollm2-135m.json")
-SHAPES = SHAPES if SHAPES.is_file() else Path(__file__).parents[2] / "benchmarks" / "smollm2-135m.json"
+# SmolLM2-135M's config.json (HuggingFaceTB/SmolLM2-135M), as the shared model-shapes copy has it
+SMOLLM2_135M = {
+    "model_type": "llama",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "vocab_size": 49152,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "mlp_bias": False,
+}
 
 
-def smollm2_config(vocab_size: int, tokenizer) -> dict:
-    """SmolLM2-135M's config.json with 2 layers and the test tokenizer's vocabulary and special tokens."""
-    fields = json.loads(SHAPES.read_text())
-    for key in ("architectures", "torch_dtype"):
-        fields.pop(key, None)
-    fields.update(
-        num_hidden_layers=2,
-        vocab_size=vocab_size,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return fields
+def smollm2_config(tokenizer) -> dict:
+    """SmolLM2-135M with 2 layers and the test tokenizer's vocabulary and special tokens."""
+    return {
+        **SMOLLM2_135M,
+        "num_hidden_layers": 2,
+        "vocab_size": len(tokenizer),
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
 
 
 def write_spec(root: Path) -> dict:
@@ -47,7 +61,7 @@ def write_spec(root: Path) -> dict:
     pretrained = save_tokenizer(root / "pretrained")
     tokenizer = AutoTokenizer.from_pretrained(pretrained)
     torch.manual_seed(0)
-    config = LlamaConfig(**smollm2_config(len(tokenizer), tokenizer))
+    config = LlamaConfig(**smollm2_config(tokenizer))
     model = LlamaForCausalLM(config)
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # tied, as SmolLM2
     model.save_pretrained(pretrained)
@@ -101,6 +115,10 @@ def runs(tmp_path_factory):
     logs["second"], logs["one.resumed"] = finish(two, killed), finish(one)
     logs["third"] = finish(launch(root, ["fsdp.resumed"]))
     return root, logs
+
+
+def last_checkpoint(root: Path, directory: str) -> str:
+    return str(root / directory / "run" / "version_0" / "checkpoints" / "last.ckpt")
 
 
 def load(root: Path, run: str, name: str = "record.pt") -> dict:
@@ -203,7 +221,7 @@ def test_export_and_generate_from_the_two_rank_checkpoint_give_the_one_process_r
     root, _ = runs
     spec = json.loads((root / "spec.json").read_text())
     expected = load(root, REFERENCE[run])["adapters"]
-    ckpt = str(root / f"{run}.resume" / "run" / "version_0" / "checkpoints" / "last.ckpt")
+    ckpt = last_checkpoint(root, f"{run}.resume")
     out = root / f"{run}.export"
     # the run's config.yaml (beside checkpoints/) names the test's callbacks, which this process cannot import
     main(["export", f"--ckpt_path={ckpt}", f"--out={out / 'adapter'}"])
@@ -230,6 +248,14 @@ def test_export_and_generate_from_the_two_rank_checkpoint_give_the_one_process_r
     got = [json.loads(line)["completion"] for line in (out / "merged.jsonl").read_text().splitlines()]
     assert got == want and all(got), (got, want)
 
+    # from the checkpoints, as trained (4-bit base and adapters, rebuilt on one process): the same as one process's
+    checkpoints = {run: ckpt, REFERENCE[run]: last_checkpoint(root, REFERENCE[run])}
+    completions = {}
+    for name, path in checkpoints.items():
+        main(["generate", f"--ckpt_path={path}", *prompts, f"--out={out / f'{name}.ckpt.jsonl'}"])
+        completions[name] = [json.loads(line) for line in (out / f"{name}.ckpt.jsonl").read_text().splitlines()]
+    assert completions[run] == completions[REFERENCE[run]] and len(completions[run]) == 3, completions
+
 
 def edited_config(root: Path, name: str, edit) -> Path:
     """A copy of the ddp run's saved config.yaml, changed by ``edit``."""
@@ -247,7 +273,7 @@ def test_export_drops_training_only_settings_and_names_a_class_it_cannot_import(
     from pl_lowprec.cli import main
 
     root, _ = runs
-    ckpt = str(root / "ddp.resume" / "run" / "version_0" / "checkpoints" / "last.ckpt")
+    ckpt = last_checkpoint(root, "ddp.resume")
 
     def unimportable_callback_and_logger(fields):
         fields["trainer"]["callbacks"].append({"class_path": "not_installed.callbacks.Tracker"})
