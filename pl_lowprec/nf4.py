@@ -139,12 +139,13 @@ def describe_choice(scaler_sizes: dict[str, int], world_size: int) -> str:
         short = ".".join(name.split(".")[-2:])
         if short not in by_size.setdefault(size, []):
             by_size[size].append(short)
-    counts = {size: sum(1 for s in scaler_sizes.values() if s == size) for size in by_size}
-    parts = [
-        f"{size} for {counts[size]} layers ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"
-        for size, names in sorted(by_size.items(), reverse=True)
-    ]
-    return f"NF4 nf4_scaler_block_size='auto' across {world_size} ranks: {'; '.join(parts)}."
+    parts = []
+    for size, names in sorted(by_size.items(), reverse=True):
+        count = sum(1 for s in scaler_sizes.values() if s == size)
+        shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+        parts.append(f"{size} for {count} layer{'s' if count > 1 else ''} ({shown})")
+    where = f"across {world_size} ranks" if world_size > 1 else "on 1 process"
+    return f"NF4 nf4_scaler_block_size='auto' {where}: {'; '.join(parts)}."
 
 
 def nf4_linear(linear: nn.Linear, layout: NF4Layout, device: torch.device, world_size: int = 1) -> nn.Linear:

@@ -134,6 +134,9 @@ def test_auto_scaler_block_size_picks_per_layer_the_largest_that_splits(caplog):
     )
     sizes = check_layout(model, QuantizationConfig("nf4"), auto, world_size=2)
     assert sizes == chosen
+    assert describe_choice({"q_proj": 64}, world_size=1) == (
+        "NF4 nf4_scaler_block_size='auto' on 1 process: 64 for 1 layer (q_proj)."
+    )
     line = describe_choice(sizes, world_size=2)
     assert line == (
         "NF4 nf4_scaler_block_size='auto' across 2 ranks: 256 for 2 layers (gate_proj, down_proj); 32 for 2 layers"
