@@ -206,13 +206,17 @@ def main(args: list[str] | None = None) -> None:
     inputs = {"prompts file": Path(parsed.prompts), "tokenizer": parsed.tokenizer and Path(parsed.tokenizer)}
     if parsed.ckpt_path is not None:
         from pl_lowprec.export.command import config_files, with_config
+        from pl_lowprec.export.restore import ConfigClassError
         from pl_lowprec.resume import check_checkpoint
 
         check_checkpoint(Path(parsed.ckpt_path))
         cli_args = with_config(Path(parsed.ckpt_path), cli_args, parser)
         inputs |= {"checkpoint": Path(parsed.ckpt_path), **config_files(cli_args)}
         prepare_out_file(Path(parsed.out), parsed.overwrite, inputs)
-        generator = from_checkpoint(parsed.ckpt_path, cli_args, parsed.tokenizer)
+        try:
+            generator = from_checkpoint(parsed.ckpt_path, cli_args, parsed.tokenizer)
+        except ConfigClassError as err:
+            parser.exit(2, f"{parser.prog}: error: {err}\n")
     else:
         if cli_args:
             parser.error(f"unrecognized arguments: {' '.join(cli_args)} (config overrides go with --ckpt_path)")

@@ -3,9 +3,10 @@ shards them.
 
 ``Sharding`` is what ``ModelTransform`` holds under ``strategy="lowprec_fsdp"``: it stores 4-bit base weights as
 torchao NF4 (``pl_lowprec.nf4``), the only storage that keeps its constants through ``fully_shard``, and, as the
-last step of the transform, shards each unit bottom-up and then each top-level network of the LightningModule
-(torchtune's ``shard_model``). The units are chosen like activation checkpointing's blocks (classes, class names
-or a predicate), and a name that matches nothing lists the model's classes.
+last step of the transform, shards each unit bottom-up and then the LightningModule itself as the root
+(torchtune's ``shard_model``), whose step methods run as the root's forward (``shard_root``). The units are
+chosen like activation checkpointing's blocks (classes, class names or a predicate), and a name that matches
+nothing lists the model's classes.
 
 Memory from the start: a module built on the meta device never exists whole on a rank. As each of its tensors
 is loaded (``pretrained=``) or initialized (its module's ``reset_parameters``), and quantized if it is to be, the
@@ -23,12 +24,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from pl_lowprec._imports import import_torchao_nf4
 from pl_lowprec.checkpointing import CheckpointPolicy, select_modules
 from pl_lowprec.loading.empty import assert_no_meta
-from pl_lowprec.nf4 import NF4Layout, check_layout, check_mode, nf4_linear, quantize_model_nf4
+from pl_lowprec.nf4 import NF4Layout, check_layout, check_mode, describe_choice, nf4_linear, quantize_model_nf4
 from pl_lowprec.quantization import QuantizationConfig, will_quantize
 
 ShardPolicy = CheckpointPolicy
@@ -84,17 +86,61 @@ def shard_units(model: nn.Module, policy: ShardPolicy | None) -> list[tuple[str,
     return select_modules(model, policy, argument="shard_modules")
 
 
-def roots_of(model: nn.Module) -> list[nn.Module]:
-    """The top-level networks a ``training_step`` calls: the children of the LightningModule that hold
-    parameters. Each becomes an FSDP root, so its own forward gathers what the units left (embeddings, head)."""
-    own = [name for name, _ in model.named_parameters(recurse=False)]
-    if own:
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+def step_methods(model: nn.Module) -> list[str]:
+    """The step methods a LightningModule defines itself: each runs as the FSDP root's forward."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    if not isinstance(model, pl.LightningModule):
+        return []
+    return [name for name in STEP_METHODS if is_overridden(name, model, pl.LightningModule)]
+
+
+def shard_root(model: nn.Module, **options: Any) -> list[str]:
+    """``fully_shard`` the LightningModule itself as the root, and run each of its step methods as the root's
+    forward (FSDP2's ``register_fsdp_forward_method``); return those methods' names.
+
+    Whatever a step calls then sees gathered parameters: the model's own forward, or a submodule and a head
+    called one by one (``CausalLM``'s chunked loss calls the base model and then the output embedding), or a
+    parameter the module holds itself. This is what Lightning does for DDP and FSDP1, whose wrapper's forward
+    runs the step. The root keeps FSDP2's own choice for a root: gathered from the step until its backward."""
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    fully_shard(model, **{**options, "reshard_after_forward": None})
+    methods = step_methods(model)
+    for name in methods:
+        register_fsdp_forward_method(model, name)
+    return methods
+
+
+def shard_pretrained_blocks(module: nn.Module, network: nn.Module, mesh: Any) -> list[str]:
+    """FSDP2 for a LightningModule holding a Hugging Face model, under Lightning's own ``ModelParallelStrategy``
+    (whose ``configure_model`` must shard): each block the model names in ``_no_split_modules`` (its decoder
+    layer) is a unit, then the module itself is the root (``shard_root``); returns the unit names."""
+    from torch.distributed.fsdp import fully_shard
+
+    dims = tuple(mesh.mesh_dim_names or ())
+    if "tensor_parallel" in dims and mesh["tensor_parallel"].size() > 1:
         raise ValueError(
-            f"{type(model).__name__} holds parameters directly ({', '.join(own)}): strategy='lowprec_fsdp' shards"
-            " the networks the module holds as attributes (e.g. self.model), whose forward the training_step calls."
-            " Move these parameters into a submodule."
+            f"{type(module).__name__} shards data-parallel only, and ModelParallelStrategy has tensor_parallel_size="
+            f"{mesh['tensor_parallel'].size()} (its 'auto' puts every device of a node in tensor parallelism). Pass"
+            " ModelParallelStrategy(data_parallel_size=<devices>, tensor_parallel_size=1), or strategy='lowprec_fsdp'."
         )
-    return [child for child in model.children() if any(True for _ in child.parameters())]
+    data_parallel = mesh["data_parallel"] if "data_parallel" in dims else mesh
+    names = set(getattr(network, "_no_split_modules", None) or ())
+    blocks = [(name, m) for name, m in network.named_modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(
+            f"{type(network).__name__} names no blocks to shard (_no_split_modules={sorted(names)}): use"
+            " strategy='lowprec_fsdp' with shard_modules=[...]."
+        )
+    for _, block in blocks:
+        fully_shard(block, mesh=data_parallel)
+    shard_root(module, mesh=data_parallel)
+    return [name for name, _ in blocks]
 
 
 SUPPORTED_PRECISIONS = (
@@ -176,18 +222,19 @@ class Sharding:
         if is_sharded(model):
             return
         shard_units(model, self.units)
-        roots_of(model)
         if config is not None:
-            check_layout(model, config, self.layout, self.world_size)
+            scaler_sizes = check_layout(model, config, self.layout, self.world_size)
+            if self.layout.is_auto and scaler_sizes:
+                rank_zero_info(describe_choice(scaler_sizes, self.world_size))
 
     def quantize_model(self, model: nn.Module, config: QuantizationConfig, device: torch.device) -> list[str]:
-        return quantize_model_nf4(model, config, self.layout, device)
+        return quantize_model_nf4(model, config, self.layout, device, self.world_size)
 
     def quantize_layer(
         self, linear: nn.Linear, config: QuantizationConfig, compute_dtype: torch.dtype, device: torch.device
     ) -> nn.Module:
         """One layer, as ``pretrained=`` streams it in (the signature of ``quantization.quantize_linear``)."""
-        return nf4_linear(linear, self.layout, device)
+        return nf4_linear(linear, self.layout, device, self.world_size)
 
     def placement(self) -> Callable[[nn.Parameter], nn.Parameter] | None:
         """What a rank keeps of each parameter as a meta module is filled: its rows (``local_rows``) when there
@@ -230,7 +277,7 @@ class Sharding:
         return owners
 
     def shard(self, model: nn.Module) -> list[str]:
-        """``fully_shard`` each unit, then each root (idempotent); return the unit names."""
+        """``fully_shard`` each unit, then the module itself as the root (idempotent); return the unit names."""
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
         if is_sharded(model):
@@ -247,9 +294,8 @@ class Sharding:
         rows = _meta_stand_ins(model)
         for _, unit in units:
             fully_shard(unit, **options)
-        for root in roots_of(model):
-            if all(root is not unit for _, unit in units):
-                fully_shard(root, **options)
+        if all(model is not unit for _, unit in units):
+            shard_root(model, **options)
         for module, attr, param in rows:
             setattr(module, attr, param)  # FSDP2 adopts these rows as its shards at lazy init
         return [name for name, _ in units]

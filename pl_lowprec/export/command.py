@@ -16,7 +16,7 @@ from pathlib import Path
 from pl_lowprec.adapters import export_adapter
 from pl_lowprec.export.merged import merge_into_pretrained
 from pl_lowprec.export.out_paths import prepare_out_dir, refuse_inputs
-from pl_lowprec.export.restore import Restored, default_config, restore
+from pl_lowprec.export.restore import ConfigClassError, Restored, default_config, restore
 from pl_lowprec.resume import check_checkpoint
 
 
@@ -123,5 +123,8 @@ def main(args: list[str] | None = None) -> None:
     cli_args = with_config(checkpoint, cli_args, parser)
     inputs = {"checkpoint": checkpoint, **config_files(cli_args)}
     refuse_inputs(Path(parsed.out), inputs)  # before the slow restore; the pretrained directory is checked after
-    restored = restore(checkpoint, cli_args)
+    try:
+        restored = restore(checkpoint, cli_args)
+    except ConfigClassError as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
     print(export(restored, Path(parsed.out), parsed.merged, parsed.dtype, parsed.overwrite, inputs))

@@ -5,11 +5,17 @@ The same path as resuming a fit: LightningCLI builds the Trainer, module and dat
 loads the pretrained weights (quantizing as they stream in) and injects the adapters, and the checkpoint's
 weights load into it. Nothing is trained; no process group is started, so a DDP config restores in one process,
 and an FSDP config restores unsharded (the adapters are the same tensors either way).
+
+Only what the rebuild needs is read from a config file: the model, the data module (its tokenizer), and of the
+trainer its accelerator, devices, strategy and precision. Callbacks, loggers, the optimizer and the run's own
+keys are dropped, so a callback that cannot be imported where the export runs does not matter; a class the
+rebuild needs and cannot import is named, with its file, in one line (``ConfigClassError``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +28,13 @@ from pl_lowprec.loading import PretrainedWeights
 from pl_lowprec.lora import has_lora
 from pl_lowprec.strategies.transform import ModelTransform
 
-OBJECT_KEYS = {"seed_everything", "trainer", "model", "data", "optimizer", "lr_scheduler"}
+KEPT_KEYS = ("seed_everything", "trainer", "model", "data")
+KEPT_TRAINER_KEYS = ("accelerator", "devices", "num_nodes", "strategy", "precision", "plugins")
+QUIET_TRAINER = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
+
+
+class ConfigClassError(ValueError):
+    """A class the rebuild needs cannot be imported; the message is one line naming it and its config file."""
 
 
 @dataclass
@@ -49,9 +61,52 @@ def default_config(checkpoint: Path) -> Path | None:
     return candidate if candidate.is_file() else None
 
 
+def rebuild_config(fields: dict[str, Any]) -> dict[str, Any]:
+    """What of a training config the rebuild reads: the model, the data, and the trainer's device, strategy and
+    precision settings; no callbacks, loggers, optimizer or run keys (``ckpt_path``)."""
+    kept = {key: fields[key] for key in KEPT_KEYS if key in fields}
+    trainer = fields.get("trainer")
+    if isinstance(trainer, dict):
+        kept["trainer"] = {key: trainer[key] for key in KEPT_TRAINER_KEYS if key in trainer} | QUIET_TRAINER
+    return kept
+
+
+def class_paths(value: Any, where: str) -> list[tuple[str, str]]:
+    """Every ``class_path`` in a config section, with where it is (``trainer.strategy``, ``trainer.plugins``)."""
+    if isinstance(value, list):
+        return [found for item in value for found in class_paths(item, where)]
+    if not isinstance(value, dict):
+        return []
+    found = [(where, value["class_path"])] if isinstance(value.get("class_path"), str) else []
+    for key, inner in value.items():
+        if key != "class_path":
+            found += class_paths(inner, f"{where}.{key}" if key != "init_args" else where)
+    return found
+
+
+def check_importable(fields: dict[str, Any], source: str) -> None:
+    """``ConfigClassError`` for the first dotted ``class_path`` that cannot be imported (short names are left to
+    jsonargparse, which resolves them among the classes already imported)."""
+    for where, class_path in class_paths(fields, ""):
+        module, _, name = class_path.rpartition(".")
+        if not module:
+            continue
+        try:
+            found = hasattr(importlib.import_module(module), name)
+        except ImportError as err:
+            found, reason = False, f"{type(err).__name__}: {err}"
+        else:
+            reason = f"{module} has no {name}"
+        if not found:
+            raise ConfigClassError(
+                f"{where.lstrip('.')} class_path {class_path!r} in {source} cannot be imported ({reason}); install"
+                " it or add its directory to PYTHONPATH, or pass --config with a class that can be."
+            )
+
+
 def without_run_keys(cli_args: list[str]) -> list[str]:
-    """``cli_args`` with each ``--config`` file that holds a subcommand's own keys (a saved ``fit`` config has
-    ``ckpt_path``, ``weights_only``) given inline without them: the parser that only builds the objects rejects them."""
+    """``cli_args`` with each ``--config`` file given inline as ``rebuild_config`` of it, after checking that the
+    classes it names can be imported."""
     import yaml
 
     out: list[str] = []
@@ -63,9 +118,11 @@ def without_run_keys(cli_args: list[str]) -> list[str]:
             continue
         value = value or next(args, "")
         path = Path(value)
-        fields = yaml.safe_load(path.read_text()) if path.is_file() else None
-        if isinstance(fields, dict) and set(fields) - OBJECT_KEYS:
-            value = yaml.safe_dump({k: v for k, v in fields.items() if k in OBJECT_KEYS})
+        fields = yaml.safe_load(path.read_text()) if path.is_file() else yaml.safe_load(value)
+        if isinstance(fields, dict):
+            fields = rebuild_config(fields)
+            check_importable(fields, str(path) if path.is_file() else "the --config given inline")
+            value = yaml.safe_dump(fields)
         out += ["--config", value]
     return out
 

@@ -22,6 +22,7 @@ from pl_lowprec.loading.hub import resolve_pretrained
 from pl_lowprec.models.chunked_loss import causal_lm_loss_sum
 from pl_lowprec.models.tokenizer_check import check_tokenizer
 from pl_lowprec.quantization import _dtype
+from pl_lowprec.sharding import shard_pretrained_blocks
 from pl_lowprec.token_loss import TokenMeanLoss
 
 PREFIX = "model."  # the Hugging Face model is held as self.model
@@ -91,6 +92,9 @@ class CausalLM(pl.LightningModule):
         if not hasattr(self.trainer.strategy, "transform"):  # a plain Lightning strategy: load it here
             load_pretrained(self, self.directory, PREFIX)
             rank_zero_info("CausalLM loaded its weights itself; LowPrecisionStrategy would quantize them as they load.")
+            if self.device_mesh is not None:  # Lightning's ModelParallelStrategy: configure_model shards
+                blocks = shard_pretrained_blocks(self, self.model, self.device_mesh)
+                rank_zero_info(f"CausalLM: FSDP2 on {len(blocks)} blocks and the module as the root.")
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits

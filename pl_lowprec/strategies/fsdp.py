@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 from pl_lowprec.checkpointing import CheckpointImpl, CheckpointPolicy
 from pl_lowprec.fp8 import FP8Config, FP8Recipe
 from pl_lowprec.loading import empty_weights
-from pl_lowprec.nf4 import NF4Layout
+from pl_lowprec.nf4 import NF4Layout, ScalerBlockSize
 from pl_lowprec.optimizers import BITSANDBYTES_OPTIMIZERS, OptimizerName
 from pl_lowprec.qat import QATConfig, QATScheme
 from pl_lowprec.quantization import QuantizationConfig, QuantMode
@@ -66,7 +66,9 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
             all-gather per unit in backward).
         cpu_offload: Keep sharded parameters, gradients and optimizer state in CPU memory (CUDA only).
         nf4_block_size, nf4_scaler_block_size: NF4 blocking; every quantized weight's rows, blocks and scale
-            groups must split evenly across the ranks (checked before anything loads).
+            groups must split evenly across the ranks (checked before anything loads). ``"auto"`` (default):
+            per layer, the largest scaler block size that splits (256 where it fits), said in one INFO line; an
+            integer applies to every layer, and a layer it does not split is an error.
         tensor_parallel_size: Must be 1: this strategy shards data-parallel only.
         process_group_backend: ``"gloo"`` (CPU), ``"nccl"`` (CUDA); ``None`` picks it for the device.
         timeout: Process-group timeout.
@@ -92,7 +94,7 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
         nf4_block_size: int = 64,
-        nf4_scaler_block_size: int = 256,
+        nf4_scaler_block_size: ScalerBlockSize = "auto",
         tensor_parallel_size: int = 1,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,

@@ -7,8 +7,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 
 from pl_lowprec import AMPPrecision, LowPrecisionFSDPStrategy, QuantizationConfig
-from pl_lowprec.nf4 import NF4Layout
-from pl_lowprec.sharding import check_trainable_dtypes, roots_of, shard_units
+from pl_lowprec.nf4 import NF4Layout, check_layout, describe_choice
+from pl_lowprec.sharding import check_trainable_dtypes, shard_units, step_methods
 
 
 def test_registered_as_lowprec_fsdp():
@@ -85,15 +85,19 @@ def test_unknown_shard_unit_lists_the_model_classes():
         shard_units(model, None)
 
 
-def test_parameters_held_directly_by_the_lightning_module_are_refused():
-    class Holder(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = nn.Linear(4, 4)
-            self.scale = nn.Parameter(torch.ones(1))
+def test_the_root_runs_the_step_methods_the_module_defines():
+    import lightning.pytorch as pl
 
-    with pytest.raises(ValueError, match=r"holds parameters directly \(scale\)"):
-        roots_of(Holder())
+    from pl_lowprec.demo import TinyGPT
+
+    assert step_methods(TinyGPT()) == ["training_step", "validation_step", "test_step", "predict_step"]
+
+    class TrainOnly(pl.LightningModule):
+        def training_step(self, batch, batch_idx):
+            return None
+
+    assert step_methods(TrainOnly()) == ["training_step"]  # no validation_step for Lightning to find
+    assert step_methods(nn.Linear(2, 2)) == []
 
 
 def test_trainable_parameters_in_two_dtypes_are_refused():
@@ -112,6 +116,48 @@ def test_nf4_layout_names_what_does_not_split():
     assert QuantizationConfig("nf4-dq").mode == "nf4-dq"
     with pytest.raises(ValueError, match="nf4_scaler_block_size=3"):
         NF4Layout(64, 3)
+
+
+# SmolLM2-135M's projections (hidden 576, 3 of 9 heads for K/V, MLP 1536): torchao's 256 does not split them all
+SMOLLM2 = {"q_proj": (576, 576), "k_proj": (192, 576), "gate_proj": (1536, 576), "down_proj": (576, 1536)}
+
+
+def test_auto_scaler_block_size_picks_per_layer_the_largest_that_splits(caplog):
+    auto = NF4Layout()
+    assert auto.scaler_block_size == "auto"
+    chosen = {name: auto.for_weight(shape, world_size=2).scaler_block_size for name, shape in SMOLLM2.items()}
+    assert chosen == {"q_proj": 32, "k_proj": 32, "gate_proj": 256, "down_proj": 256}
+    # 5184 blocks of q_proj: 81 groups of 64 fill on one process, not across 2 ranks
+    assert auto.for_weight(SMOLLM2["q_proj"], world_size=1).scaler_block_size == 64
+    model = nn.ModuleDict(
+        {name: nn.Linear(shape[1], shape[0], bias=False, device="meta") for name, shape in SMOLLM2.items()}
+    )
+    sizes = check_layout(model, QuantizationConfig("nf4"), auto, world_size=2)
+    assert sizes == chosen
+    assert describe_choice({"q_proj": 64}, world_size=1) == (
+        "NF4 nf4_scaler_block_size='auto' on 1 process: 64 for 1 layer (q_proj)."
+    )
+    line = describe_choice(sizes, world_size=2)
+    assert line == (
+        "NF4 nf4_scaler_block_size='auto' across 2 ranks: 256 for 2 layers (gate_proj, down_proj); 32 for 2 layers"
+        " (q_proj, k_proj)."
+    )
+    # an explicit size keeps its strict check, and the message names the sizes that fit and 'auto'
+    with pytest.raises(
+        ValueError,
+        match=r"2 of 4 layers .*nf4_scaler_block_size=256\): q_proj \[576, 576\]: its"
+        r" 5184 blocks do not fill groups.*Pass nf4_scaler_block_size=32 .*or 'auto'",
+    ):
+        check_layout(model, QuantizationConfig("nf4"), NF4Layout(64, 256), world_size=2)
+    odd = nn.ModuleDict({"odd": nn.Linear(256, 3, bias=False, device="meta")})
+    with pytest.raises(
+        ValueError, match=r"odd \[3, 256\]: its 3 rows do not split evenly across 2 ranks.*skip_modules"
+    ):
+        check_layout(odd, QuantizationConfig("nf4"), auto, world_size=2)
+    with pytest.raises(
+        ValueError, match=r"nf4_scaler_block_size='big' is not valid: use an even integer >= 2 or 'auto'"
+    ):
+        NF4Layout(64, "big")
 
 
 def test_missing_torchao_fails_when_the_strategy_is_built(monkeypatch):

@@ -1,0 +1,304 @@
+"""The user's multi-device path for ``CausalLM`` + ``TextDataModule``, through ``pl-lowprec fit`` with the shipped
+``configs/finetune-causal-lm.yaml``: a pretrained-format checkpoint of SmolLM2-135M's shapes (tied embeddings,
+hidden 576, 9 heads, 3 KV heads; 2 layers and a small vocabulary) with a chat template, on one process and on 2
+CPU ranks (lowprec_ddp, lowprec_fsdp); then ``pl-lowprec export`` and ``pl-lowprec generate`` from the runs."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+pytest.importorskip("bitsandbytes")
+pytest.importorskip("torchao")
+
+SCRIPTS = Path(__file__).parents[1] / "_scripts"
+# SmolLM2-135M's config.json (HuggingFaceTB/SmolLM2-135M), as the shared model-shapes copy has it
+SMOLLM2_135M = {
+    "model_type": "llama",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "vocab_size": 49152,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "mlp_bias": False,
+}
+
+
+def smollm2_config(tokenizer) -> dict:
+    """SmolLM2-135M with 2 layers and the test tokenizer's vocabulary and special tokens."""
+    return {
+        **SMOLLM2_135M,
+        "num_hidden_layers": 2,
+        "vocab_size": len(tokenizer),
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
+def write_spec(root: Path) -> dict:
+    """The pretrained directory (save_pretrained: weights, config, tokenizer with a chat template), chat records
+    to fine-tune on and prompts to complete; returns the spec the script reads."""
+    from loading_helpers import save_tokenizer
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    pretrained = save_tokenizer(root / "pretrained")
+    tokenizer = AutoTokenizer.from_pretrained(pretrained)
+    torch.manual_seed(0)
+    config = LlamaConfig(**smollm2_config(tokenizer))
+    model = LlamaForCausalLM(config)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # tied, as SmolLM2
+    model.save_pretrained(pretrained)
+    words = ["zero", "one", "two", "three", "four", "five", "six", "seven"]
+
+    def chat(i: int) -> dict:
+        question = {"role": "user", "content": f"def f{i}(x): what does it return?"}
+        return {"messages": [question, {"role": "assistant", "content": f"return x + {words[i % 8]}"}]}
+
+    (root / "train.jsonl").write_text("".join(json.dumps(chat(i)) + "\n" for i in range(32)))
+    (root / "val.jsonl").write_text("".join(json.dumps(chat(i)) + "\n" for i in range(32, 36)))
+    (root / "prompts.txt").write_text("def f1(x):\nimport os\nclass A:\n")
+    spec = {
+        "pretrained": str(pretrained),
+        "train": str(root / "train.jsonl"),
+        "val": str(root / "val.jsonl"),
+        "prompts": str(root / "prompts.txt"),
+    }
+    (root / "spec.json").write_text(json.dumps(spec))
+    return spec
+
+
+def launch(root: Path, steps: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, str(SCRIPTS / "causal_lm_cli.py"), str(root), ",".join(steps)]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(process: subprocess.Popen, expect: int = 0) -> str:
+    _, stderr = process.communicate(timeout=600)
+    assert process.returncode == expect, stderr[-5000:]
+    return stderr
+
+
+# One process holds the same global batch and the same 4-bit storage as the 2 ranks: bitsandbytes NF4 for DDP,
+# torchao NF4 with scale groups of 32 for FSDP (every layer splits with 32 on 1 and on 2 ranks).
+REFERENCE = {"ddp": "lowprec", "fsdp": "fsdp_one"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every fit, in 3 rounds: a 2-rank launch beside a 1-process one (rank 0 waits while rank 1 imports). Each
+    killed run ends its launch and the next resumes it. Returns ROOT and the stderr of each launch."""
+    root = tmp_path_factory.mktemp("causal_lm_cli")
+    write_spec(root)
+    killed = -signal.SIGKILL
+    two = launch(root, ["fsdp_auto", "lightning_fsdp", "ddp.killed"])
+    one = launch(root, ["lowprec", "lightning", "fsdp_one", "lowprec.killed"])
+    logs = {"first": finish(two, killed), "one": finish(one, killed)}
+    two, one = launch(root, ["ddp.resumed", "fsdp.killed"]), launch(root, ["lowprec.resumed"])
+    logs["second"], logs["one.resumed"] = finish(two, killed), finish(one)
+    logs["third"] = finish(launch(root, ["fsdp.resumed"]))
+    return root, logs
+
+
+def last_checkpoint(root: Path, directory: str) -> str:
+    return str(root / directory / "run" / "version_0" / "checkpoints" / "last.ckpt")
+
+
+def load(root: Path, run: str, name: str = "record.pt") -> dict:
+    return torch.load(root / run / name, weights_only=False)
+
+
+def assert_all_close(actual: dict, expected: dict, **tolerance) -> None:
+    assert sorted(actual) == sorted(expected)
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], **tolerance, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def losses(record: dict) -> torch.Tensor:
+    return torch.tensor([loss for _, loss in record["losses"]], dtype=torch.float64)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["ddp", "fsdp"])
+def test_two_ranks_killed_and_resumed_train_like_one_uninterrupted_process(runs, run):
+    """The loss of each micro-batch over the global batch, the first step's gradients and the final adapters equal
+    one process's uninterrupted run: killed with SIGKILL at step 3 and resumed with --ckpt_path last (from step 2)."""
+    root, logs = runs
+    killed, resumed = load(root, f"{run}.resume", "killed.pt"), load(root, f"{run}.resume")
+    expected = load(root, REFERENCE[run])
+    # 4 optimizer steps of 2 micro-batches: the killed run did 6, the resumed one the last 4
+    assert [step for step, _ in killed["losses"]] == [0, 1, 1, 2, 2, 3]
+    assert [step for step, _ in resumed["losses"]] == [2, 3, 3, 4]
+    # the 2 micro-batches after the checkpoint, trained again after the restart: the same, to the last bit
+    assert resumed["losses"][:2] == killed["losses"][4:]
+    both = torch.cat([losses(killed)[:4], losses(resumed)])
+    torch.testing.assert_close(both, losses(expected), rtol=1e-5, atol=1e-6)
+    # averaged, not summed, over the ranks (Adam would hide a factor of 2 in the adapters)
+    assert_all_close(killed["grads"], expected["grads"], rtol=1e-4, atol=1e-7)
+    assert_all_close(resumed["adapters"], expected["adapters"], rtol=1e-4, atol=1e-5)
+    assert len(expected["adapters"]) == 2 * 7 * 2 and all(v.abs().max() > 0 for v in expected["adapters"].values())
+    assert "mixed torch.Tensor and DTensor" not in logs["second"]
+
+
+@pytest.mark.slow
+def test_one_process_killed_and_resumed_equals_the_uninterrupted_run(runs):
+    root, _ = runs
+    killed, resumed, uninterrupted = (
+        load(root, "lowprec.resume", "killed.pt"),
+        load(root, "lowprec.resume"),
+        load(root, "lowprec"),
+    )
+    assert killed["losses"] + resumed["losses"][2:] == uninterrupted["losses"]
+    assert_all_close(resumed["adapters"], uninterrupted["adapters"], rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_lightning_model_parallel_strategy_trains_like_one_process(runs):
+    """Lightning's own FSDP2 strategy asks configure_model to shard: CausalLM shards its decoder layers and itself
+    (without it, each rank would train its own copy with no gradient sync)."""
+    root, logs = runs
+    got, expected = load(root, "lightning_fsdp"), load(root, "lightning")
+    assert "CausalLM: FSDP2 on 2 blocks and the module as the root." in logs["first"]
+    torch.testing.assert_close(losses(got), losses(expected), rtol=1e-5, atol=1e-6)
+    assert_all_close(got["grads"], expected["grads"], rtol=1e-4, atol=1e-7)
+    assert len(got["adapters"]) == 20  # full fine-tuning: every weight (the tied embedding once)
+    # Adam turns the gradients' 1e-7 differences into up to 2e-4 on weights whose gradient is near 0 (lr 0.01)
+    assert_all_close(got["adapters"], expected["adapters"], rtol=0, atol=1e-3)
+
+
+@pytest.mark.slow
+def test_default_nf4_settings_shard_the_tied_checkpoint_and_it_trains(runs):
+    root, logs = runs
+    assert (
+        "NF4 nf4_scaler_block_size='auto' across 2 ranks: 256 for 6 layers (mlp.gate_proj, mlp.up_proj,"
+        " mlp.down_proj); 32 for 8 layers (self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, self_attn.o_proj)."
+    ) in logs["first"]
+    record = load(root, "fsdp_auto")
+    train, val = losses(record), [loss for _, loss in record["val_losses"]]
+    assert train[-2:].mean() < train[:2].mean() - 1.0 and len(val) == 2 and val[1] < val[0], (train, val)
+
+
+def merged_reference(pretrained: str, adapters: dict) -> dict:
+    """The pretrained weights plus alpha / r * B @ A of one process's adapters (lora_alpha 16, r 8)."""
+    from safetensors.torch import load_file
+
+    weights = load_file(Path(pretrained) / "model.safetensors")
+    for key, a in adapters.items():
+        if ".lora_A." in key:
+            b = adapters[key.replace(".lora_A.", ".lora_B.")]
+            name = key.removeprefix("model.").replace(".lora_A.default", "")
+            weights[name] = weights[name] + 2.0 * b @ a
+    return weights
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["ddp", "fsdp"])
+def test_export_and_generate_from_the_two_rank_checkpoint_give_the_one_process_results(runs, run, capsys):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from pl_lowprec.cli import main
+    from pl_lowprec.data.text import load_tokenizer
+    from pl_lowprec.generate import Decoding, Generator
+
+    root, _ = runs
+    spec = json.loads((root / "spec.json").read_text())
+    expected = load(root, REFERENCE[run])["adapters"]
+    ckpt = last_checkpoint(root, f"{run}.resume")
+    out = root / f"{run}.export"
+    # the run's config.yaml (beside checkpoints/) names the test's callbacks, which this process cannot import
+    main(["export", f"--ckpt_path={ckpt}", f"--out={out / 'adapter'}"])
+    main(["export", f"--ckpt_path={ckpt}", f"--out={out / 'merged'}", "--merged"])
+    prompts = ["--prompts", str(root / "prompts.txt"), "--max_new_tokens=8"]
+    main(["generate", f"--model={out / 'merged'}", *prompts, f"--out={out / 'merged.jsonl'}"])
+
+    adapter = load_file(out / "adapter" / "adapter_model.safetensors")
+    renamed = {
+        f"model.{k.removeprefix('base_model.model.')}".replace(".weight", ".default.weight"): v
+        for k, v in adapter.items()
+    }
+    assert_all_close(renamed, expected, rtol=1e-4, atol=1e-5)
+    merged = load_file(out / "merged" / "model.safetensors")
+    assert "lm_head.weight" not in merged  # tied, as in the pretrained directory
+    assert_all_close(merged, merged_reference(spec["pretrained"], expected), rtol=1e-5, atol=1e-6)
+
+    model = AutoModelForCausalLM.from_pretrained(out / "merged")
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    reference = AutoModelForCausalLM.from_pretrained(spec["pretrained"])
+    reference.load_state_dict(merged_reference(spec["pretrained"], expected), strict=False)
+    prompt_lines = (root / "prompts.txt").read_text().splitlines()
+    want = Generator(reference, load_tokenizer(spec["pretrained"])).complete(prompt_lines, Decoding(max_new_tokens=8))
+    got = [json.loads(line)["completion"] for line in (out / "merged.jsonl").read_text().splitlines()]
+    assert got == want and all(got), (got, want)
+
+    # from the checkpoints, as trained (4-bit base and adapters, rebuilt on one process): the same as one process's
+    checkpoints = {run: ckpt, REFERENCE[run]: last_checkpoint(root, REFERENCE[run])}
+    completions = {}
+    for name, path in checkpoints.items():
+        main(["generate", f"--ckpt_path={path}", *prompts, f"--out={out / f'{name}.ckpt.jsonl'}"])
+        completions[name] = [json.loads(line) for line in (out / f"{name}.ckpt.jsonl").read_text().splitlines()]
+    assert completions[run] == completions[REFERENCE[run]] and len(completions[run]) == 3, completions
+
+
+def edited_config(root: Path, name: str, edit) -> Path:
+    """A copy of the ddp run's saved config.yaml, changed by ``edit``."""
+    import yaml
+
+    fields = yaml.safe_load((root / "ddp.resume" / "run" / "version_0" / "config.yaml").read_text())
+    edit(fields)
+    path = root / name
+    path.write_text(yaml.safe_dump(fields))
+    return path
+
+
+@pytest.mark.slow
+def test_export_drops_training_only_settings_and_names_a_class_it_cannot_import(runs, capsys):
+    from pl_lowprec.cli import main
+
+    root, _ = runs
+    ckpt = last_checkpoint(root, "ddp.resume")
+
+    def unimportable_callback_and_logger(fields):
+        fields["trainer"]["callbacks"].append({"class_path": "not_installed.callbacks.Tracker"})
+        fields["trainer"]["logger"] = {"class_path": "not_installed.loggers.Logger", "init_args": {"x": 1}}
+        fields["trainer"]["profiler"] = {"class_path": "not_installed.Profiler"}
+
+    config = edited_config(root, "callback.yaml", unimportable_callback_and_logger)
+    main(["export", f"--ckpt_path={ckpt}", f"--config={config}", f"--out={root / 'callback.adapter'}"])
+    assert (root / "callback.adapter" / "adapter_model.safetensors").is_file()
+
+    def unimportable_model(fields):
+        fields["model"]["class_path"] = "not_installed.models.MyCausalLM"
+
+    config = edited_config(root, "model.yaml", unimportable_model)
+    capsys.readouterr()
+    for command in (
+        ["export", f"--out={root / 'model.adapter'}"],
+        ["generate", f"--prompts={root / 'prompts.txt'}", "--out=c.jsonl"],
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*command, f"--ckpt_path={ckpt}", f"--config={config}"])
+        assert exit_info.value.code == 2
+        stderr = capsys.readouterr().err
+        assert stderr.count("\n") == 1 and "usage:" not in stderr, stderr
+        assert (
+            f"pl-lowprec {command[0]}: error: model class_path 'not_installed.models.MyCausalLM' in {config} cannot be"
+            " imported (ModuleNotFoundError: No module named 'not_installed')"
+        ) in stderr
