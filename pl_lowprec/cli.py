@@ -9,6 +9,8 @@ from __future__ import annotations
 import sys
 import warnings
 from argparse import ArgumentError
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +70,10 @@ def _cli_class() -> type:
             """The config's model is the one trained: a checkpoint of another model or data is refused first.
 
             LightningCLI would replace the config's model arguments with the checkpoint's, without a word."""
+            with _refusals():
+                self._check_ckpt_path()
+
+        def _check_ckpt_path(self) -> None:
             subcommand = self.config.get("subcommand")
             section = self.config[subcommand] if subcommand else None
             ckpt_path = section.get("ckpt_path") if section is not None else None
@@ -88,6 +94,10 @@ def _cli_class() -> type:
             """``--ckpt_path`` that finds nothing stops here, before any weight loads (unless --allow_fresh_start)."""
             if self.subcommand is None:
                 return
+            with _refusals():
+                self._resolve_ckpt_path()
+
+        def _resolve_ckpt_path(self) -> None:
             section = self.config_init[self.subcommand]
             requested = section.get("ckpt_path")
             resolved = resolve_ckpt_path(self.trainer, requested, section.get("allow_fresh_start", False))
@@ -151,6 +161,17 @@ def _cli_class() -> type:
             return config.get(self.subcommand, config) if self.subcommand else config
 
     return LowPrecisionCLI
+
+
+@contextmanager
+def _refusals() -> Iterator[None]:
+    """A refusal raised while ``--ckpt_path`` is checked reaches the user as one paragraph, exit status 2."""
+    try:
+        yield
+    except REFUSALS as err:
+        if debugging():
+            raise
+        refuse(first_paragraph(str(err)))
 
 
 def _help_tip(args: list[str] | None) -> str:

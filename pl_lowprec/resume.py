@@ -47,12 +47,30 @@ def other_runs_last(root: str | Path, limit: int = 3) -> list[Path]:
     return found[:limit]
 
 
+def continue_newest_run(trainer: Any) -> Path | None:
+    """``last`` resumes the newest run under an auto-numbered logger (CSV, TensorBoard): the logger takes that
+    run's version, so ``last``, the checkpoints and the logs all go on in the run being resumed.
+
+    Without this every ``fit`` would get a new ``version_N``, and ``last`` would search its empty folder."""
+    logger = trainer.logger
+    if logger is None or getattr(logger, "_version", "set") is not None or not hasattr(logger, "root_dir"):
+        return None  # no logger, a version the user chose, or one already in use
+    runs = [run for run in Path(logger.root_dir).glob("version_*") if any(run.glob("checkpoints/last*.ckpt"))]
+    if not runs:
+        return None
+    newest = max(runs, key=lambda run: max(p.stat().st_mtime for p in run.glob("checkpoints/last*.ckpt")))
+    number = newest.name.removeprefix("version_")
+    logger._version = int(number) if number.isdigit() else newest.name
+    return newest
+
+
 def resolve_ckpt_path(trainer: Any, ckpt_path: str | None, allow_fresh_start: bool) -> str | None:
     """``ckpt_path`` as Lightning will use it; ``None`` for a fresh start the user allowed, else an error."""
     if ckpt_path is None or ckpt_path in ("best", "hpc") or "://" in str(ckpt_path):
         return ckpt_path
     fresh = "pass --allow_fresh_start true to start from scratch when there is nothing to resume"
     if ckpt_path == "last":
+        continue_newest_run(trainer)
         found, searched = last_checkpoints(trainer)
         if found:
             return max(found, key=lambda p: Path(p).stat().st_mtime)

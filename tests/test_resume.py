@@ -1,6 +1,8 @@
 """--ckpt_path on the user's path (CausalLM + TextDataModule through the CLI): a checkpoint that is missing, not a
 checkpoint, or another run's stops the command before anything loads, unless the user says otherwise."""
 
+import re
+
 import pytest
 import torch
 from loading_helpers import causal_lm_fit_args, save_pretrained_dir, write_prompt_completion
@@ -29,16 +31,34 @@ def snapshot(directory):
     return {p: p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
-def test_last_that_finds_nothing_stops_and_names_where_it_looked(run):
-    args, root, last = run
-    before = snapshot(root)
-    with pytest.raises(FileNotFoundError) as error:
-        main([*args, f"--trainer.default_root_dir={root}", "--ckpt_path=last", "--trainer.max_steps=4"])
-    message = str(error.value)
-    assert "found no last checkpoint in '" + str(root / "lightning_logs/version_1/checkpoints") + "'" in message
-    assert f"Other runs' last checkpoints: {last}" in message  # the run the user probably meant
+def refusal(capsys, args) -> str:
+    """pl-lowprec stops: exit status 2 and one paragraph on stderr, no traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err
+    assert "Traceback" not in message and message.startswith("error: ") and message.count("\n") == 1, message
+    return message
+
+
+def test_last_resumes_the_newest_run_in_its_own_directory(run, tmp_path):
+    args, _, _ = run
+    root = [f"--trainer.default_root_dir={tmp_path}"]
+    main([*args, *root, "--trainer.max_steps=2"])
+    (tmp_path / "lightning_logs/version_1").mkdir()  # a later run that saved nothing (killed early)
+    cli = build_cli([*args, *root, "--ckpt_path=last", "--trainer.max_steps=4"])
+    last = tmp_path / "lightning_logs/version_0/checkpoints/last.ckpt"
+    assert cli.trainer.ckpt_path == str(last) and cli.trainer.global_step == 4  # went on from step 2
+    assert sorted(p.name for p in (tmp_path / "lightning_logs").iterdir()) == ["version_0", "version_1"]
+    assert torch.load(last, weights_only=True)["global_step"] == 4  # the run's own last.ckpt, moved on
+
+
+def test_last_that_finds_nothing_stops_and_names_where_it_looked(run, tmp_path, capsys):
+    args = run[0]
+    message = refusal(capsys, [*args, f"--trainer.default_root_dir={tmp_path}", "--ckpt_path=last"])
+    assert "found no last checkpoint in '" + str(tmp_path / "lightning_logs/version_0/checkpoints") + "'" in message
     assert "--allow_fresh_start true" in message
-    assert snapshot(root) == before  # nothing trained, nothing written
+    assert not any(tmp_path.iterdir())  # nothing trained, nothing written
 
 
 def test_allow_fresh_start_trains_from_scratch_when_nothing_is_found(run, tmp_path):
@@ -48,22 +68,22 @@ def test_allow_fresh_start_trains_from_scratch_when_nothing_is_found(run, tmp_pa
     assert cli.trainer.ckpt_path is None and cli.trainer.global_step == 1
 
 
-def test_a_missing_or_non_checkpoint_path_is_refused(run, tmp_path):
+def test_a_missing_or_non_checkpoint_path_is_refused(run, tmp_path, capsys):
     args, _, _ = run
-    with pytest.raises(FileNotFoundError, match=r"--ckpt_path '.*missing.ckpt' does not exist.*--allow_fresh_start"):
-        main([*args, f"--trainer.default_root_dir={tmp_path}", f"--ckpt_path={tmp_path / 'missing.ckpt'}"])
+    message = refusal(
+        capsys, [*args, f"--trainer.default_root_dir={tmp_path}", f"--ckpt_path={tmp_path / 'missing.ckpt'}"]
+    )
+    assert re.search(r"--ckpt_path '.*missing.ckpt' does not exist.*--allow_fresh_start", message)
     text = tmp_path / "notes.ckpt"
     text.write_text("hello")
-    with pytest.raises(ValueError, match=r"'.*notes.ckpt' is not a Lightning checkpoint \(not a torch.save archive"):
-        main([*args, f"--trainer.default_root_dir={tmp_path}", f"--ckpt_path={text}"])
+    message = refusal(capsys, [*args, f"--trainer.default_root_dir={tmp_path}", f"--ckpt_path={text}"])
+    assert re.search(r"'.*notes.ckpt' is not a Lightning checkpoint \(not a torch.save archive", message)
 
 
-def test_another_runs_checkpoint_is_refused_naming_what_differs(run, tmp_path):
+def test_another_runs_checkpoint_is_refused_naming_what_differs(run, tmp_path, capsys):
     args, _, last = run
     other = [*args, f"--trainer.default_root_dir={tmp_path}", f"--ckpt_path={last}", "--trainer.max_steps=3"]
-    with pytest.raises(ValueError) as error:
-        main([*other, "--model.lr=0.01", "--data.batch_size=2"])
-    message = str(error.value)
+    message = refusal(capsys, [*other, "--model.lr=0.01", "--data.batch_size=2"])
     assert "model.lr: checkpoint 0.0002, config 0.01; data.batch_size: checkpoint 4, config 2" in message
     assert "--allow_changed_hparams true" in message
     assert not any(tmp_path.iterdir())  # stopped before the Trainer wrote anything
