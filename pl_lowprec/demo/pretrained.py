@@ -18,6 +18,7 @@ import argparse
 import ast
 import json
 import math
+import shutil
 import sysconfig
 import time
 from pathlib import Path
@@ -76,6 +77,31 @@ def write_task(directory: Path, val_fraction: float = 0.2) -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
+DEMO_DATA_FILES = {"train.jsonl", "val.jsonl"}
+
+
+def check_out_dir(out: Path, overwrite: bool) -> None:
+    """``out/model`` and ``out/data`` must be empty or absent, or, with ``overwrite``, an earlier demo's."""
+    for target in (out / "model", out / "data"):
+        if not target.exists() or (target.is_dir() and not any(target.iterdir())):
+            continue
+        written = {p.name for p in target.iterdir()} if target.is_dir() else set()
+        if target.name == "model":
+            earlier = "pretraining.json" in written
+        else:
+            earlier = bool(written) and written <= DEMO_DATA_FILES
+        if not earlier:
+            raise ValueError(
+                f"{target} holds files make-demo-model did not write, so it replaces nothing there, not even with"
+                " --overwrite. Name another OUT_DIR."
+            )
+        if not overwrite:
+            raise ValueError(
+                f"{target} holds an earlier demo (make-demo-model wrote it): pass --overwrite to replace it, or"
+                " name another OUT_DIR."
+            )
+
+
 def make_demo_model(
     out_dir: str | Path,
     steps: int = 300,
@@ -86,8 +112,10 @@ def make_demo_model(
     batch_size: int = 16,
     max_bytes: int = 2_000_000,
     seed: int = 0,
+    overwrite: bool = False,
 ) -> Path:
-    """Train and save the tokenizer and model to ``out_dir/model`` and the task to ``out_dir/data``."""
+    """Train and save the tokenizer and model to ``out_dir/model`` and the task to ``out_dir/data``; an earlier
+    demo there is replaced only with ``overwrite``, anything else never."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     check_at_least("make_demo_model", 1, steps=steps, hidden_size=hidden_size, num_layers=num_layers)
@@ -97,6 +125,7 @@ def make_demo_model(
 
     out = Path(out_dir)
     model_dir = out / "model"
+    check_out_dir(out, overwrite)
     torch.manual_seed(seed)
     text = stdlib_bytes(max_bytes).decode("utf-8", errors="replace")
     tokenizer = train_tokenizer([text], vocab_size)
@@ -132,6 +161,8 @@ def make_demo_model(
         sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
+    if model_dir.is_dir():
+        shutil.rmtree(model_dir)  # an earlier demo (check_out_dir): no stale file of it stays beside the new one
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     write_task(out / "data")
@@ -152,8 +183,13 @@ def main(args: list[str] | None = None) -> None:
     parser.add_argument(
         "--steps", type=int_at_least(1), default=300, help="Pre-training steps (300: about a minute on 2 cores)."
     )
+    parser.add_argument("--overwrite", action="store_true", help="Replace an earlier demo in OUT_DIR.")
     parsed = parser.parse_args(args)
-    model_dir = make_demo_model(parsed.out_dir, steps=parsed.steps)
+    try:
+        check_out_dir(Path(parsed.out_dir), parsed.overwrite)
+    except ValueError as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    model_dir = make_demo_model(parsed.out_dir, steps=parsed.steps, overwrite=parsed.overwrite)
     summary = json.loads((model_dir / "pretraining.json").read_text())
     print(
         f"Wrote {model_dir} ({summary['parameters']:,} parameters; loss {summary['first_loss']:.2f} ->"
