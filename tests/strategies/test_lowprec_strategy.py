@@ -5,6 +5,7 @@ import pytest
 import torch
 from lightning.pytorch.cli import LightningCLI
 from lightning_helpers import quiet_trainer
+from torch import nn
 
 from pl_lowprec import AMPPrecision, LowPrecisionDDPStrategy, LowPrecisionStrategy
 from pl_lowprec.checkpointing import CheckpointedForward, is_checkpointed
@@ -77,7 +78,8 @@ class BuiltInConfigureModel(TinyGPT):
     """Builds its blocks in ``configure_model``: the transform must come after it."""
 
     def __init__(self):
-        super().__init__(dim=32, layers=0, heads=2, max_len=64)
+        super().__init__(dim=32, layers=1, heads=2, max_len=64)
+        self.blocks = nn.ModuleList()  # built in configure_model
 
     def configure_model(self):
         if len(self.blocks) == 0:
