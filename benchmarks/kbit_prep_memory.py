@@ -20,9 +20,9 @@ from common import markdown_table, section, write_json
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 from pl_lowprec.demo import TinyLlama
-from pl_lowprec.lora import inject_lora, prepare_for_kbit_training
 from pl_lowprec.memory.breakdown import parameter_bytes
-from pl_lowprec.quantization import QuantizationConfig, quantize_model
+from pl_lowprec.transforms.lora import inject_lora, prepare_for_kbit_training
+from pl_lowprec.transforms.quantization import QuantizationConfig, quantize_model
 
 LORA = {"r": 8, "lora_alpha": 16}
 PEFT = "peft prepare_model_for_kbit_training"

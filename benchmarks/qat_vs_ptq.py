@@ -26,7 +26,7 @@ from lightning.pytorch import Trainer
 
 from pl_lowprec import LowPrecisionStrategy
 from pl_lowprec.demo import StdlibTextDataModule, TinyLlama
-from pl_lowprec.qat import QATConfig, is_converted
+from pl_lowprec.transforms.qat import QATConfig, is_converted
 
 
 class FineTune(TinyLlama):

@@ -2,7 +2,7 @@
 
 Run: python benchmarks/run_all.py --only quantized_bytes   (or python benchmarks/quantized_bytes.py)
 Exact byte counts of TinyLlama's linear layers (the output head stays unquantized and is left out), after
-``pl_lowprec.quantization.quantize_model``, counted by ``pl_lowprec.memory.breakdown.parameter_bytes``.
+``pl_lowprec.transforms.quantization.quantize_model``, counted by ``pl_lowprec.memory.breakdown.parameter_bytes``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from common import device, markdown_table, section, write_json
 
 from pl_lowprec.demo import TinyLlama
 from pl_lowprec.memory.breakdown import parameter_bytes
-from pl_lowprec.quantization import QUANT_MODES, QuantizationConfig, quantize_model
+from pl_lowprec.transforms.quantization import QUANT_MODES, QuantizationConfig, quantize_model
 
 HIDDEN_SIZES = (128, 512)
 

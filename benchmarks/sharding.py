@@ -28,7 +28,7 @@ RUNS = {"single": 1, "ddp": 2, "fsdp": 2}
 
 def held_bytes(module) -> int:
     """Bytes of parameter storage this rank holds: local shards, NF4 inner tensors, bitsandbytes constants."""
-    from pl_lowprec.nf4 import is_nf4, local, nf4_bytes
+    from pl_lowprec.transforms.nf4 import is_nf4, local, nf4_bytes
 
     total = 0
     for param in module.parameters():

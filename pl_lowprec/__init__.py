@@ -3,8 +3,6 @@ for any LightningModule, by configuration."""
 
 from pl_lowprec._imports import filter_torchao_import_noise
 from pl_lowprec.callbacks import LossScaleMonitor, MemoryTracker, PersistentOverflowError
-from pl_lowprec.checkpointing import remove_activation_checkpointing, set_activation_checkpointing
-from pl_lowprec.fp8 import FP8Config
 from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
 from pl_lowprec.plugins import (
     AMPPrecision,
@@ -14,9 +12,11 @@ from pl_lowprec.plugins import (
     SkipAwareScheduler,
     choose_precision,
 )
-from pl_lowprec.qat import QATConfig
-from pl_lowprec.quantization import QuantizationConfig
 from pl_lowprec.strategies import LowPrecisionDDPStrategy, LowPrecisionFSDPStrategy, LowPrecisionStrategy
+from pl_lowprec.transforms.checkpointing import remove_activation_checkpointing, set_activation_checkpointing
+from pl_lowprec.transforms.fp8 import FP8Config
+from pl_lowprec.transforms.qat import QATConfig
+from pl_lowprec.transforms.quantization import QuantizationConfig
 
 filter_torchao_import_noise()  # before anything (transformers included) imports torchao; see pl_lowprec._imports
 

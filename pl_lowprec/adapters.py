@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from pl_lowprec._imports import import_peft
-from pl_lowprec.lora import ADAPTER_NAME, lora_layers
-from pl_lowprec.nf4 import dequantize_nf4, is_nf4
-from pl_lowprec.quantization import is_quantized
-from pl_lowprec.sharding import full_tensor
+from pl_lowprec.distributed.sharding import full_tensor
+from pl_lowprec.transforms.lora import ADAPTER_NAME, lora_layers
+from pl_lowprec.transforms.nf4 import dequantize_nf4, is_nf4
+from pl_lowprec.transforms.quantization import is_quantized
 
 
 def trainable_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from pl_lowprec import remove_activation_checkpointing, set_activation_checkpointing
-from pl_lowprec.checkpointing import CheckpointedForward
 from pl_lowprec.demo.tiny_gpt import Block, TinyGPT
 from pl_lowprec.memory.activations import count_saved_tensors
+from pl_lowprec.transforms.checkpointing import CheckpointedForward
 
 
 def _gpt(layers=8):

@@ -251,7 +251,7 @@ def test_subcommand_bad_number_is_one_line(capsys, tmp_path, args, named):
 
 def test_python_entry_points_check_their_numbers(tmp_path):
     from pl_lowprec.demo.pretrained import make_demo_model
-    from pl_lowprec.generate import Decoding
+    from pl_lowprec.export.generate import Decoding
 
     with pytest.raises(ValueError, match=r"make_demo_model\(steps=0\) must be an integer >= 1"):
         make_demo_model(tmp_path / "demo", steps=0)

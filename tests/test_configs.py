@@ -9,11 +9,11 @@ import torch
 import yaml
 
 from pl_lowprec import choose_precision
-from pl_lowprec.checkpointing import is_checkpointed
 from pl_lowprec.cli import build_cli
-from pl_lowprec.lora import ADAPTER_NAME, lora_layers
-from pl_lowprec.qat import is_converted
-from pl_lowprec.quantization import is_quantized
+from pl_lowprec.transforms.checkpointing import is_checkpointed
+from pl_lowprec.transforms.lora import ADAPTER_NAME, lora_layers
+from pl_lowprec.transforms.qat import is_converted
+from pl_lowprec.transforms.quantization import is_quantized
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))

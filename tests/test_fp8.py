@@ -8,7 +8,7 @@ from lightning_helpers import quiet_trainer
 
 from pl_lowprec import AMPPrecision, LowPrecisionStrategy
 from pl_lowprec.demo.tiny_gpt import TinyGPT
-from pl_lowprec.fp8 import FP8Config, check_fp8_device, is_fp8
+from pl_lowprec.transforms.fp8 import FP8Config, check_fp8_device, is_fp8
 
 pytest.importorskip("torchao")
 

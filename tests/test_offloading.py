@@ -11,8 +11,8 @@ from lightning_helpers import quiet_trainer
 from pl_lowprec import AMPPrecision, LowPrecisionStrategy, MemoryTracker, estimate_memory
 from pl_lowprec.demo.tiny_gpt import TinyGPT
 from pl_lowprec.memory.activations import count_saved_tensors
-from pl_lowprec.offloading import OffloadActivations
-from pl_lowprec.strategies import transform
+from pl_lowprec.transforms import pipeline as transform
+from pl_lowprec.transforms.offloading import OffloadActivations
 
 
 def _gpt():

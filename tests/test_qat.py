@@ -10,7 +10,7 @@ from lightning_helpers import quiet_trainer
 
 from pl_lowprec import LowPrecisionStrategy
 from pl_lowprec.demo.tiny_gpt import TinyGPT
-from pl_lowprec.qat import QATConfig, is_converted, is_fake_quantized, merge_lora, save_quantized
+from pl_lowprec.transforms.qat import QATConfig, is_converted, is_fake_quantized, merge_lora, save_quantized
 
 pytest.importorskip("torchao")
 

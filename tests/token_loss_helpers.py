@@ -7,7 +7,7 @@ import lightning.pytorch as pl
 import torch
 from loading_helpers import llama_config
 
-from pl_lowprec.token_loss import IGNORE_INDEX, TokenMeanLoss, token_loss_sum
+from pl_lowprec.models.token_loss import IGNORE_INDEX, TokenMeanLoss, token_loss_sum
 
 LR = 1.0
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pl_lowprec.token_loss import IGNORE_INDEX
+from pl_lowprec.models.token_loss import IGNORE_INDEX
 
 
 class PadCollate:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pl_lowprec.token_loss import IGNORE_INDEX
+from pl_lowprec.models.token_loss import IGNORE_INDEX
 
 SUFFIXES = (".txt", ".jsonl")
 

@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader
 
-from pl_lowprec.arguments import check_at_least
+from pl_lowprec._checks import check_at_least
 from pl_lowprec.data.collate import PadCollate
 from pl_lowprec.data.records import (
     SUFFIXES,
@@ -32,7 +32,7 @@ from pl_lowprec.data.records import (
 )
 from pl_lowprec.data.resumable import resumable_loader
 from pl_lowprec.loading.hub import resolve_pretrained
-from pl_lowprec.token_loss import IGNORE_INDEX
+from pl_lowprec.models.token_loss import IGNORE_INDEX
 
 # Files a directory of records may hold that this module does not read: refused rather than skipped in silence.
 # Others (a README.md, a .gitattributes) are listed in the log.

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from pl_lowprec.arguments import check_at_least, int_at_least
+from pl_lowprec._checks import check_at_least, int_at_least
 from pl_lowprec.demo.stdlib_text import stdlib_bytes
 from pl_lowprec.demo.tokenizer import train_tokenizer
 

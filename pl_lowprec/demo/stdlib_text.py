@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from pl_lowprec.arguments import check_at_least
+from pl_lowprec._checks import check_at_least
 from pl_lowprec.data.resumable import resumable_loader
 
 VOCAB_SIZE = 256

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pl_lowprec.generate import Decoding, Generator, from_checkpoint, from_directory, read_prompts
+from pl_lowprec.export.generate import Decoding, Generator, from_checkpoint, from_directory, read_prompts
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "finetune-causal-lm.yaml"
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pl_lowprec.arguments import check_at_least, check_model_sizes, check_positive
+from pl_lowprec._checks import check_at_least, check_model_sizes, check_positive
 from pl_lowprec.demo.stdlib_text import VOCAB_SIZE
 
 

@@ -11,7 +11,7 @@ import torch
 from lightning_utilities.core.imports import RequirementCache
 from torchmetrics.text import Perplexity
 
-from pl_lowprec.arguments import check_at_least, check_model_sizes, check_positive
+from pl_lowprec._checks import check_at_least, check_model_sizes, check_positive
 from pl_lowprec.demo.stdlib_text import VOCAB_SIZE
 
 _TRANSFORMERS = RequirementCache("transformers>=4.45")

@@ -14,10 +14,10 @@ import argparse
 from pathlib import Path
 
 from pl_lowprec.adapters import export_adapter
+from pl_lowprec.cli.resume import check_checkpoint
 from pl_lowprec.export.merged import merge_into_pretrained
 from pl_lowprec.export.out_paths import prepare_out_dir, refuse_inputs
 from pl_lowprec.export.restore import ConfigClassError, Restored, default_config, restore
-from pl_lowprec.resume import check_checkpoint
 
 
 def pretrained_dir(restored: Restored) -> Path | None:

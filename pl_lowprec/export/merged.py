@@ -23,7 +23,7 @@ from torch import nn
 from pl_lowprec.adapters import lora_deltas
 from pl_lowprec.loading import PretrainedWeights, resolve_checkpoint
 from pl_lowprec.loading.sources import INDEX_NAME, open_safetensors
-from pl_lowprec.quantization import _dtype
+from pl_lowprec.transforms.quantization import _dtype
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 

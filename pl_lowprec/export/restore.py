@@ -25,8 +25,8 @@ from torch import nn
 
 from pl_lowprec.adapters import find_base_model
 from pl_lowprec.loading import PretrainedWeights
-from pl_lowprec.lora import has_lora
-from pl_lowprec.strategies.transform import ModelTransform
+from pl_lowprec.transforms.lora import has_lora
+from pl_lowprec.transforms.pipeline import ModelTransform
 
 KEPT_KEYS = ("seed_everything", "trainer", "model", "data")
 KEPT_TRAINER_KEYS = ("accelerator", "devices", "num_nodes", "strategy", "precision", "plugins")

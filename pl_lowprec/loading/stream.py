@@ -25,7 +25,7 @@ from torch import nn
 from pl_lowprec._imports import import_bitsandbytes
 from pl_lowprec.loading.empty import assert_no_meta
 from pl_lowprec.loading.sources import CheckpointIndex, open_safetensors, resolve_checkpoint
-from pl_lowprec.quantization import (
+from pl_lowprec.transforms.quantization import (
     QuantizationConfig,
     check_int8_trains,
     quantize_linear,

@@ -5,7 +5,7 @@ counted once, and storages shared with the model's parameters are left out (they
 activations). Activation checkpointing replaces a block's saved tensors with its inputs; the checkpointed
 forward reports those inputs here (``note_checkpoint_inputs``), so the count stays the real one.
 
-Activation offloading (``pl_lowprec.offloading``) installs its own hooks inside the counter's, and only the
+Activation offloading (``pl_lowprec.transforms.offloading``) installs its own hooks inside the counter's, and only the
 innermost hooks run; it reports each saved tensor here (``note_saved``) with where it went: moved tensors count
 as ``offloaded_nbytes`` (host memory, one copy per move) instead of ``nbytes`` (the compute device).
 

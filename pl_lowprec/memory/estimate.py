@@ -32,15 +32,15 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from pl_lowprec.checkpointing import CheckpointImpl, CheckpointPolicy, set_activation_checkpointing
-from pl_lowprec.fp8 import FP8Config, convert_to_fp8
-from pl_lowprec.lora import inject_lora, prepare_for_kbit_training
 from pl_lowprec.memory.activations import count_saved_tensors
-from pl_lowprec.offloading import OffloadActivations
 from pl_lowprec.plugins.precision_choice import choose_precision
-from pl_lowprec.qat import QATConfig, prepare_qat
-from pl_lowprec.quantization import DEFAULT_SKIP, QuantizationConfig, swap_linear_layers
-from pl_lowprec.strategies.transform import dtype_of_precision
+from pl_lowprec.transforms.checkpointing import CheckpointImpl, CheckpointPolicy, set_activation_checkpointing
+from pl_lowprec.transforms.fp8 import FP8Config, convert_to_fp8
+from pl_lowprec.transforms.lora import inject_lora, prepare_for_kbit_training
+from pl_lowprec.transforms.offloading import OffloadActivations
+from pl_lowprec.transforms.pipeline import dtype_of_precision
+from pl_lowprec.transforms.qat import QATConfig, prepare_qat
+from pl_lowprec.transforms.quantization import DEFAULT_SKIP, QuantizationConfig, swap_linear_layers
 
 MIN_8BIT_SIZE = 4096  # bitsandbytes keeps 32-bit optimizer state below this many elements
 OPTIMIZER_BLOCK = 256  # bitsandbytes' blockwise 8-bit optimizer state: one fp32 absmax per block

@@ -1,7 +1,7 @@
 """``CausalLM``: any Hugging Face causal LM as a LightningModule, built on the meta device and loaded by the
 strategy's streaming loader (quantized as it loads under ``LowPrecisionStrategy(quantization=...)``).
 
-Training uses the token-mean loss across accumulation and ranks (``pl_lowprec.token_loss``) and, with
+Training uses the token-mean loss across accumulation and ranks (``pl_lowprec.models.token_loss``) and, with
 ``loss_chunk_size``, never holds the whole batch's fp32 logits (``pl_lowprec.models.chunked_loss``).
 Validation logs ``val/loss`` (mean per target token) and ``val/perplexity``, through torchmetrics.
 """
@@ -16,14 +16,14 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torchmetrics import MeanMetric
 
-from pl_lowprec.arguments import check_at_least, check_positive
+from pl_lowprec._checks import check_at_least, check_positive
+from pl_lowprec.distributed.sharding import shard_pretrained_blocks
 from pl_lowprec.loading import PretrainedWeights, empty_weights, load_pretrained
 from pl_lowprec.loading.hub import resolve_pretrained
 from pl_lowprec.models.chunked_loss import causal_lm_loss_sum
+from pl_lowprec.models.token_loss import TokenMeanLoss
 from pl_lowprec.models.tokenizer_check import check_tokenizer
-from pl_lowprec.quantization import _dtype
-from pl_lowprec.sharding import shard_pretrained_blocks
-from pl_lowprec.token_loss import TokenMeanLoss
+from pl_lowprec.transforms.quantization import _dtype
 
 PREFIX = "model."  # the Hugging Face model is held as self.model
 

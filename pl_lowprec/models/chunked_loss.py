@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from pl_lowprec.token_loss import IGNORE_INDEX
+from pl_lowprec.models.token_loss import IGNORE_INDEX
 
 
 def _chunk_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

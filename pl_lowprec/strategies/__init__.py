@@ -9,7 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from pl_lowprec.strategies.ddp import LowPrecisionDDPStrategy
 from pl_lowprec.strategies.fsdp import LowPrecisionFSDPStrategy
 from pl_lowprec.strategies.single_device import LowPrecisionStrategy
-from pl_lowprec.strategies.transform import ModelTransform
+from pl_lowprec.transforms.pipeline import ModelTransform
 
 LowPrecisionStrategy.register_strategies(StrategyRegistry)
 LowPrecisionDDPStrategy.register_strategies(StrategyRegistry)

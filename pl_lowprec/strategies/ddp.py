@@ -12,17 +12,17 @@ from typing import Any
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import _StrategyRegistry
 
-from pl_lowprec.checkpointing import CheckpointImpl, CheckpointPolicy
-from pl_lowprec.fp8 import FP8Config, FP8Recipe
-from pl_lowprec.optimizers import OptimizerName
-from pl_lowprec.qat import QATConfig, QATScheme
-from pl_lowprec.quantization import QuantizationConfig, QuantMode
-from pl_lowprec.strategies.transform import ModelTransform
 from pl_lowprec.strategies.transform_hooks import TransformHooks
+from pl_lowprec.transforms.checkpointing import CheckpointImpl, CheckpointPolicy
+from pl_lowprec.transforms.fp8 import FP8Config, FP8Recipe
+from pl_lowprec.transforms.optimizers import OptimizerName
+from pl_lowprec.transforms.pipeline import ModelTransform
+from pl_lowprec.transforms.qat import QATConfig, QATScheme
+from pl_lowprec.transforms.quantization import QuantizationConfig, QuantMode
 
 
 class LowPrecisionDDPStrategy(TransformHooks, DDPStrategy):
-    """DDP that transforms the model once per fit (see ``pl_lowprec.strategies.transform``).
+    """DDP that transforms the model once per fit (see ``pl_lowprec.transforms.pipeline``).
 
     Args:
         activation_checkpointing: Blocks to recompute in backward: module classes, class names (YAML), or a

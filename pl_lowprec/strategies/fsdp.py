@@ -30,27 +30,27 @@ from lightning.pytorch.strategies.strategy import _StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 
-from pl_lowprec.checkpointing import CheckpointImpl, CheckpointPolicy
-from pl_lowprec.fp8 import FP8Config, FP8Recipe
+from pl_lowprec.distributed.sharding import Sharding, ShardPolicy, check_precision, data_parallel_mesh, is_sharded
 from pl_lowprec.loading import empty_weights
-from pl_lowprec.nf4 import NF4Layout, ScalerBlockSize
-from pl_lowprec.optimizers import BITSANDBYTES_OPTIMIZERS, OptimizerName
-from pl_lowprec.qat import QATConfig, QATScheme
-from pl_lowprec.quantization import QuantizationConfig, QuantMode
-from pl_lowprec.sharding import Sharding, ShardPolicy, check_precision, data_parallel_mesh, is_sharded
 from pl_lowprec.strategies.fsdp_checkpoints import (
     gathered_state_dict,
     load_full_state_dict,
     load_optimizer_states,
     optimizer_state,
 )
-from pl_lowprec.strategies.transform import ModelTransform
+from pl_lowprec.strategies.trainer_checks import check_trainer_arguments
 from pl_lowprec.strategies.transform_hooks import TransformHooks
-from pl_lowprec.trainer_checks import check_trainer_arguments
+from pl_lowprec.transforms.checkpointing import CheckpointImpl, CheckpointPolicy
+from pl_lowprec.transforms.fp8 import FP8Config, FP8Recipe
+from pl_lowprec.transforms.nf4 import NF4Layout, ScalerBlockSize
+from pl_lowprec.transforms.optimizers import BITSANDBYTES_OPTIMIZERS, OptimizerName
+from pl_lowprec.transforms.pipeline import ModelTransform
+from pl_lowprec.transforms.qat import QATConfig, QATScheme
+from pl_lowprec.transforms.quantization import QuantizationConfig, QuantMode
 
 
 class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
-    """FSDP2 across every rank, with the model transform (see ``pl_lowprec.strategies.transform``).
+    """FSDP2 across every rank, with the model transform (see ``pl_lowprec.transforms.pipeline``).
 
     Args:
         activation_checkpointing, checkpoint_every_n, checkpoint_impl, lora, adapter_only_checkpoint,
@@ -155,7 +155,7 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
                 " swaps each weight for a torchao quantized tensor, and this strategy does not convert a sharded"
                 " model. Pass qat=QATConfig(scheme, convert_on_fit_end=False); after fit, load the adapters"
                 " (export_adapter) or a full checkpoint into the model on one device (strategy='lowprec' with the"
-                " same qat=) and call pl_lowprec.qat.convert_qat(model, config)."
+                " same qat=) and call pl_lowprec.transforms.qat.convert_qat(model, config)."
             )
 
     @property

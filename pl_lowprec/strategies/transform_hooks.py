@@ -13,8 +13,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from pl_lowprec.strategies.transform import ModelTransform, teardown_with_meta
-from pl_lowprec.trainer_checks import check_trainer_arguments
+from pl_lowprec.strategies.trainer_checks import check_trainer_arguments
+from pl_lowprec.transforms.pipeline import ModelTransform, teardown_with_meta
 
 
 class TransformHooks:

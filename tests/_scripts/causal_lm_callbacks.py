@@ -14,8 +14,8 @@ import lightning.pytorch as pl
 import torch
 
 from pl_lowprec.adapters import trainable_state_dict
-from pl_lowprec.sharding import full_tensor
-from pl_lowprec.token_loss import IGNORE_INDEX
+from pl_lowprec.distributed.sharding import full_tensor
+from pl_lowprec.models.token_loss import IGNORE_INDEX
 
 
 class RecordLoss(pl.Callback):

@@ -178,7 +178,7 @@ def test_merged_export_needs_original_weights(tmp_path):
     """A base built from a config (no pretrained=) has no original weights to merge into."""
     from pl_lowprec.export.command import export
     from pl_lowprec.export.restore import Restored
-    from pl_lowprec.lora import inject_lora
+    from pl_lowprec.transforms.lora import inject_lora
 
     module = torch.nn.Sequential(torch.nn.Linear(4, 4))
     inject_lora(module, {"r": 2})
@@ -218,7 +218,7 @@ def test_generate_from_the_checkpoint_the_merged_model_and_the_adapter_agree(pre
 
 
 def test_generate_reads_txt_prompts_and_names_bad_records(tmp_path):
-    from pl_lowprec.generate import Decoding, read_prompts
+    from pl_lowprec.export.generate import Decoding, read_prompts
 
     txt = tmp_path / "p.txt"
     txt.write_text("first\n\nsecond\n")

@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pl_lowprec.loading import empty_weights, load_pretrained
 from pl_lowprec.memory.process import memory_stats, reset_peak
-from pl_lowprec.quantization import QuantizationConfig, quantize_linear, quantize_model
+from pl_lowprec.transforms.quantization import QuantizationConfig, quantize_linear, quantize_model
 
 CPU = torch.device("cpu")
 CONFIG = LlamaConfig(

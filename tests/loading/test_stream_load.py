@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from pl_lowprec import LowPrecisionStrategy
 from pl_lowprec.loading import empty_weights, load_pretrained
-from pl_lowprec.quantization import QuantizationConfig, quantize_model
+from pl_lowprec.transforms.quantization import QuantizationConfig, quantize_model
 
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")

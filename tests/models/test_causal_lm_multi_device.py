@@ -216,7 +216,7 @@ def test_export_and_generate_from_the_two_rank_checkpoint_give_the_one_process_r
 
     from pl_lowprec.cli import main
     from pl_lowprec.data.text import load_tokenizer
-    from pl_lowprec.generate import Decoding, Generator
+    from pl_lowprec.export.generate import Decoding, Generator
 
     root, _ = runs
     spec = json.loads((root / "spec.json").read_text())

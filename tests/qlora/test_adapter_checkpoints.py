@@ -80,7 +80,7 @@ def test_exported_adapter_reloads_in_peft_with_the_same_logits(tmp_path):
 
 
 def test_exported_qlora_adapter_reloads_on_a_quantized_base(tmp_path):
-    from pl_lowprec.quantization import QuantizationConfig, quantize_model
+    from pl_lowprec.transforms.quantization import QuantizationConfig, quantize_model
 
     _, trained = _fit(epochs=1)
     directory = export_adapter(trained, tmp_path / "adapter")
@@ -97,7 +97,7 @@ def test_exported_qlora_adapter_reloads_on_a_quantized_base(tmp_path):
 
 
 def test_merged_dequantized_state_dict_loads_into_the_plain_model():
-    from pl_lowprec.quantization import QuantizationConfig
+    from pl_lowprec.transforms.quantization import QuantizationConfig
 
     fp32_compute = QuantizationConfig("nf4-dq", compute_dtype="float32")  # exact comparison, no bf16 rounding
     _, trained = _fit(epochs=1, amp=False, quantization=fp32_compute, lora={"r": 8, "lora_alpha": 16}, lr=3e-2)

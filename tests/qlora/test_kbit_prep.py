@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from pl_lowprec.demo import TinyLlama
-from pl_lowprec.lora import inject_lora, prepare_for_kbit_training
 from pl_lowprec.memory.breakdown import parameter_bytes
-from pl_lowprec.quantization import QuantizationConfig, quantize_model
+from pl_lowprec.transforms.lora import inject_lora, prepare_for_kbit_training
+from pl_lowprec.transforms.quantization import QuantizationConfig, quantize_model
 
 peft = pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")

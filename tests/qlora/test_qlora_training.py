@@ -9,8 +9,8 @@ from lightning_helpers import quiet_trainer
 from qlora_helpers import GradRecorder, LossRecorder, frozen_state, ids_loader, tiny_llama
 
 from pl_lowprec import AMPPrecision, LowPrecisionStrategy
-from pl_lowprec.checkpointing import is_checkpointed
 from pl_lowprec.memory.breakdown import parameter_bytes
+from pl_lowprec.transforms.checkpointing import is_checkpointed
 
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")

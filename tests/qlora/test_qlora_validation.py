@@ -11,7 +11,7 @@ from torch import nn
 
 from pl_lowprec import LowPrecisionStrategy
 from pl_lowprec import _imports as imports
-from pl_lowprec.quantization import _INT8_OK, QuantizationConfig
+from pl_lowprec.transforms.quantization import _INT8_OK, QuantizationConfig
 
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")

@@ -36,14 +36,14 @@ from torch.utils.data import DataLoader, DistributedSampler
 from pl_lowprec import AMPPrecision, LowPrecisionFSDPStrategy
 from pl_lowprec.adapters import export_adapter, merged_state_dict, trainable_state_dict
 from pl_lowprec.demo import TinyLlama
-from pl_lowprec.fp8 import FP8Config
+from pl_lowprec.distributed.sharding import full_tensor
 from pl_lowprec.loading import empty_weights
-from pl_lowprec.lora import inject_lora
-from pl_lowprec.nf4 import NF4Layout, dequantize_nf4, is_nf4, local, nf4_bytes, quantize_model_nf4
-from pl_lowprec.qat import QATConfig
-from pl_lowprec.quantization import QuantizationConfig
-from pl_lowprec.sharding import full_tensor
-from pl_lowprec.strategies.transform import ModelTransform
+from pl_lowprec.transforms.fp8 import FP8Config
+from pl_lowprec.transforms.lora import inject_lora
+from pl_lowprec.transforms.nf4 import NF4Layout, dequantize_nf4, is_nf4, local, nf4_bytes, quantize_model_nf4
+from pl_lowprec.transforms.pipeline import ModelTransform
+from pl_lowprec.transforms.qat import QATConfig
+from pl_lowprec.transforms.quantization import QuantizationConfig
 
 GLOBAL_BATCH, STEPS_PER_EPOCH = 4, 2
 DEVICE = sys.argv[5] if len(sys.argv) > 5 else "cpu"
@@ -374,8 +374,8 @@ def _unsharded_run(args: dict, module_class, lora: dict, precision: str, initial
 def options(world, out, precision) -> dict:
     """qat=, fp8= (emulated), activation_offloading= (the CPU refusal patched out: the hooks run the same) and
     optimizer='torchao_adamw8bit' under FSDP, each beside its unsharded reference."""
-    from pl_lowprec.offloading import OffloadActivations
-    from pl_lowprec.strategies import transform as transform_module
+    from pl_lowprec.transforms import pipeline as transform_module
+    from pl_lowprec.transforms.offloading import OffloadActivations
 
     transform_module.check_offload_device = lambda device: None
     to_host, offloaded = OffloadActivations._to_host, []

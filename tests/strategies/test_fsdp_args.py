@@ -7,8 +7,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 
 from pl_lowprec import AMPPrecision, LowPrecisionFSDPStrategy, QuantizationConfig
-from pl_lowprec.nf4 import NF4Layout, check_layout, describe_choice
-from pl_lowprec.sharding import check_trainable_dtypes, shard_units, step_methods
+from pl_lowprec.distributed.sharding import check_trainable_dtypes, shard_units, step_methods
+from pl_lowprec.transforms.nf4 import NF4Layout, check_layout, describe_choice
 
 
 def test_registered_as_lowprec_fsdp():
@@ -40,7 +40,7 @@ def test_bitsandbytes_optimizers_are_refused_with_the_torchao_alternative(name):
 
 
 def test_qat_conversion_of_a_sharded_model_is_refused_with_how_to_convert():
-    from pl_lowprec.qat import QATConfig
+    from pl_lowprec.transforms.qat import QATConfig
 
     with pytest.raises(
         ValueError, match=r"qat='int4-weight-only' with convert_on_fit_end=True.*convert_on_fit_end=Fal"

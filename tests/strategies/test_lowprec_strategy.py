@@ -8,8 +8,8 @@ from lightning_helpers import quiet_trainer
 from torch import nn
 
 from pl_lowprec import AMPPrecision, LowPrecisionDDPStrategy, LowPrecisionStrategy
-from pl_lowprec.checkpointing import CheckpointedForward, is_checkpointed
 from pl_lowprec.demo.tiny_gpt import Block, TinyGPT
+from pl_lowprec.transforms.checkpointing import CheckpointedForward, is_checkpointed
 
 
 def _loader(batches=6):

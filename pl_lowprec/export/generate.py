@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from pl_lowprec.arguments import check_at_least, check_fraction, check_positive, float_in, int_at_least
+from pl_lowprec._checks import check_at_least, check_fraction, check_positive, float_in, int_at_least
 from pl_lowprec.export.out_paths import prepare_out_file
 
 
@@ -205,9 +205,9 @@ def main(args: list[str] | None = None) -> None:
     records = read_prompts(Path(parsed.prompts))
     inputs = {"prompts file": Path(parsed.prompts), "tokenizer": parsed.tokenizer and Path(parsed.tokenizer)}
     if parsed.ckpt_path is not None:
+        from pl_lowprec.cli.resume import check_checkpoint
         from pl_lowprec.export.command import config_files, with_config
         from pl_lowprec.export.restore import ConfigClassError
-        from pl_lowprec.resume import check_checkpoint
 
         check_checkpoint(Path(parsed.ckpt_path))
         cli_args = with_config(Path(parsed.ckpt_path), cli_args, parser)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pl_lowprec._imports import require_cli
-from pl_lowprec.config_errors import (
+from pl_lowprec.cli.config_errors import (
     REFUSALS,
     ClassRefusals,
     class_key,
@@ -25,7 +25,7 @@ from pl_lowprec.config_errors import (
     raised_refusal,
     refuse,
 )
-from pl_lowprec.trainer_checks import batches_started, check_trainer_arguments
+from pl_lowprec.strategies.trainer_checks import batches_started, check_trainer_arguments
 
 DEFAULT_ROOT_DIR = "runs"
 
@@ -40,11 +40,11 @@ def _cli_class() -> type:
     import pl_lowprec.data
     import pl_lowprec.demo
     import pl_lowprec.models  # noqa: F401
-    from pl_lowprec.resume import check_checkpoint, check_same_run, resolve_ckpt_path
+    from pl_lowprec.cli.resume import check_checkpoint, check_same_run, resolve_ckpt_path
 
     class LowPrecisionCLI(LightningCLI):
         """LightningCLI that writes under ``runs/`` by default, labels step-limited runs sensibly, and turns a bad
-        configuration into one paragraph and exit status 2 (``pl_lowprec.config_errors``)."""
+        configuration into one paragraph and exit status 2 (``pl_lowprec.cli.config_errors``)."""
 
         def init_parser(self, **kwargs: Any) -> Any:
             kwargs.setdefault("exit_on_error", False)  # parse_arguments words the error, not jsonargparse's dump
@@ -205,7 +205,7 @@ def main(args: list[str] | None = None) -> None:
         export_main(argv[1:])
         return
     if argv[:1] == ["generate"]:
-        from pl_lowprec.generate import main as generate_main
+        from pl_lowprec.export.generate import main as generate_main
 
         generate_main(argv[1:])
         return

@@ -2,8 +2,8 @@
 shards them.
 
 ``Sharding`` is what ``ModelTransform`` holds under ``strategy="lowprec_fsdp"``: it stores 4-bit base weights as
-torchao NF4 (``pl_lowprec.nf4``), the only storage that keeps its constants through ``fully_shard``, and, as the
-last step of the transform, shards each unit bottom-up and then the LightningModule itself as the root
+torchao NF4 (``pl_lowprec.transforms.nf4``), the only storage that keeps its constants through ``fully_shard``,
+and, as the last step of the transform, shards each unit bottom-up and then the LightningModule itself as the root
 (torchtune's ``shard_model``), whose step methods run as the root's forward (``shard_root``). The units are
 chosen like activation checkpointing's blocks (classes, class names or a predicate), and a name that matches
 nothing lists the model's classes.
@@ -28,10 +28,17 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from pl_lowprec._imports import import_torchao_nf4
-from pl_lowprec.checkpointing import CheckpointPolicy, select_modules
 from pl_lowprec.loading.empty import assert_no_meta
-from pl_lowprec.nf4 import NF4Layout, check_layout, check_mode, describe_choice, nf4_linear, quantize_model_nf4
-from pl_lowprec.quantization import QuantizationConfig, will_quantize
+from pl_lowprec.transforms.checkpointing import CheckpointPolicy, select_modules
+from pl_lowprec.transforms.nf4 import (
+    NF4Layout,
+    check_layout,
+    check_mode,
+    describe_choice,
+    nf4_linear,
+    quantize_model_nf4,
+)
+from pl_lowprec.transforms.quantization import QuantizationConfig, will_quantize
 
 ShardPolicy = CheckpointPolicy
 
@@ -197,7 +204,7 @@ class Sharding:
         reshard_after_forward: Free each unit's gathered weights after its forward (less memory, one more
             all-gather in backward).
         cpu_offload: Keep sharded parameters, gradients and optimizer state in CPU memory (CUDA only).
-        layout: How NF4 weights are blocked (see ``pl_lowprec.nf4.NF4Layout``).
+        layout: How NF4 weights are blocked (see ``pl_lowprec.transforms.nf4.NF4Layout``).
     """
 
     units: ShardPolicy | None = None

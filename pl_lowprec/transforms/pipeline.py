@@ -18,7 +18,7 @@ Where it runs, in ``Trainer._run`` order:
    swap** runs right after ``configure_optimizers``, before the precision plugin connects to the optimizers;
 4. restoring optimizer, scheduler and precision state, then the loops.
 
-Under ``strategy="lowprec_fsdp"`` the transform holds a ``Sharding`` (``pl_lowprec.sharding``), and that is
+Under ``strategy="lowprec_fsdp"`` the transform holds a ``Sharding`` (``pl_lowprec.distributed.sharding``), and that is
 the one place where a step differs: 4-bit weights are stored as torchao NF4 (which shards) instead of
 bitsandbytes, a meta-device module keeps only each rank's rows of every tensor as it is loaded (or, without
 ``pretrained=``, initialized by its modules' ``reset_parameters``), and the last step shards each unit and the
@@ -43,27 +43,33 @@ from torch.optim import Optimizer
 
 from pl_lowprec._imports import import_bitsandbytes, import_peft, import_torchao
 from pl_lowprec.adapters import load_trainable_state_dict, trainable_state_dict
-from pl_lowprec.checkpointing import (
+from pl_lowprec.distributed.sharding import Sharding
+from pl_lowprec.loading import PretrainedWeights, empty_weights, has_meta_tensors, load_pretrained
+from pl_lowprec.transforms.checkpointing import (
     CheckpointImpl,
     CheckpointPolicy,
     is_checkpointed,
     set_activation_checkpointing,
     validate_checkpoint_args,
 )
-from pl_lowprec.fp8 import FP8Config, FP8Recipe, check_fp8_device, convert_to_fp8
-from pl_lowprec.loading import PretrainedWeights, empty_weights, has_meta_tensors, load_pretrained
-from pl_lowprec.lora import has_lora, inject_lora, lora_config, prepare_for_kbit_training
-from pl_lowprec.offloading import OffloadActivations, check_offload_device
-from pl_lowprec.optimizers import (
+from pl_lowprec.transforms.fp8 import FP8Config, FP8Recipe, check_fp8_device, convert_to_fp8
+from pl_lowprec.transforms.lora import has_lora, inject_lora, lora_config, prepare_for_kbit_training
+from pl_lowprec.transforms.offloading import OffloadActivations, check_offload_device
+from pl_lowprec.transforms.optimizers import (
     OptimizerName,
     import_optimizer_library,
     rebind_schedulers,
     swap_optimizer,
     validate_optimizer_name,
 )
-from pl_lowprec.qat import QATConfig, QATScheme, convert_qat, is_converted, prepare_qat
-from pl_lowprec.quantization import DEFAULT_SKIP, QuantizationConfig, QuantMode, quantize_linear, quantize_model
-from pl_lowprec.sharding import Sharding
+from pl_lowprec.transforms.qat import QATConfig, QATScheme, convert_qat, is_converted, prepare_qat
+from pl_lowprec.transforms.quantization import (
+    DEFAULT_SKIP,
+    QuantizationConfig,
+    QuantMode,
+    quantize_linear,
+    quantize_model,
+)
 
 _DTYPE_BY_PRECISION = {
     "16-mixed": torch.float16,

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from pl_lowprec._checks import check_at_least, check_fraction, check_positive
 from pl_lowprec._imports import import_peft
-from pl_lowprec.arguments import check_at_least, check_fraction, check_positive
-from pl_lowprec.quantization import DEFAULT_SKIP, linear_names, matches_any
+from pl_lowprec.transforms.quantization import DEFAULT_SKIP, linear_names, matches_any
 
 ADAPTER_NAME = "default"
 
