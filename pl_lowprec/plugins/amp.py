@@ -17,23 +17,25 @@ the LR scheduler when an overflow made the optimizer step a no-op. This plugin e
 
 The step is the one of the plain loop: ``scaler.scale(loss).backward()`` per micro-batch, then ``unscale_``,
 clip, ``scaler.step``, ``scaler.update`` once per accumulation window.
+
+Beside this file: ``loss_scale_config.py`` checks the loss-scale arguments and builds the scaler,
+``scaler_bookkeeping.py`` knows per optimizer what was unscaled and which steps were skipped (the only code that
+reaches into GradScaler's private state is ``grad_scaler_internals.py``), ``loss_scale.py`` counts step outcomes.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
-from torch.optim import LBFGS, Optimizer
+from torch.optim import Optimizer
 
 from pl_lowprec.plugins.dtype_checks import (
     format_names,
@@ -42,16 +44,14 @@ from pl_lowprec.plugins.dtype_checks import (
     verify_bf16_support,
 )
 from pl_lowprec.plugins.loss_scale import LossScaleCollapseError, LossScaleState, LossScaleTracker
+from pl_lowprec.plugins.loss_scale_config import AMPPrecisionInput, LossScaleConfig, LossScaleInput
 from pl_lowprec.plugins.precision_choice import PrecisionChoice, choose_precision
+from pl_lowprec.plugins.scaler_bookkeeping import ScalerBookkeeping, has_gradients
 from pl_lowprec.plugins.scheduler_guard import guard_step_schedulers
 
-AMPPrecisionInput = Literal["auto", "16-mixed", "bf16-mixed"]
-LossScaleInput = Literal["auto", "dynamic"] | float | None
 MatmulPrecision = Literal["highest", "high", "medium"]
 
 _COMPUTE_DTYPE = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "32-true": torch.float32}
-
-_DYNAMIC_DEFAULTS = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
 
 
 class AMPPrecision(MixedPrecision):
@@ -103,16 +103,10 @@ class AMPPrecision(MixedPrecision):
                 " 'highest' (full fp32), 'high' (TF32 on Ampere+ GPUs), 'medium' (also bf16 passes), or None to"
                 " leave torch's setting alone."
             )
-        self._dynamic = {
-            "init_scale": init_scale,
-            "growth_factor": growth_factor,
-            "backoff_factor": backoff_factor,
-            "growth_interval": growth_interval,
-        }
-        self._loss_scale = loss_scale
-        self._min_scale = min_scale
-        # Validate now, as if fp16, so that bad settings fail before the Trainer exists even under "auto".
-        _resolve_loss_scale("16-mixed" if precision == "auto" else precision, loss_scale, self._dynamic, min_scale)
+        # Checked now (as for fp16 under "auto"), so that bad settings fail before the Trainer exists.
+        self.loss_scaling = LossScaleConfig(
+            precision, loss_scale, init_scale, growth_factor, backoff_factor, growth_interval, min_scale
+        )
         super().__init__("bf16-mixed", device=device or "cpu", scaler=None)
         self.requested_precision = precision
         self.choice: PrecisionChoice | None = None
@@ -122,10 +116,7 @@ class AMPPrecision(MixedPrecision):
         self.float32_matmul_precision = float32_matmul_precision
         self._matmul_precision_before: str | None = None
         self._tracker = LossScaleTracker()
-        self._unscaled: set[int] = set()
-        self._applied: set[int] = set()
-        self._skipped_by_optimizer: dict[int, bool] = {}
-        self._hook_handles: list[Any] = []
+        self._steps: ScalerBookkeeping | None = None  # with the scaler, when there is one
         if precision == "auto":
             self.precision = "auto"
             self.scaler = None
@@ -136,23 +127,12 @@ class AMPPrecision(MixedPrecision):
     def _configure(self, precision: str, scaler_device: str) -> None:
         """Set the precision and build the scaler it needs."""
         self.precision = precision
-        self.loss_scale_mode, self.static_scale = None, None
-        # Under "auto", the loss-scale settings apply only if it chose fp16 (they were validated at init).
-        if precision == "16-mixed" or (precision == "bf16-mixed" and self.requested_precision != "auto"):
-            self.loss_scale_mode, self.static_scale = _resolve_loss_scale(
-                precision, self._loss_scale, self._dynamic, self._min_scale
-            )
-        self.scaler = None
-        if self.loss_scale_mode is not None:
-            init = self.static_scale if self.loss_scale_mode == "static" else self._dynamic["init_scale"]
-            self.scaler = torch.amp.GradScaler(
-                scaler_device,
-                init_scale=init,
-                growth_factor=self._dynamic["growth_factor"],
-                backoff_factor=self._dynamic["backoff_factor"],
-                growth_interval=self._dynamic["growth_interval"],
-            )
-        self.min_scale = self._min_scale if self.loss_scale_mode == "dynamic" else None
+        # Only fp16 scales; under "auto" the loss-scale settings apply only if it chose fp16.
+        self.loss_scale_mode = self.loss_scaling.mode(precision)
+        self.static_scale = self.loss_scaling.static_scale if self.loss_scale_mode == "static" else None
+        self.min_scale = self.loss_scaling.min_scale if self.loss_scale_mode == "dynamic" else None
+        self.scaler = self.loss_scaling.make_scaler(precision, scaler_device)
+        self._steps = ScalerBookkeeping(self.scaler) if self.scaler is not None else None
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -184,7 +164,7 @@ class AMPPrecision(MixedPrecision):
         if self.precision == "auto":
             self.choice = choose_precision(device)
             self._configure(self.choice.precision, device.type)
-            unused = _changed_loss_scale_settings(self._loss_scale, self._dynamic)
+            unused = self.loss_scaling.changed_settings()
             note = f" The loss-scale settings ({unused}) apply only when it chooses '16-mixed'." if unused else ""
             rank_zero_info(self.choice.describe() + note)
         if self.float32_matmul_precision is not None and self._matmul_precision_before is None:
@@ -230,41 +210,30 @@ class AMPPrecision(MixedPrecision):
     def connect(
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
-        self._remove_hooks()
-        self._forget_all_unscales()  # a previous fit that stopped mid-step leaves nothing behind
-        if self.scaler is not None:
-            for optimizer in optimizers:
-                _check_optimizer_supports_scaling(optimizer)
-                self._hook_handles.append(optimizer.register_step_post_hook(self._on_optimizer_stepped))
+        if self._steps is not None:
+            self._steps.watch(optimizers)  # a previous fit that stopped mid-step leaves nothing behind
             if self.skip_scheduler_on_overflow:
                 guard_step_schedulers(lr_schedulers, self.step_was_skipped)
         return super().connect(model, optimizers, lr_schedulers)
 
     def teardown(self) -> None:
-        self._remove_hooks()
-        self._forget_all_unscales()
+        if self._steps is not None:
+            self._steps.release()
         if self._matmul_precision_before is not None:
             torch.set_float32_matmul_precision(self._matmul_precision_before)
             self._matmul_precision_before = None
         super().teardown()
 
-    def _remove_hooks(self) -> None:
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles.clear()
-
-    def _on_optimizer_stepped(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        self._applied.add(id(optimizer))
-
     def step_was_skipped(self, optimizer: Optimizer) -> bool:
         """Whether the latest step of ``optimizer`` applied no update (overflow, or nothing to step)."""
-        return self._skipped_by_optimizer.get(id(optimizer), False)
+        return self._steps is not None and self._steps.step_was_skipped(optimizer)
 
     # -- the step ---------------------------------------------------------------------------------------
 
     def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
         # An optimizer unscaled (by a clip) but never stepped must not carry that unscale into a new window.
-        self._forget_all_unscales()
+        if self._steps is not None:
+            self._steps.forget_all_unscales()
         return super().pre_backward(tensor, module)
 
     def optimizer_step(  # type: ignore[override]
@@ -274,26 +243,24 @@ class AMPPrecision(MixedPrecision):
         closure: Callable[[], Any],
         **kwargs: Any,
     ) -> Any:
-        if self.scaler is None:
+        steps = self._steps
+        if steps is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         closure_result = closure()
-        if closure_result is None and model.automatic_optimization and not _has_gradients(optimizer):
+        if closure_result is None and model.automatic_optimization and not has_gradients(optimizer):
             # ``training_step`` returned None and no earlier micro-batch of the window left gradients: there is
             # nothing to unscale or apply. Not a step, not an overflow; step-interval schedulers hold.
             self._after_closure(model, optimizer)
-            self._skipped_by_optimizer[id(optimizer)] = True
+            steps.mark_skipped(optimizer)
             return closure_result
         try:
-            self._unscale_once(optimizer)
+            steps.unscale_once(optimizer)
             self._after_closure(model, optimizer)
-            self._applied.discard(id(optimizer))
-            output = self.scaler.step(optimizer, **kwargs)
+            output, skipped = steps.step(optimizer, **kwargs)
         except BaseException:
-            self._forget_unscale(optimizer)  # the scaler must not keep a half-done step into the next one
+            steps.forget_unscale(optimizer)  # the scaler must not keep a half-done step into the next one
             raise
-        skipped = id(optimizer) not in self._applied
-        self._skipped_by_optimizer[id(optimizer)] = skipped
-        self._update_scale()
+        steps.update(new_scale=self.static_scale if self.loss_scale_mode == "static" else None)
         self._tracker.record(skipped, self.scaler.get_scale() if skipped else None)
         if skipped:
             self._check_min_scale()
@@ -306,40 +273,9 @@ class AMPPrecision(MixedPrecision):
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
         # Manual optimization clips before ``optimizer.step()``: unscale here so the threshold means the same.
-        if clip_val > 0 and self.scaler is not None:
-            self._unscale_once(optimizer)
+        if clip_val > 0 and self._steps is not None:
+            self._steps.unscale_once(optimizer)
         super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
-
-    def _unscale_once(self, optimizer: Optimizer) -> None:
-        if isinstance(optimizer, LightningOptimizer):  # ``self.optimizers()`` in manual optimization
-            optimizer = optimizer.optimizer
-        if id(optimizer) not in self._unscaled and _has_gradients(optimizer):
-            self.scaler.unscale_(optimizer)
-            self._unscaled.add(id(optimizer))
-
-    def _forget_unscale(self, optimizer: Optimizer) -> None:
-        """Return ``optimizer`` to GradScaler's ready state after an ``unscale_`` that no ``update`` followed.
-
-        GradScaler keeps each optimizer's unscale (and its inf checks) until ``update()``, and offers no public
-        reset; without this, the next step would skip unscaling fresh gradients or fail with "No inf checks
-        were recorded for this optimizer".
-        """
-        self._unscaled.discard(id(optimizer))
-        if self.scaler is not None:
-            self.scaler._per_optimizer_states.pop(id(optimizer), None)
-
-    def _forget_all_unscales(self) -> None:
-        if self.scaler is not None:
-            for optimizer_id in self._unscaled:
-                self.scaler._per_optimizer_states.pop(optimizer_id, None)
-        self._unscaled.clear()
-
-    def _update_scale(self) -> None:
-        if self.loss_scale_mode == "static":
-            self.scaler.update(new_scale=self.static_scale)
-        else:
-            self.scaler.update()
-        self._unscaled.clear()
 
     def _check_min_scale(self) -> None:
         scale = self.scaler.get_scale()
@@ -397,84 +333,3 @@ class AMPPrecision(MixedPrecision):
         # A checkpoint written with Trainer(precision="16-mixed") stores the scaler under "MixedPrecision".
         if type(self).__qualname__ not in checkpoint and MixedPrecision.__qualname__ in checkpoint:
             self.load_state_dict(checkpoint[MixedPrecision.__qualname__])
-
-
-def _has_gradients(optimizer: Optimizer) -> bool:
-    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
-
-
-def _changed_loss_scale_settings(loss_scale: LossScaleInput, dynamic: dict[str, float]) -> str:
-    changed = [f"{k}={v!r}" for k, v in dynamic.items() if v != _DYNAMIC_DEFAULTS[k]]
-    if loss_scale != "auto":
-        changed.insert(0, f"loss_scale={loss_scale!r}")
-    return ", ".join(changed)
-
-
-def _resolve_loss_scale(
-    precision: str, loss_scale: LossScaleInput, dynamic: dict[str, float], min_scale: float | None
-) -> tuple[Literal["dynamic", "static"] | None, float | None]:
-    """Validate the scaling arguments; return the mode and the static scale."""
-    changed = [f"{k}={v!r}" for k, v in dynamic.items() if v != _DYNAMIC_DEFAULTS[k]]
-    if loss_scale == "auto":
-        loss_scale = "dynamic" if precision == "16-mixed" else None
-    if precision == "bf16-mixed" and (loss_scale is not None or changed):
-        given = f"loss_scale={loss_scale!r}" if loss_scale is not None else ", ".join(changed)
-        raise ValueError(
-            f"AMPPrecision('bf16-mixed', {given}): loss scaling is for fp16 only. bf16 has fp32's exponent range,"
-            " so its gradients do not underflow. Remove the loss-scale arguments, or use '16-mixed'."
-        )
-    if loss_scale is None:
-        return None, None
-    if loss_scale == "dynamic":
-        _validate_dynamic(dynamic, min_scale)
-        return "dynamic", None
-    if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)):
-        raise ValueError(
-            f"AMPPrecision(loss_scale={loss_scale!r}) is not valid. Allowed: 'dynamic', a positive float for"
-            " static scaling (e.g. 1024.0), None for no scaling, or 'auto' (dynamic for fp16)."
-        )
-    if not (math.isfinite(loss_scale) and loss_scale > 0):
-        raise ValueError(f"AMPPrecision(loss_scale={loss_scale!r}): a static loss scale must be finite and > 0.")
-    if changed:
-        raise ValueError(
-            f"AMPPrecision(loss_scale={loss_scale!r}, {', '.join(changed)}): init_scale, growth_factor,"
-            " backoff_factor and growth_interval apply to loss_scale='dynamic' only. Remove them or switch to"
-            " dynamic scaling."
-        )
-    return "static", float(loss_scale)
-
-
-def _validate_dynamic(dynamic: dict[str, float], min_scale: float | None) -> None:
-    init_scale, growth, backoff, interval = (dynamic[k] for k in _DYNAMIC_DEFAULTS)
-    problems = []
-    if not (math.isfinite(init_scale) and init_scale > 0):
-        problems.append(f"init_scale={init_scale!r} must be finite and > 0")
-    if not growth > 1.0:
-        problems.append(f"growth_factor={growth!r} must be > 1.0")
-    if not 0.0 < backoff < 1.0:
-        problems.append(f"backoff_factor={backoff!r} must be between 0 and 1")
-    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-        problems.append(f"growth_interval={interval!r} must be an integer >= 1")
-    if min_scale is not None and not 0 < min_scale <= init_scale:
-        problems.append(f"min_scale={min_scale!r} must be > 0 and <= init_scale ({init_scale!r}), or None")
-    if problems:
-        raise ValueError(
-            "AMPPrecision dynamic loss scaling: "
-            + "; ".join(problems)
-            + ". For a fixed scale pass loss_scale=<float> instead."
-        )
-
-
-def _check_optimizer_supports_scaling(optimizer: Optimizer) -> None:
-    name = type(optimizer).__qualname__
-    if isinstance(optimizer, LBFGS):
-        raise ValueError(
-            "AMPPrecision with a loss scaler cannot drive LBFGS: its closure re-evaluates the loss, which"
-            " GradScaler does not support. Use AMPPrecision('bf16-mixed') or loss_scale=None."
-        )
-    if optimizer.defaults.get("fused"):
-        raise ValueError(
-            f"{name}(fused=True) unscales and skips inside its fused kernel, which hides overflowing steps from"
-            f" AMPPrecision's accounting and from gradient clipping. Build it with {name}(..., fused=False);"
-            " the default foreach implementation works and is fast."
-        )

@@ -141,7 +141,7 @@ def test_exception_between_unscale_and_step_leaves_the_scaler_ready():
     with pytest.raises(RuntimeError, match="boom"):
         trainer.fit(module, loader)
     optimizer = trainer.optimizers[0]
-    assert plugin._unscaled == set()
+    assert plugin._steps.unscaled == set()
     # GradScaler is back to its ready state for this optimizer: a new unscale_ is allowed
     optimizer.zero_grad(set_to_none=True)
     module(next(iter(loader))[0]).sum().backward()

@@ -1,0 +1,44 @@
+"""The one place in pl_lowprec that touches ``torch.amp.GradScaler``'s private state.
+
+GradScaler remembers, per optimizer, that ``unscale_`` ran (its stage and its inf checks) until ``update()``,
+and offers no public way to forget an unscale that no step followed. A clip without a step, a
+``training_step`` that returned ``None`` or an exception between ``unscale_`` and ``step`` would otherwise
+leave that optimizer half-done: the next window would not unscale its fresh gradients ("unscale_() has already
+been called on this optimizer since the last update()") or fail with "No inf checks were recorded for this
+optimizer".
+
+Private field touched, checked against torch 2.13.0 (``torch/amp/grad_scaler.py``):
+
+- ``_per_optimizer_states``: a ``defaultdict`` from ``id(optimizer)`` to ``{"stage": OptState, ...}``; a
+  missing key reads as the fresh ``READY`` state, so popping one optimizer's entry returns it to ready,
+  exactly what ``update()`` does for all of them when it replaces the dict.
+
+Nothing else is private: the scale, the growth tracker and the settings are read through ``get_scale()``,
+``get_growth_interval()``, ... and saved and restored through ``state_dict()`` / ``load_state_dict()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+
+import torch
+
+CHECKED_TORCH_VERSION = "2.13.0"
+
+
+def check_scaler_internals(scaler: torch.amp.GradScaler) -> None:
+    """Fail when the scaler is built if a torch release changed the field ``forget_unscale`` relies on. A
+    disabled scaler (``GradScaler("cuda")`` without a GPU) keeps no state and never unscales."""
+    if scaler.is_enabled() and not isinstance(getattr(scaler, "_per_optimizer_states", None), MutableMapping):
+        raise RuntimeError(
+            f"torch {torch.__version__}'s GradScaler has no per-optimizer state dict (_per_optimizer_states), which"
+            f" AMPPrecision uses to forget an unscale that no step followed (checked against torch"
+            f" {CHECKED_TORCH_VERSION}). Install the torch version in constraints.txt, or report this with your"
+            " torch version."
+        )
+
+
+def forget_unscale(scaler: torch.amp.GradScaler, optimizer_id: int) -> None:
+    """Return one optimizer to GradScaler's ready state, as ``update()`` would, without touching the scale."""
+    if scaler.is_enabled():
+        scaler._per_optimizer_states.pop(optimizer_id, None)

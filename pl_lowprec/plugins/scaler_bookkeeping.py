@@ -1,0 +1,118 @@
+"""Per-optimizer bookkeeping around one ``torch.amp.GradScaler``: unscale once, see skipped steps, forget
+half-done unscales.
+
+GradScaler answers none of the questions an honest training loop asks: whether this optimizer's gradients are
+already unscaled (clipping and the step must not unscale twice), whether ``scaler.step`` really applied the
+update or skipped it on an overflow, and how to drop an unscale that no step followed. ``ScalerBookkeeping``
+keeps these answers for ``AMPPrecision``. It sees a step through the optimizer's own step post-hook, so an
+overflow that GradScaler turned into a no-op is known exactly, not guessed from the scale.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from torch.optim import LBFGS, Optimizer
+from torch.utils.hooks import RemovableHandle
+
+from pl_lowprec.plugins.grad_scaler_internals import check_scaler_internals, forget_unscale
+
+
+class ScalerBookkeeping:
+    """Which optimizers ``scaler`` has unscaled since its last update, and whether each one's latest step
+    applied an update. Optimizers are keyed by ``id``, as GradScaler keys them.
+
+    Attributes:
+        scaler: The GradScaler all unscales, steps and updates go through.
+        unscaled: Optimizers unscaled since the last ``update``.
+    """
+
+    def __init__(self, scaler: torch.amp.GradScaler) -> None:
+        check_scaler_internals(scaler)
+        self.scaler = scaler
+        self.unscaled: set[int] = set()
+        self._applied: set[int] = set()
+        self._skipped: dict[int, bool] = {}
+        self._hooks: list[RemovableHandle] = []
+
+    def watch(self, optimizers: list[Optimizer]) -> None:
+        """Start a fit: refuse optimizers the scaler cannot drive, and see each one's steps. Whatever an earlier
+        fit that stopped mid-step left behind is forgotten."""
+        self.release()
+        for optimizer in optimizers:
+            check_optimizer_supports_scaling(optimizer)
+            self._hooks.append(optimizer.register_step_post_hook(self._on_optimizer_stepped))
+
+    def release(self) -> None:
+        """Remove the step hooks and forget every pending unscale (teardown, or a new fit)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self.forget_all_unscales()
+
+    def _on_optimizer_stepped(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        self._applied.add(id(optimizer))
+
+    def unscale_once(self, optimizer: Optimizer | LightningOptimizer) -> None:
+        """``scaler.unscale_`` unless already done since the last update, or there are no gradients."""
+        if isinstance(optimizer, LightningOptimizer):  # ``self.optimizers()`` in manual optimization
+            optimizer = optimizer.optimizer
+        if id(optimizer) not in self.unscaled and has_gradients(optimizer):
+            self.scaler.unscale_(optimizer)
+            self.unscaled.add(id(optimizer))
+
+    def step(self, optimizer: Optimizer, **kwargs: Any) -> tuple[Any, bool]:
+        """``scaler.step``; returns its output and whether the step was skipped (the optimizer did not step)."""
+        self._applied.discard(id(optimizer))
+        output = self.scaler.step(optimizer, **kwargs)
+        skipped = id(optimizer) not in self._applied
+        self._skipped[id(optimizer)] = skipped
+        return output, skipped
+
+    def mark_skipped(self, optimizer: Optimizer) -> None:
+        """Record a step that had nothing to apply (no gradients), without asking the scaler."""
+        self._skipped[id(optimizer)] = True
+
+    def step_was_skipped(self, optimizer: Optimizer) -> bool:
+        """Whether the latest step of ``optimizer`` applied no update (overflow, or nothing to step)."""
+        return self._skipped.get(id(optimizer), False)
+
+    def update(self, new_scale: float | None = None) -> None:
+        """``scaler.update`` (a static scale passes ``new_scale``), which ends every optimizer's window."""
+        if new_scale is None:
+            self.scaler.update()
+        else:
+            self.scaler.update(new_scale=new_scale)
+        self.unscaled.clear()
+
+    def forget_unscale(self, optimizer: Optimizer) -> None:
+        """Return ``optimizer`` to GradScaler's ready state after an ``unscale_`` that no ``update`` followed."""
+        self.unscaled.discard(id(optimizer))
+        forget_unscale(self.scaler, id(optimizer))
+
+    def forget_all_unscales(self) -> None:
+        for optimizer_id in self.unscaled:
+            forget_unscale(self.scaler, optimizer_id)
+        self.unscaled.clear()
+
+
+def has_gradients(optimizer: Optimizer) -> bool:
+    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
+
+
+def check_optimizer_supports_scaling(optimizer: Optimizer) -> None:
+    """Refuse optimizers whose step hides overflows from the scaler's accounting."""
+    name = type(optimizer).__qualname__
+    if isinstance(optimizer, LBFGS):
+        raise ValueError(
+            "AMPPrecision with a loss scaler cannot drive LBFGS: its closure re-evaluates the loss, which"
+            " GradScaler does not support. Use AMPPrecision('bf16-mixed') or loss_scale=None."
+        )
+    if optimizer.defaults.get("fused"):
+        raise ValueError(
+            f"{name}(fused=True) unscales and skips inside its fused kernel, which hides overflowing steps from"
+            f" AMPPrecision's accounting and from gradient clipping. Build it with {name}(..., fused=False);"
+            " the default foreach implementation works and is fast."
+        )
