@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torchmetrics import MeanMetric
 
 from pl_lowprec._checks import check_at_least, check_positive
-from pl_lowprec.distributed.sharding import shard_pretrained_blocks
+from pl_lowprec.distributed.shard import shard_pretrained_blocks
 from pl_lowprec.loading import PretrainedWeights, empty_weights, load_pretrained
 from pl_lowprec.loading.hub import resolve_pretrained
 from pl_lowprec.models.chunked_loss import causal_lm_loss_sum

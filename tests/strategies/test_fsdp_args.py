@@ -7,7 +7,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 
 from pl_lowprec import AMPPrecision, LowPrecisionFSDPStrategy, QuantizationConfig
-from pl_lowprec.distributed.sharding import check_trainable_dtypes, shard_units, step_methods
+from pl_lowprec.distributed.shard import check_trainable_dtypes, shard_units, step_methods
 from pl_lowprec.transforms.nf4 import NF4Layout, check_layout, describe_choice
 
 
