@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from pl_lowprec._imports import import_peft
-from pl_lowprec.distributed.shard import full_tensor
+from pl_lowprec.distributed.mesh import full_tensor
 from pl_lowprec.transforms.lora import ADAPTER_NAME, lora_layers
 from pl_lowprec.transforms.nf4 import dequantize_nf4, is_nf4
 from pl_lowprec.transforms.quantization import is_quantized

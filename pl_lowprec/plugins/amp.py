@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 import lightning.pytorch as pl
 import torch
@@ -75,6 +75,10 @@ class AMPPrecision(MixedPrecision):
             ``"medium"``), restored at teardown. ``None`` leaves the process setting alone.
         device: Autocast device type. ``None`` takes the Trainer's device at setup.
     """
+
+    # strategy="lowprec_fsdp" runs every mode (pl_lowprec.distributed.precision): the loss scaler agrees on
+    # overflows across the shards.
+    supports_fsdp2: ClassVar[bool] = True
 
     def __init__(
         self,

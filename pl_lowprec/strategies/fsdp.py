@@ -30,7 +30,10 @@ from lightning.pytorch.strategies.strategy import _StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 
-from pl_lowprec.distributed.shard import Sharding, ShardPolicy, check_precision, data_parallel_mesh, is_sharded
+from pl_lowprec.distributed.mesh import data_parallel_mesh, is_sharded
+from pl_lowprec.distributed.precision import check_precision
+from pl_lowprec.distributed.shard import ShardPolicy
+from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.loading import empty_weights
 from pl_lowprec.strategies.fsdp_checkpoints import (
     gathered_state_dict,

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from pl_lowprec.distributed.shard import full_tensor
+from pl_lowprec.distributed.mesh import full_tensor
 
 
 def gathered_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ Where it runs, in ``Trainer._run`` order:
    swap** runs right after ``configure_optimizers``, before the precision plugin connects to the optimizers;
 4. restoring optimizer, scheduler and precision state, then the loops.
 
-Under ``strategy="lowprec_fsdp"`` the transform holds a ``Sharding`` (``pl_lowprec.distributed.shard``), and that is
+Under ``strategy="lowprec_fsdp"`` the transform holds a ``Sharding`` (``pl_lowprec.distributed.sharding``), and that is
 the one place where a step differs: 4-bit weights are stored as torchao NF4 (which shards) instead of
 bitsandbytes, a meta-device module keeps only each rank's rows of every tensor as it is loaded (or, without
 ``pretrained=``, initialized by its modules' ``reset_parameters``), and the last step shards each unit and the
@@ -43,7 +43,7 @@ from torch.optim import Optimizer
 
 from pl_lowprec._imports import import_bitsandbytes, import_peft, import_torchao
 from pl_lowprec.adapters import load_trainable_state_dict, trainable_state_dict
-from pl_lowprec.distributed.shard import Sharding
+from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.loading import PretrainedWeights, empty_weights, has_meta_tensors, load_pretrained
 from pl_lowprec.transforms.checkpointing import (
     CheckpointImpl,

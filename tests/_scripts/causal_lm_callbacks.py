@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import torch
 
 from pl_lowprec.adapters import trainable_state_dict
-from pl_lowprec.distributed.shard import full_tensor
+from pl_lowprec.distributed.mesh import full_tensor
 from pl_lowprec.models.token_loss import IGNORE_INDEX
 
 

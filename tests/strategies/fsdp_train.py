@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from pl_lowprec import AMPPrecision, LowPrecisionFSDPStrategy
 from pl_lowprec.adapters import export_adapter, merged_state_dict, trainable_state_dict
 from pl_lowprec.demo import TinyLlama
-from pl_lowprec.distributed.shard import full_tensor
+from pl_lowprec.distributed.mesh import full_tensor
 from pl_lowprec.loading import empty_weights
 from pl_lowprec.transforms.fp8 import FP8Config
 from pl_lowprec.transforms.lora import inject_lora
