@@ -23,7 +23,7 @@ from torch import nn
 from pl_lowprec.adapters import lora_deltas
 from pl_lowprec.loading import PretrainedWeights, resolve_checkpoint
 from pl_lowprec.loading.sources import INDEX_NAME, open_safetensors
-from pl_lowprec.transforms.quantization import _dtype
+from pl_lowprec.transforms.dtypes import to_dtype
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
@@ -34,7 +34,7 @@ def merge_into_pretrained(
     """Write the merged model to ``out_dir`` (which must exist and be empty); return counts of merged/written."""
     from safetensors.torch import save_file
 
-    cast = _dtype(dtype) if dtype is not None else None
+    cast = to_dtype(dtype) if dtype is not None else None
     source = Path(weights.path)
     _check_only_lora_trains(module)
     deltas = {f"{name}.weight": delta.cpu() for name, delta in lora_deltas(module).items()}
@@ -96,5 +96,5 @@ def _copy_model_files(source: Path, out_dir: Path, dtype: str | None) -> None:
     if dtype is not None and config.is_file():
         fields = json.loads(config.read_text())
         key = "dtype" if "dtype" in fields or "torch_dtype" not in fields else "torch_dtype"
-        fields[key] = str(_dtype(dtype)).removeprefix("torch.")
+        fields[key] = str(to_dtype(dtype)).removeprefix("torch.")
         config.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")

@@ -34,13 +34,15 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pl_lowprec.memory.activations import count_saved_tensors
 from pl_lowprec.plugins.precision_choice import choose_precision
-from pl_lowprec.transforms.checkpointing import CheckpointImpl, CheckpointPolicy, set_activation_checkpointing
-from pl_lowprec.transforms.fp8 import FP8Config, convert_to_fp8
+from pl_lowprec.transforms.checkpointing import set_activation_checkpointing
+from pl_lowprec.transforms.config import TransformConfig
+from pl_lowprec.transforms.dtypes import dtype_of_precision
+from pl_lowprec.transforms.fp8 import convert_to_fp8
+from pl_lowprec.transforms.linear_filter import swap_linear_layers
 from pl_lowprec.transforms.lora import inject_lora, prepare_for_kbit_training
 from pl_lowprec.transforms.offloading import OffloadActivations
-from pl_lowprec.transforms.pipeline import dtype_of_precision
-from pl_lowprec.transforms.qat import QATConfig, prepare_qat
-from pl_lowprec.transforms.quantization import DEFAULT_SKIP, QuantizationConfig, swap_linear_layers
+from pl_lowprec.transforms.qat import prepare_qat
+from pl_lowprec.transforms.quantization import QuantizationConfig
 
 MIN_8BIT_SIZE = 4096  # bitsandbytes keeps 32-bit optimizer state below this many elements
 OPTIMIZER_BLOCK = 256  # bitsandbytes' blockwise 8-bit optimizer state: one fp32 absmax per block
@@ -126,16 +128,9 @@ def estimate_memory(
     build_model: Callable[[], nn.Module],
     example_batch: Any,
     precision: str = "32-true",
-    quantization: str | QuantizationConfig | None = None,
-    lora: Mapping[str, Any] | Any | None = None,
-    optimizer: str | None = "adamw",
-    activation_checkpointing: CheckpointPolicy | None = None,
-    checkpoint_every_n: int = 1,
-    checkpoint_impl: CheckpointImpl = "non_reentrant",
     device: str | torch.device | None = None,
-    activation_offloading: bool = False,
-    qat: str | QATConfig | None = None,
-    fp8: str | FP8Config | None = None,
+    config: TransformConfig | None = None,
+    **transform_args: Any,
 ) -> MemoryEstimate:
     """Predict the training memory of a configuration without allocating the model.
 
@@ -145,16 +140,17 @@ def estimate_memory(
         example_batch: One training batch (real or fake tensors of the real shapes).
         precision: The Trainer's precision string (``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``, ...), or
             ``"auto"`` for what ``AMPPrecision("auto")`` would choose on ``device``.
-        quantization, lora, optimizer, activation_checkpointing, checkpoint_every_n, checkpoint_impl,
-        activation_offloading, qat, fp8: As for ``LowPrecisionStrategy`` (``optimizer="adamw"`` is the module's
-            own torch AdamW).
         device: The device the run will use, for ``precision="auto"``; ``None`` means CUDA if this machine has
             it, else the CPU.
+        config: The strategy's model arguments as one ``TransformConfig`` (``strategy.transform_config``).
+        **transform_args: Or the strategies' model arguments themselves (``quantization="nf4-dq"``,
+            ``lora={"r": 16}``, ``activation_checkpointing=[...]``, ...: see ``TransformArguments``);
+            ``optimizer="adamw"`` names the module's own torch AdamW, as no ``optimizer`` does.
     """
+    config = _transform_config(config, transform_args)
+    quantization, lora = config.quantization, config.lora
     if precision == "auto":
         precision = choose_precision(device or ("cuda" if torch.cuda.is_available() else "cpu")).precision
-    if isinstance(quantization, str):
-        quantization = QuantizationConfig.from_mode(quantization)
     compute_dtype = dtype_of_precision(precision)
     mixed = precision.endswith("-mixed")
     with torch.device("meta"):  # structure, dtypes and shapes only: nothing is allocated
@@ -163,13 +159,12 @@ def estimate_memory(
             model = model.to(compute_dtype)
         estimate = MemoryEstimate()
         estimate.weights, quantized = _weights_after_quantization(model, quantization, compute_dtype)
-        if qat is not None:  # weights stay trainable in full precision; fake quantization saves its own tensors
-            prepare_qat(model, QATConfig.from_scheme(qat) if isinstance(qat, str) else qat)
-        if fp8 is not None:  # emulated, so it runs on fake CPU tensors; it saves what the real float8 layers save
-            fp8 = FP8Config.from_recipe(fp8) if isinstance(fp8, str) else fp8
-            convert_to_fp8(model, dataclasses.replace(fp8, emulate=True))
+        if config.qat is not None:  # weights stay trainable in full precision; fake quantization saves its own
+            prepare_qat(model, config.qat)
+        if config.fp8 is not None:  # emulated, so it runs on fake CPU tensors; it saves what float8 layers save
+            convert_to_fp8(model, dataclasses.replace(config.fp8, emulate=True))
         if lora is not None:
-            inject_lora(model, lora, quantization.skip_modules if quantization is not None else DEFAULT_SKIP)
+            inject_lora(model, lora, config.skip_modules)
             prepare_for_kbit_training(model, mixed_precision=mixed)
             if precision.endswith("-true") and precision != "32-true":
                 model.to(compute_dtype)  # Lightning's HalfPrecision casts the adapters too
@@ -180,15 +175,31 @@ def estimate_memory(
         estimate.parameters = sum(p.numel() for p in model.parameters())
         estimate.trainable_parameters = sum(p.numel() for p in trainable)
         estimate.gradients = sum(p.numel() * p.element_size() for p in trainable)
-        estimate.optimizer_state = optimizer_state_bytes(trainable, optimizer)
-        if activation_checkpointing is not None:
-            set_activation_checkpointing(model, activation_checkpointing, checkpoint_every_n, checkpoint_impl)
+        estimate.optimizer_state = optimizer_state_bytes(trainable, config.optimizer)
+        if config.activation_checkpointing is not None:
+            set_activation_checkpointing(
+                model, config.activation_checkpointing, config.checkpoint_every_n, config.checkpoint_impl
+            )
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         _materialize_fake(model)
         estimate.activations, estimate.activations_offloaded_to_host = _saved_bytes(
-            model, _to_fake(mode, example_batch), compute_dtype if mixed else None, activation_offloading
+            model, _to_fake(mode, example_batch), compute_dtype if mixed else None, config.activation_offloading
         )
     return estimate
+
+
+def _transform_config(config: TransformConfig | None, transform_args: dict[str, Any]) -> TransformConfig:
+    """One ``TransformConfig`` from ``config=`` or the model arguments given one by one (not both)."""
+    if config is not None and transform_args:
+        raise TypeError(
+            f"estimate_memory got config= and the model arguments {', '.join(sorted(transform_args))}: pass"
+            " one of them (config=strategy.transform_config, or the arguments one by one)."
+        )
+    if config is not None:
+        return config
+    if transform_args.get("optimizer") == "adamw":
+        transform_args = {**transform_args, "optimizer": None}
+    return TransformConfig(**transform_args)
 
 
 class _QuantizedStandIn(nn.Linear):
@@ -224,7 +235,7 @@ def _weights_after_quantization(
             quantized.add(id(layer.weight))
             return layer
 
-        swap_linear_layers(model, stand_in, lambda m, name: type(m) is nn.Linear and not quantization.skips(name))
+        swap_linear_layers(model, stand_in, quantization.wants)
         if quantized:
             weights[key] += code_book_bytes(quantization.mode)
     seen: set[int] = set()

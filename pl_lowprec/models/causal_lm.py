@@ -23,7 +23,7 @@ from pl_lowprec.loading.hub import resolve_pretrained
 from pl_lowprec.models.chunked_loss import causal_lm_loss_sum
 from pl_lowprec.models.token_loss import TokenMeanLoss
 from pl_lowprec.models.tokenizer_check import check_tokenizer
-from pl_lowprec.transforms.quantization import _dtype
+from pl_lowprec.transforms.dtypes import to_dtype
 
 PREFIX = "model."  # the Hugging Face model is held as self.model
 
@@ -68,7 +68,7 @@ class CausalLM(pl.LightningModule):
         self.directory = resolve_pretrained(pretrained)
         self.config = AutoConfig.from_pretrained(str(self.directory), local_files_only=True)
         self.pretrained_weights = PretrainedWeights(self.directory, PREFIX)
-        self.dtype_override = _dtype(dtype)
+        self.dtype_override = to_dtype(dtype)
         self.model: Any = None
         self.token_mean = TokenMeanLoss()
         self.val_nll = MeanMetric()

@@ -48,10 +48,9 @@ from pl_lowprec.plugins.loss_scale_config import AMPPrecisionInput, LossScaleCon
 from pl_lowprec.plugins.precision_choice import PrecisionChoice, choose_precision
 from pl_lowprec.plugins.scaler_bookkeeping import ScalerBookkeeping, has_gradients
 from pl_lowprec.plugins.scheduler_guard import guard_step_schedulers
+from pl_lowprec.transforms.dtypes import dtype_of_precision
 
 MatmulPrecision = Literal["highest", "high", "medium"]
-
-_COMPUTE_DTYPE = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "32-true": torch.float32}
 
 
 class AMPPrecision(MixedPrecision):
@@ -146,7 +145,7 @@ class AMPPrecision(MixedPrecision):
                 "AMPPrecision('auto') has not chosen a precision yet: it does so when the Trainer's device is known"
                 " (at setup). Call plugin.resolve(device) first to ask what it would choose."
             )
-        return _COMPUTE_DTYPE[self.precision]
+        return dtype_of_precision(self.precision)
 
     def loss_scale_state(self) -> LossScaleState:
         """Scale and step counters after the latest optimizer step (scale 1.0 when not scaling)."""

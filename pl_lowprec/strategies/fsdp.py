@@ -43,56 +43,40 @@ from pl_lowprec.strategies.fsdp_checkpoints import (
 )
 from pl_lowprec.strategies.trainer_checks import check_trainer_arguments
 from pl_lowprec.strategies.transform_hooks import TransformHooks
-from pl_lowprec.transforms.checkpointing import CheckpointImpl, CheckpointPolicy
-from pl_lowprec.transforms.fp8 import FP8Config, FP8Recipe
+from pl_lowprec.transforms.config import TransformConfig
 from pl_lowprec.transforms.nf4 import NF4Layout, ScalerBlockSize
-from pl_lowprec.transforms.optimizers import BITSANDBYTES_OPTIMIZERS, OptimizerName
-from pl_lowprec.transforms.pipeline import ModelTransform
-from pl_lowprec.transforms.qat import QATConfig, QATScheme
-from pl_lowprec.transforms.quantization import QuantizationConfig, QuantMode
+from pl_lowprec.transforms.optimizers import BITSANDBYTES_OPTIMIZERS
 
 
 class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
     """FSDP2 across every rank, with the model transform (see ``pl_lowprec.transforms.pipeline``).
 
+    Takes the model arguments (``quantization``, ``lora``, ... see ``TransformArguments``), with these limits:
+    ``quantization`` is ``"nf4"`` or ``"nf4-dq"`` (torchao NF4, both double-quantize) and needs
+    ``adapter_only_checkpoint=True``; ``optimizer`` is ``"torchao_adamw8bit"`` (bitsandbytes' kernels do not
+    take DTensors); ``qat`` needs ``convert_on_fit_end=False``.
+
     Args:
-        activation_checkpointing, checkpoint_every_n, checkpoint_impl, lora, adapter_only_checkpoint,
-        pretrained, pretrained_prefix: As for ``LowPrecisionStrategy``.
-        quantization: ``"nf4"`` or ``"nf4-dq"`` (or a ``QuantizationConfig`` with one of them): base weights are
-            stored as torchao NF4 tensors, which FSDP2 shards with their constants; both double-quantize.
-        optimizer: ``"torchao_adamw8bit"`` swaps the configured AdamW for torchao's 8-bit AdamW, which steps on the
-            sharded parameters. bitsandbytes' optimizers are refused: their kernels do not take DTensors.
-        qat, fp8, activation_offloading: As for ``LowPrecisionStrategy`` (not with ``quantization=``).
         shard_modules: Blocks that each form a shard unit (classes, class names or a predicate); default: the
             ``activation_checkpointing`` blocks.
         reshard_after_forward: Free each unit's gathered weights after its forward (less memory, one more
             all-gather per unit in backward).
         cpu_offload: Keep sharded parameters, gradients and optimizer state in CPU memory (CUDA only).
-        nf4_block_size, nf4_scaler_block_size: NF4 blocking; every quantized weight's rows, blocks and scale
-            groups must split evenly across the ranks (checked before anything loads). ``"auto"`` (default):
-            per layer, the largest scaler block size that splits (256 where it fits), said in one INFO line; an
-            integer applies to every layer, and a layer it does not split is an error.
+        nf4_block_size: Weights per NF4 block (each with its own scale); every quantized weight's rows and
+            blocks must split evenly across the ranks (checked before anything loads).
+        nf4_scaler_block_size: NF4 scales that share one int8 factor (double quantization). ``"auto"``
+            (default): per layer, the largest size that splits across the ranks (256 where it fits), said in one
+            INFO line; an integer applies to every layer, and a layer it does not split is an error.
         tensor_parallel_size: Must be 1: this strategy shards data-parallel only.
         process_group_backend: ``"gloo"`` (CPU), ``"nccl"`` (CUDA); ``None`` picks it for the device.
         timeout: Process-group timeout.
+        **kwargs: The model arguments (see ``TransformArguments``).
     """
 
     strategy_name = "lowprec_fsdp"
 
     def __init__(
         self,
-        activation_checkpointing: CheckpointPolicy | None = None,
-        checkpoint_every_n: int = 1,
-        checkpoint_impl: CheckpointImpl = "non_reentrant",
-        quantization: QuantMode | QuantizationConfig | None = None,
-        lora: dict[str, Any] | None = None,
-        optimizer: OptimizerName | None = None,
-        adapter_only_checkpoint: bool = True,
-        pretrained: str | Path | None = None,
-        pretrained_prefix: str | dict[str, str] | None = None,
-        qat: QATScheme | QATConfig | None = None,
-        fp8: FP8Recipe | FP8Config | None = None,
-        activation_offloading: bool = False,
         shard_modules: ShardPolicy | None = None,
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
@@ -101,57 +85,21 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
         tensor_parallel_size: int = 1,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        **kwargs: Any,
     ) -> None:
-        if tensor_parallel_size != 1:
-            what = "4-bit weights cannot be split by tensor parallelism" if quantization else "it shards data only"
-            raise ValueError(
-                f"strategy='lowprec_fsdp' got tensor_parallel_size={tensor_parallel_size!r}: {what}. It shards"
-                " parameters, gradients and optimizer state across all ranks (FSDP2); leave tensor_parallel_size=1,"
-                " or write the tensor-parallel plan in configure_model with Lightning's ModelParallelStrategy."
-            )
-        if optimizer in BITSANDBYTES_OPTIMIZERS:
-            raise ValueError(
-                f"strategy='lowprec_fsdp' got optimizer={optimizer!r}: bitsandbytes' optimizer kernels are custom ops"
-                " that do not take DTensors, and FSDP2's parameters are DTensor shards (the step fails with"
-                " 'bitsandbytes.optimizer_update_8bit_blockwise got mixed torch.Tensor and DTensor'). Use"
-                " optimizer='torchao_adamw8bit' (torchao.optim.AdamW8bit steps on the shards, 8-bit state as"
-                " bitsandbytes'), or strategy='lowprec_ddp' for bitsandbytes' optimizers."
-            )
-        if quantization is not None and not adapter_only_checkpoint:
-            raise ValueError(
-                "strategy='lowprec_fsdp' with quantization= saves adapter-only checkpoints: the NF4 base is rebuilt"
-                " from its source at every start. Leave adapter_only_checkpoint=True (and pass lora=)."
-            )
+        self._tensor_parallel_request = tensor_parallel_size
+        self.sharding = Sharding(
+            shard_modules, reshard_after_forward, cpu_offload, NF4Layout(nf4_block_size, nf4_scaler_block_size)
+        )
         super().__init__(
             data_parallel_size="auto",
             tensor_parallel_size=1,
             save_distributed_checkpoint=False,
             process_group_backend=process_group_backend,
             timeout=timeout,
+            **kwargs,
         )
-        self.sharding = Sharding(
-            shard_modules if shard_modules is not None else activation_checkpointing,
-            reshard_after_forward,
-            cpu_offload,
-            NF4Layout(nf4_block_size, nf4_scaler_block_size),
-        )
-        self.transform = ModelTransform(
-            activation_checkpointing,
-            checkpoint_every_n,
-            checkpoint_impl,
-            quantization,
-            lora,
-            optimizer,
-            adapter_only_checkpoint,
-            pretrained=pretrained,
-            pretrained_prefix=pretrained_prefix,
-            qat=qat,
-            fp8=fp8,
-            activation_offloading=activation_offloading,
-            sharding=self.sharding,
-        )
-
-        qat_config = self.transform.qat
+        qat_config = self.transform_config.qat
         if qat_config is not None and qat_config.convert_on_fit_end:
             raise ValueError(
                 f"strategy='lowprec_fsdp' got qat={qat_config.scheme!r} with convert_on_fit_end=True: converting"
@@ -160,6 +108,14 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
                 " (export_adapter) or a full checkpoint into the model on one device (strategy='lowprec' with the"
                 " same qat=) and call pl_lowprec.transforms.qat.convert_qat(model, config)."
             )
+
+    def transform_sharding(self, config: TransformConfig) -> Sharding:
+        """Refuse what FSDP2 cannot shard, before any library is imported; shard units default to the
+        ``activation_checkpointing`` blocks."""
+        check_fsdp_arguments(config, self._tensor_parallel_request)
+        if self.sharding.units is None:
+            self.sharding.units = config.activation_checkpointing
+        return self.sharding
 
     @property
     def precision_plugin(self) -> Precision:
@@ -217,7 +173,7 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
         """``empty_init=True`` (or ``pretrained=``) puts parameters on the meta device and keeps buffers real
         (``empty_weights``). Lightning's FSDP2 strategy puts buffers there too, but a rotary embedding's
         ``inv_freq`` is in no checkpoint and only its module's ``__init__`` computes it."""
-        meta = empty_weights() if empty_init or self.transform.weights is not None else nullcontext()
+        meta = empty_weights() if empty_init or self.transform_config.weights is not None else nullcontext()
         with meta, self.precision_plugin.tensor_init_context():
             yield
 
@@ -238,7 +194,9 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
         return torch.load(path, map_location="cpu", weights_only=weights_only)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        load_full_state_dict(self.lightning_module, checkpoint["state_dict"], self.transform.adapter_only, strict)
+        load_full_state_dict(
+            self.lightning_module, checkpoint["state_dict"], self.transform_config.adapter_only, strict
+        )
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         load_optimizer_states(self.lightning_module, self.optimizers, checkpoint["optimizer_states"])
@@ -250,4 +208,28 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
             cls,
             description="FSDP2 sharding with NF4 QLoRA and activation checkpointing",
             override=True,
+        )
+
+
+def check_fsdp_arguments(config: TransformConfig, tensor_parallel_size: int) -> None:
+    """The model arguments that FSDP2 cannot run, refused when the strategy is built."""
+    if tensor_parallel_size != 1:
+        what = "4-bit weights cannot be split by tensor parallelism" if config.quantization else "it shards data only"
+        raise ValueError(
+            f"strategy='lowprec_fsdp' got tensor_parallel_size={tensor_parallel_size!r}: {what}. It shards"
+            " parameters, gradients and optimizer state across all ranks (FSDP2); leave tensor_parallel_size=1,"
+            " or write the tensor-parallel plan in configure_model with Lightning's ModelParallelStrategy."
+        )
+    if config.optimizer in BITSANDBYTES_OPTIMIZERS:
+        raise ValueError(
+            f"strategy='lowprec_fsdp' got optimizer={config.optimizer!r}: bitsandbytes' optimizer kernels are custom"
+            " ops that do not take DTensors, and FSDP2's parameters are DTensor shards (the step fails with"
+            " 'bitsandbytes.optimizer_update_8bit_blockwise got mixed torch.Tensor and DTensor'). Use"
+            " optimizer='torchao_adamw8bit' (torchao.optim.AdamW8bit steps on the shards, 8-bit state as"
+            " bitsandbytes'), or strategy='lowprec_ddp' for bitsandbytes' optimizers."
+        )
+    if config.quantization is not None and not config.adapter_only_checkpoint:
+        raise ValueError(
+            "strategy='lowprec_fsdp' with quantization= saves adapter-only checkpoints: the NF4 base is rebuilt"
+            " from its source at every start. Leave adapter_only_checkpoint=True (and pass lora=)."
         )

@@ -1,8 +1,8 @@
-"""The strategy hooks that hand the model to ``ModelTransform``, shared by the single-device and DDP strategies.
+"""The strategy hooks that hand the model to ``ModelTransform``, shared by every strategy.
 
 A mixin placed before the Lightning strategy in the bases, so each hook runs the transform around Lightning's
-own (``super()``). Each strategy keeps its own ``__init__``: jsonargparse reads every class's signature and
-docstring for CLI help.
+own (``super()``). Its base ``TransformArguments`` takes the model arguments; each strategy's own ``__init__``
+takes only its own and passes the rest on (``**kwargs``).
 """
 
 from __future__ import annotations
@@ -14,13 +14,12 @@ from typing import Any
 import lightning.pytorch as pl
 
 from pl_lowprec.strategies.trainer_checks import check_trainer_arguments
-from pl_lowprec.transforms.pipeline import ModelTransform, teardown_with_meta
+from pl_lowprec.strategies.transform_args import TransformArguments
+from pl_lowprec.transforms.weight_sources import teardown_with_meta
 
 
-class TransformHooks:
+class TransformHooks(TransformArguments):
     """Runs ``self.transform`` at setup, around training steps, at the end of fit and for checkpoints."""
-
-    transform: ModelTransform
 
     def setup(self, trainer: pl.Trainer) -> None:
         check_trainer_arguments(trainer)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from pl_lowprec._imports import import_torchao
-from pl_lowprec.transforms.quantization import DEFAULT_SKIP, matches_any
+from pl_lowprec.transforms.linear_filter import DEFAULT_SKIP, is_target_linear
 
 FP8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 FP8_RECIPES: tuple[str, ...] = get_args(FP8Recipe)
@@ -68,7 +68,7 @@ class FP8Config:
         return dataclasses.replace(Float8LinearConfig.from_recipe_name(self.recipe), emulate=self.emulate)
 
     def wants(self, module: nn.Module, name: str) -> bool:
-        return type(module) is nn.Linear and not matches_any(name, self.skip_modules)
+        return is_target_linear(module, name, self.skip_modules)
 
 
 def _uneven(shape: torch.Size) -> bool:

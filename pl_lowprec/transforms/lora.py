@@ -21,7 +21,7 @@ from torch import nn
 
 from pl_lowprec._checks import check_at_least, check_fraction, check_positive
 from pl_lowprec._imports import import_peft
-from pl_lowprec.transforms.quantization import DEFAULT_SKIP, linear_names, matches_any
+from pl_lowprec.transforms.linear_filter import DEFAULT_SKIP, is_target_linear, linear_names
 
 ADAPTER_NAME = "default"
 
@@ -59,7 +59,7 @@ def resolve_targets(model: nn.Module, config: Any, skip: tuple[str, ...] = DEFAU
     linears = linear_names(model)
     target = config.target_modules
     if target in ("all-linear", "all_linear"):
-        chosen = [n for n in linears if not matches_any(n, skip)]
+        chosen = [n for n, m in model.named_modules() if n and is_target_linear(m, n, skip, exact=False)]
     elif isinstance(target, str):
         chosen = [n for n in linears if re.fullmatch(target, n)]
     else:

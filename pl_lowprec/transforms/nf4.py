@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from pl_lowprec._imports import import_torchao_nf4
-from pl_lowprec.transforms.quantization import QuantizationConfig, linear_names, swap_linear_layers, will_quantize
+from pl_lowprec.transforms.linear_filter import linear_names, swap_linear_layers
+from pl_lowprec.transforms.quantization import QuantizationConfig, will_quantize
 
 SHARDABLE_MODES = ("nf4", "nf4-dq")
 SCALER_BLOCK_SIZES = (256, 128, 64, 32, 16, 8, 4, 2)  # what "auto" tries, largest first

@@ -1,4 +1,4 @@
-"""The one place where a model is transformed, shared by ``LowPrecisionStrategy`` and its DDP twin.
+"""The one place where a model is transformed, in order, shared by every strategy.
 
 What it does, in order: fill a module built on the meta device from ``pretrained=`` safetensors (quantizing
 each layer as its weight streams in, ``pl_lowprec.loading``), quantize the base ``nn.Linear`` layers
@@ -24,16 +24,17 @@ bitsandbytes, a meta-device module keeps only each rank's rows of every tensor a
 ``pretrained=``, initialized by its modules' ``reset_parameters``), and the last step shards each unit and the
 root with FSDP2.
 
+What to do comes from one ``TransformConfig`` (``transforms/config.py``, validated there); where the
+weights come from is ``transforms/weight_sources.py``.
+
 ``apply`` is idempotent, derived from the model itself (quantized layers, LoRA layers and checkpointed blocks
 are recognisable), so a second ``fit``, or ``validate`` after ``fit``, changes nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -41,175 +42,90 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.optim import Optimizer
 
-from pl_lowprec._imports import import_bitsandbytes, import_peft, import_torchao
+from pl_lowprec._imports import import_bitsandbytes, import_torchao
 from pl_lowprec.adapters import load_trainable_state_dict, trainable_state_dict
 from pl_lowprec.distributed.sharding import Sharding
-from pl_lowprec.loading import PretrainedWeights, empty_weights, has_meta_tensors, load_pretrained
-from pl_lowprec.transforms.checkpointing import (
-    CheckpointImpl,
-    CheckpointPolicy,
-    is_checkpointed,
-    set_activation_checkpointing,
-    validate_checkpoint_args,
-)
-from pl_lowprec.transforms.fp8 import FP8Config, FP8Recipe, check_fp8_device, convert_to_fp8
-from pl_lowprec.transforms.lora import has_lora, inject_lora, lora_config, prepare_for_kbit_training
+from pl_lowprec.loading import PretrainedWeights
+from pl_lowprec.transforms.checkpointing import is_checkpointed, set_activation_checkpointing
+from pl_lowprec.transforms.checks import refuse_fitting_converted
+from pl_lowprec.transforms.config import TransformConfig
+from pl_lowprec.transforms.dtypes import compute_dtype_of
+from pl_lowprec.transforms.fp8 import check_fp8_device, convert_to_fp8
+from pl_lowprec.transforms.lora import has_lora, inject_lora, prepare_for_kbit_training
 from pl_lowprec.transforms.offloading import OffloadActivations, check_offload_device
-from pl_lowprec.transforms.optimizers import (
-    OptimizerName,
-    import_optimizer_library,
-    rebind_schedulers,
-    swap_optimizer,
-    validate_optimizer_name,
-)
-from pl_lowprec.transforms.qat import QATConfig, QATScheme, convert_qat, is_converted, prepare_qat
-from pl_lowprec.transforms.quantization import (
-    DEFAULT_SKIP,
-    QuantizationConfig,
-    QuantMode,
-    quantize_linear,
-    quantize_model,
-)
-
-_DTYPE_BY_PRECISION = {
-    "16-mixed": torch.float16,
-    "bf16-mixed": torch.bfloat16,
-    "16-true": torch.float16,
-    "bf16-true": torch.bfloat16,
-    "32-true": torch.float32,
-    "64-true": torch.float64,
-}
+from pl_lowprec.transforms.optimizers import import_optimizer_library, rebind_schedulers, swap_optimizer
+from pl_lowprec.transforms.qat import convert_qat, is_converted, prepare_qat
+from pl_lowprec.transforms.quantization import QuantizationConfig, quantize_linear, quantize_model
+from pl_lowprec.transforms.weight_sources import fill_meta_model, meta_init_context, weights_for
 
 
-_LOADED_FROM = "_pl_lowprec_loaded_from"
-
-
-@contextmanager
-def _stacked(outer: AbstractContextManager, inner: AbstractContextManager) -> Iterator[None]:
-    with outer, inner:
-        yield
-
-
-def teardown_with_meta(strategy: Any, teardown: Callable[[], None]) -> None:
-    """Run the strategy's ``teardown`` even when a failed load left the module on the meta device.
-
-    Lightning's teardown moves the module to the CPU, which meta tensors cannot do; that second error would
-    hide the first (the one that names the bad checkpoint keys)."""
-    module = strategy.lightning_module
-    if module is None or not has_meta_tensors(module):
-        teardown()
-        return
-    strategy._lightning_module = None
-    try:
-        teardown()
-    finally:
-        strategy._lightning_module = module
-
-
-def dtype_of_precision(precision: str) -> torch.dtype:
-    """The compute dtype of a Trainer precision string (``"bf16-mixed"`` -> bfloat16, unknown -> float32)."""
-    return _DTYPE_BY_PRECISION.get(str(precision), torch.float32)
-
-
-def compute_dtype_of(precision_plugin: Any) -> torch.dtype:
-    """The dtype a precision plugin computes in: its own ``compute_dtype``, else from its precision string."""
-    own = getattr(precision_plugin, "compute_dtype", None)
-    if isinstance(own, torch.dtype):
-        return own
-    return dtype_of_precision(precision_plugin.precision)
-
-
-@dataclass
 class ModelTransform:
-    """What the strategy does to the model; every argument is validated when the strategy is built."""
+    """What a strategy does to the model, as ``config`` says; ``sharding`` under FSDP2 (``lowprec_fsdp``).
 
-    activation_checkpointing: CheckpointPolicy | None = None
-    checkpoint_every_n: int = 1
-    checkpoint_impl: CheckpointImpl = "non_reentrant"
-    quantization: QuantMode | QuantizationConfig | None = None
-    lora: Mapping[str, Any] | Any | None = None
-    optimizer: OptimizerName | None = None
-    adapter_only_checkpoint: bool = True
-    pretrained: str | Path | None = None
-    pretrained_prefix: str | Mapping[str, str] | None = None
-    qat: QATScheme | QATConfig | None = None
-    fp8: FP8Recipe | FP8Config | None = None
-    activation_offloading: bool = False
-    sharding: Sharding | None = None
+    Built with the strategy: the libraries the config needs are imported here, so a missing one fails then,
+    not at the first step."""
 
-    def __post_init__(self) -> None:
-        validate_checkpoint_args(self.checkpoint_every_n, self.checkpoint_impl)
-        if self.pretrained_prefix is not None and self.pretrained is None:
-            raise ValueError(f"pretrained_prefix={self.pretrained_prefix!r} was given without pretrained=.")
-        self.weights = PretrainedWeights(self.pretrained, self.pretrained_prefix) if self.pretrained else None
-        if isinstance(self.quantization, str):
-            self.quantization = QuantizationConfig.from_mode(self.quantization)
-        if self.quantization is not None and self.sharding is not None:
-            self.sharding.check_quantization(self.quantization)
-        elif self.quantization is not None:
+    def __init__(self, config: TransformConfig, sharding: Sharding | None = None) -> None:
+        self.config = config
+        self.sharding = sharding
+        if config.quantization is not None and sharding is not None:
+            sharding.check_quantization(config.quantization)
+        elif config.quantization is not None:
             import_bitsandbytes()
-        if self.optimizer is not None:
-            validate_optimizer_name(self.optimizer)
-            import_optimizer_library(self.optimizer)
-        if self.lora is not None:
-            import_peft()
-            self.lora = lora_config(self.lora)
-        if self.qat is not None or self.fp8 is not None:
+        if config.optimizer is not None:
+            import_optimizer_library(config.optimizer)
+        if config.qat is not None or config.fp8 is not None:
             import_torchao()
-        if isinstance(self.qat, str):
-            self.qat = QATConfig.from_scheme(self.qat)
-        if isinstance(self.fp8, str):
-            self.fp8 = FP8Config.from_recipe(self.fp8)
-        _check_linear_transforms(self.quantization, self.qat, self.fp8)
-        if not isinstance(self.activation_offloading, bool):
-            raise TypeError(f"activation_offloading takes True or False, got {self.activation_offloading!r}.")
 
     @property
-    def skip_modules(self) -> tuple[str, ...]:
-        return tuple(self.quantization.skip_modules) if self.quantization is not None else DEFAULT_SKIP
+    def weights(self) -> PretrainedWeights | None:
+        """The strategy's ``pretrained=`` source, if any."""
+        return self.config.weights
 
     def apply(self, model: nn.Module, precision_plugin: Any, device: torch.device) -> None:
+        """Transform ``model`` for training on ``device`` under ``precision_plugin`` (idempotent)."""
+        c = self.config
         if hasattr(precision_plugin, "resolve"):  # AMPPrecision("auto") chooses for the device before quantizing
             precision_plugin.resolve(device)
-        if self.fp8 is not None:
-            check_fp8_device(device, self.fp8)
-        if self.activation_offloading:
+        if c.fp8 is not None:
+            check_fp8_device(device, c.fp8)
+        if c.activation_offloading:
             check_offload_device(device)
-        if self.qat is not None and is_converted(model):
-            _refuse_fitting_converted(model)
+        if c.qat is not None and is_converted(model):
+            refuse_fitting_converted(model)
             return  # converted to its quantized form at the end of fit: the model is final
         compute_dtype = compute_dtype_of(precision_plugin)
         if self.sharding is not None:
-            self.sharding.check(model, self.quantization)
+            self.sharding.check(model, c.quantization)
         self.load_pretrained(model, compute_dtype, device)
-        if self.quantization is not None:
+        if c.quantization is not None:
             replaced = self.quantize(model, compute_dtype, device)
             if replaced:
-                rank_zero_info(f"Quantized {len(replaced)} linear layers to {self.quantization.mode}.")
-        if self.qat is not None:
-            faked = prepare_qat(model, self.qat)
+                rank_zero_info(f"Quantized {len(replaced)} linear layers to {c.quantization.mode}.")
+        if c.qat is not None:
+            faked = prepare_qat(model, c.qat)
             if faked:
-                rank_zero_info(f"QAT ({self.qat.scheme}): fake-quantized {len(faked)} linear layers.")
-        if self.fp8 is not None:
-            swapped = convert_to_fp8(model, self.fp8)
+                rank_zero_info(f"QAT ({c.qat.scheme}): fake-quantized {len(faked)} linear layers.")
+        if c.fp8 is not None:
+            swapped = convert_to_fp8(model, c.fp8)
             if swapped:
-                rank_zero_info(f"FP8 training ({self.fp8.recipe}) on {len(swapped)} linear layers.")
-        if self.lora is not None and not has_lora(model):
-            adapted = inject_lora(model, self.lora, self.skip_modules)
+                rank_zero_info(f"FP8 training ({c.fp8.recipe}) on {len(swapped)} linear layers.")
+        if c.lora is not None and not has_lora(model):
+            adapted = inject_lora(model, c.lora, c.skip_modules)
             mixed = str(precision_plugin.precision).endswith("-mixed")
             added = prepare_for_kbit_training(model, mixed_precision=mixed)
             if added:
                 rank_zero_info(f"Upcast trainable and norm weights to fp32 for mixed precision (+{added} bytes).")
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             rank_zero_info(f"LoRA on {len(adapted)} layers; {trainable} trainable parameters.")
-        if self.activation_checkpointing is not None:
+        if c.activation_checkpointing is not None:
             already = any(is_checkpointed(m) for m in model.modules())
             names = set_activation_checkpointing(
-                model, self.activation_checkpointing, self.checkpoint_every_n, self.checkpoint_impl
+                model, c.activation_checkpointing, c.checkpoint_every_n, c.checkpoint_impl
             )
             if not already:
                 shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
-                rank_zero_info(f"Activation checkpointing ({self.checkpoint_impl}) on {len(names)} blocks: {shown}")
+                rank_zero_info(f"Activation checkpointing ({c.checkpoint_impl}) on {len(names)} blocks: {shown}")
         if self.sharding is not None:
             units = self.sharding.shard(model)
             if units:
@@ -220,8 +136,8 @@ class ModelTransform:
     def quantize(self, model: nn.Module, compute_dtype: torch.dtype, device: torch.device) -> list[str]:
         """Base weights to 4/8 bit: bitsandbytes layers, or torchao NF4 weights when sharding (they shard)."""
         if self.sharding is not None:
-            return self.sharding.quantize_model(model, self.quantization, device)
-        return quantize_model(model, self.quantization, compute_dtype, device)
+            return self.sharding.quantize_model(model, self.config.quantization, device)
+        return quantize_model(model, self.config.quantization, compute_dtype, device)
 
     def quantize_layer(
         self, linear: nn.Linear, config: QuantizationConfig, compute_dtype: torch.dtype, device: torch.device
@@ -232,111 +148,54 @@ class ModelTransform:
         return quantize_linear(linear, config, compute_dtype, device)
 
     def load_pretrained(self, model: nn.Module, compute_dtype: torch.dtype, device: torch.device) -> None:
-        """Fill a module built on the meta device from ``pretrained=`` (or the module's ``pretrained_weights``),
-        quantizing as it loads; once loaded, the module is marked and later calls change nothing."""
+        """Fill a module built on the meta device (``weight_sources.fill_meta_model``)."""
         weights = self.weights_for(model)
-        if not has_meta_tensors(model):
-            if weights is not None and getattr(model, _LOADED_FROM, None) is None:
-                raise ValueError(
-                    f"pretrained={str(weights.path)!r} needs {type(model).__name__} built without weights, but its"
-                    " parameters are real. Build them on the meta device: inside `configure_model` under"
-                    " `pl_lowprec.loading.empty_weights()`, or under `trainer.init_module(empty_init=True)`."
-                )
-            return
-        if weights is None and self.sharding is not None:
-            self.sharding.initialize(model, self.quantization, compute_dtype, device, self.quantize_layer)
-            return
-        if weights is None:
-            raise ValueError(
-                f"{type(model).__name__} has parameters on the meta device and nothing to fill them from: pass"
-                " pretrained= (a safetensors file or model directory) to the strategy, or build it with weights."
-            )
-        place = self.sharding.placement() if self.sharding is not None else None
-        load_pretrained(
-            model, weights.path, weights.prefix, self.quantization, compute_dtype, device, self.quantize_layer, place
+        fill_meta_model(
+            model, weights, self.config.quantization, compute_dtype, device, self.quantize_layer, self.sharding
         )
-        setattr(model, _LOADED_FROM, str(weights.path))
 
     def weights_for(self, model: nn.Module) -> PretrainedWeights | None:
         """The strategy's ``pretrained=``, else what the module names as its ``pretrained_weights``."""
-        own = getattr(model, "pretrained_weights", None)
-        if own is not None and not isinstance(own, PretrainedWeights):
-            raise TypeError(f"{type(model).__name__}.pretrained_weights must be a PretrainedWeights, got {own!r}.")
-        if self.weights is not None and own is not None and self.weights != own:
-            raise ValueError(
-                f"Two sources of pretrained weights: the strategy's pretrained={str(self.weights.path)!r} and"
-                f" {type(model).__name__}.pretrained_weights={str(own.path)!r}. Name one."
-            )
-        return self.weights or own
+        return weights_for(model, self.config.weights)
 
     def tensor_init_context(self, default: AbstractContextManager) -> AbstractContextManager:
         """Under ``trainer.init_module(empty_init=True)`` with ``pretrained=``, parameters go on the meta device."""
-        if self.weights is None:
-            return default
-        return _stacked(default, empty_weights())
+        return meta_init_context(default, self.config.weights)
 
     def offloading(self, model: nn.Module, device: torch.device) -> AbstractContextManager:
         """The context a training step runs in: saved activations to host memory, or nothing."""
-        if not self.activation_offloading:
+        if not self.config.activation_offloading:
             return nullcontext()
         return OffloadActivations(device, exclude=[*model.parameters(), *model.buffers()])
 
     def on_fit_end(self, model: nn.Module) -> None:
         """Convert a QAT model to its real quantized form (``QATConfig.convert_on_fit_end``)."""
-        if self.qat is not None and self.qat.convert_on_fit_end and not is_converted(model):
-            converted = convert_qat(model, self.qat)
-            rank_zero_info(f"QAT: converted {len(converted)} linear layers to {self.qat.scheme}.")
+        if self.config.qat is not None and self.config.qat.convert_on_fit_end and not is_converted(model):
+            converted = convert_qat(model, self.config.qat)
+            rank_zero_info(f"QAT: converted {len(converted)} linear layers to {self.config.qat.scheme}.")
 
     def swap_optimizers(self, optimizers: list[Optimizer], lr_scheduler_configs: list[Any], device: torch.device):
         """Replace each optimizer by its bitsandbytes equivalent, re-binding its schedulers."""
-        if self.optimizer is None:
+        if self.config.optimizer is None:
             return optimizers
         swapped = []
         for old in optimizers:
-            new = swap_optimizer(old, self.optimizer, device)
+            new = swap_optimizer(old, self.config.optimizer, device)
             rebind_schedulers(lr_scheduler_configs, old, new)
             swapped.append(new)
         return swapped
 
     @property
     def adapter_only(self) -> bool:
-        return self.lora is not None and self.adapter_only_checkpoint
+        return self.lora is not None and self.config.adapter_only_checkpoint
 
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        if self.qat is not None and is_converted(model):
+        if self.config.qat is not None and is_converted(model):
             return model.state_dict()  # adapters merged into the quantized weights: nothing trains any more
-        return trainable_state_dict(model) if self.adapter_only else model.state_dict()
+        return trainable_state_dict(model) if self.config.adapter_only else model.state_dict()
 
     def load_state_dict(self, model: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool) -> None:
-        if self.adapter_only:
+        if self.config.adapter_only:
             load_trainable_state_dict(model, state_dict, strict=strict)
         else:
             model.load_state_dict(state_dict, strict=strict)
-
-
-def _check_linear_transforms(quantization: Any, qat: QATConfig | None, fp8: FP8Config | None) -> None:
-    """quantization=, qat= and fp8= each replace the linear layers; torchao cannot stack them."""
-    given = [name for name, value in (("quantization", quantization), ("qat", qat), ("fp8", fp8)) if value is not None]
-    if len(given) < 2:
-        return
-    why = {
-        frozenset({"quantization", "qat"}): "QAT fake-quantizes full-precision weights that train, while"
-        " quantization= freezes them in bitsandbytes 4/8-bit, which torchao's fake quantizers cannot read."
-        " For a quantized base with adapters use quantization= + lora=; for QAT on adapters use qat= + lora=.",
-        frozenset({"quantization", "fp8"}): "float8 training casts high-precision weights to float8 in every"
-        " matmul; bitsandbytes 4/8-bit weights are neither, and torchao's Float8Linear cannot wrap them.",
-        frozenset({"qat", "fp8"}): "both replace the same nn.Linear layers (FakeQuantizedLinear vs Float8Linear)"
-        " and torchao has no layer that does both. Train with fp8=, then quantize after training; or use qat=.",
-    }
-    pair = frozenset(given[:2])
-    raise ValueError(f"{'= and '.join(given)}= cannot be combined: {why[pair]}")
-
-
-def _refuse_fitting_converted(model: nn.Module) -> None:
-    trainer = getattr(model, "_trainer", None)
-    if trainer is not None and trainer.state.fn == "fit":
-        raise RuntimeError(
-            "qat=: this model was converted to its quantized form at the end of an earlier fit, and quantized"
-            " weights do not train. Fit a fresh model (or resume from a checkpoint written during QAT), or set"
-            " QATConfig(convert_on_fit_end=False) to keep training the fake-quantized model."
-        )

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from pl_lowprec._imports import import_torchao
-from pl_lowprec.transforms.quantization import DEFAULT_SKIP, matches_any
+from pl_lowprec.transforms.linear_filter import DEFAULT_SKIP, is_target_linear
 
 QATScheme = Literal["int8-dynamic-int4-weight", "int4-weight-only", "int8-weight-only"]
 QAT_SCHEMES: tuple[str, ...] = get_args(QATScheme)
@@ -87,7 +87,7 @@ class QATConfig:
 
     def wants(self, module: nn.Module, name: str) -> bool:
         """Exact ``nn.Linear`` layers outside ``skip_modules`` (subclasses such as MHA's ``out_proj`` stay)."""
-        return type(module) is nn.Linear and not matches_any(name, self.skip_modules)
+        return is_target_linear(module, name, self.skip_modules)
 
 
 def is_fake_quantized(module: nn.Module) -> bool:

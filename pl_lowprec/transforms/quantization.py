@@ -1,16 +1,14 @@
 """bitsandbytes base weights: ``nn.Linear`` layers become ``Linear4bit`` (nf4/fp4, optionally double-quantized) or
 ``Linear8bitLt`` (frozen int8), on CPU or CUDA.
 
-``QuantizationConfig.from_mode("nf4-dq")`` takes Lightning's mode names. ``swap_linear_layers`` is the only
-place that walks a model to replace layers. Only exact ``nn.Linear`` instances are replaced: subclasses such
-as ``MultiheadAttention.out_proj`` are read as raw weights by their parent and must stay as they are, and a
-layer that is already quantized is never quantized twice.
+``QuantizationConfig.from_mode("nf4-dq")`` takes Lightning's mode names. Which layers are replaced is the shared
+linear-layer filter's choice (``pl_lowprec.transforms.linear_filter``: exact ``nn.Linear`` outside
+``skip_modules``), and a layer that is already quantized is never quantized twice.
 """
 
 from __future__ import annotations
 
-import fnmatch
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -18,20 +16,11 @@ import torch
 from torch import nn
 
 from pl_lowprec._imports import import_bitsandbytes
+from pl_lowprec.transforms.dtypes import to_dtype
+from pl_lowprec.transforms.linear_filter import DEFAULT_SKIP, is_target_linear, linear_names, swap_linear_layers
 
 QuantMode = Literal["nf4", "nf4-dq", "fp4", "fp4-dq", "int8"]
 QUANT_MODES: tuple[str, ...] = get_args(QuantMode)
-# Output heads stay in full precision: quantizing the logits layer hurts quality most and saves little.
-DEFAULT_SKIP = ("lm_head", "*.lm_head", "head", "*.head", "score", "*.score", "classifier", "*.classifier")
-
-
-def _dtype(value: torch.dtype | str | None) -> torch.dtype | None:
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    resolved = getattr(torch, str(value).removeprefix("torch."), None)
-    if not isinstance(resolved, torch.dtype):
-        raise ValueError(f"{value!r} is not a torch dtype; use a name such as 'bfloat16', 'float16' or 'uint8'.")
-    return resolved
 
 
 @dataclass(frozen=True)
@@ -57,8 +46,8 @@ class QuantizationConfig:
                 f"quantization mode {self.mode!r} is not supported. Allowed: {', '.join(map(repr, QUANT_MODES))}"
                 " ('-dq' adds double quantization of the scaling constants)."
             )
-        object.__setattr__(self, "compute_dtype", _dtype(self.compute_dtype))
-        object.__setattr__(self, "quant_storage", _dtype(self.quant_storage))
+        object.__setattr__(self, "compute_dtype", to_dtype(self.compute_dtype))
+        object.__setattr__(self, "quant_storage", to_dtype(self.quant_storage))
         object.__setattr__(self, "skip_modules", tuple(self.skip_modules))
 
     @classmethod
@@ -69,32 +58,9 @@ class QuantizationConfig:
     def is_4bit(self) -> bool:
         return self.mode != "int8"
 
-    def skips(self, name: str) -> bool:
-        return matches_any(name, self.skip_modules)
-
-
-def matches_any(name: str, patterns: Sequence[str]) -> bool:
-    """Whether a module name matches one of the glob ``patterns`` (``"lm_head"``, ``"*.head"``)."""
-    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
-
-
-def swap_linear_layers(
-    model: nn.Module,
-    make_layer: Callable[[nn.Linear, str], nn.Module],
-    module_filter: Callable[[nn.Module, str], bool],
-) -> list[str]:
-    """Replace every module for which ``module_filter(module, name)`` holds by ``make_layer(module, name)``."""
-    chosen = [(name, m) for name, m in model.named_modules() if name and module_filter(m, name)]
-    for name, module in chosen:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, make_layer(module, name))
-    return [name for name, _ in chosen]
-
-
-def linear_names(model: nn.Module) -> list[str]:
-    """Names of all linear layers, plain or bitsandbytes (which subclass ``nn.Linear``)."""
-    return [name for name, m in model.named_modules() if name and isinstance(m, nn.Linear)]
+    def wants(self, module: nn.Module, name: str) -> bool:
+        """Whether this layer is quantized: an exact ``nn.Linear`` not named in ``skip_modules``."""
+        return is_target_linear(module, name, self.skip_modules)
 
 
 def is_quantized(module: nn.Module) -> bool:
@@ -116,12 +82,9 @@ def quantize_model(
     def make_layer(linear: nn.Linear, name: str) -> nn.Module:
         return _quantized_copy(bnb, linear, config, compute_dtype, device)
 
-    def wanted(module: nn.Module, name: str) -> bool:
-        return will_quantize(module, name, config)
-
     if any(is_quantized(m) for m in model.modules()):
         return []  # quantized before (a second fit, or validate then fit): LoRA's own Linears must stay as they are
-    replaced = swap_linear_layers(model, make_layer, wanted)
+    replaced = swap_linear_layers(model, make_layer, config.wants)
     share_code_books(model)
     if not replaced:
         linears = linear_names(model)
@@ -138,7 +101,7 @@ def quantize_model(
 
 def will_quantize(module: nn.Module, name: str, config: QuantizationConfig) -> bool:
     """Whether ``quantize_model`` replaces this module: an exact ``nn.Linear`` not named in ``skip_modules``."""
-    return type(module) is nn.Linear and not config.skips(name)
+    return config.wants(module, name)
 
 
 def quantize_linear(

@@ -38,6 +38,7 @@ from pl_lowprec.adapters import export_adapter, merged_state_dict, trainable_sta
 from pl_lowprec.demo import TinyLlama
 from pl_lowprec.distributed.mesh import full_tensor
 from pl_lowprec.loading import empty_weights
+from pl_lowprec.transforms.config import TransformConfig
 from pl_lowprec.transforms.fp8 import FP8Config
 from pl_lowprec.transforms.lora import inject_lora
 from pl_lowprec.transforms.nf4 import NF4Layout, dequantize_nf4, is_nf4, local, nf4_bytes, quantize_model_nf4
@@ -355,7 +356,7 @@ def _unsharded_run(args: dict, module_class, lora: dict, precision: str, initial
         layout = NF4Layout(scaler_block_size=args.pop("nf4_scaler_block_size"))
         quantize_model_nf4(model, QuantizationConfig("nf4"), layout, torch.device("cpu"))
     plugin = HalfPrecision(precision) if precision == "bf16-true" else Precision()
-    transform = ModelTransform(lora=lora, **args)
+    transform = ModelTransform(TransformConfig(lora=lora, **args))
     transform.apply(model, plugin, torch.device("cpu"))
     model.load_state_dict(initial, strict=False)
     model = plugin.convert_module(model)

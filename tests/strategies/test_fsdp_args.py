@@ -36,7 +36,7 @@ def test_bitsandbytes_optimizers_are_refused_with_the_torchao_alternative(name):
         LowPrecisionFSDPStrategy(optimizer=name)
     with pytest.raises(ValueError, match=r"Use\s+optimizer='torchao_adamw8bit'"):
         LowPrecisionFSDPStrategy(optimizer=name)
-    assert LowPrecisionFSDPStrategy(optimizer="torchao_adamw8bit").transform.optimizer == "torchao_adamw8bit"
+    assert LowPrecisionFSDPStrategy(optimizer="torchao_adamw8bit").transform_config.optimizer == "torchao_adamw8bit"
 
 
 def test_qat_conversion_of_a_sharded_model_is_refused_with_how_to_convert():

@@ -179,7 +179,7 @@ trainer:
     cli = LightningCLI(CLIGPT, args=["--config", str(config)], run=False, save_config_callback=None)
     strategy = cli.trainer.strategy
     assert isinstance(strategy, LowPrecisionDDPStrategy)
-    assert strategy.transform.activation_checkpointing == ["Block"]
+    assert strategy.transform_config.activation_checkpointing == ["Block"]
     assert strategy._process_group_backend == "gloo" and strategy._start_method == "spawn"
     assert strategy._ddp_kwargs["find_unused_parameters"] is True  # forwarded to DistributedDataParallel
 

@@ -1,0 +1,95 @@
+"""``TransformArguments``: the model arguments every strategy takes, declared and documented once.
+
+The first base of each strategy (through ``TransformHooks``), before the Lightning strategy: it takes the
+twelve model arguments, builds one ``TransformConfig`` (validated at once) and the ``ModelTransform`` that
+applies it, and passes every other argument on to the Lightning strategy with ``super().__init__(**kwargs)``.
+jsonargparse follows that ``**kwargs`` through the bases, so ``pl-lowprec fit --help`` lists these arguments
+with the help below, and YAML stays flat (``init_args.quantization: nf4-dq``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pl_lowprec.distributed.sharding import Sharding
+from pl_lowprec.transforms.checkpointing import CheckpointImpl, CheckpointPolicy
+from pl_lowprec.transforms.config import TransformConfig
+from pl_lowprec.transforms.fp8 import FP8Config, FP8Recipe
+from pl_lowprec.transforms.optimizers import OptimizerName
+from pl_lowprec.transforms.pipeline import ModelTransform
+from pl_lowprec.transforms.qat import QATConfig, QATScheme
+from pl_lowprec.transforms.quantization import QuantizationConfig, QuantMode
+
+
+class TransformArguments:
+    """The model arguments shared by every ``pl_lowprec`` strategy.
+
+    Args:
+        activation_checkpointing: Blocks to recompute in backward: module classes, class names (YAML), or a
+            callable ``(module, name) -> bool``.
+        checkpoint_every_n: Checkpoint only every n-th selected block: less recompute, more memory.
+        checkpoint_impl: ``"non_reentrant"`` (default) or ``"reentrant"``.
+        quantization: Base-weight quantization: ``"nf4"``, ``"nf4-dq"``, ``"fp4"``, ``"fp4-dq"``, ``"int8"``,
+            or a ``QuantizationConfig`` (under ``lowprec_fsdp``: ``"nf4"`` or ``"nf4-dq"``, stored as torchao
+            NF4 tensors, which shard with their constants).
+        lora: LoRA adapters: a ``peft.LoraConfig`` or a dict of its fields (``target_modules`` defaults to
+            ``"all-linear"``). Base weights are frozen.
+        optimizer: Swap the configured AdamW for ``"adamw8bit"``, ``"paged_adamw8bit"``,
+            ``"paged_adamw32bit"`` or ``"lion8bit"`` (bitsandbytes), or ``"torchao_adamw8bit"`` (torchao's
+            8-bit AdamW, which also steps on FSDP2's shards; ``lowprec_fsdp`` takes only this one).
+        adapter_only_checkpoint: With ``lora``, checkpoints hold only the trainable weights.
+        pretrained: Weights for a module built on the meta device (in ``configure_model`` under
+            ``pl_lowprec.loading.empty_weights()``, or under ``trainer.init_module()``): a ``.safetensors`` file,
+            a sharded directory with ``model.safetensors.index.json``, or a Hugging Face model directory. Loaded
+            tensor by tensor; layers to be quantized are quantized as they load.
+        pretrained_prefix: Turns checkpoint keys into module keys: ``"model."`` prepends to every key (a Hugging
+            Face model held as ``self.model``); ``{"model.": "net.model."}`` rewrites a prefix.
+        qat: Quantization-aware training (torchao): ``"int8-dynamic-int4-weight"``, ``"int4-weight-only"``,
+            ``"int8-weight-only"``, or a ``QATConfig`` (group size, skipped modules). Converts to the real
+            quantized form at the end of fit. Not with ``quantization``.
+        fp8: Float8 training of the linear layers (torchao; compute capability 8.9+): ``"tensorwise"``,
+            ``"rowwise"``, ``"rowwise_with_gw_hp"``, or an ``FP8Config``. Not with ``quantization`` or ``qat``.
+        activation_offloading: Keep saved activations in host memory between forward and backward (CUDA).
+    """
+
+    transform_config: TransformConfig
+    transform: ModelTransform
+
+    def __init__(
+        self,
+        *,
+        activation_checkpointing: CheckpointPolicy | None = None,
+        checkpoint_every_n: int = 1,
+        checkpoint_impl: CheckpointImpl = "non_reentrant",
+        quantization: QuantMode | QuantizationConfig | None = None,
+        lora: dict[str, Any] | None = None,
+        optimizer: OptimizerName | None = None,
+        adapter_only_checkpoint: bool = True,
+        pretrained: str | Path | None = None,
+        pretrained_prefix: str | dict[str, str] | None = None,
+        qat: QATScheme | QATConfig | None = None,
+        fp8: FP8Recipe | FP8Config | None = None,
+        activation_offloading: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        self.transform_config = TransformConfig(
+            activation_checkpointing=activation_checkpointing,
+            checkpoint_every_n=checkpoint_every_n,
+            checkpoint_impl=checkpoint_impl,
+            quantization=quantization,
+            lora=lora,
+            optimizer=optimizer,
+            adapter_only_checkpoint=adapter_only_checkpoint,
+            pretrained=pretrained,
+            pretrained_prefix=pretrained_prefix,
+            qat=qat,
+            fp8=fp8,
+            activation_offloading=activation_offloading,
+        )
+        super().__init__(**kwargs)
+        self.transform = ModelTransform(self.transform_config, self.transform_sharding(self.transform_config))
+
+    def transform_sharding(self, config: TransformConfig) -> Sharding | None:
+        """How the transform shards the model: nothing here; the FSDP strategy returns its ``Sharding``."""
+        return None

@@ -1,0 +1,75 @@
+"""``TransformConfig``: the strategies' model arguments as one frozen, validated value.
+
+Every strategy (``pl_lowprec.strategies.transform_args.TransformArguments``), ``ModelTransform`` and
+``estimate_memory`` take this one config, so an argument is declared, documented and checked in one place.
+Short names are normalised when it is built (``quantization="nf4-dq"`` becomes a ``QuantizationConfig``,
+``lora={"r": 8}`` a ``peft.LoraConfig``), and a bad value or combination is refused before any step runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pl_lowprec.loading import PretrainedWeights
+from pl_lowprec.transforms.checkpointing import CheckpointImpl, CheckpointPolicy, validate_checkpoint_args
+from pl_lowprec.transforms.checks import check_linear_transforms
+from pl_lowprec.transforms.fp8 import FP8Config, FP8Recipe
+from pl_lowprec.transforms.linear_filter import DEFAULT_SKIP
+from pl_lowprec.transforms.lora import lora_config
+from pl_lowprec.transforms.optimizers import OptimizerName, validate_optimizer_name
+from pl_lowprec.transforms.qat import QATConfig, QATScheme
+from pl_lowprec.transforms.quantization import QuantizationConfig, QuantMode
+
+
+@dataclass(frozen=True)
+class TransformConfig:
+    """What happens to the model; the fields are the strategies' model arguments (documented on
+    ``TransformArguments``). After ``__post_init__``, ``quantization``, ``qat`` and ``fp8`` are configs (or
+    ``None``), ``lora`` is a ``peft.LoraConfig`` (or ``None``) and ``weights`` says where ``pretrained=`` points."""
+
+    activation_checkpointing: CheckpointPolicy | None = None
+    checkpoint_every_n: int = 1
+    checkpoint_impl: CheckpointImpl = "non_reentrant"
+    quantization: QuantMode | QuantizationConfig | None = None
+    lora: Mapping[str, Any] | Any | None = None
+    optimizer: OptimizerName | None = None
+    adapter_only_checkpoint: bool = True
+    pretrained: str | Path | None = None
+    pretrained_prefix: str | Mapping[str, str] | None = None
+    qat: QATScheme | QATConfig | None = None
+    fp8: FP8Recipe | FP8Config | None = None
+    activation_offloading: bool = False
+    weights: PretrainedWeights | None = field(init=False, default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        validate_checkpoint_args(self.checkpoint_every_n, self.checkpoint_impl)
+        if self.pretrained_prefix is not None and self.pretrained is None:
+            raise ValueError(f"pretrained_prefix={self.pretrained_prefix!r} was given without pretrained=.")
+        if self.pretrained:
+            object.__setattr__(self, "weights", PretrainedWeights(self.pretrained, self.pretrained_prefix))
+        if isinstance(self.quantization, str):
+            object.__setattr__(self, "quantization", QuantizationConfig.from_mode(self.quantization))
+        if self.optimizer is not None:
+            validate_optimizer_name(self.optimizer)
+        if self.lora is not None:
+            object.__setattr__(self, "lora", lora_config(self.lora))
+        if isinstance(self.qat, str):
+            object.__setattr__(self, "qat", QATConfig.from_scheme(self.qat))
+        if isinstance(self.fp8, str):
+            object.__setattr__(self, "fp8", FP8Config.from_recipe(self.fp8))
+        check_linear_transforms(self.quantization, self.qat, self.fp8)
+        if not isinstance(self.activation_offloading, bool):
+            raise TypeError(f"activation_offloading takes True or False, got {self.activation_offloading!r}.")
+
+    @property
+    def skip_modules(self) -> tuple[str, ...]:
+        """The layers LoRA leaves alone: quantization's ``skip_modules``, else the output heads."""
+        return tuple(self.quantization.skip_modules) if self.quantization is not None else DEFAULT_SKIP
+
+    @property
+    def adapter_only(self) -> bool:
+        """Whether checkpoints hold only the trainable (adapter) weights."""
+        return self.lora is not None and self.adapter_only_checkpoint

@@ -1,0 +1,95 @@
+"""Where a model's weights come from: ``pretrained=`` (the strategy's) or the module's own
+``pretrained_weights``, streamed into a module built on the meta device; under FSDP without either, each
+module's ``reset_parameters``. Also the init context that puts parameters on the meta device, and a teardown
+that survives a module left there by a failed load."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from pl_lowprec.distributed.sharding import Sharding
+from pl_lowprec.loading import PretrainedWeights, empty_weights, has_meta_tensors, load_pretrained
+from pl_lowprec.transforms.quantization import QuantizationConfig
+
+_LOADED_FROM = "_pl_lowprec_loaded_from"
+
+QuantizeLayer = Callable[[nn.Linear, QuantizationConfig, torch.dtype, torch.device], nn.Module]
+
+
+def weights_for(model: nn.Module, configured: PretrainedWeights | None) -> PretrainedWeights | None:
+    """The strategy's ``pretrained=``, else what the module names as its ``pretrained_weights``."""
+    own = getattr(model, "pretrained_weights", None)
+    if own is not None and not isinstance(own, PretrainedWeights):
+        raise TypeError(f"{type(model).__name__}.pretrained_weights must be a PretrainedWeights, got {own!r}.")
+    if configured is not None and own is not None and configured != own:
+        raise ValueError(
+            f"Two sources of pretrained weights: the strategy's pretrained={str(configured.path)!r} and"
+            f" {type(model).__name__}.pretrained_weights={str(own.path)!r}. Name one."
+        )
+    return configured or own
+
+
+def fill_meta_model(
+    model: nn.Module,
+    weights: PretrainedWeights | None,
+    quantization: QuantizationConfig | None,
+    compute_dtype: torch.dtype,
+    device: torch.device,
+    quantize_layer: QuantizeLayer,
+    sharding: Sharding | None,
+) -> None:
+    """Fill a module built on the meta device from ``weights``, quantizing as it loads; once loaded, the module
+    is marked and later calls change nothing. A module with real parameters is left as it is."""
+    if not has_meta_tensors(model):
+        if weights is not None and getattr(model, _LOADED_FROM, None) is None:
+            raise ValueError(
+                f"pretrained={str(weights.path)!r} needs {type(model).__name__} built without weights, but its"
+                " parameters are real. Build them on the meta device: inside `configure_model` under"
+                " `pl_lowprec.loading.empty_weights()`, or under `trainer.init_module(empty_init=True)`."
+            )
+        return
+    if weights is None and sharding is not None:
+        sharding.initialize(model, quantization, compute_dtype, device, quantize_layer)
+        return
+    if weights is None:
+        raise ValueError(
+            f"{type(model).__name__} has parameters on the meta device and nothing to fill them from: pass"
+            " pretrained= (a safetensors file or model directory) to the strategy, or build it with weights."
+        )
+    place = sharding.placement() if sharding is not None else None
+    load_pretrained(model, weights.path, weights.prefix, quantization, compute_dtype, device, quantize_layer, place)
+    setattr(model, _LOADED_FROM, str(weights.path))
+
+
+@contextmanager
+def _stacked(outer: AbstractContextManager, inner: AbstractContextManager) -> Iterator[None]:
+    with outer, inner:
+        yield
+
+
+def meta_init_context(default: AbstractContextManager, weights: PretrainedWeights | None) -> AbstractContextManager:
+    """Under ``trainer.init_module(empty_init=True)`` with ``pretrained=``, parameters go on the meta device."""
+    if weights is None:
+        return default
+    return _stacked(default, empty_weights())
+
+
+def teardown_with_meta(strategy: Any, teardown: Callable[[], None]) -> None:
+    """Run the strategy's ``teardown`` even when a failed load left the module on the meta device.
+
+    Lightning's teardown moves the module to the CPU, which meta tensors cannot do; that second error would
+    hide the first (the one that names the bad checkpoint keys)."""
+    module = strategy.lightning_module
+    if module is None or not has_meta_tensors(module):
+        teardown()
+        return
+    strategy._lightning_module = None
+    try:
+        teardown()
+    finally:
+        strategy._lightning_module = module
