@@ -150,26 +150,39 @@ def test_exception_between_unscale_and_step_leaves_the_scaler_ready():
 
 
 class ValidatingClassifier(Classifier):
+    """Counts its training micro-batches, and notes where each validation batch ran: (micro-batches, steps)."""
+
+    def __init__(self) -> None:
+        super().__init__(make_mlp())
+        self.micro_batches, self.validated_at = 0, []
+
+    def training_step(self, batch, batch_idx):
+        self.micro_batches += 1
+        return super().training_step(batch, batch_idx)
+
     def validation_step(self, batch, batch_idx):
+        self.validated_at.append((self.micro_batches, self.trainer.global_step))
         x, y = batch
         self.log("val_loss", F.cross_entropy(self(x), y))
 
 
 def test_validation_inside_an_accumulation_window_changes_nothing():
     loader = _loader(8)
+    expected, applied = _reference(loader, skip=set(), accumulate=4, clip=1.0, schedule=False)
+    module = ValidatingClassifier()
+    trainer = quiet_trainer(
+        plugins=[AMPPrecision("16-mixed")],
+        max_epochs=1,
+        accumulate_grad_batches=4,
+        gradient_clip_val=1.0,
+        val_check_interval=2,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module, loader, val_dataloaders=_loader(2))
 
-    def fit(val_check_interval):
-        module = ValidatingClassifier(make_mlp())
-        trainer = quiet_trainer(
-            plugins=[AMPPrecision("16-mixed")],
-            max_epochs=1,
-            accumulate_grad_batches=4,
-            gradient_clip_val=1.0,
-            val_check_interval=val_check_interval,
-            num_sanity_val_steps=0,
-        )
-        trainer.fit(module, loader, val_dataloaders=_loader(2) if val_check_interval else None)
-        return module
-
-    expected = {k: v.detach() for k, v in fit(None).named_parameters()}
-    _assert_params_equal(fit(2), expected)  # validation after micro-batch 2 of each window of 4
+    # validation (2 batches) ran after micro-batches 2, 4, 6, 8: twice in the middle of a window of 4, before
+    # its optimizer step, and twice right after a step
+    assert module.validated_at == [(2, 0), (2, 0), (4, 1), (4, 1), (6, 1), (6, 1), (8, 2), (8, 2)]
+    assert torch.isfinite(trainer.callback_metrics["val_loss"])
+    assert trainer.global_step == applied == 2
+    _assert_params_equal(module, expected)  # the plain loop, which never validates
