@@ -4,7 +4,7 @@ Run: python benchmarks/offloading_memory.py
 The ~26M-parameter TinyLlama of docs/benchmarks.md (hidden 512, 8 layers, batch 8 x 256, bf16-mixed).
 ``estimate_memory`` runs one fake training step (nothing allocated) under the same saved-tensor hooks that
 ``LowPrecisionStrategy(activation_offloading=True)`` installs, and counts what stays on the device and what
-moves to host memory; ``tests/test_offloading.py`` checks that these counts equal ``MemoryTracker``'s.
+moves to host memory; ``tests/transforms/test_offloading.py`` checks that these counts equal ``MemoryTracker``'s.
 Exact byte counts, no timing: the copies' cost needs a GPU to measure.
 """
 

@@ -17,7 +17,7 @@ from pl_lowprec.transforms.quantization import is_quantized
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
-# fp8 needs an FP8 GPU (tests/test_fp8.py runs it emulated); finetune-causal-lm needs the demo model that
+# fp8 needs an FP8 GPU (tests/transforms/test_fp8.py runs it emulated); finetune-causal-lm needs the demo model that
 # tests/demo/test_demo_model.py writes and runs it on; ddp and fsdp-qlora run on 2 processes below.
 MULTI_PROCESS_OR_ELSEWHERE = ("ddp.yaml", "fsdp-qlora.yaml", "fp8.yaml", "finetune-causal-lm.yaml")
 SINGLE_PROCESS = [c for c in CONFIGS if c.name not in MULTI_PROCESS_OR_ELSEWHERE]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).with_name("resume_run.py")
+SCRIPT = Path(__file__).parents[1] / "_scripts" / "resume_run.py"
 
 pytest.importorskip("peft")
 pytest.importorskip("transformers")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).with_name("load_memory.py")
+SCRIPT = Path(__file__).parents[1] / "_scripts" / "load_memory.py"
 
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("transformers")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).with_name("ddp_train.py")
+SCRIPT = Path(__file__).parents[1] / "_scripts" / "ddp_train.py"
 
 
 def _run(mode, out, precision, variant="gpt", accelerator="cpu"):

@@ -11,7 +11,7 @@ pytest.importorskip("torchao")
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
-SCRIPT = Path(__file__).with_name("fsdp_train.py")
+SCRIPT = Path(__file__).parents[1] / "_scripts" / "fsdp_train.py"
 SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "max_len": 32}
 
 

@@ -35,8 +35,9 @@ def test_accumulation_equals_one_big_batch():
 
 @pytest.mark.slow
 def test_two_ddp_processes_equal_one_big_batch(tmp_path):
-    script = Path(__file__).with_name("token_loss_ddp.py")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent), os.environ.get("PYTHONPATH", "")])}
+    script = Path(__file__).parents[1] / "_scripts" / "token_loss_ddp.py"
+    helpers = script.parents[1]  # token_loss_helpers.py, beside the tests
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(helpers), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run(
         [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300, env=env
     )

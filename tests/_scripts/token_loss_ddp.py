@@ -1,7 +1,7 @@
 """One optimizer step of TokenMeanLlama on 2 DDP CPU processes (gloo), accumulating 2 micro-batches of 2 rows.
 
 Usage: python token_loss_ddp.py OUT_DIR   Writes OUT_DIR/rank{N}.pt with the parameters after the step.
-Rank r trains on rows [4r, 4r + 4) of uneven_rows(8): the window is all 8 rows. Run by tests/test_token_loss.py.
+Rank r trains on rows [4r, 4r + 4) of uneven_rows(8): the window is all 8 rows. Run by tests/models/test_token_loss.py.
 """
 
 import os
