@@ -10,17 +10,23 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "pl_lowprec"
 
 
-def module_names() -> dict[str, Path]:
+def module_names(package: Path = PACKAGE) -> dict[str, Path]:
     """Every module of the package by dotted name (a package by its ``__init__.py``)."""
     names = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = path.relative_to(ROOT).with_suffix("").parts
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package.parent).with_suffix("").parts
         names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return names
 
 
 def _type_checking_only(node: ast.AST) -> bool:
     return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def all_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement, function-level ones included (not under ``if TYPE_CHECKING:``)."""
+    hidden = {id(n) for node in ast.walk(tree) if _type_checking_only(node) for n in ast.walk(node)}
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom) and id(n) not in hidden]
 
 
 def module_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
@@ -36,7 +42,7 @@ def module_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
     return found
 
 
-def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+def imported_modules(name: str, path: Path, modules: dict[str, Path], statements=module_level_imports) -> set[str]:
     """The package's modules that importing ``name`` initialises, by its module-level import statements.
 
     ``import a.b.c`` initialises ``a.b`` (its ``__init__``) and ``a.b.c``; the packages that hold ``name`` itself
@@ -44,7 +50,7 @@ def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     holders = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
     targets: set[str] = set()
-    for node in module_level_imports(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in statements(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             dotted = [alias.name for alias in node.names]
         else:
@@ -82,9 +88,9 @@ def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def import_graph() -> dict[str, set[str]]:
-    modules = module_names()
-    return {name: imported_modules(name, path, modules) for name, path in modules.items()}
+def import_graph(statements=module_level_imports, package: Path = PACKAGE) -> dict[str, set[str]]:
+    modules = module_names(package)
+    return {name: imported_modules(name, path, modules, statements) for name, path in modules.items()}
 
 
 def test_the_package_has_no_import_circle():
@@ -92,6 +98,12 @@ def test_the_package_has_no_import_circle():
     assert graph["pl_lowprec.cli.dispatch"] >= {"pl_lowprec.cli.export", "pl_lowprec.cli.estimate"}  # it reads edges
     circle = find_circle(graph)
     assert circle is None, "import circle: " + " -> ".join(circle)
+
+
+def test_no_circle_hides_behind_a_function_level_import():
+    """A circle that survives only because one of its imports sits in a function is still a circle of layers."""
+    circle = find_circle(import_graph(all_imports))
+    assert circle is None, "import circle (through function-level imports): " + " -> ".join(circle)
 
 
 def test_the_circle_finder_finds_one_through_a_package_init():
