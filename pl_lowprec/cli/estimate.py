@@ -63,6 +63,11 @@ def estimate_config(cli_args: list[str]) -> MemoryEstimate:
     """The estimate for ``--config X.yaml`` (and overrides), as ``pl-lowprec fit`` would build the run."""
     run = rebuild_classes(cli_args)
     trainer = run.config_init.trainer
+    if run.datamodule is None:
+        raise ValueError(
+            "The config names no data module (data: class_path ...): the estimate takes the shape of one training"
+            " batch from it. Add the data section that `pl-lowprec fit` runs with."
+        )
     run.datamodule.setup("fit")
     batch = next(iter(run.datamodule.train_dataloader()))
     return estimate_memory(
