@@ -1,5 +1,13 @@
 """pl_lowprec: mixed precision with honest loss scaling, QLoRA, activation checkpointing and accumulation
-for any LightningModule, by configuration."""
+for any LightningModule, by configuration.
+
+The strategies are imported on first use (``from pl_lowprec import LowPrecisionStrategy``, or
+``import pl_lowprec.strategies``), which registers their names (``Trainer(strategy="lowprec_ddp")``); importing
+another part of the package (``pl_lowprec.memory``, ``pl_lowprec.plugins``) registers nothing.
+"""
+
+from importlib import import_module
+from typing import Any
 
 from pl_lowprec._imports import filter_torchao_import_noise
 from pl_lowprec.callbacks import LossScaleMonitor, MemoryTracker, PersistentOverflowError
@@ -12,7 +20,6 @@ from pl_lowprec.plugins import (
     SkipAwareScheduler,
     choose_precision,
 )
-from pl_lowprec.strategies import LowPrecisionDDPStrategy, LowPrecisionFSDPStrategy, LowPrecisionStrategy
 from pl_lowprec.transforms.checkpointing import remove_activation_checkpointing, set_activation_checkpointing
 from pl_lowprec.transforms.fp8 import FP8Config
 from pl_lowprec.transforms.qat import QATConfig
@@ -42,3 +49,20 @@ __all__ = [
     "set_activation_checkpointing",
 ]
 __version__ = "0.1.0"
+
+_LAZY = {
+    "LowPrecisionStrategy": "pl_lowprec.strategies",
+    "LowPrecisionDDPStrategy": "pl_lowprec.strategies",
+    "LowPrecisionFSDPStrategy": "pl_lowprec.strategies",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The strategy classes, imported (and their names registered with Lightning) when first asked for."""
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -13,6 +13,9 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
 RUN_ONLY = {"num_workers"}  # arguments that may change between a run and its resumption
 
 
@@ -30,8 +33,6 @@ def check_checkpoint(path: Path, argument: str = "--ckpt_path") -> None:
 
 def last_checkpoints(trainer: Any) -> tuple[list[str], list[str]]:
     """What ``ckpt_path="last"`` resolves among (as Lightning finds it), and the directories searched."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     found: set[str] = set()
     searched: list[str] = []
     for callback in trainer.checkpoint_callbacks:
@@ -132,8 +133,6 @@ def hparam_differences(saved: dict[str, Any], configured: Any, key: str) -> list
 
 def check_same_run(checkpoint: Path, config: Any, allow_changed_hparams: bool) -> list[str]:
     """The model and data arguments saved in ``checkpoint`` against ``config``'s; an error when they differ."""
-    import torch
-
     saved = torch.load(checkpoint, weights_only=True, map_location="cpu", mmap=True)
     differences = hparam_differences(saved.get("hyper_parameters", {}), config.get("model"), "model")
     differences += hparam_differences(saved.get("datamodule_hyper_parameters", {}), config.get("data"), "data")

@@ -31,7 +31,7 @@ from pl_lowprec.data.records import (
     record_kind,
 )
 from pl_lowprec.data.resumable import resumable_loader
-from pl_lowprec.loading.hub import resolve_pretrained
+from pl_lowprec.loading.tokenizer import load_tokenizer
 from pl_lowprec.models.token_loss import IGNORE_INDEX
 
 # Files a directory of records may hold that this module does not read: refused rather than skipped in silence.
@@ -241,17 +241,3 @@ class TextDataModule(pl.LightningDataModule):
     def _collate(self) -> PadCollate:
         pad = self.tokenizer.pad_token_id
         return PadCollate(self.tokenizer.eos_token_id if pad is None else pad)
-
-
-def load_tokenizer(pretrained: str | Path) -> Any:
-    """The tokenizer of a model directory (or hub id); a clear error when there is none or it lacks EOS."""
-    from transformers import AutoTokenizer
-
-    path = resolve_pretrained(pretrained, check_config=False)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"tokenizer={str(pretrained)!r}: no tokenizer could be loaded from it ({err}).") from err
-    if tokenizer.eos_token_id is None:
-        raise ValueError(f"The tokenizer in {str(pretrained)!r} has no EOS token, which ends every sample.")
-    return tokenizer

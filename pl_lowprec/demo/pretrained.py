@@ -14,7 +14,6 @@ a few dozen LoRA steps teach it (``benchmarks/finetune_demo.py`` prints the coun
 
 from __future__ import annotations
 
-import argparse
 import ast
 import json
 import math
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from pl_lowprec._checks import check_at_least, int_at_least
+from pl_lowprec._checks import check_at_least
 from pl_lowprec.demo.stdlib_text import stdlib_bytes
 from pl_lowprec.demo.tokenizer import train_tokenizer
 
@@ -175,23 +174,3 @@ def make_demo_model(
     }
     (model_dir / "pretraining.json").write_text(json.dumps(summary, indent=2))
     return model_dir
-
-
-def main(args: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="pl-lowprec make-demo-model", description=__doc__.split("\n\n")[0])
-    parser.add_argument("out_dir", help="Writes OUT_DIR/model (Hugging Face directory) and OUT_DIR/data.")
-    parser.add_argument(
-        "--steps", type=int_at_least(1), default=300, help="Pre-training steps (300: about a minute on 2 cores)."
-    )
-    parser.add_argument("--overwrite", action="store_true", help="Replace an earlier demo in OUT_DIR.")
-    parsed = parser.parse_args(args)
-    try:
-        check_out_dir(Path(parsed.out_dir), parsed.overwrite)
-    except ValueError as err:
-        parser.exit(2, f"{parser.prog}: error: {err}\n")
-    model_dir = make_demo_model(parsed.out_dir, steps=parsed.steps, overwrite=parsed.overwrite)
-    summary = json.loads((model_dir / "pretraining.json").read_text())
-    print(
-        f"Wrote {model_dir} ({summary['parameters']:,} parameters; loss {summary['first_loss']:.2f} ->"
-        f" {summary['last_loss']:.2f} in {summary['seconds']} s) and {Path(parsed.out_dir) / 'data'}."
-    )

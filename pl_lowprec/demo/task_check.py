@@ -7,11 +7,14 @@ matches when its first line is the reference's (`` 0``, `` ''``, `` []`` or `` {
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pl_lowprec.export.generate import Decoding, Generator, from_checkpoint, from_directory, read_prompts
+from pl_lowprec.cli.generate import from_checkpoint
+from pl_lowprec.cli.lightning_cli import build_cli
+from pl_lowprec.export.generate import Decoding, Generator, from_directory, read_prompts
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "finetune-causal-lm.yaml"
 
@@ -51,8 +54,6 @@ def config_args(demo_dir: Path, work_dir: Path, extra: list[str]) -> list[str]:
 
 def check_task(demo_dir: str | Path, work_dir: str | Path, extra: list[str] = ()) -> TaskCheck:
     """Validate the base model, fine-tune it with the config (plus ``extra`` overrides), validate and generate."""
-    from pl_lowprec.cli import build_cli
-
     demo_dir, work_dir = Path(demo_dir), Path(work_dir)
     args = config_args(demo_dir, work_dir, list(extra))
     records = read_prompts(demo_dir / "data" / "val.jsonl")
@@ -66,8 +67,6 @@ def check_task(demo_dir: str | Path, work_dir: str | Path, extra: list[str] = ()
 
 
 def main() -> None:
-    import argparse
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("demo_dir", help="Made by `pl-lowprec make-demo-model DEMO_DIR`.")
     parser.add_argument("work_dir")

@@ -1,4 +1,4 @@
-"""``pl-lowprec generate``: completions of a file of prompts, from a training checkpoint or an exported model.
+"""Completions of a file of prompts (``pl-lowprec generate``), from a restored checkpoint or an exported model.
 
     pl-lowprec generate --ckpt_path runs/.../last.ckpt --prompts val.jsonl --out completions.jsonl
     pl-lowprec generate --model runs/merged --prompts prompts.txt --out completions.jsonl --do_sample
@@ -13,9 +13,7 @@ peft adapter directory (its base from ``adapter_config.json``, or ``--base``).
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -24,8 +22,11 @@ from typing import Any
 
 import torch
 
-from pl_lowprec._checks import check_at_least, check_fraction, check_positive, float_in, int_at_least
-from pl_lowprec.export.out_paths import prepare_out_file
+from pl_lowprec._checks import check_at_least, check_fraction, check_positive
+from pl_lowprec._imports import import_peft
+from pl_lowprec.export.restore import Restored
+from pl_lowprec.export.write import pretrained_dir
+from pl_lowprec.loading.tokenizer import load_tokenizer
 
 
 @dataclass
@@ -132,13 +133,8 @@ def write_completions(records: list[dict[str, Any]], completions: list[str], out
             handle.write(json.dumps(row) + "\n")
 
 
-def from_checkpoint(checkpoint: str | Path, cli_args: list[str], tokenizer: str | None = None) -> Generator:
-    """The trained module as it trained (quantized base, adapters), restored from its config."""
-    from pl_lowprec.data.text import load_tokenizer
-    from pl_lowprec.export.command import pretrained_dir
-    from pl_lowprec.export.restore import restore
-
-    restored = restore(checkpoint, cli_args)
+def from_restored(restored: Restored, tokenizer: str | None = None) -> Generator:
+    """The trained module as it trained (quantized base, adapters), under the precision plugin's autocast."""
     model = restored.hf_model
     if model is None:
         raise ValueError(
@@ -153,9 +149,7 @@ def from_checkpoint(checkpoint: str | Path, cli_args: list[str], tokenizer: str 
 
 def from_directory(directory: str | Path, base: str | None = None, device: str = "auto") -> Generator:
     """A merged model directory, or a peft adapter directory on its base model."""
-    from transformers import AutoModelForCausalLM
-
-    from pl_lowprec.data.text import load_tokenizer
+    from transformers import AutoModelForCausalLM  # optional (pl_lowprec[hf]), needed only here
 
     path = Path(directory)
     if not path.is_dir():
@@ -165,8 +159,6 @@ def from_directory(directory: str | Path, base: str | None = None, device: str =
     )
     adapter_config = path / "adapter_config.json"
     if adapter_config.is_file():
-        from pl_lowprec._imports import import_peft
-
         peft = import_peft()
         base = base or json.loads(adapter_config.read_text()).get("base_model_name_or_path")
         if not base:
@@ -178,55 +170,3 @@ def from_directory(directory: str | Path, base: str | None = None, device: str =
         raise ValueError(f"--model {str(path)!r} holds neither config.json (a merged model) nor adapter_config.json.")
     tokenizer_source = path if (path / "tokenizer_config.json").is_file() else base
     return Generator(model.to(target), load_tokenizer(tokenizer_source or path))
-
-
-def main(args: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="pl-lowprec generate", description=__doc__.split("\n\n")[0])
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--ckpt_path", help="A training checkpoint (with --config, or its run's config.yaml).")
-    source.add_argument("--model", help="An exported directory: merged model, or peft adapter.")
-    parser.add_argument("--prompts", required=True, help=".txt (a prompt per line) or .jsonl with 'prompt'.")
-    parser.add_argument("--out", required=True, help="The .jsonl file to write (a new one, or --overwrite).")
-    parser.add_argument("--overwrite", action="store_true", help="Replace an existing --out (never a file read).")
-    parser.add_argument("--base", help="Base model directory for an adapter (default: from adapter_config.json).")
-    parser.add_argument("--tokenizer", help="Tokenizer directory (default: the model's or the config's).")
-    parser.add_argument("--device", default="auto", help="For --model: cuda if available, else cpu.")
-    parser.add_argument("--batch_size", type=int_at_least(1), default=8)
-    parser.add_argument("--max_new_tokens", type=int_at_least(1), default=64)
-    parser.add_argument("--do_sample", action="store_true", help="Sample instead of greedy decoding.")
-    parser.add_argument("--temperature", type=float_in(0, math.inf), default=1.0, help="With --do_sample.")
-    parser.add_argument("--top_p", type=float_in(0, 1), default=1.0, help="With --do_sample (1.0: no filter).")
-    parser.add_argument("--top_k", type=int_at_least(0), default=50, help="With --do_sample (0: no filter).")
-    parser.add_argument("--seed", type=int, default=0)
-    parsed, cli_args = parser.parse_known_args(args)
-    decoding = Decoding(
-        parsed.max_new_tokens, parsed.do_sample, parsed.temperature, parsed.top_p, parsed.top_k, parsed.seed
-    )
-    records = read_prompts(Path(parsed.prompts))
-    inputs = {"prompts file": Path(parsed.prompts), "tokenizer": parsed.tokenizer and Path(parsed.tokenizer)}
-    if parsed.ckpt_path is not None:
-        from pl_lowprec.cli.resume import check_checkpoint
-        from pl_lowprec.export.command import config_files, with_config
-        from pl_lowprec.export.restore import ConfigClassError
-
-        check_checkpoint(Path(parsed.ckpt_path))
-        cli_args = with_config(Path(parsed.ckpt_path), cli_args, parser)
-        inputs |= {"checkpoint": Path(parsed.ckpt_path), **config_files(cli_args)}
-        prepare_out_file(Path(parsed.out), parsed.overwrite, inputs)
-        try:
-            generator = from_checkpoint(parsed.ckpt_path, cli_args, parsed.tokenizer)
-        except ConfigClassError as err:
-            parser.exit(2, f"{parser.prog}: error: {err}\n")
-    else:
-        if cli_args:
-            parser.error(f"unrecognized arguments: {' '.join(cli_args)} (config overrides go with --ckpt_path)")
-        inputs |= {"model directory": Path(parsed.model), "base model": parsed.base and Path(parsed.base)}
-        prepare_out_file(Path(parsed.out), parsed.overwrite, inputs)
-        generator = from_directory(parsed.model, parsed.base, parsed.device)
-        if parsed.tokenizer:
-            from pl_lowprec.data.text import load_tokenizer
-
-            generator.tokenizer = load_tokenizer(parsed.tokenizer)
-    completions = generator.complete([r["prompt"] for r in records], decoding, parsed.batch_size)
-    write_completions(records, completions, Path(parsed.out))
-    print(f"Wrote {len(completions)} completions to {parsed.out}.")

@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pl_lowprec.loading.tokenizer import load_tokenizer
+
 
 def embedding_rows(config: Any) -> int:
     """The rows of the input embedding: ``vocab_size`` of the (text) config."""
@@ -57,8 +59,6 @@ def check_tokenizer(tokenizer: Any, source: str | None, config: Any, model_dir: 
         return
     if source is not None and Path(source).expanduser().resolve() == model_dir.resolve():
         return
-    from pl_lowprec.data.text import load_tokenizer
-
     renamed = renamed_ids(tokenizer, load_tokenizer(model_dir))
     if renamed:
         shown = ", ".join(f"{i}: {a!r} vs {b!r}" for i, a, b in renamed[:3])

@@ -176,8 +176,8 @@ def test_bad_inputs_fail_with_what_to_do(pretrained, data, qlora_run, tmp_path):
 
 def test_merged_export_needs_original_weights(tmp_path):
     """A base built from a config (no pretrained=) has no original weights to merge into."""
-    from pl_lowprec.export.command import export
     from pl_lowprec.export.restore import Restored
+    from pl_lowprec.export.write import export
     from pl_lowprec.transforms.lora import inject_lora
 
     module = torch.nn.Sequential(torch.nn.Linear(4, 4))

@@ -11,8 +11,9 @@ import torch
 from lightning_helpers import quiet_trainer
 from qlora_helpers import ids_loader
 
-from pl_lowprec import AMPPrecision, LowPrecisionStrategy, MemoryTracker, estimate_memory
-from pl_lowprec.demo import TinyGPT, TinyLlama
+from pl_lowprec import AMPPrecision, FP8Config, LowPrecisionStrategy, MemoryTracker, estimate_memory
+from pl_lowprec.cli.estimate import estimate_config
+from pl_lowprec.demo import StdlibTextDataModule, TinyGPT, TinyLlama
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -97,6 +98,45 @@ def test_cli_prints_the_table():
     assert lines[0].startswith("Estimated training memory (")
     for component in ("params_quantized_4bit", "gradients", "optimizer_state", "activations", "total"):
         assert any(line.split()[:1] == [component] for line in lines), component
+
+
+CONFIGS_BY_HAND = {  # a shipped config, and estimate_memory called by hand with what it says
+    "fp8 (accelerator: cuda)": (
+        ["configs/fp8.yaml"],
+        "torchao",
+        functools.partial(TinyLlama, hidden_size=256, intermediate_size=704, num_layers=4, num_heads=8, lr=0.002),
+        {
+            "precision": "bf16-mixed",
+            "fp8": FP8Config(recipe="rowwise", skip_modules=["lm_head"], emulate=False),
+            "activation_checkpointing": ["LlamaDecoderLayer"],
+        },
+    ),
+    "qlora fp16 T4": (
+        ["configs/qlora-fp16-t4.yaml", "--trainer.accelerator=cuda"],
+        "bitsandbytes",
+        functools.partial(TinyLlama, hidden_size=128, num_layers=2),
+        {
+            "precision": "16-mixed",
+            "quantization": "nf4",
+            "lora": {"r": 16, "lora_alpha": 32},
+            "optimizer": "paged_adamw8bit",
+            "activation_checkpointing": ["LlamaDecoderLayer"],
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CONFIGS_BY_HAND, ids=str)
+def test_a_cuda_config_is_estimated_here_with_what_it_says(case):
+    """The estimate reads a config with fit's parser but builds no Trainer, so accelerator: cuda runs here."""
+    (config, *overrides), needs, build, settings = CONFIGS_BY_HAND[case]
+    pytest.importorskip(needs)
+    estimate = estimate_config(["--config", str(ROOT / config), *overrides])
+    data = StdlibTextDataModule(seq_len=128, batch_size=8)
+    data.setup("fit")
+    by_hand = estimate_memory(build, next(iter(data.train_dataloader())), device="cuda", **settings)
+    assert estimate.as_dict() == by_hand.as_dict()
+    assert estimate.parameters == by_hand.parameters > 0
 
 
 def test_torchao_adamw8bit_state_bytes_are_what_the_optimizer_holds():

@@ -1,0 +1,31 @@
+"""The ``pl-lowprec`` console script: each subcommand of its own to its ``main``, the rest to LightningCLI."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from pl_lowprec.cli import estimate, export, generate, make_demo_model
+from pl_lowprec.cli.lightning_cli import build_cli
+
+SUBCOMMANDS: dict[str, Callable[[list[str]], None]] = {
+    "export": export.main,
+    "generate": generate.main,
+    "estimate": estimate.main,
+    "make-demo-model": make_demo_model.main,
+}
+
+
+def main(args: list[str] | None = None) -> None:
+    """The ``pl-lowprec`` console script; ``args`` replaces ``sys.argv[1:]``.
+
+    Subcommands: ``fit``, ``validate``, ``test``, ``predict`` (LightningCLI), ``estimate`` (memory estimate),
+    ``make-demo-model`` (a small pretrained model and a fine-tuning task, made locally), ``export`` (a checkpoint
+    to a peft adapter directory or a merged model) and ``generate`` (completions of a file of prompts).
+    """
+    argv = sys.argv[1:] if args is None else args
+    subcommand = SUBCOMMANDS.get(argv[0]) if argv else None
+    if subcommand is not None:
+        subcommand(argv[1:])
+        return
+    build_cli(args)

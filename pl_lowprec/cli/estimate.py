@@ -1,0 +1,86 @@
+"""``pl-lowprec estimate --config X.yaml``: the memory estimate of a training config, before running it.
+
+The config is read by the parser ``pl-lowprec fit`` uses (``pl_lowprec.cli.rebuild``), so the same classes, short
+names, defaults and refusals apply. No Trainer is built, so a config for a GPU is estimated on any machine; the
+model is built on the meta device (nothing allocated); the data module is built for real, only to take the shape
+of one training batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
+
+from pl_lowprec.cli.rebuild import rebuild_classes
+from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
+from pl_lowprec.transforms.pipeline import ModelTransform
+
+# What estimate_memory takes from the strategy's transform (pl_lowprec.transforms.pipeline.ModelTransform).
+TRANSFORM_SETTINGS = (
+    "quantization",
+    "lora",
+    "optimizer",
+    "activation_checkpointing",
+    "checkpoint_every_n",
+    "checkpoint_impl",
+    "activation_offloading",
+    "qat",
+    "fp8",
+)
+
+
+def precision_of(trainer: Any) -> str:
+    """The config's precision: a precision plugin's request (``AMPPrecision``'s ``"auto"`` included), else the
+    trainer's ``precision``, else ``"32-true"``."""
+    for plugin in getattr(trainer, "plugins", None) or []:
+        if isinstance(plugin, Precision):
+            return str(getattr(plugin, "requested_precision", plugin.precision))
+    return str(getattr(trainer, "precision", None) or "32-true")
+
+
+def device_of(trainer: Any) -> str:
+    """The device type a config's ``trainer.accelerator`` runs on, as Lightning would pick it here."""
+    accelerator = str(getattr(trainer, "accelerator", None) or "auto")
+    if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
+        return "cuda"
+    return "cpu"
+
+
+def transform_settings(strategy: Any) -> dict[str, Any]:
+    """The strategy's model arguments, as ``estimate_memory`` keywords (a strategy that is not this package's
+    transforms nothing: the module's own AdamW)."""
+    transform = getattr(strategy, "transform", None)
+    if not isinstance(transform, ModelTransform):
+        return {"optimizer": "adamw"}
+    settings = {name: getattr(transform, name) for name in TRANSFORM_SETTINGS}
+    return settings | {"optimizer": settings["optimizer"] or "adamw"}
+
+
+def estimate_config(cli_args: list[str]) -> MemoryEstimate:
+    """The estimate for ``--config X.yaml`` (and overrides), as ``pl-lowprec fit`` would build the run."""
+    run = rebuild_classes(cli_args)
+    trainer = run.config_init.trainer
+    if run.datamodule is None:
+        raise ValueError(
+            "The config names no data module (data: class_path ...): the estimate takes the shape of one training"
+            " batch from it. Add the data section that `pl-lowprec fit` runs with."
+        )
+    run.datamodule.setup("fit")
+    batch = next(iter(run.datamodule.train_dataloader()))
+    return estimate_memory(
+        lambda: run.model,
+        batch,
+        precision=precision_of(trainer),
+        device=device_of(trainer),
+        **transform_settings(trainer.strategy),  # when strategies hold a TransformConfig: config=...transform_config
+    )
+
+
+def main(args: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pl-lowprec estimate", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="a YAML file that `pl-lowprec fit --config` runs")
+    options, overrides = parser.parse_known_args(args)
+    print(estimate_config(["--config", options.config, *overrides]).table())

@@ -1,0 +1,45 @@
+"""``pl-lowprec export``: a training checkpoint and its config to a peft adapter directory or a merged model.
+
+    pl-lowprec export --config configs/finetune-causal-lm.yaml --ckpt_path runs/.../last.ckpt --out runs/adapter
+    pl-lowprec export --config ... --ckpt_path ... --out runs/merged --merged [--dtype float32]
+
+Arguments the export does not know (``--model.pretrained DIR``, ``--trainer.accelerator cpu``) go to the config,
+as for ``pl-lowprec fit``. Without ``--config``, the ``config.yaml`` LightningCLI saved next to the run's
+``checkpoints/`` directory is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from pl_lowprec.cli.rebuild import ConfigClassError, config_files, rebuild, with_config
+from pl_lowprec.cli.resume import check_checkpoint
+from pl_lowprec.export.out_paths import refuse_inputs
+from pl_lowprec.export.restore import restore
+from pl_lowprec.export.write import export
+
+
+def main(args: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pl-lowprec export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ckpt_path", required=True, help="A Lightning checkpoint (adapter-only or full).")
+    parser.add_argument("--out", required=True, help="The directory to write (must be empty, or --overwrite).")
+    parser.add_argument("--merged", action="store_true", help="Merge into the original weights (default: adapter).")
+    parser.add_argument("--dtype", default=None, help="Merged weights' dtype (default: the pretrained files').")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="Replace a previous export in --out (never a file read).",
+    )
+    parsed, cli_args = parser.parse_known_args(args)
+    checkpoint = Path(parsed.ckpt_path)
+    check_checkpoint(checkpoint)
+    cli_args = with_config(checkpoint, cli_args, parser)
+    inputs = {"checkpoint": checkpoint, **config_files(cli_args)}
+    refuse_inputs(Path(parsed.out), inputs)  # before the slow restore; the pretrained directory is checked after
+    try:
+        run = rebuild(cli_args)
+    except ConfigClassError as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    restored = restore(checkpoint, run.trainer, run.model, run.datamodule)
+    print(export(restored, Path(parsed.out), parsed.merged, parsed.dtype, parsed.overwrite, inputs))

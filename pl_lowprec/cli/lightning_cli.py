@@ -1,0 +1,213 @@
+"""``LowPrecisionCLI``: LightningCLI with this package's plugins, strategies and callbacks, and ``build_cli``.
+
+Any ``LightningModule`` and ``LightningDataModule`` can be named by ``class_path`` in the YAML; the package's
+classes are imported here, so jsonargparse also resolves them by short name (``class_path: AMPPrecision``), and
+the strategies' names (``strategy: lowprec_ddp``) are registered.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from argparse import ArgumentError
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+# The package's classes, imported so that a config can name them by short name; strategies also registers the
+# strategy names ("lowprec", "lowprec_ddp", ...).
+import pl_lowprec.callbacks
+import pl_lowprec.data
+import pl_lowprec.demo
+import pl_lowprec.models
+import pl_lowprec.plugins
+import pl_lowprec.strategies
+import pl_lowprec.transforms.fp8
+import pl_lowprec.transforms.qat
+import pl_lowprec.transforms.quantization  # noqa: F401
+from pl_lowprec._imports import require_cli
+from pl_lowprec.callbacks.progress import StepLimitedRichProgressBar
+from pl_lowprec.cli.config_errors import (
+    REFUSALS,
+    ClassRefusals,
+    class_key,
+    debugging,
+    first_paragraph,
+    parse_error_paragraph,
+    raised_refusal,
+    refuse,
+)
+from pl_lowprec.cli.resume import check_checkpoint, check_same_run, resolve_ckpt_path
+from pl_lowprec.strategies.trainer_checks import batches_started, check_trainer_arguments
+
+DEFAULT_ROOT_DIR = "runs"
+
+
+class LowPrecisionCLI(LightningCLI):
+    """LightningCLI that writes under ``runs/`` by default, labels step-limited runs sensibly, and turns a bad
+    configuration into one paragraph and exit status 2 (``pl_lowprec.cli.config_errors``)."""
+
+    def init_parser(self, **kwargs: Any) -> Any:
+        kwargs.setdefault("exit_on_error", False)  # parse_arguments words the error, not jsonargparse's dump
+        return super().init_parser(**kwargs)
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.set_defaults({"trainer.default_root_dir": DEFAULT_ROOT_DIR})
+        parser.add_argument(
+            "--allow_fresh_start",
+            type=bool,
+            default=False,
+            help="With --ckpt_path: start from scratch when it finds no checkpoint (default: an error).",
+        )
+        parser.add_argument(
+            "--allow_changed_hparams",
+            type=bool,
+            default=False,
+            help="With --ckpt_path: use the config's model/data arguments where the checkpoint's differ"
+            " (default: an error naming them).",
+        )
+
+    def _parse_ckpt_path(self) -> None:
+        """The config's model is the one trained: a checkpoint of another model or data is refused first.
+
+        LightningCLI would replace the config's model arguments with the checkpoint's, without a word."""
+        with _refusals():
+            self._check_ckpt_path()
+
+    def _check_ckpt_path(self) -> None:
+        subcommand = self.config.get("subcommand")
+        section = self.config[subcommand] if subcommand else None
+        ckpt_path = section.get("ckpt_path") if section is not None else None
+        if not ckpt_path or ckpt_path in ("last", "best", "hpc") or not Path(ckpt_path).exists():
+            return  # resolved, and checked, once the Trainer exists (after_instantiate_classes)
+        check_checkpoint(Path(ckpt_path))
+        if section.get("model") is None:
+            super()._parse_ckpt_path()
+            return
+        changed = check_same_run(Path(ckpt_path), section, section.get("allow_changed_hparams", False))
+        for line in changed:
+            rank_zero_info(
+                f"--allow_changed_hparams: {line}; the module gets the config's value (the optimizer and"
+                " scheduler state, learning rate included, still come from the checkpoint)."
+            )
+
+    def after_instantiate_classes(self) -> None:
+        """``--ckpt_path`` that finds nothing stops here, before any weight loads (unless --allow_fresh_start)."""
+        if self.subcommand is None:
+            return
+        with _refusals():
+            self._resolve_ckpt_path()
+
+    def _resolve_ckpt_path(self) -> None:
+        section = self.config_init[self.subcommand]
+        requested = section.get("ckpt_path")
+        resolved = resolve_ckpt_path(self.trainer, requested, section.get("allow_fresh_start", False))
+        if requested is not None and resolved is None:
+            rank_zero_info(
+                f"--ckpt_path {requested}: no checkpoint found; starting from scratch (--allow_fresh_start)."
+            )
+            section["ckpt_path"] = None
+        elif requested == "last" and resolved is not None:
+            check_same_run(Path(resolved), self.config[self.subcommand], section.get("allow_changed_hparams", False))
+
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as err:
+            if debugging():
+                raise
+            refuse(f"{parse_error_paragraph(str(err))}\n{_help_tip(args)}")
+
+    def _add_instantiators(self) -> None:
+        super()._add_instantiators()  # Lightning's, for the model and data (their hyperparameters)
+        self.class_refusals = ClassRefusals()
+        self.parser.add_instantiator(self.class_refusals, object)  # every other class
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except (*REFUSALS, MisconfigurationException) as err:
+            if debugging():
+                raise
+            refusal = (
+                raised_refusal(err, (*REFUSALS, MisconfigurationException))
+                or getattr(self, "class_refusals", ClassRefusals()).last()
+            )
+            if refusal is None:
+                raise
+            key = class_key(self._subcommand_config(), refusal.class_name) if refusal.class_name else None
+            refuse(refusal.paragraph(key))
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        trainer = super().instantiate_trainer(**kwargs)
+        check_trainer_arguments(trainer)
+        use_step_limited_progress_bar(trainer)
+        return trainer
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        except (*REFUSALS, MisconfigurationException) as err:
+            if debugging() or batches_started(self.trainer):
+                raise
+            refuse(
+                f"{subcommand} stopped before its first step: {first_paragraph(str(err))}"
+                " (JSONARGPARSE_DEBUG=true shows the traceback)"
+            )
+
+    def _subcommand_config(self) -> dict[str, Any]:
+        config = self.config.as_dict()
+        return config.get(self.subcommand, config) if self.subcommand else config
+
+
+@contextmanager
+def _refusals() -> Iterator[None]:
+    """A refusal raised while ``--ckpt_path`` is checked reaches the user as one paragraph, exit status 2."""
+    try:
+        yield
+    except REFUSALS as err:
+        if debugging():
+            raise
+        refuse(first_paragraph(str(err)))
+
+
+def _help_tip(args: list[str] | None) -> str:
+    argv = sys.argv[1:] if args is None else list(args)
+    subcommand = next((a for a in argv if a in ("fit", "validate", "test", "predict")), "")
+    return f"tip: `pl-lowprec {subcommand} --help`".replace("  ", " ") + " lists the options and their types."
+
+
+def use_step_limited_progress_bar(trainer: Any) -> None:
+    """Swap Lightning's default ``RichProgressBar`` (not a user's own bar) for ``StepLimitedRichProgressBar``."""
+    for index, callback in enumerate(trainer.callbacks):
+        if type(callback) is RichProgressBar:
+            trainer.callbacks[index] = StepLimitedRichProgressBar()
+
+
+def build_cli(
+    args: list[str] | None = None, run: bool = True, cli_class: type[LowPrecisionCLI] = LowPrecisionCLI
+) -> LowPrecisionCLI:
+    """Parse ``args``, build the Trainer, model and data, and run the subcommand; return the LightningCLI."""
+    # Lightning 2.6 warns about torch's LeafSpec on every fit; it is Lightning's own and not actionable here.
+    warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
+    require_cli()
+    return cli_class(
+        model_class=None,
+        datamodule_class=None,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=args,
+        run=run,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={
+            "description": "pl_lowprec on LightningCLI. Also: `pl-lowprec estimate --config X.yaml` predicts the"
+            " training memory of a config before running it; `pl-lowprec export` and `pl-lowprec generate` turn a"
+            " checkpoint into a peft adapter or merged model and into completions of a file of prompts."
+        },
+    )

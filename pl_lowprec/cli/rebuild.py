@@ -1,0 +1,151 @@
+"""A run rebuilt from its config exactly as ``pl-lowprec fit`` builds it, without running: ``export``,
+``generate`` and ``estimate`` read configs through this one module.
+
+The parser is ``LowPrecisionCLI``'s (the same classes, defaults, checks and one-paragraph refusals as ``fit``).
+Only what a rebuild needs is read from a config file: the model, the data module, and of the trainer its
+accelerator, devices, strategy and precision. Callbacks, loggers, the optimizer and the run's own keys
+(``ckpt_path``) are dropped, so a callback that cannot be imported where the export runs does not matter; a class
+the rebuild needs and cannot import is named, with its file, in one line (``ConfigClassError``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from pl_lowprec.cli.lightning_cli import LowPrecisionCLI, build_cli
+
+KEPT_KEYS = ("seed_everything", "trainer", "model", "data")
+KEPT_TRAINER_KEYS = ("accelerator", "devices", "num_nodes", "strategy", "precision", "plugins")
+QUIET_TRAINER = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
+
+
+class ConfigClassError(ValueError):
+    """A class the rebuild needs cannot be imported; the message is one line naming it and its config file."""
+
+
+def default_config(checkpoint: Path) -> Path | None:
+    """LightningCLI saves ``config.yaml`` in the run's log directory, the parent of ``checkpoints/``."""
+    candidate = checkpoint.parent.parent / "config.yaml"
+    return candidate if candidate.is_file() else None
+
+
+def rebuild_config(fields: dict[str, Any]) -> dict[str, Any]:
+    """What of a training config the rebuild reads: the model, the data, and the trainer's device, strategy and
+    precision settings; no callbacks, loggers, optimizer or run keys (``ckpt_path``)."""
+    kept = {key: fields[key] for key in KEPT_KEYS if key in fields}
+    trainer = fields.get("trainer")
+    if isinstance(trainer, dict):
+        kept["trainer"] = {key: trainer[key] for key in KEPT_TRAINER_KEYS if key in trainer} | QUIET_TRAINER
+    return kept
+
+
+def class_paths(value: Any, where: str) -> list[tuple[str, str]]:
+    """Every ``class_path`` in a config section, with where it is (``trainer.strategy``, ``trainer.plugins``)."""
+    if isinstance(value, list):
+        return [found for item in value for found in class_paths(item, where)]
+    if not isinstance(value, dict):
+        return []
+    found = [(where, value["class_path"])] if isinstance(value.get("class_path"), str) else []
+    for key, inner in value.items():
+        if key != "class_path":
+            found += class_paths(inner, f"{where}.{key}" if key != "init_args" else where)
+    return found
+
+
+def check_importable(fields: dict[str, Any], source: str) -> None:
+    """``ConfigClassError`` for the first dotted ``class_path`` that cannot be imported (short names are left to
+    jsonargparse, which resolves them among the classes already imported)."""
+    for where, class_path in class_paths(fields, ""):
+        module, _, name = class_path.rpartition(".")
+        if not module:
+            continue
+        try:
+            found = hasattr(importlib.import_module(module), name)
+        except ImportError as err:
+            found, reason = False, f"{type(err).__name__}: {err}"
+        else:
+            reason = f"{module} has no {name}"
+        if not found:
+            raise ConfigClassError(
+                f"{where.lstrip('.')} class_path {class_path!r} in {source} cannot be imported ({reason}); install"
+                " it or add its directory to PYTHONPATH, or pass --config with a class that can be."
+            )
+
+
+def without_run_keys(cli_args: list[str]) -> list[str]:
+    """``cli_args`` with each ``--config`` file given inline as ``rebuild_config`` of it, after checking that the
+    classes it names can be imported."""
+    out: list[str] = []
+    args = iter(cli_args)
+    for arg in args:
+        name, _, value = arg.partition("=")
+        if name != "--config":
+            out.append(arg)
+            continue
+        value = value or next(args, "")
+        path = Path(value)
+        fields = yaml.safe_load(path.read_text()) if path.is_file() else yaml.safe_load(value)
+        if isinstance(fields, dict):
+            fields = rebuild_config(fields)
+            check_importable(fields, str(path) if path.is_file() else "the --config given inline")
+            value = yaml.safe_dump(fields)
+        out += ["--config", value]
+    return out
+
+
+def with_config(checkpoint: Path, cli_args: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """``cli_args``, with the run's saved ``config.yaml`` in front when no ``--config`` is given."""
+    if any(a == "--config" or a.startswith("--config=") for a in cli_args):
+        return cli_args
+    found = default_config(checkpoint)
+    if found is None:
+        parser.error(f"no --config given and no config.yaml in {checkpoint.parent.parent}: pass --config X.yaml.")
+    return ["--config", str(found), *cli_args]
+
+
+def config_files(cli_args: list[str]) -> dict[str, Path | None]:
+    """The ``--config`` files among ``cli_args``, as ``{what: path}`` for the inputs ``--out`` must spare."""
+    paths: list[Path] = []
+    args = iter(cli_args)
+    for arg in args:
+        name, _, value = arg.partition("=")
+        if name == "--config":
+            paths.append(Path(value or next(args, "")))
+    return {"config" if len(paths) == 1 else f"config {i + 1}": path for i, path in enumerate(paths)}
+
+
+def rebuild(cli_args: list[str]) -> LowPrecisionCLI:
+    """The Trainer, module and data module of ``cli_args`` (``--config X.yaml`` and overrides), built as ``fit``
+    builds them; nothing runs (``configure_model`` included)."""
+    return _build(cli_args, LowPrecisionCLI)
+
+
+class _WithoutTrainer(LowPrecisionCLI):
+    """The config's classes (model on the meta device, data, strategy, plugins) and no Trainer: a config for a
+    GPU is estimated on a machine without one, and a model larger than this machine allocates nothing."""
+
+    def instantiate_classes(self) -> None:
+        with torch.device("meta"):
+            super().instantiate_classes()
+
+    def instantiate_trainer(self, **kwargs: Any) -> None:
+        return None
+
+
+def rebuild_classes(cli_args: list[str]) -> LowPrecisionCLI:
+    """As ``rebuild``, but no Trainer is built and the model is on the meta device; the trainer's arguments,
+    strategy and plugins built, are in ``config_init.trainer``."""
+    return _build(cli_args, _WithoutTrainer)
+
+
+def _build(cli_args: list[str], cli_class: type[LowPrecisionCLI]) -> LowPrecisionCLI:
+    with warnings.catch_warnings():  # the subcommand's own arguments are meant to differ from sys.argv
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+        return build_cli(without_run_keys(cli_args), run=False, cli_class=cli_class)

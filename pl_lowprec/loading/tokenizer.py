@@ -1,0 +1,22 @@
+"""The tokenizer of a pretrained model directory (or hub id), for the data, the checks and the exports."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pl_lowprec.loading.hub import resolve_pretrained
+
+
+def load_tokenizer(pretrained: str | Path) -> Any:
+    """The tokenizer of a model directory (or hub id); a clear error when there is none or it lacks EOS."""
+    from transformers import AutoTokenizer  # optional (pl_lowprec[hf])
+
+    path = resolve_pretrained(pretrained, check_config=False)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"tokenizer={str(pretrained)!r}: no tokenizer could be loaded from it ({err}).") from err
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"The tokenizer in {str(pretrained)!r} has no EOS token, which ends every sample.")
+    return tokenizer

@@ -1,0 +1,144 @@
+"""The package's import graph: no circle, and importing a leaf registers nothing with Lightning."""
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "pl_lowprec"
+
+
+def module_names(package: Path = PACKAGE) -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its ``__init__.py``)."""
+    names = {}
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def _type_checking_only(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def all_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement, function-level ones included (not under ``if TYPE_CHECKING:``)."""
+    hidden = {id(n) for node in ast.walk(tree) if _type_checking_only(node) for n in ast.walk(node)}
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom) and id(n) not in hidden]
+
+
+def module_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """The imports that run when the module is imported: its body, and the ``if``/``try`` blocks in it (not the
+    bodies of functions or classes' methods, nor ``if TYPE_CHECKING:``)."""
+    found, todo = [], list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found.append(node)
+        elif isinstance(node, ast.If | ast.Try | ast.With | ast.ClassDef) and not _type_checking_only(node):
+            todo += [child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt)]
+    return found
+
+
+def imported_modules(name: str, path: Path, modules: dict[str, Path], statements=module_level_imports) -> set[str]:
+    """The package's modules that importing ``name`` initialises, by its module-level import statements.
+
+    ``import a.b.c`` initialises ``a.b`` (its ``__init__``) and ``a.b.c``; the packages that hold ``name`` itself
+    are already being initialised, so they add no edge unless a name is taken from them (``from a import X``)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    holders = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+    targets: set[str] = set()
+    for node in statements(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            dotted = [alias.name for alias in node.names]
+        else:
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], base]).strip(".")
+            dotted = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        for target in dotted:
+            parts = target.split(".")
+            chain = {".".join(parts[:i]) for i in range(1, len(parts) + 1)} - holders | {target}
+            targets |= {m for m in chain if m in modules and m != name}
+    return targets
+
+
+def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``graph`` as a path that ends where it starts, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start)):
+            return found
+    return None
+
+
+def import_graph(statements=module_level_imports, package: Path = PACKAGE) -> dict[str, set[str]]:
+    modules = module_names(package)
+    return {name: imported_modules(name, path, modules, statements) for name, path in modules.items()}
+
+
+def test_the_package_has_no_import_circle():
+    graph = import_graph()
+    assert graph["pl_lowprec.cli.dispatch"] >= {"pl_lowprec.cli.export", "pl_lowprec.cli.estimate"}  # it reads edges
+    circle = find_circle(graph)
+    assert circle is None, "import circle: " + " -> ".join(circle)
+
+
+def test_no_circle_hides_behind_a_function_level_import():
+    """A circle that survives only because one of its imports sits in a function is still a circle of layers."""
+    circle = find_circle(import_graph(all_imports))
+    assert circle is None, "import circle (through function-level imports): " + " -> ".join(circle)
+
+
+def test_the_circle_finder_finds_one_through_a_package_init():
+    # a.b imports c, c imports a.d: initialising a.d runs a/__init__, which imports a.b (partially initialised)
+    graph = {"a": {"a.b"}, "a.b": {"c"}, "c": {"a", "a.d"}, "a.d": set()}
+    assert find_circle(graph) == ["a", "a.b", "c", "a"]
+    assert find_circle({"a": {"a.b"}, "a.b": {"c"}, "c": {"a.d"}, "a.d": set()}) is None
+
+
+def _registered_after(code: str) -> dict[str, list[str]]:
+    """Lightning's strategy names added by ``code`` in a fresh interpreter."""
+    script = (
+        "import json\nfrom lightning.pytorch.strategies import StrategyRegistry\nbefore = set(StrategyRegistry)\n"
+        f"{code}\nprint(json.dumps(sorted(set(StrategyRegistry) - before)))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_importing_the_memory_estimate_registers_no_strategy():
+    assert _registered_after("import pl_lowprec.memory\nimport pl_lowprec.memory.estimate") == []
+
+
+def test_importing_the_strategies_registers_their_names():
+    names = ["lowprec", "lowprec_ddp", "lowprec_ddp_spawn", "lowprec_fsdp"]
+    assert _registered_after("import pl_lowprec.strategies") == names
+    assert _registered_after("from pl_lowprec import LowPrecisionStrategy") == names
+
+
+def test_a_strategy_named_in_a_config_is_found_by_the_cli():
+    code = f"""
+from pl_lowprec.cli import build_cli
+cli = build_cli(["--config", {str(ROOT / "configs/quickstart.yaml")!r}, "--trainer.strategy=lowprec",
+                 "--trainer.logger=false"], run=False)
+assert type(cli.trainer.strategy).__name__ == "LowPrecisionStrategy", cli.trainer.strategy
+"""
+    assert "lowprec" in _registered_after(code)
