@@ -16,20 +16,6 @@ from lightning.pytorch.plugins.precision import Precision
 
 from pl_lowprec.cli.rebuild import rebuild_classes
 from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
-from pl_lowprec.transforms.pipeline import ModelTransform
-
-# What estimate_memory takes from the strategy's transform (pl_lowprec.transforms.pipeline.ModelTransform).
-TRANSFORM_SETTINGS = (
-    "quantization",
-    "lora",
-    "optimizer",
-    "activation_checkpointing",
-    "checkpoint_every_n",
-    "checkpoint_impl",
-    "activation_offloading",
-    "qat",
-    "fp8",
-)
 
 
 def precision_of(trainer: Any) -> str:
@@ -49,16 +35,6 @@ def device_of(trainer: Any) -> str:
     return "cpu"
 
 
-def transform_settings(strategy: Any) -> dict[str, Any]:
-    """The strategy's model arguments, as ``estimate_memory`` keywords (a strategy that is not this package's
-    transforms nothing: the module's own AdamW)."""
-    transform = getattr(strategy, "transform", None)
-    if not isinstance(transform, ModelTransform):
-        return {"optimizer": "adamw"}
-    settings = {name: getattr(transform, name) for name in TRANSFORM_SETTINGS}
-    return settings | {"optimizer": settings["optimizer"] or "adamw"}
-
-
 def estimate_config(cli_args: list[str]) -> MemoryEstimate:
     """The estimate for ``--config X.yaml`` (and overrides), as ``pl-lowprec fit`` would build the run."""
     run = rebuild_classes(cli_args)
@@ -75,7 +51,7 @@ def estimate_config(cli_args: list[str]) -> MemoryEstimate:
         batch,
         precision=precision_of(trainer),
         device=device_of(trainer),
-        **transform_settings(trainer.strategy),  # when strategies hold a TransformConfig: config=...transform_config
+        config=getattr(trainer.strategy, "transform_config", None),  # None: not this package's strategy
     )
 
 

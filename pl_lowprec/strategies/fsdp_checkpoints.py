@@ -12,6 +12,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.optim import Optimizer
 
 from pl_lowprec.distributed.mesh import full_tensor
@@ -27,8 +33,6 @@ def load_full_state_dict(
 ) -> None:
     """Load whole tensors into a sharded module; with ``adapter_only`` the frozen weights may be missing,
     every trainable one must be there."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
     expected = {n for n, p in module.named_parameters() if p.requires_grad} if adapter_only else None
     if expected is not None and strict:
         missing = sorted(expected - set(state_dict))
@@ -45,15 +49,11 @@ def load_full_state_dict(
 
 def optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
     """The optimizer's state gathered whole and keyed by parameter name (rank 0 holds it; the others get {})."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_optimizer_state_dict(module, optimizer, options=options)
 
 
 def load_optimizer_states(module: nn.Module, optimizers: Sequence[Optimizer], states: Sequence[dict]) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
     if len(states) != len(optimizers):
         raise RuntimeError(f"The checkpoint holds {len(states)} optimizer states; the module has {len(optimizers)}.")
     for optimizer, state in zip(optimizers, states, strict=True):

@@ -22,6 +22,7 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from pl_lowprec._imports import import_torchao_nf4
 from pl_lowprec.transforms.linear_filter import linear_names, swap_linear_layers
@@ -195,8 +196,6 @@ def dequantize_nf4(tensor: torch.Tensor) -> torch.Tensor:
     Each rank dequantizes its own rows (its shard holds whole blocks and scale groups), then the float rows are
     gathered: the NF4 all-gather outside FSDP's own hooks is not needed."""
     if hasattr(tensor, "placements"):
-        from torch.distributed.tensor import DTensor
-
         rows = local(tensor).get_original_weight()
         return DTensor.from_local(rows, tensor.device_mesh, tensor.placements).full_tensor()
     return tensor.get_original_weight()
