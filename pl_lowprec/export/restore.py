@@ -56,7 +56,7 @@ def restore(checkpoint: str | Path, trainer: Any, module: nn.Module, datamodule:
             " lora= to export. Use the config the checkpoint was trained with."
         )
     if transform.sharding is not None:  # restore unsharded, in this one process (bitsandbytes storage)
-        transform = dataclasses.replace(transform, sharding=None)
+        transform = ModelTransform(transform.config)
     state = trainer.strategy.load_checkpoint(checkpoint)
     if not isinstance(state, dict) or "state_dict" not in state:
         raise ValueError(f"{str(checkpoint)!r} is not a Lightning checkpoint: it has no 'state_dict'.")
@@ -87,9 +87,8 @@ def _load(module: nn.Module, transform: ModelTransform, state_dict: dict[str, to
         )
     adapter_only = set(state_dict) <= trainable
     try:
-        dataclasses.replace(transform, adapter_only_checkpoint=adapter_only).load_state_dict(
-            module, state_dict, strict=True
-        )
+        as_saved = dataclasses.replace(transform.config, adapter_only_checkpoint=adapter_only)
+        ModelTransform(as_saved).load_state_dict(module, state_dict, strict=True)
     except RuntimeError as err:
         lines = [line.strip() for line in str(err).splitlines() if line.strip()]
         shown = " ".join(lines[:3]) + (f" ... ({len(lines) - 3} more lines)" if len(lines) > 3 else "")
