@@ -46,7 +46,7 @@ from pl_lowprec.plugins.dtype_checks import (
 from pl_lowprec.plugins.loss_scale import LossScaleCollapseError, LossScaleState, LossScaleTracker
 from pl_lowprec.plugins.loss_scale_config import AMPPrecisionInput, LossScaleConfig, LossScaleInput
 from pl_lowprec.plugins.precision_choice import PrecisionChoice, choose_precision
-from pl_lowprec.plugins.scaler_bookkeeping import ScalerBookkeeping, has_gradients
+from pl_lowprec.plugins.scaler_bookkeeping import ScalerBookkeeping, has_gradients, optimizer_handles_unscaling
 from pl_lowprec.plugins.scheduler_guard import guard_step_schedulers
 from pl_lowprec.transforms.dtypes import dtype_of_precision
 
@@ -272,11 +272,20 @@ class AMPPrecision(MixedPrecision):
     def clip_gradients(
         self,
         optimizer: Optimizer,
-        clip_val: int | float = 0.0,
+        clip_val: int | float | None = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
+        """Lightning's order: disabled clipping returns before anything is read; an optimizer that unscales
+        inside its own step is refused before anything is unscaled; otherwise unscale once, then clip."""
+        if clip_val is None or clip_val <= 0:
+            return
+        if optimizer_handles_unscaling(optimizer):
+            raise RuntimeError(
+                f"The current optimizer, {type(optimizer).__qualname__}, does not allow for gradient clipping"
+                " because it performs unscaling of gradients internally. HINT: Are you using a 'fused' optimizer?"
+            )
         # Manual optimization clips before ``optimizer.step()``: unscale here so the threshold means the same.
-        if clip_val > 0 and self._steps is not None:
+        if self._steps is not None:
             self._steps.unscale_once(optimizer)
         super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 

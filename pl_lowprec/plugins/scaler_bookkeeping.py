@@ -102,6 +102,12 @@ def has_gradients(optimizer: Optimizer) -> bool:
     return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
 
 
+def optimizer_handles_unscaling(optimizer: Optimizer | LightningOptimizer) -> bool:
+    """Whether the optimizer's step unscales the gradients itself (fused optimizers): the predicate of
+    Lightning's ``_optimizer_handles_unscaling``. Such gradients cannot be unscaled for clipping first."""
+    return getattr(optimizer, "_step_supports_amp_scaling", False)
+
+
 def check_optimizer_supports_scaling(optimizer: Optimizer) -> None:
     """Refuse optimizers whose step hides overflows from the scaler's accounting."""
     name = type(optimizer).__qualname__
