@@ -2,6 +2,7 @@
 
     pl-lowprec generate --ckpt_path runs/.../last.ckpt --prompts val.jsonl --out completions.jsonl
     pl-lowprec generate --model runs/merged --prompts prompts.txt --out completions.jsonl --do_sample
+    pl-lowprec generate --model runs/chat --prompts questions.txt --out answers.jsonl --chat
 
 A checkpoint is restored through its config as ``pl-lowprec export`` does (``pl_lowprec.cli.rebuild``); see
 ``pl_lowprec.export.generate`` for the prompt files, the decoding and the output lines.
@@ -19,9 +20,12 @@ from pl_lowprec.cli.resume import check_checkpoint
 from pl_lowprec.export.generate import (
     Decoding,
     Generator,
+    check_chat_template,
+    directory_tokenizer,
     from_directory,
     from_restored,
     read_prompts,
+    wants_chat,
     write_completions,
 )
 from pl_lowprec.export.out_paths import prepare_out_file
@@ -29,9 +33,15 @@ from pl_lowprec.export.restore import restore
 from pl_lowprec.loading.tokenizer import load_tokenizer
 
 
-def from_checkpoint(checkpoint: str | Path, cli_args: list[str], tokenizer: str | None = None) -> Generator:
-    """The trained module as it trained (quantized base, adapters), restored from its config."""
+def from_checkpoint(
+    checkpoint: str | Path, cli_args: list[str], tokenizer: str | None = None, chat: bool = False
+) -> Generator:
+    """The trained module as it trained (quantized base, adapters), restored from its config. With ``chat``, a
+    tokenizer known from the arguments or the config's data is checked for a template before the weights load."""
     run = rebuild(cli_args)
+    source = tokenizer or getattr(run.datamodule, "tokenizer_dir", None)
+    if chat and source:
+        check_chat_template(load_tokenizer(source), source)
     return from_restored(restore(checkpoint, run.trainer, run.model, run.datamodule), tokenizer)
 
 
@@ -40,7 +50,10 @@ def main(args: list[str] | None = None) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--ckpt_path", help="A training checkpoint (with --config, or its run's config.yaml).")
     source.add_argument("--model", help="An exported directory: merged model, or peft adapter.")
-    parser.add_argument("--prompts", required=True, help=".txt (a prompt per line) or .jsonl with 'prompt'.")
+    parser.add_argument(
+        "--prompts", required=True, help=".txt (a prompt per line) or .jsonl with 'prompt' or 'messages'."
+    )
+    parser.add_argument("--chat", action="store_true", help="Send each plain prompt as a user turn (chat template).")
     parser.add_argument("--out", required=True, help="The .jsonl file to write (a new one, or --overwrite).")
     parser.add_argument("--overwrite", action="store_true", help="Replace an existing --out (never a file read).")
     parser.add_argument("--base", help="Base model directory for an adapter (default: from adapter_config.json).")
@@ -57,7 +70,8 @@ def main(args: list[str] | None = None) -> None:
     decoding = Decoding(
         parsed.max_new_tokens, parsed.do_sample, parsed.temperature, parsed.top_p, parsed.top_k, parsed.seed
     )
-    records = read_prompts(Path(parsed.prompts))
+    records = read_prompts(Path(parsed.prompts), parsed.chat)
+    chat = wants_chat(records)
     inputs = {"prompts file": Path(parsed.prompts), "tokenizer": parsed.tokenizer and Path(parsed.tokenizer)}
     if parsed.ckpt_path is not None:
         check_checkpoint(Path(parsed.ckpt_path))
@@ -65,7 +79,7 @@ def main(args: list[str] | None = None) -> None:
         inputs |= {"checkpoint": Path(parsed.ckpt_path), **config_files(cli_args)}
         prepare_out_file(Path(parsed.out), parsed.overwrite, inputs)
         try:
-            generator = from_checkpoint(parsed.ckpt_path, cli_args, parsed.tokenizer)
+            generator = from_checkpoint(parsed.ckpt_path, cli_args, parsed.tokenizer, chat)
         except ConfigClassError as err:
             parser.exit(2, f"{parser.prog}: error: {err}\n")
     else:
@@ -73,9 +87,13 @@ def main(args: list[str] | None = None) -> None:
             parser.error(f"unrecognized arguments: {' '.join(cli_args)} (config overrides go with --ckpt_path)")
         inputs |= {"model directory": Path(parsed.model), "base model": parsed.base and Path(parsed.base)}
         prepare_out_file(Path(parsed.out), parsed.overwrite, inputs)
-        generator = from_directory(parsed.model, parsed.base, parsed.device)
-        if parsed.tokenizer:
-            generator.tokenizer = load_tokenizer(parsed.tokenizer)
-    completions = generator.complete([r["prompt"] for r in records], decoding, parsed.batch_size)
+        source = parsed.tokenizer or directory_tokenizer(parsed.model, parsed.base)
+        tokenizer = load_tokenizer(source)
+        if chat:
+            check_chat_template(tokenizer, source)  # before the model loads
+        generator = from_directory(parsed.model, parsed.base, parsed.device, tokenizer)
+    if chat:
+        check_chat_template(generator.tokenizer, parsed.tokenizer)
+    completions = generator.complete_records(records, decoding, parsed.batch_size)
     write_completions(records, completions, Path(parsed.out))
     print(f"Wrote {len(completions)} completions to {parsed.out}.")

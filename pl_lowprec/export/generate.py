@@ -3,8 +3,12 @@
     pl-lowprec generate --ckpt_path runs/.../last.ckpt --prompts val.jsonl --out completions.jsonl
     pl-lowprec generate --model runs/merged --prompts prompts.txt --out completions.jsonl --do_sample
 
-Prompts: a ``.txt`` file (one prompt per non-empty line) or a ``.jsonl`` file of records with a ``prompt``. Each
-output line is ``{"prompt", "completion"}``, plus ``"reference"`` when the input record had a ``completion``.
+Prompts: a ``.txt`` file (one prompt per non-empty line) or a ``.jsonl`` file of records with a ``prompt`` or
+``messages``. A ``messages`` record is rendered with the tokenizer's chat template and its generation prompt, as
+``TextDataModule`` renders it for training (a trailing assistant turn is left out and becomes the reference);
+``chat=True`` (``--chat``) wraps each plain prompt as one user turn. Each output line is ``{"prompt",
+"completion"}`` (``{"messages", "completion"}`` for a chat record), plus ``"reference"`` when the input record
+had a ``completion`` or a last assistant turn.
 Decoding is transformers' ``generate``: greedy by default, sampling with ``--do_sample``; it stops at EOS or
 after ``--max_new_tokens``. A checkpoint is restored through its config as ``pl-lowprec export`` does (quantized
 base and adapters, as trained, under the precision plugin's autocast); ``--model`` takes a merged directory or a
@@ -63,8 +67,16 @@ class Generator:
     tokenizer: Any
     context: Callable[[], AbstractContextManager] = field(default=nullcontext)
 
-    @torch.no_grad()
     def complete(self, prompts: list[str], decoding: Decoding, batch_size: int = 8) -> list[str]:
+        """The completion of each prompt text (tokenized as the tokenizer does by default, BOS included)."""
+        return self.complete_ids([self.tokenizer(p)["input_ids"] for p in prompts], decoding, batch_size)
+
+    def complete_records(self, records: list[dict[str, Any]], decoding: Decoding, batch_size: int = 8) -> list[str]:
+        """The completion of each record of ``read_prompts``: a chat record through the chat template."""
+        return self.complete_ids([prompt_ids(self.tokenizer, r) for r in records], decoding, batch_size)
+
+    @torch.no_grad()
+    def complete_ids(self, prompts: list[list[int]], decoding: Decoding, batch_size: int = 8) -> list[str]:
         """The completion of each prompt (new tokens only, special tokens dropped), batched with left padding."""
         tokenizer = self.tokenizer
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -76,7 +88,7 @@ class Generator:
         self.model.eval()
         try:
             for start in range(0, len(prompts), batch_size):
-                encoded = [tokenizer(p)["input_ids"] for p in prompts[start : start + batch_size]]
+                encoded = prompts[start : start + batch_size]
                 width = max(len(ids) for ids in encoded)
                 input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded], device=device)
                 mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded], device=device)
@@ -94,26 +106,84 @@ class Generator:
         return completions
 
 
-def read_prompts(path: Path) -> list[dict[str, Any]]:
-    """Records with a ``prompt``: one per non-empty line of a ``.txt``, or each line of a ``.jsonl``."""
+def read_prompts(path: Path, chat: bool = False) -> list[dict[str, Any]]:
+    """Records with a ``prompt`` or ``messages``: one per non-empty line of a ``.txt``, or each line of a
+    ``.jsonl``. With ``chat``, a plain prompt also gets ``messages``: the prompt as one user turn."""
     if not path.is_file():
         raise FileNotFoundError(f"--prompts {str(path)!r} does not exist.")
     if path.suffix == ".txt":
-        return [{"prompt": line} for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    if path.suffix != ".jsonl":
+        records = [{"prompt": line} for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    elif path.suffix == ".jsonl":
+        records = [_record(path, number, line) for number, line in _lines(path)]
+    else:
         raise ValueError(f"--prompts {str(path)!r}: give a .txt file (a prompt per line) or a .jsonl file.")
-    records = []
-    for number, line in _lines(path):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number}: not valid JSON ({err.msg}).") from err
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise ValueError(f"{path}:{number}: each record needs a string 'prompt'; got {line[:80]!r}.")
-        records.append(record)
     if not records:
         raise ValueError(f"--prompts {str(path)!r} holds no prompt.")
+    if chat:
+        records = [
+            r if "messages" in r else r | {"messages": [{"role": "user", "content": r["prompt"]}]} for r in records
+        ]
     return records
+
+
+def _record(path: Path, number: int, line: str) -> dict[str, Any]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}:{number}: not valid JSON ({err.msg}).") from err
+    if isinstance(record, dict) and "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            raise ValueError(f"{path}:{number}: 'messages' must be a list of {{role, content}}; got {line[:80]!r}.")
+        if not chat_turns(record):
+            raise ValueError(f"{path}:{number}: 'messages' holds no turn before its last assistant turn.")
+        return record
+    if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+        raise ValueError(
+            f"{path}:{number}: each record needs a string 'prompt' or a 'messages' list; got {line[:80]!r}."
+        )
+    return record
+
+
+def chat_turns(record: dict[str, Any]) -> list[dict[str, str]]:
+    """The turns the model answers: ``messages`` without a trailing assistant turn (that is the reference)."""
+    messages = record["messages"]
+    return messages[:-1] if messages and messages[-1]["role"] == "assistant" else messages
+
+
+def reference(record: dict[str, Any]) -> str | None:
+    """The expected completion: a chat record's last assistant turn, else a plain record's ``completion``."""
+    if "messages" in record and record["messages"] and record["messages"][-1]["role"] == "assistant":
+        return record["messages"][-1]["content"]
+    completion = record.get("completion")
+    return completion if isinstance(completion, str) else None
+
+
+def wants_chat(records: list[dict[str, Any]]) -> bool:
+    return any("messages" in r for r in records)
+
+
+def check_chat_template(tokenizer: Any, source: str | Path | None) -> None:
+    """Chat prompts need a template; rendering them as plain text would not be what a chat model trained on."""
+    if not getattr(tokenizer, "chat_template", None):
+        name = str(source) if source is not None else getattr(tokenizer, "name_or_path", "?")
+        raise ValueError(
+            f"Chat prompts ('messages' records or --chat) need the tokenizer's chat template, and the tokenizer"
+            f" {name!r} has none. Pass --tokenizer DIR with a chat model's tokenizer (one whose"
+            " tokenizer_config.json has a chat_template), or give plain 'prompt' records without --chat."
+        )
+
+
+def prompt_ids(tokenizer: Any, record: dict[str, Any]) -> list[int]:
+    """A chat record rendered as ``TextDataModule`` renders it (template, no extra special tokens) plus the
+    generation prompt; a plain prompt tokenized with the tokenizer's defaults."""
+    if "messages" not in record:
+        return tokenizer(record["prompt"])["input_ids"]
+    text = tokenizer.apply_chat_template(chat_turns(record), tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
@@ -127,9 +197,11 @@ def write_completions(records: list[dict[str, Any]], completions: list[str], out
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as handle:
         for record, completion in zip(records, completions, strict=True):
-            row = {"prompt": record["prompt"], "completion": completion}
-            if isinstance(record.get("completion"), str):
-                row["reference"] = record["completion"]
+            row = {"prompt": record["prompt"]} if "prompt" in record else {"messages": chat_turns(record)}
+            row["completion"] = completion
+            expected = reference(record)
+            if expected is not None:
+                row["reference"] = expected
             handle.write(json.dumps(row) + "\n")
 
 
@@ -147,8 +219,22 @@ def from_restored(restored: Restored, tokenizer: str | None = None) -> Generator
     return Generator(model, load_tokenizer(source), restored.trainer.precision_plugin.forward_context)
 
 
-def from_directory(directory: str | Path, base: str | None = None, device: str = "auto") -> Generator:
-    """A merged model directory, or a peft adapter directory on its base model."""
+def directory_tokenizer(directory: str | Path, base: str | None = None) -> str | Path:
+    """Where ``from_directory`` takes the tokenizer: the directory if it holds one, else the (adapter's) base."""
+    path = Path(directory)
+    if (path / "tokenizer_config.json").is_file():
+        return path
+    adapter_config = path / "adapter_config.json"
+    if base is None and adapter_config.is_file():
+        base = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
+    return base or path
+
+
+def from_directory(
+    directory: str | Path, base: str | None = None, device: str = "auto", tokenizer: Any = None
+) -> Generator:
+    """A merged model directory, or a peft adapter directory on its base model; ``tokenizer`` if given, else
+    the one of ``directory_tokenizer``."""
     from transformers import AutoModelForCausalLM  # optional (pl_lowprec[hf]), needed only here
 
     path = Path(directory)
@@ -168,5 +254,6 @@ def from_directory(directory: str | Path, base: str | None = None, device: str =
         model = AutoModelForCausalLM.from_pretrained(str(path))
     else:
         raise ValueError(f"--model {str(path)!r} holds neither config.json (a merged model) nor adapter_config.json.")
-    tokenizer_source = path if (path / "tokenizer_config.json").is_file() else base
-    return Generator(model.to(target), load_tokenizer(tokenizer_source or path))
+    if tokenizer is None:
+        tokenizer = load_tokenizer(directory_tokenizer(path, base))
+    return Generator(model.to(target), tokenizer)

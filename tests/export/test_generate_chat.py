@@ -1,0 +1,116 @@
+"""``pl-lowprec generate`` on chat prompts: the tokenizer's chat template with its generation prompt."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from loading_helpers import save_pretrained_dir
+
+from pl_lowprec.cli import main
+
+pytest.importorskip("transformers")
+
+CHATS = [
+    [{"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": "return a + b"}],
+    [{"role": "system", "content": "Answer in Python."}, {"role": "user", "content": "import os"}],
+    [
+        {"role": "user", "content": "class A:"},
+        {"role": "assistant", "content": "pass"},
+        {"role": "user", "content": "for i in range(10):"},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    return save_pretrained_dir(tmp_path_factory.mktemp("chat_model"), hidden_size=32, layers=1)
+
+
+def transformers_completions(directory, conversations, max_new_tokens=6):
+    """Reference: plain transformers, one conversation at a time, ``apply_chat_template`` + greedy generate."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory).eval()
+    completions = []
+    for turns in conversations:
+        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+        tokenized = tokenizer.apply_chat_template(turns, add_generation_prompt=True, return_dict=True)["input_ids"]
+        assert ids[0].tolist() == list(tokenized)  # the template renders the same tokens either way
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.eos_token_id,
+            )
+        completions.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    return completions
+
+
+def test_messages_records_get_the_chat_template_and_equal_transformers(chat_model, tmp_path):
+    prompts = tmp_path / "chat.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CHATS))
+    out = tmp_path / "out.jsonl"
+    main(["generate", f"--model={chat_model}", f"--prompts={prompts}", f"--out={out}", "--max_new_tokens=6"])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    turns = [CHATS[0][:1], CHATS[1], CHATS[2]]  # a trailing assistant turn is the reference, not the prompt
+    assert [r["messages"] for r in rows] == turns
+    assert [r.get("reference") for r in rows] == ["return a + b", None, None]
+    expected = transformers_completions(chat_model, turns)
+    assert [r["completion"] for r in rows] == expected  # batched with left padding, equal to one by one
+    assert len(set(expected)) > 1
+
+
+def test_chat_flag_wraps_plain_prompts_as_one_user_turn(chat_model, tmp_path):
+    prompts = tmp_path / "questions.txt"
+    questions = ["def add(a, b):", "while True:"]
+    prompts.write_text("\n".join(questions) + "\n")
+    out = tmp_path / "out.jsonl"
+    main(["generate", f"--model={chat_model}", f"--prompts={prompts}", f"--out={out}", "--max_new_tokens=6", "--chat"])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == questions
+    turns = [[{"role": "user", "content": q}] for q in questions]
+    assert [r["completion"] for r in rows] == transformers_completions(chat_model, turns)
+    plain = tmp_path / "plain.jsonl"  # without --chat the same lines stay raw text: other completions
+    main(["generate", f"--model={chat_model}", f"--prompts={prompts}", f"--out={plain}", "--max_new_tokens=6"])
+    assert [json.loads(line)["completion"] for line in plain.read_text().splitlines()] != [
+        r["completion"] for r in rows
+    ]
+
+
+def test_chat_without_a_template_is_refused_before_the_model_loads(chat_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    no_template = tmp_path / "no_template"  # a config but no weights: loading the model would fail differently
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(no_template)
+    shutil.copy(chat_model / "config.json", no_template / "config.json")
+    assert AutoTokenizer.from_pretrained(no_template).chat_template is None
+    txt = tmp_path / "p.txt"
+    txt.write_text("def f():\n")
+    chat = tmp_path / "c.jsonl"
+    chat.write_text(json.dumps({"messages": CHATS[1]}) + "\n")
+    for prompts, flags in ((txt, ["--chat"]), (chat, [])):
+        out = tmp_path / f"out_{prompts.suffix[1:]}.jsonl"
+        with pytest.raises(ValueError, match=rf"tokenizer '{no_template}' has none\. Pass --tokenizer DIR"):
+            main(["generate", f"--model={no_template}", f"--prompts={prompts}", f"--out={out}", *flags])
+        assert not out.exists()
+
+
+def test_bad_messages_records_are_named(tmp_path):
+    from pl_lowprec.export.generate import read_prompts
+
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "ok"}]}\n{"messages": [{"role": "user"}]}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:2: 'messages' must be a list of \{role, content\}"):
+        read_prompts(bad)
+    bad.write_text('{"messages": [{"role": "assistant", "content": "only an answer"}]}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:1: 'messages' holds no turn before its last assistant turn"):
+        read_prompts(bad)
