@@ -9,6 +9,7 @@ from __future__ import annotations
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import _StrategyRegistry
 
+from pl_lowprec.distributed.process_group_exit import destroy_process_group_at_exit
 from pl_lowprec.strategies.transform_hooks import TransformHooks
 
 
@@ -20,6 +21,10 @@ class LowPrecisionDDPStrategy(TransformHooks, DDPStrategy):
     """
 
     strategy_name = "lowprec_ddp"
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        destroy_process_group_at_exit()
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:

@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 
 from pl_lowprec.distributed.mesh import data_parallel_mesh, is_sharded
 from pl_lowprec.distributed.precision import check_precision
+from pl_lowprec.distributed.process_group_exit import destroy_process_group_at_exit
 from pl_lowprec.distributed.shard import ShardPolicy
 from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.loading import empty_weights
@@ -130,6 +131,7 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
 
     def setup_environment(self) -> None:
         self._setup_distributed()
+        destroy_process_group_at_exit()
         self._data_parallel_size, self._tensor_parallel_size = self.world_size, 1
         if self.sharding.cpu_offload and self.root_device.type != "cuda":
             raise ValueError(
