@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torchmetrics import MeanMetric
 
 from pl_lowprec._checks import check_at_least, check_positive
+from pl_lowprec.distributed.process_group_exit import destroy_process_group_at_exit
 from pl_lowprec.distributed.shard import shard_pretrained_blocks
 from pl_lowprec.loading import PretrainedWeights, empty_weights, load_pretrained
 from pl_lowprec.loading.hub import resolve_pretrained
@@ -94,6 +95,7 @@ class CausalLM(pl.LightningModule):
             rank_zero_info("CausalLM loaded its weights itself; LowPrecisionStrategy would quantize them as they load.")
             if self.device_mesh is not None:  # Lightning's ModelParallelStrategy: configure_model shards
                 blocks = shard_pretrained_blocks(self, self.model, self.device_mesh)
+                destroy_process_group_at_exit()  # Lightning does this for NCCL only; gloo would abort at exit
                 rank_zero_info(f"CausalLM: FSDP2 on {len(blocks)} blocks and the module as the root.")
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
