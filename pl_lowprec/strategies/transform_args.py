@@ -1,7 +1,7 @@
 """``TransformArguments``: the model arguments every strategy takes, declared and documented once.
 
 The first base of each strategy (through ``TransformHooks``), before the Lightning strategy: it takes the
-twelve model arguments, builds one ``TransformConfig`` (validated at once) and the ``ModelTransform`` that
+model arguments, builds one ``TransformConfig`` (validated at once) and the ``ModelTransform`` that
 applies it, and passes every other argument on to the Lightning strategy with ``super().__init__(**kwargs)``.
 jsonargparse follows that ``**kwargs`` through the bases, so ``pl-lowprec fit --help`` lists these arguments
 with the help below, and YAML stays flat (``init_args.quantization: nf4-dq``).
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pl_lowprec.distributed.sharding import Sharding
-from pl_lowprec.transforms.checkpointing import CheckpointImpl, CheckpointPolicy
+from pl_lowprec.transforms.checkpointing import CheckpointImpl, CheckpointMode, CheckpointPolicy
 from pl_lowprec.transforms.config import TransformConfig
 from pl_lowprec.transforms.fp8 import FP8Config, FP8Recipe
 from pl_lowprec.transforms.optimizers import OptimizerName
@@ -30,6 +30,9 @@ class TransformArguments:
             callable ``(module, name) -> bool``.
         checkpoint_every_n: Checkpoint only every n-th selected block: less recompute, more memory.
         checkpoint_impl: ``"non_reentrant"`` (default) or ``"reentrant"``.
+        checkpoint_mode: ``"full"`` (default) recomputes each checkpointed block whole; ``"selective"`` keeps
+            its matmul and attention outputs and recomputes only the cheap ops (norms, activations): more memory
+            than ``"full"``, less recompute. Non-reentrant only.
         quantization: Base-weight quantization: ``"nf4"``, ``"nf4-dq"``, ``"fp4"``, ``"fp4-dq"``, ``"int8"``,
             or a ``QuantizationConfig`` (under ``lowprec_fsdp``: ``"nf4"`` or ``"nf4-dq"``, stored as torchao
             NF4 tensors, which shard with their constants).
@@ -62,6 +65,7 @@ class TransformArguments:
         activation_checkpointing: CheckpointPolicy | None = None,
         checkpoint_every_n: int = 1,
         checkpoint_impl: CheckpointImpl = "non_reentrant",
+        checkpoint_mode: CheckpointMode = "full",
         quantization: QuantMode | QuantizationConfig | None = None,
         lora: dict[str, Any] | None = None,
         optimizer: OptimizerName | None = None,
@@ -77,6 +81,7 @@ class TransformArguments:
             activation_checkpointing=activation_checkpointing,
             checkpoint_every_n=checkpoint_every_n,
             checkpoint_impl=checkpoint_impl,
+            checkpoint_mode=checkpoint_mode,
             quantization=quantization,
             lora=lora,
             optimizer=optimizer,

@@ -14,7 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from pl_lowprec.loading import PretrainedWeights
-from pl_lowprec.transforms.checkpointing import CheckpointImpl, CheckpointPolicy, validate_checkpoint_args
+from pl_lowprec.transforms.checkpointing import (
+    CheckpointImpl,
+    CheckpointMode,
+    CheckpointPolicy,
+    validate_checkpoint_args,
+)
 from pl_lowprec.transforms.checks import check_linear_transforms
 from pl_lowprec.transforms.fp8 import FP8Config, FP8Recipe
 from pl_lowprec.transforms.linear_filter import DEFAULT_SKIP
@@ -33,6 +38,7 @@ class TransformConfig:
     activation_checkpointing: CheckpointPolicy | None = None
     checkpoint_every_n: int = 1
     checkpoint_impl: CheckpointImpl = "non_reentrant"
+    checkpoint_mode: CheckpointMode = "full"
     quantization: QuantMode | QuantizationConfig | None = None
     lora: Mapping[str, Any] | Any | None = None
     optimizer: OptimizerName | None = None
@@ -45,7 +51,13 @@ class TransformConfig:
     weights: PretrainedWeights | None = field(init=False, default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        validate_checkpoint_args(self.checkpoint_every_n, self.checkpoint_impl)
+        validate_checkpoint_args(self.checkpoint_every_n, self.checkpoint_impl, self.checkpoint_mode)
+        if self.checkpoint_mode != "full" and self.activation_checkpointing is None:
+            raise ValueError(
+                f"checkpoint_mode={self.checkpoint_mode!r} was given without activation_checkpointing=: it says what"
+                " to keep inside the checkpointed blocks, and none are named. Pass activation_checkpointing= (e.g. the"
+                " decoder layer class), or leave checkpoint_mode at 'full'."
+            )
         if self.pretrained_prefix is not None and self.pretrained is None:
             raise ValueError(f"pretrained_prefix={self.pretrained_prefix!r} was given without pretrained=.")
         if self.pretrained:

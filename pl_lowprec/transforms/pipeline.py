@@ -121,11 +121,12 @@ class ModelTransform:
         if c.activation_checkpointing is not None:
             already = any(is_checkpointed(m) for m in model.modules())
             names = set_activation_checkpointing(
-                model, c.activation_checkpointing, c.checkpoint_every_n, c.checkpoint_impl
+                model, c.activation_checkpointing, c.checkpoint_every_n, c.checkpoint_impl, c.checkpoint_mode
             )
             if not already:
                 shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
-                rank_zero_info(f"Activation checkpointing ({c.checkpoint_impl}) on {len(names)} blocks: {shown}")
+                how = f"{c.checkpoint_impl}, {c.checkpoint_mode}"
+                rank_zero_info(f"Activation checkpointing ({how}) on {len(names)} blocks: {shown}")
         if self.sharding is not None:
             units = self.sharding.shard(model)
             if units:
