@@ -54,6 +54,11 @@ class TransformArguments:
         fp8: Float8 training of the linear layers (torchao; compute capability 8.9+): ``"tensorwise"``,
             ``"rowwise"``, ``"rowwise_with_gw_hp"``, or an ``FP8Config``. Not with ``quantization`` or ``qat``.
         activation_offloading: Keep saved activations in host memory between forward and backward (CUDA).
+        compile: ``torch.compile`` each block (the ``activation_checkpointing`` blocks, the FSDP shard units, or a
+            Hugging Face model's decoder layers) after the other transforms, and ``CausalLM``'s loss: ``True``, or
+            a dict of ``torch.compile`` arguments (``{"mode": "max-autotune-no-cudagraphs"}``). The first steps
+            are slower while it compiles (logged once). On CPU it needs a C++ compiler. Not with
+            ``quantization="int8"`` or ``checkpoint_impl="reentrant"``.
     """
 
     transform_config: TransformConfig
@@ -75,6 +80,7 @@ class TransformArguments:
         qat: QATScheme | QATConfig | None = None,
         fp8: FP8Recipe | FP8Config | None = None,
         activation_offloading: bool = False,
+        compile: bool | dict[str, Any] = False,
         **kwargs: Any,
     ) -> None:
         self.transform_config = TransformConfig(
@@ -91,6 +97,7 @@ class TransformArguments:
             qat=qat,
             fp8=fp8,
             activation_offloading=activation_offloading,
+            compile=compile,
         )
         super().__init__(**kwargs)
         self.transform = ModelTransform(self.transform_config, self.transform_sharding(self.transform_config))

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, noop_context_fn
+from torch.utils.checkpoint import checkpoint
 
 from pl_lowprec.memory.activations import note_checkpoint_inputs
 from pl_lowprec.transforms.selective_checkpointing import selective_contexts
@@ -40,8 +40,10 @@ class CheckpointedForward:
             return self.forward(*args, **kwargs)
         note_checkpoint_inputs([*args, *kwargs.values()])
         if self.impl == "non_reentrant":
-            context_fn = selective_contexts if self.mode == "selective" else noop_context_fn
-            return checkpoint(self.forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+            if self.mode == "selective":
+                return checkpoint(self.forward, *args, use_reentrant=False, context_fn=selective_contexts, **kwargs)
+            # no context_fn at all here: torch.compile traces checkpoint() only without one or with a plain function
+            return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
         # Reentrant checkpointing takes positional tensors only and returns no grad if none requires one,
         # which silently freezes the block when the embeddings are frozen (LoRA; transformers #26221).
         return checkpoint(functools.partial(self.forward, **kwargs), *_with_grad_input(args), use_reentrant=True)
