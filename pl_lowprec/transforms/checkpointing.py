@@ -151,7 +151,11 @@ def _policy_items(policy: CheckpointPolicy) -> list[type[nn.Module] | str] | Non
 
 
 def _item_matches(item: type[nn.Module] | str, module: nn.Module) -> bool:
-    return type(module).__name__ == item if isinstance(item, str) else isinstance(module, item)
+    """A class name matches the module's class or a base of it, as a class matches by ``isinstance``: after
+    ``fully_shard`` a ``LlamaDecoderLayer`` is an ``FSDPLlamaDecoderLayer``, and ``compile=`` selects it then."""
+    if isinstance(item, str):
+        return any(cls.__name__ == item for cls in type(module).__mro__)
+    return isinstance(module, item)
 
 
 def _describe(items: list[type[nn.Module] | str]) -> str:
