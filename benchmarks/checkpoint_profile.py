@@ -12,6 +12,7 @@ Lightning), the share that a GPU cannot hide when the host is what it waits for.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import tempfile
 import time
@@ -72,7 +73,7 @@ def run(directory: str, impl: str | None) -> dict[str, Any]:
     torch.manual_seed(0)
     trainer.fit(CausalLM(directory, warmup_steps=1), torch.utils.data.DataLoader(data, batch_size=BATCH))
     stamps = profile.stamps[WARM : WARM + TIMED + 1]
-    timed = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    timed = [b - a for a, b in itertools.pairwise(stamps)]
     ops = [e for e in profile.profiler.key_averages() if e.key.startswith(("aten::", "bitsandbytes::"))]
     op_seconds = sum(e.self_cpu_time_total for e in ops) / 1e6 / PROFILED
     profiled_step = profile.profiled_seconds / PROFILED
