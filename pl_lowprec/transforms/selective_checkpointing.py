@@ -16,13 +16,16 @@ is recomputed, never kept: a dequantized weight would cost the weight's memory i
 matmul's output is an activation (tokens x features) whatever its weight, so keeping it is what is wanted.
 
 The kept outputs live in the checkpoint's own cache, not in autograd's saved tensors; the policy reports each to
-``pl_lowprec.memory.activations`` so that ``MemoryTracker`` and ``estimate_memory`` count them.
+``pl_lowprec.memory.activations`` so that ``MemoryTracker`` and ``estimate_memory`` count them. Under
+``compile=`` the policy runs while the block is traced, and the compiled graph saves its tensors through autograd
+at run time (counted there), so nothing is reported while tracing.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from pl_lowprec.memory.activations import note_kept_outputs
@@ -44,7 +47,7 @@ def save_matmuls_and_attention(ctx: Any, func: Any, *args: Any, **kwargs: Any) -
     name = func.name() if hasattr(func, "name") else ""
     if name not in SAVED_OPS or (name in MATMULS and _is_low_rank(name, args)):
         return CheckpointPolicy.PREFER_RECOMPUTE
-    if not ctx.is_recompute:
+    if not ctx.is_recompute and not torch.compiler.is_compiling():  # traced: the compiled graph saves at run time
         note_kept_outputs(getattr(ctx, "op_output", None))
     return CheckpointPolicy.MUST_SAVE
 

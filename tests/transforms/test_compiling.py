@@ -98,3 +98,37 @@ def test_compiled_qlora_blocks_and_loss_match_eager(pretrained, tmp_path, caplog
             torch.testing.assert_close(step_compiled[name], step_eager[name], rtol=RTOL, atol=ATOL)
     reports = [r.getMessage() for r in caplog.records if "torch.compile: compiling took" in r.getMessage()]
     assert len(reports) == 1 and "2 blocks" in reports[0]
+
+
+def test_selective_checkpointing_compiles_to_eager_gradients_and_counts_at_run_time():
+    from pl_lowprec import set_activation_checkpointing
+    from pl_lowprec.memory.activations import count_saved_tensors
+    from pl_lowprec.transforms.lora import inject_lora, lora_config
+
+    def build():
+        torch.manual_seed(0)
+        model = tiny_llama(hidden_size=32, layers=2)
+        inject_lora(model, lora_config({"r": 4}), ("lm_head",))
+        set_activation_checkpointing(model, "LlamaDecoderLayer", mode="selective")
+        return model
+
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def step(model):
+        model.zero_grad()
+        with count_saved_tensors(model) as counter:
+            loss = model.model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return counter.nbytes, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    eager, compiled = build(), build()
+    assert compiling.compile_model(compiled, "LlamaDecoderLayer", {}) == [
+        "model.model.layers.0",
+        "model.model.layers.1",
+    ]
+    _, expected = step(eager)
+    traced_bytes, actual = step(compiled)  # the first call traces: nothing is counted while tracing
+    run_bytes, _ = step(compiled)
+    assert traced_bytes == run_bytes
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=RTOL, atol=ATOL)
