@@ -10,6 +10,8 @@ Sections (in order):
   overhead                  Trainer + AMPPrecision vs Lightning's MixedPrecision vs the plain loop, fp16 and bf16
   quantized_bytes           bytes per quantized weight, constants included, per mode
   activation_checkpointing  bytes saved for backward by an 8-block TinyGPT, plain / every block / every other
+  selective_checkpointing   activation bytes and step time: none / selective / every other block / every block
+  compile                   eager vs compile=True step time, LoRA and QLoRA with checkpointing; compile time
   training_memory           full / LoRA / QLoRA x checkpointing, one process each; estimate_memory vs measured peak
   against_hf                QLoRA against transformers + peft + BitsAndBytesConfig, alternating rounds
   pretrained_vs_hf          the same from a ~100M bf16 checkpoint: streaming load + CausalLM vs HF's recipe
@@ -34,6 +36,8 @@ SECTIONS = {
     "overhead": "overhead",
     "quantized_bytes": "quantized_bytes",
     "activation_checkpointing": "activation_checkpointing",
+    "selective_checkpointing": "selective_checkpointing",
+    "compile": "compile_speed",
     "training_memory": "training_memory",
     "against_hf": "against_hf",
     "pretrained_vs_hf": "pretrained_vs_hf",

@@ -3,7 +3,9 @@
 ``torch.autograd.graph.saved_tensors_hooks`` sees every tensor an op saves for its backward. Storages are
 counted once, and storages shared with the model's parameters are left out (they are weights, not
 activations). Activation checkpointing replaces a block's saved tensors with its inputs; the checkpointed
-forward reports those inputs here (``note_checkpoint_inputs``), so the count stays the real one.
+forward reports those inputs here (``note_checkpoint_inputs``), so the count stays the real one. Selective
+checkpointing keeps some op outputs in its own cache, outside autograd's saved tensors; its policy reports them
+here (``note_kept_outputs``).
 
 Activation offloading (``pl_lowprec.transforms.offloading``) installs its own hooks inside the counter's, and only the
 innermost hooks run; it reports each saved tensor here (``note_saved``) with where it went: moved tensors count
@@ -21,6 +23,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from pl_lowprec.memory.breakdown import StorageSet
 
@@ -35,6 +38,7 @@ class SavedTensorCounter:
         self._storages = StorageSet(exclude)
         self._on_device: dict[int, int] = {}
         self.nbytes = 0
+        self.largest = 0  # the largest storage kept on the device: a weight-sized one would show here
         self.offloaded_nbytes = 0
 
     def add(self, tensor: torch.Tensor) -> None:
@@ -42,6 +46,7 @@ class SavedTensorCounter:
         if size:
             self._on_device[tensor.untyped_storage()._cdata] = size
             self.nbytes += size
+            self.largest = max(self.largest, size)
 
     def add_offloaded(self, tensor: torch.Tensor) -> None:
         """A host copy of ``tensor`` was made; its storage no longer stays on the device for backward."""
@@ -77,6 +82,12 @@ def note_checkpoint_inputs(tensors: Iterable[object]) -> None:
         if isinstance(tensor, torch.Tensor):
             for counter in _ACTIVE:
                 counter.add(tensor)
+
+
+def note_kept_outputs(output: object) -> None:
+    """Called by selective checkpointing's policy for each op output it keeps for backward."""
+    if _ACTIVE:
+        note_checkpoint_inputs(tree_leaves(output))
 
 
 def note_saved(tensor: torch.Tensor, offloaded: bool) -> None:

@@ -178,7 +178,11 @@ def estimate_memory(
         estimate.optimizer_state = optimizer_state_bytes(trainable, config.optimizer)
         if config.activation_checkpointing is not None:
             set_activation_checkpointing(
-                model, config.activation_checkpointing, config.checkpoint_every_n, config.checkpoint_impl
+                model,
+                config.activation_checkpointing,
+                config.checkpoint_every_n,
+                config.checkpoint_impl,
+                config.checkpoint_mode,
             )
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         _materialize_fake(model)

@@ -21,7 +21,7 @@ from pl_lowprec.distributed.process_group_exit import destroy_process_group_at_e
 from pl_lowprec.distributed.shard import shard_pretrained_blocks
 from pl_lowprec.loading import PretrainedWeights, empty_weights, load_pretrained
 from pl_lowprec.loading.hub import resolve_pretrained
-from pl_lowprec.models.chunked_loss import causal_lm_loss_sum
+from pl_lowprec.models.chunked_loss import causal_lm_loss_sum, chunk_loss
 from pl_lowprec.models.token_loss import TokenMeanLoss
 from pl_lowprec.models.tokenizer_check import check_tokenizer
 from pl_lowprec.transforms.dtypes import to_dtype
@@ -73,6 +73,7 @@ class CausalLM(pl.LightningModule):
         self.model: Any = None
         self.token_mean = TokenMeanLoss()
         self.val_nll = MeanMetric()
+        self.loss_fn = chunk_loss
 
     def setup(self, stage: str) -> None:
         """Before any weight loads (``configure_model`` runs after): the data's tokenizer fits this model."""
@@ -106,7 +107,11 @@ class CausalLM(pl.LightningModule):
             input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False
         ).last_hidden_state
         head = self.model.get_output_embeddings()
-        return causal_lm_loss_sum(head, hidden, batch["labels"], self.hparams.loss_chunk_size)
+        return causal_lm_loss_sum(head, hidden, batch["labels"], self.hparams.loss_chunk_size, self.loss_fn)
+
+    def compile_loss(self, options: dict[str, Any]) -> None:
+        """Called by the strategy's ``compile=``: the output head and cross-entropy, one chunk at a time."""
+        self.loss_fn = torch.compile(chunk_loss, **options)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss_sum, tokens = self.loss_sum(batch)

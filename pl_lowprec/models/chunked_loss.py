@@ -11,6 +11,8 @@ recomputes one chunk's logits at a time, so the peak is ``B * loss_chunk_size * 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -19,28 +21,45 @@ from torch.utils.checkpoint import checkpoint
 from pl_lowprec.models.token_loss import IGNORE_INDEX
 
 
-def _chunk_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def _logits_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     logits = head(hidden).float()
     return F.cross_entropy(
         logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
 
 
+def chunk_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, recompute: bool = False) -> torch.Tensor:
+    """Summed cross-entropy of one chunk (output head and loss), the part that ``compile=`` compiles; with
+    ``recompute``, under activation checkpointing. The checkpoint is inside, so a compiled ``chunk_loss`` traces it
+    (an eager checkpoint around compiled code would recompute through a different graph than its forward)."""
+    if recompute:
+        return checkpoint(_logits_loss, head, hidden, labels, use_reentrant=False)
+    return _logits_loss(head, hidden, labels)
+
+
+ChunkLoss = Callable[..., torch.Tensor]
+
+
 def causal_lm_loss_sum(
-    head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk_size: int | None = None
+    head: nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int | None = None,
+    loss_fn: ChunkLoss = chunk_loss,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed loss of position t predicting ``labels[t + 1]``, and the number of target tokens.
 
-    ``chunk_size=None`` computes the logits of the whole sequence at once.
+    ``chunk_size=None`` computes the logits of the whole sequence at once; ``loss_fn`` is ``chunk_loss`` or its
+    compiled form.
     """
     hidden, targets = hidden[:, :-1], labels[:, 1:]
     tokens = (targets != IGNORE_INDEX).sum()
     if chunk_size is None:
-        return _chunk_loss(head, hidden, targets), tokens
+        return loss_fn(head, hidden, targets), tokens
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.size(1), chunk_size):
         part = targets[:, start : start + chunk_size]
         if (part == IGNORE_INDEX).all():
             continue  # nothing to learn here: skip the head's matmul entirely
-        total = total + checkpoint(_chunk_loss, head, hidden[:, start : start + chunk_size], part, use_reentrant=False)
+        total = total + loss_fn(head, hidden[:, start : start + chunk_size], part, recompute=True)
     return total, tokens

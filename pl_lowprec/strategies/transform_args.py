@@ -1,7 +1,7 @@
 """``TransformArguments``: the model arguments every strategy takes, declared and documented once.
 
 The first base of each strategy (through ``TransformHooks``), before the Lightning strategy: it takes the
-twelve model arguments, builds one ``TransformConfig`` (validated at once) and the ``ModelTransform`` that
+model arguments, builds one ``TransformConfig`` (validated at once) and the ``ModelTransform`` that
 applies it, and passes every other argument on to the Lightning strategy with ``super().__init__(**kwargs)``.
 jsonargparse follows that ``**kwargs`` through the bases, so ``pl-lowprec fit --help`` lists these arguments
 with the help below, and YAML stays flat (``init_args.quantization: nf4-dq``).
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pl_lowprec.distributed.sharding import Sharding
-from pl_lowprec.transforms.checkpointing import CheckpointImpl, CheckpointPolicy
+from pl_lowprec.transforms.checkpointing import CheckpointImpl, CheckpointMode, CheckpointPolicy
 from pl_lowprec.transforms.config import TransformConfig
 from pl_lowprec.transforms.fp8 import FP8Config, FP8Recipe
 from pl_lowprec.transforms.optimizers import OptimizerName
@@ -30,6 +30,9 @@ class TransformArguments:
             callable ``(module, name) -> bool``.
         checkpoint_every_n: Checkpoint only every n-th selected block: less recompute, more memory.
         checkpoint_impl: ``"non_reentrant"`` (default) or ``"reentrant"``.
+        checkpoint_mode: ``"full"`` (default) recomputes each checkpointed block whole; ``"selective"`` keeps
+            its matmul and attention outputs and recomputes only the cheap ops (norms, activations): more memory
+            than ``"full"``, less recompute. Non-reentrant only.
         quantization: Base-weight quantization: ``"nf4"``, ``"nf4-dq"``, ``"fp4"``, ``"fp4-dq"``, ``"int8"``,
             or a ``QuantizationConfig`` (under ``lowprec_fsdp``: ``"nf4"`` or ``"nf4-dq"``, stored as torchao
             NF4 tensors, which shard with their constants).
@@ -51,6 +54,11 @@ class TransformArguments:
         fp8: Float8 training of the linear layers (torchao; compute capability 8.9+): ``"tensorwise"``,
             ``"rowwise"``, ``"rowwise_with_gw_hp"``, or an ``FP8Config``. Not with ``quantization`` or ``qat``.
         activation_offloading: Keep saved activations in host memory between forward and backward (CUDA).
+        compile: ``torch.compile`` each block (the ``activation_checkpointing`` blocks, the FSDP shard units, or a
+            Hugging Face model's decoder layers) after the other transforms, and ``CausalLM``'s loss: ``True``, or
+            a dict of ``torch.compile`` arguments (``{"mode": "max-autotune-no-cudagraphs"}``). The first steps
+            are slower while it compiles (logged once). On CPU it needs a C++ compiler. Not with
+            ``quantization="int8"`` or ``checkpoint_impl="reentrant"``.
     """
 
     transform_config: TransformConfig
@@ -62,6 +70,7 @@ class TransformArguments:
         activation_checkpointing: CheckpointPolicy | None = None,
         checkpoint_every_n: int = 1,
         checkpoint_impl: CheckpointImpl = "non_reentrant",
+        checkpoint_mode: CheckpointMode = "full",
         quantization: QuantMode | QuantizationConfig | None = None,
         lora: dict[str, Any] | None = None,
         optimizer: OptimizerName | None = None,
@@ -71,12 +80,14 @@ class TransformArguments:
         qat: QATScheme | QATConfig | None = None,
         fp8: FP8Recipe | FP8Config | None = None,
         activation_offloading: bool = False,
+        compile: bool | dict[str, Any] = False,
         **kwargs: Any,
     ) -> None:
         self.transform_config = TransformConfig(
             activation_checkpointing=activation_checkpointing,
             checkpoint_every_n=checkpoint_every_n,
             checkpoint_impl=checkpoint_impl,
+            checkpoint_mode=checkpoint_mode,
             quantization=quantization,
             lora=lora,
             optimizer=optimizer,
@@ -86,6 +97,7 @@ class TransformArguments:
             qat=qat,
             fp8=fp8,
             activation_offloading=activation_offloading,
+            compile=compile,
         )
         super().__init__(**kwargs)
         self.transform = ModelTransform(self.transform_config, self.transform_sharding(self.transform_config))

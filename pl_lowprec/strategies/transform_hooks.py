@@ -42,6 +42,11 @@ class TransformHooks(TransformArguments):
         with self.transform.offloading(self.lightning_module, self.root_device):
             return super().training_step(*args, **kwargs)
 
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().optimizer_step(*args, **kwargs)
+        self.transform.after_optimizer_step()
+        return output
+
     def on_train_end(self) -> None:
         super().on_train_end()
         self.transform.on_fit_end(self.lightning_module)

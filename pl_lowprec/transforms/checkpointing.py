@@ -4,6 +4,9 @@
 ``CheckpointedForward`` that recomputes the block in backward instead of keeping its activations. No module is
 wrapped or renamed, so ``state_dict`` keys, ``named_parameters`` and ``isinstance`` checks stay exactly as
 they were: checkpoints move freely between runs with and without checkpointing.
+
+``mode="full"`` recomputes the whole block; ``mode="selective"`` keeps its matmul and attention outputs and
+recomputes the rest (``selective_checkpointing.py``; non-reentrant only).
 """
 
 from __future__ import annotations
@@ -17,23 +20,29 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pl_lowprec.memory.activations import note_checkpoint_inputs
+from pl_lowprec.transforms.selective_checkpointing import selective_contexts
 
 CheckpointPolicy = type[nn.Module] | str | Iterable[type[nn.Module] | str] | Callable[[nn.Module, str], bool]
 CheckpointImpl = Literal["non_reentrant", "reentrant"]
+CheckpointMode = Literal["full", "selective"]
 
 
 class CheckpointedForward:
     """A module's ``forward``, recomputed during backward; plain ``forward`` when no grad is being recorded."""
 
-    def __init__(self, forward: Callable[..., Any], impl: CheckpointImpl) -> None:
+    def __init__(self, forward: Callable[..., Any], impl: CheckpointImpl, mode: CheckpointMode = "full") -> None:
         self.forward = forward
         self.impl = impl
+        self.mode = mode
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.forward(*args, **kwargs)
         note_checkpoint_inputs([*args, *kwargs.values()])
         if self.impl == "non_reentrant":
+            if self.mode == "selective":
+                return checkpoint(self.forward, *args, use_reentrant=False, context_fn=selective_contexts, **kwargs)
+            # no context_fn at all here: torch.compile traces checkpoint() only without one or with a plain function
             return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
         # Reentrant checkpointing takes positional tensors only and returns no grad if none requires one,
         # which silently freezes the block when the embeddings are frozen (LoRA; transformers #26221).
@@ -83,14 +92,18 @@ def select_modules(
 
 
 def set_activation_checkpointing(
-    model: nn.Module, policy: CheckpointPolicy, every_n: int = 1, impl: CheckpointImpl = "non_reentrant"
+    model: nn.Module,
+    policy: CheckpointPolicy,
+    every_n: int = 1,
+    impl: CheckpointImpl = "non_reentrant",
+    mode: CheckpointMode = "full",
 ) -> list[str]:
     """Checkpoint every ``every_n``-th selected block (idempotent); return the names of checkpointed blocks."""
-    validate_checkpoint_args(every_n, impl)
+    validate_checkpoint_args(every_n, impl, mode)
     chosen = select_modules(model, policy)[::every_n]
     for _, module in chosen:
         if not is_checkpointed(module):
-            module.forward = CheckpointedForward(module.forward, impl)
+            module.forward = CheckpointedForward(module.forward, impl, mode)
     return [name for name, _ in chosen]
 
 
@@ -100,7 +113,7 @@ def remove_activation_checkpointing(model: nn.Module) -> None:
             del module.forward
 
 
-def validate_checkpoint_args(every_n: int, impl: str) -> None:
+def validate_checkpoint_args(every_n: int, impl: str, mode: str = "full") -> None:
     if isinstance(every_n, bool) or not isinstance(every_n, int) or every_n < 1:
         raise ValueError(
             f"checkpoint_every_n={every_n!r} is not valid: use an integer >= 1 (1 checkpoints every selected"
@@ -108,6 +121,17 @@ def validate_checkpoint_args(every_n: int, impl: str) -> None:
         )
     if impl not in ("non_reentrant", "reentrant"):
         raise ValueError(f"checkpoint_impl={impl!r} is not valid: use 'non_reentrant' (default) or 'reentrant'.")
+    if mode not in ("full", "selective"):
+        raise ValueError(
+            f"checkpoint_mode={mode!r} is not valid: use 'full' (default: recompute each checkpointed block whole)"
+            " or 'selective' (keep its matmul and attention outputs, recompute the rest)."
+        )
+    if mode == "selective" and impl == "reentrant":
+        raise ValueError(
+            "checkpoint_mode='selective' with checkpoint_impl='reentrant': selective checkpointing chooses which op"
+            " outputs to keep through torch.utils.checkpoint's context_fn, which only non-reentrant checkpointing"
+            " runs. Use checkpoint_impl='non_reentrant' (the default), or checkpoint_mode='full'."
+        )
 
 
 def _policy_items(policy: CheckpointPolicy) -> list[type[nn.Module] | str] | None:
@@ -127,7 +151,11 @@ def _policy_items(policy: CheckpointPolicy) -> list[type[nn.Module] | str] | Non
 
 
 def _item_matches(item: type[nn.Module] | str, module: nn.Module) -> bool:
-    return type(module).__name__ == item if isinstance(item, str) else isinstance(module, item)
+    """A class name matches the module's class or a base of it, as a class matches by ``isinstance``: after
+    ``fully_shard`` a ``LlamaDecoderLayer`` is an ``FSDPLlamaDecoderLayer``, and ``compile=`` selects it then."""
+    if isinstance(item, str):
+        return any(cls.__name__ == item for cls in type(module).__mro__)
+    return isinstance(module, item)
 
 
 def _describe(items: list[type[nn.Module] | str]) -> str:

@@ -3,7 +3,8 @@
 Every strategy (``pl_lowprec.strategies.transform_args.TransformArguments``), ``ModelTransform`` and
 ``estimate_memory`` take this one config, so an argument is declared, documented and checked in one place.
 Short names are normalised when it is built (``quantization="nf4-dq"`` becomes a ``QuantizationConfig``,
-``lora={"r": 8}`` a ``peft.LoraConfig``), and a bad value or combination is refused before any step runs.
+``lora={"r": 8}`` a ``peft.LoraConfig``, ``compile=True`` the arguments of ``torch.compile``), and a bad value
+or combination is refused before any step runs.
 """
 
 from __future__ import annotations
@@ -14,8 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from pl_lowprec.loading import PretrainedWeights
-from pl_lowprec.transforms.checkpointing import CheckpointImpl, CheckpointPolicy, validate_checkpoint_args
+from pl_lowprec.transforms.checkpointing import (
+    CheckpointImpl,
+    CheckpointMode,
+    CheckpointPolicy,
+    validate_checkpoint_args,
+)
 from pl_lowprec.transforms.checks import check_linear_transforms
+from pl_lowprec.transforms.compiling import CompileArg, check_compile_combination, compile_options
 from pl_lowprec.transforms.fp8 import FP8Config, FP8Recipe
 from pl_lowprec.transforms.linear_filter import DEFAULT_SKIP
 from pl_lowprec.transforms.lora import lora_config
@@ -33,6 +40,7 @@ class TransformConfig:
     activation_checkpointing: CheckpointPolicy | None = None
     checkpoint_every_n: int = 1
     checkpoint_impl: CheckpointImpl = "non_reentrant"
+    checkpoint_mode: CheckpointMode = "full"
     quantization: QuantMode | QuantizationConfig | None = None
     lora: Mapping[str, Any] | Any | None = None
     optimizer: OptimizerName | None = None
@@ -42,10 +50,18 @@ class TransformConfig:
     qat: QATScheme | QATConfig | None = None
     fp8: FP8Recipe | FP8Config | None = None
     activation_offloading: bool = False
+    compile: CompileArg = False
     weights: PretrainedWeights | None = field(init=False, default=None, repr=False, compare=False)
+    compile_kwargs: dict[str, Any] | None = field(init=False, default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        validate_checkpoint_args(self.checkpoint_every_n, self.checkpoint_impl)
+        validate_checkpoint_args(self.checkpoint_every_n, self.checkpoint_impl, self.checkpoint_mode)
+        if self.checkpoint_mode != "full" and self.activation_checkpointing is None:
+            raise ValueError(
+                f"checkpoint_mode={self.checkpoint_mode!r} was given without activation_checkpointing=: it says what"
+                " to keep inside the checkpointed blocks, and none are named. Pass activation_checkpointing= (e.g. the"
+                " decoder layer class), or leave checkpoint_mode at 'full'."
+            )
         if self.pretrained_prefix is not None and self.pretrained is None:
             raise ValueError(f"pretrained_prefix={self.pretrained_prefix!r} was given without pretrained=.")
         if self.pretrained:
@@ -63,6 +79,9 @@ class TransformConfig:
         check_linear_transforms(self.quantization, self.qat, self.fp8)
         if not isinstance(self.activation_offloading, bool):
             raise TypeError(f"activation_offloading takes True or False, got {self.activation_offloading!r}.")
+        object.__setattr__(self, "compile_kwargs", compile_options(self.compile))
+        mode = self.quantization.mode if self.quantization is not None else None
+        check_compile_combination(self.compile_kwargs, self.checkpoint_impl, mode)
 
     @property
     def skip_modules(self) -> tuple[str, ...]:

@@ -3,7 +3,8 @@
 What it does, in order: fill a module built on the meta device from ``pretrained=`` safetensors (quantizing
 each layer as its weight streams in, ``pl_lowprec.loading``), quantize the base ``nn.Linear`` layers
 (bitsandbytes), or fake-quantize them for quantization-aware training, or swap them for float8 training
-(torchao), inject LoRA adapters (peft) and prepare them for the precision, then checkpoint activations. During
+(torchao), inject LoRA adapters (peft) and prepare them for the precision, then checkpoint activations, shard
+(FSDP2) and last compile each block (``compile=``, ``transforms/compiling.py``). During
 each training step it may offload saved activations to host memory; at the end of fit it converts a QAT model
 to its real quantized form. After ``configure_optimizers`` it may swap the optimizer for a bitsandbytes one.
 With LoRA, checkpoints hold only the trainable weights.
@@ -48,6 +49,7 @@ from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.loading import PretrainedWeights
 from pl_lowprec.transforms.checkpointing import is_checkpointed, set_activation_checkpointing
 from pl_lowprec.transforms.checks import refuse_fitting_converted
+from pl_lowprec.transforms.compiling import CompileClock, check_compiler, compile_model
 from pl_lowprec.transforms.config import TransformConfig
 from pl_lowprec.transforms.dtypes import compute_dtype_of
 from pl_lowprec.transforms.fp8 import check_fp8_device, convert_to_fp8
@@ -68,6 +70,7 @@ class ModelTransform:
     def __init__(self, config: TransformConfig, sharding: Sharding | None = None) -> None:
         self.config = config
         self.sharding = sharding
+        self.compile_clock = CompileClock()
         if config.quantization is not None and sharding is not None:
             sharding.check_quantization(config.quantization)
         elif config.quantization is not None:
@@ -91,6 +94,8 @@ class ModelTransform:
             check_fp8_device(device, c.fp8)
         if c.activation_offloading:
             check_offload_device(device)
+        if c.compile_kwargs is not None:
+            check_compiler(device, c.compile_kwargs)
         if c.qat is not None and is_converted(model):
             refuse_fitting_converted(model)
             return  # converted to its quantized form at the end of fit: the model is final
@@ -121,17 +126,30 @@ class ModelTransform:
         if c.activation_checkpointing is not None:
             already = any(is_checkpointed(m) for m in model.modules())
             names = set_activation_checkpointing(
-                model, c.activation_checkpointing, c.checkpoint_every_n, c.checkpoint_impl
+                model, c.activation_checkpointing, c.checkpoint_every_n, c.checkpoint_impl, c.checkpoint_mode
             )
             if not already:
                 shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
-                rank_zero_info(f"Activation checkpointing ({c.checkpoint_impl}) on {len(names)} blocks: {shown}")
+                how = f"{c.checkpoint_impl}, {c.checkpoint_mode}"
+                rank_zero_info(f"Activation checkpointing ({how}) on {len(names)} blocks: {shown}")
         if self.sharding is not None:
             units = self.sharding.shard(model)
             if units:
                 rank_zero_info(f"FSDP2: {len(units)} shard units and the root across {self.sharding.world_size} ranks.")
             elif self.sharding.world_size == 1:
                 rank_zero_info("FSDP2 on one process: the model is not sharded (NF4 weights as they are).")
+        if c.compile_kwargs is not None:
+            units = c.activation_checkpointing if self.sharding is None else self.sharding.units
+            compiled = compile_model(model, units, c.compile_kwargs)
+            if compiled:
+                self.compile_clock.started(len(compiled))
+                rank_zero_info(
+                    f"torch.compile on {len(compiled)} blocks ({compiled[0]}, ...); they compile in the first step."
+                )
+
+    def after_optimizer_step(self) -> None:
+        """Log the compile time once, after the first optimizer step."""
+        self.compile_clock.report_once()
 
     def quantize(self, model: nn.Module, compute_dtype: torch.dtype, device: torch.device) -> list[str]:
         """Base weights to 4/8 bit: bitsandbytes layers, or torchao NF4 weights when sharding (they shard)."""

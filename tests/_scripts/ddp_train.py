@@ -1,8 +1,9 @@
 """Trains TinyGPT for a few steps, on 2 DDP CPU processes or on 1 with the same global batch.
 
-Usage: python ddp_train.py {ddp|single} OUT_DIR PRECISION [gpt|qlora|qat] [cpu|gpu]
+Usage: python ddp_train.py {ddp|single} OUT_DIR PRECISION [gpt|qlora|qlora-compiled|qat] [cpu|gpu]
 (PRECISION: 32-true | 16-mixed | bf16-mixed; cpu runs gloo, gpu runs nccl)
 With "qlora", a tiny Llama is trained with nf4-dq base weights, LoRA adapters and checkpointed decoder layers;
+"qlora-compiled" is the same with compile=True (each checkpointed decoder layer compiled);
 with "qat", TinyGPT is trained with int8-dynamic-int4-weight QAT and converted at the end of fit.
 Writes OUT_DIR/rank{N}.pt with the final parameters (and the loss-scale state under "_loss_scale").
 Run by tests/strategies/test_ddp.py; Lightning's DDP launcher re-runs this script for rank 1.
@@ -46,9 +47,11 @@ def main(mode: str, out: str, precision: str, variant: str = "gpt", accelerator:
     loader = torch.utils.data.DataLoader(data, batch_size=GLOBAL_BATCH // 2 if ddp else GLOBAL_BATCH, sampler=sampler)
     block = "Block"
     transform = {}
-    if variant == "qlora":
+    if variant.startswith("qlora"):
         block = "LlamaDecoderLayer"
         transform = {"quantization": "nf4-dq", "lora": {"r": 8, "lora_alpha": 16}}
+    if variant == "qlora-compiled":
+        transform["compile"] = True
     if variant == "qat":
         transform = {"qat": "int8-dynamic-int4-weight"}
     if ddp:
@@ -61,7 +64,7 @@ def main(mode: str, out: str, precision: str, variant: str = "gpt", accelerator:
         strategy = LowPrecisionStrategy(activation_checkpointing=block, **transform)
     plugins = [] if precision == "32-true" else [AMPPrecision(precision)]
     torch.manual_seed(0)
-    if variant == "qlora":
+    if variant.startswith("qlora"):
         model = SGDTinyLlama(hidden_size=64, intermediate_size=192, num_layers=2, num_heads=4, max_len=64)
     else:
         model = SGDTinyGPT(dim=32, layers=2, heads=2, max_len=64)
@@ -84,8 +87,9 @@ def main(mode: str, out: str, precision: str, variant: str = "gpt", accelerator:
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     state["_loss_scale"] = plugins[0].loss_scale_state() if plugins else None
     state["_memory"] = tracker.summary["fit"]
-    blocks = model.model.model.layers if variant == "qlora" else model.blocks
+    blocks = model.model.model.layers if variant.startswith("qlora") else model.blocks
     state["_checkpointed"] = [type(b.__dict__.get("forward")).__name__ for b in blocks]
+    state["_compiled"] = [b._compiled_call_impl is not None for b in blocks]
     torch.save(state, f"{out}/rank{trainer.global_rank}.pt")
 
 

@@ -18,6 +18,8 @@ DEVICE: cpu (gloo, default) | gpu (nccl) | gpu-offload (nccl, cpu_offload=True))
 - full: LoRA on an unquantized base with full (gathered) checkpoints: 4 steps, then a resume from step 2.
 - overflow: 16-mixed; after the backward of step 2, rank 1 (only) writes inf into its shard of one gradient.
 - bad: one Trainer per bad input; records each error message.
+- compiled: train's first step with compile=True and checkpointed blocks (compiled after fully_shard); records
+  the LoRA gradients of step 1 and whether each block was compiled.
 Writes OUT_DIR/rank{N}.pt. Run by tests/strategies/test_fsdp.py; Lightning's launcher re-runs it for rank 1.
 """
 
@@ -444,6 +446,23 @@ def bad(world, out, precision) -> dict:
     return errors
 
 
+def compiled(world, out, precision) -> dict:
+    record = Record()
+    torch.manual_seed(0)
+    model = SGDTinyLlama(**SIZES)
+    strategy = LowPrecisionFSDPStrategy(
+        quantization="nf4",
+        lora=LORA,
+        activation_checkpointing="LlamaDecoderLayer",
+        nf4_scaler_block_size=32,
+        compile=True,
+        process_group_backend="gloo" if DEVICE == "cpu" else "nccl",
+    )
+    _trainer(world, out, precision, strategy=strategy, callbacks=[record], steps=1).fit(model, _loader(world))
+    layers = model.model.model.layers
+    return {"grads": record.grads, "compiled": [layer._compiled_call_impl is not None for layer in layers]}
+
+
 def main(world: str, out: str, precision: str, scenario_names: str) -> None:
     """Run each comma-separated scenario in turn in the same processes (one launch, one import of everything);
     each writes ``OUT/<scenario>/rank<r>.pt``."""
@@ -457,6 +476,7 @@ def main(world: str, out: str, precision: str, scenario_names: str) -> None:
         "overflow": overflow,
         "options": options,
         "bad": bad,
+        "compiled": compiled,
     }
     rank = int(os.environ.get("LOCAL_RANK", 0))
     for name in scenario_names.split(","):
