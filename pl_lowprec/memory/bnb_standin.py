@@ -44,6 +44,14 @@ def fake_quantized_layer(
 
 
 _CLASSES: dict[str, type] = {}
+_CODE_BOOKS: dict[str, torch.Tensor] = {}
+
+
+def _shared_code_book(name: str, size: int) -> torch.Tensor:
+    """One code book per kind for every layer, as ``quantization.share_code_books`` leaves the real model."""
+    if name not in _CODE_BOOKS:
+        _CODE_BOOKS[name] = torch.empty(size, dtype=torch.float32, device="meta")
+    return _CODE_BOOKS[name]
 
 
 def _classes() -> dict[str, type]:
@@ -82,11 +90,11 @@ def _classes() -> dict[str, type]:
             if compress_statistics:
                 self.register_buffer("absmax", torch.empty(blocks, dtype=torch.uint8, **meta))
                 self.register_buffer("absmax2", torch.empty(math.ceil(blocks / 256), dtype=torch.float32, **meta))
-                self.register_buffer("code2", torch.empty(256, dtype=torch.float32, **meta))
+                self.register_buffer("code2", _shared_code_book("nested", 256))
                 self.register_buffer("offset", torch.empty((), dtype=torch.float32, **meta))
             else:
                 self.register_buffer("absmax", torch.empty(blocks, dtype=torch.float32, **meta))
-            self.register_buffer("code", torch.empty(16, dtype=torch.float32, **meta))
+            self.register_buffer("code", _shared_code_book(quant_type, 16))
 
         @property
         def quant_state(self) -> Any:

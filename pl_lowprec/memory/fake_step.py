@@ -86,7 +86,8 @@ def run_step(
     first_forward: AbstractContextManager | None = None,
 ) -> None:
     """One optimizer step: ``accumulate_grad_batches`` forwards and backwards, then the optimizer step.
-    ``step_context`` wraps each training_step (activation offloading, as the strategy does); ``first_forward`` the first forward only."""
+    ``step_context`` wraps each ``training_step`` (activation offloading, as the strategy does);
+    ``first_forward`` the first one only."""
     model.train()
     for index in range(accumulate_grad_batches):
         with (

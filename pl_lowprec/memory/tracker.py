@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
@@ -43,8 +45,6 @@ def allocated_bytes(nbytes: int, device_type: str) -> int:
 
 
 def _storages(tensor: torch.Tensor) -> set[torch.UntypedStorage]:
-    from torch.distributed._tools.common_utils import get_untyped_storages
-
     return get_untyped_storages(tensor)  # a DTensor's local shard, a wrapper subclass's inner tensors
 
 
@@ -178,8 +178,6 @@ class StepTracker(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        from torch.distributed.tensor import DTensor
-
         if any(t is DTensor for t in types):  # DTensor runs its local ops, which are seen next
             return NotImplemented
         impl = DECOMPOSE.get(func)
