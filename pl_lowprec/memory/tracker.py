@@ -31,6 +31,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 CATEGORIES = ("weights", "gradients", "optimizer_state", "inputs", "activations", "temporaries")
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every request up to a multiple of 512 bytes
 
+# What a fake step reads where code asks a tensor for its value (``.item()``, ``if (mask).all()``): False for
+# booleans (no chunk of the batch is all padding: the estimate assumes unpadded batches), 1 otherwise.
+_ASSUMED_VALUES: dict[torch.dtype, Any] = {torch.bool: False}
+
 # op -> the composite implementation the real backend runs, so its temporaries are seen (memory/bnb_standin.py)
 DECOMPOSE: dict[Any, Callable[..., Any]] = {}
 
@@ -180,6 +184,8 @@ class StepTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if any(t is DTensor for t in types):  # DTensor runs its local ops, which are seen next
             return NotImplemented
+        if func is torch.ops.aten._local_scalar_dense.default:  # .item(), bool(): fake tensors hold no values
+            return _ASSUMED_VALUES.get(args[0].dtype, 1)
         impl = DECOMPOSE.get(func)
         if impl is not None:  # the op's real composite implementation, so its temporaries are seen
             with self:

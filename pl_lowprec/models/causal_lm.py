@@ -67,11 +67,26 @@ class CausalLM(pl.LightningModule):
         self.save_hyperparameters()
         self.directory = resolve_pretrained(pretrained)
         self.config = AutoConfig.from_pretrained(str(self.directory), local_files_only=True)
-        self.pretrained_weights = PretrainedWeights(self.directory, PREFIX)
+        self._pretrained_weights: PretrainedWeights | None = None
         self.dtype_override = to_dtype(dtype)
         self.model: Any = None
         self.token_mean = TokenMeanLoss()
         self.val_nll = MeanMetric()
+
+    @property
+    def pretrained_weights(self) -> PretrainedWeights:
+        """The weights the strategy streams in, checked when first needed: a directory with only ``config.json``
+        builds the model (``estimate_memory`` needs nothing more), training needs the weights."""
+        if self._pretrained_weights is None:
+            try:
+                self._pretrained_weights = PretrainedWeights(self.directory, PREFIX)
+            except FileNotFoundError as err:
+                raise FileNotFoundError(
+                    f"CausalLM(pretrained={str(self.directory)!r}) has a config.json but no weights: that is enough"
+                    " for `estimate_memory` and `pl-lowprec estimate`, but training needs the safetensors files"
+                    f" (save_pretrained writes them). {err}"
+                ) from err
+        return self._pretrained_weights
 
     def setup(self, stage: str) -> None:
         """Before any weight loads (``configure_model`` runs after): the data's tokenizer fits this model."""
