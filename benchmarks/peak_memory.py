@@ -1,0 +1,151 @@
+"""Predicted peak (``estimate_memory``) against the measured peak (profiler allocation records), one process each.
+
+TinyLlama (hidden 256, 4 layers, 4 heads, MLP 688, vocab 256), batch 8 x 256, torch AdamW unless named.
+The measured run applies the strategy's own ``ModelTransform`` to a real model and runs Lightning's step loop
+(``pl_lowprec.memory.fake_step.run_step``, the same loop the estimate runs on fake tensors); step 2 is measured.
+
+    python benchmarks/peak_memory.py            # every configuration
+    python benchmarks/peak_memory.py --one NAME # one, in this process (what the table runs per configuration)
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+MiB = 2**20
+CONFIGS = {
+    "full fp32": ("32-true", {}),
+    "full fp32 ckpt": ("32-true", {"activation_checkpointing": ["LlamaDecoderLayer"]}),
+    "lora fp32": ("32-true", {"lora": {"r": 8}}),
+    "lora fp32 ckpt": ("32-true", {"lora": {"r": 8}, "activation_checkpointing": ["LlamaDecoderLayer"]}),
+    "qlora fp32": ("32-true", {"quantization": "nf4-dq", "lora": {"r": 8}}),
+    "qlora fp32 ckpt": (
+        "32-true",
+        {"quantization": "nf4-dq", "lora": {"r": 8}, "activation_checkpointing": ["LlamaDecoderLayer"]},
+    ),
+    "full bf16-mixed": ("bf16-mixed", {}),
+    "lora bf16-mixed ckpt": ("bf16-mixed", {"lora": {"r": 8}, "activation_checkpointing": ["LlamaDecoderLayer"]}),
+    "qlora bf16-mixed ckpt": (
+        "bf16-mixed",
+        {"quantization": "nf4-dq", "lora": {"r": 8}, "activation_checkpointing": ["LlamaDecoderLayer"]},
+    ),
+    "qlora fp32 ckpt, accumulation 2": (
+        "32-true",
+        {"quantization": "nf4-dq", "lora": {"r": 8}, "activation_checkpointing": ["LlamaDecoderLayer"], "accumulate": 2},
+    ),
+    "qlora fp32 ckpt, adamw8bit": (
+        "32-true",
+        {
+            "quantization": "nf4-dq",
+            "lora": {"r": 8},
+            "activation_checkpointing": ["LlamaDecoderLayer"],
+            "optimizer": "adamw8bit",
+        },
+    ),
+}
+
+
+def build(hidden: int = 256, layers: int = 4, vocab: int = 256):
+    from pl_lowprec.demo import TinyLlama
+
+    return functools.partial(
+        TinyLlama, hidden_size=hidden, intermediate_size=688 if hidden == 256 else 2 * hidden, num_layers=layers,
+        num_heads=4, max_len=256,
+    )
+
+
+def measure_and_predict(name: str, batch_size: int = 8, seq_len: int = 256, **model: int) -> dict:
+    """Both figures for one configuration, in this process (run it in a fresh one)."""
+    warnings.filterwarnings("ignore")
+    import torch
+
+    from pl_lowprec import estimate_memory
+    from pl_lowprec.memory.estimate import _Precision
+    from pl_lowprec.memory.fake_step import DryRunTrainer, attached, run_step
+    from pl_lowprec.memory.profiled import measured_peak
+    from pl_lowprec.memory.tracker import StepTracker
+    from pl_lowprec.transforms.config import TransformConfig
+    from pl_lowprec.transforms.dtypes import dtype_of_precision
+    from pl_lowprec.transforms.pipeline import ModelTransform
+
+    precision, settings = CONFIGS[name]
+    settings = dict(settings)
+    accumulate = settings.pop("accumulate", 1)
+    batch = {"input_ids": torch.randint(0, 256, (batch_size, seq_len))}
+    started = time.perf_counter()
+    estimate = estimate_memory(build(**model), batch, precision=precision, accumulate_grad_batches=accumulate, **settings)
+    seconds = time.perf_counter() - started
+
+    torch.manual_seed(0)
+    module = build(**model)()
+    transform = ModelTransform(TransformConfig(**settings))
+    transform.apply(module, _Precision(precision), torch.device("cpu"))
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4)
+    optimizer = transform.swap_optimizers([optimizer], [], torch.device("cpu"))[0]
+    autocast = dtype_of_precision(precision) if precision.endswith("-mixed") else None
+    trainer = DryRunTrainer(transform, accumulate)
+
+    class _NoTracker(StepTracker):  # the loop's phase markers without tracking
+        def __init__(self) -> None:
+            pass
+
+        def phase(self, name):
+            import contextlib
+
+            return contextlib.nullcontext()
+
+    def step() -> None:
+        run_step(module, batch, optimizer, _NoTracker(), autocast, accumulate)
+
+    with attached(module, trainer):
+        step()  # step 1 creates the optimizer state
+        measured = measured_peak(step)
+    return {
+        "config": name,
+        "measured": measured,
+        "predicted": estimate.peak,
+        "error": (estimate.peak - measured) / measured,
+        "peak_phase": estimate.peak_phase,
+        "estimate_s": seconds,
+    }
+
+
+def run_one_process(name: str) -> dict:
+    done = subprocess.run(
+        [sys.executable, __file__, "--one", name], capture_output=True, text=True, cwd=Path(__file__).parents[1]
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{name}: {done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--one", choices=list(CONFIGS))
+    args = parser.parse_args(argv)
+    if args.one:
+        print(json.dumps(measure_and_predict(args.one)))
+        return {}
+    print("| configuration | measured MiB | predicted MiB | error | peak in | estimate took |")
+    print("|---|---|---|---|---|---|")
+    rows = {}
+    for name in CONFIGS:
+        row = rows[name] = run_one_process(name)
+        print(
+            f"| {name} | {row['measured'] / MiB:.2f} | {row['predicted'] / MiB:.2f} | {row['error']:+.2%} |"
+            f" {row['peak_phase']} | {row['estimate_s']:.1f} s |",
+            flush=True,
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    main()
