@@ -38,7 +38,12 @@ CONFIGS = {
     ),
     "qlora fp32 ckpt, accumulation 2": (
         "32-true",
-        {"quantization": "nf4-dq", "lora": {"r": 8}, "activation_checkpointing": ["LlamaDecoderLayer"], "accumulate": 2},
+        {
+            "quantization": "nf4-dq",
+            "lora": {"r": 8},
+            "activation_checkpointing": ["LlamaDecoderLayer"],
+            "accumulate": 2,
+        },
     ),
     "qlora fp32 ckpt, adamw8bit": (
         "32-true",
@@ -52,17 +57,21 @@ CONFIGS = {
 }
 
 
-def build(hidden: int = 256, layers: int = 4, vocab: int = 256):
+def build(hidden: int = 256, layers: int = 4, max_len: int = 256):
     from pl_lowprec.demo import TinyLlama
 
     return functools.partial(
-        TinyLlama, hidden_size=hidden, intermediate_size=688 if hidden == 256 else 2 * hidden, num_layers=layers,
-        num_heads=4, max_len=256,
+        TinyLlama,
+        hidden_size=hidden,
+        intermediate_size=688 if hidden == 256 else 2 * hidden,
+        num_layers=layers,
+        num_heads=4,
+        max_len=max_len,
     )
 
 
 def measure_and_predict(name: str, batch_size: int = 8, seq_len: int = 256, **model: int) -> dict:
-    """Both figures for one configuration, in this process (run it in a fresh one)."""
+    """Both figures for one configuration, in this process (run it in a fresh one); ``model``: ``build``'s."""
     warnings.filterwarnings("ignore")
     import torch
 
@@ -79,12 +88,13 @@ def measure_and_predict(name: str, batch_size: int = 8, seq_len: int = 256, **mo
     settings = dict(settings)
     accumulate = settings.pop("accumulate", 1)
     batch = {"input_ids": torch.randint(0, 256, (batch_size, seq_len))}
+    build_model = build(**model, max_len=seq_len)
     started = time.perf_counter()
-    estimate = estimate_memory(build(**model), batch, precision=precision, accumulate_grad_batches=accumulate, **settings)
+    estimate = estimate_memory(build_model, batch, precision=precision, accumulate_grad_batches=accumulate, **settings)
     seconds = time.perf_counter() - started
 
     torch.manual_seed(0)
-    module = build(**model)()
+    module = build_model()
     transform = ModelTransform(TransformConfig(**settings))
     transform.apply(module, _Precision(precision), torch.device("cpu"))
     trainable = [p for p in module.parameters() if p.requires_grad]
@@ -118,9 +128,13 @@ def measure_and_predict(name: str, batch_size: int = 8, seq_len: int = 256, **mo
     }
 
 
-def run_one_process(name: str) -> dict:
+def run_one_process(name: str, **sizes: int) -> dict:
+    """``measure_and_predict`` in a fresh process (the profiler's base must not see earlier runs)."""
     done = subprocess.run(
-        [sys.executable, __file__, "--one", name], capture_output=True, text=True, cwd=Path(__file__).parents[1]
+        [sys.executable, __file__, "--one", name, "--sizes", json.dumps(sizes)],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[1],
     )
     if done.returncode != 0:
         raise RuntimeError(f"{name}: {done.stderr[-3000:]}")
@@ -130,9 +144,10 @@ def run_one_process(name: str) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--one", choices=list(CONFIGS))
+    parser.add_argument("--sizes", default="{}", help='JSON: {"hidden": 64, "layers": 2, "batch_size": 2, ...}')
     args = parser.parse_args(argv)
     if args.one:
-        print(json.dumps(measure_and_predict(args.one)))
+        print(json.dumps(measure_and_predict(args.one, **json.loads(args.sizes))))
         return {}
     print("| configuration | measured MiB | predicted MiB | error | peak in | estimate took |")
     print("|---|---|---|---|---|---|")
