@@ -14,6 +14,24 @@ import torch
 from torch import nn
 
 
+@contextmanager
+def fake_tensors(model: nn.Module) -> Iterator[None]:
+    """Inside ``FakeTensorMode``: the model's meta tensors are fake CPU tensors, and meta again afterwards."""
+    saved = [(m, dict(m._parameters), dict(m._buffers), dict(vars(m))) for m in model.modules()]
+    materialize_fake(model)
+    try:
+        yield
+    finally:
+        for module, parameters, buffers, attributes in saved:
+            module._parameters.clear()
+            module._parameters.update(parameters)
+            module._buffers.clear()
+            module._buffers.update(buffers)
+            for name, value in attributes.items():
+                if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                    setattr(module, name, value)
+
+
 def materialize_fake(model: nn.Module) -> None:
     """Replace meta tensors by fake CPU tensors (call inside ``FakeTensorMode``); tied tensors stay tied, and
     plain tensor attributes (rotary embeddings' ``original_inv_freq``) are made too."""

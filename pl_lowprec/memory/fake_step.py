@@ -10,15 +10,19 @@ that answers what training steps ask (accumulation, world size, a reduce that re
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+from pl_lowprec.memory.activations import count_saved_tensors
+from pl_lowprec.memory.fake_model import eager_attention_masks, fake_tensors
 from pl_lowprec.memory.tracker import StepTracker
+from pl_lowprec.transforms.offloading import OffloadActivations
 
 
 @dataclass
@@ -107,3 +111,92 @@ def run_step(
             model.on_before_optimizer_step(optimizer)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+PHASES = ("forward", "backward", "optimizer step")
+
+
+@dataclass
+class SimulatedStep:
+    """What one fake step measured: the peak, where, its split by category, the timeline (after load, then each
+    phase's peak), one split per allocating op (``samples``), and the bytes saved for backward by the first
+    forward (``saved_bytes``; ``offloaded_bytes`` of them moved to host memory by activation offloading)."""
+
+    peak: int
+    peak_phase: str
+    peak_split: dict[str, int]
+    timeline: list[tuple[str, int]]
+    samples: list[tuple[str, dict[str, int]]]
+    saved_bytes: int
+    offloaded_bytes: int
+    host_peak: int = 0
+
+
+def simulate_step(
+    model: nn.Module,
+    example_batch: Any,
+    trainer: DryRunTrainer,
+    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    autocast_dtype: torch.dtype | None,
+    offloading: bool,
+    device_type: str,
+) -> SimulatedStep:
+    """Make the meta-device ``model`` fake, prime the optimizer, run one tracked step; the model is left on the
+    meta device again, so this can run repeatedly (with fewer blocks, ``depth.py``)."""
+    with (
+        eager_attention_masks(),
+        FakeTensorMode(allow_non_fake_inputs=True) as mode,
+        fake_tensors(model),
+        attached(model, trainer),
+    ):
+        batch = _to_fake(mode, example_batch)
+        optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
+        prime_optimizer(optimizer)
+        tracker = StepTracker(model, optimizer, _tensors(batch), device_type)
+        offload = (
+            OffloadActivations(torch.device("cpu"), [*model.parameters(), *model.buffers()]) if offloading else None
+        )
+        saved: list[Any] = []
+
+        @contextmanager
+        def count_first_forward() -> Iterator[None]:
+            with count_saved_tensors(model) as counter:
+                saved.append(counter)
+                yield
+
+        with tracker:
+            tracker.reset()
+            step_args = (autocast_dtype, trainer.accumulate_grad_batches, offload, count_first_forward())
+            run_step(model, batch, optimizer, tracker, *step_args)
+        tracker.remove_hooks()
+    timeline = [tracker.timeline[0][:2]]
+    timeline += [(f"{name} peak", tracker.phase_peaks[name][0]) for name in PHASES if name in tracker.phase_peaks]
+    return SimulatedStep(
+        tracker.peak,
+        tracker.peak_phase,
+        dict(tracker.peak_split),
+        timeline,
+        list(tracker.samples),
+        saved[0].nbytes,
+        saved[0].offloaded_nbytes,
+    )
+
+
+def _to_fake(mode: FakeTensorMode, batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return mode.from_tensor(batch)
+    if isinstance(batch, Mapping):
+        return {k: _to_fake(mode, v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_fake(mode, v) for v in batch)
+    return batch
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, Mapping):
+        return [t for v in batch.values() for t in _tensors(v)]
+    if isinstance(batch, (list, tuple)):
+        return [t for v in batch for t in _tensors(v)]
+    return []
