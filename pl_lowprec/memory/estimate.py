@@ -74,7 +74,7 @@ class MemoryEstimate:
     world_size: int = 1
     seconds: float = 0.0
     samples: list[tuple[str, dict[str, int]]] = field(default_factory=list, repr=False)
-    extrapolated_from: tuple[int, int] | None = None
+    extrapolated: bool = False
 
     @property
     def total(self) -> int:
@@ -86,6 +86,7 @@ class MemoryEstimate:
         """Peak, phase, timeline and split from a ``SimulatedStep``."""
         self.peak, self.peak_phase, self.peak_split = step.peak, step.peak_phase, dict(step.peak_split)
         self.timeline, self.samples, self.host_peak = list(step.timeline), list(step.samples), step.host_peak
+        self.extrapolated = step.extrapolated
 
     def as_dict(self) -> dict[str, int]:
         flat = {f"params_{k}": v for k, v in self.weights.items()}
@@ -102,7 +103,7 @@ class MemoryEstimate:
             f"  PEAK {self.peak / 2**20:,.2f} MiB ({self.peak:,} bytes) during the {self.peak_phase}"
             f" ({where}{self.device}; estimated in {self.seconds:.1f} s): this is the figure that must fit.",
         ]
-        if self.extrapolated_from:
+        if self.extrapolated:
             lines.append("  (blocks identical: simulated with 2 and 3 of them, extrapolated to the real depth)")
         if self.device == "cuda":
             lines.append("  CUDA allocations rounded to 512 B; reserved memory adds the allocator's fragmentation.")
@@ -227,11 +228,7 @@ def estimate_memory(
         )
 
     blocks = repeated_blocks(model) if extrapolate else None
-    if blocks is None:
-        step = simulate()
-    else:
-        step = extrapolated(simulate, blocks)
-        estimate.extrapolated_from = (2, 3)
+    step = simulate() if blocks is None else extrapolated(simulate, blocks)
     estimate.activations, estimate.activations_offloaded_to_host = step.saved_bytes, step.offloaded_bytes
     estimate.take_simulation(step)
     estimate.seconds = time.perf_counter() - started

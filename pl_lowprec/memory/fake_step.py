@@ -130,6 +130,7 @@ class SimulatedStep:
     saved_bytes: int
     offloaded_bytes: int
     host_peak: int = 0
+    extrapolated: bool = False  # from 2 and 3 identical blocks (depth.py)
 
 
 def simulate_step(
