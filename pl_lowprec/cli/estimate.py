@@ -14,8 +14,10 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.precision import Precision
 
+from pl_lowprec._imports import import_matplotlib_pyplot
 from pl_lowprec.cli.rebuild import rebuild_classes
 from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
+from pl_lowprec.memory.plot import plot_step
 
 
 def precision_of(trainer: Any) -> str:
@@ -52,11 +54,18 @@ def estimate_config(cli_args: list[str]) -> MemoryEstimate:
         precision=precision_of(trainer),
         device=device_of(trainer),
         config=getattr(trainer.strategy, "transform_config", None),  # None: not this package's strategy
+        accumulate_grad_batches=int(getattr(trainer, "accumulate_grad_batches", None) or 1),
     )
 
 
 def main(args: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="pl-lowprec estimate", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="a YAML file that `pl-lowprec fit --config` runs")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw the step as stacked categories (needs matplotlib)")
     options, overrides = parser.parse_known_args(args)
-    print(estimate_config(["--config", options.config, *overrides]).table())
+    if options.plot:
+        import_matplotlib_pyplot()  # a missing matplotlib fails before the estimate runs
+    estimate = estimate_config(["--config", options.config, *overrides])
+    print(estimate.table())
+    if options.plot:
+        print(f"Plot: {plot_step(estimate, options.plot)}")

@@ -75,6 +75,7 @@ def _config_only_directory(tmp_path, layers=2):
     """A real model's config.json (SmolLM2-135M: tied embeddings, 9 heads / 3 KV heads), shrunk, and nothing else."""
     config = json.loads((ROOT.parent / "shared/model-shapes/smollm2-135m.json").read_text())
     config.update(num_hidden_layers=layers, vocab_size=512)
+    tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "config.json").write_text(json.dumps(config))
     return tmp_path
 
@@ -100,3 +101,24 @@ def test_a_causal_lm_is_estimated_from_its_config_json_alone(tmp_path):
     model = CausalLM(pretrained=str(directory))
     with pytest.raises(FileNotFoundError, match=r"has a config.json but no weights: .*training needs the safetensors"):
         ModelTransform(TransformConfig()).weights_for(model)  # what fit asks before loading
+
+
+def test_the_shipped_causal_lm_config_is_estimated_from_a_config_json(tmp_path):
+    """configs/finetune-causal-lm.yaml builds its model in CausalLM.configure_model, and trains 2 micro-batches
+    per step: the estimate runs configure_model (lora target_modules 'all-linear' needs its linear layers) and
+    covers the whole window."""
+    pytest.importorskip("bitsandbytes")
+    from pl_lowprec.cli.estimate import estimate_config
+    from pl_lowprec.demo.tokenizer import train_tokenizer
+
+    directory = _config_only_directory(tmp_path / "model")
+    train_tokenizer(["def f(x):\n    return x + 1\n"] * 50, vocab_size=300).save_pretrained(directory)
+    records = tmp_path / "train.jsonl"
+    records.write_text("".join(json.dumps({"text": f"line {i} " * 40}) + "\n" for i in range(16)))
+    args = ["--config", str(ROOT / "configs/finetune-causal-lm.yaml"), f"--model.pretrained={directory}"]
+    args += [f"--data.tokenizer={directory}", f"--data.train_files={records}", f"--data.val_files={records}"]
+    args += ["--data.seq_len=64", "--data.batch_size=2"]
+    estimate = estimate_config(args)
+    assert estimate.weights["quantized_4bit"] > 0 and estimate.trainable_parameters > 0
+    single = estimate_config([*args, "--trainer.accumulate_grad_batches=1"])
+    assert estimate.peak > single.peak  # the second micro-batch runs while the first one's gradients are held
