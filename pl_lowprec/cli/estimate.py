@@ -48,14 +48,34 @@ def estimate_config(cli_args: list[str]) -> MemoryEstimate:
         )
     run.datamodule.setup("fit")
     batch = next(iter(run.datamodule.train_dataloader()))
+    strategy = trainer.strategy
+    config = getattr(strategy, "transform_config", None)  # None: not this package's strategy
+    sharding = strategy.transform_sharding(config) if hasattr(strategy, "transform_sharding") else None
     return estimate_memory(
         lambda: run.model,
         batch,
         precision=precision_of(trainer),
         device=device_of(trainer),
-        config=getattr(trainer.strategy, "transform_config", None),  # None: not this package's strategy
+        config=config,
         accumulate_grad_batches=int(getattr(trainer, "accumulate_grad_batches", None) or 1),
+        sharding=sharding,
+        world_size=devices_of(trainer) if sharding is not None else 1,
     )
+
+
+def devices_of(trainer: Any) -> int:
+    """The ranks a sharded config runs on: ``devices`` (a count or a list) times ``num_nodes``; ``"auto"`` or
+    ``-1`` are refused, as the estimate is per rank of a known number."""
+    devices = getattr(trainer, "devices", None)
+    count = len(devices) if isinstance(devices, (list, tuple)) else devices
+    if isinstance(count, str) and count.isdigit():
+        count = int(count)
+    if not isinstance(count, int) or count < 1:
+        raise ValueError(
+            f"trainer.devices={devices!r}: a sharded (FSDP) estimate is per rank, so it needs the number of"
+            " devices. Set trainer.devices to a count (devices: 2) in the config or with --trainer.devices=2."
+        )
+    return count * int(getattr(trainer, "num_nodes", None) or 1)
 
 
 def main(args: list[str] | None = None) -> None:

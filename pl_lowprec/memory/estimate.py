@@ -18,6 +18,7 @@ caching allocator's fragmentation: reserved memory is the predicted allocated pe
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -27,16 +28,20 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from pl_lowprec._checks import check_at_least
+from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.memory.bnb_standin import FakeOptimizer8bit, is_standin
 from pl_lowprec.memory.depth import extrapolated, repeated_blocks
+from pl_lowprec.memory.fake_distributed import fake_mesh
 from pl_lowprec.memory.fake_step import DryRunTrainer, SimulatedStep, attached, simulate_step
 from pl_lowprec.memory.simulated_transform import SimulatedTransform
 from pl_lowprec.plugins.precision_choice import choose_precision
 from pl_lowprec.transforms.config import TransformConfig
 from pl_lowprec.transforms.dtypes import dtype_of_precision
+from pl_lowprec.transforms.nf4 import local
 from pl_lowprec.transforms.optimizers import swap_optimizer
 
 MIN_8BIT_SIZE = 4096  # bitsandbytes keeps 32-bit optimizer state below this many elements
@@ -169,6 +174,8 @@ def estimate_memory(
     config: TransformConfig | None = None,
     accumulate_grad_batches: int = 1,
     extrapolate: bool = True,
+    sharding: Sharding | None = None,
+    world_size: int = 1,
     **transform_args: Any,
 ) -> MemoryEstimate:
     """Predict the peak memory of a training step without allocating the model.
@@ -186,6 +193,9 @@ def estimate_memory(
         extrapolate: With a stack of identical blocks (more than 3), simulate 2 and 3 blocks and extrapolate
             every figure linearly to the real depth: seconds for 8B or 70B shapes, and exact where blocks are
             identical (checked against the full simulation). ``False`` simulates every block.
+        sharding: FSDP2 (``strategy.transform_sharding(config)``): the estimate is per rank of ``world_size``,
+            simulated as rank 0 on a fake process group.
+        world_size: The number of ranks the run shards over (with ``sharding``).
         **transform_args: Or the strategies' model arguments themselves (``quantization="nf4-dq"``,
             ``lora={"r": 16}``, ``activation_checkpointing=[...]``, ...: see ``TransformArguments``);
             ``optimizer="adamw"`` names the module's own torch AdamW, as no ``optimizer`` does.
@@ -196,7 +206,38 @@ def estimate_memory(
     if precision == "auto":
         precision = choose_precision(device).precision
     started = time.perf_counter()
-    transform = SimulatedTransform(config)
+    check_at_least("estimate_memory", 1, world_size=world_size)
+    if sharding is None:
+        return _estimate(build_model, example_batch, precision, device, config, accumulate_grad_batches, extrapolate)
+    with fake_mesh(world_size) as mesh:
+        estimate = _estimate(
+            build_model,
+            example_batch,
+            precision,
+            device,
+            config,
+            accumulate_grad_batches,
+            False,
+            dataclasses.replace(sharding, mesh=mesh),
+        )
+    estimate.world_size = world_size
+    estimate.seconds = time.perf_counter() - started
+    return estimate
+
+
+def _estimate(
+    build_model: Callable[[], nn.Module],
+    example_batch: Any,
+    precision: str,
+    device: torch.device,
+    config: TransformConfig,
+    accumulate_grad_batches: int,
+    extrapolate: bool,
+    sharding: Sharding | None = None,
+) -> MemoryEstimate:
+    started = time.perf_counter()
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    transform = SimulatedTransform(config, sharding, fake_mode)
     trainer = DryRunTrainer(transform, accumulate_grad_batches)
     compute_dtype = dtype_of_precision(precision)
     half_true = precision.endswith("-true") and compute_dtype in (torch.float16, torch.bfloat16)
@@ -212,8 +253,8 @@ def estimate_memory(
             cast_unquantized(model, compute_dtype)  # Lightning's HalfPrecision.convert_module
     estimate = MemoryEstimate(device=device.type)
     trainable = _count_parameters(model, estimate)
-    estimate.gradients = sum(p.numel() * p.element_size() for p in trainable)
-    estimate.optimizer_state = optimizer_state_bytes(trainable, config.optimizer)
+    estimate.gradients = sum(_nbytes(local(p)) for p in trainable)  # per rank under FSDP
+    estimate.optimizer_state = optimizer_state_bytes([local(p) for p in trainable], config.optimizer)
     autocast_dtype = compute_dtype if precision.endswith("-mixed") else None
 
     def simulate() -> SimulatedStep:
@@ -225,6 +266,8 @@ def estimate_memory(
             autocast_dtype,
             config.activation_offloading,
             device.type,
+            fake_mode,
+            sharding is not None,
         )
 
     blocks = repeated_blocks(model) if extrapolate else None
@@ -280,13 +323,23 @@ def _count_parameters(model: nn.Module, estimate: MemoryEstimate) -> list[nn.Par
                 continue
             seen.add(id(param))
             parameters += param.numel()
+            held = local(param)  # under FSDP this rank's shard
+            if is_traceable_wrapper_subclass(held):  # torchao NF4: the packed weight and its constants
+                names, _ = held.__tensor_flatten__()
+                inner = [getattr(held, name) for name in names]
+                weights["quantized_4bit"] = weights.get("quantized_4bit", 0) + sum(_nbytes(t) for t in inner)
+                continue
             key = str(param.dtype).removeprefix("torch.")
-            weights[key] = weights.get(key, 0) + param.numel() * param.element_size()
+            weights[key] = weights.get(key, 0) + _nbytes(held)
             if param.requires_grad:
                 trainable.append(param)
     estimate.weights, estimate.parameters = weights, parameters
     estimate.trainable_parameters = sum(p.numel() for p in trainable)
     return trainable
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _optimizer(trainable: list[nn.Parameter], name: str | None, device: torch.device) -> torch.optim.Optimizer:

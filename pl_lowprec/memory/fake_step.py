@@ -141,13 +141,17 @@ def simulate_step(
     autocast_dtype: torch.dtype | None,
     offloading: bool,
     device_type: str,
+    mode: FakeTensorMode | None = None,
+    sharded: bool = False,
 ) -> SimulatedStep:
     """Make the meta-device ``model`` fake, prime the optimizer, run one tracked step; the model is left on the
-    meta device again, so this can run repeatedly (with fewer blocks, ``depth.py``)."""
+    meta device again, so this can run repeatedly (with fewer blocks, ``depth.py``). A ``sharded`` (FSDP2)
+    model is made fake by FSDP's own ``to_empty`` instead, for good: it runs once."""
+    mode = mode or FakeTensorMode(allow_non_fake_inputs=True)
     with (
         eager_attention_masks(),
-        FakeTensorMode(allow_non_fake_inputs=True) as mode,
-        fake_tensors(model),
+        mode,
+        _sharded_to_empty(model) if sharded else fake_tensors(model),
         attached(model, trainer),
     ):
         batch = _to_fake(mode, example_batch)
@@ -181,6 +185,12 @@ def simulate_step(
         saved[0].nbytes,
         saved[0].offloaded_nbytes,
     )
+
+
+@contextmanager
+def _sharded_to_empty(model: nn.Module) -> Iterator[None]:
+    model.to_empty(device="cpu")  # FSDP2 re-creates each DTensor shard (and torchao NF4) as a fake tensor
+    yield
 
 
 def _to_fake(mode: FakeTensorMode, batch: Any) -> Any:
