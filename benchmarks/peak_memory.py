@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import subprocess
 import sys
 import time
@@ -128,6 +129,81 @@ def measure_and_predict(name: str, batch_size: int = 8, seq_len: int = 256, **mo
     }
 
 
+FSDP_NAME = "fsdp qlora fp32 ckpt, 2 ranks (per rank)"
+FSDP_SETTINGS = {"quantization": "nf4", "lora": {"r": 8}, "activation_checkpointing": ["LlamaDecoderLayer"]}
+
+
+def _fsdp_rank(rank: int, world: int, sizes: dict, port: int) -> None:
+    """One rank of the real 2-process gloo run: the strategy's transform with its Sharding, then step 2 measured."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pl_lowprec.distributed.sharding import Sharding
+    from pl_lowprec.memory.estimate import _Precision
+    from pl_lowprec.memory.fake_step import DryRunTrainer, attached, run_step
+    from pl_lowprec.memory.profiled import measured_peak
+    from pl_lowprec.transforms.config import TransformConfig
+    from pl_lowprec.transforms.nf4 import NF4Layout
+    from pl_lowprec.transforms.pipeline import ModelTransform
+
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    batch_size, seq_len = sizes.pop("batch_size", 8), sizes.pop("seq_len", 256)
+    torch.manual_seed(0)
+    module = build(**sizes, max_len=seq_len)()
+    sharding = Sharding(units=["LlamaDecoderLayer"], layout=NF4Layout(), mesh=init_device_mesh("cpu", (world,)))
+    transform = ModelTransform(TransformConfig(**FSDP_SETTINGS), sharding)
+    transform.apply(module, _Precision("32-true"), torch.device("cpu"))
+    optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-4)
+    batch = {"input_ids": torch.randint(0, 256, (batch_size, seq_len))}
+    with attached(module, DryRunTrainer(transform, 1, world)):
+        run_step(module, batch, optimizer, _phases(), None)
+        peak = measured_peak(lambda: run_step(module, batch, optimizer, _phases(), None))
+    print(json.dumps({"rank": rank, "measured": peak}), flush=True)
+    dist.destroy_process_group()
+
+
+def _phases():
+    import contextlib
+
+    class Phases:  # run_step's phase markers, without tracking
+        def phase(self, name):
+            return contextlib.nullcontext()
+
+    return Phases()
+
+
+def fsdp_measure_and_predict(**sizes: int) -> dict:
+    """The real 2-rank run (its ranks' peaks) against the per-rank estimate."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from pl_lowprec import estimate_memory
+    from pl_lowprec.distributed.sharding import Sharding
+    from pl_lowprec.transforms.nf4 import NF4Layout
+
+    warnings.filterwarnings("ignore")
+    batch_size, seq_len = sizes.get("batch_size", 8), sizes.get("seq_len", 256)
+    model = {k: v for k, v in sizes.items() if k not in ("batch_size", "seq_len")}
+    started = time.perf_counter()
+    estimate = estimate_memory(
+        build(**model, max_len=seq_len),
+        {"input_ids": torch.zeros(batch_size, seq_len, dtype=torch.long)},
+        sharding=Sharding(units=["LlamaDecoderLayer"], layout=NF4Layout()),
+        world_size=2,
+        **FSDP_SETTINGS,
+    )
+    seconds = time.perf_counter() - started
+    port = 29500 + int(time.time()) % 400
+    mp.spawn(_fsdp_rank, args=(2, dict(sizes), port), nprocs=2)
+    return {"config": FSDP_NAME, "predicted": estimate.peak, "peak_phase": estimate.peak_phase, "estimate_s": seconds}
+
+
 def run_one_process(name: str, **sizes: int) -> dict:
     """``measure_and_predict`` in a fresh process (the profiler's base must not see earlier runs)."""
     done = subprocess.run(
@@ -138,21 +214,30 @@ def run_one_process(name: str, **sizes: int) -> dict:
     )
     if done.returncode != 0:
         raise RuntimeError(f"{name}: {done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    lines = [json.loads(found) for found in re.findall(r"\{[^{}]*\}", done.stdout)]  # ranks may share a line
+    row = lines[-1]
+    ranks = [line["measured"] for line in lines if "rank" in line]
+    if ranks:  # FSDP: every rank holds the same shapes; the table shows the largest rank
+        row["measured"], row["ranks"] = max(ranks), ranks
+    row["error"] = (row["predicted"] - row["measured"]) / row["measured"]
+    return row
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--one", choices=list(CONFIGS))
+    parser.add_argument("--one", choices=[*CONFIGS, FSDP_NAME])
     parser.add_argument("--sizes", default="{}", help='JSON: {"hidden": 64, "layers": 2, "batch_size": 2, ...}')
     args = parser.parse_args(argv)
+    if args.one == FSDP_NAME:
+        print(json.dumps(fsdp_measure_and_predict(**json.loads(args.sizes))))
+        return {}
     if args.one:
         print(json.dumps(measure_and_predict(args.one, **json.loads(args.sizes))))
         return {}
     print("| configuration | measured MiB | predicted MiB | error | peak in | estimate took |")
     print("|---|---|---|---|---|---|")
     rows = {}
-    for name in CONFIGS:
+    for name in [*CONFIGS, FSDP_NAME]:
         row = rows[name] = run_one_process(name)
         print(
             f"| {name} | {row['measured'] / MiB:.2f} | {row['predicted'] / MiB:.2f} | {row['error']:+.2%} |"

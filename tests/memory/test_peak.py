@@ -3,7 +3,6 @@ the CUDA allocator's rounding, and real model shapes from a config.json alone.""
 
 import functools
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,18 +18,15 @@ TINY = {"hidden": 64, "layers": 2, "batch_size": 2, "seq_len": 64}
 
 
 def _measured_and_predicted(name: str) -> dict:
-    done = subprocess.run(
-        [sys.executable, "benchmarks/peak_memory.py", "--one", name, "--sizes", json.dumps(TINY)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from peak_memory import run_one_process  # a fresh process: the profiler's base must see only this run
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return run_one_process(name, **TINY)
 
 
-@pytest.mark.parametrize("name", ["full fp32", "qlora fp32 ckpt, accumulation 2"])
+@pytest.mark.parametrize("name", ["qlora fp32 ckpt, accumulation 2", "fsdp qlora fp32 ckpt, 2 ranks (per rank)"])
 def test_predicted_peak_is_within_ten_percent_of_the_profiler(name):
     pytest.importorskip("bitsandbytes")
     row = _measured_and_predicted(name)
