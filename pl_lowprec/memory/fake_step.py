@@ -158,9 +158,7 @@ def simulate_step(
         optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
         prime_optimizer(optimizer)
         tracker = StepTracker(model, optimizer, _tensors(batch), device_type)
-        offload = (
-            OffloadActivations(torch.device("cpu"), [*model.parameters(), *model.buffers()]) if offloading else None
-        )
+        offload = SimulatedOffload(tracker, [*model.parameters(), *model.buffers()]) if offloading else None
         saved: list[Any] = []
 
         @contextmanager
@@ -184,7 +182,25 @@ def simulate_step(
         list(tracker.samples),
         saved[0].nbytes,
         saved[0].offloaded_nbytes,
+        tracker.host_peak,
     )
+
+
+class SimulatedOffload(OffloadActivations):
+    """Activation offloading as it runs on CUDA, in the fake CPU step: each moved tensor's copy lives in host
+    memory (``StepTracker.on_host``) and backward makes a device copy again, which lives as long as autograd
+    needs it."""
+
+    def __init__(self, tracker: StepTracker, exclude: list[torch.Tensor]) -> None:
+        super().__init__(torch.device("cpu"), exclude)
+        self.tracker = tracker
+
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        with self.tracker.on_host():
+            return super()._to_host(tensor)
+
+    def _to_device(self, packed: Any) -> torch.Tensor:
+        return packed.tensor.clone()
 
 
 @contextmanager

@@ -85,6 +85,8 @@ class StepTracker(TorchDispatchMode):
             p.register_post_accumulate_grad_hook(self._grad_hook) for p in model.parameters() if p.requires_grad
         ]
         self._depth = 0
+        self.host_total = self.host_peak = 0
+        self._on_host = 0
         self.reset()
 
     def reset(self) -> None:
@@ -94,6 +96,16 @@ class StepTracker(TorchDispatchMode):
         self.timeline: list[tuple[str, int, dict[str, int]]] = [("after load", self.total, dict(self.current))]
         self.phase_peaks: dict[str, tuple[int, dict[str, int]]] = {}
         self.samples: list[tuple[str, dict[str, int]]] = []  # one per op that changed the total, for the plot
+
+    @contextmanager
+    def on_host(self) -> Iterator[None]:
+        """Storages made inside live in host memory (activation offloading's copies): counted in ``host_peak``,
+        not in the device's ``total``."""
+        self._on_host += 1
+        try:
+            yield
+        finally:
+            self._on_host -= 1
 
     def remove_hooks(self) -> None:
         for hook in self._hooks:
@@ -115,6 +127,13 @@ class StepTracker(TorchDispatchMode):
         for storage in _storages(tensor):
             if storage in self.info:
                 continue
+            if category == "host":
+                record = [storage.nbytes(), category]
+                self.info[storage] = record
+                weakref.finalize(storage, self._free, record)
+                self.host_total += record[0]
+                self.host_peak = max(self.host_peak, self.host_total)
+                continue
             record = [allocated_bytes(storage.nbytes(), self.device_type), category]
             self.info[storage] = record
             weakref.finalize(storage, self._free, record)
@@ -122,6 +141,9 @@ class StepTracker(TorchDispatchMode):
             self.total += record[0]
 
     def _free(self, record: list) -> None:
+        if record[1] == "host":
+            self.host_total -= record[0]
+            return
         self.current[record[1]] -= record[0]
         self.total -= record[0]
 
@@ -130,7 +152,7 @@ class StepTracker(TorchDispatchMode):
             record = self.info.get(storage)
             if record is None:
                 self._add(tensor, category)
-            elif record[1] != category:
+            elif record[1] != category and record[1] != "host":
                 self.current[record[1]] -= record[0]
                 self.current[category] += record[0]
                 record[1] = category
@@ -193,6 +215,8 @@ class StepTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         before = self.total
         category = "activations" if self.phase_name == "forward" else "temporaries"
+        if self._on_host:
+            category = "host"
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor):
                 self._add(tensor, category)

@@ -118,3 +118,12 @@ def test_the_shipped_causal_lm_config_is_estimated_from_a_config_json(tmp_path):
     assert estimate.weights["quantized_4bit"] > 0 and estimate.trainable_parameters > 0
     single = estimate_config([*args, "--trainer.accumulate_grad_batches=1"])
     assert estimate.peak > single.peak  # the second micro-batch runs while the first one's gradients are held
+
+
+def test_activation_offloading_gives_the_device_and_host_peaks_apart():
+    kept = _tiny_llama_estimate(device="cuda")
+    offloaded = _tiny_llama_estimate(device="cuda", activation_offloading=True)
+    assert offloaded.peak < kept.peak  # saved activations wait in host memory during forward
+    assert 0 < offloaded.host_peak <= offloaded.activations_offloaded_to_host
+    assert kept.host_peak == 0
+    assert f"host memory peak (offloaded activations): {offloaded.host_peak / 2**20:,.2f} MiB" in offloaded.table()
