@@ -90,10 +90,6 @@ def measure_and_predict(name: str, batch_size: int = 8, seq_len: int = 256, **mo
     accumulate = settings.pop("accumulate", 1)
     batch = {"input_ids": torch.randint(0, 256, (batch_size, seq_len))}
     build_model = build(**model, max_len=seq_len)
-    started = time.perf_counter()
-    estimate = estimate_memory(build_model, batch, precision=precision, accumulate_grad_batches=accumulate, **settings)
-    seconds = time.perf_counter() - started
-
     torch.manual_seed(0)
     module = build_model()
     transform = ModelTransform(TransformConfig(**settings))
@@ -119,6 +115,10 @@ def measure_and_predict(name: str, batch_size: int = 8, seq_len: int = 256, **mo
     with attached(module, trainer):
         step()  # step 1 creates the optimizer state
         measured = measured_peak(step)
+    started = time.perf_counter()
+    estimate = estimate_memory(build_model, batch, precision=precision, accumulate_grad_batches=accumulate, **settings)
+    seconds = time.perf_counter() - started
+
     return {
         "config": name,
         "measured": measured,
