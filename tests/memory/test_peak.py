@@ -51,10 +51,10 @@ def test_the_peak_is_the_largest_point_of_the_timeline_and_the_table_says_so():
     assert "this is the figure that must fit" in table
 
 
-def test_accumulation_makes_the_window_peak_no_smaller_and_keeps_the_components():
+def test_accumulation_raises_the_window_peak_and_keeps_the_components():
     one = _tiny_llama_estimate()
     two = _tiny_llama_estimate(accumulate_grad_batches=2)
-    assert two.peak >= one.peak  # the second micro-batch runs with the first one's gradients held
+    assert two.peak > one.peak  # the second micro-batch runs with the first one's gradients held
     assert two.gradients == one.gradients and two.weights == one.weights
 
 
@@ -127,3 +127,20 @@ def test_activation_offloading_gives_the_device_and_host_peaks_apart():
     assert 0 < offloaded.host_peak <= offloaded.activations_offloaded_to_host
     assert kept.host_peak == 0
     assert f"host memory peak (offloaded activations): {offloaded.host_peak / 2**20:,.2f} MiB" in offloaded.table()
+
+
+def test_a_sharded_estimate_is_per_rank():
+    pytest.importorskip("torchao")
+    from pl_lowprec.distributed.sharding import Sharding
+    from pl_lowprec.transforms.nf4 import NF4Layout
+
+    def per_rank(world_size):
+        sharding = Sharding(units=["LlamaDecoderLayer"], layout=NF4Layout(scaler_block_size=32))
+        return _tiny_llama_estimate(
+            quantization="nf4", lora={"r": 4}, sharding=sharding, world_size=world_size, extrapolate=False
+        )
+
+    one, two = per_rank(1), per_rank(2)
+    assert two.world_size == 2 and "per rank of 2" in two.table()
+    assert two.weights["quantized_4bit"] == pytest.approx(one.weights["quantized_4bit"] / 2, rel=0.05)
+    assert two.gradients == one.gradients // 2 and two.optimizer_state < one.optimizer_state

@@ -8,6 +8,7 @@ import torch
 
 import pl_lowprec._imports as imports
 from pl_lowprec import estimate_memory
+from pl_lowprec.cli import estimate as cli_estimate
 from pl_lowprec.cli.estimate import main
 from pl_lowprec.demo import TinyLlama
 from pl_lowprec.memory.plot import plot_step
@@ -30,8 +31,11 @@ def no_matplotlib(monkeypatch):
     imports.import_matplotlib_pyplot.cache_clear()
 
 
-def test_plot_without_matplotlib_is_refused_before_the_estimate_with_the_install_command(no_matplotlib, tmp_path):
+def test_plot_without_matplotlib_is_refused_before_the_estimate_with_the_install_command(
+    no_matplotlib, tmp_path, monkeypatch
+):
     out = tmp_path / "step.png"
+    monkeypatch.setattr(cli_estimate, "estimate_config", lambda args: pytest.fail("the estimate ran first"))
     with pytest.raises(ModuleNotFoundError, match=r'--plot needs matplotlib: .*pip install "pl_lowprec\[plot\]"'):
         main(["--config", str(ROOT / "configs/quickstart.yaml"), "--plot", str(out)])
     assert not out.exists()
