@@ -11,6 +11,7 @@ Sections (in order):
   quantized_bytes           bytes per quantized weight, constants included, per mode
   activation_checkpointing  bytes saved for backward by an 8-block TinyGPT, plain / every block / every other
   training_memory           full / LoRA / QLoRA x checkpointing, one process each; estimate_memory vs measured peak
+  peak_memory               estimate_memory's predicted peak vs the profiler's allocation records, one process each
   against_hf                QLoRA against transformers + peft + BitsAndBytesConfig, alternating rounds
   pretrained_vs_hf          the same from a ~100M bf16 checkpoint: streaming load + CausalLM vs HF's recipe
   callbacks                 LossScaleMonitor and MemoryTracker cost, per step and per fit
@@ -35,6 +36,7 @@ SECTIONS = {
     "quantized_bytes": "quantized_bytes",
     "activation_checkpointing": "activation_checkpointing",
     "training_memory": "training_memory",
+    "peak_memory": "peak_memory",
     "against_hf": "against_hf",
     "pretrained_vs_hf": "pretrained_vs_hf",
     "callbacks": "callback_overhead",
