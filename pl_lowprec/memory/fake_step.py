@@ -103,6 +103,8 @@ def run_step(
             output = model.training_step(batch, index) if hasattr(model, "training_step") else model(batch)
         loss = output["loss"] if isinstance(output, Mapping) else output
         del output
+        if loss.dim() > 0:  # a plain module's output, not a loss: reduced to one, as a loss function would
+            loss = loss.sum()
         with tracker.phase("backward"):
             loss.backward()
         del loss
