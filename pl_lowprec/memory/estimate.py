@@ -190,9 +190,9 @@ def estimate_memory(
             ``None`` means CUDA if this machine has it, else the CPU.
         config: The strategy's model arguments as one ``TransformConfig`` (``strategy.transform_config``).
         accumulate_grad_batches: Micro-batches per optimizer step: the peak is that of the whole window.
-        extrapolate: With a stack of identical blocks (more than 3), simulate 2 and 3 blocks and extrapolate
-            every figure linearly to the real depth: seconds for 8B or 70B shapes, and exact where blocks are
-            identical (checked against the full simulation). ``False`` simulates every block.
+        extrapolate: With a stack of 5 or more identical blocks, simulate 2, 3 and 4 of them and extrapolate
+            every figure linearly to the real depth when the three lie on a line (else simulate every block):
+            seconds for 8B shapes (``depth.py``). ``False`` always simulates every block.
         sharding: FSDP2 (``strategy.transform_sharding(config)``): the estimate is per rank of ``world_size``,
             simulated as rank 0 on a fake process group.
         world_size: The number of ranks the run shards over (with ``sharding``).
