@@ -94,9 +94,18 @@ def test_a_causal_lm_is_estimated_from_its_config_json_alone(tmp_path):
     # 2 blocks x 7 projections of SmolLM2's shapes in 4-bit; the tied embedding/head is not quantized
     assert estimate.weights["quantized_4bit"] > 2 * 7 * 576 * 576 * 0.5 * 0.5
     assert estimate.peak > estimate.weights["quantized_4bit"] and estimate.peak_phase == "backward"
-    model = CausalLM(pretrained=str(directory))
-    with pytest.raises(FileNotFoundError, match=r"has a config.json but no weights: .*training needs the safetensors"):
-        ModelTransform(TransformConfig()).weights_for(model)  # what fit asks before loading
+    from_file = estimate_memory(
+        functools.partial(CausalLM, pretrained=str(directory / "config.json"), loss_chunk_size=32),
+        batch,
+        quantization="nf4-dq",
+        lora={"r": 8, "target_modules": "all-linear"},
+        activation_checkpointing=["LlamaDecoderLayer"],
+    )
+    assert from_file.peak == estimate.peak  # the config.json file itself, or its directory
+    for source in (directory, directory / "config.json"):
+        model = CausalLM(pretrained=str(source))
+        with pytest.raises(FileNotFoundError, match=r"has a config.json but no weights: .*training needs the safetens"):
+            ModelTransform(TransformConfig()).weights_for(model)  # what fit asks before loading
 
 
 def test_the_shipped_causal_lm_config_is_estimated_from_a_config_json(tmp_path):
