@@ -46,7 +46,6 @@ from pl_lowprec.transforms.optimizers import swap_optimizer
 
 MIN_8BIT_SIZE = 4096  # bitsandbytes keeps 32-bit optimizer state below this many elements
 OPTIMIZER_BLOCK = 256  # bitsandbytes' blockwise 8-bit optimizer state: one fp32 absmax per block
-NF4_BLOCK, NESTED_BLOCK = 64, 256
 
 
 PHASES = ("forward", "backward", "optimizer step")
@@ -122,23 +121,6 @@ class MemoryEstimate:
         lines.append(f"    {'component':<26}{'MiB':>12}{'bytes':>16}")
         lines += [f"    {k:<26}{v / 2**20:>12.2f}{v:>16d}" for k, v in self.as_dict().items() if k != "peak"]
         return "\n".join(lines)
-
-
-def quantized_linear_bytes(out_features: int, in_features: int, mode: str) -> int:
-    """Bytes of one bitsandbytes layer's weight and its constants (code books excluded: shared, see below)."""
-    numel = out_features * in_features
-    if mode == "int8":
-        return numel + out_features * 4  # int8 weight + one fp32 scale per row
-    blocks = math.ceil(numel / NF4_BLOCK)
-    packed = math.ceil(numel / 2)
-    if mode.endswith("-dq"):
-        return packed + blocks + math.ceil(blocks / NESTED_BLOCK) * 4 + 4  # uint8 absmax, nested fp32, offset
-    return packed + blocks * 4
-
-
-def code_book_bytes(mode: str) -> int:
-    """The 4-bit code book and, with double quantization, the nested map: one copy per model."""
-    return 0 if mode == "int8" else 16 * 4 + (256 * 4 if mode.endswith("-dq") else 0)
 
 
 def optimizer_state_bytes(trainable: list[nn.Parameter], optimizer: str) -> int:
