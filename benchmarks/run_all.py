@@ -13,6 +13,7 @@ Sections (in order):
   selective_checkpointing   activation bytes and step time: none / selective / every other block / every block
   compile                   eager vs compile=True step time, LoRA and QLoRA with checkpointing; compile time
   training_memory           full / LoRA / QLoRA x checkpointing, one process each; estimate_memory vs measured peak
+  peak_memory               estimate_memory's predicted peak vs the profiler's allocation records, one process each
   against_hf                QLoRA against transformers + peft + BitsAndBytesConfig, alternating rounds
   pretrained_vs_hf          the same from a ~100M bf16 checkpoint: streaming load + CausalLM vs HF's recipe
   callbacks                 LossScaleMonitor and MemoryTracker cost, per step and per fit
@@ -39,6 +40,7 @@ SECTIONS = {
     "selective_checkpointing": "selective_checkpointing",
     "compile": "compile_speed",
     "training_memory": "training_memory",
+    "peak_memory": "peak_memory",
     "against_hf": "against_hf",
     "pretrained_vs_hf": "pretrained_vs_hf",
     "callbacks": "callback_overhead",

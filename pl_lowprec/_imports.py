@@ -14,6 +14,7 @@ _BITSANDBYTES = RequirementCache("bitsandbytes>=0.45")
 _PEFT = RequirementCache("peft>=0.13")
 _SAFETENSORS = RequirementCache("safetensors>=0.4")
 _TORCHAO = RequirementCache("torchao>=0.18")
+_MATPLOTLIB = RequirementCache("matplotlib")
 
 
 def require_cli() -> None:
@@ -115,3 +116,18 @@ def import_torchao_nf4() -> ModuleType:
     from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
 
     return nf4_tensor
+
+
+@lru_cache
+def import_matplotlib_pyplot() -> ModuleType:
+    """matplotlib's pyplot (without a display), or an error naming the feature and the install command."""
+    if not _MATPLOTLIB:
+        raise ModuleNotFoundError(
+            f'estimate --plot needs matplotlib: {_MATPLOTLIB.message}. Install it with: pip install "pl_lowprec[plot]"'
+        )
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot
+
+    return matplotlib.pyplot

@@ -14,8 +14,10 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.precision import Precision
 
+from pl_lowprec._imports import import_matplotlib_pyplot
 from pl_lowprec.cli.rebuild import rebuild_classes
 from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
+from pl_lowprec.memory.plot import plot_step
 
 
 def precision_of(trainer: Any) -> str:
@@ -46,17 +48,44 @@ def estimate_config(cli_args: list[str]) -> MemoryEstimate:
         )
     run.datamodule.setup("fit")
     batch = next(iter(run.datamodule.train_dataloader()))
+    strategy = trainer.strategy
+    config = getattr(strategy, "transform_config", None)  # None: not this package's strategy
+    sharding = strategy.transform_sharding(config) if hasattr(strategy, "transform_sharding") else None
     return estimate_memory(
         lambda: run.model,
         batch,
         precision=precision_of(trainer),
         device=device_of(trainer),
-        config=getattr(trainer.strategy, "transform_config", None),  # None: not this package's strategy
+        config=config,
+        accumulate_grad_batches=int(getattr(trainer, "accumulate_grad_batches", None) or 1),
+        sharding=sharding,
+        world_size=devices_of(trainer) if sharding is not None else 1,
     )
+
+
+def devices_of(trainer: Any) -> int:
+    """The ranks a sharded config runs on: ``devices`` (a count or a list) times ``num_nodes``; ``"auto"`` or
+    ``-1`` are refused, as the estimate is per rank of a known number."""
+    devices = getattr(trainer, "devices", None)
+    count = len(devices) if isinstance(devices, (list, tuple)) else devices
+    if isinstance(count, str) and count.isdigit():
+        count = int(count)
+    if not isinstance(count, int) or count < 1:
+        raise ValueError(
+            f"trainer.devices={devices!r}: a sharded (FSDP) estimate is per rank, so it needs the number of"
+            " devices. Set trainer.devices to a count (devices: 2) in the config or with --trainer.devices=2."
+        )
+    return count * int(getattr(trainer, "num_nodes", None) or 1)
 
 
 def main(args: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="pl-lowprec estimate", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="a YAML file that `pl-lowprec fit --config` runs")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw the step as stacked categories (needs matplotlib)")
     options, overrides = parser.parse_known_args(args)
-    print(estimate_config(["--config", options.config, *overrides]).table())
+    if options.plot:
+        import_matplotlib_pyplot()  # a missing matplotlib fails before the estimate runs
+    estimate = estimate_config(["--config", options.config, *overrides])
+    print(estimate.table())
+    if options.plot:
+        print(f"Plot: {plot_step(estimate, options.plot)}")

@@ -22,7 +22,15 @@ import yaml
 from pl_lowprec.cli.lightning_cli import LowPrecisionCLI, build_cli
 
 KEPT_KEYS = ("seed_everything", "trainer", "model", "data")
-KEPT_TRAINER_KEYS = ("accelerator", "devices", "num_nodes", "strategy", "precision", "plugins")
+KEPT_TRAINER_KEYS = (
+    "accelerator",
+    "devices",
+    "num_nodes",
+    "strategy",
+    "precision",
+    "plugins",
+    "accumulate_grad_batches",
+)
 QUIET_TRAINER = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
 
 

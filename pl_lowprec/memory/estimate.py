@@ -1,57 +1,66 @@
-"""``estimate_memory``: will this configuration fit? A prediction of training memory before the run.
+"""``estimate_memory``: will this configuration fit? The peak memory of a training step, predicted before the run.
 
-The model is built on the meta device, then its tensors become fake CPU tensors (``FakeTensorMode``): shapes,
-dtypes and a device but no storage, so a model larger than the machine costs nothing. On that model:
+The model is built on the meta device and transformed by the strategy's own ``ModelTransform``
+(``simulated_transform.py``: bitsandbytes layers become their one stand-in, ``bnb_standin.py``); its tensors then
+become fake CPU tensors (``FakeTensorMode``): shapes, dtypes and a device but no storage, so a model larger than
+the machine costs nothing. One optimizer step then runs on them as Lightning runs it (``fake_step.py``), and
+``StepTracker`` (``tracker.py``) follows every tensor storage from creation to free: the **peak** is the maximum
+of live tensor bytes during the step (the whole accumulation window), and ``peak_phase`` says where it falls.
+Checked against PyTorch's profiler allocation records (``benchmarks/peak_memory.py``, ``docs/memory.md``).
 
-- weights, quantization constants, gradients and optimizer state are counted from the parameters with the
-  same formulas bitsandbytes and torch allocate by (exact for the example models);
-- activations are the bytes saved for backward by one fake training step, run under the precision's
-  autocast with LoRA injected and activation checkpointing applied, counted as ``MemoryTracker`` counts them;
-  with activation offloading the step runs under the same offloading hooks, and the bytes they move are
-  reported apart (``activations_offloaded_to_host``: host memory, not part of the device ``total``);
-- with ``qat=`` and ``fp8=`` the same torchao layers run in the fake step (fp8 emulated: torchao's float8
-  layers save their high-precision inputs and re-cast in backward, so the saved bytes are the real ones; the
-  float8 copies made inside each matmul are transient and not counted).
+The components (weights by dtype, gradients, optimizer state: exact counts; activations: the bytes saved for
+backward by the first forward) say what the memory is for; the peak is what must fit.
 
-Quantized layers stay plain ``nn.Linear`` in the fake model (bitsandbytes kernels do not run on fake
-tensors); their frozen weights are put in the compute dtype so that autocast makes no extra copy of them,
-as the 4-bit matmul makes none that autograd keeps.
+Assumed: unpadded, unpacked batches of the example batch's shape (``fake_model.eager_attention_masks``). Not
+seen: scratch that kernels allocate outside tensor storages (oneDNN, cuBLAS workspaces), and, on CUDA, the
+caching allocator's fragmentation: reserved memory is the predicted allocated peak plus that.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-import warnings
-from collections.abc import Callable, Mapping
-from contextlib import nullcontext
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from pl_lowprec.memory.activations import count_saved_tensors
+from pl_lowprec._checks import check_at_least
+from pl_lowprec.distributed.sharding import Sharding
+from pl_lowprec.memory.bnb_standin import FakeOptimizer8bit, is_standin
+from pl_lowprec.memory.depth import extrapolated, repeated_blocks
+from pl_lowprec.memory.fake_distributed import fake_mesh
+from pl_lowprec.memory.fake_step import DryRunTrainer, SimulatedStep, attached, simulate_step
+from pl_lowprec.memory.simulated_transform import SimulatedTransform
 from pl_lowprec.plugins.precision_choice import choose_precision
-from pl_lowprec.transforms.checkpointing import set_activation_checkpointing
 from pl_lowprec.transforms.config import TransformConfig
 from pl_lowprec.transforms.dtypes import dtype_of_precision
-from pl_lowprec.transforms.fp8 import convert_to_fp8
-from pl_lowprec.transforms.linear_filter import swap_linear_layers
-from pl_lowprec.transforms.lora import inject_lora, prepare_for_kbit_training
-from pl_lowprec.transforms.offloading import OffloadActivations
-from pl_lowprec.transforms.qat import prepare_qat
-from pl_lowprec.transforms.quantization import QuantizationConfig
+from pl_lowprec.transforms.nf4 import local
+from pl_lowprec.transforms.optimizers import swap_optimizer
 
 MIN_8BIT_SIZE = 4096  # bitsandbytes keeps 32-bit optimizer state below this many elements
 OPTIMIZER_BLOCK = 256  # bitsandbytes' blockwise 8-bit optimizer state: one fp32 absmax per block
-NF4_BLOCK, NESTED_BLOCK = 64, 256
+
+
+PHASES = ("forward", "backward", "optimizer step")
 
 
 @dataclass
 class MemoryEstimate:
-    """Predicted bytes per component; ``weights`` by dtype, quantized weights including their constants."""
+    """The predicted ``peak`` of live tensor bytes in one training step (the headline), where it falls, and the
+    components; ``weights`` by dtype, quantized weights including their constants.
+
+    ``timeline`` lists (point, bytes): after load (the step start: weights, optimizer state, the batch), the
+    forward peak, the backward peak, the optimizer step's peak. ``peak_split`` divides the peak into weights,
+    gradients, optimizer state, inputs, activations and temporaries; ``samples`` is that split after each op
+    that allocated (for ``plot``).
+    """
 
     weights: dict[str, int] = field(default_factory=dict)
     gradients: int = 0
@@ -60,10 +69,28 @@ class MemoryEstimate:
     activations_offloaded_to_host: int = 0
     parameters: int = 0
     trainable_parameters: int = 0
+    peak: int = 0
+    peak_phase: str = ""
+    timeline: list[tuple[str, int]] = field(default_factory=list)
+    peak_split: dict[str, int] = field(default_factory=dict)
+    host_peak: int = 0
+    device: str = "cpu"
+    world_size: int = 1
+    seconds: float = 0.0
+    samples: list[tuple[str, dict[str, int]]] = field(default_factory=list, repr=False)
+    extrapolated: bool = False
 
     @property
     def total(self) -> int:
+        """The sum of the components: not the peak (temporaries are missing, and not everything is held at
+        once). Kept for comparison; plan with ``peak``."""
         return sum(self.weights.values()) + self.gradients + self.optimizer_state + self.activations
+
+    def take_simulation(self, step: Any) -> None:
+        """Peak, phase, timeline and split from a ``SimulatedStep``."""
+        self.peak, self.peak_phase, self.peak_split = step.peak, step.peak_phase, dict(step.peak_split)
+        self.timeline, self.samples, self.host_peak = list(step.timeline), list(step.samples), step.host_peak
+        self.extrapolated = step.extrapolated
 
     def as_dict(self) -> dict[str, int]:
         flat = {f"params_{k}": v for k, v in self.weights.items()}
@@ -71,32 +98,29 @@ class MemoryEstimate:
         flat |= {"activations": self.activations}
         if self.activations_offloaded_to_host:
             flat["activations_offloaded_to_host"] = self.activations_offloaded_to_host
-        return flat | {"total": self.total}
+        return flat | {"total": self.total, "peak": self.peak}
 
     def table(self) -> str:
+        where = f"per rank of {self.world_size}, " if self.world_size > 1 else ""
         lines = [
             f"Estimated training memory ({self.parameters:,} parameters, {self.trainable_parameters:,} trainable)",
-            f"  {'component':<26}{'MiB':>12}{'bytes':>16}",
+            f"  PEAK {self.peak / 2**20:,.2f} MiB ({self.peak:,} bytes) during the {self.peak_phase}"
+            f" ({where}{self.device}; estimated in {self.seconds:.1f} s): this is the figure that must fit.",
         ]
-        lines += [f"  {k:<26}{v / 2**20:>12.2f}{v:>16d}" for k, v in self.as_dict().items()]
+        if self.extrapolated:
+            lines.append("  (blocks identical: simulated with 2 and 3 of them, extrapolated to the real depth)")
+        if self.device == "cuda":
+            lines.append("  CUDA allocations rounded to 512 B; reserved memory adds the allocator's fragmentation.")
+        if self.host_peak:
+            lines.append(f"  host memory peak (offloaded activations): {self.host_peak / 2**20:,.2f} MiB")
+        lines.append("  Over the step:")
+        lines += [f"    {name:<24}{value / 2**20:>12.2f} MiB" for name, value in self.timeline]
+        lines.append("  At the peak:")
+        lines += [f"    {k:<24}{v / 2**20:>12.2f} MiB" for k, v in self.peak_split.items() if v]
+        lines.append("  Components (what the memory is for; their total is not the peak):")
+        lines.append(f"    {'component':<26}{'MiB':>12}{'bytes':>16}")
+        lines += [f"    {k:<26}{v / 2**20:>12.2f}{v:>16d}" for k, v in self.as_dict().items() if k != "peak"]
         return "\n".join(lines)
-
-
-def quantized_linear_bytes(out_features: int, in_features: int, mode: str) -> int:
-    """Bytes of one bitsandbytes layer's weight and its constants (code books excluded: shared, see below)."""
-    numel = out_features * in_features
-    if mode == "int8":
-        return numel + out_features * 4  # int8 weight + one fp32 scale per row
-    blocks = math.ceil(numel / NF4_BLOCK)
-    packed = math.ceil(numel / 2)
-    if mode.endswith("-dq"):
-        return packed + blocks + math.ceil(blocks / NESTED_BLOCK) * 4 + 4  # uint8 absmax, nested fp32, offset
-    return packed + blocks * 4
-
-
-def code_book_bytes(mode: str) -> int:
-    """The 4-bit code book and, with double quantization, the nested map: one copy per model."""
-    return 0 if mode == "int8" else 16 * 4 + (256 * 4 if mode.endswith("-dq") else 0)
 
 
 def optimizer_state_bytes(trainable: list[nn.Parameter], optimizer: str) -> int:
@@ -130,66 +154,185 @@ def estimate_memory(
     precision: str = "32-true",
     device: str | torch.device | None = None,
     config: TransformConfig | None = None,
+    accumulate_grad_batches: int = 1,
+    extrapolate: bool = True,
+    sharding: Sharding | None = None,
+    world_size: int = 1,
     **transform_args: Any,
 ) -> MemoryEstimate:
-    """Predict the training memory of a configuration without allocating the model.
+    """Predict the peak memory of a training step without allocating the model.
 
     Args:
         build_model: Builds the ``LightningModule`` (or ``nn.Module`` returning a loss); called on the meta
-            device, so it allocates nothing.
+            device, so it allocates nothing. Its ``configure_model`` runs too, as the Trainer runs it.
         example_batch: One training batch (real or fake tensors of the real shapes).
         precision: The Trainer's precision string (``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``, ...), or
             ``"auto"`` for what ``AMPPrecision("auto")`` would choose on ``device``.
-        device: The device the run will use, for ``precision="auto"``; ``None`` means CUDA if this machine has
-            it, else the CPU.
+        device: The device the run will use, for ``precision="auto"`` and the CUDA allocator's rounding;
+            ``None`` means CUDA if this machine has it, else the CPU.
         config: The strategy's model arguments as one ``TransformConfig`` (``strategy.transform_config``).
+        accumulate_grad_batches: Micro-batches per optimizer step: the peak is that of the whole window.
+        extrapolate: With a stack of 5 or more identical blocks, simulate 2, 3 and 4 of them and extrapolate
+            every figure linearly to the real depth when the three lie on a line (else simulate every block):
+            seconds for 8B shapes (``depth.py``). ``False`` always simulates every block.
+        sharding: FSDP2 (``strategy.transform_sharding(config)``): the estimate is per rank of ``world_size``,
+            simulated as rank 0 on a fake process group.
+        world_size: The number of ranks the run shards over (with ``sharding``).
         **transform_args: Or the strategies' model arguments themselves (``quantization="nf4-dq"``,
             ``lora={"r": 16}``, ``activation_checkpointing=[...]``, ...: see ``TransformArguments``);
             ``optimizer="adamw"`` names the module's own torch AdamW, as no ``optimizer`` does.
     """
     config = _transform_config(config, transform_args)
-    quantization, lora = config.quantization, config.lora
+    check_at_least("estimate_memory", 1, accumulate_grad_batches=accumulate_grad_batches)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if precision == "auto":
-        precision = choose_precision(device or ("cuda" if torch.cuda.is_available() else "cpu")).precision
+        precision = choose_precision(device).precision
+    started = time.perf_counter()
+    check_at_least("estimate_memory", 1, world_size=world_size)
+    if sharding is None:
+        return _estimate(build_model, example_batch, precision, device, config, accumulate_grad_batches, extrapolate)
+    with fake_mesh(world_size) as mesh:
+        estimate = _estimate(
+            build_model,
+            example_batch,
+            precision,
+            device,
+            config,
+            accumulate_grad_batches,
+            False,
+            dataclasses.replace(sharding, mesh=mesh),
+        )
+    estimate.world_size = world_size
+    estimate.seconds = time.perf_counter() - started
+    return estimate
+
+
+def _estimate(
+    build_model: Callable[[], nn.Module],
+    example_batch: Any,
+    precision: str,
+    device: torch.device,
+    config: TransformConfig,
+    accumulate_grad_batches: int,
+    extrapolate: bool,
+    sharding: Sharding | None = None,
+) -> MemoryEstimate:
+    started = time.perf_counter()
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    transform = SimulatedTransform(config, sharding, fake_mode)
+    trainer = DryRunTrainer(transform, accumulate_grad_batches)
     compute_dtype = dtype_of_precision(precision)
-    mixed = precision.endswith("-mixed")
+    half_true = precision.endswith("-true") and compute_dtype in (torch.float16, torch.bfloat16)
     with torch.device("meta"):  # structure, dtypes and shapes only: nothing is allocated
         model = build_model()
-        if precision.endswith("-true") and precision != "32-true":
-            model = model.to(compute_dtype)
-        estimate = MemoryEstimate()
-        estimate.weights, quantized = _weights_after_quantization(model, quantization, compute_dtype)
-        if config.qat is not None:  # weights stay trainable in full precision; fake quantization saves its own
-            prepare_qat(model, config.qat)
-        if config.fp8 is not None:  # emulated, so it runs on fake CPU tensors; it saves what float8 layers save
-            convert_to_fp8(model, dataclasses.replace(config.fp8, emulate=True))
-        if lora is not None:
-            inject_lora(model, lora, config.skip_modules)
-            prepare_for_kbit_training(model, mixed_precision=mixed)
-            if precision.endswith("-true") and precision != "32-true":
-                model.to(compute_dtype)  # Lightning's HalfPrecision casts the adapters too
-            for param in _lora_parameters(model):
-                key = str(param.dtype).removeprefix("torch.")
-                estimate.weights[key] = estimate.weights.get(key, 0) + param.numel() * param.element_size()
-        trainable = [p for p in model.parameters() if p.requires_grad and id(p) not in quantized]
-        estimate.parameters = sum(p.numel() for p in model.parameters())
-        estimate.trainable_parameters = sum(p.numel() for p in trainable)
-        estimate.gradients = sum(p.numel() * p.element_size() for p in trainable)
-        estimate.optimizer_state = optimizer_state_bytes(trainable, config.optimizer)
-        if config.activation_checkpointing is not None:
-            set_activation_checkpointing(
-                model,
-                config.activation_checkpointing,
-                config.checkpoint_every_n,
-                config.checkpoint_impl,
-                config.checkpoint_mode,
-            )
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        _materialize_fake(model)
-        estimate.activations, estimate.activations_offloaded_to_host = _saved_bytes(
-            model, _to_fake(mode, example_batch), compute_dtype if mixed else None, config.activation_offloading
+        with attached(model, trainer):
+            if hasattr(model, "configure_model"):
+                model.configure_model()
+        if half_true:
+            model.to(compute_dtype)  # the Trainer builds the module under the precision's default dtype
+        transform.apply(model, _Precision(precision), device)
+        if half_true:
+            cast_unquantized(model, compute_dtype)  # Lightning's HalfPrecision.convert_module
+    estimate = MemoryEstimate(device=device.type)
+    trainable = _count_parameters(model, estimate)
+    estimate.gradients = sum(_nbytes(local(p)) for p in trainable)  # per rank under FSDP
+    estimate.optimizer_state = optimizer_state_bytes([local(p) for p in trainable], config.optimizer)
+    autocast_dtype = compute_dtype if precision.endswith("-mixed") else None
+
+    def simulate() -> SimulatedStep:
+        return simulate_step(
+            model,
+            example_batch,
+            trainer,
+            functools.partial(_optimizer, name=config.optimizer, device=device),
+            autocast_dtype,
+            config.activation_offloading,
+            device.type,
+            fake_mode,
+            sharding is not None,
         )
+
+    blocks = repeated_blocks(model) if extrapolate else None
+    step = simulate() if blocks is None else extrapolated(simulate, blocks)
+    estimate.activations, estimate.activations_offloaded_to_host = step.saved_bytes, step.offloaded_bytes
+    estimate.take_simulation(step)
+    estimate.seconds = time.perf_counter() - started
     return estimate
+
+
+class _Precision:
+    """What ``ModelTransform.apply`` reads from a precision plugin."""
+
+    def __init__(self, precision: str) -> None:
+        self.precision = precision
+
+
+def cast_unquantized(model: nn.Module, dtype: torch.dtype) -> None:
+    """Floating parameters and buffers to ``dtype``, as ``HalfPrecision.convert_module`` does; quantized layers
+    keep their storage and constants, as bitsandbytes' own layers do on ``.to(dtype)``."""
+    for module in model.modules():
+        if is_standin(module):
+            if module.bias is not None:
+                module.bias.data = module.bias.data.to(dtype)
+            continue
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+                    if isinstance(tensor, nn.Parameter):
+                        tensor.data = tensor.data.to(dtype)
+                    else:
+                        table[name] = tensor.to(dtype)
+
+
+def _count_parameters(model: nn.Module, estimate: MemoryEstimate) -> list[nn.Parameter]:
+    """Fill ``weights`` (by dtype; quantized layers with their constants, shared code books once),
+    ``parameters`` and ``trainable_parameters``; return the trainable parameters."""
+    seen: set[int] = set()
+    weights: dict[str, int] = {}
+    parameters = 0
+    trainable: list[nn.Parameter] = []
+    for module in model.modules():
+        if is_standin(module):
+            key = "quantized_8bit" if module.weight.dtype == torch.int8 else "quantized_4bit"
+            for tensor in [module.weight, *module.buffers(recurse=False)]:
+                if id(tensor) not in seen:
+                    seen.add(id(tensor))
+                    weights[key] = weights.get(key, 0) + tensor.numel() * tensor.element_size()
+            parameters += module.in_features * module.out_features
+            seen.add(id(module.weight))
+        for param in module.parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            parameters += param.numel()
+            held = local(param)  # under FSDP this rank's shard
+            if is_traceable_wrapper_subclass(held):  # torchao NF4: the packed weight and its constants
+                names, _ = held.__tensor_flatten__()
+                inner = [getattr(held, name) for name in names]
+                weights["quantized_4bit"] = weights.get("quantized_4bit", 0) + sum(_nbytes(t) for t in inner)
+                continue
+            key = str(param.dtype).removeprefix("torch.")
+            weights[key] = weights.get(key, 0) + _nbytes(held)
+            if param.requires_grad:
+                trainable.append(param)
+    estimate.weights, estimate.parameters = weights, parameters
+    estimate.trainable_parameters = sum(p.numel() for p in trainable)
+    return trainable
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _optimizer(trainable: list[nn.Parameter], name: str | None, device: torch.device) -> torch.optim.Optimizer:
+    """The module's torch AdamW, or the strategy's replacement (``optimizer=``), over the trainable weights."""
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4)
+    if name is None:
+        return optimizer
+    if name in ("adamw8bit", "paged_adamw8bit", "lion8bit"):
+        return FakeOptimizer8bit(trainable, states=1 if name == "lion8bit" else 2)
+    with unset_fake_temporarily():  # bitsandbytes builds its quantization maps from Python lists, for real
+        return swap_optimizer(optimizer, name, device)
 
 
 def _transform_config(config: TransformConfig | None, transform_args: dict[str, Any]) -> TransformConfig:
@@ -204,96 +347,3 @@ def _transform_config(config: TransformConfig | None, transform_args: dict[str, 
     if transform_args.get("optimizer") == "adamw":
         transform_args = {**transform_args, "optimizer": None}
     return TransformConfig(**transform_args)
-
-
-class _QuantizedStandIn(nn.Linear):
-    """Stands in for a bitsandbytes layer in the fake run: frozen weight in the compute dtype, input cast to it.
-    ``Linear4bit`` casts its output back to the input dtype, ``Linear8bitLt`` does not; what follows the layer
-    then saves tensors of that dtype."""
-
-    output_in_input_dtype = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = nn.functional.linear(x.to(self.weight.dtype), self.weight, self.bias)
-        return out.to(x.dtype) if self.output_in_input_dtype else out
-
-
-def _weights_after_quantization(
-    model: nn.Module, quantization: QuantizationConfig | None, compute_dtype: torch.dtype
-) -> tuple[dict[str, int], set[int]]:
-    """Weight bytes by dtype as they will be after quantization; the ids of the quantized weights.
-
-    Quantized layers are replaced, through the package's one layer-swapping function, by stand-ins."""
-    weights: dict[str, int] = {}
-    quantized: set[int] = set()
-    if quantization is not None:
-        key = "quantized_8bit" if quantization.mode == "int8" else "quantized_4bit"
-
-        def stand_in(linear: nn.Linear, name: str) -> nn.Module:
-            weights[key] = weights.get(key, 0) + quantized_linear_bytes(*linear.weight.shape, quantization.mode)
-            layer = _QuantizedStandIn(linear.in_features, linear.out_features, linear.bias is not None)
-            layer.output_in_input_dtype = quantization.is_4bit
-            layer.weight = nn.Parameter(linear.weight.to(quantization.compute_dtype or compute_dtype), False)
-            if linear.bias is not None:
-                layer.bias = nn.Parameter(linear.bias.detach(), False)
-            quantized.add(id(layer.weight))
-            return layer
-
-        swap_linear_layers(model, stand_in, quantization.wants)
-        if quantized:
-            weights[key] += code_book_bytes(quantization.mode)
-    seen: set[int] = set()
-    for param in model.parameters():
-        if id(param) in quantized or id(param) in seen:
-            continue
-        seen.add(id(param))
-        dtype = str(param.dtype).removeprefix("torch.")
-        weights[dtype] = weights.get(dtype, 0) + param.numel() * param.element_size()
-    return weights, quantized
-
-
-def _materialize_fake(model: nn.Module) -> None:
-    """Replace meta tensors by fake CPU tensors (call inside ``FakeTensorMode``): no storage, but CPU autocast
-    applies to them. Shared (tied) parameters stay shared."""
-    made: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for name, tensor in table.items():
-                if tensor is None:
-                    continue
-                if id(tensor) not in made:
-                    fake = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
-                    made[id(tensor)] = nn.Parameter(fake, tensor.requires_grad) if table is module._parameters else fake
-                table[name] = made[id(tensor)]
-
-
-def _lora_parameters(model: nn.Module) -> list[nn.Parameter]:
-    return [p for n, p in model.named_parameters() if "lora_" in n]
-
-
-def _to_fake(mode: FakeTensorMode, batch: Any) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return mode.from_tensor(batch)
-    if isinstance(batch, Mapping):
-        return {k: _to_fake(mode, v) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_fake(mode, v) for v in batch)
-    return batch
-
-
-def _saved_bytes(model: nn.Module, batch: Any, autocast_dtype: torch.dtype | None, offloading: bool) -> tuple[int, int]:
-    """Bytes saved for backward by one training step: kept on the device, and moved to host by offloading."""
-    model.train()
-    offload = OffloadActivations(torch.device("cpu"), [*model.parameters(), *model.buffers()]) if offloading else None
-    with warnings.catch_warnings():
-        # a dry-run training_step logs without a Trainer; Lightning's warning about that is expected here
-        warnings.filterwarnings("ignore", message=r".*self\.log.*")
-        with (
-            count_saved_tensors(model) as counter,
-            torch.autocast("cpu", dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None),
-            offload or nullcontext(),
-        ):
-            output = model.training_step(batch, 0) if hasattr(model, "training_step") else model(batch)
-    loss = output["loss"] if isinstance(output, Mapping) else output
-    del loss
-    return counter.nbytes, counter.offloaded_nbytes

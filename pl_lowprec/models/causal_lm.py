@@ -9,6 +9,7 @@ Validation logs ``val/loss`` (mean per target token) and ``val/perplexity``, thr
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -34,6 +35,8 @@ class CausalLM(pl.LightningModule):
 
     Args:
         pretrained: A local model directory (``save_pretrained``), or a hub id where the network is available.
+            A ``config.json`` file (or a directory holding only it) builds the model's shapes, which is all
+            ``estimate_memory`` needs; training needs the weights.
         lr: Peak AdamW learning rate (trainable parameters only).
         weight_decay: AdamW weight decay.
         warmup_steps: Linear warm-up from 0, in optimizer steps.
@@ -66,14 +69,33 @@ class CausalLM(pl.LightningModule):
         from transformers import AutoConfig
 
         self.save_hyperparameters()
-        self.directory = resolve_pretrained(pretrained)
-        self.config = AutoConfig.from_pretrained(str(self.directory), local_files_only=True)
-        self.pretrained_weights = PretrainedWeights(self.directory, PREFIX)
+        config_file = Path(pretrained).expanduser()
+        if config_file.suffix == ".json" and config_file.is_file():  # shapes only, for estimate_memory
+            self.directory = config_file.parent
+        else:
+            self.directory, config_file = resolve_pretrained(pretrained), None
+        self.config = AutoConfig.from_pretrained(str(config_file or self.directory), local_files_only=True)
+        self._pretrained_weights: PretrainedWeights | None = None
         self.dtype_override = to_dtype(dtype)
         self.model: Any = None
         self.token_mean = TokenMeanLoss()
         self.val_nll = MeanMetric()
         self.loss_fn = chunk_loss
+
+    @property
+    def pretrained_weights(self) -> PretrainedWeights:
+        """The weights the strategy streams in, checked when first needed: a directory with only ``config.json``
+        builds the model (``estimate_memory`` needs nothing more), training needs the weights."""
+        if self._pretrained_weights is None:
+            try:
+                self._pretrained_weights = PretrainedWeights(self.directory, PREFIX)
+            except FileNotFoundError as err:
+                raise FileNotFoundError(
+                    f"CausalLM(pretrained={str(self.hparams.pretrained)!r}) has a config.json but no weights: that is"
+                    " enough for `estimate_memory` and `pl-lowprec estimate`, but training needs the safetensors files"
+                    f" (save_pretrained writes them). {err}"
+                ) from err
+        return self._pretrained_weights
 
     def setup(self, stage: str) -> None:
         """Before any weight loads (``configure_model`` runs after): the data's tokenizer fits this model."""

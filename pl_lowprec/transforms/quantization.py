@@ -8,7 +8,7 @@ linear-layer filter's choice (``pl_lowprec.transforms.linear_filter``: exact ``n
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -68,19 +68,26 @@ def is_quantized(module: nn.Module) -> bool:
 
 
 def quantize_model(
-    model: nn.Module, config: QuantizationConfig, compute_dtype: torch.dtype, device: torch.device
+    model: nn.Module,
+    config: QuantizationConfig,
+    compute_dtype: torch.dtype,
+    device: torch.device,
+    quantize_layer: Callable[[nn.Linear, QuantizationConfig, torch.dtype, torch.device], nn.Module] | None = None,
 ) -> list[str]:
     """Quantize the model's exact ``nn.Linear`` layers on ``device`` (idempotent); return the names replaced.
 
+    ``quantize_layer`` makes each layer (``quantize_linear``'s signature): bitsandbytes' by default, the memory
+    estimate's stand-ins (``pl_lowprec.memory.bnb_standin``) in a fake step.
     Raises ``ValueError`` when nothing can be quantized and the model holds no quantized layer yet.
     """
-    bnb = import_bitsandbytes()
     compute_dtype = config.compute_dtype or compute_dtype
-    if not config.is_4bit:
-        check_int8_trains(bnb, device)
+    if quantize_layer is None:
+        quantize_layer = quantize_linear
+        if not config.is_4bit:
+            check_int8_trains(import_bitsandbytes(), device)
 
     def make_layer(linear: nn.Linear, name: str) -> nn.Module:
-        return _quantized_copy(bnb, linear, config, compute_dtype, device)
+        return quantize_layer(linear, config, compute_dtype, device)
 
     if any(is_quantized(m) for m in model.modules()):
         return []  # quantized before (a second fit, or validate then fit): LoRA's own Linears must stay as they are

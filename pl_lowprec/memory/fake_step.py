@@ -1,0 +1,231 @@
+"""One optimizer step on fake tensors, as Lightning's loop runs it, under a ``StepTracker``.
+
+The loop is the one Lightning's automatic optimization runs, written out: for each micro-batch of the window
+``training_step`` (under the precision's autocast) and ``backward``; then ``on_before_optimizer_step``, the
+optimizer step and ``zero_grad(set_to_none=True)``. No Trainer is built: the module sees a ``DryRunTrainer``
+that answers what training steps ask (accumulation, world size, a reduce that returns its input), and
+``self.log`` does nothing.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from pl_lowprec.memory.activations import count_saved_tensors
+from pl_lowprec.memory.fake_model import eager_attention_masks, fake_tensors
+from pl_lowprec.memory.tracker import StepTracker
+from pl_lowprec.transforms.offloading import OffloadActivations
+
+
+@dataclass
+class _DryRunStrategy:
+    transform: Any
+    world_size: int = 1
+
+    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        return tensor  # every rank sees the same batch shapes
+
+
+@dataclass
+class DryRunTrainer:
+    """What a ``LightningModule`` reads from its trainer during ``configure_model`` and a training step."""
+
+    transform: Any
+    accumulate_grad_batches: int = 1
+    world_size: int = 1
+    lightning_module: Any = None
+    strategy: _DryRunStrategy = field(init=False)
+    datamodule: Any = None
+    estimated_stepping_batches: int = 1
+    global_rank: int = 0
+    local_rank: int = 0
+    barebones: bool = True  # self.log() returns at once
+
+    def __post_init__(self) -> None:
+        self.strategy = _DryRunStrategy(self.transform, self.world_size)
+
+
+@contextmanager
+def attached(model: nn.Module, trainer: DryRunTrainer) -> Iterator[None]:
+    """``model.trainer`` is ``trainer`` inside (LightningModules only), and what it had before afterwards."""
+    if not hasattr(model, "_trainer"):
+        yield
+        return
+    before = model._trainer
+    trainer.lightning_module = model
+    model._trainer = trainer
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*self\.log.*")
+            yield
+    finally:
+        model._trainer = before
+
+
+def prime_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer state as after step 1, without running step 1: zero gradients, one step."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def run_step(
+    model: nn.Module,
+    batch: Any,
+    optimizer: torch.optim.Optimizer,
+    tracker: StepTracker,
+    autocast_dtype: torch.dtype | None,
+    accumulate_grad_batches: int = 1,
+    step_context: AbstractContextManager | None = None,
+    first_forward: AbstractContextManager | None = None,
+) -> None:
+    """One optimizer step: ``accumulate_grad_batches`` forwards and backwards, then the optimizer step.
+    ``step_context`` wraps each ``training_step`` (activation offloading, as the strategy does);
+    ``first_forward`` the first one only."""
+    model.train()
+    for index in range(accumulate_grad_batches):
+        with (
+            tracker.phase("forward"),
+            first_forward if index == 0 and first_forward is not None else nullcontext(),
+            step_context or nullcontext(),  # innermost saved-tensor hooks win: offloading reports to the counter
+            torch.autocast("cpu", dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None),
+        ):
+            output = model.training_step(batch, index) if hasattr(model, "training_step") else model(batch)
+        loss = output["loss"] if isinstance(output, Mapping) else output
+        del output
+        if loss.dim() > 0:  # a plain module's output, not a loss: reduced to one, as a loss function would
+            loss = loss.sum()
+        with tracker.phase("backward"):
+            loss.backward()
+        del loss
+    with tracker.phase("optimizer step"):
+        if hasattr(model, "on_before_optimizer_step"):
+            model.on_before_optimizer_step(optimizer)
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+PHASES = ("forward", "backward", "optimizer step")
+
+
+@dataclass
+class SimulatedStep:
+    """What one fake step measured: the peak, where, its split by category, the timeline (after load, then each
+    phase's peak), one split per allocating op (``samples``), and the bytes saved for backward by the first
+    forward (``saved_bytes``; ``offloaded_bytes`` of them moved to host memory by activation offloading)."""
+
+    peak: int
+    peak_phase: str
+    peak_split: dict[str, int]
+    timeline: list[tuple[str, int]]
+    samples: list[tuple[str, dict[str, int]]]
+    saved_bytes: int
+    offloaded_bytes: int
+    host_peak: int = 0
+    extrapolated: bool = False  # from 2 and 3 identical blocks (depth.py)
+
+
+def simulate_step(
+    model: nn.Module,
+    example_batch: Any,
+    trainer: DryRunTrainer,
+    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    autocast_dtype: torch.dtype | None,
+    offloading: bool,
+    device_type: str,
+    mode: FakeTensorMode | None = None,
+    sharded: bool = False,
+) -> SimulatedStep:
+    """Make the meta-device ``model`` fake, prime the optimizer, run one tracked step; the model is left on the
+    meta device again, so this can run repeatedly (with fewer blocks, ``depth.py``). A ``sharded`` (FSDP2)
+    model is made fake by FSDP's own ``to_empty`` instead, for good: it runs once."""
+    mode = mode or FakeTensorMode(allow_non_fake_inputs=True)
+    with (
+        eager_attention_masks(),
+        mode,
+        _sharded_to_empty(model) if sharded else fake_tensors(model),
+        attached(model, trainer),
+    ):
+        batch = _to_fake(mode, example_batch)
+        optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
+        prime_optimizer(optimizer)
+        tracker = StepTracker(model, optimizer, _tensors(batch), device_type)
+        offload = SimulatedOffload(tracker, [*model.parameters(), *model.buffers()]) if offloading else None
+        saved: list[Any] = []
+
+        @contextmanager
+        def count_first_forward() -> Iterator[None]:
+            with count_saved_tensors(model) as counter:
+                saved.append(counter)
+                yield
+
+        with tracker:
+            tracker.reset()
+            step_args = (autocast_dtype, trainer.accumulate_grad_batches, offload, count_first_forward())
+            run_step(model, batch, optimizer, tracker, *step_args)
+        tracker.remove_hooks()
+    timeline = [tracker.timeline[0][:2]]
+    timeline += [(f"{name} peak", tracker.phase_peaks[name][0]) for name in PHASES if name in tracker.phase_peaks]
+    return SimulatedStep(
+        tracker.peak,
+        tracker.peak_phase,
+        dict(tracker.peak_split),
+        timeline,
+        list(tracker.samples),
+        saved[0].nbytes,
+        saved[0].offloaded_nbytes,
+        tracker.host_peak,
+    )
+
+
+class SimulatedOffload(OffloadActivations):
+    """Activation offloading as it runs on CUDA, in the fake CPU step: each moved tensor's copy lives in host
+    memory (``StepTracker.on_host``) and backward makes a device copy again, which lives as long as autograd
+    needs it."""
+
+    def __init__(self, tracker: StepTracker, exclude: list[torch.Tensor]) -> None:
+        super().__init__(torch.device("cpu"), exclude)
+        self.tracker = tracker
+
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        with self.tracker.on_host():
+            return super()._to_host(tensor)
+
+    def _to_device(self, packed: Any) -> torch.Tensor:
+        return packed.tensor.clone()
+
+
+@contextmanager
+def _sharded_to_empty(model: nn.Module) -> Iterator[None]:
+    model.to_empty(device="cpu")  # FSDP2 re-creates each DTensor shard (and torchao NF4) as a fake tensor
+    yield
+
+
+def _to_fake(mode: FakeTensorMode, batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return mode.from_tensor(batch)
+    if isinstance(batch, Mapping):
+        return {k: _to_fake(mode, v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_fake(mode, v) for v in batch)
+    return batch
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, Mapping):
+        return [t for v in batch.values() for t in _tensors(v)]
+    if isinstance(batch, (list, tuple)):
+        return [t for v in batch for t in _tensors(v)]
+    return []

@@ -1,0 +1,41 @@
+"""``plot_step``: the simulated step as stacked categories over time, the picture PyTorch's memory visualizer draws
+from a CUDA snapshot, here drawn from the prediction (``pl-lowprec estimate --plot FILE.png``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pl_lowprec._imports import import_matplotlib_pyplot
+
+STACK = ("weights", "gradients", "optimizer_state", "activations", "temporaries")
+
+
+def plot_step(estimate: Any, path: str | Path) -> Path:
+    """Write ``estimate``'s step (one point per allocating op) as a stacked area chart to ``path`` (PNG, SVG...)."""
+    plt = import_matplotlib_pyplot()  # first: a missing matplotlib fails before any work
+    if not estimate.samples:
+        raise ValueError("This estimate holds no samples of the step to plot (it was not simulated).")
+    mib = 2**20
+    series = {name: [] for name in STACK}
+    for _, split in estimate.samples:
+        for name in STACK:
+            extra = split.get("inputs", 0) if name == "activations" else 0  # the batch, with what forward makes
+            series[name].append((split.get(name, 0) + extra) / mib)
+    steps = range(len(estimate.samples))
+    figure, axes = plt.subplots(figsize=(10, 4.5))
+    axes.stackplot(steps, *series.values(), labels=[name.replace("_", " ") for name in STACK])
+    for index in range(1, len(estimate.samples)):
+        if estimate.samples[index][0] != estimate.samples[index - 1][0]:
+            axes.axvline(index, color="grey", linewidth=0.6)
+            axes.text(index, 0, f" {estimate.samples[index][0]}", rotation=90, va="bottom", fontsize=7)
+    shape = " (the step's shape drawn at 3 blocks; figures for all)" if estimate.extrapolated else ""
+    axes.set_title(f"Predicted peak {estimate.peak / mib:,.1f} MiB during the {estimate.peak_phase}{shape}")
+    axes.set_xlabel("allocating op in the step")
+    axes.set_ylabel("MiB live")
+    axes.legend(loc="upper left", fontsize=8)
+    figure.tight_layout()
+    path = Path(path)
+    figure.savefig(path)
+    plt.close(figure)
+    return path
