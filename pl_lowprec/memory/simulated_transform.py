@@ -1,9 +1,10 @@
 """The strategy's own ``ModelTransform``, run on a meta-device model: only the steps that need real weights differ.
 
 Loading ``pretrained=`` is skipped (shapes only: a directory with just ``config.json`` is enough), and
-bitsandbytes layers become their stand-ins (``bnb_standin.py``), ``compile=`` is left out, built through ``quantize_model``'s own layer
-walk, so the estimate cannot drift from what the strategy does: the same layers are quantized, the same LoRA
-targets adapted, the same blocks checkpointed, in the same order. float8 runs emulated (fake CPU tensors).
+bitsandbytes layers become their stand-ins (``bnb_standin.py``), built through ``quantize_model``'s own layer
+walk, and ``compile=`` is left out (the estimate is the eager step), so the estimate cannot drift from what the
+strategy does: the same layers are quantized, the same LoRA targets adapted, the same blocks checkpointed, in
+the same order. float8 runs emulated (fake CPU tensors).
 Under FSDP (``sharding``) the 4-bit weights are torchao NF4 as in the real run, quantized from fake tensors in the
 step's ``fake_mode``, and ``fully_shard`` runs on a fake process group (``fake_distributed.py``).
 """
