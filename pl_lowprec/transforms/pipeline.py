@@ -47,6 +47,7 @@ from pl_lowprec._imports import import_bitsandbytes, import_torchao
 from pl_lowprec.adapters import load_trainable_state_dict, trainable_state_dict
 from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.loading import PretrainedWeights
+from pl_lowprec.loading.host_memory import release_freed_host_memory
 from pl_lowprec.transforms.checkpointing import is_checkpointed, set_activation_checkpointing
 from pl_lowprec.transforms.checks import refuse_fitting_converted
 from pl_lowprec.transforms.compiling import CompileClock, check_compiler, compile_model
@@ -177,6 +178,8 @@ class ModelTransform:
         fill_meta_model(
             model, weights, self.config.quantization, compute_dtype, device, self.quantize_layer, self.sharding
         )
+        if weights is not None:
+            release_freed_host_memory()
 
     def weights_for(self, model: nn.Module) -> PretrainedWeights | None:
         """The strategy's ``pretrained=``, else what the module names as its ``pretrained_weights``."""
