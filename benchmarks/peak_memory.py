@@ -71,12 +71,12 @@ def build(hidden: int = 256, layers: int = 4, max_len: int = 256):
     )
 
 
-def measure_and_predict(name: str, batch_size: int = 8, seq_len: int = 256, **model: int) -> dict:
-    """Both figures for one configuration, in this process (run it in a fresh one); ``model``: ``build``'s."""
+def measure(precision: str, settings: dict, batch_size: int = 8, seq_len: int = 256, **model: int) -> int:
+    """The profiler's peak of step 2 for ``settings`` (the strategies' model arguments, and ``accumulate``), in
+    this process (run it in a fresh one); ``model``: ``build``'s."""
     warnings.filterwarnings("ignore")
     import torch
 
-    from pl_lowprec import estimate_memory
     from pl_lowprec.memory.estimate import _Precision
     from pl_lowprec.memory.fake_step import DryRunTrainer, attached, run_step
     from pl_lowprec.memory.profiled import measured_peak
@@ -85,13 +85,11 @@ def measure_and_predict(name: str, batch_size: int = 8, seq_len: int = 256, **mo
     from pl_lowprec.transforms.dtypes import dtype_of_precision
     from pl_lowprec.transforms.pipeline import ModelTransform
 
-    precision, settings = CONFIGS[name]
     settings = dict(settings)
     accumulate = settings.pop("accumulate", 1)
     batch = {"input_ids": torch.randint(0, 256, (batch_size, seq_len))}
-    build_model = build(**model, max_len=seq_len)
     torch.manual_seed(0)
-    module = build_model()
+    module = build(**model, max_len=seq_len)()
     transform = ModelTransform(TransformConfig(**settings))
     transform.apply(module, _Precision(precision), torch.device("cpu"))
     trainable = [p for p in module.parameters() if p.requires_grad]
@@ -114,9 +112,24 @@ def measure_and_predict(name: str, batch_size: int = 8, seq_len: int = 256, **mo
 
     with attached(module, trainer):
         step()  # step 1 creates the optimizer state
-        measured = measured_peak(step)
+        return measured_peak(step)
+
+
+def measure_and_predict(name: str, batch_size: int = 8, seq_len: int = 256, **model: int) -> dict:
+    """Both figures for one configuration, in this process (run it in a fresh one); ``model``: ``build``'s."""
+    from pl_lowprec import estimate_memory
+
+    precision, settings = CONFIGS[name]
+    measured = measure(precision, settings, batch_size, seq_len, **model)
+    import torch
+
+    settings = dict(settings)
+    accumulate = settings.pop("accumulate", 1)
+    batch = {"input_ids": torch.randint(0, 256, (batch_size, seq_len))}
     started = time.perf_counter()
-    estimate = estimate_memory(build_model, batch, precision=precision, accumulate_grad_batches=accumulate, **settings)
+    estimate = estimate_memory(
+        build(**model, max_len=seq_len), batch, precision=precision, accumulate_grad_batches=accumulate, **settings
+    )
     seconds = time.perf_counter() - started
 
     return {
@@ -127,6 +140,17 @@ def measure_and_predict(name: str, batch_size: int = 8, seq_len: int = 256, **mo
         "peak_phase": estimate.peak_phase,
         "estimate_s": seconds,
     }
+
+
+def measure_in_fresh_process(precision: str, settings: dict, **sizes: int) -> int:
+    """``measure`` in a fresh process: the measured peak of any settings (``plan``'s tests use it)."""
+    request = json.dumps({"precision": precision, "settings": settings, "sizes": sizes})
+    done = subprocess.run(
+        [sys.executable, __file__, "--measure", request], capture_output=True, text=True, cwd=Path(__file__).parents[1]
+    )
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-3000:])
+    return int(done.stdout.strip().splitlines()[-1])
 
 
 FSDP_NAME = "fsdp qlora fp32 ckpt, 2 ranks (per rank)"
@@ -227,7 +251,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--one", choices=[*CONFIGS, FSDP_NAME])
     parser.add_argument("--sizes", default="{}", help='JSON: {"hidden": 64, "layers": 2, "batch_size": 2, ...}')
+    parser.add_argument("--measure", help='JSON: {"precision": ..., "settings": {...}, "sizes": {...}}')
     args = parser.parse_args(argv)
+    if args.measure:
+        request = json.loads(args.measure)
+        print(measure(request["precision"], request["settings"], **request["sizes"]))
+        return {}
     if args.one == FSDP_NAME:
         print(json.dumps(fsdp_measure_and_predict(**json.loads(args.sizes))))
         return {}

@@ -5,13 +5,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from pl_lowprec.cli import estimate, export, generate, make_demo_model
+from pl_lowprec.cli import estimate, export, generate, make_demo_model, plan
 from pl_lowprec.cli.lightning_cli import build_cli
 
 SUBCOMMANDS: dict[str, Callable[[list[str]], None]] = {
     "export": export.main,
     "generate": generate.main,
     "estimate": estimate.main,
+    "plan": plan.main,
     "make-demo-model": make_demo_model.main,
 }
 
@@ -20,8 +21,9 @@ def main(args: list[str] | None = None) -> None:
     """The ``pl-lowprec`` console script; ``args`` replaces ``sys.argv[1:]``.
 
     Subcommands: ``fit``, ``validate``, ``test``, ``predict`` (LightningCLI), ``estimate`` (memory estimate),
-    ``make-demo-model`` (a small pretrained model and a fine-tuning task, made locally), ``export`` (a checkpoint
-    to a peft adapter directory or a merged model) and ``generate`` (completions of a file of prompts).
+    ``plan`` (the memory settings that fit a budget), ``make-demo-model`` (a small pretrained model and a
+    fine-tuning task, made locally), ``export`` (a checkpoint to a peft adapter directory or a merged model) and
+    ``generate`` (completions of a file of prompts).
     """
     argv = sys.argv[1:] if args is None else args
     subcommand = SUBCOMMANDS.get(argv[0]) if argv else None

@@ -1,0 +1,252 @@
+"""``pl-lowprec plan --config X.yaml --memory 24GiB``: the cheapest memory settings that fit, as a config to run.
+
+The config is read as ``pl-lowprec estimate`` reads it (``rebuild_classes``: no Trainer, the model on the meta
+device). Every candidate of ``pl_lowprec.memory.plan`` is simulated; the ranked table is printed, and the
+cheapest candidate that fits is written with ``--out`` as the same YAML with only the searched settings changed,
+so ``pl-lowprec fit --config plan.yaml`` runs it as is. ``--maximize seq_len`` (or ``batch_size``) instead finds
+the longest sequence (or largest micro-batch) that fits with the most memory-saving settings the config allows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from pl_lowprec.cli.estimate import device_of, devices_of, precision_of
+from pl_lowprec.cli.rebuild import rebuild_classes
+from pl_lowprec.memory.estimate import estimate_memory
+from pl_lowprec.memory.fake_step import DryRunTrainer, attached
+from pl_lowprec.memory.plan import (
+    Settings,
+    block_classes,
+    doubling_bound,
+    fresh_copies,
+    largest_fitting,
+    plan_memory,
+    settings_config,
+)
+from pl_lowprec.memory.sizes import parse_bytes
+from pl_lowprec.transforms.config import TransformConfig
+
+MAX_SEQ_LEN = 1 << 20
+
+
+def resized(batch: Any, rows: int, seq_len: int | None = None) -> Any:
+    """``batch`` with ``rows`` rows (repeated or cut) and, for 2-d tensors, ``seq_len`` positions (tiled or cut)."""
+    if isinstance(batch, dict):
+        return {k: resized(v, rows, seq_len) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(resized(v, rows, seq_len) for v in batch)
+    if not isinstance(batch, torch.Tensor) or batch.dim() == 0:
+        return batch
+    index = torch.arange(rows) % batch.shape[0]
+    out = batch[index]
+    if seq_len is not None and out.dim() >= 2:
+        positions = torch.arange(seq_len) % out.shape[1]
+        out = out[:, positions]
+    return out
+
+
+def main(args: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pl-lowprec plan", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="a YAML file that `pl-lowprec fit --config` runs")
+    parser.add_argument("--memory", required=True, help="device memory per device: 24GiB, 80GB, 512MiB or bytes")
+    parser.add_argument("--devices", type=int, default=None, help="devices to plan for (default: the config's)")
+    parser.add_argument("--margin", type=float, default=0.1, help="fraction of --memory kept free (default 0.1)")
+    parser.add_argument("--out", help="write the chosen config here (refused if it exists, unless --overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    parser.add_argument("--maximize", choices=["seq_len", "batch_size"], help="the largest value that fits")
+    parser.add_argument("--allow_quantization", action="store_true", help="also try nf4-dq base weights")
+    options, overrides = parser.parse_known_args(args)
+    try:
+        budget = parse_bytes(options.memory, "--memory")
+        if not 0 <= options.margin < 1:
+            raise ValueError(f"--margin={options.margin} must be a fraction in [0, 1), such as 0.1 (10% kept free).")
+        out = Path(options.out) if options.out else None
+        if out is not None and out.exists() and not options.overwrite:
+            raise ValueError(f"--out {out} exists: pass --overwrite to replace it, or another path.")
+    except ValueError as error:
+        parser.exit(2, f"pl-lowprec plan: {error}\n")
+    run = rebuild_classes(["--config", options.config, *overrides])
+    trainer = run.config_init.trainer
+    config = getattr(trainer.strategy, "transform_config", None)
+    if config is None or run.datamodule is None:
+        parser.exit(
+            2,
+            "pl-lowprec plan: the config needs one of pl_lowprec's strategies (trainer.strategy: lowprec,"
+            " lowprec_ddp or lowprec_fsdp) and a data section: the plan changes the strategy's memory settings and"
+            " takes the batch shape from the data.\n",
+        )
+    run.datamodule.setup("fit")
+    batch = next(iter(run.datamodule.train_dataloader()))
+    rows = next(t.shape[0] for t in _tensors(batch))
+    accumulate = int(getattr(trainer, "accumulate_grad_batches", None) or 1)
+    devices = options.devices or (devices_of(trainer) if str(getattr(trainer, "devices", "1")).isdigit() else 1)
+    precision, device = precision_of(trainer), device_of(trainer)
+    build = fresh_copies(run.model)
+    blocks = _block_names(build, config)
+    if options.maximize:
+        _maximize(options, build, batch, rows, budget, precision, device, config, blocks, overrides, run)
+        return
+    plan = plan_memory(
+        build,
+        lambda micro: resized(batch, micro),
+        budget,
+        rows * accumulate * devices,
+        precision,
+        device,
+        config,
+        devices,
+        options.margin,
+        options.allow_quantization,
+        blocks,
+    )
+    print(plan.table())
+    chosen = plan.chosen
+    if chosen is None:
+        print(plan.nothing_fits(), file=sys.stderr)
+        raise SystemExit(1)
+    print(f"Chosen: {chosen.settings.describe()}, predicted peak {chosen.peak / 2**30:.3f} GiB.")
+    if out is not None:
+        write_plan(options.config, overrides, out, chosen.settings, blocks, config, devices, run)
+        print(f"Wrote {out}: pl-lowprec fit --config {out}")
+
+
+def _maximize(options, build, batch, rows, budget, precision, device, config, blocks, overrides, run) -> None:
+    """The longest sequence (or largest micro-batch) that fits, with the most memory-saving settings allowed."""
+    limit = int(budget * (1 - options.margin))
+    saving = Settings(
+        micro_batch=1 if options.maximize == "seq_len" else rows,
+        accumulate=1,
+        checkpointing="every block" if (config.activation_checkpointing or blocks) else "none",
+        optimizer="adamw8bit" if config.optimizer in (None, "adamw") else config.optimizer,
+        activation_offloading=device == "cuda",
+        quantization="nf4-dq" if options.allow_quantization and config.quantization is None else None,
+    )
+    transform = settings_config(config, saving, blocks)
+    seq_len = next(t.shape[1] for t in _tensors(batch) if t.dim() >= 2)
+
+    def fits(value: int) -> bool:
+        micro, length = (saving.micro_batch, value) if options.maximize == "seq_len" else (value, seq_len)
+        estimate = estimate_memory(
+            build, resized(batch, micro, length), precision=precision, device=device, config=transform
+        )
+        return estimate.peak <= limit
+
+    start = seq_len if options.maximize == "seq_len" else 1
+    ceiling = MAX_SEQ_LEN if options.maximize == "seq_len" else 4096
+    low, high = doubling_bound(fits, min(start, 16), ceiling) if fits(min(start, 16)) else (None, None)
+    best = None if low is None else largest_fitting(fits, low, high)
+    if best is None:
+        print(
+            f"Nothing fits in {limit / 2**30:.2f} GiB even at {options.maximize}={min(start, 16)} with"
+            f" {saving.describe()}: the weights and optimizer state alone are too large; quantize"
+            " (--allow_quantization), shard over more devices, or plan for a larger device.",
+            file=sys.stderr,
+        )
+        raise SystemExit(1)
+    print(f"Largest {options.maximize} that fits in {limit / 2**30:.2f} GiB with {saving.describe()}: {best}")
+    if options.out:
+        if options.maximize == "seq_len":
+            saving = dataclasses.replace(saving, micro_batch=rows)
+        else:
+            saving = dataclasses.replace(saving, micro_batch=best)
+        extra = {"data.init_args.seq_len": best} if options.maximize == "seq_len" else {}
+        devices = options.devices or 1
+        write_plan(options.config, overrides, Path(options.out), saving, blocks, config, devices, run, extra)
+        print(f"Wrote {options.out}: pl-lowprec fit --config {options.out}")
+
+
+def write_plan(
+    source: str,
+    overrides: list[str],
+    out: Path,
+    settings: Settings,
+    blocks: list[str] | None,
+    config: TransformConfig,
+    devices: int,
+    run: Any,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """The source YAML with the command line's overrides and only the searched settings changed."""
+    fields = yaml.safe_load(Path(source).read_text()) or {}
+    for key, value in _dotted_overrides(overrides).items():
+        _set(fields, key, value)
+    strategy = fields.setdefault("trainer", {}).get("strategy")
+    if not isinstance(strategy, dict):
+        built = type(run.config_init.trainer.strategy)
+        fields["trainer"]["strategy"] = {"class_path": f"{built.__module__}.{built.__qualname__}", "init_args": {}}
+    planned = settings_config(config, settings, blocks)
+    changes = {
+        "trainer.accumulate_grad_batches": settings.accumulate,
+        "data.init_args.batch_size": settings.micro_batch,
+        "trainer.strategy.init_args.activation_checkpointing": _plain(planned.activation_checkpointing),
+        "trainer.strategy.init_args.checkpoint_every_n": planned.checkpoint_every_n,
+        "trainer.strategy.init_args.checkpoint_mode": planned.checkpoint_mode,
+        "trainer.strategy.init_args.optimizer": planned.optimizer,
+        "trainer.strategy.init_args.activation_offloading": planned.activation_offloading,
+        **(extra or {}),
+    }
+    if settings.quantization is not None:
+        changes["trainer.strategy.init_args.quantization"] = settings.quantization
+    if devices != 1 or "devices" in fields["trainer"]:
+        changes["trainer.devices"] = devices
+    for key, value in changes.items():
+        _set(fields, key, value)
+    header = f"# Written by pl-lowprec plan from {source}: {settings.describe()}.\n"
+    out.write_text(header + yaml.safe_dump(fields, sort_keys=False))
+
+
+def _block_names(build: Callable[[], Any], config: TransformConfig) -> list[str] | None:
+    """The block classes to checkpoint: the config's, else those the (configured) model declares."""
+    if config.activation_checkpointing is not None:
+        return None
+    model = build()
+    with torch.device("meta"), attached(model, DryRunTrainer(None)):
+        if hasattr(model, "configure_model"):
+            model.configure_model()
+    return block_classes(model) or None
+
+
+def _dotted_overrides(overrides: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    args = iter(overrides)
+    for arg in args:
+        if not arg.startswith("--"):
+            continue
+        name, sep, value = arg[2:].partition("=")
+        out[name] = yaml.safe_load(value if sep else next(args, "true"))
+    return out
+
+
+def _set(fields: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    node = fields
+    for key in parents:
+        if not isinstance(node.get(key), dict):
+            node[key] = {}
+        node = node[key]
+    node[last] = value
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [v if isinstance(v, str) else getattr(v, "__name__", str(v)) for v in value]
+    return value
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, dict):
+        return [t for v in batch.values() for t in _tensors(v)]
+    if isinstance(batch, (list, tuple)):
+        return [t for v in batch for t in _tensors(v)]
+    return []

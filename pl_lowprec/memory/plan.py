@@ -1,0 +1,279 @@
+"""``plan_memory``: the cheapest memory settings whose predicted peak fits a budget.
+
+The model, the sequence length and the global batch (micro-batch x accumulation x devices) stay as the config
+has them; what is searched only trades memory for time and never changes what is learned:
+
+- the micro-batch, with accumulation adjusted so the global batch stays the same (with a token-mean loss, as
+  ``CausalLM``'s, the optimizer steps are the same);
+- activation checkpointing: none, every n-th block, every block, and ``checkpoint_mode="selective"``;
+- the 8-bit AdamW (``optimizer="adamw8bit"``) in place of torch's;
+- activation offloading, on CUDA only.
+
+Quantization changes the model, so it is searched only where the config already quantizes (its mode is kept)
+or with ``allow_quantization`` (then nf4-dq is tried too); it is never switched on silently.
+
+Each candidate is simulated by ``estimate_memory`` (one fake step through the strategy's own transform). Its
+cost is relative FLOPs per optimizer step: forward 1, backward 2, plus the forward work each checkpointing
+policy recomputes (every block 1, every n-th block 1/n, selective 0: it keeps the matmul outputs). FLOPs do not
+see the cost of memory-bound ops or of small micro-batches, so ties go to the larger micro-batch, then to fewer
+changes (docs/memory.md gives how this ranked measured step times).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
+from pl_lowprec.transforms.config import TransformConfig
+
+FORWARD, BACKWARD = 1.0, 2.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One point of the search: what the planned config sets."""
+
+    micro_batch: int
+    accumulate: int
+    checkpointing: str  # "none", "every 2nd block", "every block", "selective"
+    checkpoint_every_n: int = 1
+    optimizer: str | None = None
+    activation_offloading: bool = False
+    quantization: str | None = None  # None: as the config has it; else switched on (allow_quantization)
+
+    @property
+    def recompute(self) -> float:
+        """The fraction of forward FLOPs recomputed in backward."""
+        if self.checkpointing in ("none", "selective"):
+            return 0.0
+        return 1.0 / self.checkpoint_every_n
+
+    @property
+    def cost(self) -> float:
+        """FLOPs per optimizer step relative to a step without recompute."""
+        return (FORWARD + BACKWARD + FORWARD * self.recompute) / (FORWARD + BACKWARD)
+
+    def describe(self) -> str:
+        parts = [f"micro-batch {self.micro_batch} x {self.accumulate}", f"checkpointing {self.checkpointing}"]
+        if self.optimizer:
+            parts.append(f"optimizer {self.optimizer}")
+        if self.activation_offloading:
+            parts.append("offloading")
+        if self.quantization:
+            parts.append(f"quantization {self.quantization}")
+        return ", ".join(parts)
+
+
+@dataclass
+class Candidate:
+    settings: Settings
+    estimate: MemoryEstimate
+    fits: bool
+
+    @property
+    def peak(self) -> int:
+        return self.estimate.peak
+
+
+@dataclass
+class MemoryPlan:
+    """The ranked candidates (fitting ones first, cheapest first) and the chosen one (``None``: nothing fits)."""
+
+    budget: int
+    margin: float
+    candidates: list[Candidate] = field(default_factory=list)
+
+    @property
+    def limit(self) -> int:
+        """The bytes a candidate's peak may reach: the budget less the margin."""
+        return int(self.budget * (1 - self.margin))
+
+    @property
+    def chosen(self) -> Candidate | None:
+        return next((c for c in self.candidates if c.fits), None)
+
+    def table(self, rows: int = 12) -> str:
+        """The ``rows`` best candidates (all that fit first), and how many more were simulated."""
+        gib = 2**30
+        lines = [
+            f"Budget {self.budget / gib:.2f} GiB, margin {self.margin:.0%}: a peak up to {self.limit / gib:.2f} GiB"
+            " fits. Cost: FLOPs per optimizer step relative to no recompute.",
+            f"  {'fits':<5}{'peak GiB':>10}{'headroom GiB':>14}{'cost':>7}  settings",
+        ]
+        for c in self.candidates[:rows]:
+            mark = "*" if c is self.chosen else " "
+            headroom = (self.limit - c.peak) / gib
+            lines.append(
+                f"{mark} {'yes' if c.fits else 'no':<5}{c.peak / gib:>10.3f}{headroom:>14.3f}"
+                f"{c.settings.cost:>7.2f}  {c.settings.describe()}"
+            )
+        if len(self.candidates) > rows:
+            lines.append(f"  ... and {len(self.candidates) - rows} more simulated, all ranked lower.")
+        return "\n".join(lines)
+
+    def nothing_fits(self) -> str:
+        """One paragraph: the smallest peak found, what dominates it, and what to change."""
+        smallest = min(self.candidates, key=lambda c: c.peak)
+        split = {k: v for k, v in smallest.estimate.peak_split.items() if v}
+        top = sorted(split.items(), key=lambda kv: -kv[1])[:3]
+        parts = ", ".join(f"{k.replace('_', ' ')} {v / 2**30:.2f} GiB" for k, v in top)
+        advice = {
+            "weights": "quantize the base weights (allow_quantization / quantization: nf4-dq), or shard them over"
+            " more devices (lowprec_fsdp with --devices N)",
+            "activations": "shorter sequences (data seq_len), or activation offloading on a GPU",
+            "temporaries": "shorter sequences (a smaller micro-batch is already tried), or a smaller loss chunk"
+            " (CausalLM loss_chunk_size) where the logits dominate",
+            "optimizer_state": "the 8-bit optimizer or fewer trainable parameters (a smaller LoRA rank)",
+            "gradients": "fewer trainable parameters (LoRA instead of a full fine-tune)",
+        }.get(top[0][0], "shorter sequences or more devices")
+        return (
+            f"Nothing fits in {self.limit / 2**30:.2f} GiB (budget {self.budget / 2**30:.2f} GiB less the"
+            f" {self.margin:.0%} margin): the smallest predicted peak of the {len(self.candidates)} candidates is"
+            f" {smallest.peak / 2**30:.2f} GiB ({smallest.settings.describe()}), of which {parts}. The largest"
+            f" part is {top[0][0].replace('_', ' ')}: {advice}."
+        )
+
+
+def plan_memory(
+    build_model: Callable[[], nn.Module],
+    make_batch: Callable[[int], Any],
+    budget: int,
+    global_batch: int,
+    precision: str = "32-true",
+    device: str | torch.device = "cpu",
+    config: TransformConfig | None = None,
+    devices: int = 1,
+    margin: float = 0.1,
+    allow_quantization: bool = False,
+    block_names: list[str] | None = None,
+) -> MemoryPlan:
+    """Simulate every candidate and rank them.
+
+    Args:
+        build_model: Builds the module, untransformed, on each call (called on the meta device).
+        make_batch: One micro-batch of the given number of rows, at the run's sequence length.
+        budget: Bytes of device memory per device.
+        global_batch: Rows per optimizer step over all devices (micro-batch x accumulation x devices).
+        config: The strategy's model arguments; the searched ones are replaced per candidate.
+        block_names: The block classes to checkpoint when the config names none (``_no_split_modules``).
+    """
+    config = config or TransformConfig()
+    device = torch.device(device)
+    plan = MemoryPlan(budget, margin)
+    for group in candidate_groups(config, global_batch, devices, device, allow_quantization, block_names):
+        for settings in group:  # from the fewest changes: the first that fits ends the group
+            estimate = estimate_memory(
+                build_model,
+                make_batch(settings.micro_batch),
+                precision=precision,
+                device=device,
+                config=settings_config(config, settings, block_names),
+                accumulate_grad_batches=settings.accumulate,
+            )
+            plan.candidates.append(Candidate(settings, estimate, estimate.peak <= plan.limit))
+            if plan.candidates[-1].fits:
+                break
+    plan.candidates.sort(key=lambda c: (not c.fits, c.settings.cost, -c.settings.micro_batch, _changes(c)))
+    return plan
+
+
+def candidate_groups(
+    config: TransformConfig,
+    global_batch: int,
+    devices: int,
+    device: torch.device,
+    allow_quantization: bool,
+    block_names: list[str] | None,
+) -> Iterator[list[Settings]]:
+    """Per micro-batch and checkpointing policy, the variants from the fewest changes to the most (the 8-bit
+    optimizer, offloading on CUDA, then quantization where allowed): a variant is simulated only when the ones
+    before it do not fit."""
+    per_device, rest = divmod(global_batch, devices)
+    if rest or per_device < 1:
+        raise ValueError(
+            f"The global batch of {global_batch} rows does not split evenly over {devices} devices: make it a"
+            " multiple of the device count (data batch_size x accumulate_grad_batches x devices)."
+        )
+    micro_batches = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, per_device) if per_device % b == 0}, reverse=True)
+    blocks = list(config.activation_checkpointing or block_names or [])
+    checkpointing = [("none", 1)]
+    if blocks:
+        checkpointing += [("every 2nd block", 2), ("every block", 1), ("selective", 1)]
+    optimizers = [config.optimizer]
+    if config.optimizer in (None, "adamw"):
+        optimizers.append("adamw8bit")
+    offloading = [False, True] if device.type == "cuda" else [False]
+    quantization: list[str | None] = [None]  # None: the config's own (unquantized, or its mode)
+    if allow_quantization and config.quantization is None:
+        quantization.append("nf4-dq")
+    for micro in micro_batches:
+        for name, every_n in checkpointing:
+            yield [
+                Settings(micro, per_device // micro, name, every_n, optimizer, offload, quant)
+                for quant in quantization
+                for offload in offloading
+                for optimizer in optimizers
+            ]
+
+
+def settings_config(config: TransformConfig, settings: Settings, block_names: list[str] | None) -> TransformConfig:
+    """``config`` with the candidate's settings."""
+    blocks = config.activation_checkpointing or block_names
+    changes: dict[str, Any] = {"optimizer": settings.optimizer, "activation_offloading": settings.activation_offloading}
+    if settings.quantization is not None:
+        changes["quantization"] = settings.quantization
+    if settings.checkpointing == "none":
+        changes.update(activation_checkpointing=None, checkpoint_every_n=1, checkpoint_mode="full")
+    else:
+        mode = "selective" if settings.checkpointing == "selective" else "full"
+        changes.update(activation_checkpointing=blocks, checkpoint_every_n=settings.checkpoint_every_n)
+        changes["checkpoint_mode"] = mode
+    return dataclasses.replace(config, **changes)
+
+
+def block_classes(model: nn.Module) -> list[str]:
+    """The repeated block classes a model declares (Hugging Face's ``_no_split_modules``)."""
+    return sorted({n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or ())})
+
+
+def fresh_copies(model: nn.Module) -> Callable[[], nn.Module]:
+    """A builder returning an untransformed copy of ``model`` on each call (the estimate transforms in place)."""
+    original = copy.deepcopy(model)
+    return lambda: copy.deepcopy(original)
+
+
+def largest_fitting(fits: Callable[[int], bool], low: int, high: int) -> int | None:
+    """The largest value in ``[low, high]`` for which ``fits`` holds, assuming it holds below some threshold;
+    ``None`` when even ``low`` does not fit."""
+    if not fits(low):
+        return None
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def doubling_bound(fits: Callable[[int], bool], start: int, ceiling: int) -> tuple[int, int]:
+    """``(last fitting, first failing or ceiling)`` by doubling from ``start``: the bracket to bisect."""
+    good, value = start, start
+    while value < ceiling:
+        value = min(ceiling, value * 2)
+        if not fits(value):
+            return good, value - 1
+        good = value
+    return good, ceiling
+
+
+def _changes(candidate: Candidate) -> tuple[bool, bool, bool]:
+    s = candidate.settings
+    return s.quantization is not None, s.activation_offloading, s.optimizer == "adamw8bit"

@@ -1,0 +1,203 @@
+"""plan_memory / pl-lowprec plan: the chosen settings' measured peak stays within the budget, nothing-fits says
+why, the written config runs, and memory-only changes keep the losses."""
+
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import yaml
+from lightning.pytorch.callbacks import Callback
+from lightning_helpers import quiet_trainer
+
+from pl_lowprec import LowPrecisionStrategy
+from pl_lowprec.cli.dispatch import main as cli
+from pl_lowprec.cli.plan import resized
+from pl_lowprec.demo import StdlibTextDataModule, TinyLlama
+from pl_lowprec.memory.plan import Settings, plan_memory, settings_config
+from pl_lowprec.memory.sizes import parse_bytes
+from pl_lowprec.transforms.config import TransformConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+SIZES = {"hidden": 64, "layers": 2, "batch_size": 8, "seq_len": 64}
+LORA = {"lora": {"r": 8}}
+BLOCKS = ["LlamaDecoderLayer"]
+
+
+def _measure(settings: dict, batch_size: int) -> int:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from peak_memory import measure_in_fresh_process  # the profiler's ground truth, a fresh process each
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return measure_in_fresh_process("32-true", settings, **{**SIZES, "batch_size": batch_size})
+
+
+def _as_arguments(config: TransformConfig, settings: Settings) -> dict:
+    planned = settings_config(config, settings, BLOCKS)
+    return {
+        "lora": dict(LORA["lora"]),
+        "activation_checkpointing": planned.activation_checkpointing,
+        "checkpoint_every_n": planned.checkpoint_every_n,
+        "checkpoint_mode": planned.checkpoint_mode,
+        "optimizer": planned.optimizer,
+    }
+
+
+def _build():
+    return TinyLlama(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, max_len=64)
+
+
+def test_the_chosen_settings_measure_within_the_budget():
+    unconstrained = _measure(LORA, batch_size=8)
+    batch = {"input_ids": torch.randint(0, 256, (8, 64))}
+    config = TransformConfig(**LORA)
+    for fraction in (0.5, 0.7, 0.9):
+        budget = int(unconstrained * fraction)
+        plan = plan_memory(_build, lambda rows: resized(batch, rows), budget, 8, config=config, block_names=BLOCKS)
+        chosen = plan.chosen
+        assert chosen is not None, plan.table()
+        measured = _measure(
+            {**_as_arguments(config, chosen.settings), "accumulate": chosen.settings.accumulate},
+            batch_size=chosen.settings.micro_batch,
+        )
+        assert measured <= budget, (fraction, measured, budget, plan.table())
+        assert chosen.settings.micro_batch * chosen.settings.accumulate == 8  # the global batch is kept
+
+
+def test_nothing_fits_names_the_smallest_peak_and_what_dominates():
+    batch = {"input_ids": torch.randint(0, 256, (8, 64))}
+    plan = plan_memory(_build, lambda rows: resized(batch, rows), 2**20, 8, config=TransformConfig(**LORA))
+    assert plan.chosen is None
+    smallest = min(c.peak for c in plan.candidates)
+    message = plan.nothing_fits()
+    assert f"smallest predicted peak of the {len(plan.candidates)} candidates is {smallest / 2**30:.2f} GiB" in message
+    split = min(plan.candidates, key=lambda c: c.peak).estimate.peak_split
+    dominant = max(split, key=split.get).replace("_", " ")
+    assert f"The largest part is {dominant}:" in message
+    assert "shorter sequences" in message  # for activations: what to change
+
+
+class StepLosses(Callback):
+    """The loss of each optimizer step: Lightning hands each micro-batch's loss divided by the accumulation."""
+
+    def __init__(self):
+        self.losses: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        self.losses[step] = self.losses.get(step, 0.0) + float(outputs["loss"])
+
+
+def _fit(micro_batch: int, accumulate: int, arguments: dict) -> list[float]:
+    pl.seed_everything(0)
+    losses = StepLosses()
+    trainer = quiet_trainer(
+        strategy=LowPrecisionStrategy(**arguments),
+        max_steps=10,
+        accumulate_grad_batches=accumulate,
+        callbacks=[losses],
+        limit_val_batches=0,
+    )
+    trainer.fit(_build(), datamodule=StdlibTextDataModule(seq_len=64, batch_size=micro_batch, max_bytes=200_000))
+    return [losses.losses[k] for k in sorted(losses.losses)]
+
+
+def test_a_plan_that_changes_memory_settings_only_keeps_the_losses():
+    data = StdlibTextDataModule(seq_len=64, batch_size=8, max_bytes=200_000)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    config = TransformConfig(**LORA)
+    unconstrained = plan_memory(_build, lambda rows: resized(batch, rows), 2**40, 8, config=config, block_names=BLOCKS)
+    full_batch = next(c for c in unconstrained.candidates if c.settings.micro_batch == 8)
+    plan = plan_memory(
+        _build, lambda rows: resized(batch, rows), int(full_batch.peak * 0.6), 8, config=config, block_names=BLOCKS
+    )
+    chosen = plan.chosen.settings
+    assert (chosen.micro_batch, chosen.checkpointing) != (8, "none")  # memory settings did change
+    original = _fit(8, 1, dict(LORA))
+    planned = _fit(chosen.micro_batch, chosen.accumulate, _as_arguments(config, chosen))
+    assert len(original) == len(planned) == 10
+    torch.testing.assert_close(torch.tensor(planned), torch.tensor(original), rtol=1e-5, atol=1e-6)
+
+
+def _write_config(tmp_path: Path) -> Path:
+    config = {
+        "seed_everything": 0,
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 1,
+            "max_steps": 2,
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "limit_val_batches": 0,
+            "default_root_dir": str(tmp_path / "run"),
+            "strategy": {"class_path": "pl_lowprec.LowPrecisionStrategy", "init_args": LORA},
+        },
+        "model": {"class_path": "pl_lowprec.demo.TinyLlama", "init_args": {"hidden_size": 64, "num_layers": 2}},
+        "data": {
+            "class_path": "pl_lowprec.demo.StdlibTextDataModule",
+            "init_args": {"seq_len": 64, "batch_size": 8, "max_bytes": 200_000},
+        },
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_cli_writes_a_config_that_fit_runs_and_never_overwrites(tmp_path, capsys):
+    source = _write_config(tmp_path)
+    out = tmp_path / "plan.yaml"
+    cli(["plan", "--config", str(source), "--memory", "64MiB", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "Chosen: micro-batch 8 x 1, checkpointing none" in printed  # everything fits: nothing to change
+    planned = yaml.safe_load(out.read_text())
+    assert planned["data"]["init_args"]["batch_size"] * planned["trainer"]["accumulate_grad_batches"] == 8
+    cli(["fit", "--config", str(out)])
+    assert (tmp_path / "run").is_dir()
+    with pytest.raises(SystemExit) as refused:
+        cli(["plan", "--config", str(source), "--memory", "64MiB", "--out", str(out)])
+    assert refused.value.code == 2
+    assert "exists: pass --overwrite" in capsys.readouterr().err
+
+
+def test_cli_nothing_fits_exits_1_with_the_paragraph(tmp_path, capsys):
+    with pytest.raises(SystemExit) as nothing:
+        cli(["plan", "--config", str(_write_config(tmp_path)), "--memory", "1MiB"])
+    assert nothing.value.code == 1
+    assert "Nothing fits in 0.00 GiB" in capsys.readouterr().err
+
+
+def test_cli_maximize_seq_len_finds_the_longest_that_fits(tmp_path, capsys):
+    source = _write_config(tmp_path)
+    cli(["plan", "--config", str(source), "--memory", "24MiB", "--maximize", "seq_len", "--margin", "0"])
+    printed = capsys.readouterr().out
+    best = int(printed.rsplit(": ", 1)[1])
+    assert best >= 64
+    from pl_lowprec.cli.estimate import estimate_config
+
+    def peak(seq_len: int) -> int:
+        return estimate_config(
+            [
+                "--config", str(source),
+                "--data.init_args.seq_len", str(seq_len),
+                "--data.init_args.batch_size", "1",
+                "--trainer.strategy.init_args.activation_checkpointing", "[LlamaDecoderLayer]",
+                "--trainer.strategy.init_args.optimizer", "adamw8bit",
+            ]
+        ).peak  # fmt: skip
+
+    assert peak(best) <= 24 * 2**20 < peak(best + 1)
+
+
+@pytest.mark.parametrize(("text", "expected"), [("24GiB", 24 * 2**30), ("80GB", 80 * 10**9), ("1.5 MiB", 1572864)])
+def test_memory_sizes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["24 bananas", "-1GiB", "0", True])
+def test_bad_memory_sizes_say_what_is_allowed(bad):
+    with pytest.raises(ValueError, match=r"is not a memory size.*24GiB, 80GB or 512MiB"):
+        parse_bytes(bad, "--memory")
