@@ -1,14 +1,16 @@
 """Padded against packed batches on variable-length prompt/completion data: target tokens per second, padding, memory.
 
-Run: python benchmarks/run_all.py --only packing
+Run: python benchmarks/run_all.py --only packing (about 100 s on a 2-core CPU)
 Data: prompt/completion records cut from the standard library's sources (nothing downloaded), total lengths drawn
 log-normal (median 200 tokens, sigma 0.8, clipped to 24-1000), 25-60% of each sample prompt. A 4-layer Llama
-(hidden 256, MLP 768, 4 heads, vocab 1024) with seeded random weights, saved with ``save_pretrained`` and trained
-in full through ``CausalLM`` + ``TextDataModule`` in fp32, one epoch each. Padded: batches of ``PADDED_BATCH``
-samples padded to their longest. Packed: ``packing=True``, rows of 1024 tokens, ``PACKED_BATCH`` rows a batch.
-Both see the same training samples (so the same target tokens) in about the same number of optimizer steps.
-Throughput is target tokens over the summed step time (``StepClock``); activation memory is the bytes saved for
-backward by the largest batch of each run, counted by ``count_saved_tensors`` (what ``MemoryTracker`` reports).
+(hidden 256, MLP 768, 4 heads, vocab 1024) with seeded random weights, saved with ``save_pretrained``, trained in
+full in fp32 through ``CausalLM.loss_sum`` on the batches of ``TextDataModule``, one epoch each, plain AdamW on
+the token-mean loss. Padded: batches of ``PADDED_BATCH`` samples padded to their longest. Packed:
+``packing=True``, ``PACKED_BATCH`` rows of 1024 tokens. Both see the same training samples (the same target
+tokens) in the same number of optimizer steps; a third run, padded in another order, shows the noise of the loss.
+Steps of the three alternate in rotating order on one torch thread, so load from other jobs on the machine hits
+all alike. Throughput is target tokens over the summed step time; activation memory is the largest number of bytes
+saved for backward by one step, counted by ``count_saved_tensors`` (what ``MemoryTracker`` reports).
 """
 
 from __future__ import annotations
