@@ -69,3 +69,40 @@ def test_an_attention_mask_turns_the_block_causal_mask_off(pretrained):
         pretrained, "sdpa", {**packed, "attention_mask": torch.ones_like(packed["input_ids"])}
     )
     assert not torch.allclose(loss, masked, rtol=1e-3)
+
+
+def test_fit_and_validate_with_packing_through_the_trainer(tmp_path):
+    """The user's path: CausalLM + TextDataModule(packing=True) under a Trainer; packed validation is exact."""
+    import json
+
+    import lightning.pytorch as pl
+    from loading_helpers import save_pretrained_dir
+
+    from pl_lowprec.data import TextDataModule
+    from pl_lowprec.models import CausalLM
+
+    pretrained = save_pretrained_dir(tmp_path / "pretrained")
+    rows = [{"prompt": f"def f{i}(x):\n    return", "completion": " x" + " + 1" * (i % 7)} for i in range(24)]
+    (tmp_path / "pc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def fitted(packing: bool) -> tuple[float, CausalLM]:
+        torch.manual_seed(0)
+        data = TextDataModule(
+            str(tmp_path / "pc.jsonl"), str(pretrained), seq_len=64, batch_size=2, val_fraction=0.25, packing=packing
+        )
+        trainer = pl.Trainer(
+            accelerator="cpu", precision="32-true", max_steps=2, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        )  # fmt: skip
+        model = CausalLM(str(pretrained), lr=1e-3, warmup_steps=1)
+        trainer.fit(model, datamodule=data)
+        return trainer.validate(model, datamodule=data, verbose=False)[0]["val/loss"], model
+
+    packed_loss, packed_model = fitted(True)
+    assert "attention_mask" not in next(iter(packed_model.trainer.datamodule.val_dataloader()))
+    _, plain_model = fitted(False)
+    # the same weights validated on unpacked batches give the packed figure
+    plain_model.load_state_dict(packed_model.state_dict())
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    unpacked = trainer.validate(plain_model, datamodule=plain_model.trainer.datamodule, verbose=False)[0]["val/loss"]
+    assert abs(packed_loss - unpacked) < 1e-5
