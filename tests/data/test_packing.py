@@ -91,22 +91,33 @@ def _jsonl(path, records):
     return path
 
 
-def test_datamodule_packs_prompt_completion_and_logs_the_padding_it_saves(tmp_path, tokenizer_dir, caplog):
-    records = [{"prompt": "def f(x):" + " x" * (i % 13), "completion": " return" + " y" * (i % 5)} for i in range(30)]
+def _chat(i: int) -> dict:
+    turns = [("user", "def f(x):" + " x" * (i % 13)), ("assistant", " return" + " y" * (i % 5))]
+    return {"messages": [{"role": role, "content": text} for role, text in turns]}
+
+
+@pytest.mark.parametrize("kind", ["prompt_completion", "messages"])
+def test_datamodule_packs_samples_and_logs_the_padding_it_saves(tmp_path, tokenizer_dir, caplog, kind):
+    records = [
+        {"prompt": "def f(x):" + " x" * (i % 13), "completion": " return" + " y" * (i % 5)}
+        if kind == "prompt_completion"
+        else _chat(i)
+        for i in range(30)
+    ]
     path = _jsonl(tmp_path / "pc.jsonl", records)
-    kwargs = {"train_files": path, "tokenizer": str(tokenizer_dir), "seq_len": 48, "batch_size": 4, "val_fraction": 0}
+    kwargs = {"train_files": path, "tokenizer": str(tokenizer_dir), "seq_len": 64, "batch_size": 4, "val_fraction": 0}
     plain = TextDataModule(**kwargs)
     plain.setup("fit")
     with caplog.at_level(logging.INFO):
         packed = TextDataModule(**kwargs, packing=True)
         packed.setup("fit")
     line = next(r.getMessage() for r in caplog.records if "packing=True" in r.getMessage())
-    assert f"30 training samples in {len(packed.train_set)} rows of seq_len=48" in line
+    assert f"30 training samples in {len(packed.train_set)} rows of seq_len=64" in line
     assert len(packed.train_set) < 30
     targets = sum(int((s["labels"][1:] != -100).sum()) for s in plain.train_set)
     batches = list(packed.train_dataloader())
     assert sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches) == targets  # same target tokens
-    assert all("attention_mask" not in b and b["input_ids"].shape[1] <= 48 for b in batches)
+    assert all("attention_mask" not in b and b["input_ids"].shape[1] <= 64 for b in batches)
 
 
 def test_text_records_under_packing_cut_attention_at_each_document(tmp_path, tokenizer_dir):
