@@ -26,3 +26,27 @@ class PadCollate:
             labels[row, :n] = sample["labels"]
             mask[row, :n] = 1
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+class PackedCollate:
+    """Packed rows (``pl_lowprec.data.packing``) right-padded to the longest, with ``position_ids`` and no
+    ``attention_mask``: its absence is what makes transformers build the block-causal mask from the positions.
+
+    The padding is a segment of its own (positions from 0, labels -100), so no sample attends to it.
+    """
+
+    def __init__(self, pad_token_id: int) -> None:
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, rows: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        longest = max(len(r["input_ids"]) for r in rows)
+        ids = torch.full((len(rows), longest), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((len(rows), longest), IGNORE_INDEX, dtype=torch.long)
+        positions = torch.arange(longest).repeat(len(rows), 1)
+        for i, row in enumerate(rows):
+            n = len(row["input_ids"])
+            ids[i, :n] = row["input_ids"]
+            labels[i, :n] = row["labels"]
+            positions[i, :n] = row["position_ids"]
+            positions[i, n:] = torch.arange(longest - n)
+        return {"input_ids": ids, "labels": labels, "position_ids": positions}

@@ -24,6 +24,7 @@ SUFFIXES = (".txt", ".jsonl")
 class Sample:
     input_ids: list[int]
     labels: list[int]
+    text_block: bool = False  # a seq_len block of concatenated ``text`` documents
 
 
 @dataclass

@@ -24,15 +24,26 @@ class ResumableSampler(DistributedSampler):
     Being a ``DistributedSampler``, Lightning leaves it in place under DDP instead of wrapping it.
     """
 
-    def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0):
+    def __init__(
+        self,
+        dataset: Dataset,
+        num_replicas: int = 1,
+        rank: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        epoch_indexed: bool = False,
+    ):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
         self.resume_at: tuple[int, int] | None = None  # (epoch, samples of this rank's shard to skip)
+        self.epoch_indexed = epoch_indexed  # yield epoch * len(dataset) + index (``PackedRows`` repacks per epoch)
 
     def __iter__(self) -> Iterator[int]:
         indices = list(super().__iter__())
         if self.resume_at is not None and self.resume_at[0] == self.epoch:
             indices = indices[self.resume_at[1] :]
         self.resume_at = None
+        if self.epoch_indexed:
+            indices = [self.epoch * len(self.dataset) + i for i in indices]
         return iter(indices)
 
 
@@ -82,10 +93,13 @@ def resumable_loader(
     trainer: pl.Trainer | None,
     seed: int = 0,
     num_workers: int = 0,
+    epoch_indexed: bool = False,
 ) -> ResumableDataLoader:
     """A shuffled training loader, sharded over the trainer's processes, that resumes mid-epoch."""
     world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
-    sampler = ResumableSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed)
+    sampler = ResumableSampler(
+        dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, epoch_indexed=epoch_indexed
+    )
     loader = ResumableDataLoader(
         dataset,
         batch_size=batch_size,

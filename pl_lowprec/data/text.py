@@ -1,9 +1,10 @@
 """``TextDataModule``: fine-tune a causal LM on your own ``.txt`` and ``.jsonl`` files.
 
 Batches follow the Hugging Face convention: ``input_ids`` and ``attention_mask`` [B, T], ``labels`` [B, T]
-with -100 where no loss is taken (the model shifts them). The training loader resumes mid-epoch exactly
-(``pl_lowprec.data.resumable``). Unusable records are counted by reason with their line numbers and logged;
-a file with no usable record fails with its path.
+with -100 where no loss is taken (the model shifts them). With ``packing=True`` a row holds several samples and
+the batch has ``position_ids`` instead of ``attention_mask`` (``pl_lowprec.data.packing``).
+The training loader resumes mid-epoch exactly (``pl_lowprec.data.resumable``). Unusable records are counted by
+reason with their line numbers and logged; a file with no usable record fails with its path.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from pl_lowprec._checks import check_at_least
-from pl_lowprec.data.collate import PadCollate
+from pl_lowprec.data.collate import PackedCollate, PadCollate
+from pl_lowprec.data.packing import PackedRows, document_row, padding_fraction
 from pl_lowprec.data.records import (
     SUFFIXES,
     FileReport,
@@ -93,6 +95,10 @@ class TextDataModule(pl.LightningDataModule):
         num_workers: ``DataLoader`` worker processes.
         max_truncated_fraction: Share of a file's prompt/completion and chat target tokens that ``seq_len`` may
             cut off; above it the file is refused with the ``seq_len`` that keeps 95% (1.0 accepts any loss).
+        packing: Put several prompt/completion or chat samples in each row of ``seq_len`` (best-fit decreasing,
+            repacked each epoch), with ``position_ids`` restarting per sample and attention cut between them;
+            ``text`` documents get their attention cut at each EOS. Worth it when sample lengths vary widely:
+            it removes the padding. The LightningModule must declare ``accepts_packed_batches = True``.
     """
 
     def __init__(
@@ -106,6 +112,7 @@ class TextDataModule(pl.LightningDataModule):
         seed: int = 0,
         num_workers: int = 0,
         max_truncated_fraction: float = 0.05,
+        packing: bool = False,
     ) -> None:
         super().__init__()
         if seq_len < 2:
@@ -127,12 +134,15 @@ class TextDataModule(pl.LightningDataModule):
         self.seed = seed
         self.num_workers = num_workers
         self.max_truncated_fraction = max_truncated_fraction
+        self.packing = packing
         self.tokenizer: Any = None
         self.reports: list[FileReport] = []
-        self.train_set: list[dict[str, torch.Tensor]] | None = None
-        self.val_set: list[dict[str, torch.Tensor]] = []
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset = []
 
     def setup(self, stage: str) -> None:
+        if self.packing:
+            check_accepts_packed_batches(self.trainer.lightning_module if self.trainer is not None else None)
         if self.train_set is not None:
             return
         self.tokenizer = load_tokenizer(self.tokenizer_dir)
@@ -146,6 +156,20 @@ class TextDataModule(pl.LightningDataModule):
             self.val_set = [train[i] for i in order[:n_val]]
             self.train_set = [train[i] for i in sorted(order[n_val:])]
         rank_zero_info(f"TextDataModule: {len(self.train_set)} training and {len(self.val_set)} validation samples.")
+        if self.packing:
+            self._pack()
+
+    def _pack(self) -> None:
+        """Replace the sample lists by packed rows, and log what packing saves."""
+        train = self.train_set
+        self.train_set = packed_rows(train, self.seq_len, self.seed)
+        self.val_set = packed_rows(self.val_set, self.seq_len, self.seed)
+        before = padding_fraction([len(s["input_ids"]) for s in train], self.batch_size, self.seed)
+        after = padding_fraction(self.train_set.row_lengths(), self.batch_size, self.seed)
+        rank_zero_info(
+            f"TextDataModule(packing=True): {len(train)} training samples in {len(self.train_set)} rows of"
+            f" seq_len={self.seq_len}; padding {before:.1%} of the batch tokens without packing, {after:.1%} with."
+        )
 
     def _samples(self, paths: list[Path]) -> list[dict[str, torch.Tensor]]:
         samples: list[Sample] = []
@@ -157,7 +181,13 @@ class TextDataModule(pl.LightningDataModule):
             if report.used == 0:
                 raise ValueError(f"No usable record in {report.describe()}.")
             self._check_truncation(report)
-        return [{"input_ids": torch.tensor(s.input_ids), "labels": torch.tensor(s.labels)} for s in samples]
+        return [self._tensors(s) for s in samples]
+
+    def _tensors(self, sample: Sample) -> dict[str, torch.Tensor]:
+        """A sample as tensors; a ``text`` block under packing is a ready row, cut at each document's EOS."""
+        if sample.text_block and self.packing:
+            return document_row(sample.input_ids, self.tokenizer.eos_token_id)
+        return {"input_ids": torch.tensor(sample.input_ids), "labels": torch.tensor(sample.labels)}
 
     def _check_truncation(self, report: FileReport) -> None:
         """A file that ``seq_len`` cuts more than ``max_truncated_fraction`` of its target tokens from is refused."""
@@ -190,7 +220,7 @@ class TextDataModule(pl.LightningDataModule):
         for start in range(0, len(stream) - 1, self.seq_len):
             block = stream[start : start + self.seq_len]
             if len(block) >= 2:
-                samples.append(Sample(block, list(block)))
+                samples.append(Sample(block, list(block), text_block=True))
         return samples
 
     def _encode(self, record: dict[str, Any], report: FileReport) -> Sample | list[int] | str:
@@ -230,7 +260,13 @@ class TextDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         return resumable_loader(
-            self.train_set, self.batch_size, self._collate(), self.trainer, self.seed, self.num_workers
+            self.train_set,
+            self.batch_size,
+            self._collate(),
+            self.trainer,
+            self.seed,
+            self.num_workers,
+            epoch_indexed=self.packing,
         )
 
     def val_dataloader(self) -> DataLoader:
@@ -238,6 +274,29 @@ class TextDataModule(pl.LightningDataModule):
             self.val_set, batch_size=self.batch_size, collate_fn=self._collate(), num_workers=self.num_workers
         )
 
-    def _collate(self) -> PadCollate:
+    def _collate(self) -> PadCollate | PackedCollate:
         pad = self.tokenizer.pad_token_id
-        return PadCollate(self.tokenizer.eos_token_id if pad is None else pad)
+        pad = self.tokenizer.eos_token_id if pad is None else pad
+        return PackedCollate(pad) if self.packing else PadCollate(pad)
+
+
+def packed_rows(samples: list[dict[str, torch.Tensor]], seq_len: int, seed: int) -> PackedRows:
+    """``text`` rows (which carry ``position_ids`` already) as they are; the other samples packed."""
+    ready = [s for s in samples if "position_ids" in s]
+    return PackedRows([s for s in samples if "position_ids" not in s], seq_len, seed, ready=ready)
+
+
+def check_accepts_packed_batches(module: pl.LightningModule | None) -> None:
+    """Packing is refused for a module that does not declare it takes packed batches (``None``: no module yet)."""
+    if module is None or getattr(module, "accepts_packed_batches", False):
+        return
+    name = type(module).__name__
+    raise ValueError(
+        f"TextDataModule(packing=True) puts several samples in each row, with batches of input_ids, labels and"
+        f" position_ids that restart at 0 for each sample and no attention_mask; {name} does not declare that"
+        f" its training_step takes such batches (class attribute accepts_packed_batches = True). A model that"
+        f" ignores position_ids would let each sample attend to the ones before it in its row. Use"
+        f" pl_lowprec.models.CausalLM, or pass batch['position_ids'] to your Hugging Face model (with no"
+        f" attention_mask) and set {name}.accepts_packed_batches = True, or set packing=False"
+        f" (--data.packing false)."
+    )

@@ -31,7 +31,9 @@ PREFIX = "model."  # the Hugging Face model is held as self.model
 
 
 class CausalLM(pl.LightningModule):
-    """Fine-tune a Hugging Face causal LM; batches are ``{"input_ids", "attention_mask", "labels"}``.
+    """Fine-tune a Hugging Face causal LM; batches are ``{"input_ids", "attention_mask", "labels"}``, or packed
+    ``{"input_ids", "position_ids", "labels"}`` (``TextDataModule(packing=True)``): with ``position_ids`` and no
+    mask, transformers cuts attention where the positions restart.
 
     Args:
         pretrained: A local model directory (``save_pretrained``), or a hub id where the network is available.
@@ -46,6 +48,8 @@ class CausalLM(pl.LightningModule):
         dtype: dtype of the parameters that stay unquantized (``"bfloat16"``...); ``None`` follows the
             default dtype (the precision plugin's under ``-true`` precisions).
     """
+
+    accepts_packed_batches = True  # position_ids reach the model (TextDataModule(packing=True) checks this)
 
     def __init__(
         self,
@@ -121,12 +125,22 @@ class CausalLM(pl.LightningModule):
                 destroy_process_group_at_exit()  # Lightning does this for NCCL only; gloo would abort at exit
                 rank_zero_info(f"CausalLM: FSDP2 on {len(blocks)} blocks and the module as the root.")
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).logits
 
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.model.base_model(
-            input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False
+            input_ids=batch["input_ids"],
+            attention_mask=batch.get("attention_mask"),
+            position_ids=batch.get("position_ids"),
+            use_cache=False,
         ).last_hidden_state
         head = self.model.get_output_embeddings()
         return causal_lm_loss_sum(head, hidden, batch["labels"], self.hparams.loss_chunk_size, self.loss_fn)

@@ -43,17 +43,20 @@ def test_stdlib_text_resumes_exactly(tmp_path):
 
 
 @pytest.mark.slow
-def test_text_datamodule_with_causal_lm_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("packing", [False, True])
+def test_text_datamodule_with_causal_lm_resumes_exactly(tmp_path, packing):
     from loading_helpers import save_pretrained_dir
 
     pretrained = save_pretrained_dir(tmp_path / "pretrained")
     rows = [{"prompt": f"def f{i}(x):\n    return", "completion": " x" + " + 1" * (i % 7)} for i in range(40)]
     (tmp_path / "pc.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    # 36 training samples in batches of 3: 12 batches, 6 optimizer steps (accumulating 2) per epoch
+    # 36 training samples in batches of 3: 12 batches, 6 optimizer steps (accumulating 2) per epoch; packed into
+    # rows of 48 tokens, 2 to 3 samples a row, repacked each epoch: the kill falls mid-epoch in a later epoch
     data = {
         "train_files": str(tmp_path / "pc.jsonl"),
         "tokenizer": str(pretrained),
         "batch_size": 3,
         "val_fraction": 0.1,
+        **({"packing": True, "seq_len": 48} if packing else {}),
     }
     assert_resume_is_exact(tmp_path, json.dumps({"pretrained": str(pretrained), "data": data}))
