@@ -163,8 +163,15 @@ def parse_error_paragraph(message: str) -> str:
     reasons = [r for r in dict.fromkeys(reasons) if r]
     if not reasons:
         return first_paragraph(message)
+    expected = [r.removeprefix("Expected ") for r in reasons if r.startswith("Expected ")]
+    if value is not None and key and expected and len(expected) == len(reasons):  # a Union of plain types
+        return f"{key}={value!r} is not allowed: it takes {' or '.join(_article(e) for e in expected)}."
     reason = "; ".join(reasons[:3])
     return f"{key}: {reason}" if key else reason
+
+
+def _article(type_name: str) -> str:
+    return f"an {type_name}" if type_name[:1] in "aeiou" else f"a {type_name}"
 
 
 def _innermost_option(lines: list[str]) -> tuple[str | None, list[str]]:

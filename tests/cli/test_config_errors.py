@@ -52,6 +52,8 @@ QUICKSTART_CASES = {
         ("--data.init_args.val_fraction=1.5", "val_fraction=1.5"),
         ("--data.init_args.seq_len=1", "seq_len=1"),
         ("--model.init_args.hidden_size=130", "hidden_size=130"),
+        (f"{STRATEGY}.compile=maybe", "compile='maybe' is not allowed: it takes a bool or a dict"),
+        (f'{STRATEGY}.compile={{"modee":"max"}}', "compile={'modee': 'max'} has arguments torch.compile does not take"),
     ],
     "literal": [
         (f"{STRATEGY}.quantization=nf5", "'nf5'", "Did you mean 'nf4'?"),
