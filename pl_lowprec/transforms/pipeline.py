@@ -54,7 +54,6 @@ from pl_lowprec.transforms.compiling import CompileClock, check_compiler, compil
 from pl_lowprec.transforms.config import TransformConfig
 from pl_lowprec.transforms.dtypes import compute_dtype_of
 from pl_lowprec.transforms.fp8 import check_fp8_device, convert_to_fp8
-from pl_lowprec.transforms.frozen_dtype import cast_frozen_weights
 from pl_lowprec.transforms.lora import has_lora, inject_lora, prepare_for_kbit_training
 from pl_lowprec.transforms.offloading import OffloadActivations, check_offload_device
 from pl_lowprec.transforms.optimizers import import_optimizer_library, rebind_schedulers, swap_optimizer
@@ -125,11 +124,6 @@ class ModelTransform:
                 rank_zero_info(f"Upcast trainable and norm weights to fp32 for mixed precision (+{added} bytes).")
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             rank_zero_info(f"LoRA on {len(adapted)} layers; {trainable} trainable parameters.")
-        if str(precision_plugin.precision).endswith("-mixed"):
-            saved = cast_frozen_weights(model, compute_dtype)
-            if saved:
-                name = str(compute_dtype).removeprefix("torch.")
-                rank_zero_info(f"Frozen weights kept in {name}, the compute dtype (-{saved} bytes).")
         if c.activation_checkpointing is not None:
             already = any(is_checkpointed(m) for m in model.modules())
             names = set_activation_checkpointing(
