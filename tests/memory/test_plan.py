@@ -11,7 +11,7 @@ import yaml
 from lightning.pytorch.callbacks import Callback
 from lightning_helpers import quiet_trainer
 
-from pl_lowprec import LowPrecisionStrategy
+from pl_lowprec import LowPrecisionStrategy, estimate_memory
 from pl_lowprec.cli.dispatch import main as cli
 from pl_lowprec.cli.plan import resized
 from pl_lowprec.demo import StdlibTextDataModule, TinyLlama
@@ -109,8 +109,7 @@ def test_a_plan_that_changes_memory_settings_only_keeps_the_losses():
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
     config = TransformConfig(**LORA)
-    unconstrained = plan_memory(_build, lambda rows: resized(batch, rows), 2**40, 8, config=config, block_names=BLOCKS)
-    full_batch = next(c for c in unconstrained.candidates if c.settings.micro_batch == 8)
+    full_batch = estimate_memory(_build, batch, config=config)
     plan = plan_memory(
         _build, lambda rows: resized(batch, rows), int(full_batch.peak * 0.6), 8, config=config, block_names=BLOCKS
     )
@@ -122,7 +121,7 @@ def test_a_plan_that_changes_memory_settings_only_keeps_the_losses():
     torch.testing.assert_close(torch.tensor(planned), torch.tensor(original), rtol=1e-5, atol=1e-6)
 
 
-def _write_config(tmp_path: Path) -> Path:
+def _write_config(tmp_path: Path, batch_size: int = 8) -> Path:
     config = {
         "seed_everything": 0,
         "trainer": {
@@ -139,7 +138,7 @@ def _write_config(tmp_path: Path) -> Path:
         "model": {"class_path": "pl_lowprec.demo.TinyLlama", "init_args": {"hidden_size": 64, "num_layers": 2}},
         "data": {
             "class_path": "pl_lowprec.demo.StdlibTextDataModule",
-            "init_args": {"seq_len": 64, "batch_size": 8, "max_bytes": 200_000},
+            "init_args": {"seq_len": 64, "batch_size": batch_size, "max_bytes": 200_000},
         },
     }
     path = tmp_path / "config.yaml"
@@ -165,7 +164,7 @@ def test_cli_writes_a_config_that_fit_runs_and_never_overwrites(tmp_path, capsys
 
 def test_cli_nothing_fits_exits_1_with_the_paragraph(tmp_path, capsys):
     with pytest.raises(SystemExit) as nothing:
-        cli(["plan", "--config", str(_write_config(tmp_path)), "--memory", "1MiB"])
+        cli(["plan", "--config", str(_write_config(tmp_path, batch_size=1)), "--memory", "1MiB"])
     assert nothing.value.code == 1
     assert "Nothing fits in 0.00 GiB" in capsys.readouterr().err
 
