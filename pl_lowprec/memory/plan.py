@@ -153,6 +153,7 @@ def plan_memory(
     margin: float = 0.1,
     allow_quantization: bool = False,
     block_names: list[str] | None = None,
+    cache: dict[Settings, MemoryEstimate] | None = None,
 ) -> MemoryPlan:
     """Simulate every candidate and rank them.
 
@@ -163,20 +164,25 @@ def plan_memory(
         global_batch: Rows per optimizer step over all devices (micro-batch x accumulation x devices).
         config: The strategy's model arguments; the searched ones are replaced per candidate.
         block_names: The block classes to checkpoint when the config names none (``_no_split_modules``).
+        cache: Estimates by settings, kept across calls that differ only in ``budget`` or ``margin``.
     """
     config = config or TransformConfig()
     device = torch.device(device)
     plan = MemoryPlan(budget, margin)
     for group in candidate_groups(config, global_batch, devices, device, allow_quantization, block_names):
         for settings in group:  # from the fewest changes: the first that fits ends the group
-            estimate = estimate_memory(
-                build_model,
-                make_batch(settings.micro_batch),
-                precision=precision,
-                device=device,
-                config=settings_config(config, settings, block_names),
-                accumulate_grad_batches=settings.accumulate,
-            )
+            estimate = None if cache is None else cache.get(settings)
+            if estimate is None:
+                estimate = estimate_memory(
+                    build_model,
+                    make_batch(settings.micro_batch),
+                    precision=precision,
+                    device=device,
+                    config=settings_config(config, settings, block_names),
+                    accumulate_grad_batches=settings.accumulate,
+                )
+                if cache is not None:
+                    cache[settings] = estimate
             plan.candidates.append(Candidate(settings, estimate, estimate.peak <= plan.limit))
             if plan.candidates[-1].fits:
                 break
