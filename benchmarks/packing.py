@@ -9,8 +9,15 @@ the token-mean loss. Padded: batches of ``PADDED_BATCH`` samples padded to their
 ``packing=True``, ``PACKED_BATCH`` rows of 1024 tokens. Both see the same training samples (the same target
 tokens) in the same number of optimizer steps; a third run, padded in another order, shows the noise of the loss.
 Steps of the three alternate in rotating order on one torch thread, so load from other jobs on the machine hits
-all alike. Throughput is target tokens over the summed step time; activation memory is the largest number of bytes
-saved for backward by one step, counted by ``count_saved_tensors`` (what ``MemoryTracker`` reports).
+all alike. The peer, where TRL is installed (``pip install -c constraints.txt -e ".[bench]"``): TRL's
+``SFTTrainer`` with ``SFTConfig(packing=True, packing_strategy="bfd")`` (which turns padding-free on: each batch
+flattened into one row with restarting ``position_ids``, the same block-causal mask in eager/SDPA attention),
+``completion_only_loss=True``, the same model, data, rows of 1024, 2 rows a step, AdamW (lr 1e-3, weight decay
+0.01, constant) for one epoch, fp32, one thread; it runs its own loop, so it runs after the three, not
+interleaved with them, and its step time is taken between ``on_step_begin`` and ``on_step_end`` (its activation
+memory is not counted). Throughput is target tokens over the summed step time; activation memory is the largest
+number of bytes saved for backward by one step, counted by ``count_saved_tensors`` (what ``MemoryTracker``
+reports).
 """
 
 from __future__ import annotations
@@ -172,6 +179,9 @@ def _compare(TextDataModule: type) -> dict[str, Any]:
                 "loss_per_step": r.losses,
                 "held_out_loss": r.held_out_loss(held_out_batches),
             }
+        peer = trl_peer(pretrained, data, Path(tmp) / "trl", held_out_batches)
+        if peer is not None:
+            result[TRL_NAME] = peer
     speedup = result["packed"]["target_tokens_per_s"] / result["padded"]["target_tokens_per_s"]
     table = [
         (
@@ -181,7 +191,7 @@ def _compare(TextDataModule: type) -> dict[str, Any]:
             f"{r['padding_fraction']:.1%}",
             f"{r['seconds']:.1f}",
             f"{r['target_tokens_per_s']:.0f}",
-            f"{r['activation_bytes'] / 2**20:.0f}",
+            f"{r['activation_bytes'] / 2**20:.0f}" if r["activation_bytes"] else "not counted",
             " / ".join(f"{q:.2f}" for q in _quarters(r["loss_per_step"])),
             f"{r['held_out_loss']:.3f}",
         )
@@ -198,9 +208,94 @@ def _compare(TextDataModule: type) -> dict[str, Any]:
     headers += ["peak activation MiB", "train loss by quarter", f"held-out loss ({HELD_OUT} samples)"]
     print(markdown_table(headers, table))
     print(f"\nPacked / padded target tokens per second: {speedup:.2f}x")
+    if TRL_NAME in result:
+        ratio = result["packed"]["target_tokens_per_s"] / result[TRL_NAME]["target_tokens_per_s"]
+        print(f"pl_lowprec packed / TRL packed target tokens per second: {ratio:.2f}x (TRL not interleaved)")
     result["speedup"] = speedup
     write_json("packing", result)
     return result
+
+
+TRL_NAME = "TRL SFTTrainer(packing=True, bfd)"
+
+
+def trl_peer(
+    pretrained: Path, data_file: Path, out: Path, held_out_batches: list[dict[str, torch.Tensor]]
+) -> dict[str, Any] | None:
+    """TRL's packed SFT on the same data and model, one epoch; ``None`` (said) where TRL is not installed."""
+    try:
+        import datasets
+        import trl
+    except ImportError:
+        print('TRL peer skipped: pip install -c constraints.txt -e ".[bench]" to run it.')
+        return None
+    from transformers import AutoTokenizer, LlamaForCausalLM, TrainerCallback
+
+    from pl_lowprec.models import CausalLM
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.seconds: list[float] = []
+            self.started = 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.seconds.append(time.perf_counter() - self.started)
+
+    records = [json.loads(line) for line in data_file.read_text().splitlines()]
+    model = LlamaForCausalLM.from_pretrained(pretrained, dtype=torch.float32)
+    config = trl.SFTConfig(
+        output_dir=str(out),
+        packing=True,
+        packing_strategy="bfd",
+        max_length=SEQ_LEN,
+        completion_only_loss=True,
+        per_device_train_batch_size=PACKED_BATCH,
+        num_train_epochs=1,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        weight_decay=0.01,
+        optim="adamw_torch",
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        dataloader_num_workers=0,
+        save_strategy="no",
+        logging_steps=1,
+        report_to="none",
+        seed=0,
+        disable_tqdm=True,
+    )
+    timer = StepTimer()
+    trainer = trl.SFTTrainer(
+        model=model,
+        args=config,
+        train_dataset=datasets.Dataset.from_list(records),
+        processing_class=AutoTokenizer.from_pretrained(pretrained),
+        callbacks=[timer],
+    )
+    rows = trainer.train_dataset  # packed rows of up to SEQ_LEN tokens; the model shifts the labels
+    targets = sum(int((batch["labels"][:, 1:] != -100).sum()) for batch in trainer.get_train_dataloader())
+    tokens = sum(len(ids) for ids in rows["input_ids"])
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    held_out = CausalLM(str(pretrained))
+    held_out.model = model.eval()
+    with torch.no_grad():
+        sums = [held_out.loss_sum(b) for b in held_out_batches]
+    return {
+        "optimizer_steps": len(timer.seconds),
+        "target_tokens": int(targets),
+        "padding_fraction": 1 - tokens / (len(rows) * SEQ_LEN),
+        "seconds": sum(timer.seconds),
+        "target_tokens_per_s": targets / sum(timer.seconds),
+        "activation_bytes": 0,
+        "step_seconds": timer.seconds,
+        "loss_per_step": losses,
+        "held_out_loss": float(sum(s for s, _ in sums) / sum(t for _, t in sums)),
+    }
 
 
 def _quarters(losses: list[float]) -> list[float]:
