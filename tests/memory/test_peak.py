@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_shapes import SMOLLM2_135M
 
 from pl_lowprec import estimate_memory
 from pl_lowprec.demo import TinyLlama
@@ -69,8 +70,7 @@ def test_cuda_allocations_are_rounded_as_the_caching_allocator_rounds():
 
 def _config_only_directory(tmp_path, layers=2):
     """A real model's config.json (SmolLM2-135M: tied embeddings, 9 heads / 3 KV heads), shrunk, and nothing else."""
-    config = json.loads((ROOT.parent / "shared/model-shapes/smollm2-135m.json").read_text())
-    config.update(num_hidden_layers=layers, vocab_size=512)
+    config = {**SMOLLM2_135M, "num_hidden_layers": layers, "vocab_size": 512}
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "config.json").write_text(json.dumps(config))
     return tmp_path

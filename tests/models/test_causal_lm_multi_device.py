@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_shapes import SMOLLM2_135M
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -19,31 +20,13 @@ pytest.importorskip("bitsandbytes")
 pytest.importorskip("torchao")
 
 SCRIPTS = Path(__file__).parents[1] / "_scripts"
-# SmolLM2-135M's config.json (HuggingFaceTB/SmolLM2-135M), as the shared model-shapes copy has it
-SMOLLM2_135M = {
-    "model_type": "llama",
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "head_dim": 64,
-    "vocab_size": 49152,
-    "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-05,
-    "rope_theta": 100000.0,
-    "tie_word_embeddings": True,
-    "attention_bias": False,
-    "hidden_act": "silu",
-    "initializer_range": 0.02,
-    "mlp_bias": False,
-}
 
 
 def smollm2_config(tokenizer) -> dict:
     """SmolLM2-135M with 2 layers and the test tokenizer's vocabulary and special tokens."""
+    shape = {k: v for k, v in SMOLLM2_135M.items() if k not in ("architectures", "torch_dtype")}
     return {
-        **SMOLLM2_135M,
+        **shape,
         "num_hidden_layers": 2,
         "vocab_size": len(tokenizer),
         "bos_token_id": tokenizer.bos_token_id,
