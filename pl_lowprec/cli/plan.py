@@ -22,7 +22,7 @@ import yaml
 from pl_lowprec.cli.estimate import device_of, devices_of, precision_of
 from pl_lowprec.cli.rebuild import rebuild_classes
 from pl_lowprec.memory.estimate import estimate_memory
-from pl_lowprec.memory.fake_step import DryRunTrainer, attached
+from pl_lowprec.memory.fake_step import DryRunTrainer, attached, batch_tensors
 from pl_lowprec.memory.plan import (
     Settings,
     block_classes,
@@ -86,7 +86,7 @@ def main(args: list[str] | None = None) -> None:
         )
     run.datamodule.setup("fit")
     batch = next(iter(run.datamodule.train_dataloader()))
-    rows = next(t.shape[0] for t in _tensors(batch))
+    rows = next(t.shape[0] for t in batch_tensors(batch))
     accumulate = int(getattr(trainer, "accumulate_grad_batches", None) or 1)
     devices = options.devices or (devices_of(trainer) if str(getattr(trainer, "devices", "1")).isdigit() else 1)
     precision, device = precision_of(trainer), device_of(trainer)
@@ -131,7 +131,7 @@ def _maximize(options, build, batch, rows, budget, precision, device, config, bl
         quantization="nf4-dq" if options.allow_quantization and config.quantization is None else None,
     )
     transform = settings_config(config, saving, blocks)
-    seq_len = next(t.shape[1] for t in _tensors(batch) if t.dim() >= 2)
+    seq_len = next(t.shape[1] for t in batch_tensors(batch) if t.dim() >= 2)
 
     def fits(value: int) -> bool:
         micro, length = (saving.micro_batch, value) if options.maximize == "seq_len" else (value, seq_len)
@@ -240,13 +240,3 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [v if isinstance(v, str) else getattr(v, "__name__", str(v)) for v in value]
     return value
-
-
-def _tensors(batch: Any) -> list[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        return [batch]
-    if isinstance(batch, dict):
-        return [t for v in batch.values() for t in _tensors(v)]
-    if isinstance(batch, (list, tuple)):
-        return [t for v in batch for t in _tensors(v)]
-    return []

@@ -9,6 +9,19 @@ import torch
 from pl_lowprec.models.token_loss import IGNORE_INDEX
 
 
+def right_padded(
+    samples: Sequence[dict[str, torch.Tensor]], pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """``input_ids`` and ``labels`` of ``samples`` right-padded to the longest (labels with -100), and the lengths."""
+    lengths = [len(s["input_ids"]) for s in samples]
+    ids = torch.full((len(samples), max(lengths)), pad_token_id, dtype=torch.long)
+    labels = torch.full((len(samples), max(lengths)), IGNORE_INDEX, dtype=torch.long)
+    for row, (sample, n) in enumerate(zip(samples, lengths, strict=True)):
+        ids[row, :n] = sample["input_ids"]
+        labels[row, :n] = sample["labels"]
+    return ids, labels, lengths
+
+
 class PadCollate:
     """Right-pads to the longest sample of the batch (a class, not a closure, so workers can pickle it)."""
 
@@ -16,15 +29,8 @@ class PadCollate:
         self.pad_token_id = pad_token_id
 
     def __call__(self, samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        longest = max(len(s["input_ids"]) for s in samples)
-        ids = torch.full((len(samples), longest), self.pad_token_id, dtype=torch.long)
-        labels = torch.full((len(samples), longest), IGNORE_INDEX, dtype=torch.long)
-        mask = torch.zeros((len(samples), longest), dtype=torch.long)
-        for row, sample in enumerate(samples):
-            n = len(sample["input_ids"])
-            ids[row, :n] = sample["input_ids"]
-            labels[row, :n] = sample["labels"]
-            mask[row, :n] = 1
+        ids, labels, lengths = right_padded(samples, self.pad_token_id)
+        mask = (torch.arange(ids.shape[1]) < torch.tensor(lengths)[:, None]).long()
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
@@ -39,14 +45,9 @@ class PackedCollate:
         self.pad_token_id = pad_token_id
 
     def __call__(self, rows: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        longest = max(len(r["input_ids"]) for r in rows)
-        ids = torch.full((len(rows), longest), self.pad_token_id, dtype=torch.long)
-        labels = torch.full((len(rows), longest), IGNORE_INDEX, dtype=torch.long)
-        positions = torch.arange(longest).repeat(len(rows), 1)
-        for i, row in enumerate(rows):
-            n = len(row["input_ids"])
-            ids[i, :n] = row["input_ids"]
-            labels[i, :n] = row["labels"]
+        ids, labels, lengths = right_padded(rows, self.pad_token_id)
+        positions = torch.arange(ids.shape[1]).repeat(len(rows), 1)
+        for i, (row, n) in enumerate(zip(rows, lengths, strict=True)):
             positions[i, :n] = row["position_ids"]
-            positions[i, n:] = torch.arange(longest - n)
+            positions[i, n:] = torch.arange(ids.shape[1] - n)
         return {"input_ids": ids, "labels": labels, "position_ids": positions}

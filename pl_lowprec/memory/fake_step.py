@@ -159,7 +159,7 @@ def simulate_step(
         batch = _to_fake(mode, example_batch)
         optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
         prime_optimizer(optimizer)
-        tracker = StepTracker(model, optimizer, _tensors(batch), device_type)
+        tracker = StepTracker(model, optimizer, batch_tensors(batch), device_type)
         offload = SimulatedOffload(tracker, [*model.parameters(), *model.buffers()]) if offloading else None
         saved: list[Any] = []
 
@@ -221,11 +221,12 @@ def _to_fake(mode: FakeTensorMode, batch: Any) -> Any:
     return batch
 
 
-def _tensors(batch: Any) -> list[torch.Tensor]:
+def batch_tensors(batch: Any) -> list[torch.Tensor]:
+    """Every tensor of a batch (a tensor, or mappings and sequences of them), in order."""
     if isinstance(batch, torch.Tensor):
         return [batch]
     if isinstance(batch, Mapping):
-        return [t for v in batch.values() for t in _tensors(v)]
+        return [t for v in batch.values() for t in batch_tensors(v)]
     if isinstance(batch, (list, tuple)):
-        return [t for v in batch for t in _tensors(v)]
+        return [t for v in batch for t in batch_tensors(v)]
     return []
