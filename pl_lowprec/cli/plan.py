@@ -227,13 +227,24 @@ def _dotted_overrides(overrides: list[str]) -> dict[str, Any]:
 
 
 def _set(fields: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``a.b.c``; below a ``class_path`` node a key goes into its ``init_args``, as LightningCLI reads
+    ``--model.pretrained`` as ``--model.init_args.pretrained``."""
     *parents, last = dotted.split(".")
     node = fields
     for key in parents:
+        node = _into_init_args(node, key)
         if not isinstance(node.get(key), dict):
             node[key] = {}
         node = node[key]
-    node[last] = value
+    _into_init_args(node, last)[last] = value
+
+
+def _into_init_args(node: dict[str, Any], key: str) -> dict[str, Any]:
+    if "class_path" in node and key not in ("class_path", "init_args", "dict_kwargs"):
+        if not isinstance(node.get("init_args"), dict):
+            node["init_args"] = {}
+        return node["init_args"]
+    return node
 
 
 def _plain(value: Any) -> Any:

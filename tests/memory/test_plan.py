@@ -154,10 +154,11 @@ def _write_config(tmp_path: Path, batch_size: int = 8) -> Path:
 def test_cli_writes_a_config_that_fit_runs_and_never_overwrites(tmp_path, capsys):
     source = _write_config(tmp_path)
     out = tmp_path / "plan.yaml"
-    cli(["plan", "--config", str(source), "--memory", "64MiB", "--out", str(out)])
+    cli(["plan", "--config", str(source), "--memory", "64MiB", "--out", str(out), "--data.max_bytes", "150000"])
     printed = capsys.readouterr().out
     assert "Chosen: micro-batch 8 x 1, checkpointing none" in printed  # everything fits: nothing to change
     planned = yaml.safe_load(out.read_text())
+    assert planned["data"]["init_args"]["max_bytes"] == 150_000  # an override without init_args lands inside it
     assert planned["data"]["init_args"]["batch_size"] * planned["trainer"]["accumulate_grad_batches"] == 8
     cli(["fit", "--config", str(out)])
     assert (tmp_path / "run").is_dir()
