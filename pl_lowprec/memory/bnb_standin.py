@@ -9,7 +9,7 @@ these layers instead. They subclass bitsandbytes' own classes, so that peft make
 own ``MatMul4Bit`` runs. Its ``gemm_4bit`` has no CPU or CUDA kernel for training: the registered composite runs
 (dequantize the absmax, dequantize the weight to ``B_dq`` [N, K] in the input dtype, ``linear``), and the tracker
 runs that composite too (``DECOMPOSE``), so ``B_dq`` lives as long as it does for real. Backward dequantizes to
-the dtype the weight had when it was quantized (``weight_dtype``): fp32 weights cost a fp32 [N, K] temporary.
+the dtype the weight was quantized from (``weight_dtype``, ``quantization.dequantized_dtype``).
 Checked layer by layer against the profiler (``docs/design/peak-memory-research.md``, Q4): byte for byte.
 
 int8 (``Linear8bitLt``, frozen weights): the int8 weight and one fp32 scale per row; the matmul quantizes its
@@ -27,7 +27,7 @@ from torch import nn
 
 from pl_lowprec._imports import import_bitsandbytes
 from pl_lowprec.memory.tracker import DECOMPOSE
-from pl_lowprec.transforms.quantization import QuantizationConfig
+from pl_lowprec.transforms.quantization import QuantizationConfig, dequantized_dtype
 
 
 def fake_quantized_layer(
@@ -77,7 +77,7 @@ def _classes() -> dict[str, type]:
         ) -> None:
             nn.Module.__init__(self)
             self.in_features, self.out_features = linear.in_features, linear.out_features
-            self.compute_dtype, self.weight_dtype = compute_dtype, linear.weight.dtype
+            self.compute_dtype, self.weight_dtype = compute_dtype, dequantized_dtype(linear.weight.dtype, compute_dtype)
             self.quant_type, self.compress_statistics, self.blocksize = quant_type, compress_statistics, 64
             self.quant_storage = quant_storage
             numel = linear.in_features * linear.out_features

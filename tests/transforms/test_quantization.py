@@ -11,6 +11,7 @@ from qlora_helpers import GradRecorder, LossRecorder, frozen_state, ids_loader, 
 from pl_lowprec import AMPPrecision, LowPrecisionStrategy
 from pl_lowprec.memory.breakdown import parameter_bytes
 from pl_lowprec.transforms.checkpointing import is_checkpointed
+from pl_lowprec.transforms.quantization import QuantizationConfig, quantize_linear
 
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
@@ -175,3 +176,21 @@ def test_plain_lora_without_quantization():
     assert type(layer).__module__ == "peft.tuners.lora.layer"
     assert torch.equal(layer.base_layer.weight, frozen_before)
     assert not model.model.lm_head.weight.requires_grad  # all-linear leaves the output head out
+
+
+def test_4bit_weights_dequantize_to_the_compute_dtype():
+    """An fp32 weight under a bf16 compute dtype is quantized from bf16: the matmul's dequantized copy is bf16 (half
+    the bytes), and for a bf16 checkpoint's weights (exact in bf16) the packed weight and constants are the same."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(128, 64, bias=False)
+    linear.weight.data = linear.weight.data.bfloat16().float()  # a bf16 checkpoint built into an fp32 module
+    config = QuantizationConfig.from_mode("nf4-dq")
+    cpu = torch.device("cpu")
+    from_fp32 = quantize_linear(linear, config, torch.bfloat16, cpu)
+    as_bf16 = torch.nn.Linear(128, 64, bias=False)
+    as_bf16.weight.data = linear.weight.data.bfloat16()
+    from_bf16 = quantize_linear(as_bf16, config, torch.bfloat16, cpu)
+    assert from_fp32.weight.quant_state.dtype == torch.bfloat16
+    assert torch.equal(from_fp32.weight.data, from_bf16.weight.data)
+    assert torch.equal(from_fp32.weight.quant_state.absmax, from_bf16.weight.quant_state.absmax)
+    assert quantize_linear(linear, config, torch.float32, cpu).weight.quant_state.dtype == torch.float32  # 32-true
