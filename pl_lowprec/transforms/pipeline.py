@@ -48,12 +48,14 @@ from pl_lowprec.adapters import load_trainable_state_dict, trainable_state_dict
 from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.loading import PretrainedWeights
 from pl_lowprec.loading.host_memory import release_freed_host_memory
+from pl_lowprec.transforms.autocast_activations import keep_activations_in_compute_dtype
 from pl_lowprec.transforms.checkpointing import is_checkpointed, set_activation_checkpointing
 from pl_lowprec.transforms.checks import refuse_fitting_converted
 from pl_lowprec.transforms.compiling import CompileClock, check_compiler, compile_model
 from pl_lowprec.transforms.config import TransformConfig
 from pl_lowprec.transforms.dtypes import compute_dtype_of
 from pl_lowprec.transforms.fp8 import check_fp8_device, convert_to_fp8
+from pl_lowprec.transforms.frozen_dtype import cast_frozen_weights
 from pl_lowprec.transforms.lora import has_lora, inject_lora, prepare_for_kbit_training
 from pl_lowprec.transforms.offloading import OffloadActivations, check_offload_device
 from pl_lowprec.transforms.optimizers import import_optimizer_library, rebind_schedulers, swap_optimizer
@@ -118,12 +120,17 @@ class ModelTransform:
                 rank_zero_info(f"FP8 training ({c.fp8.recipe}) on {len(swapped)} linear layers.")
         if c.lora is not None and not has_lora(model):
             adapted = inject_lora(model, c.lora, c.skip_modules)
-            mixed = str(precision_plugin.precision).endswith("-mixed")
-            added = prepare_for_kbit_training(model, mixed_precision=mixed)
+            added = prepare_for_kbit_training(model, mixed_precision=precision_plugin_is_mixed(precision_plugin))
             if added:
                 rank_zero_info(f"Upcast trainable and norm weights to fp32 for mixed precision (+{added} bytes).")
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             rank_zero_info(f"LoRA on {len(adapted)} layers; {trainable} trainable parameters.")
+        if c.lora is not None and c.qat is None and c.fp8 is None and precision_plugin_is_mixed(precision_plugin):
+            saved = cast_frozen_weights(model, compute_dtype)
+            if saved:
+                name = str(compute_dtype).removeprefix("torch.")
+                rank_zero_info(f"Frozen weights kept in {name}, the compute dtype (-{saved} bytes).")
+            keep_activations_in_compute_dtype(model, recompute_norms=c.compile_kwargs is None)
         if c.activation_checkpointing is not None:
             already = any(is_checkpointed(m) for m in model.modules())
             names = set_activation_checkpointing(
@@ -220,3 +227,8 @@ class ModelTransform:
             load_trainable_state_dict(model, state_dict, strict=strict)
         else:
             model.load_state_dict(state_dict, strict=strict)
+
+
+def precision_plugin_is_mixed(precision_plugin: Any) -> bool:
+    """Whether the plugin computes under autocast (``"16-mixed"``, ``"bf16-mixed"``, ``auto`` resolved to one)."""
+    return str(precision_plugin.precision).endswith("-mixed")

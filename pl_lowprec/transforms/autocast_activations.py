@@ -1,0 +1,106 @@
+"""Activations stay in the compute dtype under autocast: no fp32 copies of what every matmul reads in bf16.
+
+Mixed precision keeps norm weights and LoRA adapters in fp32. Two things then make fp32 copies of activations
+that buy no precision, since every linear layer that reads them rounds them to the compute dtype again
+(autocast, bitsandbytes, peft's LoRA path):
+
+- a norm multiplies its fp32 weight with a bf16 input and returns fp32; bitsandbytes' layers return their input's
+  dtype, so the MLP's activations and, after the first block, the residual stream turn fp32, which doubles each
+  checkpointed block's input;
+- peft casts each LoRA layer's input to the adapter's dtype (fp32), and autocast casts it back to bf16 for the
+  matmul and keeps that copy for backward: one more copy of the input per adapted layer.
+
+- a norm computes in fp32 (Hugging Face's ``RMSNorm`` upcasts its input) and keeps that fp32 copy of its input for
+  backward, beside the bf16 input the residual stream holds anyway.
+
+Under autocast, norms here return their input's dtype (as Hugging Face's norms do when the weight is in the
+compute dtype: transformers' bf16 loading, torchtune's recipes) and, while gradients are recorded, keep only
+their bf16 input and redo their few elementwise ops in backward (the same ops under the same autocast, so the same
+gradients; not under ``compile=``, which fuses them). LoRA layers read their
+input as it is (peft's ``cast_input_dtype_enabled``). The adapters' matmuls are unchanged (bf16 in, as before:
+the round trip bf16 -> fp32 -> bf16 is exact); the residual stream is bf16 instead of fp32 from the second block on. On
+Llama-3.1-8B QLoRA shapes, batch 2 x 2048, every block checkpointed, the predicted peak drops by about 1.7 GiB
+(``docs/memory.md``). Outside autocast nothing changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pl_lowprec.transforms.lora import is_norm, lora_layers
+
+_HOOKED = "_pl_lowprec_autocast_activations"
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def keep_activations_in_compute_dtype(model: nn.Module, recompute_norms: bool = True) -> int:
+    """Hook every norm and LoRA layer of ``model`` (idempotent); return how many were hooked now.
+    ``recompute_norms=False`` (under ``compile=``) only casts the norms' outputs."""
+    hooked = 0
+    for module in [m for m in model.modules() if is_norm(m)]:
+        if not getattr(module, _HOOKED, False):
+            module.forward = _LeanNorm(module, recompute_norms)
+            setattr(module, _HOOKED, True)
+            hooked += 1
+    for module in lora_layers(model).values():
+        if not getattr(module, _HOOKED, False):
+            module.register_forward_pre_hook(_lora_input_as_it_is_under_autocast)
+            setattr(module, _HOOKED, True)
+            hooked += 1
+    return hooked
+
+
+class _LeanNorm:
+    """A norm's ``forward`` that, under autocast with a half-precision input, returns the input's dtype and, while
+    gradients are recorded (and its own weights are frozen), keeps only its input for backward."""
+
+    def __init__(self, module: nn.Module, recompute: bool) -> None:
+        self.module, self.forward, self.recompute = module, module.forward, recompute
+
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        half = isinstance(x, torch.Tensor) and x.dtype in HALF_DTYPES
+        if not half or not torch.is_autocast_enabled(x.device.type):
+            return self.forward(x, *args, **kwargs)
+        frozen = not any(p.requires_grad for p in self.module.parameters(recurse=False))
+        if self.recompute and frozen and not args and not kwargs and torch.is_grad_enabled() and x.requires_grad:
+            return _RecomputedInBackward.apply(self._in_input_dtype, x)
+        return self._in_input_dtype(x, *args, **kwargs)
+
+    def _in_input_dtype(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        out = self.forward(x, *args, **kwargs)
+        return out.to(x.dtype) if isinstance(out, torch.Tensor) and out.is_floating_point() else out
+
+
+def _kept(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+class _RecomputedInBackward(torch.autograd.Function):
+    """``fn(*inputs)`` keeping only ``inputs``: backward runs ``fn`` again under the same autocast and
+    differentiates it (the same ops, so the same gradients)."""
+
+    @staticmethod
+    def forward(ctx: Any, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.fn, ctx.autocast_dtype = fn, torch.get_autocast_dtype(inputs[0].device.type)
+        ctx.save_for_backward(*inputs)
+        return fn(*inputs)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        inputs = ctx.saved_tensors
+        autocast = torch.autocast(inputs[0].device.type, dtype=ctx.autocast_dtype)
+        # what this short graph saves lives only until the next line: no activation counter or offloading sees it
+        with torch.enable_grad(), autocast, torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
+            leaves = [x.detach().requires_grad_() for x in inputs]
+            out = ctx.fn(*leaves)
+        return None, *torch.autograd.grad(out, leaves, grad)
+
+
+def _lora_input_as_it_is_under_autocast(module: nn.Module, args: tuple[Any, ...]) -> None:
+    first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    under_autocast = first is not None and torch.is_autocast_enabled(first.device.type)
+    module.cast_input_dtype_enabled = not under_autocast

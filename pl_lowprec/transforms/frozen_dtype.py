@@ -1,0 +1,87 @@
+"""Frozen weights in the compute dtype under mixed precision.
+
+Autocast reads every frozen weight in the compute dtype anyway (a linear layer casts its weight for each matmul),
+so holding a frozen embedding or head in fp32 only costs memory: on Llama-3.1-8B shapes the untied embedding and
+head are 3.9 GiB in fp32 against 2.0 GiB in bf16. A bf16 checkpoint built into a fp32 module would otherwise stay
+upcast for the whole run. Trainable parameters and norm weights stay in fp32 (``prepare_for_kbit_training``);
+quantized weights are not floating point and are left alone; under ``32-true`` nothing changes.
+
+Outside autocast (an evaluation loop, a notebook, a comparison after training) a half-precision frozen layer
+would meet the fp32 outputs of the norms; like bitsandbytes' 4-bit layers, it then casts its input to its
+weight's dtype and its output back to the input's. Under autocast the hooks do nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pl_lowprec.transforms.lora import is_norm
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+_WEIGHT_DTYPE = "_pl_lowprec_frozen_dtype"
+_OUTPUT_DTYPE = "_pl_lowprec_output_dtype"
+
+
+def cast_frozen_weights(model: nn.Module, compute_dtype: torch.dtype) -> int:
+    """Cast frozen, unquantized, non-norm floating-point parameters to ``compute_dtype`` (fp16 or bf16); return
+    the bytes saved. A weight that fp16 cannot hold (a finite value that overflows) is refused, not cast. Every
+    module left with frozen weights in ``compute_dtype`` casts its inputs outside autocast (``cast_inputs``)."""
+    if compute_dtype not in HALF_DTYPES:
+        return 0
+    saved = 0
+    for name, module in model.named_modules():
+        if is_norm(module):
+            continue
+        frozen_half = False
+        for param_name, param in module.named_parameters(recurse=False):
+            data = param.data
+            if param.requires_grad or type(data) is not torch.Tensor or not data.is_floating_point():
+                continue  # trainable, a tensor subclass (torchao NF4, DTensor), or quantized integers
+            if data.element_size() > torch.finfo(compute_dtype).bits // 8:
+                cast = data.to(compute_dtype)
+                if compute_dtype == torch.float16 and not data.is_meta:
+                    _check_fp16_range(f"{name}.{param_name}" if name else param_name, data, cast)
+                saved += data.numel() * (data.element_size() - cast.element_size())
+                param.data = data = cast
+            frozen_half = frozen_half or data.dtype == compute_dtype
+        if frozen_half:
+            cast_inputs(module, compute_dtype)
+    return saved
+
+
+def cast_inputs(module: nn.Module, weight_dtype: torch.dtype) -> None:
+    """Outside autocast, ``module`` computes in ``weight_dtype`` and returns its input's dtype (idempotent)."""
+    if hasattr(module, _WEIGHT_DTYPE):
+        return
+    setattr(module, _WEIGHT_DTYPE, weight_dtype)
+    module.register_forward_pre_hook(_cast_floating_inputs)
+    module.register_forward_hook(_restore_output_dtype)
+
+
+def _cast_floating_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    weight_dtype = getattr(module, _WEIGHT_DTYPE)
+    first = next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+    if first is None or first.dtype == weight_dtype or torch.is_autocast_enabled(first.device.type):
+        return None
+    setattr(module, _OUTPUT_DTYPE, first.dtype)
+    return tuple(a.to(weight_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+
+
+def _restore_output_dtype(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    dtype = module.__dict__.pop(_OUTPUT_DTYPE, None)
+    if dtype is None or not isinstance(output, torch.Tensor) or not output.is_floating_point():
+        return None
+    return output.to(dtype)
+
+
+def _check_fp16_range(name: str, before: torch.Tensor, after: torch.Tensor) -> None:
+    if bool((torch.isfinite(before) & ~torch.isfinite(after)).any()):
+        largest = float(before.abs().max())
+        raise ValueError(
+            f"The frozen weight {name} holds values up to {largest:.3g}, beyond float16's range (65504): under"
+            " 16-mixed pl_lowprec keeps frozen weights in the compute dtype, and this one would become inf. Train"
+            " under bf16-mixed (same memory, bfloat16's range), or 32-true."
+        )

@@ -1,0 +1,111 @@
+"""Under mixed precision, frozen unquantized weights keep the compute dtype; trainable ones and norms are fp32."""
+
+import json
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning_helpers import quiet_trainer
+from loading_helpers import llama_config, save_llama, save_tokenizer
+
+from pl_lowprec import LowPrecisionStrategy
+from pl_lowprec.data import TextDataModule
+from pl_lowprec.models import CausalLM
+from pl_lowprec.transforms.frozen_dtype import cast_frozen_weights
+from pl_lowprec.transforms.lora import is_norm
+
+pytest.importorskip("peft")
+pytest.importorskip("bitsandbytes")
+
+
+def _float_params(model):
+    """(name, dtype, trainable, in a norm) of every plain floating-point parameter."""
+    norms = {id(p) for m in model.modules() if is_norm(m) for p in m.parameters(recurse=False)}
+    return [
+        (name, p.dtype, p.requires_grad, id(p) in norms)
+        for name, p in model.named_parameters()
+        if type(p.data) is torch.Tensor and p.is_floating_point()
+    ]
+
+
+def test_frozen_weights_cast_trainable_and_norms_kept():
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(llama_config(hidden_size=32, layers=1))
+    model.requires_grad_(False)
+    model.model.layers[0].mlp.down_proj.weight.requires_grad_(True)
+    saved = cast_frozen_weights(model, torch.bfloat16)
+    params = _float_params(model)
+    frozen = [dtype for _, dtype, trainable, norm in params if not trainable and not norm]
+    assert frozen and set(frozen) == {torch.bfloat16}
+    assert {dtype for _, dtype, trainable, norm in params if trainable or norm} == {torch.float32}
+    assert saved == sum(p.numel() * 2 for p in model.parameters() if p.dtype == torch.bfloat16)
+    assert cast_frozen_weights(model, torch.float32) == 0  # 32-true: nothing changes
+
+
+def test_fp16_overflow_is_refused_naming_the_weight():
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(llama_config(hidden_size=32, layers=1)).requires_grad_(False)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[0, 0] = 1e6
+    with pytest.raises(ValueError, match=r"model\.embed_tokens\.weight holds values up to 1e\+06.*bf16-mixed"):
+        cast_frozen_weights(model, torch.float16)
+
+
+class Losses(Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory):
+    """A bf16 checkpoint with a tied embedding, as real chat checkpoints ship."""
+    directory = save_tokenizer(tmp_path_factory.mktemp("bf16"))
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(directory))
+    return save_llama(directory, hidden_size=32, layers=1, vocab_size=vocab, tie=True, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(("precision", "frozen_dtype"), [("bf16-mixed", torch.bfloat16), ("32-true", torch.float32)])
+def test_qlora_on_a_bf16_checkpoint_keeps_frozen_weights_in_the_compute_dtype(
+    tmp_path, bf16_checkpoint, precision, frozen_dtype
+):
+    path = tmp_path / "pc.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"x{i} =", "completion": f" {i}"}) for i in range(8)))
+    data = TextDataModule(train_files=path, tokenizer=str(bf16_checkpoint), batch_size=4, val_fraction=0)
+    losses = Losses()
+    strategy = LowPrecisionStrategy(quantization="nf4", lora={"r": 4, "lora_alpha": 8})
+    trainer = quiet_trainer(strategy=strategy, precision=precision, max_steps=2, callbacks=[losses])
+    model = CausalLM(str(bf16_checkpoint))
+    trainer.fit(model, datamodule=data)
+    params = _float_params(model)
+    assert any("embed_tokens" in name for name, *_ in params)
+    for name, dtype, trainable, norm in params:
+        expected = torch.float32 if trainable or norm else frozen_dtype
+        assert dtype == expected, (name, dtype)
+    assert len(losses.losses) == 2 and all(torch.isfinite(torch.tensor(losses.losses)))
+
+
+def test_a_trained_model_runs_outside_autocast_as_under_it(tmp_path, bf16_checkpoint):
+    """Frozen bf16 layers meet fp32 norm outputs outside autocast: they cast their input, and return fp32."""
+    path = tmp_path / "pc.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"x{i} =", "completion": f" {i}"}) for i in range(8)))
+    data = TextDataModule(train_files=path, tokenizer=str(bf16_checkpoint), batch_size=4, val_fraction=0)
+    strategy = LowPrecisionStrategy(lora={"r": 4, "lora_alpha": 8})  # unquantized: every base linear is frozen bf16
+    trainer = quiet_trainer(strategy=strategy, precision="bf16-mixed", max_steps=1)
+    model = CausalLM(str(bf16_checkpoint))
+    trainer.fit(model, datamodule=data)
+    head = model.model.get_output_embeddings()
+    assert head.weight.dtype == torch.bfloat16 and model.model.model.norm.weight.dtype == torch.float32
+    ids = torch.arange(12).reshape(2, 6)
+    with torch.no_grad():
+        plain = model(ids)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast = model(ids)
+    assert plain.dtype == torch.float32  # the head returns its input's dtype, as bitsandbytes' layers do
+    torch.testing.assert_close(plain, autocast.float(), atol=0.05, rtol=0.05)
