@@ -27,6 +27,7 @@ from torch import nn
 
 from pl_lowprec._imports import import_bitsandbytes
 from pl_lowprec.memory.tracker import DECOMPOSE
+from pl_lowprec.transforms.nf4 import local
 from pl_lowprec.transforms.quantization import QuantizationConfig, dequantized_dtype
 
 
@@ -187,11 +188,17 @@ class FakeOptimizer8bit(torch.optim.Optimizer):
     """bitsandbytes' 8-bit optimizers in a fake step (their ``step`` reassigns ``p.data``, which fake parameters
     refuse): the state they hold, with ``estimate.optimizer_state_bytes``' sizes (uint8 state and one fp32 absmax
     per 256 elements for tensors of 4096+ elements, fp32 state below that), and a step that updates in place, as
-    the fused CUDA kernel does. bitsandbytes' CPU implementation makes fp32 temporaries this does not see."""
+    the fused CUDA kernel does. bitsandbytes' CPU implementation makes fp32 temporaries this does not see.
 
-    def __init__(self, params: Any, states: int, min_8bit_size: int = 4096, block: int = 256) -> None:
+    ``torchao=True``: torchao's ``AdamW8bit`` instead (its real ``step`` crashes on fake tensors): the same blocks
+    only where the element count is also a multiple of 256, each state with its own 256-entry fp32 map, and state
+    in the parameter's dtype elsewhere; under FSDP2, for this rank's shard."""
+
+    def __init__(
+        self, params: Any, states: int, min_8bit_size: int = 4096, block: int = 256, torchao: bool = False
+    ) -> None:
         super().__init__(params, {"lr": 0.0})
-        self.states, self.min_8bit_size, self.block = states, min_8bit_size, block
+        self.states, self.min_8bit_size, self.block, self.torchao = states, min_8bit_size, block, torchao
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
@@ -201,12 +208,16 @@ class FakeOptimizer8bit(torch.optim.Optimizer):
                     continue
                 state = self.state[param]
                 if not state:
-                    n = param.numel()
+                    held = local(param)
+                    n = held.numel()
+                    quantized = n >= self.min_8bit_size and (not self.torchao or n % self.block == 0)
                     for index in range(1, self.states + 1):
-                        if n >= self.min_8bit_size:
+                        if quantized:
                             state[f"state{index}"] = torch.empty(n, dtype=torch.uint8)
                             state[f"absmax{index}"] = torch.empty(math.ceil(n / self.block), dtype=torch.float32)
+                            if self.torchao:
+                                state[f"qmap{index}"] = torch.empty(256, dtype=torch.float32)
                         else:
-                            state[f"state{index}"] = torch.empty(n, dtype=torch.float32)
+                            state[f"state{index}"] = torch.empty(n, dtype=held.dtype if self.torchao else torch.float32)
                     state["step"] = 0
                 state["step"] += 1

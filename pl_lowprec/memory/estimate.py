@@ -329,8 +329,8 @@ def _optimizer(trainable: list[nn.Parameter], name: str | None, device: torch.de
     optimizer = torch.optim.AdamW(trainable, lr=1e-4)
     if name is None:
         return optimizer
-    if name in ("adamw8bit", "paged_adamw8bit", "lion8bit"):
-        return FakeOptimizer8bit(trainable, states=1 if name == "lion8bit" else 2)
+    if name in ("adamw8bit", "paged_adamw8bit", "lion8bit", "torchao_adamw8bit"):
+        return FakeOptimizer8bit(trainable, states=1 if name == "lion8bit" else 2, torchao=name.startswith("torchao"))
     with unset_fake_temporarily():  # bitsandbytes builds its quantization maps from Python lists, for real
         return swap_optimizer(optimizer, name, device)
 
