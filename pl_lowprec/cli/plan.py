@@ -30,28 +30,13 @@ from pl_lowprec.memory.plan import (
     fresh_copies,
     largest_fitting,
     plan_memory,
+    resized,
     settings_config,
 )
 from pl_lowprec.memory.sizes import parse_bytes
 from pl_lowprec.transforms.config import TransformConfig
 
 MAX_SEQ_LEN = 1 << 20
-
-
-def resized(batch: Any, rows: int, seq_len: int | None = None) -> Any:
-    """``batch`` with ``rows`` rows (repeated or cut) and, for 2-d tensors, ``seq_len`` positions (tiled or cut)."""
-    if isinstance(batch, dict):
-        return {k: resized(v, rows, seq_len) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(resized(v, rows, seq_len) for v in batch)
-    if not isinstance(batch, torch.Tensor) or batch.dim() == 0:
-        return batch
-    index = torch.arange(rows) % batch.shape[0]
-    out = batch[index]
-    if seq_len is not None and out.dim() >= 2:
-        positions = torch.arange(seq_len) % out.shape[1]
-        out = out[:, positions]
-    return out
 
 
 def main(args: list[str] | None = None) -> None:
@@ -92,8 +77,11 @@ def main(args: list[str] | None = None) -> None:
     precision, device = precision_of(trainer), device_of(trainer)
     build = fresh_copies(run.model)
     blocks = _block_names(build, config)
+    strategy = trainer.strategy
+    sharding = strategy.transform_sharding(config) if hasattr(strategy, "transform_sharding") else None
     if options.maximize:
-        _maximize(options, build, batch, rows, budget, precision, device, config, blocks, overrides, run)
+        shards = (sharding, devices)
+        _maximize(options, build, batch, rows, budget, precision, device, config, blocks, overrides, run, shards)
         return
     plan = plan_memory(
         build,
@@ -107,6 +95,7 @@ def main(args: list[str] | None = None) -> None:
         options.margin,
         options.allow_quantization,
         blocks,
+        sharding=sharding,
     )
     print(plan.table())
     chosen = plan.chosen
@@ -119,14 +108,21 @@ def main(args: list[str] | None = None) -> None:
         print(f"Wrote {out}: pl-lowprec fit --config {out}")
 
 
-def _maximize(options, build, batch, rows, budget, precision, device, config, blocks, overrides, run) -> None:
-    """The longest sequence (or largest micro-batch) that fits, with the most memory-saving settings allowed."""
+def _eight_bit(sharding: Any) -> str:
+    """The 8-bit AdamW the strategy takes: torchao's under ``lowprec_fsdp`` (it steps on shards)."""
+    return "torchao_adamw8bit" if sharding is not None else "adamw8bit"
+
+
+def _maximize(options, build, batch, rows, budget, precision, device, config, blocks, overrides, run, shards) -> None:
+    """The longest sequence (or largest micro-batch) that fits, with the most memory-saving settings allowed;
+    ``shards``: the config's FSDP2 sharding (or ``None``) and the number of ranks."""
+    sharding, world_size = shards
     limit = int(budget * (1 - options.margin))
     saving = Settings(
         micro_batch=1 if options.maximize == "seq_len" else rows,
         accumulate=1,
         checkpointing="every block" if (config.activation_checkpointing or blocks) else "none",
-        optimizer="adamw8bit" if config.optimizer in (None, "adamw") else config.optimizer,
+        optimizer=_eight_bit(sharding) if config.optimizer in (None, "adamw") else config.optimizer,
         activation_offloading=device == "cuda",
         quantization="nf4-dq" if options.allow_quantization and config.quantization is None else None,
     )
@@ -136,7 +132,13 @@ def _maximize(options, build, batch, rows, budget, precision, device, config, bl
     def fits(value: int) -> bool:
         micro, length = (saving.micro_batch, value) if options.maximize == "seq_len" else (value, seq_len)
         estimate = estimate_memory(
-            build, resized(batch, micro, length), precision=precision, device=device, config=transform
+            build,
+            resized(batch, micro, length),
+            precision=precision,
+            device=device,
+            config=transform,
+            sharding=sharding,
+            world_size=world_size if sharding is not None else 1,
         )
         return estimate.peak <= limit
 

@@ -6,7 +6,7 @@ has them; what is searched only trades memory for time and never changes what is
 - the micro-batch, with accumulation adjusted so the global batch stays the same (with a token-mean loss, as
   ``CausalLM``'s, the optimizer steps are the same);
 - activation checkpointing: none, every n-th block, every block, and ``checkpoint_mode="selective"``;
-- the 8-bit AdamW (``optimizer="adamw8bit"``) in place of torch's;
+- the 8-bit AdamW (``optimizer="adamw8bit"``; under ``lowprec_fsdp`` ``"torchao_adamw8bit"``) in place of torch's;
 - activation offloading, on CUDA only.
 
 Quantization changes the model, so it is searched only where the config already quantizes (its mode is kept)
@@ -30,7 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
+from pl_lowprec.memory.sizes import format_bytes
 from pl_lowprec.transforms.config import TransformConfig
 
 FORWARD, BACKWARD = 1.0, 2.0
@@ -123,7 +125,7 @@ class MemoryPlan:
         smallest = min(self.candidates, key=lambda c: c.peak)
         split = {k: v for k, v in smallest.estimate.peak_split.items() if v}
         top = sorted(split.items(), key=lambda kv: -kv[1])[:3]
-        parts = ", ".join(f"{k.replace('_', ' ')} {v / 2**30:.2f} GiB" for k, v in top)
+        parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in top)
         advice = {
             "weights": "quantize the base weights (allow_quantization / quantization: nf4-dq), or shard them over"
             " more devices (lowprec_fsdp with --devices N)",
@@ -134,9 +136,9 @@ class MemoryPlan:
             "gradients": "fewer trainable parameters (LoRA instead of a full fine-tune)",
         }.get(top[0][0], "shorter sequences or more devices")
         return (
-            f"Nothing fits in {self.limit / 2**30:.2f} GiB (budget {self.budget / 2**30:.2f} GiB less the"
+            f"Nothing fits in {format_bytes(self.limit)} (budget {format_bytes(self.budget)} less the"
             f" {self.margin:.0%} margin): the smallest predicted peak of the {len(self.candidates)} candidates is"
-            f" {smallest.peak / 2**30:.2f} GiB ({smallest.settings.describe()}), of which {parts}. The largest"
+            f" {format_bytes(smallest.peak)} ({smallest.settings.describe()}), of which {parts}. The largest"
             f" part is {top[0][0].replace('_', ' ')}: {advice}."
         )
 
@@ -154,6 +156,7 @@ def plan_memory(
     allow_quantization: bool = False,
     block_names: list[str] | None = None,
     cache: dict[Settings, MemoryEstimate] | None = None,
+    sharding: Sharding | None = None,
 ) -> MemoryPlan:
     """Simulate every candidate and rank them.
 
@@ -165,11 +168,14 @@ def plan_memory(
         config: The strategy's model arguments; the searched ones are replaced per candidate.
         block_names: The block classes to checkpoint when the config names none (``_no_split_modules``).
         cache: Estimates by settings, kept across calls that differ only in ``budget`` or ``margin``.
+        sharding: The config's FSDP2 sharding (``strategy.transform_sharding(config)``): every candidate is
+            simulated per rank of ``devices``.
     """
     config = config or TransformConfig()
     device = torch.device(device)
     plan = MemoryPlan(budget, margin)
-    for group in candidate_groups(config, global_batch, devices, device, allow_quantization, block_names):
+    sharded = sharding is not None
+    for group in candidate_groups(config, global_batch, devices, device, allow_quantization, block_names, sharded):
         for settings in group:  # from the fewest changes: the first that fits ends the group
             estimate = None if cache is None else cache.get(settings)
             if estimate is None:
@@ -180,6 +186,8 @@ def plan_memory(
                     device=device,
                     config=settings_config(config, settings, block_names),
                     accumulate_grad_batches=settings.accumulate,
+                    sharding=sharding,
+                    world_size=devices if sharding is not None else 1,
                 )
                 if cache is not None:
                     cache[settings] = estimate
@@ -197,10 +205,11 @@ def candidate_groups(
     device: torch.device,
     allow_quantization: bool,
     block_names: list[str] | None,
+    sharded: bool = False,
 ) -> Iterator[list[Settings]]:
     """Per micro-batch and checkpointing policy, the variants from the fewest changes to the most (the 8-bit
     optimizer, offloading on CUDA, then quantization where allowed): a variant is simulated only when the ones
-    before it do not fit."""
+    before it do not fit. Sharded (``lowprec_fsdp``), the 8-bit optimizer is torchao's, which steps on shards."""
     per_device, rest = divmod(global_batch, devices)
     if rest or per_device < 1:
         raise ValueError(
@@ -214,7 +223,7 @@ def candidate_groups(
         checkpointing += [("every 2nd block", 2), ("every block", 1), ("selective", 1)]
     optimizers = [config.optimizer]
     if config.optimizer in (None, "adamw"):
-        optimizers.append("adamw8bit")
+        optimizers.append("torchao_adamw8bit" if sharded else "adamw8bit")
     offloading = [False, True] if device.type == "cuda" else [False]
     quantization: list[str | None] = [None]  # None: the config's own (unquantized, or its mode)
     if allow_quantization and config.quantization is None:
@@ -255,6 +264,22 @@ def fresh_copies(model: nn.Module) -> Callable[[], nn.Module]:
     return lambda: copy.deepcopy(original)
 
 
+def resized(batch: Any, rows: int, seq_len: int | None = None) -> Any:
+    """``batch`` with ``rows`` rows (repeated or cut) and, for 2-d tensors, ``seq_len`` positions (tiled or cut)."""
+    if isinstance(batch, dict):
+        return {k: resized(v, rows, seq_len) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(resized(v, rows, seq_len) for v in batch)
+    if not isinstance(batch, torch.Tensor) or batch.dim() == 0:
+        return batch
+    index = torch.arange(rows) % batch.shape[0]
+    out = batch[index]
+    if seq_len is not None and out.dim() >= 2:
+        positions = torch.arange(seq_len) % out.shape[1]
+        out = out[:, positions]
+    return out
+
+
 def largest_fitting(fits: Callable[[int], bool], low: int, high: int) -> int | None:
     """The largest value in ``[low, high]`` for which ``fits`` holds, assuming it holds below some threshold;
     ``None`` when even ``low`` does not fit."""
@@ -282,4 +307,4 @@ def doubling_bound(fits: Callable[[int], bool], start: int, ceiling: int) -> tup
 
 def _changes(candidate: Candidate) -> tuple[bool, bool, bool]:
     s = candidate.settings
-    return s.quantization is not None, s.activation_offloading, s.optimizer == "adamw8bit"
+    return s.quantization is not None, s.activation_offloading, s.optimizer in ("adamw8bit", "torchao_adamw8bit")

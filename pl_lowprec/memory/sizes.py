@@ -1,4 +1,5 @@
-"""Memory sizes as people write them: ``"24GiB"``, ``"24GB"``, ``"512MiB"``, ``"1.5 GiB"`` or a byte count."""
+"""Memory sizes as people write them (``"24GiB"``, ``"24GB"``, ``"512MiB"``, ``"1.5 GiB"`` or a byte count), and
+as the package prints them."""
 
 from __future__ import annotations
 
@@ -37,3 +38,8 @@ def _message(value: object, argument: str) -> str:
         f"{argument}={value!r} is not a memory size: give a positive number of bytes or a number with a unit, such"
         " as 24GiB, 80GB or 512MiB (GiB = 2**30 bytes, GB = 10**9, as GPU makers count)."
     )
+
+
+def format_bytes(nbytes: int) -> str:
+    """Bytes as a person reads them: GiB from 1 GiB up, MiB below."""
+    return f"{nbytes / 2**30:.2f} GiB" if abs(nbytes) >= 2**30 else f"{nbytes / 2**20:.2f} MiB"

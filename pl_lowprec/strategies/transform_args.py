@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pl_lowprec.distributed.sharding import Sharding
+from pl_lowprec.memory.sizes import parse_bytes
 from pl_lowprec.transforms.checkpointing import CheckpointImpl, CheckpointMode, CheckpointPolicy
 from pl_lowprec.transforms.config import TransformConfig
 from pl_lowprec.transforms.fp8 import FP8Config, FP8Recipe
@@ -59,6 +60,10 @@ class TransformArguments:
             a dict of ``torch.compile`` arguments (``{"mode": "max-autotune-no-cudagraphs"}``). The first steps
             are slower while it compiles (logged once). On CPU it needs a C++ compiler. Not with
             ``quantization="int8"`` or ``checkpoint_impl="reentrant"``.
+        memory_budget: Device memory the run may use (``"24GiB"``, ``"80GB"``, bytes): before any weight loads,
+            ``fit`` predicts the step's peak (``estimate_memory``, per rank under ``lowprec_fsdp``) and stops when
+            it is above, naming the settings ``pl-lowprec plan`` would choose. Keep a margin inside it for the
+            CUDA context and fragmentation. ``None`` (default): no check.
     """
 
     transform_config: TransformConfig
@@ -81,6 +86,7 @@ class TransformArguments:
         fp8: FP8Recipe | FP8Config | None = None,
         activation_offloading: bool = False,
         compile: bool | dict[str, Any] = False,
+        memory_budget: str | int | None = None,
         **kwargs: Any,
     ) -> None:
         self.transform_config = TransformConfig(
@@ -99,6 +105,7 @@ class TransformArguments:
             activation_offloading=activation_offloading,
             compile=compile,
         )
+        self.memory_budget = None if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
         super().__init__(**kwargs)
         self.transform = ModelTransform(self.transform_config, self.transform_sharding(self.transform_config))
 

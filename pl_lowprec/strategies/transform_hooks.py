@@ -12,7 +12,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.trainer.states import TrainerFn
 
+from pl_lowprec.memory.budget import check_memory_budget
 from pl_lowprec.strategies.trainer_checks import check_trainer_arguments
 from pl_lowprec.strategies.transform_args import TransformArguments
 from pl_lowprec.transforms.weight_sources import teardown_with_meta
@@ -21,10 +23,32 @@ from pl_lowprec.transforms.weight_sources import teardown_with_meta
 class TransformHooks(TransformArguments):
     """Runs ``self.transform`` at setup, around training steps, at the end of fit and for checkpoints."""
 
+    _memory_budget_checked = False
+
     def setup(self, trainer: pl.Trainer) -> None:
         check_trainer_arguments(trainer)
+        self.check_memory_budget(trainer)
         self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)
         super().setup(trainer)
+
+    def check_memory_budget(self, trainer: pl.Trainer) -> None:
+        """``memory_budget=``: once per strategy, before ``fit`` transforms (and loads) the model."""
+        if self.memory_budget is None or self._memory_budget_checked or trainer.state.fn != TrainerFn.FITTING:
+            return
+        self._memory_budget_checked = True
+        plugin = self.precision_plugin
+        if hasattr(plugin, "resolve"):  # AMPPrecision("auto") chooses for the device
+            plugin.resolve(self.root_device)
+        check_memory_budget(
+            self.memory_budget,
+            self.lightning_module,
+            trainer,
+            str(plugin.precision),
+            self.root_device,
+            self.transform_config,
+            self.transform.sharding,
+            self.world_size,
+        )
 
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
@@ -55,5 +79,6 @@ class TransformHooks(TransformArguments):
         return self.transform.state_dict(self.lightning_module)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self.check_memory_budget(self.lightning_module.trainer)  # resuming: this runs before setup
         self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)
         self.transform.load_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)

@@ -13,9 +13,8 @@ from lightning_helpers import quiet_trainer
 
 from pl_lowprec import LowPrecisionStrategy, estimate_memory
 from pl_lowprec.cli.dispatch import main as cli
-from pl_lowprec.cli.plan import resized
 from pl_lowprec.demo import StdlibTextDataModule, TinyLlama
-from pl_lowprec.memory.plan import Settings, plan_memory, settings_config
+from pl_lowprec.memory.plan import Settings, plan_memory, resized, settings_config
 from pl_lowprec.memory.sizes import parse_bytes
 from pl_lowprec.transforms.config import TransformConfig
 
@@ -77,7 +76,7 @@ def test_nothing_fits_names_the_smallest_peak_and_what_dominates():
     assert plan.chosen is None
     smallest = min(c.peak for c in plan.candidates)
     message = plan.nothing_fits()
-    assert f"smallest predicted peak of the {len(plan.candidates)} candidates is {smallest / 2**30:.2f} GiB" in message
+    assert f"smallest predicted peak of the {len(plan.candidates)} candidates is {smallest / 2**20:.2f} MiB" in message
     split = min(plan.candidates, key=lambda c: c.peak).estimate.peak_split
     dominant = max(split, key=split.get).replace("_", " ")
     assert f"The largest part is {dominant}:" in message
@@ -172,7 +171,7 @@ def test_cli_nothing_fits_exits_1_with_the_paragraph(tmp_path, capsys):
     with pytest.raises(SystemExit) as nothing:
         cli(["plan", "--config", str(_write_config(tmp_path, batch_size=1)), "--memory", "1MiB"])
     assert nothing.value.code == 1
-    assert "Nothing fits in 0.00 GiB" in capsys.readouterr().err
+    assert "Nothing fits in 0.90 MiB (budget 1.00 MiB less the 10% margin)" in capsys.readouterr().err
 
 
 def test_cli_maximize_seq_len_finds_the_longest_that_fits(tmp_path, capsys):

@@ -13,6 +13,7 @@ from pl_lowprec.strategies.transform_args import TransformArguments
 from pl_lowprec.transforms.config import TransformConfig
 
 MODEL_ARGUMENTS = [f.name for f in dataclasses.fields(TransformConfig) if f.init]
+GUARD_ARGUMENTS = ["memory_budget"]  # the mixin's own: checked before the transform, not part of it
 
 
 def _own_arguments(strategy: type) -> list[str]:
@@ -39,7 +40,7 @@ def _help_by_option(text: str) -> dict[str, str]:
 
 def test_the_mixin_takes_exactly_the_config_fields():
     mixin = [p for p in inspect.signature(TransformArguments.__init__).parameters if p not in ("self", "kwargs")]
-    assert mixin == MODEL_ARGUMENTS
+    assert mixin == MODEL_ARGUMENTS + GUARD_ARGUMENTS
 
 
 @pytest.mark.parametrize("strategy", [LowPrecisionStrategy, LowPrecisionDDPStrategy, LowPrecisionFSDPStrategy])
@@ -48,7 +49,7 @@ def test_fit_help_documents_every_argument(strategy, capsys):
         main(["fit", "--trainer.strategy.help", strategy.__name__])
     assert exit_info.value.code == 0
     helps = _help_by_option(capsys.readouterr().out)
-    for name in MODEL_ARGUMENTS + _own_arguments(strategy):
+    for name in MODEL_ARGUMENTS + GUARD_ARGUMENTS + _own_arguments(strategy):
         assert name in helps, f"--trainer.strategy.{name} is not in the help of {strategy.__name__}"
         assert helps[name], f"--trainer.strategy.{name} has no help text for {strategy.__name__}"
     assert "torchao_adamw8bit" in helps["optimizer"]

@@ -1,0 +1,121 @@
+"""``memory_budget=``: the strategy predicts the step's peak before any weight is loaded, and refuses a run that
+would not fit, naming what ``plan_memory`` would change.
+
+Lightning's ``BatchSizeFinder`` and Hugging Face's ``auto_find_batch_size`` find out by running out of memory;
+this asks ``estimate_memory`` instead (one fake step through the strategy's own transform, seconds), on a meta
+copy of the module as ``configure_model`` left it and one batch of the run's own training data, with the
+Trainer's precision, accumulation and device, and under ``lowprec_fsdp`` per rank. The budget is what the peak may
+reach: keep a margin inside it for what the estimate does not see (the CUDA context, the caching allocator's
+fragmentation, DDP's gradient buckets).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
+from pl_lowprec.memory.fake_step import batch_tensors
+from pl_lowprec.memory.plan import block_classes, plan_memory, resized
+from pl_lowprec.memory.sizes import format_bytes
+from pl_lowprec.transforms.config import TransformConfig
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers are on the meta device, made without copying any weight."""
+    memo: dict[int, Any] = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        empty = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+    return copy.deepcopy(module, memo)
+
+
+def first_training_batch(trainer: Any) -> Any:
+    """One batch of the run's training data, drawn without moving any random state the run will use."""
+    with torch.random.fork_rng(devices=[]):
+        loader = trainer.fit_loop._data_source.dataloader()
+        return next(iter(loader))
+
+
+def check_memory_budget(
+    budget: int,
+    module: nn.Module,
+    trainer: Any,
+    precision: str,
+    device: torch.device,
+    config: TransformConfig,
+    sharding: Any = None,
+    world_size: int = 1,
+) -> MemoryEstimate:
+    """Predict the peak of one optimizer step; ``ValueError`` naming the plan's settings when it exceeds ``budget``."""
+    original = meta_copy(module)
+    build: Callable[[], nn.Module] = lambda: meta_copy(original)  # noqa: E731 - the estimate transforms its copy
+    batch = first_training_batch(trainer)
+    accumulate = int(trainer.accumulate_grad_batches)
+    estimate = estimate_memory(
+        build,
+        batch,
+        precision=precision,
+        device=device,
+        config=config,
+        accumulate_grad_batches=accumulate,
+        sharding=sharding,
+        world_size=world_size if sharding is not None else 1,
+    )
+    per = " per rank" if sharding is not None else ""
+    if estimate.peak <= budget:
+        rank_zero_info(
+            f"memory_budget={format_bytes(budget)}: the predicted peak{per} is {format_bytes(estimate.peak)}"
+            f" ({estimate.peak_phase}), {format_bytes(budget - estimate.peak)} of headroom"
+            f" (estimated in {estimate.seconds:.1f} s)."
+        )
+        return estimate
+    split = sorted(((k, v) for k, v in estimate.peak_split.items() if v), key=lambda kv: -kv[1])[:3]
+    parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in split)
+    raise ValueError(
+        f"memory_budget={format_bytes(budget)}: the predicted peak of this run is {format_bytes(estimate.peak)}{per}"
+        f" (during the {estimate.peak_phase}; {parts}), above the budget, so it was stopped before loading any"
+        f" weight. {_suggestion(budget, original, batch, accumulate, precision, device, config, sharding, world_size)}"
+        " `pl-lowprec plan --config YOUR.yaml --memory BUDGET --out plan.yaml` writes such settings as a config;"
+        " or raise memory_budget if the device has more memory."
+    )
+
+
+def _suggestion(
+    budget: int,
+    original: nn.Module,
+    batch: Any,
+    accumulate: int,
+    precision: str,
+    device: torch.device,
+    config: TransformConfig,
+    sharding: Any,
+    world_size: int,
+) -> str:
+    """What ``plan_memory`` chooses for the same global batch, or why nothing fits."""
+    rows = next(t.shape[0] for t in batch_tensors(batch))
+    plan = plan_memory(
+        lambda: meta_copy(original),
+        lambda micro: resized(batch, micro),
+        budget,
+        rows * accumulate * world_size,
+        precision,
+        device,
+        config,
+        devices=world_size,
+        margin=0.0,
+        block_names=block_classes(original),
+        sharding=sharding,
+    )
+    chosen = plan.chosen
+    if chosen is None:
+        return plan.nothing_fits()
+    return (
+        f"The plan for this budget and the same global batch: {chosen.settings.describe()} (predicted"
+        f" {format_bytes(chosen.peak)})."
+    )

@@ -1,0 +1,94 @@
+"""``memory_budget=``: fit predicts the step's peak first, stops a run above the budget before any step (naming
+what the plan would change), and leaves a run that fits exactly as it would have been."""
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning_helpers import quiet_trainer
+from qlora_helpers import tiny_llama
+from torch.utils.data import DataLoader
+
+from pl_lowprec import LowPrecisionStrategy, estimate_memory
+from pl_lowprec.memory.budget import meta_copy
+
+pytest.importorskip("peft")
+LORA = {"r": 4, "lora_alpha": 8}
+
+
+class Losses(Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+def _loader(batch_size=8):
+    """Shuffled, so a guard that drew from the run's random state would change the batches."""
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(0, 256, (33,), generator=g)} for _ in range(16)]
+    return DataLoader(rows, batch_size=batch_size, shuffle=True)
+
+
+def _fit(memory_budget=None, steps=2, batch_size=8, **strategy):
+    torch.manual_seed(0)
+    model = tiny_llama(hidden_size=64)
+    losses = Losses()
+    strategy = LowPrecisionStrategy(lora=LORA, memory_budget=memory_budget, **strategy)
+    trainer = quiet_trainer(strategy=strategy, precision="bf16-mixed", max_steps=steps, callbacks=[losses])
+    trainer.fit(model, _loader(batch_size))
+    return trainer, model, losses.losses
+
+
+def _predicted_peak(**strategy):
+    batch = next(iter(_loader(batch_size=2)))
+    build = lambda: tiny_llama(hidden_size=64)  # noqa: E731
+    return estimate_memory(build, batch, precision="bf16-mixed", lora=LORA, **strategy).peak
+
+
+def test_a_run_that_fits_trains_as_without_the_budget(caplog):
+    _, _, reference = _fit()
+    with caplog.at_level("INFO"):
+        trainer, _, losses = _fit(memory_budget="1GiB")
+    assert trainer.global_step == 2
+    assert losses == reference  # same batches, same steps: the check drew nothing from the run's random state
+    assert "memory_budget=1.00 GiB: the predicted peak is" in caplog.text and "of headroom" in caplog.text
+
+
+def test_a_run_above_the_budget_stops_before_any_step_naming_the_plan():
+    unconstrained = _predicted_peak()
+    checkpointed = _predicted_peak(activation_checkpointing=["LlamaDecoderLayer"])
+    assert checkpointed < unconstrained
+    budget = (checkpointed + unconstrained) // 2  # fits only with a change the plan can make
+    torch.manual_seed(0)
+    model = tiny_llama(hidden_size=64)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    strategy = LowPrecisionStrategy(lora=LORA, memory_budget=budget)
+    trainer = quiet_trainer(strategy=strategy, precision="bf16-mixed", max_steps=2)
+    with pytest.raises(ValueError) as refused:
+        trainer.fit(model, _loader(batch_size=2))  # the plan simulates micro-batches 2 and 1
+    message = str(refused.value)
+    assert f"the predicted peak of this run is {unconstrained / 2**20:.2f} MiB" in message
+    assert "above the budget, so it was stopped before loading any weight" in message
+    assert "The plan for this budget and the same global batch:" in message and "pl-lowprec plan" in message
+    assert trainer.global_step == 0
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param, before[name], rtol=0, atol=0, msg=name)  # nothing transformed
+
+
+def test_a_budget_below_anything_possible_says_what_dominates():
+    with pytest.raises(ValueError, match=r"memory_budget=0\.10 MiB: .*Nothing fits in 0\.10 MiB.*The largest part is"):
+        _fit(memory_budget=100 * 2**10, batch_size=1)  # every candidate is simulated: keep them few
+
+
+def test_a_bad_budget_is_refused_when_the_strategy_is_built():
+    with pytest.raises(ValueError, match=r"memory_budget='lots' is not a memory size: .*24GiB, 80GB or 512MiB"):
+        LowPrecisionStrategy(memory_budget="lots")
+
+
+def test_meta_copy_copies_no_weight():
+    model = tiny_llama(hidden_size=64)
+    copy = meta_copy(model)
+    assert all(p.is_meta for p in copy.parameters()) and not any(p.is_meta for p in model.parameters())
+    assert [n for n, _ in copy.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert [p.requires_grad for p in copy.parameters()] == [p.requires_grad for p in model.parameters()]
