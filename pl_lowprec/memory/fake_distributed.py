@@ -13,18 +13,28 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 
 @contextmanager
 def fake_mesh(world_size: int) -> Iterator[Any]:
-    """A 1-D CPU device mesh of ``world_size`` fake ranks, this process being rank 0; torn down on exit."""
+    """A 1-D CPU device mesh of ``world_size`` fake ranks, this process being rank 0; torn down on exit.
+
+    Inside a distributed run (``memory_budget=`` under ``lowprec_fsdp``: every rank checks) the fake group is a
+    new group over the run's ranks, which every rank creates at the same point, as ``new_group`` asks."""
     if dist.is_initialized():
-        raise ValueError(
-            "estimate_memory with sharding builds its own fake process group, but one is already initialized in"
-            " this process: estimate before the distributed run starts (or in a separate process)."
-        )
+        if dist.get_world_size() != world_size:
+            raise ValueError(
+                f"estimate_memory with sharding over {world_size} ranks, inside a run of {dist.get_world_size()}:"
+                " estimate before the distributed run starts (or in a separate process)."
+            )
+        group = dist.new_group(backend="fake")
+        try:
+            yield DeviceMesh.from_group(group, "cpu")
+        finally:
+            dist.destroy_process_group(group)
+        return
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         yield init_device_mesh("cpu", (world_size,))

@@ -155,6 +155,7 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         """Transform and shard (no ``configure_model`` needed), then the precision and the optimizers."""
         check_trainer_arguments(trainer)
+        self.check_memory_budget(trainer)
         self.accelerator.setup(trainer)
         self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)
         if not is_sharded(self.lightning_module):  # one process: no fully_shard moved it to the device

@@ -1,6 +1,9 @@
 """``memory_budget=``: fit predicts the step's peak first, stops a run above the budget before any step (naming
 what the plan would change), and leaves a run that fits exactly as it would have been."""
 
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -13,6 +16,7 @@ from pl_lowprec.memory.budget import meta_copy
 
 pytest.importorskip("peft")
 LORA = {"r": 4, "lora_alpha": 8}
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Losses(Callback):
@@ -92,3 +96,18 @@ def test_meta_copy_copies_no_weight():
     assert all(p.is_meta for p in copy.parameters()) and not any(p.is_meta for p in model.parameters())
     assert [n for n, _ in copy.named_parameters()] == [n for n, _ in model.named_parameters()]
     assert [p.requires_grad for p in copy.parameters()] == [p.requires_grad for p in model.parameters()]
+
+
+def test_under_lowprec_fsdp_on_two_ranks_the_budget_is_per_rank(tmp_path):
+    """The user's command on the shipped FSDP config (2 gloo ranks): each rank predicts its own shard's peak inside
+    the running process group, and the run goes on."""
+    command = [
+        *("pl-lowprec", "fit", "--config", str(ROOT / "configs" / "fsdp-qlora.yaml")),
+        *("--trainer.max_steps", "1", "--trainer.limit_val_batches", "0", "--trainer.logger", "false"),
+        *("--trainer.enable_checkpointing", "false", "--trainer.default_root_dir", str(tmp_path)),
+        *("--trainer.strategy.init_args.memory_budget", "1GiB"),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "memory_budget=1.00 GiB: the predicted peak per rank is" in done.stdout + done.stderr
+    assert "`Trainer.fit` stopped: `max_steps=1` reached." in done.stdout + done.stderr
