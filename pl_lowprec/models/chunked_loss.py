@@ -22,7 +22,10 @@ from pl_lowprec.models.token_loss import IGNORE_INDEX
 
 
 def _logits_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    logits = head(hidden).float()
+    # A chunk is a strided view of the hidden states; its recompute may get a dense copy (activation offloading
+    # moves checkpoint inputs to host and back), and matmul takes another path for each, saving tensors of other
+    # shapes, which the checkpoint refuses. Dense in both: a chunk-sized temporary.
+    logits = head(hidden.contiguous()).float()
     return F.cross_entropy(
         logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )

@@ -163,3 +163,44 @@ def test_a_tensor_saved_by_several_ops_is_copied_once():
     offloaded, x.grad = x.grad, None
     sum((x * w).sum() for w in weights).backward()
     assert torch.equal(offloaded, x.grad)
+
+
+def test_causal_lm_chunked_loss_with_frozen_bf16_head_offloads_with_the_same_gradients(offload_on_cpu, tmp_path):
+    """The user's QLoRA path: CausalLM's loss chunks are strided views of the hidden states, which the frozen bf16
+    head reads as they are; offloading hands their recompute a dense copy. The recompute must match (it failed with
+    a CheckpointError), and the gradients equal those without offloading."""
+    from loading_helpers import save_llama
+
+    from pl_lowprec.models import CausalLM
+
+    directory = save_llama(tmp_path / "model", hidden_size=32, layers=2, dtype=torch.bfloat16)
+    ids = torch.randint(0, 256, (8, 33), generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader([{"input_ids": r, "labels": r} for r in ids], batch_size=4)
+
+    class Recorder(MemoryTracker):
+        def __init__(self):
+            super().__init__(print_summary=False)
+            self.grads = []
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.grads.append({n: p.grad.clone() for n, p in pl_module.named_parameters() if p.grad is not None})
+
+    grads = {}
+    for offloading in (False, True):
+        recorder = Recorder()
+        strategy = LowPrecisionStrategy(
+            quantization="nf4-dq",
+            lora={"r": 4, "lora_alpha": 8},
+            activation_checkpointing=["LlamaDecoderLayer"],
+            activation_offloading=offloading,
+        )
+        trainer = quiet_trainer(
+            strategy=strategy, plugins=[AMPPrecision("bf16-mixed")], max_steps=2, callbacks=[recorder]
+        )
+        torch.manual_seed(0)
+        trainer.fit(CausalLM(str(directory), loss_chunk_size=8), loader)
+        grads[offloading] = recorder.grads
+    assert len(grads[True]) == len(grads[False]) == 2 and grads[True][0]
+    for with_offloading, without in zip(grads[True], grads[False], strict=True):
+        for name, grad in without.items():
+            torch.testing.assert_close(with_offloading[name], grad, rtol=0, atol=0, msg=name)
