@@ -3,9 +3,10 @@
 What it does, in order: fill a module built on the meta device from ``pretrained=`` safetensors (quantizing
 each layer as its weight streams in, ``pl_lowprec.loading``), quantize the base ``nn.Linear`` layers
 (bitsandbytes), or fake-quantize them for quantization-aware training, or swap them for float8 training
-(torchao), inject LoRA adapters (peft) and prepare them for the precision, then checkpoint activations, shard
-(FSDP2) and last compile each block (``compile=``, ``transforms/compiling.py``). During
-each training step it may offload saved activations to host memory; at the end of fit it converts a QAT model
+(torchao), inject LoRA adapters (peft) and prepare them for the precision (under mixed precision, frozen weights
+and activations stay in the compute dtype: ``frozen_dtype.py``, ``autocast_activations.py``), then checkpoint
+activations, shard (FSDP2) and last compile each block (``compile=``, ``transforms/compiling.py``). During each
+training step it may offload saved activations to host memory; at the end of fit it converts a QAT model
 to its real quantized form. After ``configure_optimizers`` it may swap the optimizer for a bitsandbytes one.
 With LoRA, checkpoints hold only the trainable weights.
 
