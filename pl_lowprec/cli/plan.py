@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,7 @@ import yaml
 
 from pl_lowprec.cli.estimate import device_of, devices_of, precision_of
 from pl_lowprec.cli.rebuild import rebuild_classes
+from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.memory.estimate import estimate_memory
 from pl_lowprec.memory.fake_step import DryRunTrainer, attached, batch_tensors
 from pl_lowprec.memory.plan import (
@@ -33,7 +35,8 @@ from pl_lowprec.memory.plan import (
     resized,
     settings_config,
 )
-from pl_lowprec.memory.sizes import parse_bytes
+from pl_lowprec.memory.sizes import format_bytes, parse_bytes
+from pl_lowprec.strategies.fsdp import check_fsdp_arguments
 from pl_lowprec.transforms.config import TransformConfig
 
 MAX_SEQ_LEN = 1 << 20
@@ -98,14 +101,47 @@ def main(args: list[str] | None = None) -> None:
         sharding=sharding,
     )
     print(plan.table())
+    if devices > 1 and sharding is None:
+        global_batch = rows * accumulate * devices
+        make_plan = functools.partial(
+            plan_memory, build, lambda micro: resized(batch, micro), budget, global_batch, precision, device, config
+        )
+        print(_sharded_alternative(make_plan, config, devices, options, blocks))
     chosen = plan.chosen
     if chosen is None:
         print(plan.nothing_fits(), file=sys.stderr)
         raise SystemExit(1)
-    print(f"Chosen: {chosen.settings.describe()}, predicted peak {chosen.peak / 2**30:.3f} GiB.")
+    print(f"Chosen: {chosen.settings.describe()}, predicted peak {format_bytes(chosen.peak)}.")
     if out is not None:
         write_plan(options.config, overrides, out, chosen.settings, blocks, config, devices, run)
         print(f"Wrote {out}: pl-lowprec fit --config {out}")
+
+
+def _sharded_alternative(
+    make_plan: Callable[..., Any],
+    config: TransformConfig,
+    devices: int,
+    options: argparse.Namespace,
+    blocks: list[str] | None,
+) -> str:
+    """What the same devices would fit sharded with ``lowprec_fsdp``: said, never written, since it stores 4-bit
+    weights as torchao NF4 instead of bitsandbytes' (the same NF4 code book, other scale blocks)."""
+    units = config.activation_checkpointing or blocks
+    try:
+        check_fsdp_arguments(config, 1)
+        if not units:
+            raise ValueError("no repeated blocks to shard")
+    except ValueError as why:
+        return f"Sharding over {devices} devices (lowprec_fsdp) was not simulated: {why}"
+    sharded = make_plan(devices, options.margin, options.allow_quantization, blocks, sharding=Sharding(units=units))
+    best = sharded.chosen or min(sharded.candidates, key=lambda c: c.peak)
+    fits = "fits" if sharded.chosen is not None else "does not fit either"
+    return (
+        f"Sharded over {devices} devices instead (trainer.strategy: pl_lowprec.LowPrecisionFSDPStrategy, 4-bit"
+        f" weights stored as torchao NF4), the best candidate {fits}: {best.settings.describe()}, predicted"
+        f" {format_bytes(best.peak)} per rank. Not written to --out: switching changes the strategy and the 4-bit"
+        " storage; change trainer.strategy and plan again to get it as a config."
+    )
 
 
 def _eight_bit(sharding: Any) -> str:

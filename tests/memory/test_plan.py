@@ -14,6 +14,7 @@ from lightning_helpers import quiet_trainer
 from pl_lowprec import LowPrecisionStrategy, estimate_memory
 from pl_lowprec.cli.dispatch import main as cli
 from pl_lowprec.demo import StdlibTextDataModule, TinyLlama
+from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.memory.plan import Settings, plan_memory, resized, settings_config
 from pl_lowprec.memory.sizes import parse_bytes
 from pl_lowprec.transforms.config import TransformConfig
@@ -205,3 +206,22 @@ def test_memory_sizes(text, expected):
 def test_bad_memory_sizes_say_what_is_allowed(bad):
     with pytest.raises(ValueError, match=r"is not a memory size.*24GiB, 80GB or 512MiB"):
         parse_bytes(bad, "--memory")
+
+
+def test_cli_on_several_devices_also_says_what_sharding_would_fit(tmp_path, capsys):
+    """A config that does not shard, planned for 2 devices: the same devices under lowprec_fsdp are simulated per
+    rank and said, with the strategy to set (not written: it changes how 4-bit weights are stored)."""
+    source = _write_config(tmp_path, batch_size=1)  # 1 row per device: one micro-batch to simulate per policy
+    cli(["plan", "--config", str(source), "--memory", "64MiB", "--devices", "2", "--data.max_bytes", "60000"])
+    printed = capsys.readouterr().out
+    line = next(x for x in printed.splitlines() if x.startswith("Sharded over 2 devices instead"))
+    assert "pl_lowprec.LowPrecisionFSDPStrategy" in line
+    assert "the best candidate fits: micro-batch 1 x 1, checkpointing none" in line
+    said = float(line.split("predicted ")[1].split(" MiB per rank")[0])
+    data = StdlibTextDataModule(seq_len=64, batch_size=1, max_bytes=60_000)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    build = lambda: TinyLlama(hidden_size=64, num_layers=2)  # noqa: E731 - the config's model
+    sharding = Sharding(units=["LlamaDecoderLayer"])
+    per_rank = estimate_memory(build, batch, config=TransformConfig(**LORA), sharding=sharding, world_size=2).peak
+    assert said == round(per_rank / 2**20, 2)  # the figure said is the per-rank simulation of those settings
