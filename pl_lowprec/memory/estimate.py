@@ -40,7 +40,7 @@ from pl_lowprec.memory.fake_step import DryRunTrainer, SimulatedStep, attached, 
 from pl_lowprec.memory.simulated_transform import SimulatedTransform
 from pl_lowprec.plugins.precision_choice import choose_precision
 from pl_lowprec.transforms.config import TransformConfig
-from pl_lowprec.transforms.dtypes import dtype_of_precision
+from pl_lowprec.transforms.dtypes import HALF_DTYPES, dtype_of_precision
 from pl_lowprec.transforms.nf4 import local
 from pl_lowprec.transforms.optimizers import swap_optimizer
 
@@ -222,7 +222,7 @@ def _estimate(
     transform = SimulatedTransform(config, sharding, fake_mode)
     trainer = DryRunTrainer(transform, accumulate_grad_batches)
     compute_dtype = dtype_of_precision(precision)
-    half_true = precision.endswith("-true") and compute_dtype in (torch.float16, torch.bfloat16)
+    half_true = precision.endswith("-true") and compute_dtype in HALF_DTYPES
     with torch.device("meta"):  # structure, dtypes and shapes only: nothing is allocated
         model = build_model()
         with attached(model, trainer):

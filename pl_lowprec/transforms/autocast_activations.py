@@ -31,10 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from pl_lowprec.transforms.dtypes import HALF_DTYPES
 from pl_lowprec.transforms.lora import is_norm, lora_layers
 
 _HOOKED = "_pl_lowprec_autocast_activations"
-HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def keep_activations_in_compute_dtype(model: nn.Module, recompute_norms: bool = True) -> int:

@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+HALF_DTYPES = (torch.float16, torch.bfloat16)  # what mixed precision computes in
+
 PRECISION_DTYPES: dict[str, torch.dtype] = {
     "16-mixed": torch.float16,
     "bf16-mixed": torch.bfloat16,

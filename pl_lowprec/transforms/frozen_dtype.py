@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from pl_lowprec.transforms.dtypes import HALF_DTYPES
 from pl_lowprec.transforms.lora import is_norm
 
-HALF_DTYPES = (torch.float16, torch.bfloat16)
 _WEIGHT_DTYPE = "_pl_lowprec_frozen_dtype"
 _OUTPUT_DTYPE = "_pl_lowprec_output_dtype"
 

@@ -16,11 +16,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import nn
 
 from pl_lowprec._checks import check_at_least, check_fraction, check_positive
 from pl_lowprec._imports import import_peft
+from pl_lowprec.transforms.dtypes import HALF_DTYPES
 from pl_lowprec.transforms.linear_filter import DEFAULT_SKIP, is_target_linear, linear_names
 
 ADAPTER_NAME = "default"
@@ -121,7 +121,7 @@ def prepare_for_kbit_training(model: nn.Module, mixed_precision: bool) -> int:
     for module in model.modules():
         for param in module.parameters(recurse=False):
             wanted = param.requires_grad or is_norm(module)
-            if wanted and param.dtype in (torch.float16, torch.bfloat16):
+            if wanted and param.dtype in HALF_DTYPES:
                 upcast[id(param)] = param
     added = 0
     for param in upcast.values():

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pl_lowprec._imports import import_bitsandbytes
-from pl_lowprec.transforms.dtypes import to_dtype
+from pl_lowprec.transforms.dtypes import HALF_DTYPES, to_dtype
 from pl_lowprec.transforms.linear_filter import DEFAULT_SKIP, is_target_linear, linear_names, swap_linear_layers
 
 QuantMode = Literal["nf4", "nf4-dq", "fp4", "fp4-dq", "int8"]
@@ -124,7 +124,7 @@ def dequantized_dtype(weight_dtype: torch.dtype, compute_dtype: torch.dtype) -> 
     copy of the whole matrix, twice the bytes, before the cast to the compute dtype (224 against 112 MiB for one
     Llama-3.1-8B MLP projection). Quantizing a bf16 checkpoint's weights from bf16 or from their fp32 upcast gives
     the same packed weight and constants."""
-    if weight_dtype == torch.float32 and compute_dtype in (torch.float16, torch.bfloat16):
+    if weight_dtype == torch.float32 and compute_dtype in HALF_DTYPES:
         return compute_dtype
     return weight_dtype
 
