@@ -174,7 +174,7 @@ def _maximize(options, build, batch, rows, budget, precision, device, config, bl
             device=device,
             config=transform,
             sharding=sharding,
-            world_size=world_size if sharding is not None else 1,
+            world_size=world_size,
         )
         return estimate.peak <= limit
 

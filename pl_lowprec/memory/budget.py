@@ -11,7 +11,6 @@ fragmentation, DDP's gradient buckets).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -21,18 +20,9 @@ from torch import nn
 
 from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
 from pl_lowprec.memory.fake_step import batch_tensors
-from pl_lowprec.memory.plan import block_classes, plan_memory, resized
+from pl_lowprec.memory.plan import block_classes, fresh_copies, plan_memory, resized
 from pl_lowprec.memory.sizes import format_bytes
 from pl_lowprec.transforms.config import TransformConfig
-
-
-def meta_copy(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` whose parameters and buffers are on the meta device, made without copying any weight."""
-    memo: dict[int, Any] = {}
-    for tensor in [*module.parameters(), *module.buffers()]:
-        empty = torch.empty_like(tensor, device="meta")
-        memo[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
-    return copy.deepcopy(module, memo)
 
 
 def first_training_batch(trainer: Any) -> Any:
@@ -53,8 +43,7 @@ def check_memory_budget(
     world_size: int = 1,
 ) -> MemoryEstimate:
     """Predict the peak of one optimizer step; ``ValueError`` naming the plan's settings when it exceeds ``budget``."""
-    original = meta_copy(module)
-    build: Callable[[], nn.Module] = lambda: meta_copy(original)  # noqa: E731 - the estimate transforms its copy
+    build = fresh_copies(module)  # each call a meta copy: the estimate transforms its own, the module stays
     batch = first_training_batch(trainer)
     accumulate = int(trainer.accumulate_grad_batches)
     estimate = estimate_memory(
@@ -65,7 +54,7 @@ def check_memory_budget(
         config=config,
         accumulate_grad_batches=accumulate,
         sharding=sharding,
-        world_size=world_size if sharding is not None else 1,
+        world_size=world_size,
     )
     per = " per rank" if sharding is not None else ""
     if estimate.peak <= budget:
@@ -80,7 +69,7 @@ def check_memory_budget(
     raise ValueError(
         f"memory_budget={format_bytes(budget)}: the predicted peak of this run is {format_bytes(estimate.peak)}{per}"
         f" (during the {estimate.peak_phase}; {parts}), above the budget, so it was stopped before loading any"
-        f" weight. {_suggestion(budget, original, batch, accumulate, precision, device, config, sharding, world_size)}"
+        f" weight. {_suggestion(budget, build, batch, accumulate, precision, device, config, sharding, world_size)}"
         " `pl-lowprec plan --config YOUR.yaml --memory BUDGET --out plan.yaml` writes such settings as a config;"
         " or raise memory_budget if the device has more memory."
     )
@@ -88,7 +77,7 @@ def check_memory_budget(
 
 def _suggestion(
     budget: int,
-    original: nn.Module,
+    build: Callable[[], nn.Module],
     batch: Any,
     accumulate: int,
     precision: str,
@@ -100,7 +89,7 @@ def _suggestion(
     """What ``plan_memory`` chooses for the same global batch, or why nothing fits."""
     rows = next(t.shape[0] for t in batch_tensors(batch))
     plan = plan_memory(
-        lambda: meta_copy(original),
+        build,
         lambda micro: resized(batch, micro),
         budget,
         rows * accumulate * world_size,
@@ -109,7 +98,7 @@ def _suggestion(
         config,
         devices=world_size,
         margin=0.0,
-        block_names=block_classes(original),
+        block_names=block_classes(build()),
         sharding=sharding,
     )
     chosen = plan.chosen

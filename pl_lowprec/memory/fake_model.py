@@ -7,11 +7,22 @@ made fake only for the step.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import nn
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers are on the meta device, made without copying any weight
+    (tied parameters stay tied)."""
+    memo: dict[int, object] = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        empty = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+    return copy.deepcopy(module, memo)
 
 
 @contextmanager

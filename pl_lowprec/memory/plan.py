@@ -21,7 +21,6 @@ changes (docs/memory.md gives how this ranked measured step times).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from torch import nn
 
 from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
+from pl_lowprec.memory.fake_model import meta_copy
 from pl_lowprec.memory.sizes import format_bytes
 from pl_lowprec.transforms.config import TransformConfig
 
@@ -187,7 +187,7 @@ def plan_memory(
                     config=settings_config(config, settings, block_names),
                     accumulate_grad_batches=settings.accumulate,
                     sharding=sharding,
-                    world_size=devices if sharding is not None else 1,
+                    world_size=devices,
                 )
                 if cache is not None:
                     cache[settings] = estimate
@@ -260,8 +260,8 @@ def block_classes(model: nn.Module) -> list[str]:
 
 def fresh_copies(model: nn.Module) -> Callable[[], nn.Module]:
     """A builder returning an untransformed copy of ``model`` on each call (the estimate transforms in place)."""
-    original = copy.deepcopy(model)
-    return lambda: copy.deepcopy(original)
+    original = meta_copy(model)
+    return lambda: meta_copy(original)
 
 
 def resized(batch: Any, rows: int, seq_len: int | None = None) -> Any:

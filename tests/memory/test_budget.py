@@ -12,7 +12,7 @@ from qlora_helpers import tiny_llama
 from torch.utils.data import DataLoader
 
 from pl_lowprec import LowPrecisionStrategy, estimate_memory
-from pl_lowprec.memory.budget import meta_copy
+from pl_lowprec.memory.fake_model import meta_copy
 
 pytest.importorskip("peft")
 LORA = {"r": 4, "lora_alpha": 8}
