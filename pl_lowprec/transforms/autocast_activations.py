@@ -1,25 +1,24 @@
 """Activations stay in the compute dtype under autocast: no fp32 copies of what every matmul reads in bf16.
 
-Mixed precision keeps norm weights and LoRA adapters in fp32. Two things then make fp32 copies of activations
+Mixed precision keeps norm weights and LoRA adapters in fp32. Three things then keep fp32 copies of activations
 that buy no precision, since every linear layer that reads them rounds them to the compute dtype again
 (autocast, bitsandbytes, peft's LoRA path):
 
 - a norm multiplies its fp32 weight with a bf16 input and returns fp32; bitsandbytes' layers return their input's
   dtype, so the MLP's activations and, after the first block, the residual stream turn fp32, which doubles each
   checkpointed block's input;
+- a norm computes in fp32 (Hugging Face's ``RMSNorm`` upcasts its input) and keeps that fp32 copy for backward,
+  beside the bf16 input the residual stream holds anyway;
 - peft casts each LoRA layer's input to the adapter's dtype (fp32), and autocast casts it back to bf16 for the
   matmul and keeps that copy for backward: one more copy of the input per adapted layer.
 
-- a norm computes in fp32 (Hugging Face's ``RMSNorm`` upcasts its input) and keeps that fp32 copy of its input for
-  backward, beside the bf16 input the residual stream holds anyway.
-
 Under autocast, norms here return their input's dtype (as Hugging Face's norms do when the weight is in the
 compute dtype: transformers' bf16 loading, torchtune's recipes) and, while gradients are recorded, keep only
-their bf16 input and redo their few elementwise ops in backward (the same ops under the same autocast, so the same
-gradients; not under ``compile=``, which fuses them). LoRA layers read their
-input as it is (peft's ``cast_input_dtype_enabled``). The adapters' matmuls are unchanged (bf16 in, as before:
-the round trip bf16 -> fp32 -> bf16 is exact); the residual stream is bf16 instead of fp32 from the second block on. On
-Llama-3.1-8B QLoRA shapes, batch 2 x 2048, every block checkpointed, the predicted peak drops by about 1.7 GiB
+their bf16 input and redo their few elementwise ops in backward (the same ops under the same autocast, so the
+same gradients; not under ``compile=``, which fuses them). LoRA layers read their input as it is (peft's
+``cast_input_dtype_enabled``): their matmuls are unchanged, since the round trip bf16 -> fp32 -> bf16 is exact.
+Only the residual stream changes numbers: bf16 instead of fp32 from the second block on. On Llama-3.1-8B QLoRA
+shapes, batch 2 x 2048, every block checkpointed, the three save about 1.7 GiB of the predicted peak
 (``docs/memory.md``). Outside autocast nothing changes.
 """
 
