@@ -57,6 +57,7 @@ from pl_lowprec.transforms.config import TransformConfig
 from pl_lowprec.transforms.dtypes import compute_dtype_of
 from pl_lowprec.transforms.fp8 import check_fp8_device, convert_to_fp8
 from pl_lowprec.transforms.frozen_dtype import cast_frozen_weights
+from pl_lowprec.transforms.fused_lora_mlp import fuse_lora_mlps
 from pl_lowprec.transforms.lora import has_lora, inject_lora, prepare_for_kbit_training
 from pl_lowprec.transforms.offloading import OffloadActivations, check_offload_device
 from pl_lowprec.transforms.optimizers import import_optimizer_library, rebind_schedulers, swap_optimizer
@@ -132,6 +133,8 @@ class ModelTransform:
                 name = str(compute_dtype).removeprefix("torch.")
                 rank_zero_info(f"Frozen weights kept in {name}, the compute dtype (-{saved} bytes).")
             keep_activations_in_compute_dtype(model, recompute_norms=c.compile_kwargs is None)
+            if c.compile_kwargs is None and fuse_lora_mlps(model):  # compile fuses these ops itself
+                rank_zero_info("LoRA SwiGLU MLPs fused: gate and up outputs kept, the rest recomputed in backward.")
         if c.activation_checkpointing is not None:
             already = any(is_checkpointed(m) for m in model.modules())
             names = set_activation_checkpointing(
