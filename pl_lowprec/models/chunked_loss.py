@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+from pl_lowprec.models.cross_entropy import cross_entropy_sum
 from pl_lowprec.models.token_loss import IGNORE_INDEX
 
 
@@ -25,10 +25,8 @@ def _logits_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) ->
     # A chunk is a strided view of the hidden states; its recompute may get a dense copy (activation offloading
     # moves checkpoint inputs to host and back), and matmul takes another path for each, saving tensors of other
     # shapes, which the checkpoint refuses. Dense in both: a chunk-sized temporary.
-    logits = head(hidden.contiguous()).float()
-    return F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    logits = head(hidden.contiguous())
+    return cross_entropy_sum(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
 
 
 def chunk_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, recompute: bool = False) -> torch.Tensor:
