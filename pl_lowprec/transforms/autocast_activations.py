@@ -66,7 +66,8 @@ class _LeanNorm:
             return self.forward(x, *args, **kwargs)
         frozen = not any(p.requires_grad for p in self.module.parameters(recurse=False))
         if self.recompute and frozen and not args and not kwargs and torch.is_grad_enabled() and x.requires_grad:
-            return _RecomputedInBackward.apply(self._in_input_dtype, x)
+            rowwise = not isinstance(self.module, nn.GroupNorm)  # LayerNorm and RMSNorm: over the last dim only
+            return _RecomputedInBackward.apply(self._in_input_dtype, rowwise, x)
         return self._in_input_dtype(x, *args, **kwargs)
 
     def _in_input_dtype(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -79,24 +80,40 @@ def _kept(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class _RecomputedInBackward(torch.autograd.Function):
-    """``fn(*inputs)`` keeping only ``inputs``: backward runs ``fn`` again under the same autocast and
-    differentiates it (the same ops, so the same gradients)."""
+    """``fn(x)`` keeping only ``x``: backward runs ``fn`` again under the same autocast and differentiates it (the
+    same ops, so the same gradients). ``rowwise``: ``fn`` treats each row of the last dim on its own (LayerNorm,
+    RMSNorm), so backward goes a few rows at a time and its fp32 temporaries stay small."""
 
     @staticmethod
-    def forward(ctx: Any, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
-        ctx.fn, ctx.autocast_dtype = fn, torch.get_autocast_dtype(inputs[0].device.type)
-        ctx.save_for_backward(*inputs)
-        return fn(*inputs)
+    def forward(ctx: Any, fn: Callable[..., torch.Tensor], rowwise: bool, x: torch.Tensor) -> torch.Tensor:
+        ctx.fn, ctx.rowwise, ctx.autocast_dtype = fn, rowwise, torch.get_autocast_dtype(x.device.type)
+        ctx.save_for_backward(x)
+        return fn(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        inputs = ctx.saved_tensors
-        autocast = torch.autocast(inputs[0].device.type, dtype=ctx.autocast_dtype)
-        # what this short graph saves lives only until the next line: no activation counter or offloading sees it
-        with torch.enable_grad(), autocast, torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
-            leaves = [x.detach().requires_grad_() for x in inputs]
-            out = ctx.fn(*leaves)
-        return None, *torch.autograd.grad(out, leaves, grad)
+        (x,) = ctx.saved_tensors
+        if not ctx.rowwise or x.dim() < 2:
+            return None, None, _recomputed_grad(ctx, x, grad)
+        rows, grad_rows = x.reshape(-1, x.shape[-1]), grad.reshape(-1, x.shape[-1])
+        grad_x = torch.empty_like(rows)
+        step = max(1, ROW_ELEMENTS // max(x.shape[-1], 1))
+        for start in range(0, rows.shape[0], step):
+            part = slice(start, start + step)
+            grad_x[part] = _recomputed_grad(ctx, rows[part], grad_rows[part])
+        return None, None, grad_x.reshape(x.shape)
+
+
+ROW_ELEMENTS = 1 << 22  # rows recomputed at once in a norm's backward: 16 MiB per fp32 temporary
+
+
+def _recomputed_grad(ctx: Any, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    autocast = torch.autocast(x.device.type, dtype=ctx.autocast_dtype)
+    # what this short graph saves lives only until the next line: no activation counter or offloading sees it
+    with torch.enable_grad(), autocast, torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
+        leaf = x.detach().requires_grad_()
+        out = ctx.fn(leaf)
+    return torch.autograd.grad(out, leaf, grad)[0]
 
 
 def _lora_input_as_it_is_under_autocast(module: nn.Module, args: tuple[Any, ...]) -> None:
