@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import inspect
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +38,7 @@ from pl_lowprec.memory.plan import (
 )
 from pl_lowprec.memory.sizes import format_bytes, parse_bytes
 from pl_lowprec.strategies.fsdp import check_fsdp_arguments
+from pl_lowprec.strategies.transform_args import TransformArguments
 from pl_lowprec.transforms.config import TransformConfig
 
 MAX_SEQ_LEN = 1 << 20
@@ -101,19 +103,24 @@ def main(args: list[str] | None = None) -> None:
         sharding=sharding,
     )
     print(plan.table())
+    switch_to: dict[str, Any] | None = None
     if devices > 1 and sharding is None:
         global_batch = rows * accumulate * devices
         make_plan = functools.partial(
             plan_memory, build, lambda micro: resized(batch, micro), budget, global_batch, precision, device, config
         )
-        print(_sharded_alternative(make_plan, config, devices, options, blocks))
+        sharded, line = _sharded_alternative(make_plan, config, devices, options, blocks, plan.chosen is None)
+        print(line)
+        if sharded is not None:  # nothing fits unsharded and sharding may change what it needs to: switch
+            print(sharded.table())
+            plan, switch_to = sharded, {"shard_modules": _plain(config.activation_checkpointing or blocks)}
     chosen = plan.chosen
     if chosen is None:
         print(plan.nothing_fits(), file=sys.stderr)
         raise SystemExit(1)
     print(f"Chosen: {chosen.settings.describe()}, predicted peak {format_bytes(chosen.peak)}.")
     if out is not None:
-        write_plan(options.config, overrides, out, chosen.settings, blocks, config, devices, run)
+        write_plan(options.config, overrides, out, chosen.settings, blocks, config, devices, run, strategy=switch_to)
         print(f"Wrote {out}: pl-lowprec fit --config {out}")
 
 
@@ -123,25 +130,39 @@ def _sharded_alternative(
     devices: int,
     options: argparse.Namespace,
     blocks: list[str] | None,
-) -> str:
-    """What the same devices would fit sharded with ``lowprec_fsdp``: said, never written, since it stores 4-bit
-    weights as torchao NF4 instead of bitsandbytes' (the same NF4 code book, other scale blocks)."""
+    nothing_fits: bool,
+) -> tuple[Any, str]:
+    """The same devices sharded with ``lowprec_fsdp``, and a line saying it. The sharded plan is returned (to be
+    chosen and written) only when nothing fits unsharded, it fits, and switching changes nothing else: without
+    4-bit weights, or with ``--allow_quantization``, since FSDP2 stores them as torchao NF4 instead of
+    bitsandbytes' (the same NF4 code book, other scale blocks)."""
     units = config.activation_checkpointing or blocks
     try:
         check_fsdp_arguments(config, 1)
         if not units:
             raise ValueError("no repeated blocks to shard")
     except ValueError as why:
-        return f"Sharding over {devices} devices (lowprec_fsdp) was not simulated: {why}"
+        return None, f"Sharding over {devices} devices (lowprec_fsdp) was not simulated: {why}"
     sharded = make_plan(devices, options.margin, options.allow_quantization, blocks, sharding=Sharding(units=units))
     best = sharded.chosen or min(sharded.candidates, key=lambda c: c.peak)
     fits = "fits" if sharded.chosen is not None else "does not fit either"
-    return (
-        f"Sharded over {devices} devices instead (trainer.strategy: pl_lowprec.LowPrecisionFSDPStrategy, 4-bit"
-        f" weights stored as torchao NF4), the best candidate {fits}: {best.settings.describe()}, predicted"
-        f" {format_bytes(best.peak)} per rank. Not written to --out: switching changes the strategy and the 4-bit"
-        " storage; change trainer.strategy and plan again to get it as a config."
+    said = (
+        f"Sharded over {devices} devices instead (trainer.strategy: {FSDP_STRATEGY}), the best candidate {fits}:"
+        f" {best.settings.describe()}, predicted {format_bytes(best.peak)} per rank."
     )
+    if sharded.chosen is None:
+        return None, said
+    if not nothing_fits:
+        return None, f"{said} Not chosen: the unsharded candidate above fits without FSDP2's communication."
+    if config.quantization is not None and not options.allow_quantization:
+        return None, (
+            f"{said} Not chosen: under FSDP2 the 4-bit weights are stored as torchao NF4 instead of bitsandbytes'"
+            " (other scale blocks), which changes the model; pass --allow_quantization to choose it."
+        )
+    return sharded, f"{said} Chosen, since nothing fits unsharded:"
+
+
+FSDP_STRATEGY = "pl_lowprec.LowPrecisionFSDPStrategy"
 
 
 def _eight_bit(sharding: Any) -> str:
@@ -212,15 +233,21 @@ def write_plan(
     devices: int,
     run: Any,
     extra: dict[str, Any] | None = None,
+    strategy: dict[str, Any] | None = None,
 ) -> None:
-    """The source YAML with the command line's overrides and only the searched settings changed."""
+    """The source YAML with the command line's overrides and only the searched settings changed. ``strategy``:
+    switch to ``lowprec_fsdp`` with these arguments, keeping the model arguments (``TransformArguments``)."""
     fields = yaml.safe_load(Path(source).read_text()) or {}
     for key, value in _dotted_overrides(overrides).items():
         _set(fields, key, value)
-    strategy = fields.setdefault("trainer", {}).get("strategy")
-    if not isinstance(strategy, dict):
+    node = fields.setdefault("trainer", {}).get("strategy")
+    if not isinstance(node, dict):
         built = type(run.config_init.trainer.strategy)
-        fields["trainer"]["strategy"] = {"class_path": f"{built.__module__}.{built.__qualname__}", "init_args": {}}
+        node = fields["trainer"]["strategy"] = {"class_path": f"{built.__module__}.{built.__qualname__}"}
+    if strategy is not None:
+        model_arguments = inspect.signature(TransformArguments.__init__).parameters
+        kept = {k: v for k, v in (node.get("init_args") or {}).items() if k in model_arguments}
+        node = fields["trainer"]["strategy"] = {"class_path": FSDP_STRATEGY, "init_args": {**kept, **strategy}}
     planned = settings_config(config, settings, blocks)
     changes = {
         "trainer.accumulate_grad_batches": settings.accumulate,

@@ -126,7 +126,7 @@ def test_a_plan_that_changes_memory_settings_only_keeps_the_losses():
     torch.testing.assert_close(torch.tensor(planned), torch.tensor(original), rtol=1e-5, atol=1e-6)
 
 
-def _write_config(tmp_path: Path, batch_size: int = 8) -> Path:
+def _write_config(tmp_path: Path, batch_size: int = 8, strategy: dict | None = None, **model: int) -> Path:
     config = {
         "seed_everything": 0,
         "trainer": {
@@ -138,9 +138,15 @@ def _write_config(tmp_path: Path, batch_size: int = 8) -> Path:
             "enable_progress_bar": False,
             "limit_val_batches": 0,
             "default_root_dir": str(tmp_path / "run"),
-            "strategy": {"class_path": "pl_lowprec.LowPrecisionStrategy", "init_args": LORA},
+            "strategy": {
+                "class_path": "pl_lowprec.LowPrecisionStrategy",
+                "init_args": LORA if strategy is None else strategy,
+            },
         },
-        "model": {"class_path": "pl_lowprec.demo.TinyLlama", "init_args": {"hidden_size": 64, "num_layers": 2}},
+        "model": {
+            "class_path": "pl_lowprec.demo.TinyLlama",
+            "init_args": {"hidden_size": 64, "num_layers": 2, **model},
+        },
         "data": {
             "class_path": "pl_lowprec.demo.StdlibTextDataModule",
             "init_args": {"seq_len": 64, "batch_size": batch_size, "max_bytes": 200_000},
@@ -225,3 +231,51 @@ def test_cli_on_several_devices_also_says_what_sharding_would_fit(tmp_path, caps
     sharding = Sharding(units=["LlamaDecoderLayer"])
     per_rank = estimate_memory(build, batch, config=TransformConfig(**LORA), sharding=sharding, world_size=2).peak
     assert said == round(per_rank / 2**20, 2)  # the figure said is the per-rank simulation of those settings
+
+
+def test_cli_on_several_devices_switches_to_sharding_when_only_it_fits(tmp_path, capsys):
+    """Nothing fits unsharded, the same 2 devices sharded do: the sharded candidate is chosen and written with the
+    FSDP2 strategy, and the written config's own per-rank estimate is the figure the plan chose by. A full
+    fine-tune of short rows, so that weights, gradients and AdamW state (what sharding halves) dominate."""
+    source = _write_config(tmp_path, batch_size=1, strategy={}, hidden_size=256, num_layers=4)
+    common = ["plan", "--config", str(source), "--devices", "2", "--margin", "0", "--data.max_bytes", "60000"]
+    common += ["--data.seq_len", "16"]
+    with pytest.raises(SystemExit):
+        cli([*common, "--memory", "1MiB"])  # nothing fits anywhere: both smallest peaks are said
+    printed, errors = capsys.readouterr()
+    unsharded = float(errors.split("smallest predicted peak of the")[1].split(" is ")[1].split(" MiB")[0])
+    sharded = float(printed.split("does not fit either:")[1].split("predicted ")[1].split(" MiB per rank")[0])
+    assert sharded < unsharded  # half the weights, gradients and optimizer state per rank
+    out = tmp_path / "plan.yaml"
+    budget = f"{(sharded + unsharded) / 2:.3f}MiB"
+    cli([*common, "--memory", budget, "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "Chosen, since nothing fits unsharded:" in printed
+    planned = yaml.safe_load(out.read_text())
+    strategy = planned["trainer"]["strategy"]
+    assert strategy["class_path"] == "pl_lowprec.LowPrecisionFSDPStrategy"
+    assert strategy["init_args"]["shard_modules"] == BLOCKS  # the units it was simulated with
+    assert planned["trainer"]["devices"] == 2
+    chosen = float(printed.split("predicted peak ")[-1].split(" MiB")[0])
+    from pl_lowprec.cli.estimate import estimate_config
+
+    per_rank = estimate_config(["--config", str(out)]).peak
+    assert chosen == round(per_rank / 2**20, 2) <= (sharded + unsharded) / 2
+
+
+def test_sharding_is_not_chosen_where_it_changes_the_4bit_storage():
+    from types import SimpleNamespace
+
+    from pl_lowprec.cli.plan import _sharded_alternative
+
+    fitting = SimpleNamespace(peak=1, settings=Settings(1, 1, "none"))
+    make_plan = lambda *args, **kwargs: SimpleNamespace(chosen=fitting, candidates=[fitting])  # noqa: E731
+    quantized = TransformConfig(quantization="nf4-dq", **LORA, activation_checkpointing=BLOCKS)
+    options = SimpleNamespace(margin=0.1, allow_quantization=False)
+    plan, line = _sharded_alternative(make_plan, quantized, 2, options, BLOCKS, nothing_fits=True)
+    assert plan is None and "torchao NF4" in line and "pass --allow_quantization to choose it" in line
+    options.allow_quantization = True
+    plan, line = _sharded_alternative(make_plan, quantized, 2, options, BLOCKS, nothing_fits=True)
+    assert plan is not None and line.endswith("Chosen, since nothing fits unsharded:")
+    plan, line = _sharded_alternative(make_plan, quantized, 2, options, BLOCKS, nothing_fits=False)
+    assert plan is None and "Not chosen: the unsharded candidate above fits" in line
