@@ -133,7 +133,8 @@ class ModelTransform:
                 name = str(compute_dtype).removeprefix("torch.")
                 rank_zero_info(f"Frozen weights kept in {name}, the compute dtype (-{saved} bytes).")
             keep_activations_in_compute_dtype(model, recompute_norms=c.compile_kwargs is None)
-            if c.compile_kwargs is None and fuse_lora_mlps(model):  # compile fuses these ops itself
+            # compile fuses these ops itself; selective checkpointing caches the matmul outputs this overwrites
+            if c.compile_kwargs is None and c.checkpoint_mode != "selective" and fuse_lora_mlps(model):
                 rank_zero_info("LoRA SwiGLU MLPs fused: gate and up outputs kept, the rest recomputed in backward.")
         if c.activation_checkpointing is not None:
             already = any(is_checkpointed(m) for m in model.modules())
