@@ -6,7 +6,8 @@ chunk of 512 tokens, more than the top block's whole recompute. Here the softmax
 at a time, in forward for the log-sum-exp and in backward for ``softmax - one_hot``, written straight into a
 gradient in the logits' dtype: a chunk costs its logits and their gradient, nothing of vocabulary size in fp32
 beyond a few rows. Liger's and torchtune's fused cross-entropies do the same. The numbers are those of
-``F.cross_entropy`` on the fp32 logits (both compute in fp32), up to the order of fp32 operations.
+``F.cross_entropy`` on the fp32 logits: the same log-softmax kernel in fp32, and its gradient formed as ATen's
+log-softmax backward forms it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from pl_lowprec.models.token_loss import IGNORE_INDEX
 
-ROW_ELEMENTS = 1 << 24  # fp32 temporaries of one group of rows: 64 MiB
+ROW_ELEMENTS = 1 << 23  # a group of rows: its fp32 copy and log-softmax, 32 MiB each
 
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -30,13 +31,10 @@ def _row_groups(rows: int, vocab: int) -> list[slice]:
     return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
 
 
-def _logsumexp(logits: torch.Tensor) -> torch.Tensor:
-    """``torch.logsumexp(logits.float(), -1)`` by its own steps, in place on the one fp32 copy (the op itself
-    makes a second one, ``x - max``, which a dispatch mode does not see)."""
-    x = logits.to(torch.float32, copy=True)
-    maxes = x.amax(dim=-1, keepdim=True)
-    maxes.masked_fill_(maxes.abs() == float("inf"), 0.0)
-    return x.sub_(maxes).exp_().sum(dim=-1).log_().add_(maxes.squeeze(-1))
+def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """ATen's log-softmax in fp32, row by row, as ``F.cross_entropy(logits.float())`` computes it (each row on its
+    own, so the numbers do not depend on how many rows a group or a rank holds)."""
+    return torch.log_softmax(logits, dim=-1, dtype=torch.float32)
 
 
 class _CrossEntropySum(torch.autograd.Function):
@@ -44,20 +42,19 @@ class _CrossEntropySum(torch.autograd.Function):
     def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         valid = targets != IGNORE_INDEX
         safe = torch.where(valid, targets, 0)
-        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        picked = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         for rows in _row_groups(*logits.shape):
-            lse[rows] = _logsumexp(logits[rows])
-        picked = logits.gather(1, safe[:, None]).squeeze(1).float()
-        ctx.save_for_backward(logits, safe, valid, lse)
-        return ((lse - picked) * valid).sum()
+            picked[rows] = _log_softmax(logits[rows]).gather(1, safe[rows, None]).squeeze(1)
+        ctx.save_for_backward(logits, safe, valid)
+        return -(picked * valid).sum()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        logits, safe, valid, lse = ctx.saved_tensors
+        logits, safe, valid = ctx.saved_tensors
         scale = valid.float() * grad.float()
         grad_logits = torch.empty_like(logits)
         for rows in _row_groups(*logits.shape):
-            part = logits[rows].to(torch.float32, copy=True).sub_(lse[rows, None]).exp_()  # softmax
-            part.scatter_add_(1, safe[rows, None], part.new_full((part.shape[0], 1), -1.0))
-            grad_logits[rows] = part.mul_(scale[rows, None])
+            part = _log_softmax(logits[rows]).exp_().mul_(scale[rows, None])  # softmax x g
+            part.scatter_add_(1, safe[rows, None], -scale[rows, None])  # minus g at the target
+            grad_logits[rows] = part
         return grad_logits, None
