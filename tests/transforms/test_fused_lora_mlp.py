@@ -20,14 +20,14 @@ from pl_lowprec.transforms.quantization import QuantizationConfig, quantize_mode
 pytest.importorskip("peft")
 
 
-def _model(quantization: str | None, fuse: bool, lora: dict | None = None, hidden: int = 128):
+def _model(quantization: str | None, fuse: bool, lora: dict | None = None, hidden: int = 128, device: str = "cpu"):
     """A bf16 Llama (MLP 3 x hidden) with LoRA on every linear layer, prepared as under bf16-mixed."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(llama_config(hidden_size=hidden, layers=2)).to(torch.bfloat16)
+    model = LlamaForCausalLM(llama_config(hidden_size=hidden, layers=2)).to(torch.bfloat16).to(device)
     if quantization is not None:
-        quantize_model(model, QuantizationConfig.from_mode(quantization), torch.bfloat16, torch.device("cpu"))
+        quantize_model(model, QuantizationConfig.from_mode(quantization), torch.bfloat16, torch.device(device))
     inject_lora(model, lora or {"r": 4, "lora_alpha": 12})  # scaling 3: not a power of two
     prepare_for_kbit_training(model, mixed_precision=True)
     torch.manual_seed(1)
@@ -48,7 +48,8 @@ def _step(model, ids):
         saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
         return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+    autocast = torch.autocast(ids.device.type, dtype=torch.bfloat16)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
         loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -56,18 +57,24 @@ def _step(model, ids):
 
 
 @pytest.mark.parametrize(
-    ("quantization", "hidden"),
-    [(None, 128), ("nf4-dq", 128), ("fp4", 128), ("nf4-dq", 80)],  # 80, 240: rows not whole 4-bit blocks
+    ("quantization", "hidden", "device"),
+    [
+        (None, 128, "cpu"),
+        ("nf4-dq", 128, "cpu"),
+        ("fp4", 128, "cpu"),
+        ("nf4-dq", 80, "cpu"),  # 80, 240: rows not whole 4-bit blocks
+        pytest.param("nf4-dq", 128, "cuda", marks=pytest.mark.cuda),  # bitsandbytes' CUDA dequantization
+    ],
 )
-def test_fused_mlp_equals_the_unfused_one_bit_for_bit(monkeypatch, quantization, hidden):
+def test_fused_mlp_equals_the_unfused_one(monkeypatch, quantization, hidden, device):
     monkeypatch.setattr(fused_lora_mlp, "CHUNK_ELEMENTS", 64 * 64)  # 3 column blocks, 4 row blocks of down
     calls = []
     apply = fused_lora_mlp._LoraSwiGLU.apply
     monkeypatch.setattr(fused_lora_mlp._LoraSwiGLU, "apply", lambda *a: calls.append(1) or apply(*a))
-    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
-    loss_ref, grads_ref, saved_ref = _step(_model(quantization, fuse=False, hidden=hidden), ids)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0)).to(device)
+    loss_ref, grads_ref, saved_ref = _step(_model(quantization, fuse=False, hidden=hidden, device=device), ids)
     assert not calls
-    loss, grads, saved = _step(_model(quantization, fuse=True, hidden=hidden), ids)
+    loss, grads, saved = _step(_model(quantization, fuse=True, hidden=hidden, device=device), ids)
     assert len(calls) == 2  # one per block
     assert set(grads) == set(grads_ref) and len(grads) == 2 * 7 * 2
     torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=0)
