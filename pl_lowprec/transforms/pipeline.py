@@ -131,7 +131,8 @@ class ModelTransform:
             saved = cast_frozen_weights(model, compute_dtype)
             if saved:
                 name = str(compute_dtype).removeprefix("torch.")
-                rank_zero_info(f"Frozen weights kept in {name}, the compute dtype (-{saved} bytes).")
+                less = f"{saved / 2**20:,.1f} MiB"
+                rank_zero_info(f"Frozen weights kept in {name}, the compute dtype: {less} less than in fp32.")
             keep_activations_in_compute_dtype(model, recompute_norms=c.compile_kwargs is None)
             # compile fuses these ops itself; selective checkpointing caches the matmul outputs this overwrites
             if c.compile_kwargs is None and c.checkpoint_mode != "selective" and fuse_lora_mlps(model):
