@@ -14,6 +14,7 @@ Sections (in order):
   compile                   eager vs compile=True step time, LoRA and QLoRA with checkpointing; compile time
   training_memory           full / LoRA / QLoRA x checkpointing, one process each; estimate_memory vs measured peak
   peak_memory               estimate_memory's predicted peak vs the profiler's allocation records, one process each
+  fused_ops                 fused LoRA MLP, cross-entropy and norm backward vs the unfused paths: peak, step time
   against_hf                QLoRA against transformers + peft + BitsAndBytesConfig, alternating rounds
   pretrained_vs_hf          the same from a ~100M bf16 checkpoint: streaming load + CausalLM vs HF's recipe
   callbacks                 LossScaleMonitor and MemoryTracker cost, per step and per fit
@@ -42,6 +43,7 @@ SECTIONS = {
     "compile": "compile_speed",
     "training_memory": "training_memory",
     "peak_memory": "peak_memory",
+    "fused_ops": "fused_ops",
     "against_hf": "against_hf",
     "pretrained_vs_hf": "pretrained_vs_hf",
     "callbacks": "callback_overhead",
