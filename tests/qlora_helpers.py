@@ -51,3 +51,19 @@ def frozen_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every tensor of the state dict that is not a trainable parameter (packed weights, absmax, ...)."""
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
     return {k: v.clone() for k, v in module.state_dict().items() if k not in trainable and torch.is_tensor(v)}
+
+
+def autocast_step(model: torch.nn.Module, ids: torch.Tensor):
+    """Loss and gradients of one bf16-autocast step of a causal LM, and the bytes autograd saved for backward."""
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    autocast = torch.autocast(ids.device.type, dtype=torch.bfloat16)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, sum(saved.values())

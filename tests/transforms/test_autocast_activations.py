@@ -6,6 +6,7 @@ changes (LoRA's input, a recomputed norm), and the saved activations fewer."""
 import pytest
 import torch
 from loading_helpers import llama_config
+from qlora_helpers import autocast_step
 
 from pl_lowprec.transforms import autocast_activations
 from pl_lowprec.transforms.autocast_activations import keep_activations_in_compute_dtype
@@ -29,21 +30,6 @@ def _lora_llama(seed: int = 0):
     return model
 
 
-def _step(model, ids):
-    """Loss and adapter gradients of one bf16-autocast step, and the bytes autograd saved for backward."""
-    saved: dict[int, int] = {}
-
-    def pack(tensor):
-        saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return loss.detach(), grads, sum(saved.values())
-
-
 @pytest.mark.parametrize("row_elements", [1 << 22, 64 * 5])
 def test_gradients_equal_with_fewer_saved_bytes_when_only_memory_changes(monkeypatch, row_elements):
     monkeypatch.setattr(autocast_activations, "ROW_ELEMENTS", row_elements)  # small: norms' backward in row groups
@@ -56,8 +42,8 @@ def test_gradients_equal_with_fewer_saved_bytes_when_only_memory_changes(monkeyp
     for module in reference.modules():
         if hasattr(module, "cast_input_dtype_enabled"):
             module._forward_pre_hooks.clear()  # peft upcasts LoRA's input to fp32 again
-    loss_ref, grads_ref, saved_ref = _step(reference, ids)
-    loss, grads, saved = _step(hooked, ids)
+    loss_ref, grads_ref, saved_ref = autocast_step(reference, ids)
+    loss, grads, saved = autocast_step(hooked, ids)
     assert set(grads) == set(grads_ref) and len(grads) == 2 * 7 * 2  # A and B of 7 layers in 2 blocks
     torch.testing.assert_close(loss, loss_ref, rtol=0, atol=0)
     for name, grad in grads.items():

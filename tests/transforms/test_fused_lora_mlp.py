@@ -9,6 +9,7 @@ is off by far more: checked by breaking each)."""
 import pytest
 import torch
 from loading_helpers import llama_config
+from qlora_helpers import autocast_step
 
 from pl_lowprec.transforms import fused_lora_mlp
 from pl_lowprec.transforms.autocast_activations import keep_activations_in_compute_dtype
@@ -41,21 +42,6 @@ def _model(quantization: str | None, fuse: bool, lora: dict | None = None, hidde
     return model
 
 
-def _step(model, ids):
-    saved: dict[int, int] = {}
-
-    def pack(tensor):
-        saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    autocast = torch.autocast(ids.device.type, dtype=torch.bfloat16)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-        loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return loss.detach(), grads, sum(saved.values())
-
-
 @pytest.mark.parametrize(
     ("quantization", "hidden", "device"),
     [
@@ -72,9 +58,9 @@ def test_fused_mlp_equals_the_unfused_one(monkeypatch, quantization, hidden, dev
     apply = fused_lora_mlp._LoraSwiGLU.apply
     monkeypatch.setattr(fused_lora_mlp._LoraSwiGLU, "apply", lambda *a: calls.append(1) or apply(*a))
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0)).to(device)
-    loss_ref, grads_ref, saved_ref = _step(_model(quantization, fuse=False, hidden=hidden, device=device), ids)
+    loss_ref, grads_ref, saved_ref = autocast_step(_model(quantization, fuse=False, hidden=hidden, device=device), ids)
     assert not calls
-    loss, grads, saved = _step(_model(quantization, fuse=True, hidden=hidden, device=device), ids)
+    loss, grads, saved = autocast_step(_model(quantization, fuse=True, hidden=hidden, device=device), ids)
     assert len(calls) == 2  # one per block
     assert set(grads) == set(grads_ref) and len(grads) == 2 * 7 * 2
     torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=0)
@@ -92,13 +78,13 @@ def test_unfusable_layers_and_calls_take_the_module_forward(monkeypatch):
     ids = torch.randint(0, 256, (2, 16))
     dropout = _model("nf4", fuse=False, lora={"r": 4, "lora_alpha": 8, "lora_dropout": 0.1})
     assert fuse_lora_mlps(dropout) == 2  # hooked, but dropout is not fused: peft's own path runs
-    _step(dropout, ids)
+    autocast_step(dropout, ids)
     model = _model("nf4", fuse=True)
     model(input_ids=ids)  # outside autocast
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         model(input_ids=ids)  # no gradients recorded
     assert not calls
-    _step(model, ids)
+    autocast_step(model, ids)
     assert len(calls) == 2
     assert fuse_lora_mlps(model) == 0  # idempotent
 
