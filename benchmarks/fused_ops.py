@@ -72,12 +72,12 @@ def run_one(contender: str, directory: str, steps: int) -> dict:
     """Measured peak, predicted peak, step times and first loss of one contender, in this process."""
     warnings.filterwarnings("ignore")
     import torch
+    from peak_memory import untracked_phases
 
     from pl_lowprec import estimate_memory
     from pl_lowprec.memory.estimate import _Precision
     from pl_lowprec.memory.fake_step import DryRunTrainer, attached, run_step
     from pl_lowprec.memory.profiled import measured_peak
-    from pl_lowprec.memory.tracker import StepTracker
     from pl_lowprec.models import CausalLM
     from pl_lowprec.transforms.config import TransformConfig
     from pl_lowprec.transforms.pipeline import ModelTransform
@@ -96,17 +96,8 @@ def run_one(contender: str, directory: str, steps: int) -> dict:
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-4)
     losses: list[float] = []
 
-    class _NoTracker(StepTracker):  # the loop's phase markers, nothing tracked
-        def __init__(self) -> None:
-            pass
-
-        def phase(self, name):
-            import contextlib
-
-            return contextlib.nullcontext()
-
     def step() -> None:
-        run_step(module, batch, optimizer, _NoTracker(), torch.bfloat16)
+        run_step(module, batch, optimizer, untracked_phases(), torch.bfloat16)
 
     with attached(module, trainer):
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):

@@ -80,7 +80,6 @@ def measure(precision: str, settings: dict, batch_size: int = 8, seq_len: int = 
     from pl_lowprec.memory.estimate import _Precision
     from pl_lowprec.memory.fake_step import DryRunTrainer, attached, run_step
     from pl_lowprec.memory.profiled import measured_peak
-    from pl_lowprec.memory.tracker import StepTracker
     from pl_lowprec.transforms.config import TransformConfig
     from pl_lowprec.transforms.dtypes import dtype_of_precision
     from pl_lowprec.transforms.pipeline import ModelTransform
@@ -98,17 +97,8 @@ def measure(precision: str, settings: dict, batch_size: int = 8, seq_len: int = 
     autocast = dtype_of_precision(precision) if precision.endswith("-mixed") else None
     trainer = DryRunTrainer(transform, accumulate)
 
-    class _NoTracker(StepTracker):  # the loop's phase markers without tracking
-        def __init__(self) -> None:
-            pass
-
-        def phase(self, name):
-            import contextlib
-
-            return contextlib.nullcontext()
-
     def step() -> None:
-        run_step(module, batch, optimizer, _NoTracker(), autocast, accumulate)
+        run_step(module, batch, optimizer, untracked_phases(), autocast, accumulate)
 
     with attached(module, trainer):
         step()  # step 1 creates the optimizer state
@@ -186,16 +176,17 @@ def _fsdp_rank(rank: int, world: int, sizes: dict, port: int) -> None:
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-4)
     batch = {"input_ids": torch.randint(0, 256, (batch_size, seq_len))}
     with attached(module, DryRunTrainer(transform, 1, world)):
-        run_step(module, batch, optimizer, _phases(), None)
-        peak = measured_peak(lambda: run_step(module, batch, optimizer, _phases(), None))
+        run_step(module, batch, optimizer, untracked_phases(), None)
+        peak = measured_peak(lambda: run_step(module, batch, optimizer, untracked_phases(), None))
     print(json.dumps({"rank": rank, "measured": peak}), flush=True)
     dist.destroy_process_group()
 
 
-def _phases():
+def untracked_phases():
+    """What ``run_step`` takes as its tracker when only the real step runs: phase markers, nothing tracked."""
     import contextlib
 
-    class Phases:  # run_step's phase markers, without tracking
+    class Phases:
         def phase(self, name):
             return contextlib.nullcontext()
 
