@@ -3,6 +3,7 @@
 A zero batch size, step count or head count otherwise surfaces much later as ``ZeroDivisionError`` or a
 tensor-shape error far from the argument. ``check_*`` raise ``ValueError`` naming ``Owner(name=value)``, the
 allowed range and what the value means; the ``*_arg`` functions are the same checks as argparse ``type=``s.
+``CannotRunHere`` is the refusal of a setting this machine cannot run.
 """
 
 from __future__ import annotations
@@ -90,3 +91,10 @@ def float_in(low: float, high: float, low_open: bool = True, high_open: bool = F
 
     parse.__name__ = f"number in {interval}"
     return parse
+
+
+class CannotRunHere(RuntimeError):
+    """A configuration this machine cannot run (an FP8 recipe on a CPU, no C++ compiler for inductor).
+
+    A ``RuntimeError``, as it is about the machine rather than the value, and a refusal that ``pl-lowprec``
+    prints as one paragraph."""

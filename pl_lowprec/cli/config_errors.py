@@ -8,9 +8,11 @@ every option. ``LowPrecisionCLI`` uses three pieces from here instead:
   that a class's ``__init__`` raised, so that the CLI prints that message and not jsonargparse's wrapping of it;
 - ``parse_error_paragraph`` turns a parsing error into one paragraph: the option, the value, and for ``Literal``
   options the allowed values and the closest one;
-- ``refuse`` prints the paragraph and exits with status 2, argparse's status for bad arguments.
+- ``refuse`` prints the paragraph and exits with status 2, argparse's status for bad arguments; ``refusals`` does
+  so for a refusal raised inside it (every subcommand of its own runs inside one: ``dispatch.py``).
 
-``JSONARGPARSE_DEBUG=true`` (jsonargparse's own switch) shows the original error and its traceback instead.
+``JSONARGPARSE_DEBUG=true`` (jsonargparse's own switch) or ``PL_LOWPREC_DEBUG=1`` shows the original error and
+its traceback instead.
 """
 
 from __future__ import annotations
@@ -19,12 +21,17 @@ import difflib
 import os
 import re
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from pl_lowprec._checks import CannotRunHere
+
 # Errors by which a class or a check refuses a value; anything else (a bug) keeps its traceback.
-REFUSALS: tuple[type[BaseException], ...] = (ValueError, TypeError, ImportError, FileNotFoundError)
+REFUSALS: tuple[type[BaseException], ...] = (ValueError, TypeError, ImportError, FileNotFoundError, CannotRunHere)
 EXIT_STATUS = 2
+DEBUG_HINT = "PL_LOWPREC_DEBUG=1 shows the traceback"
 
 
 class ConfigurationError(SystemExit):
@@ -36,15 +43,49 @@ class ConfigurationError(SystemExit):
 
 
 def debugging() -> bool:
-    """jsonargparse's debug switch (it accepts ``true`` and ``false`` only)."""
-    return os.environ.get("JSONARGPARSE_DEBUG", "").lower() == "true"
+    """jsonargparse's debug switch (it accepts ``true`` and ``false`` only), or the package's own."""
+    return os.environ.get("JSONARGPARSE_DEBUG", "").lower() == "true" or os.environ.get(
+        "PL_LOWPREC_DEBUG", ""
+    ).lower() in ("1", "true")
 
 
-def refuse(message: str) -> NoReturn:
-    """Print ``error: <message>`` to stderr and exit with status 2."""
-    sys.stderr.write(f"error: {message.strip()}\n")
+def refuse(message: str, prog: str | None = None) -> NoReturn:
+    """Print ``error: <message>`` (``<prog>: error: ...``, as argparse words it) to stderr and exit with status 2."""
+    sys.stderr.write(f"{prog + ': ' if prog else ''}error: {message.strip()}\n")
     sys.stderr.flush()
     raise ConfigurationError(message)
+
+
+@contextmanager
+def refusals(prog: str | None = None) -> Iterator[None]:
+    """A refusal raised inside reaches the user as one paragraph and exit status 2, without a traceback (unless
+    ``debugging()``). A message that is not the package's own (a library's: perhaps a bug) says how to see the
+    traceback."""
+    try:
+        yield
+    except REFUSALS as err:
+        if debugging():
+            raise
+        message = first_paragraph(str(err)) or type(err).__name__
+        if not raised_by_package(err):
+            message = f"{message} ({DEBUG_HINT})"
+        refuse(message, prog)
+
+
+def raised_by_package(err: BaseException) -> bool:
+    """Whether ``err`` was raised in pl_lowprec's own code (a refusal it words itself)."""
+    raised_in = _innermost_file(err)
+    return raised_in is not None and f"{os.sep}pl_lowprec{os.sep}" in raised_in
+
+
+def _innermost_file(err: BaseException) -> str | None:
+    """The file of the innermost frame of ``err``'s traceback: where it was raised."""
+    tb = err.__traceback__
+    last = None
+    while tb is not None:
+        last = tb.tb_frame.f_code.co_filename
+        tb = tb.tb_next
+    return last
 
 
 @dataclass
@@ -123,12 +164,8 @@ def _refusing_class(err: BaseException) -> str | None:
 
 def own_error(err: BaseException) -> bool:
     """Whether ``err`` was raised outside jsonargparse, i.e. by the class it was building (not a wrapping)."""
-    tb = err.__traceback__
-    last = None
-    while tb is not None:
-        last = tb.tb_frame.f_code.co_filename
-        tb = tb.tb_next
-    return last is not None and f"{os.sep}jsonargparse{os.sep}" not in last
+    raised_in = _innermost_file(err)
+    return raised_in is not None and f"{os.sep}jsonargparse{os.sep}" not in raised_in
 
 
 def first_paragraph(text: str) -> str:

@@ -6,6 +6,7 @@ import sys
 from collections.abc import Callable
 
 from pl_lowprec.cli import estimate, export, generate, make_demo_model, plan
+from pl_lowprec.cli.config_errors import refusals
 from pl_lowprec.cli.lightning_cli import build_cli
 
 SUBCOMMANDS: dict[str, Callable[[list[str]], None]] = {
@@ -23,11 +24,13 @@ def main(args: list[str] | None = None) -> None:
     Subcommands: ``fit``, ``validate``, ``test``, ``predict`` (LightningCLI), ``estimate`` (memory estimate),
     ``plan`` (the memory settings that fit a budget), ``make-demo-model`` (a small pretrained model and a
     fine-tuning task, made locally), ``export`` (a checkpoint to a peft adapter directory or a merged model) and
-    ``generate`` (completions of a file of prompts).
+    ``generate`` (completions of a file of prompts). A refusal of any of them is one paragraph and exit status 2
+    (``config_errors.refusals``).
     """
     argv = sys.argv[1:] if args is None else args
     subcommand = SUBCOMMANDS.get(argv[0]) if argv else None
     if subcommand is not None:
-        subcommand(argv[1:])
+        with refusals(f"pl-lowprec {argv[0]}"):
+            subcommand(argv[1:])
         return
     build_cli(args)

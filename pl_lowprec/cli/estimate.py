@@ -1,9 +1,9 @@
 """``pl-lowprec estimate --config X.yaml``: the memory estimate of a training config, before running it.
 
 The config is read by the parser ``pl-lowprec fit`` uses (``pl_lowprec.cli.rebuild``), so the same classes, short
-names, defaults and refusals apply. No Trainer is built, so a config for a GPU is estimated on any machine; the
-model is built on the meta device (nothing allocated); the data module is built for real, only to take the shape
-of one training batch.
+names, defaults and refusals apply, and several ``--config`` files and overrides merge as they do for ``fit``.
+No Trainer is built, so a config for a GPU is estimated on any machine; the model is built on the meta device
+(nothing allocated); the data module is built for real, only to take the shape of one training batch.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 
 from pl_lowprec._imports import import_matplotlib_pyplot
-from pl_lowprec.cli.rebuild import rebuild_classes
+from pl_lowprec.cli.rebuild import passed_on, rebuild_classes
 from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
 from pl_lowprec.memory.plot import plot_step
 
@@ -41,6 +41,7 @@ def estimate_config(cli_args: list[str]) -> MemoryEstimate:
     """The estimate for ``--config X.yaml`` (and overrides), as ``pl-lowprec fit`` would build the run."""
     run = rebuild_classes(cli_args)
     trainer = run.config_init.trainer
+    check_devices(trainer)
     if run.datamodule is None:
         raise ValueError(
             "The config names no data module (data: class_path ...): the estimate takes the shape of one training"
@@ -63,6 +64,29 @@ def estimate_config(cli_args: list[str]) -> MemoryEstimate:
     )
 
 
+def check_devices(trainer: Any) -> None:
+    """``trainer.devices`` as Lightning accepts it (the Trainer, which would check it, is not built here)."""
+    devices = getattr(trainer, "devices", None)
+    if not _valid_devices(devices):
+        raise ValueError(
+            f"trainer.devices={devices!r} is not a number of devices: give a count >= 1 (devices: 2), a list of"
+            " device indices ([0, 1]), or -1 / 'auto' (every device there is)."
+        )
+
+
+def _valid_devices(devices: Any) -> bool:
+    if devices is None or devices in ("auto", -1, "-1"):
+        return True
+    if isinstance(devices, str):
+        parts = [part.strip() for part in devices.split(",")]
+        if len(parts) == 1:
+            return parts[0].isdigit() and int(parts[0]) >= 1
+        return all(part.isdigit() for part in parts)
+    if isinstance(devices, (list, tuple)):
+        return bool(devices) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices)
+    return isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1
+
+
 def devices_of(trainer: Any) -> int:
     """The ranks a sharded config runs on: ``devices`` (a count or a list) times ``num_nodes``; ``"auto"`` or
     ``-1`` are refused, as the estimate is per rank of a known number."""
@@ -79,13 +103,20 @@ def devices_of(trainer: Any) -> int:
 
 
 def main(args: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="pl-lowprec estimate", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="a YAML file that `pl-lowprec fit --config` runs")
+    parser = argparse.ArgumentParser(
+        prog="pl-lowprec estimate", description=__doc__.splitlines()[0], allow_abbrev=False
+    )
+    parser.add_argument(
+        "--config",
+        action="append",
+        required=True,
+        help="a YAML file that `pl-lowprec fit --config` runs (several merge, as for fit)",
+    )
     parser.add_argument("--plot", metavar="FILE.png", help="draw the step as stacked categories (needs matplotlib)")
-    options, overrides = parser.parse_known_args(args)
+    options, _ = parser.parse_known_args(args)
     if options.plot:
         import_matplotlib_pyplot()  # a missing matplotlib fails before the estimate runs
-    estimate = estimate_config(["--config", options.config, *overrides])
+    estimate = estimate_config(passed_on(parser, args))
     print(estimate.table())
     if options.plot:
         print(f"Plot: {plot_step(estimate, options.plot)}")

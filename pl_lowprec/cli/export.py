@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pl_lowprec.cli.rebuild import ConfigClassError, config_files, rebuild, with_config
+from pl_lowprec.cli.rebuild import config_files, rebuild, with_config
 from pl_lowprec.cli.resume import check_checkpoint
-from pl_lowprec.export.out_paths import refuse_inputs
-from pl_lowprec.export.restore import restore
-from pl_lowprec.export.write import export
+from pl_lowprec.export.out_paths import check_out_dir
+from pl_lowprec.export.restore import restore, sources
+from pl_lowprec.export.write import check_dtype, check_export, export, read_paths
 
 
 def main(args: list[str] | None = None) -> None:
@@ -35,11 +35,18 @@ def main(args: list[str] | None = None) -> None:
     checkpoint = Path(parsed.ckpt_path)
     check_checkpoint(checkpoint)
     cli_args = with_config(checkpoint, cli_args, parser)
-    inputs = {"checkpoint": checkpoint, **config_files(cli_args)}
-    refuse_inputs(Path(parsed.out), inputs)  # before the slow restore; the pretrained directory is checked after
-    try:
-        run = rebuild(cli_args)
-    except ConfigClassError as err:
-        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    inputs, out = config_files(cli_args), Path(parsed.out)
+    check_dtype(parsed.dtype, parsed.merged)
+    check_out_dir(out, parsed.overwrite, read_paths(checkpoint, None, None, inputs))  # before the config is read
+    run = rebuild(cli_args)  # the classes, nothing loaded: the rest is checked before the slow restore
+    weights, tokenizer_dir = sources(run.trainer, run.model, run.datamodule)
+    check_export(
+        out,
+        parsed.merged,
+        parsed.dtype,
+        parsed.overwrite,
+        read_paths(checkpoint, weights, tokenizer_dir, inputs),
+        weights,
+    )
     restored = restore(checkpoint, run.trainer, run.model, run.datamodule)
-    print(export(restored, Path(parsed.out), parsed.merged, parsed.dtype, parsed.overwrite, inputs))
+    print(export(restored, out, parsed.merged, parsed.dtype, parsed.overwrite, inputs))

@@ -15,12 +15,13 @@ import math
 from pathlib import Path
 
 from pl_lowprec._checks import float_in, int_at_least
-from pl_lowprec.cli.rebuild import ConfigClassError, config_files, rebuild, with_config
+from pl_lowprec.cli.rebuild import config_files, rebuild, with_config
 from pl_lowprec.cli.resume import check_checkpoint
 from pl_lowprec.export.generate import (
     Decoding,
     Generator,
     check_chat_template,
+    check_model_dir,
     directory_tokenizer,
     from_directory,
     from_restored,
@@ -78,14 +79,12 @@ def main(args: list[str] | None = None) -> None:
         cli_args = with_config(Path(parsed.ckpt_path), cli_args, parser)
         inputs |= {"checkpoint": Path(parsed.ckpt_path), **config_files(cli_args)}
         prepare_out_file(Path(parsed.out), parsed.overwrite, inputs)
-        try:
-            generator = from_checkpoint(parsed.ckpt_path, cli_args, parsed.tokenizer, chat)
-        except ConfigClassError as err:
-            parser.exit(2, f"{parser.prog}: error: {err}\n")
+        generator = from_checkpoint(parsed.ckpt_path, cli_args, parsed.tokenizer, chat)
     else:
         if cli_args:
             parser.error(f"unrecognized arguments: {' '.join(cli_args)} (config overrides go with --ckpt_path)")
         inputs |= {"model directory": Path(parsed.model), "base model": parsed.base and Path(parsed.base)}
+        check_model_dir(Path(parsed.model))
         prepare_out_file(Path(parsed.out), parsed.overwrite, inputs)
         source = parsed.tokenizer or directory_tokenizer(parsed.model, parsed.base)
         tokenizer = load_tokenizer(source)

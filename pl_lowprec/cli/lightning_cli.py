@@ -10,8 +10,6 @@ from __future__ import annotations
 import sys
 import warnings
 from argparse import ArgumentError
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +32,16 @@ import pl_lowprec.transforms.quantization  # noqa: F401
 from pl_lowprec._imports import require_cli
 from pl_lowprec.callbacks.progress import StepLimitedRichProgressBar
 from pl_lowprec.cli.config_errors import (
+    DEBUG_HINT,
     REFUSALS,
     ClassRefusals,
     class_key,
     debugging,
     first_paragraph,
     parse_error_paragraph,
+    raised_by_package,
     raised_refusal,
+    refusals,
     refuse,
 )
 from pl_lowprec.cli.resume import check_checkpoint, check_same_run, resolve_ckpt_path
@@ -77,7 +78,7 @@ class LowPrecisionCLI(LightningCLI):
         """The config's model is the one trained: a checkpoint of another model or data is refused first.
 
         LightningCLI would replace the config's model arguments with the checkpoint's, without a word."""
-        with _refusals():
+        with refusals():
             self._check_ckpt_path()
 
     def _check_ckpt_path(self) -> None:
@@ -101,7 +102,7 @@ class LowPrecisionCLI(LightningCLI):
         """``--ckpt_path`` that finds nothing stops here, before any weight loads (unless --allow_fresh_start)."""
         if self.subcommand is None:
             return
-        with _refusals():
+        with refusals():
             self._resolve_ckpt_path()
 
     def _resolve_ckpt_path(self) -> None:
@@ -156,25 +157,12 @@ class LowPrecisionCLI(LightningCLI):
         except (*REFUSALS, MisconfigurationException) as err:
             if debugging() or batches_started(self.trainer):
                 raise
-            refuse(
-                f"{subcommand} stopped before its first step: {first_paragraph(str(err))}"
-                " (JSONARGPARSE_DEBUG=true shows the traceback)"
-            )
+            hint = "" if raised_by_package(err) else f" ({DEBUG_HINT})"
+            refuse(f"{subcommand} stopped before its first step: {first_paragraph(str(err))}{hint}")
 
     def _subcommand_config(self) -> dict[str, Any]:
         config = self.config.as_dict()
         return config.get(self.subcommand, config) if self.subcommand else config
-
-
-@contextmanager
-def _refusals() -> Iterator[None]:
-    """A refusal raised while ``--ckpt_path`` is checked reaches the user as one paragraph, exit status 2."""
-    try:
-        yield
-    except REFUSALS as err:
-        if debugging():
-            raise
-        refuse(first_paragraph(str(err)))
 
 
 def _help_tip(args: list[str] | None) -> str:

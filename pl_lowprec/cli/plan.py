@@ -1,10 +1,12 @@
 """``pl-lowprec plan --config X.yaml --memory 24GiB``: the cheapest memory settings that fit, as a config to run.
 
 The config is read as ``pl-lowprec estimate`` reads it (``rebuild_classes``: no Trainer, the model on the meta
-device). Every candidate of ``pl_lowprec.memory.plan`` is simulated; the ranked table is printed, and the
-cheapest candidate that fits is written with ``--out`` as the same YAML with only the searched settings changed,
-so ``pl-lowprec fit --config plan.yaml`` runs it as is. ``--maximize seq_len`` (or ``batch_size``) instead finds
-the longest sequence (or largest micro-batch) that fits with the most memory-saving settings the config allows.
+device; several ``--config`` files and overrides merge as for ``fit``). Every candidate of
+``pl_lowprec.memory.plan`` is simulated; the ranked table is printed, and the cheapest candidate that fits is
+written with ``--out`` as the same YAML (the configs merged) with only the searched settings changed, so
+``pl-lowprec fit --config plan.yaml`` runs it as is; never over a config it reads. ``--maximize seq_len`` (or
+``batch_size``) instead finds the longest sequence (or largest micro-batch) that fits with the most memory-saving
+settings the config allows.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ from typing import Any
 import torch
 import yaml
 
-from pl_lowprec.cli.estimate import device_of, devices_of, precision_of
-from pl_lowprec.cli.rebuild import rebuild_classes
+from pl_lowprec._checks import int_at_least
+from pl_lowprec.cli.estimate import check_devices, device_of, devices_of, precision_of
+from pl_lowprec.cli.rebuild import config_files, passed_on, rebuild_classes
 from pl_lowprec.distributed.sharding import Sharding
+from pl_lowprec.export.out_paths import refuse_inputs
 from pl_lowprec.memory.estimate import estimate_memory
 from pl_lowprec.memory.fake_step import DryRunTrainer, attached, batch_tensors
 from pl_lowprec.memory.plan import (
@@ -45,27 +49,35 @@ MAX_SEQ_LEN = 1 << 20
 
 
 def main(args: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="pl-lowprec plan", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="a YAML file that `pl-lowprec fit --config` runs")
+    parser = argparse.ArgumentParser(prog="pl-lowprec plan", description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument(
+        "--config",
+        action="append",
+        required=True,
+        help="a YAML file that `pl-lowprec fit --config` runs (several merge, as for fit)",
+    )
     parser.add_argument("--memory", required=True, help="device memory per device: 24GiB, 80GB, 512MiB or bytes")
-    parser.add_argument("--devices", type=int, default=None, help="devices to plan for (default: the config's)")
+    parser.add_argument(
+        "--devices", type=int_at_least(1), default=None, help="devices to plan for (default: the config's)"
+    )
     parser.add_argument("--margin", type=float, default=0.1, help="fraction of --memory kept free (default 0.1)")
     parser.add_argument("--out", help="write the chosen config here (refused if it exists, unless --overwrite)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     parser.add_argument("--maximize", choices=["seq_len", "batch_size"], help="the largest value that fits")
     parser.add_argument("--allow_quantization", action="store_true", help="also try nf4-dq base weights")
-    options, overrides = parser.parse_known_args(args)
-    try:
-        budget = parse_bytes(options.memory, "--memory")
-        if not 0 <= options.margin < 1:
-            raise ValueError(f"--margin={options.margin} must be a fraction in [0, 1), such as 0.1 (10% kept free).")
-        out = Path(options.out) if options.out else None
-        if out is not None and out.exists() and not options.overwrite:
+    options, _ = parser.parse_known_args(args)
+    cli_args = passed_on(parser, args)  # the --config files and overrides, in order
+    budget = parse_bytes(options.memory, "--memory")
+    if not 0 <= options.margin < 1:
+        raise ValueError(f"--margin={options.margin} must be a fraction in [0, 1), such as 0.1 (10% kept free).")
+    out = Path(options.out) if options.out else None
+    if out is not None:
+        refuse_inputs(out, config_files(cli_args))  # never over a config it reads, --overwrite or not
+        if out.exists() and not options.overwrite:
             raise ValueError(f"--out {out} exists: pass --overwrite to replace it, or another path.")
-    except ValueError as error:
-        parser.exit(2, f"pl-lowprec plan: {error}\n")
-    run = rebuild_classes(["--config", options.config, *overrides])
+    run = rebuild_classes(cli_args)
     trainer = run.config_init.trainer
+    check_devices(trainer)
     config = getattr(trainer.strategy, "transform_config", None)
     if config is None or run.datamodule is None:
         parser.exit(
@@ -86,7 +98,7 @@ def main(args: list[str] | None = None) -> None:
     sharding = strategy.transform_sharding(config) if hasattr(strategy, "transform_sharding") else None
     if options.maximize:
         shards = (sharding, devices)
-        _maximize(options, build, batch, rows, budget, precision, device, config, blocks, overrides, run, shards)
+        _maximize(options, build, batch, rows, budget, precision, device, config, blocks, cli_args, run, shards)
         return
     plan = plan_memory(
         build,
@@ -120,7 +132,7 @@ def main(args: list[str] | None = None) -> None:
         raise SystemExit(1)
     print(f"Chosen: {chosen.settings.describe()}, predicted peak {format_bytes(chosen.peak)}.")
     if out is not None:
-        write_plan(options.config, overrides, out, chosen.settings, blocks, config, devices, run, strategy=switch_to)
+        write_plan(cli_args, out, chosen.settings, blocks, config, devices, run, strategy=switch_to)
         print(f"Wrote {out}: pl-lowprec fit --config {out}")
 
 
@@ -170,7 +182,7 @@ def _eight_bit(sharding: Any) -> str:
     return "torchao_adamw8bit" if sharding is not None else "adamw8bit"
 
 
-def _maximize(options, build, batch, rows, budget, precision, device, config, blocks, overrides, run, shards) -> None:
+def _maximize(options, build, batch, rows, budget, precision, device, config, blocks, cli_args, run, shards) -> None:
     """The longest sequence (or largest micro-batch) that fits, with the most memory-saving settings allowed;
     ``shards``: the config's FSDP2 sharding (or ``None``) and the number of ranks."""
     sharding, world_size = shards
@@ -219,13 +231,12 @@ def _maximize(options, build, batch, rows, budget, precision, device, config, bl
             saving = dataclasses.replace(saving, micro_batch=best)
         extra = {"data.init_args.seq_len": best} if options.maximize == "seq_len" else {}
         devices = options.devices or 1
-        write_plan(options.config, overrides, Path(options.out), saving, blocks, config, devices, run, extra)
+        write_plan(cli_args, Path(options.out), saving, blocks, config, devices, run, extra)
         print(f"Wrote {options.out}: pl-lowprec fit --config {options.out}")
 
 
 def write_plan(
-    source: str,
-    overrides: list[str],
+    cli_args: list[str],
     out: Path,
     settings: Settings,
     blocks: list[str] | None,
@@ -235,11 +246,10 @@ def write_plan(
     extra: dict[str, Any] | None = None,
     strategy: dict[str, Any] | None = None,
 ) -> None:
-    """The source YAML with the command line's overrides and only the searched settings changed. ``strategy``:
-    switch to ``lowprec_fsdp`` with these arguments, keeping the model arguments (``TransformArguments``)."""
-    fields = yaml.safe_load(Path(source).read_text()) or {}
-    for key, value in _dotted_overrides(overrides).items():
-        _set(fields, key, value)
+    """The ``--config`` files merged with the command line's overrides (``cli_args``, in order) and only the searched
+    settings changed. ``strategy``: switch to ``lowprec_fsdp`` with these arguments, keeping the model arguments
+    (``TransformArguments``)."""
+    fields = merged_fields(cli_args)
     node = fields.setdefault("trainer", {}).get("strategy")
     if not isinstance(node, dict):
         built = type(run.config_init.trainer.strategy)
@@ -265,7 +275,8 @@ def write_plan(
         changes["trainer.devices"] = devices
     for key, value in changes.items():
         _set(fields, key, value)
-    header = f"# Written by pl-lowprec plan from {source}: {settings.describe()}.\n"
+    sources = " + ".join(str(path) for path in config_files(cli_args).values())
+    header = f"# Written by pl-lowprec plan from {sources}: {settings.describe()}.\n"
     out.write_text(header + yaml.safe_dump(fields, sort_keys=False))
 
 
@@ -280,15 +291,35 @@ def _block_names(build: Callable[[], Any], config: TransformConfig) -> list[str]
     return block_classes(model) or None
 
 
-def _dotted_overrides(overrides: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    args = iter(overrides)
+def merged_fields(cli_args: list[str]) -> dict[str, Any]:
+    """The ``--config`` files (or inline YAML) and ``--key=value`` overrides of ``cli_args`` merged in order, as
+    LightningCLI merges them: a later one wins, dicts merge key by key, and a node that names another
+    ``class_path`` replaces the earlier one."""
+    fields: dict[str, Any] = {}
+    args = iter(cli_args)
     for arg in args:
         if not arg.startswith("--"):
             continue
         name, sep, value = arg[2:].partition("=")
-        out[name] = yaml.safe_load(value if sep else next(args, "true"))
-    return out
+        value = value if sep else next(args, "true")
+        if name == "config":
+            path = Path(value)
+            loaded = yaml.safe_load(path.read_text() if path.is_file() else value) or {}
+            fields = _merge(fields, loaded) if isinstance(loaded, dict) else fields
+        else:
+            _set(fields, name, yaml.safe_load(value))
+    return fields
+
+
+def _merge(base: Any, over: Any) -> Any:
+    if not isinstance(base, dict) or not isinstance(over, dict):
+        return over
+    if "class_path" in over and base.get("class_path") not in (None, over["class_path"]):
+        return over
+    merged = dict(base)
+    for key, value in over.items():
+        merged[key] = _merge(base.get(key), value) if key in base else value
+    return merged
 
 
 def _set(fields: dict[str, Any], dotted: str, value: Any) -> None:

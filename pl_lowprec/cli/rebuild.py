@@ -118,6 +118,25 @@ def with_config(checkpoint: Path, cli_args: list[str], parser: argparse.Argument
     return ["--config", str(found), *cli_args]
 
 
+def passed_on(
+    parser: argparse.ArgumentParser, args: list[str] | None, keep: tuple[str, ...] = ("--config",)
+) -> list[str]:
+    """``args`` without the subcommand's own options (``parser``'s, except ``keep``), in the order given: the
+    ``--config`` files and overrides, for LightningCLI to read as ``pl-lowprec fit`` reads them (a later
+    ``--config`` or override wins over an earlier one). ``parser`` must not accept abbreviations."""
+    own = {name: action for action in parser._actions for name in action.option_strings if name not in keep}
+    out: list[str] = []
+    remaining = iter(args or [])
+    for arg in remaining:
+        name, equals, _ = arg.partition("=")
+        action = own.get(name)
+        if action is None:
+            out.append(arg)
+        elif not equals and action.nargs != 0:
+            next(remaining, None)  # its value
+    return out
+
+
 def config_files(cli_args: list[str]) -> dict[str, Path | None]:
     """The ``--config`` files among ``cli_args``, as ``{what: path}`` for the inputs ``--out`` must spare."""
     paths: list[Path] = []
@@ -126,7 +145,7 @@ def config_files(cli_args: list[str]) -> dict[str, Path | None]:
         name, _, value = arg.partition("=")
         if name == "--config":
             paths.append(Path(value or next(args, "")))
-    return {"config" if len(paths) == 1 else f"config {i + 1}": path for i, path in enumerate(paths)}
+    return {"config" if len(paths) == 1 else f"config ({i + 1} of {len(paths)})": path for i, path in enumerate(paths)}
 
 
 def rebuild(cli_args: list[str]) -> LowPrecisionCLI:

@@ -172,8 +172,8 @@ def check_chat_template(tokenizer: Any, source: str | Path | None) -> None:
         name = str(source) if source is not None else getattr(tokenizer, "name_or_path", "?")
         raise ValueError(
             f"Chat prompts ('messages' records or --chat) need the tokenizer's chat template, and the tokenizer"
-            f" {name!r} has none. Pass --tokenizer DIR with a chat model's tokenizer (one whose"
-            " tokenizer_config.json has a chat_template), or give plain 'prompt' records without --chat."
+            f" {name!r} has none (no chat_template.jinja beside it, no chat_template in its tokenizer_config.json)."
+            " Pass --tokenizer DIR with a chat model's tokenizer, or give plain 'prompt' records without --chat."
         )
 
 
@@ -230,6 +230,16 @@ def directory_tokenizer(directory: str | Path, base: str | None = None) -> str |
     return base or path
 
 
+def check_model_dir(path: Path) -> None:
+    """``--model``: a directory that an export wrote (a merged model or a peft adapter)."""
+    if not path.is_dir():
+        what = "does not exist" if not path.exists() else "is a file"
+        raise FileNotFoundError(
+            f"--model {str(path)!r} {what}: name a directory that `pl-lowprec export` wrote (a merged model or a peft"
+            " adapter), or pass --ckpt_path with a training checkpoint instead."
+        )
+
+
 def from_directory(
     directory: str | Path, base: str | None = None, device: str = "auto", tokenizer: Any = None
 ) -> Generator:
@@ -238,8 +248,7 @@ def from_directory(
     from transformers import AutoModelForCausalLM  # optional (pl_lowprec[hf]), needed only here
 
     path = Path(directory)
-    if not path.is_dir():
-        raise FileNotFoundError(f"--model {str(path)!r} is not a directory (an exported model or adapter).")
+    check_model_dir(path)
     target = torch.device(
         "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
     )

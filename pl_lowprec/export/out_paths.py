@@ -38,21 +38,33 @@ def refuse_inputs(out: Path, inputs: dict[str, Path | None]) -> None:
             )
 
 
-def prepare_out_dir(out: Path, overwrite: bool, inputs: dict[str, Path | None]) -> None:
-    """An empty ``out`` directory; a previous export is replaced only with ``overwrite``."""
+def check_out_dir(out: Path, overwrite: bool, inputs: dict[str, Path | None]) -> None:
+    """``ValueError`` naming everything that stops ``prepare_out_dir`` at once, before anything is loaded or
+    written: ``out`` is an input, a file, or a non-empty directory without ``overwrite`` or that no export wrote."""
     refuse_inputs(out, inputs)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {str(out)!r} is a file; name a directory.")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    foreign = sorted(c.name for c in out.iterdir() if c.is_dir() or not EXPORT_FILE.fullmatch(c.name))
+    shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+    if foreign:
+        flag = "--overwrite will not empty it" if overwrite else "--overwrite would not empty it either"
+        raise ValueError(
+            f"--out {str(out)!r} exists and holds {shown}, which no export writes: it is not a previous export, so"
+            f" {flag}. Name a new directory, or move those out first."
+        )
+    if not overwrite:
+        raise ValueError(
+            f"--out {str(out)!r} exists and is not empty: pass --overwrite to replace its contents (a previous"
+            " export), or name a new directory."
+        )
+
+
+def prepare_out_dir(out: Path, overwrite: bool, inputs: dict[str, Path | None]) -> None:
+    """An empty ``out`` directory; a previous export is replaced only with ``overwrite`` (``check_out_dir``)."""
+    check_out_dir(out, overwrite, inputs)
     if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            raise ValueError(f"--out {str(out)!r} exists and is not empty: pass --overwrite to replace its contents.")
-        foreign = sorted(c.name for c in out.iterdir() if c.is_dir() or not EXPORT_FILE.fullmatch(c.name))
-        if foreign:
-            shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-            raise ValueError(
-                f"--out {str(out)!r} holds {shown}, which no export writes, so it is not a previous export:"
-                " --overwrite will not empty it. Name a new directory, or move those out first."
-            )
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
 

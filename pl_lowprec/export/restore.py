@@ -49,12 +49,7 @@ def restore(checkpoint: str | Path, trainer: Any, module: nn.Module, datamodule:
     checkpoint = Path(checkpoint)
     if not checkpoint.is_file():
         raise FileNotFoundError(f"Checkpoint {str(checkpoint)!r} does not exist (a Lightning .ckpt file).")
-    transform = getattr(trainer.strategy, "transform", None)
-    if not isinstance(transform, ModelTransform):
-        raise ValueError(
-            f"The config's strategy is {type(trainer.strategy).__name__}, not a pl_lowprec strategy: there is no"
-            " lora= to export. Use the config the checkpoint was trained with."
-        )
+    transform = strategy_transform(trainer)
     if transform.sharding is not None:  # restore unsharded, in this one process (bitsandbytes storage)
         transform = ModelTransform(transform.config)
     state = trainer.strategy.load_checkpoint(checkpoint)
@@ -75,6 +70,23 @@ def restore(checkpoint: str | Path, trainer: Any, module: nn.Module, datamodule:
     module.to(device).eval()
     tokenizer = getattr(datamodule, "tokenizer_dir", None) if datamodule is not None else None
     return Restored(module, trainer, transform, transform.weights_for(module), checkpoint, tokenizer)
+
+
+def strategy_transform(trainer: Any) -> ModelTransform:
+    """The config's strategy's ``ModelTransform``; an error when the strategy is not pl_lowprec's."""
+    transform = getattr(trainer.strategy, "transform", None)
+    if not isinstance(transform, ModelTransform):
+        raise ValueError(
+            f"The config's strategy is {type(trainer.strategy).__name__}, not a pl_lowprec strategy: there is no"
+            " lora= to export. Use the config the checkpoint was trained with."
+        )
+    return transform
+
+
+def sources(trainer: Any, module: nn.Module, datamodule: Any = None) -> tuple[PretrainedWeights | None, str | None]:
+    """Where ``restore`` will read the original weights and the tokenizer from, known before anything loads."""
+    weights = strategy_transform(trainer).weights_for(module)
+    return weights, getattr(datamodule, "tokenizer_dir", None) if datamodule is not None else None
 
 
 def _load(module: nn.Module, transform: ModelTransform, state_dict: dict[str, torch.Tensor], path: Path) -> None:

@@ -7,9 +7,13 @@ from pathlib import Path
 
 from pl_lowprec.adapters import export_adapter
 from pl_lowprec.export.merged import merge_into_pretrained
-from pl_lowprec.export.out_paths import prepare_out_dir
+from pl_lowprec.export.out_paths import check_out_dir, prepare_out_dir
 from pl_lowprec.export.restore import Restored
+from pl_lowprec.loading import PretrainedWeights
 from pl_lowprec.loading.tokenizer import load_tokenizer
+from pl_lowprec.transforms.dtypes import to_dtype
+
+MERGED_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def pretrained_dir(restored: Restored) -> Path | None:
@@ -34,29 +38,66 @@ def save_tokenizer(restored: Restored, out: Path) -> str | None:
     return None
 
 
+def read_paths(
+    checkpoint: Path, weights: PretrainedWeights | None, tokenizer_dir: str | None, inputs: dict | None = None
+) -> dict[str, Path | None]:
+    """What an export reads (``{what: path}``), which ``--out`` may never be, hold or lie inside."""
+    return {
+        **(inputs or {}),
+        "checkpoint": checkpoint,
+        "pretrained weights": Path(weights.path) if weights is not None else None,
+        "tokenizer directory": Path(tokenizer_dir) if tokenizer_dir else None,
+    }
+
+
+def check_dtype(dtype: str | None, merged: bool) -> None:
+    """``--dtype``: a floating dtype, and only for a merged export."""
+    if dtype is None:
+        return
+    if not merged:
+        raise ValueError("--dtype applies to --merged exports; the adapter keeps the dtype it trained in.")
+    try:
+        floating = to_dtype(dtype).is_floating_point
+    except ValueError:
+        floating = False
+    if not floating:
+        raise ValueError(
+            f"--dtype {dtype!r} is not a dtype for merged weights: give one of {', '.join(MERGED_DTYPES)}, or leave"
+            " it out to keep each tensor's dtype in the pretrained files."
+        )
+
+
+def check_export(
+    out: Path,
+    merged: bool,
+    dtype: str | None,
+    overwrite: bool,
+    read: dict[str, Path | None],
+    weights: PretrainedWeights | None,
+) -> None:
+    """Every refusal of an export that is known before the model loads (``pl-lowprec export`` checks them then)."""
+    check_dtype(dtype, merged)
+    if merged and weights is None:
+        raise ValueError(
+            "A merged export adds the adapters to the original pretrained weights, and this config names none"
+            " (CausalLM(pretrained=...) or the strategy's pretrained=): its base was built from a config with"
+            " random or seeded weights. Export the adapter directory instead (leave out --merged)."
+        )
+    check_out_dir(out, overwrite, read)
+
+
 def export(
     restored: Restored, out: Path, merged: bool, dtype: str | None, overwrite: bool, inputs: dict | None = None
 ) -> str:
     """Write the export and return a one-line summary; ``inputs`` (``{what: path}``) are never written over."""
     source = pretrained_dir(restored)
-    if merged:
-        if restored.weights is None:
-            raise ValueError(
-                "A merged export adds the adapters to the original pretrained weights, and this config names none"
-                " (CausalLM(pretrained=...) or the strategy's pretrained=): its base was built from a config with"
-                " random or seeded weights. Export the adapter directory instead (leave out --merged)."
-            )
-        if source is None and restored.hf_model is None:
-            raise ValueError(
-                f"pretrained={str(restored.weights.path)!r} is a single file and the module holds no Hugging Face"
-                " model whose config could go with the merged weights. Point pretrained= at a model directory."
-            )
-    read = {
-        **(inputs or {}),
-        "checkpoint": restored.checkpoint,
-        "pretrained weights": Path(restored.weights.path) if restored.weights is not None else None,
-        "tokenizer directory": Path(restored.tokenizer_dir) if restored.tokenizer_dir else None,
-    }
+    read = read_paths(restored.checkpoint, restored.weights, restored.tokenizer_dir, inputs)
+    check_export(out, merged, dtype, overwrite, read, restored.weights)
+    if merged and source is None and restored.hf_model is None:
+        raise ValueError(
+            f"pretrained={str(restored.weights.path)!r} is a single file and the module holds no Hugging Face"
+            " model whose config could go with the merged weights. Point pretrained= at a model directory."
+        )
     prepare_out_dir(out, overwrite, read)
     if merged:
         counts = merge_into_pretrained(restored.module, restored.weights, out, dtype)
@@ -65,8 +106,6 @@ def export(
         what = f"merged model ({counts['merged']} of {counts['tensors']} tensors merged"
         what += f", {dtype})" if dtype else ", in the pretrained files' dtypes)"
     else:
-        if dtype is not None:
-            raise ValueError("--dtype applies to --merged exports; the adapter keeps the dtype it trained in.")
         base_name = str(source.resolve()) if source is not None else None
         export_adapter(restored.module, out, base_model_name_or_path=base_name)
         what = "peft adapter directory"

@@ -24,9 +24,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch._dynamo.utils import calculate_time_spent
 from torch._inductor import config as inductor_config
+from torch._inductor import list_mode_options
 from torch._inductor.cpp_builder import get_cpp_compiler
 from torch._inductor.exc import InvalidCxxCompiler
 
+from pl_lowprec._checks import CannotRunHere
 from pl_lowprec.transforms.checkpointing import CheckpointPolicy, select_modules
 
 CompileArg = bool | Mapping[str, Any]
@@ -47,12 +49,26 @@ def compile_options(value: object) -> dict[str, Any] | None:
                 f" {', '.join(COMPILE_KEYS)}; for example compile={{'mode': 'max-autotune-no-cudagraphs'}}, or"
                 " compile={'dynamic': False}. Inductor settings go in compile={'options': {...}}."
             )
+        check_mode(value)
         return dict(value)
     raise TypeError(
         f"compile={value!r} is not valid: use True (torch.compile each block with its defaults), False (default),"
         " or a dict of torch.compile arguments such as {'mode': 'max-autotune-no-cudagraphs'} or"
         f" {{'dynamic': False}} (it takes {', '.join(COMPILE_KEYS)})."
     )
+
+
+def check_mode(options: Mapping[str, Any]) -> None:
+    """inductor's modes are checked by torch.compile only when the first step compiles: check them here."""
+    mode = options.get("mode")
+    if mode is None or options.get("backend", "inductor") != "inductor":
+        return
+    modes = list(list_mode_options())
+    if mode not in modes:
+        raise ValueError(
+            f"compile={{'mode': {mode!r}}} is not a mode of torch.compile's inductor backend. Allowed:"
+            f" {', '.join(map(repr, modes))} (or leave mode out for 'default')."
+        )
 
 
 def check_compile_combination(
@@ -85,7 +101,7 @@ def check_compiler(device: torch.device, options: Mapping[str, Any]) -> None:
     try:
         get_cpp_compiler()
     except InvalidCxxCompiler:
-        raise RuntimeError(
+        raise CannotRunHere(
             "compile= on CPU: torch.compile's inductor backend writes C++ kernels and found no C++ compiler (it"
             f" looked for {inductor_config.cpp.cxx!r}). Install one: apt-get install g++ (Debian/Ubuntu), or conda"
             " install -c conda-forge gxx; or point the CXX environment variable at one before starting. Without a"

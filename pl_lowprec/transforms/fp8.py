@@ -25,6 +25,7 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
+from pl_lowprec._checks import CannotRunHere
 from pl_lowprec._imports import import_torchao
 from pl_lowprec.transforms.linear_filter import DEFAULT_SKIP, is_target_linear
 
@@ -85,14 +86,14 @@ def check_fp8_device(device: torch.device, config: FP8Config) -> None:
         return
     wanted = f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}"
     if device.type != "cuda":
-        raise RuntimeError(
+        raise CannotRunHere(
             f"fp8={config.recipe!r} needs a CUDA GPU with compute capability {wanted} or higher (Ada, Hopper,"
             f" Blackwell); this Trainer runs on {device.type}. Train on such a GPU, or remove fp8= (use"
             " AMPPrecision('bf16-mixed') instead). FP8Config(emulate=True) checks the numerics anywhere, slowly."
         )
     capability = torch.cuda.get_device_capability(device)
     if capability < MIN_CAPABILITY:
-        raise RuntimeError(
+        raise CannotRunHere(
             f"fp8={config.recipe!r} needs compute capability {wanted} or higher (Ada, Hopper, Blackwell); found"
             f" {torch.cuda.get_device_name(device)} with compute capability {capability[0]}.{capability[1]}."
             " Remove fp8= and train with AMPPrecision('bf16-mixed') on this GPU."
