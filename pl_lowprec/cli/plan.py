@@ -40,6 +40,7 @@ from pl_lowprec.memory.plan import (
     resized,
     settings_config,
 )
+from pl_lowprec.memory.quiet import quiet_setup_logs
 from pl_lowprec.memory.sizes import format_bytes, parse_bytes
 from pl_lowprec.strategies.fsdp import check_fsdp_arguments
 from pl_lowprec.strategies.transform_args import TransformArguments
@@ -200,15 +201,16 @@ def _maximize(options, build, batch, rows, budget, precision, device, config, bl
 
     def fits(value: int) -> bool:
         micro, length = (saving.micro_batch, value) if options.maximize == "seq_len" else (value, seq_len)
-        estimate = estimate_memory(
-            build,
-            resized(batch, micro, length),
-            precision=precision,
-            device=device,
-            config=transform,
-            sharding=sharding,
-            world_size=world_size,
-        )
+        with quiet_setup_logs():
+            estimate = estimate_memory(
+                build,
+                resized(batch, micro, length),
+                precision=precision,
+                device=device,
+                config=transform,
+                sharding=sharding,
+                world_size=world_size,
+            )
         return estimate.peak <= limit
 
     start = seq_len if options.maximize == "seq_len" else 1

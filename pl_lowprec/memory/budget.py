@@ -21,6 +21,7 @@ from torch import nn
 from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
 from pl_lowprec.memory.fake_step import batch_tensors
 from pl_lowprec.memory.plan import block_classes, fresh_copies, plan_memory, resized
+from pl_lowprec.memory.quiet import quiet_setup_logs
 from pl_lowprec.memory.sizes import format_bytes
 from pl_lowprec.transforms.config import TransformConfig
 
@@ -46,16 +47,17 @@ def check_memory_budget(
     build = fresh_copies(module)  # each call a meta copy: the estimate transforms its own, the module stays
     batch = first_training_batch(trainer)
     accumulate = int(trainer.accumulate_grad_batches)
-    estimate = estimate_memory(
-        build,
-        batch,
-        precision=precision,
-        device=device,
-        config=config,
-        accumulate_grad_batches=accumulate,
-        sharding=sharding,
-        world_size=world_size,
-    )
+    with quiet_setup_logs():  # the run prints its setup lines itself, once, when it loads
+        estimate = estimate_memory(
+            build,
+            batch,
+            precision=precision,
+            device=device,
+            config=config,
+            accumulate_grad_batches=accumulate,
+            sharding=sharding,
+            world_size=world_size,
+        )
     per = " per rank" if sharding is not None else ""
     if estimate.peak <= budget:
         rank_zero_info(

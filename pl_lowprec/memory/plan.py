@@ -32,6 +32,7 @@ from torch import nn
 from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
 from pl_lowprec.memory.fake_model import meta_copy
+from pl_lowprec.memory.quiet import quiet_setup_logs
 from pl_lowprec.memory.sizes import format_bytes
 from pl_lowprec.transforms.config import TransformConfig
 
@@ -179,16 +180,17 @@ def plan_memory(
         for settings in group:  # from the fewest changes: the first that fits ends the group
             estimate = None if cache is None else cache.get(settings)
             if estimate is None:
-                estimate = estimate_memory(
-                    build_model,
-                    make_batch(settings.micro_batch),
-                    precision=precision,
-                    device=device,
-                    config=settings_config(config, settings, block_names),
-                    accumulate_grad_batches=settings.accumulate,
-                    sharding=sharding,
-                    world_size=devices,
-                )
+                with quiet_setup_logs():  # the transform's setup lines, once per candidate otherwise
+                    estimate = estimate_memory(
+                        build_model,
+                        make_batch(settings.micro_batch),
+                        precision=precision,
+                        device=device,
+                        config=settings_config(config, settings, block_names),
+                        accumulate_grad_batches=settings.accumulate,
+                        sharding=sharding,
+                        world_size=devices,
+                    )
                 if cache is not None:
                     cache[settings] = estimate
             plan.candidates.append(Candidate(settings, estimate, estimate.peak <= plan.limit))

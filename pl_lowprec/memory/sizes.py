@@ -41,5 +41,13 @@ def _message(value: object, argument: str) -> str:
 
 
 def format_bytes(nbytes: int) -> str:
-    """Bytes as a person reads them: GiB from 1 GiB up, MiB below."""
-    return f"{nbytes / 2**30:.2f} GiB" if abs(nbytes) >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
+    """Bytes as a person reads them: GiB from 1 GiB up, else MiB while two decimals show a figure (0.01 MiB up),
+    then KiB, then bytes: a budget of 1 KiB is "1.00 KiB", not "0.00 MiB"."""
+    size = abs(nbytes)
+    if size >= 2**30:
+        return f"{nbytes / 2**30:.2f} GiB"
+    if size >= 0.01 * 2**20:
+        return f"{nbytes / 2**20:.2f} MiB"
+    if size >= 2**10:
+        return f"{nbytes / 2**10:.2f} KiB"
+    return f"{nbytes} bytes"
