@@ -81,6 +81,15 @@ def data_files(files: str | Path | Sequence[str | Path], argument: str) -> list[
     return found
 
 
+def check_tokenizer_with_model(trainer: Any, tokenizer: Any, source: str | None) -> None:
+    """The module's own check of the data's tokenizer (``CausalLM.check_data_tokenizer``), if it has one: a
+    tokenizer of another model is the root cause of what the records' checks would report first."""
+    module = getattr(trainer, "lightning_module", None) if trainer is not None else None
+    check = getattr(module, "check_data_tokenizer", None)
+    if callable(check):
+        check(tokenizer, source)
+
+
 class TextDataModule(pl.LightningDataModule):
     """Causal-LM data from ``.txt`` / ``.jsonl`` files (fields ``text``, ``prompt``/``completion``, ``messages``).
 
@@ -146,6 +155,7 @@ class TextDataModule(pl.LightningDataModule):
         if self.train_set is not None:
             return
         self.tokenizer = load_tokenizer(self.tokenizer_dir)
+        check_tokenizer_with_model(self.trainer, self.tokenizer, self.tokenizer_dir)  # before any record is read
         train = self._samples(self.train_paths)
         if self.val_paths is not None:
             self.train_set, self.val_set = train, self._samples(self.val_paths)

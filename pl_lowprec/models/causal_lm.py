@@ -80,6 +80,7 @@ class CausalLM(pl.LightningModule):
             self.directory, config_file = resolve_pretrained(pretrained), None
         self.config = AutoConfig.from_pretrained(str(config_file or self.directory), local_files_only=True)
         self._pretrained_weights: PretrainedWeights | None = None
+        self._checked_tokenizer: Any = None
         self.dtype_override = to_dtype(dtype)
         self.model: Any = None
         self.token_mean = TokenMeanLoss()
@@ -105,9 +106,15 @@ class CausalLM(pl.LightningModule):
         """Before any weight loads (``configure_model`` runs after): the data's tokenizer fits this model."""
         datamodule = getattr(self.trainer, "datamodule", None)
         tokenizer = getattr(datamodule, "tokenizer", None)
-        if tokenizer is not None:
-            source = getattr(datamodule, "tokenizer_dir", None)
-            check_tokenizer(tokenizer, str(source) if source else None, self.config, self.directory)
+        if tokenizer is not None and tokenizer is not self._checked_tokenizer:
+            self.check_data_tokenizer(tokenizer, getattr(datamodule, "tokenizer_dir", None))
+
+    def check_data_tokenizer(self, tokenizer: Any, source: str | Path | None) -> None:
+        """``ValueError`` when the data's tokenizer does not fit this model (``tokenizer_check``). A data module
+        calls it as soon as it has its tokenizer, before reading records (``TextDataModule``): a refusal of the
+        records (``seq_len`` truncates them) would otherwise come first and hide this cause."""
+        check_tokenizer(tokenizer, str(source) if source else None, self.config, self.directory)
+        self._checked_tokenizer = tokenizer
 
     def configure_model(self) -> None:
         """Build the model with its parameters on the meta device; the strategy fills them from ``pretrained``."""

@@ -47,7 +47,7 @@ from torch.optim import Optimizer
 from pl_lowprec._imports import import_bitsandbytes, import_torchao
 from pl_lowprec.adapters import load_trainable_state_dict, trainable_state_dict
 from pl_lowprec.distributed.sharding import Sharding
-from pl_lowprec.loading import PretrainedWeights
+from pl_lowprec.loading import PretrainedWeights, has_meta_tensors
 from pl_lowprec.loading.host_memory import release_freed_host_memory
 from pl_lowprec.transforms.autocast_activations import keep_activations_in_compute_dtype
 from pl_lowprec.transforms.checkpointing import is_checkpointed, set_activation_checkpointing
@@ -63,6 +63,7 @@ from pl_lowprec.transforms.offloading import OffloadActivations, check_offload_d
 from pl_lowprec.transforms.optimizers import import_optimizer_library, rebind_schedulers, swap_optimizer
 from pl_lowprec.transforms.qat import convert_qat, is_converted, prepare_qat
 from pl_lowprec.transforms.quantization import QuantizationConfig, quantize_linear, quantize_model
+from pl_lowprec.transforms.trainable import without_lora_line
 from pl_lowprec.transforms.weight_sources import fill_meta_model, meta_init_context, weights_for
 
 
@@ -107,11 +108,14 @@ class ModelTransform:
         compute_dtype = compute_dtype_of(precision_plugin)
         if self.sharding is not None:
             self.sharding.check(model, c.quantization)
+        streamed = has_meta_tensors(model)  # pretrained= quantizes as it loads
         self.load_pretrained(model, compute_dtype, device)
         if c.quantization is not None:
             replaced = self.quantize(model, compute_dtype, device)
             if replaced:
                 rank_zero_info(f"Quantized {len(replaced)} linear layers to {c.quantization.mode}.")
+            if (streamed or replaced) and c.lora is None and c.qat is None and c.fp8 is None:
+                rank_zero_info(without_lora_line(model, c.quantization.mode))
         if c.qat is not None:
             faked = prepare_qat(model, c.qat)
             if faked:
