@@ -116,6 +116,8 @@ class LowPrecisionCLI(LightningCLI):
             section["ckpt_path"] = None
         elif requested == "last" and resolved is not None:
             check_same_run(Path(resolved), self.config[self.subcommand], section.get("allow_changed_hparams", False))
+            section["ckpt_path"] = resolved  # Lightning's "last" searches only this run's new directory
+            rank_zero_info(f"--ckpt_path last: resuming {resolved}; this run logs to {self.trainer.log_dir}.")
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
         try:

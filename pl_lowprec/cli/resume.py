@@ -48,21 +48,19 @@ def other_runs_last(root: str | Path, limit: int = 3) -> list[Path]:
     return found[:limit]
 
 
-def continue_newest_run(trainer: Any) -> Path | None:
-    """``last`` resumes the newest run under an auto-numbered logger (CSV, TensorBoard): the logger takes that
-    run's version, so ``last``, the checkpoints and the logs all go on in the run being resumed.
+def earlier_runs_last(trainer: Any) -> tuple[list[str], str | None]:
+    """The ``last*.ckpt`` of the earlier runs under an auto-numbered logger (CSV, TensorBoard), ``version_*`` beside
+    this run's own, and the pattern searched.
 
-    Without this every ``fit`` would get a new ``version_N``, and ``last`` would search its empty folder."""
+    Each ``fit`` logs to a new ``version_N``, as Lightning numbers them, so a resumed run never writes into the
+    earlier run's directory (Lightning would delete its ``metrics.csv``, and ``config.yaml`` would be replaced);
+    ``last`` still finds the run to resume among the earlier versions."""
     logger = trainer.logger
     if logger is None or getattr(logger, "_version", "set") is not None or not hasattr(logger, "root_dir"):
-        return None  # no logger, a version the user chose, or one already in use
-    runs = [run for run in Path(logger.root_dir).glob("version_*") if any(run.glob("checkpoints/last*.ckpt"))]
-    if not runs:
-        return None
-    newest = max(runs, key=lambda run: max(p.stat().st_mtime for p in run.glob("checkpoints/last*.ckpt")))
-    number = newest.name.removeprefix("version_")
-    logger._version = int(number) if number.isdigit() else newest.name
-    return newest
+        return [], None  # no logger, or a version the user chose (or already in use): Lightning's own search only
+    pattern = "version_*/checkpoints/last*.ckpt"
+    found = [str(p) for p in Path(logger.root_dir).glob(pattern) if p.is_file()]
+    return found, str(Path(logger.root_dir) / "version_*" / "checkpoints")
 
 
 def resolve_ckpt_path(trainer: Any, ckpt_path: str | None, allow_fresh_start: bool) -> str | None:
@@ -71,8 +69,9 @@ def resolve_ckpt_path(trainer: Any, ckpt_path: str | None, allow_fresh_start: bo
         return ckpt_path
     fresh = "pass --allow_fresh_start true to start from scratch when there is nothing to resume"
     if ckpt_path == "last":
-        continue_newest_run(trainer)
+        earlier, pattern = earlier_runs_last(trainer)  # before Lightning's search picks this run's version
         found, searched = last_checkpoints(trainer)
+        found, searched = sorted({*found, *earlier}), [*searched, *([pattern] if pattern else [])]
         if found:
             return max(found, key=lambda p: Path(p).stat().st_mtime)
         if allow_fresh_start:
