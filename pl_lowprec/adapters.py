@@ -54,6 +54,37 @@ def load_trainable_state_dict(module: nn.Module, state_dict: Mapping[str, torch.
         )
 
 
+class CheckpointMismatch(ValueError):
+    """A checkpoint whose tensors do not fit the module, said in one paragraph (``mismatch_summary``)."""
+
+
+_SIZE = re.compile(
+    r"size mismatch for (?P<key>\S+): copying a param with shape torch\.Size\((?P<saved>\[[^\]]*\])\) from"
+    r" checkpoint, the shape in current model is torch\.Size\((?P<model>\[[^\]]*\])\)"
+)
+_KEYS = re.compile(r"(?P<kind>Missing|Unexpected) key\(s\) in state_dict: (?P<keys>.*)")
+
+
+def mismatch_summary(error: RuntimeError) -> str:
+    """torch's ``load_state_dict`` error (a line per tensor: 85 lines for a model of another size) as one
+    sentence: how many tensors differ in shape, with the first, and how many keys are missing or unexpected."""
+    text = str(error)
+    sizes = [m for line in text.splitlines() if (m := _SIZE.search(line))]
+    parts = []
+    if sizes:
+        first = sizes[0]
+        parts.append(
+            f"{len(sizes)} tensors have other shapes (e.g. {first['key']}: {first['saved']} in the checkpoint,"
+            f" {first['model']} in the model)"
+        )
+    for line in text.splitlines():
+        found = _KEYS.search(line)
+        if found:
+            keys = re.findall(r'"([^"]+)"', found["keys"])
+            parts.append(f"{len(keys)} {found['kind'].lower()} keys (e.g. {keys[0] if keys else '?'})")
+    return "; ".join(parts) if parts else " ".join(text.split())
+
+
 def find_base_model(module: nn.Module) -> tuple[str, nn.Module]:
     """The submodule peft would wrap: the first Hugging Face ``PreTrainedModel`` inside, else ``module``."""
     for name, child in module.named_modules():

@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.trainer.call import _call_configure_model
 from torch import nn
 
-from pl_lowprec.adapters import find_base_model
+from pl_lowprec.adapters import CheckpointMismatch, find_base_model, mismatch_summary
 from pl_lowprec.loading import PretrainedWeights
 from pl_lowprec.transforms.lora import has_lora
 from pl_lowprec.transforms.pipeline import ModelTransform
@@ -101,10 +101,9 @@ def _load(module: nn.Module, transform: ModelTransform, state_dict: dict[str, to
     try:
         as_saved = dataclasses.replace(transform.config, adapter_only_checkpoint=adapter_only)
         ModelTransform(as_saved).load_state_dict(module, state_dict, strict=True)
-    except RuntimeError as err:
-        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-        shown = " ".join(lines[:3]) + (f" ... ({len(lines) - 3} more lines)" if len(lines) > 3 else "")
+    except CheckpointMismatch as err:
         raise ValueError(
-            f"{str(path)!r} does not fit the module built from the config: {shown} Pass the config it was trained"
-            " with (lora= rank and target_modules, quantization=, the model and its pretrained weights)."
+            f"{str(path)!r} does not fit the module built from the config: {mismatch_summary(err.__cause__)}. Pass"
+            " the config it was trained with (lora= rank and target_modules, quantization=, the model and its"
+            " pretrained weights)."
         ) from err

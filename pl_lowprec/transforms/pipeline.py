@@ -45,7 +45,12 @@ from torch import nn
 from torch.optim import Optimizer
 
 from pl_lowprec._imports import import_bitsandbytes, import_torchao
-from pl_lowprec.adapters import load_trainable_state_dict, trainable_state_dict
+from pl_lowprec.adapters import (
+    CheckpointMismatch,
+    load_trainable_state_dict,
+    mismatch_summary,
+    trainable_state_dict,
+)
 from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.loading import PretrainedWeights, has_meta_tensors
 from pl_lowprec.loading.host_memory import release_freed_host_memory
@@ -233,10 +238,18 @@ class ModelTransform:
         return trainable_state_dict(model) if self.config.adapter_only else model.state_dict()
 
     def load_state_dict(self, model: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool) -> None:
-        if self.config.adapter_only:
-            load_trainable_state_dict(model, state_dict, strict=strict)
-        else:
-            model.load_state_dict(state_dict, strict=strict)
+        """``CheckpointMismatch`` (one paragraph) when the checkpoint's tensors do not fit the model."""
+        try:
+            if self.config.adapter_only:
+                load_trainable_state_dict(model, state_dict, strict=strict)
+            else:
+                model.load_state_dict(state_dict, strict=strict)
+        except RuntimeError as err:
+            raise CheckpointMismatch(
+                f"The checkpoint does not fit the model this config builds: {mismatch_summary(err)}. It was trained"
+                " on another model, or with other lora= or quantization= settings; resume with the config it was"
+                " trained with (its run's config.yaml beside checkpoints/)."
+            ) from err
 
 
 def precision_plugin_is_mixed(precision_plugin: Any) -> bool:
