@@ -43,8 +43,8 @@ def read_paths(
 ) -> dict[str, Path | None]:
     """What an export reads (``{what: path}``), which ``--out`` may never be, hold or lie inside."""
     return {
-        **(inputs or {}),
         "checkpoint": checkpoint,
+        **(inputs or {}),
         "pretrained weights": Path(weights.path) if weights is not None else None,
         "tokenizer directory": Path(tokenizer_dir) if tokenizer_dir else None,
     }

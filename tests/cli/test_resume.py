@@ -41,16 +41,29 @@ def refusal(capsys, args) -> str:
     return message
 
 
-def test_last_resumes_the_newest_run_in_its_own_directory(run, tmp_path):
+def test_last_resumes_the_newest_run_and_logs_beside_it_leaving_its_files_as_they_were(run, tmp_path):
+    """As Lightning numbers every fit: the resumed run logs to a new version_N (a run that saved nothing, killed
+    early, is skipped over by ``last``), and the earlier run's metrics.csv rows, config.yaml, hparams.yaml and
+    checkpoints stay byte for byte; the step count goes on from the checkpoint's."""
     args, _, _ = run
-    root = [f"--trainer.default_root_dir={tmp_path}"]
+    root = [f"--trainer.default_root_dir={tmp_path}", "--trainer.log_every_n_steps=1"]
     main([*args, *root, "--trainer.max_steps=2"])
-    (tmp_path / "lightning_logs/version_1").mkdir()  # a later run that saved nothing (killed early)
+    logs = tmp_path / "lightning_logs"
+    (logs / "version_1").mkdir()  # a later run that saved nothing (killed early)
+    earlier = snapshot(logs / "version_0")
+    rows = (logs / "version_0/metrics.csv").read_text().splitlines()
+    assert [line.split(",")[1] for line in rows[1:]] == ["0", "1"]  # epoch,step,train/loss: steps 0 and 1
     cli = build_cli([*args, *root, "--ckpt_path=last", "--trainer.max_steps=4"])
-    last = tmp_path / "lightning_logs/version_0/checkpoints/last.ckpt"
+    last = logs / "version_0/checkpoints/last.ckpt"
     assert cli.trainer.ckpt_path == str(last) and cli.trainer.global_step == 4  # went on from step 2
-    assert sorted(p.name for p in (tmp_path / "lightning_logs").iterdir()) == ["version_0", "version_1"]
-    assert torch.load(last, weights_only=True)["global_step"] == 4  # the run's own last.ckpt, moved on
+    assert snapshot(logs / "version_0") == earlier  # nothing of the earlier run rewritten
+    resumed = logs / "version_2"
+    assert cli.trainer.log_dir == str(resumed)
+    assert [line.split(",")[1] for line in (resumed / "metrics.csv").read_text().splitlines()[1:]] == ["2", "3"]
+    assert (resumed / "config.yaml").is_file()
+    assert torch.load(resumed / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 4
+    cli = build_cli([*args, *root, "--ckpt_path=last", "--trainer.max_steps=5"])  # the newest last.ckpt now
+    assert cli.trainer.ckpt_path == str(resumed / "checkpoints/last.ckpt") and cli.trainer.global_step == 5
 
 
 def test_last_that_finds_nothing_stops_and_names_where_it_looked(run, tmp_path, capsys):

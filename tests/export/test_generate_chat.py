@@ -84,7 +84,7 @@ def test_chat_flag_wraps_plain_prompts_as_one_user_turn(chat_model, tmp_path):
     ]
 
 
-def test_chat_without_a_template_is_refused_before_the_model_loads(chat_model, tmp_path):
+def test_chat_without_a_template_is_refused_before_the_model_loads(chat_model, tmp_path, capsys):
     from transformers import AutoTokenizer
 
     no_template = tmp_path / "no_template"  # a config but no weights: loading the model would fail differently
@@ -99,8 +99,12 @@ def test_chat_without_a_template_is_refused_before_the_model_loads(chat_model, t
     chat.write_text(json.dumps({"messages": CHATS[1]}) + "\n")
     for prompts, flags in ((txt, ["--chat"]), (chat, [])):
         out = tmp_path / f"out_{prompts.suffix[1:]}.jsonl"
-        with pytest.raises(ValueError, match=rf"tokenizer '{no_template}' has none\. Pass --tokenizer DIR"):
+        with pytest.raises(SystemExit) as exited:
             main(["generate", f"--model={no_template}", f"--prompts={prompts}", f"--out={out}", *flags])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and err.count("\n") == 1, err
+        assert f"tokenizer '{no_template}' has none (no chat_template.jinja beside it, no chat_template in its" in err
+        assert "Pass --tokenizer DIR" in err
         assert not out.exists()
 
 

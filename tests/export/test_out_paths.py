@@ -1,6 +1,7 @@
 """export and generate never write over what they read, and over nothing else unless asked (--overwrite)."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -23,14 +24,24 @@ def snapshot(directory):
     return {p: p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
+def refused(capsys, args) -> str:
+    """The command stops with exit status 2 and one line on stderr (``pl-lowprec <command>: error: ...``)."""
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
 @pytest.mark.parametrize(
     ("out", "relation"),
     [("checkpoints", "holds the checkpoint"), (".", "holds the checkpoint"), ("config.yaml", "is the config")],
 )
-def test_export_never_writes_over_the_checkpoint_or_config_it_reads(run, out, relation):
+def test_export_never_writes_over_the_checkpoint_or_config_it_reads(run, out, relation, capsys):
     before = snapshot(run.parents[2])
-    with pytest.raises(ValueError, match=rf"--out .* {relation} this command reads .*not even --overwrite"):
-        main(["export", f"--ckpt_path={run / 'checkpoints/last.ckpt'}", f"--out={run / out}", "--overwrite"])
+    args = ["export", f"--ckpt_path={run / 'checkpoints/last.ckpt'}", f"--out={run / out}", "--overwrite"]
+    assert re.search(rf"--out .* {relation} this command reads .*not even --overwrite", refused(capsys, args))
     assert snapshot(run.parents[2]) == before
 
 
@@ -41,6 +52,7 @@ def test_overwrite_replaces_a_previous_export_and_nothing_else(tmp_path):
         (previous / name).write_text("old")
     with pytest.raises(ValueError, match=r"exists and is not empty: pass --overwrite"):
         prepare_out_dir(previous, overwrite=False, inputs={})
+    assert len(list(previous.iterdir())) == 4
     prepare_out_dir(previous, overwrite=True, inputs={})
     assert list(previous.iterdir()) == []
 
@@ -62,27 +74,28 @@ def test_overwrite_replaces_a_previous_export_and_nothing_else(tmp_path):
     assert (pretrained / "model.safetensors").read_text() == "weights"
 
 
-def test_export_says_the_checkpoint_is_missing_or_not_a_checkpoint(run, tmp_path):
+def test_export_says_the_checkpoint_is_missing_or_not_a_checkpoint(run, tmp_path, capsys):
     missing = run / "checkpoints/missing.ckpt"
-    with pytest.raises(FileNotFoundError, match=r"--ckpt_path '.*missing.ckpt' does not exist"):
-        main(["export", f"--ckpt_path={missing}", f"--out={tmp_path / 'out'}"])
+    err = refused(capsys, ["export", f"--ckpt_path={missing}", f"--out={tmp_path / 'out'}"])
+    assert re.search(r"--ckpt_path '.*missing.ckpt' does not exist", err)
     text = run / "checkpoints/notes.ckpt"
     text.write_text("not a checkpoint\n")
-    with pytest.raises(ValueError, match=r"'.*notes.ckpt' is not a Lightning checkpoint \(not a torch.save archive"):
-        main(["export", f"--ckpt_path={text}", f"--out={tmp_path / 'out'}"])
+    err = refused(capsys, ["export", f"--ckpt_path={text}", f"--out={tmp_path / 'out'}"])
+    assert re.search(r"'.*notes.ckpt' is not a Lightning checkpoint \(not a torch.save archive", err)
     assert not (tmp_path / "out").exists()
 
 
-def test_generate_refuses_an_existing_out_and_never_overwrites_its_prompts(tmp_path):
+def test_generate_refuses_an_existing_out_and_never_overwrites_its_prompts(tmp_path, capsys):
     prompts = tmp_path / "train.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"p{i}", "completion": f"c{i}"}) + "\n" for i in range(400)))
     existing = tmp_path / "completions.jsonl"
     existing.write_text('{"prompt": "p", "completion": "kept"}\n')
-    before = snapshot(tmp_path)
+    (tmp_path / "merged").mkdir()
+    before = snapshot(tmp_path)  # never loaded: --out is refused first
     model = ["generate", f"--model={tmp_path / 'merged'}", f"--prompts={prompts}"]
-    with pytest.raises(ValueError, match=r"--out '.*completions.jsonl' exists: pass --overwrite to replace it"):
-        main([*model, f"--out={existing}"])
-    with pytest.raises(ValueError, match=r"--out '.*train.jsonl' is the prompts file this command reads"):
-        main([*model, f"--out={prompts}", "--overwrite"])
+    err = refused(capsys, [*model, f"--out={existing}"])
+    assert re.search(r"--out '.*completions.jsonl' exists: pass --overwrite to replace it", err)
+    err = refused(capsys, [*model, f"--out={prompts}", "--overwrite"])
+    assert re.search(r"--out '.*train.jsonl' is the prompts file this command reads", err)
     assert snapshot(tmp_path) == before
     prepare_out_file(existing, overwrite=True, inputs={"prompts file": prompts})  # asked: allowed

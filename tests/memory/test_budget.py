@@ -85,6 +85,33 @@ def test_a_budget_below_anything_possible_says_what_dominates():
         _fit(memory_budget=100 * 2**10, batch_size=1)  # every candidate is simulated: keep them few
 
 
+def test_setup_lines_print_once_not_once_per_simulated_candidate(caplog):
+    """The simulated candidates set up no model: their transform lines are silent, and the run's own print once."""
+    with caplog.at_level("INFO"):
+        _fit(memory_budget="1GiB", steps=1)
+    assert caplog.text.count("LoRA on ") == 1, caplog.text  # the run's own setup
+    caplog.clear()
+    with caplog.at_level("INFO"), pytest.raises(ValueError) as refused:
+        _fit(memory_budget="1KiB", batch_size=1)  # every candidate is simulated, none fits
+    assert "LoRA on " not in caplog.text and "Activation checkpointing" not in caplog.text, caplog.text
+    assert str(refused.value).startswith("memory_budget=1.00 KiB: the predicted peak")  # not "0.00 MiB"
+
+
+def test_small_sizes_read_as_sizes():
+    from pl_lowprec.memory.sizes import format_bytes
+
+    sizes = [0, 1023, 1024, 10_000, 11_000, 2**20, 3 * 2**30]
+    assert [format_bytes(n) for n in sizes] == [
+        "0 bytes",
+        "1023 bytes",
+        "1.00 KiB",
+        "9.77 KiB",
+        "0.01 MiB",
+        "1.00 MiB",
+        "3.00 GiB",
+    ]
+
+
 def test_a_bad_budget_is_refused_when_the_strategy_is_built():
     with pytest.raises(ValueError, match=r"memory_budget='lots' is not a memory size: .*24GiB, 80GB or 512MiB"):
         LowPrecisionStrategy(memory_budget="lots")

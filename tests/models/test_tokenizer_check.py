@@ -57,6 +57,25 @@ def test_another_vocabulary_of_the_same_size_is_refused(model, tmp_path, capsys)
     assert not any(tmp_path.rglob("*.ckpt"))
 
 
+def test_a_tokenizer_mismatch_is_said_before_the_truncation_it_causes(model, tmp_path, capsys):
+    """At a seq_len that truncates the records, another model's tokenizer is the cause to report first: following
+    the truncation refusal's advice (a longer seq_len) would only lead to it."""
+    from pl_lowprec.demo.stdlib_text import stdlib_bytes
+    from pl_lowprec.demo.tokenizer import train_tokenizer
+
+    model_dir, data, tmp = model
+    other = tmp / "other_for_truncation"
+    train_tokenizer([stdlib_bytes(100_000).decode("utf-8", "replace")[::-1]], 320).save_pretrained(other)
+    short = ["--data.seq_len=16"]
+    with pytest.raises(SystemExit):  # the model's own tokenizer at this seq_len: the truncation refusal
+        main([*causal_lm_fit_args(model_dir, data, model_dir), f"--trainer.default_root_dir={tmp_path}", *short])
+    assert "seq_len=16 cuts" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*causal_lm_fit_args(model_dir, data, other), f"--trainer.default_root_dir={tmp_path}", *short])
+    message = capsys.readouterr().err
+    assert "is not the tokenizer saved with the model in" in message and "seq_len=16" not in message, message
+
+
 def test_padded_embeddings_and_the_models_own_tokenizer_pass(model, tmp_path):
     from transformers import AutoConfig, AutoTokenizer
 

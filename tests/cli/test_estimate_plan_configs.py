@@ -1,0 +1,65 @@
+"""estimate and plan read configs exactly as fit does: several ``--config`` files merge, in order with the
+overrides, and an overlay that sets one value works (both used to take the last file alone)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pl_lowprec.cli import main
+
+pytest.importorskip("peft")
+pytest.importorskip("bitsandbytes")
+
+QUICKSTART = str(Path(__file__).resolve().parents[2] / "configs/quickstart.yaml")
+OVERLAY = {"data": {"init_args": {"batch_size": 2}}, "trainer": {"strategy": {"init_args": {"lora": {"r": 4}}}}}
+
+
+def table(capsys, *args: str) -> str:
+    """The estimate's table, without the seconds it took."""
+    main(["estimate", *args])
+    return re.sub(r"estimated in [0-9.]+ s", "", capsys.readouterr().out)
+
+
+@pytest.fixture
+def overlay(tmp_path):
+    path = tmp_path / "overlay.yaml"
+    path.write_text(yaml.safe_dump(OVERLAY))
+    return path
+
+
+def test_estimate_of_several_configs_is_the_estimate_of_the_config_fit_merges(tmp_path, capsys, overlay):
+    with pytest.raises(SystemExit) as printed:
+        main(["fit", f"--config={QUICKSTART}", f"--config={overlay}", "--print_config"])
+    assert printed.value.code == 0
+    merged = tmp_path / "merged.yaml"
+    merged.write_text(capsys.readouterr().out)  # what fit runs
+    assert yaml.safe_load(merged.read_text())["data"]["init_args"]["batch_size"] == 2
+
+    both = table(capsys, "--config", QUICKSTART, "--config", str(overlay))
+    assert both == table(capsys, "--config", str(merged))
+    overrides = ["--data.init_args.batch_size=2", "--trainer.strategy.init_args.lora.r=4"]
+    assert both == table(capsys, "--config", QUICKSTART, *overrides)
+    alone = table(capsys, "--config", QUICKSTART)
+    assert alone != both  # the overlay counts: a smaller batch, a smaller rank
+    assert int(re.search(r"(\d[\d,]*) trainable", alone)[1].replace(",", "")) > int(
+        re.search(r"(\d[\d,]*) trainable", both)[1].replace(",", "")
+    )
+    # in order, as for fit: a later --config overrides an earlier override
+    assert table(capsys, "--config", QUICKSTART, *overrides, "--config", QUICKSTART) == alone
+
+
+def test_plan_writes_the_configs_merged_and_runs_them(tmp_path, capsys, overlay):
+    out = tmp_path / "plan.yaml"
+    main(["plan", f"--config={QUICKSTART}", f"--config={overlay}", "--memory=64MiB", f"--out={out}"])
+    assert f"Wrote {out}" in capsys.readouterr().out
+    text = out.read_text()
+    assert text.startswith(f"# Written by pl-lowprec plan from {QUICKSTART} + {overlay}:")
+    planned = yaml.safe_load(text)
+    assert planned["trainer"]["strategy"]["init_args"]["lora"]["r"] == 4  # the overlay's
+    assert planned["trainer"]["strategy"]["init_args"]["quantization"] == "nf4-dq"  # the first file's
+    assert planned["data"]["init_args"]["batch_size"] * planned["trainer"]["accumulate_grad_batches"] == 2
+    assert table(capsys, "--config", str(out))  # the written file is a whole config
