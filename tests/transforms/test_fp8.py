@@ -1,6 +1,8 @@
 """fp8=: torchao float8 linear layers in place and training (CPU through torchao's emulation); refused before
 training on a device without FP8; real FP8 on a capable GPU (CUDA-marked)."""
 
+import re
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -120,15 +122,17 @@ def test_fp8_base_layers_under_lora_adapters():
     assert losses.losses[-1] < losses.losses[0]
 
 
-def test_fp8_config_refuses_cpu_and_runs_emulated(tmp_path, monkeypatch):
+def test_fp8_config_refuses_cpu_and_runs_emulated(tmp_path, monkeypatch, capsys):
     from test_configs import ROOT, _fast_args
 
     from pl_lowprec.cli import build_cli
 
     monkeypatch.chdir(tmp_path)
     args = ["fit", *_fast_args(ROOT / "configs/fp8.yaml")]
-    with pytest.raises(RuntimeError, match=r"needs a CUDA GPU with compute capability 8.9 .* runs on cpu"):
+    with pytest.raises(SystemExit) as refused:  # one paragraph, exit status 2, before the first step
         build_cli(args)
+    assert refused.value.code == 2
+    assert re.search(r"needs a CUDA GPU with compute capability 8.9 .* runs on cpu", capsys.readouterr().err)
     cli = build_cli([*args, "--trainer.strategy.init_args.fp8.init_args.emulate", "true"])
     assert cli.trainer.global_step == 2
     assert is_fp8(cli.model.model.model.layers[0].mlp.gate_proj)
