@@ -44,9 +44,8 @@ class ConfigurationError(SystemExit):
 
 def debugging() -> bool:
     """jsonargparse's debug switch (it accepts ``true`` and ``false`` only), or the package's own."""
-    return os.environ.get("JSONARGPARSE_DEBUG", "").lower() == "true" or os.environ.get(
-        "PL_LOWPREC_DEBUG", ""
-    ).lower() in ("1", "true")
+    jsonargparse = os.environ.get("JSONARGPARSE_DEBUG", "").lower() == "true"
+    return jsonargparse or os.environ.get("PL_LOWPREC_DEBUG", "").lower() in ("1", "true")
 
 
 def refuse(message: str, prog: str | None = None) -> NoReturn:

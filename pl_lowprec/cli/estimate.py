@@ -9,6 +9,7 @@ No Trainer is built, so a config for a GPU is estimated on any machine; the mode
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 import torch
@@ -113,6 +114,7 @@ def main(args: list[str] | None = None) -> None:
         help="a YAML file that `pl-lowprec fit --config` runs (several merge, as for fit)",
     )
     parser.add_argument("--plot", metavar="FILE.png", help="draw the step as stacked categories (needs matplotlib)")
+    args = sys.argv[1:] if args is None else list(args)
     options, _ = parser.parse_known_args(args)
     if options.plot:
         import_matplotlib_pyplot()  # a missing matplotlib fails before the estimate runs

@@ -66,6 +66,7 @@ def main(args: list[str] | None = None) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     parser.add_argument("--maximize", choices=["seq_len", "batch_size"], help="the largest value that fits")
     parser.add_argument("--allow_quantization", action="store_true", help="also try nf4-dq base weights")
+    args = sys.argv[1:] if args is None else list(args)
     options, _ = parser.parse_known_args(args)
     cli_args = passed_on(parser, args)  # the --config files and overrides, in order
     budget = parse_bytes(options.memory, "--memory")
