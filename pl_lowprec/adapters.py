@@ -1,7 +1,8 @@
 """Adapter-only checkpoints and exports: what a fine-tune produced, without the frozen base it ran on.
 
 - ``trainable_state_dict`` / ``load_trainable_state_dict``: the Lightning checkpoint holds only trainable
-  weights; loading checks that exactly the frozen weights are missing, so a wrong checkpoint still fails.
+  weights; loading checks that exactly the frozen weights are missing, so a wrong checkpoint still fails, with
+  ``CheckpointMismatch``: one paragraph (``mismatch_summary`` shortens torch's line per tensor).
 - ``export_adapter``: a peft adapter directory (``adapter_config.json``, ``adapter_model.safetensors``) that
   ``peft.PeftModel.from_pretrained(base_model, directory)`` loads.
 - ``lora_deltas``: each LoRA layer's weight delta (``scale * B @ A``, peft's ``get_delta_weight``) in fp32.
@@ -33,29 +34,16 @@ def trainable_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in module.state_dict().items() if k in trainable}
 
 
-def load_trainable_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-    """Load a checkpoint that may hold only the trainable weights; anything else missing is an error."""
-    result = module.load_state_dict(state_dict, strict=False)
-    modules = dict(module.named_modules())
-
-    def owner(key: str) -> nn.Module:
-        parts = key.split(".")
-        for end in range(len(parts) - 1, -1, -1):
-            if ".".join(parts[:end]) in modules:
-                return modules[".".join(parts[:end])]
-        return module
-
-    missing = [k for k in result.missing_keys if any(p.requires_grad for p in owner(k).parameters(recurse=False))]
-    if strict and (result.unexpected_keys or missing):
-        raise RuntimeError(
-            "The checkpoint does not fit this model's trainable weights."
-            f" Unexpected keys: {result.unexpected_keys[:8]}. Missing trainable keys: {missing[:8]}."
-            " Was it written with the same lora= and quantization= settings?"
-        )
-
-
 class CheckpointMismatch(ValueError):
-    """A checkpoint whose tensors do not fit the module, said in one paragraph (``mismatch_summary``)."""
+    """A checkpoint whose tensors do not fit the module, in one paragraph; ``summary`` says what differs."""
+
+    def __init__(self, summary: str) -> None:
+        super().__init__(
+            f"The checkpoint does not fit the model this config builds: {summary}. It was trained on another model,"
+            " or with other lora= or quantization= settings; resume with the config it was trained with (its run's"
+            " config.yaml beside checkpoints/)."
+        )
+        self.summary = summary
 
 
 _SIZE = re.compile(
@@ -83,6 +71,26 @@ def mismatch_summary(error: RuntimeError) -> str:
             keys = re.findall(r'"([^"]+)"', found["keys"])
             parts.append(f"{len(keys)} {found['kind'].lower()} keys (e.g. {keys[0] if keys else '?'})")
     return "; ".join(parts) if parts else " ".join(text.split())
+
+
+def load_trainable_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+    """Load a checkpoint that may hold only the trainable weights; anything else missing is an error."""
+    result = module.load_state_dict(state_dict, strict=False)
+    modules = dict(module.named_modules())
+
+    def owner(key: str) -> nn.Module:
+        parts = key.split(".")
+        for end in range(len(parts) - 1, -1, -1):
+            if ".".join(parts[:end]) in modules:
+                return modules[".".join(parts[:end])]
+        return module
+
+    missing = [k for k in result.missing_keys if any(p.requires_grad for p in owner(k).parameters(recurse=False))]
+    if strict and (result.unexpected_keys or missing):
+        parts = [(result.unexpected_keys, "unexpected keys"), (missing, "missing trainable keys")]
+        raise CheckpointMismatch(
+            "; ".join(f"{len(keys)} {what} (e.g. {', '.join(keys[:3])})" for keys, what in parts if keys)
+        )
 
 
 def find_base_model(module: nn.Module) -> tuple[str, nn.Module]:

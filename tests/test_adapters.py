@@ -56,7 +56,7 @@ def test_wrong_checkpoint_fails_clearly(tmp_path):
     trainer, _ = _fit(epochs=1)
     ckpt = tmp_path / "r8.ckpt"
     trainer.save_checkpoint(ckpt)
-    with pytest.raises(RuntimeError, match=r"does not fit this model's trainable weights.*same lora="):
+    with pytest.raises(ValueError, match=r"does not fit the model this config builds: \d+ unexpected keys .*lora="):
         _fit(epochs=2, ckpt_path=ckpt, lora={"r": 8, "target_modules": ["q_proj"]})
 
 

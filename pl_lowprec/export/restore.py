@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.trainer.call import _call_configure_model
 from torch import nn
 
-from pl_lowprec.adapters import CheckpointMismatch, find_base_model, mismatch_summary
+from pl_lowprec.adapters import CheckpointMismatch, find_base_model
 from pl_lowprec.loading import PretrainedWeights
 from pl_lowprec.transforms.lora import has_lora
 from pl_lowprec.transforms.pipeline import ModelTransform
@@ -103,7 +103,7 @@ def _load(module: nn.Module, transform: ModelTransform, state_dict: dict[str, to
         ModelTransform(as_saved).load_state_dict(module, state_dict, strict=True)
     except CheckpointMismatch as err:
         raise ValueError(
-            f"{str(path)!r} does not fit the module built from the config: {mismatch_summary(err.__cause__)}. Pass"
+            f"{str(path)!r} does not fit the module built from the config: {err.summary}. Pass"
             " the config it was trained with (lora= rank and target_modules, quantization=, the model and its"
             " pretrained weights)."
         ) from err

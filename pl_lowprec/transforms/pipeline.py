@@ -244,12 +244,8 @@ class ModelTransform:
                 load_trainable_state_dict(model, state_dict, strict=strict)
             else:
                 model.load_state_dict(state_dict, strict=strict)
-        except RuntimeError as err:
-            raise CheckpointMismatch(
-                f"The checkpoint does not fit the model this config builds: {mismatch_summary(err)}. It was trained"
-                " on another model, or with other lora= or quantization= settings; resume with the config it was"
-                " trained with (its run's config.yaml beside checkpoints/)."
-            ) from err
+        except RuntimeError as err:  # torch's line per tensor
+            raise CheckpointMismatch(mismatch_summary(err)) from err
 
 
 def precision_plugin_is_mixed(precision_plugin: Any) -> bool:
