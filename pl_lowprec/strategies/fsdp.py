@@ -75,6 +75,7 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
     """
 
     strategy_name = "lowprec_fsdp"
+    ARGUMENTS_SET_HERE = ("data_parallel_size", "save_distributed_checkpoint")
 
     def __init__(
         self,

@@ -14,6 +14,7 @@ from typing import Any
 
 from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.memory.sizes import parse_bytes
+from pl_lowprec.strategies.signature import forwarded_signature
 from pl_lowprec.transforms.checkpointing import CheckpointImpl, CheckpointMode, CheckpointPolicy
 from pl_lowprec.transforms.config import TransformConfig
 from pl_lowprec.transforms.fp8 import FP8Config, FP8Recipe
@@ -68,6 +69,12 @@ class TransformArguments:
 
     transform_config: TransformConfig
     transform: ModelTransform
+    ARGUMENTS_SET_HERE: tuple[str, ...] = ()  # what a strategy passes to its Lightning base itself
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Every strategy (and a user's subclass) shows its whole signature, these arguments included."""
+        super().__init_subclass__(**kwargs)
+        cls.__signature__ = forwarded_signature(cls, cls.ARGUMENTS_SET_HERE)
 
     def __init__(
         self,
