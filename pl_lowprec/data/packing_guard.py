@@ -76,6 +76,7 @@ class PackingGuard:
         check_accepts_packed_batches(module)
         self.pending = {"training_step", "validation_step"}
         self.results: dict[str, IsolationResult] = {}  # what each check saw, by step
+        self.models: list[torch.nn.Module] | None = None
 
     def check(self, trainer: pl.Trainer, batch: Any) -> None:
         step_name = "training_step" if trainer.training else "validation_step"
@@ -86,7 +87,9 @@ class PackingGuard:
         if tested_causal_lm(module):
             self.pending.clear()
             return
-        models = hf_models(module)
+        if self.models is None:  # the model as it trains: after configure_model and the strategy's transforms
+            self.models = hf_models(module)
+        models = self.models
         if not models:
             self.pending.clear()
             rank_zero_warn(

@@ -4,12 +4,17 @@ The user's module wraps a real ``LlamaForCausalLM`` (SDPA, config ``use_cache=Tr
 leaks are transformers' own: a cache or an attention_mask turns the block-causal mask off.
 """
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from loading_helpers import save_pretrained_dir
 from packing_helpers import ForwardCounter, HFUser, prompt_completion_file, quiet_trainer
 
 from pl_lowprec.data import TextDataModule
+from pl_lowprec.data.isolation_check import probe_row
 from pl_lowprec.models import CausalLM
 
 pytest.importorskip("transformers")
@@ -167,3 +172,86 @@ def test_the_cli_stops_a_leaking_module_with_one_paragraph(pretrained, records, 
     (paragraph,) = [line for line in err.splitlines() if line.startswith("error:")]
     assert "fit stopped before its first step: TextDataModule(packing=True) stopped the run" in paragraph
     assert "without use_cache=False" in paragraph and "--data.packing false" in paragraph
+
+
+@pytest.mark.slow
+def test_ddp_processes_check_together_and_stop_together(pretrained, tmp_path_factory):
+    """2 gloo processes, each with its own packed rows: no hang, the same verdict on both."""
+    records = prompt_completion_file(tmp_path_factory.mktemp("ddp") / "pc.jsonl", n=24)
+    script = Path(__file__).parents[1] / "_scripts" / "packing_guard_ddp.py"
+    stopped = "stopped: TextDataModule(packing=True) stopped the run before HFUser.training_step"
+    for call, expected in [("old advice", stopped), ("forward_batch", "trained 2")]:
+        out = tmp_path_factory.mktemp("out")
+        run = subprocess.run(
+            [sys.executable, str(script), str(out), str(pretrained), str(records), call],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        outcomes = [out.joinpath(f"rank{rank}.txt").read_text() for rank in (0, 1)]
+        assert all(o.startswith(expected) for o in outcomes), (outcomes, run.stderr[-3000:])
+
+
+def _one_sample_per_row(pretrained, tmp_path) -> TextDataModule:
+    """Equal samples in rows of their length: no row holds two, so this process has nothing to check."""
+    records = tmp_path / "equal.jsonl"
+    records.write_text('{"prompt": "def f(x):\\n    return", "completion": " x + 1"}\n' * 6)
+    unpacked = TextDataModule(str(records), str(pretrained), val_fraction=0)
+    unpacked.setup("fit")
+    (length,) = {len(s["input_ids"]) for s in unpacked.train_set}
+    return TextDataModule(str(records), str(pretrained), seq_len=length, batch_size=2, val_fraction=0, packing=True)
+
+
+@pytest.mark.parametrize("other_process", ["has a row to check", "found a leak"])
+def test_a_process_follows_the_others_decisions(pretrained, records, tmp_path, monkeypatch, other_process):
+    """DDP/FSDP without processes: the strategy's all-reduce answers as another process would. A process with
+    nothing to check still runs the check's two forwards with the others (FSDP gathers weights in them), and
+    stops when another found a leak."""
+    leak = other_process == "found a leak"
+    data = _data(pretrained, records) if leak else _one_sample_per_row(pretrained, tmp_path)
+    counter = ForwardCounter()
+    trainer = quiet_trainer(max_steps=1, callbacks=[counter], limit_val_batches=0)
+    answers = iter([True, leak])  # a row to check on some process; a leak on some process
+    monkeypatch.setattr(trainer.strategy, "reduce_boolean_decision", lambda decision, all=True: next(answers))
+    module = HFUser(str(pretrained))  # keeps samples apart
+    if leak:
+        with pytest.raises(ValueError, match=r"on another process, a sample's outputs moved"):
+            trainer.fit(module, datamodule=data)
+        assert module.steps_done == 0
+    else:
+        trainer.fit(module, datamodule=data)
+        assert all(probe_row(batch) is None for batch in data.train_dataloader())  # nothing to check here
+        assert counter.forwards == counter.train_batches + 2 and "training_step" in data.packing_guard.results
+
+
+@pytest.mark.cuda
+def test_on_cuda_in_bf16_an_isolated_module_passes_well_inside_the_tolerance_and_a_leak_stops(pretrained, records):
+    """The tolerance (1e-3 of a position's output size) against CUDA's bf16 kernels: an isolated module's outputs
+    must not move by anything near it, a leaking one is still stopped."""
+    from pl_lowprec.data.isolation_check import TOLERANCE
+
+    data = _data(pretrained, records)
+    quiet_trainer(accelerator="gpu", devices=1, precision="bf16-mixed", max_steps=1).fit(
+        HFUser(str(pretrained)), datamodule=data
+    )
+    result = data.packing_guard.results["training_step"]
+    assert result.keeps_apart and result.change < TOLERANCE / 100
+    trainer = quiet_trainer(accelerator="gpu", devices=1, precision="bf16-mixed", max_steps=1)
+    with pytest.raises(ValueError, match=r"without use_cache=False"):
+        trainer.fit(HFUser(str(pretrained), train_call="old advice"), datamodule=_data(pretrained, records))
+
+
+class OwnTransferHook(HFUser):
+    """A module with its own on_after_batch_transfer, which Lightning skips when the data module has one."""
+
+    transferred = 0
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        self.transferred += 1
+        return batch
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_the_modules_own_on_after_batch_transfer_still_runs(pretrained, records, packing):
+    module = OwnTransferHook(str(pretrained))
+    trainer = quiet_trainer(max_steps=2, limit_val_batches=0)
+    trainer.fit(module, datamodule=_data(pretrained, records, packing=packing, batch_size=2))
+    assert module.transferred == 2
