@@ -21,6 +21,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
 from pl_lowprec.data.isolation_check import (
     IsolationResult,
@@ -50,7 +51,7 @@ def check_accepts_packed_batches(module: pl.LightningModule | None) -> None:
     """Packing is refused for a module that does not declare it takes packed batches (``None``: no module yet)."""
     if module is None or getattr(module, "accepts_packed_batches", False):
         return
-    name = type(module).__name__
+    name = class_name(module)
     raise ValueError(
         f"TextDataModule(packing=True) puts several samples in each row, with {HOW}. {name} does not declare that"
         f" its training_step takes such batches (class attribute accepts_packed_batches = True). Use"
@@ -93,7 +94,7 @@ class PackingGuard:
         if not models:
             self.pending.clear()
             rank_zero_warn(
-                f"TextDataModule(packing=True) cannot check that {type(module).__name__} keeps packed samples apart:"
+                f"TextDataModule(packing=True) cannot check that {class_name(module)} keeps packed samples apart:"
                 " it holds no Hugging Face model (transformers.PreTrainedModel) whose per-token outputs the check"
                 " compares. Its accepts_packed_batches = True is trusted as declared."
             )
@@ -108,18 +109,28 @@ class PackingGuard:
         self.results[step_name] = result
         leaked = probe is not None and result.observed and not result.keeps_apart
         if trainer.strategy.reduce_boolean_decision(leaked, all=False):
-            raise ValueError(leak_message(type(module).__name__, step_name, result, batch, leaked))
-        describe(type(module).__name__, step_name, result if probe is not None else None)
+            raise ValueError(leak_message(class_name(module), step_name, result, batch, leaked))
+        describe(class_name(module), step_name, result if probe is not None else None)
+
+
+def class_name(obj: object) -> str:
+    """The user's class name, not that of the subclass FSDP2's ``fully_shard`` makes of it (``FSDP<Name>``)."""
+    cls = type(obj)
+    base = cls.__bases__[-1]
+    return base.__name__ if cls.__name__ == f"FSDP{base.__name__}" else cls.__name__
 
 
 def step_function(trainer: pl.Trainer, module: pl.LightningModule, step_name: str):
-    """``module``'s step on a batch, in the precision context Lightning runs it in."""
+    """``module``'s step on a batch (as the first batch), in the precision context Lightning runs it in."""
     plugin = trainer.precision_plugin
     context = plugin.train_step_context if step_name == "training_step" else plugin.val_step_context
 
+    method = getattr(module, step_name)
+    takes_index = is_param_in_hook_signature(method, "batch_idx", min_args=2)  # as Lightning's loops decide
+
     def step(batch: dict[str, Any]) -> Any:
         with context():
-            return getattr(module, step_name)(batch, 0)
+            return method(batch, 0) if takes_index else method(batch)
 
     return step
 
@@ -162,7 +173,7 @@ def likely_cause(call: ModelCall | None, position_ids: torch.Tensor) -> tuple[st
     """The reason that the model call the check recorded shows, and the fix."""
     if call is None:
         return "The step called no Hugging Face model.", FIX
-    model, kwargs = type(call.model).__name__, call.kwargs
+    model, kwargs = class_name(call.model), call.kwargs
     config = getattr(call.model, "config", None)
     causes = []
     if kwargs.get("attention_mask") is not None:

@@ -175,19 +175,24 @@ def test_the_cli_stops_a_leaking_module_with_one_paragraph(pretrained, records, 
 
 
 @pytest.mark.slow
-def test_ddp_processes_check_together_and_stop_together(pretrained, tmp_path_factory):
-    """2 gloo processes, each with its own packed rows: no hang, the same verdict on both."""
-    records = prompt_completion_file(tmp_path_factory.mktemp("ddp") / "pc.jsonl", n=24)
+@pytest.mark.parametrize(
+    ("strategy", "call", "expected"),
+    [
+        ("ddp", "old advice", "stopped: TextDataModule(packing=True) stopped the run before HFUser.training_step"),
+        ("fsdp", "forward_batch", "trained 2"),  # nf4 + LoRA, decoder layers sharded: the check's forwards gather
+    ],
+)
+def test_processes_check_together_and_stop_together(pretrained, tmp_path_factory, strategy, call, expected):
+    """2 gloo processes, each with its own packed rows: no hang, the same outcome on both."""
+    records = prompt_completion_file(tmp_path_factory.mktemp("records") / "pc.jsonl", n=24)
     script = Path(__file__).parents[1] / "_scripts" / "packing_guard_ddp.py"
-    stopped = "stopped: TextDataModule(packing=True) stopped the run before HFUser.training_step"
-    for call, expected in [("old advice", stopped), ("forward_batch", "trained 2")]:
-        out = tmp_path_factory.mktemp("out")
-        run = subprocess.run(
-            [sys.executable, str(script), str(out), str(pretrained), str(records), call],
-            capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        outcomes = [out.joinpath(f"rank{rank}.txt").read_text() for rank in (0, 1)]
-        assert all(o.startswith(expected) for o in outcomes), (outcomes, run.stderr[-3000:])
+    out = tmp_path_factory.mktemp("out")
+    run = subprocess.run(
+        [sys.executable, str(script), str(out), str(pretrained), str(records), call, strategy],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    outcomes = [out.joinpath(f"rank{rank}.txt").read_text() for rank in (0, 1)]
+    assert all(o.startswith(expected) for o in outcomes), (outcomes, run.stderr[-3000:])
 
 
 def _one_sample_per_row(pretrained, tmp_path) -> TextDataModule:
