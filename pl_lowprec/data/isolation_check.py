@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -61,7 +61,7 @@ class IsolationResult:
     call: ModelCall | None
     moved: int | None = None
     change: float = 0.0
-    compared: int = field(default=0)
+    compared: int = 0  # positions of the sample compared
 
     @property
     def observed(self) -> bool:
@@ -194,7 +194,9 @@ def kept_running_statistics(module: nn.Module) -> Iterator[None]:
                     buffer.copy_(copy)
 
 
-def run_until_model_returns(step: Callable[[dict], Any], batch: dict, models: list[nn.Module], probe: ProbeRow):
+def run_until_model_returns(
+    step: Callable[[dict], Any], batch: dict, models: list[nn.Module], probe: ProbeRow
+) -> ModelCall | None:
     """The outermost model call of ``step(batch)``, the step ended right after it (``None``: no model was called)."""
     positions = slice(probe.start, probe.end)
     with first_model_call(models, batch["input_ids"].shape[1], positions) as calls, suppress(_ModelReturned):
@@ -218,4 +220,5 @@ def check_isolation(
     reference = call.output.float().reshape(call.output.shape[0], -1)
     difference = (changed_call.output.float().reshape(reference.shape) - reference).abs().mean(1)
     change = difference / reference.abs().mean(1).clamp_min(torch.finfo(torch.float32).tiny)
+    call.output = changed_call.output = None  # a sample's logits can be large: not kept for the rest of the fit
     return IsolationResult(probe, call, int((change > TOLERANCE).sum()), float(change.max()), len(change))
