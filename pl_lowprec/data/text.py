@@ -16,12 +16,14 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 
 from pl_lowprec._checks import check_at_least
 from pl_lowprec.data.collate import PackedCollate, PadCollate
 from pl_lowprec.data.packing import PackedRows, document_row, padding_fraction
+from pl_lowprec.data.packing_guard import PackingGuard
 from pl_lowprec.data.records import (
     SUFFIXES,
     FileReport,
@@ -98,7 +100,9 @@ class TextDataModule(pl.LightningDataModule):
         packing: Put several prompt/completion or chat samples in each row of ``seq_len`` (best-fit decreasing,
             repacked each epoch), with ``position_ids`` restarting per sample and attention cut between them;
             ``text`` documents get their attention cut at each EOS. Worth it when sample lengths vary widely:
-            it removes the padding. The LightningModule must declare ``accepts_packed_batches = True``.
+            it removes the padding. The LightningModule must declare ``accepts_packed_batches = True`` and call
+            its model with ``position_ids``, no ``attention_mask`` and ``use_cache=False``
+            (``pl_lowprec.models.forward_batch``); the first packed batches check that it keeps samples apart.
     """
 
     def __init__(
@@ -139,10 +143,11 @@ class TextDataModule(pl.LightningDataModule):
         self.reports: list[FileReport] = []
         self.train_set: Dataset | None = None
         self.val_set: Dataset = []
+        self.packing_guard: PackingGuard | None = None
 
     def setup(self, stage: str) -> None:
-        if self.packing:
-            check_accepts_packed_batches(self.trainer.lightning_module if self.trainer is not None else None)
+        if self.packing:  # refuses an undeclared module now, checks the first packed batches (packing_guard)
+            self.packing_guard = PackingGuard(self.trainer.lightning_module if self.trainer is not None else None)
         if self.train_set is not None:
             return
         self.tokenizer = load_tokenizer(self.tokenizer_dir)
@@ -258,6 +263,18 @@ class TextDataModule(pl.LightningDataModule):
             return f"records with no target tokens within seq_len={self.seq_len}"
         return sample
 
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """A batch on its device, before the step: the first packed ones check the module (``PackingGuard``).
+        Lightning calls only the data module's hook when both have one, so the module's own runs here, after."""
+        if self.trainer is None:
+            return batch
+        if self.packing_guard is not None:
+            self.packing_guard.check(self.trainer, batch)
+        module = self.trainer.lightning_module
+        if is_overridden("on_after_batch_transfer", module, pl.LightningModule):
+            return module.on_after_batch_transfer(batch, dataloader_idx)
+        return batch
+
     def train_dataloader(self) -> DataLoader:
         return resumable_loader(
             self.train_set,
@@ -284,19 +301,3 @@ def packed_rows(samples: list[dict[str, torch.Tensor]], seq_len: int, seed: int)
     """``text`` rows (which carry ``position_ids`` already) as they are; the other samples packed."""
     ready = [s for s in samples if "position_ids" in s]
     return PackedRows([s for s in samples if "position_ids" not in s], seq_len, seed, ready=ready)
-
-
-def check_accepts_packed_batches(module: pl.LightningModule | None) -> None:
-    """Packing is refused for a module that does not declare it takes packed batches (``None``: no module yet)."""
-    if module is None or getattr(module, "accepts_packed_batches", False):
-        return
-    name = type(module).__name__
-    raise ValueError(
-        f"TextDataModule(packing=True) puts several samples in each row, with batches of input_ids, labels and"
-        f" position_ids that restart at 0 for each sample and no attention_mask; {name} does not declare that"
-        f" its training_step takes such batches (class attribute accepts_packed_batches = True). A model that"
-        f" ignores position_ids would let each sample attend to the ones before it in its row. Use"
-        f" pl_lowprec.models.CausalLM, or pass batch['position_ids'] to your Hugging Face model (with no"
-        f" attention_mask) and set {name}.accepts_packed_batches = True, or set packing=False"
-        f" (--data.packing false)."
-    )

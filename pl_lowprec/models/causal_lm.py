@@ -23,6 +23,7 @@ from pl_lowprec.distributed.shard import shard_pretrained_blocks
 from pl_lowprec.loading import PretrainedWeights, empty_weights, load_pretrained
 from pl_lowprec.loading.hub import resolve_pretrained
 from pl_lowprec.models.chunked_loss import causal_lm_loss_sum, chunk_loss
+from pl_lowprec.models.forward_batch import forward_batch
 from pl_lowprec.models.token_loss import TokenMeanLoss
 from pl_lowprec.models.tokenizer_check import check_tokenizer
 from pl_lowprec.transforms.dtypes import to_dtype
@@ -32,8 +33,8 @@ PREFIX = "model."  # the Hugging Face model is held as self.model
 
 class CausalLM(pl.LightningModule):
     """Fine-tune a Hugging Face causal LM; batches are ``{"input_ids", "attention_mask", "labels"}``, or packed
-    ``{"input_ids", "position_ids", "labels"}`` (``TextDataModule(packing=True)``): with ``position_ids`` and no
-    mask, transformers cuts attention where the positions restart.
+    ``{"input_ids", "position_ids", "labels"}`` (``TextDataModule(packing=True)``): with ``position_ids``, no
+    mask and no cache (``forward_batch``), transformers cuts attention where the positions restart.
 
     Args:
         pretrained: A local model directory (``save_pretrained``), or a hub id where the network is available.
@@ -49,7 +50,9 @@ class CausalLM(pl.LightningModule):
             default dtype (the precision plugin's under ``-true`` precisions).
     """
 
-    accepts_packed_batches = True  # position_ids reach the model (TextDataModule(packing=True) checks this)
+    # position_ids reach the model with no mask and no cache (forward_batch). TextDataModule(packing=True) checks
+    # this declaration, and checks the samples stay apart unless forward, loss_sum and the steps are these ones.
+    accepts_packed_batches = True
 
     def __init__(
         self,
@@ -131,17 +134,11 @@ class CausalLM(pl.LightningModule):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).logits
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        return forward_batch(self.model, batch).logits
 
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.model.base_model(
-            input_ids=batch["input_ids"],
-            attention_mask=batch.get("attention_mask"),
-            position_ids=batch.get("position_ids"),
-            use_cache=False,
-        ).last_hidden_state
+        hidden = forward_batch(self.model.base_model, batch).last_hidden_state
         head = self.model.get_output_embeddings()
         return causal_lm_loss_sum(head, hidden, batch["labels"], self.hparams.loss_chunk_size, self.loss_fn)
 
