@@ -296,7 +296,14 @@ def test_modelfile_has_the_template_and_stop_tokens(exported):
     assert (exported / "gguf" / "Modelfile").read_text() == DEMO_MODELFILE
 
 
-def test_refusals_come_before_anything_loads_and_name_the_fix(trained, tmp_path, monkeypatch):
+def test_refusals_come_before_anything_loads_and_name_the_fix(trained, pretrained, tmp_path, monkeypatch):
+    import pl_lowprec.cli.export as cli_export
+    import pl_lowprec.export.gguf_export as gguf_export
+
+    def no_restore(*args, **kwargs):
+        raise AssertionError("the checkpoint was restored before the refusal")
+
+    monkeypatch.setattr(cli_export, "restore", no_restore)
     checkpoint, args = trained
     out = tmp_path / "gguf"
     base = ["export", f"--ckpt_path={checkpoint}", f"--out={out}", *args]
@@ -310,12 +317,42 @@ def test_refusals_come_before_anything_loads_and_name_the_fix(trained, tmp_path,
     for extra, message in cases:
         with pytest.raises(ValueError, match=message):
             main([*base, *extra])
-    import pl_lowprec.export.gguf_export as gguf_export
-
+    metaspace = tmp_path / "metaspace_tokenizer"  # a tokenizer that splits as SentencePiece does
+    shutil.copytree(pretrained, metaspace, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+    tokenizer_json = json.loads((metaspace / "tokenizer.json").read_text())
+    tokenizer_json["pre_tokenizer"] = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always"}
+    (metaspace / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    with pytest.raises(ValueError, match=r"metaspace_tokenizer' splits text with a pre-tokenizer llama.cpp has no"):
+        main([*base, "--format=gguf", f"--data.tokenizer={metaspace}"])
     monkeypatch.setattr(gguf_export, "gguf_missing", lambda: "gguf>=0.19 is not installed. Install it with: X")
     with pytest.raises(ValueError, match=r"llama.cpp's gguf package: gguf>=0.19 is not installed. Install it with"):
         main([*base, "--format=gguf"])
     assert not out.exists()
+
+
+def test_without_the_gguf_package_the_refusal_names_the_extra():
+    """The package imports without gguf; asking for --format gguf names the extra to install."""
+    import sys
+
+    script = (
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'gguf':\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from lightning_utilities.core import imports\n"
+        "available = imports.RequirementCache.__bool__\n"
+        "imports.RequirementCache.__bool__ = lambda self: available(self) and not self.requirement.startswith('gguf')\n"
+        "from pl_lowprec.export.gguf_export import check_gguf_request\n"
+        "try:\n"
+        "    check_gguf_request('q8_0', None)\n"
+        "except ValueError as err:\n"
+        "    print(err)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    assert "--format gguf writes the file with llama.cpp's gguf package" in done.stdout
+    assert 'Install it with: pip install "pl_lowprec[gguf]"' in done.stdout
 
 
 def test_unsupported_models_and_tokenizers_are_refused_before_the_weights_load(tmp_path, tokenizer_dir):
