@@ -15,6 +15,9 @@
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +103,22 @@ def check_tokenizer_json(tokenizer_json: dict[str, Any], source: str | Path, voc
     return name
 
 
+@contextmanager
+def _without_pair_template_warning() -> Iterator[None]:
+    """``SpecialVocab`` warns when a tokenizer's pair template (two sequences) adds other special tokens than its
+    single one, as the demo's does; llama.cpp only ever encodes single sequences, so nothing is wrong to report."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return "TemplateProcessing<pair>" not in record.getMessage()
+
+    logger = logging.getLogger("gguf.vocab")
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
+
+
 def looks_special(token: str) -> bool:
     """Added tokens llama.cpp treats as control even when not marked special (``does_token_look_special``)."""
     return (
@@ -146,7 +165,8 @@ def add_vocabulary(writer: Any, gguf: Any, directory: Path, vocab_size: int) -> 
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    special = gguf.SpecialVocab(str(directory), load_merges=True, n_vocab=vocab_size)
+    with _without_pair_template_warning():
+        special = gguf.SpecialVocab(str(directory), load_merges=True, n_vocab=vocab_size)
     special.add_to_gguf(writer, quiet=True)
     return {
         "pre": pre,

@@ -3,7 +3,8 @@
 A command reads a checkpoint, a config, a pretrained directory, a tokenizer, a prompts file. ``--out`` may not be
 one of them, hold one of them, or (for an existing path) lie inside one, even with ``--overwrite``. Otherwise an
 existing ``--out`` needs ``--overwrite``, and an export directory is only emptied when every file in it is one an
-export writes: a directory that also holds a ``.ckpt``, data or anything else is not a previous export.
+export writes (or the temporary merged directory of a GGUF export that was killed): a directory that also holds a
+``.ckpt``, data or anything else is not a previous export.
 """
 
 from __future__ import annotations
