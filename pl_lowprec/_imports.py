@@ -15,6 +15,7 @@ _PEFT = RequirementCache("peft>=0.13")
 _SAFETENSORS = RequirementCache("safetensors>=0.4")
 _TORCHAO = RequirementCache("torchao>=0.18")
 _MATPLOTLIB = RequirementCache("matplotlib")
+_GGUF = RequirementCache("gguf>=0.19")
 
 
 def require_cli() -> None:
@@ -131,3 +132,22 @@ def import_matplotlib_pyplot() -> ModuleType:
     import matplotlib.pyplot
 
     return matplotlib.pyplot
+
+
+GGUF_INSTALL = 'pip install "pl_lowprec[gguf]"'
+
+
+def gguf_missing() -> str | None:
+    """Why ``--format gguf`` cannot run here (the ``gguf`` package is absent or too old), or None."""
+    return None if _GGUF else f"{_GGUF.message}. Install it with: {GGUF_INSTALL}"
+
+
+@lru_cache
+def import_gguf() -> ModuleType:
+    """llama.cpp's ``gguf`` package (the GGUF writer and quantizers), or an error with the install command."""
+    missing = gguf_missing()
+    if missing is not None:
+        raise ModuleNotFoundError(f"pl-lowprec export --format gguf needs the gguf package: {missing}")
+    import gguf
+
+    return gguf

@@ -11,6 +11,23 @@ from pl_lowprec.export.out_paths import prepare_out_dir
 from pl_lowprec.export.restore import Restored
 from pl_lowprec.loading.tokenizer import load_tokenizer
 
+FORMATS = ("adapter", "merged", "gguf")
+
+
+def choose_format(export_format: str | None, merged: bool, gguf_type: str | None) -> str:
+    """``--format`` reconciled with ``--merged`` and ``--gguf_type``: adapter unless one asks for another."""
+    if export_format is not None and export_format not in FORMATS:
+        raise ValueError(f"--format {export_format!r} is not one of {', '.join(FORMATS)}.")
+    if merged and export_format not in (None, "merged"):
+        raise ValueError(
+            f"--merged asks for a merged model directory and --format {export_format} for another export; pass"
+            " one of them (--format gguf is merged too: it writes the merged weights as one GGUF file)."
+        )
+    chosen = export_format or ("merged" if merged else "adapter")
+    if gguf_type is not None and chosen != "gguf":
+        raise ValueError(f"--gguf_type {gguf_type} applies to --format gguf, and this export is --format {chosen}.")
+    return chosen
+
 
 def pretrained_dir(restored: Restored) -> Path | None:
     """The model directory the pretrained weights came from (config, tokenizer), if they came from one."""
@@ -34,30 +51,39 @@ def save_tokenizer(restored: Restored, out: Path) -> str | None:
     return None
 
 
+def check_merged(restored: Restored) -> None:
+    """A merge needs the original weights, and a config to go with them; refused before anything is written."""
+    if restored.weights is None:
+        raise ValueError(
+            "A merged export adds the adapters to the original pretrained weights, and this config names none"
+            " (CausalLM(pretrained=...) or the strategy's pretrained=): its base was built from a config with"
+            " random or seeded weights. Export the adapter directory instead (leave out --merged)."
+        )
+    if pretrained_dir(restored) is None and restored.hf_model is None:
+        raise ValueError(
+            f"pretrained={str(restored.weights.path)!r} is a single file and the module holds no Hugging Face"
+            " model whose config could go with the merged weights. Point pretrained= at a model directory."
+        )
+
+
+def read_paths(restored: Restored, inputs: dict | None = None) -> dict[str, Path | None]:
+    """Everything the export reads (``{what: path}``), which ``--out`` may not hold or be."""
+    return {
+        **(inputs or {}),
+        "checkpoint": restored.checkpoint,
+        "pretrained weights": Path(restored.weights.path) if restored.weights is not None else None,
+        "tokenizer directory": Path(restored.tokenizer_dir) if restored.tokenizer_dir else None,
+    }
+
+
 def export(
     restored: Restored, out: Path, merged: bool, dtype: str | None, overwrite: bool, inputs: dict | None = None
 ) -> str:
     """Write the export and return a one-line summary; ``inputs`` (``{what: path}``) are never written over."""
     source = pretrained_dir(restored)
     if merged:
-        if restored.weights is None:
-            raise ValueError(
-                "A merged export adds the adapters to the original pretrained weights, and this config names none"
-                " (CausalLM(pretrained=...) or the strategy's pretrained=): its base was built from a config with"
-                " random or seeded weights. Export the adapter directory instead (leave out --merged)."
-            )
-        if source is None and restored.hf_model is None:
-            raise ValueError(
-                f"pretrained={str(restored.weights.path)!r} is a single file and the module holds no Hugging Face"
-                " model whose config could go with the merged weights. Point pretrained= at a model directory."
-            )
-    read = {
-        **(inputs or {}),
-        "checkpoint": restored.checkpoint,
-        "pretrained weights": Path(restored.weights.path) if restored.weights is not None else None,
-        "tokenizer directory": Path(restored.tokenizer_dir) if restored.tokenizer_dir else None,
-    }
-    prepare_out_dir(out, overwrite, read)
+        check_merged(restored)
+    prepare_out_dir(out, overwrite, read_paths(restored, inputs))
     if merged:
         counts = merge_into_pretrained(restored.module, restored.weights, out, dtype)
         if not (out / "config.json").is_file():
