@@ -293,7 +293,11 @@ class TextDataModule(pl.LightningDataModule):
 
 def subset(samples: Sequence[Row], indices: list[int]) -> Sequence[Row]:
     """The samples at ``indices``: a list of a list, a view of rows that stay in their Arrow table."""
-    return [samples[i] for i in indices] if isinstance(samples, list) else Subset(samples, indices)
+    if isinstance(samples, list):
+        return [samples[i] for i in indices]
+    if isinstance(samples, Subset):  # one view, not a chain of them
+        return Subset(samples.dataset, [samples.indices[i] for i in indices])
+    return Subset(samples, indices)
 
 
 def packed_rows(samples: Sequence[Row], seq_len: int, seed: int) -> PackedRows:

@@ -20,7 +20,9 @@ RECORDS = [
     *({"text": f"import os\nprint(os.sep * {i})\n" * (2 + i % 4)} for i in range(6)),
     {"prompt": "only a prompt"},  # unusable: counted with its row
     {"note": "no field this module reads"},
-    *({"prompt": f"x{i} =", "completion": f" {i}"} for i in range(6)),  # "42" must stay text in CSV
+    *({"prompt": f"x{i} =", "completion": f" {i}"} for i in range(6)),
+    {"prompt": "What is 6 x 7? ", "completion": "42"},  # CSV: a number stays text
+    {"prompt": "Which value is missing? ", "completion": "None"},  # CSV: only an empty cell is missing
 ]
 CHATS = [
     {
@@ -132,7 +134,7 @@ def test_every_format_gives_the_batches_and_first_loss_of_the_jsonl_file(
     assert _rows(data.val_set) == val_rows
     assert _first_loss(data, pretrained) == loss
     (report,) = data.reports
-    assert report.used == expected.reports[0].used == 26 and report.bad == expected.reports[0].bad
+    assert report.used == expected.reports[0].used == 28 and report.bad == expected.reports[0].bad
     # the same records, numbered by row index (from 0) instead of line (from 1)
     assert {k: [r + 1 for r in rows] for k, rows in report.first_lines.items()} == expected.reports[0].first_lines
     assert "(row indices [20])" in report.describe()
@@ -150,6 +152,7 @@ def test_packing_a_parquet_file_gives_the_rows_of_the_jsonl_file(pretrained, tmp
     expected = _data(_write("jsonl", RECORDS, tmp_path / "j"), pretrained, packing=True)
     data = _data(_write("parquet", RECORDS, tmp_path / "p"), pretrained, packing=True)
     assert len(data.train_set) == len(expected.train_set)
+    assert isinstance(data.train_set.samples.dataset, TokenRows)  # packed by index: the rows stay in Arrow
     for epoch in (0, 1):
         assert _batches(data, epoch) == _batches(expected, epoch)
     assert _rows(data.val_set) == _rows(expected.val_set)
@@ -258,7 +261,7 @@ def test_a_directory_reads_every_format_and_refuses_several_splits(pretrained, t
         ("native", "data.jsonl"),
         ("file", "data.parquet"),
     ]
-    assert [r.used for r in data.reports] == [10, 10, 16]
+    assert [r.used for r in data.reports] == [10, 10, 18]
 
     hub_layout = tmp_path / "repo" / "data"
     hub_layout.mkdir(parents=True)
@@ -269,7 +272,7 @@ def test_a_directory_reads_every_format_and_refuses_several_splits(pretrained, t
     assert "holds the files of several splits (test: 1, train: 1 files)" in str(error.value)
     assert f"train_files='{hub_layout}/test*.parquet'" in str(error.value)
     data = _data(str(hub_layout / "train-*.parquet"), pretrained, val_files=str(hub_layout / "test-*.parquet"))
-    assert [r.used for r in data.reports] == [8, 6]
+    assert [r.used for r in data.reports] == [8, 8]
     with pytest.raises(ValueError, match=r"'.*nothing-\*.parquet' matches no file"):
         TextDataModule(train_files=str(tmp_path / "nothing-*.parquet"), tokenizer=str(pretrained))
 
@@ -281,10 +284,10 @@ def test_a_dataset_dict_gives_the_split_asked_for(pretrained, tmp_path):
         "the DatasetDict given as train_files (split 'train')",
         "the DatasetDict given as val_files (split 'test')",
     ]
-    assert (len(data.train_set), len(data.val_set)) == (14, 6)
+    assert (len(data.train_set), len(data.val_set)) == (14, 8)
     splits.save_to_disk(tmp_path / "saved")
     data = _data(tmp_path / "saved", pretrained, val_files=tmp_path / "saved", train_split="test", val_split="train")
-    assert (len(data.train_set), len(data.val_set)) == (6, 14)
+    assert (len(data.train_set), len(data.val_set)) == (8, 14)
     with pytest.raises(
         ValueError, match=r"has the splits \['train', 'test'\], and none of \['dev'\]. .*val_split=NAME"
     ):
@@ -309,7 +312,7 @@ def test_a_hub_id_is_loaded_with_load_dataset_and_offline_says_what_to_do(pretra
 def test_a_dataset_object_is_described_not_saved_in_the_hyperparameters(pretrained):
     table = _table(RECORDS)
     data = TextDataModule(train_files=table, tokenizer=str(pretrained), val_files=[table])
-    assert data.hparams.train_files == f"Dataset(num_rows=28, fingerprint={table._fingerprint})"
+    assert data.hparams.train_files == f"Dataset(num_rows=30, fingerprint={table._fingerprint})"
     assert data.hparams.val_files == [data.hparams.train_files]
     with pytest.raises(TypeError, match=r"a streaming IterableDataset has no length"):
         TextDataModule(train_files=table.to_iterable_dataset(), tokenizer=str(pretrained))
