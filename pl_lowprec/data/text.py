@@ -13,7 +13,7 @@ for a dataset) and logged; a source with no usable record fails with its name.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -43,10 +43,9 @@ from pl_lowprec.models.token_loss import IGNORE_INDEX
 
 Row = dict[str, torch.Tensor]
 
-if TYPE_CHECKING:
-    from datasets import Dataset as HFDataset
-    from datasets import DatasetDict
-
+# Paths, or (in Python) a datasets.Dataset / DatasetDict. ``Any`` stands for the datasets classes: naming a class
+# in the union makes LightningCLI (jsonargparse) read a path's file as a config and pass its text instead.
+DataFiles = str | list[str] | Any
 VAL_SPLITS = ("validation", "test")  # val_split=None: the first of these a DatasetDict has
 
 
@@ -81,9 +80,9 @@ class TextDataModule(pl.LightningDataModule):
 
     def __init__(
         self,
-        train_files: str | list[str] | HFDataset | DatasetDict,
+        train_files: DataFiles,
         tokenizer: str,
-        val_files: str | list[str] | HFDataset | DatasetDict | None = None,
+        val_files: DataFiles | None = None,
         seq_len: int = 512,
         batch_size: int = 8,
         val_fraction: float = 0.05,

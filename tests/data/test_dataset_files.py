@@ -333,3 +333,30 @@ def test_without_the_extra_a_parquet_file_is_refused_with_the_install_command(tm
             TextDataModule(train_files=tmp_path / "data.parquet", tokenizer="unused")
     finally:
         _imports.import_datasets.cache_clear()
+
+
+def test_the_command_line_passes_a_csv_path_and_a_field_mapping(tmp_path, capsys):
+    """A class named in train_files' type would make LightningCLI read the file as a config and pass its text."""
+    import yaml
+
+    from pl_lowprec.cli import build_cli
+
+    path = tmp_path / "qa.csv"
+    path.write_text("question,answer\nq,a\n")  # text that also parses as YAML
+    args = [
+        "fit",
+        "--model=pl_lowprec.models.CausalLM",
+        "--model.pretrained=unused",
+        "--data=pl_lowprec.data.TextDataModule",
+        f"--data.train_files={path}",
+        f"--data.val_files=[{path}]",
+        "--data.tokenizer=unused",
+        "--data.fields={prompt: question, completion: answer}",
+        "--print_config",
+    ]
+    with pytest.raises(SystemExit) as exit_info:
+        build_cli(args)
+    assert exit_info.value.code == 0
+    data = yaml.safe_load(capsys.readouterr().out)["data"]["init_args"]
+    assert (data["train_files"], data["val_files"]) == (str(path), [str(path)])
+    assert data["fields"] == {"prompt": "question", "completion": "answer"}
