@@ -158,6 +158,12 @@ def test_packing_a_parquet_file_gives_the_rows_of_the_jsonl_file(pretrained, tmp
     assert _rows(data.val_set) == _rows(expected.val_set)
 
 
+def test_workers_read_the_memory_mapped_rows(pretrained, tmp_path):
+    path = _write("parquet", RECORDS, tmp_path)
+    batches = [_batches(_data(path, pretrained, num_workers=workers)) for workers in (0, 1)]
+    assert batches[0] == batches[1] and len(batches[0]) == 7
+
+
 def test_a_field_mapping_equals_the_renamed_file(pretrained, tmp_path):
     renamed = [{"question": r["prompt"], "answer": r["completion"], "id": i} for i, r in enumerate(RECORDS[:14])]
     expected = _batches(_data(_write("jsonl", RECORDS[:14], tmp_path / "pc"), pretrained))
@@ -335,7 +341,7 @@ def test_without_the_extra_a_parquet_file_is_refused_with_the_install_command(tm
         _imports.import_datasets.cache_clear()
 
 
-def test_the_command_line_passes_a_csv_path_and_a_field_mapping(tmp_path, capsys):
+def test_the_command_line_passes_a_csv_path_and_a_field_mapping(tmp_path, capsys, monkeypatch):
     """A class named in train_files' type would make LightningCLI read the file as a config and pass its text."""
     import yaml
 
@@ -354,6 +360,7 @@ def test_the_command_line_passes_a_csv_path_and_a_field_mapping(tmp_path, capsys
         "--data.fields={prompt: question, completion: answer}",
         "--print_config",
     ]
+    monkeypatch.setattr("sys.argv", ["pl-lowprec"])  # pytest's own arguments are not the CLI's
     with pytest.raises(SystemExit) as exit_info:
         build_cli(args)
     assert exit_info.value.code == 0
