@@ -32,6 +32,8 @@ READ_SUFFIXES = NATIVE_SUFFIXES + DATASETS_SUFFIXES
 # Data files a directory may hold that this module does not read: refused rather than skipped in silence.
 UNREAD_DATA_SUFFIXES = {".tsv", ".feather", ".gz", ".bz2", ".xz", ".zst", ".zip", ".tar"}
 SAVED_DATASET_MARKERS = ("dataset_dict.json", "state.json")  # written by DatasetDict / Dataset.save_to_disk
+# A dataset's metadata, not records (hub repositories and save_to_disk write them): listed, not read.
+METADATA_FILES = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}
 SPLIT_NAME = re.compile(r"(train|validation|valid|val|test|dev|eval)(-\d+-of-\d+)?", re.IGNORECASE)
 HUB_ID = re.compile(r"[\w][\w.-]*/[\w][\w.-]*")
 READ = ", ".join(READ_SUFFIXES)
@@ -128,8 +130,8 @@ def directory_sources(path: Path, argument: str) -> list[Source]:
     saved: list[Path] = []
     files: list[Path] = []
     walk_directory(path, path, saved, files)
-    read = [p for p in files if p.suffix in READ_SUFFIXES]
-    unread = [p for p in files if p.suffix not in READ_SUFFIXES]
+    read = [p for p in files if p.suffix in READ_SUFFIXES and p.name not in METADATA_FILES]
+    unread = [p for p in files if p not in read]
     listed = ", ".join(f"{n} {suffix}" for suffix, n in sorted(Counter(p.suffix or p.name for p in unread).items()))
     if any(p.suffix in UNREAD_DATA_SUFFIXES for p in unread):
         raise ValueError(

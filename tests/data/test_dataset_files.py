@@ -261,6 +261,7 @@ def test_a_directory_reads_every_format_and_refuses_several_splits(pretrained, t
     _write("parquet", RECORDS[10:], tmp_path / "mixed")
     _table(CHATS).save_to_disk(tmp_path / "mixed" / "chats")
     (tmp_path / "mixed" / "README.md").write_text("notes")
+    (tmp_path / "mixed" / "dataset_infos.json").write_text('{"default": {"description": "metadata, not records"}}')
     data = _data(tmp_path / "mixed", pretrained, seq_len=64)
     assert [(s.kind, s.path.name) for s in data.train_sources] == [
         ("saved", "chats"),
