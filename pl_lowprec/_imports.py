@@ -15,6 +15,7 @@ _PEFT = RequirementCache("peft>=0.13")
 _SAFETENSORS = RequirementCache("safetensors>=0.4")
 _TORCHAO = RequirementCache("torchao>=0.18")
 _MATPLOTLIB = RequirementCache("matplotlib")
+_DATASETS = RequirementCache("datasets>=4.0")
 _GGUF = RequirementCache("gguf>=0.19")
 
 
@@ -61,6 +62,20 @@ def import_safetensors() -> ModuleType:
     import safetensors
 
     return safetensors
+
+
+@lru_cache
+def import_datasets() -> ModuleType:
+    """Hugging Face datasets, or an error naming the feature and the install command."""
+    if not _DATASETS:
+        raise ModuleNotFoundError(
+            "TextDataModule reads .parquet, .csv, .json and .arrow files, saved datasets, hub dataset ids and"
+            f" datasets.Dataset objects through Hugging Face datasets: {_DATASETS.message}. Install it with:"
+            ' pip install "pl_lowprec[datasets]" (.txt and .jsonl files need nothing more).'
+        )
+    import datasets
+
+    return datasets
 
 
 def import_torchao() -> ModuleType:
