@@ -145,5 +145,12 @@ def local_cpu() -> DeviceSpec:
     launch = _best_seconds(hundred_ops, 3) / 100
     threads = torch.get_num_threads()
     return DeviceSpec(
-        f"this CPU ({threads} threads)", flops, bandwidth, launch, 1.0, 1.0, asynchronous=False, source="measured"
+        f"this CPU ({threads} threads, measured)",
+        flops,
+        bandwidth,
+        launch,
+        1.0,
+        1.0,
+        asynchronous=False,
+        source="measured",
     )

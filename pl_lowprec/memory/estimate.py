@@ -234,18 +234,20 @@ def estimate_memory(
 
 
 def timed_device(time_on: str | None, device: torch.device, precision: str) -> str | None:
-    """The device to time the step on (``time_on``, else ``device``: this machine's CPU or GPU), checked before
-    the simulation: an unknown GPU name, or a precision the GPU does not compute (bf16 on a T4), is refused."""
+    """The device to time the step on: ``time_on``, checked before the simulation (an unknown GPU, or a precision
+    it does not compute, such as bf16 on a T4, is refused); else ``device``: this CPU, or this machine's GPU
+    where the table knows it and its dtype (``None`` otherwise: no step time)."""
+    dtype = DTYPE_NAMES.get(dtype_of_precision(precision), "fp32")
     if time_on is None:
         if device.type == "cpu":
             return "cpu"
         if device.type != "cuda" or not torch.cuda.is_available():
             return None
-        return gpu_named(torch.cuda.get_device_name(device))
+        here = gpu_named(torch.cuda.get_device_name(device))
+        return here if here is not None and dtype in device_spec(here).flops else None
     if time_on.lower() == "cpu":
         return "cpu"
-    spec = device_spec(time_on)
-    spec.flops_per_second(DTYPE_NAMES.get(dtype_of_precision(precision), "fp32"))
+    device_spec(time_on).flops_per_second(dtype)
     return time_on
 
 

@@ -54,8 +54,16 @@ class StepTime:
         )
         return (
             f"Predicted step time on {self.device}: {self.seconds:.3f} s ({parts}; {self.launches:,} kernel"
-            f" launches, {self.flops / 1e12:,.2f} TFLOP, {self.bytes / 1e9:,.2f} GB moved)"
+            f" launches, {_decimal(self.flops, 'FLOP')}, {_decimal(self.bytes, 'B')} moved)"
         )
+
+
+def _decimal(value: float, unit: str) -> str:
+    """``value`` with a decimal prefix: 173.50 TFLOP, 392.15 MB."""
+    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= factor:
+            return f"{value / factor:,.2f} {prefix}{unit}"
+    return f"{value:,.0f} {unit}"
 
 
 def predict_step_time(profile: OpProfile, device: DeviceSpec) -> StepTime:
