@@ -12,8 +12,10 @@ The same counting serves the fake step (``StepTracker`` hands each op to an ``Op
   gathers (``embedding``, ``index_select``, ``gather``, ``index``) read only the rows they return, not the whole
   table. An op that mutates its arguments and returns nothing (``_foreach_add_``) writes those arguments.
 - **Kernel launches** are ops that write a tensor, except views (RuntimeEstimator's ``_VIEW_OPS`` and every op
-  whose schema says view), allocations (``empty*``: no kernel), composite ops (their parts are seen and
-  counted) and communication (collectives are not modelled: a sharded estimate is per rank, without them).
+  whose schema says view), allocations (``empty*``: no kernel) and communication (collectives are not
+  modelled: a sharded estimate is per rank, without them). A dispatch mode sees an op whole (what it runs
+  inside runs below the mode), so each op seen is one kernel; ``linear`` and ``matmul``, which reach the mode
+  only from inside another op's composite (bitsandbytes' 4-bit matmul), count their dot products.
 
 One ``OpProfile`` holds a step as counts of kernels by (FLOP dtype, FLOPs, bytes, in the optimizer step): small
 (a few hundred distinct kinds), linear in the number of identical blocks (``depth.py`` extrapolates it as it does
@@ -22,6 +24,7 @@ bytes), and enough to predict the step's time on any device afterwards (``step_t
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._runtime_estimation import _VIEW_OPS
 from torch.utils.flop_counter import flop_registry
 
+from pl_lowprec.memory.bnb_standin import decompose_gemm_4bit
 from pl_lowprec.memory.tracker import DECOMPOSE
 
 aten = torch.ops.aten
@@ -43,6 +47,7 @@ _ALLOCATIONS |= {aten.empty_permuted, aten.resize_, aten.set_, aten.lift_fresh_c
 _WRITE_ONLY = {aten.copy_, aten.fill_, aten.zero_, aten.uniform_, aten.normal_, aten.bernoulli_, aten.random_}
 _GATHERS = {aten.embedding, aten.index_select, aten.gather, aten.index}
 _NOT_DEVICE_WORK = ("_c10d_functional", "c10d", "_dtensor", "prim", "profiler")
+_CONTRACTIONS = {aten.linear, aten.matmul}  # composites that reach a mode from another op's composite (DECOMPOSE)
 _CAUSAL_ARGUMENT = {  # attention ops the registry has no formula for: (its formula's op, where is_causal is)
     aten._scaled_dot_product_flash_attention_for_cpu: (aten._scaled_dot_product_flash_attention, 4),
     aten._scaled_dot_product_flash_attention_for_cpu_backward: (
@@ -91,21 +96,21 @@ class OpCounter:
 
     def __init__(self) -> None:
         self.profile = OpProfile()
-        self._kinds: dict[Any, bool] = {}  # op -> launches a kernel
+        self._kinds: dict[Any, str] = {}  # op -> "kernel", "composite" (a kernel unless it aliases) or "none"
 
     def record(self, func: Any, args: tuple, kwargs: dict | None, out: Any, in_optimizer_step: bool = False) -> None:
-        launches = self._kinds.get(func)
-        if launches is None:
-            launches = self._kinds[func] = launches_kernel(func)
-        if not launches:
+        kind = self._kinds.get(func)
+        if kind is None:
+            kind = self._kinds[func] = _kind(func)
+        if kind == "none":
             return
         written = _tensors(out)
         if not written and func._schema.is_mutable:  # in-place foreach ops return nothing
             written = _mutated(func, args)
-        if not written:
+        read = _tensors(args) + _tensors(kwargs.values() if kwargs else ())
+        if not written or (kind == "composite" and _aliases(written, read)):
             return
         packet = func._overloadpacket
-        read = _tensors(args) + _tensors(kwargs.values() if kwargs else ())
         if packet in _WRITE_ONLY:
             read = read[1:]
         elif packet in _GATHERS:
@@ -115,20 +120,32 @@ class OpCounter:
         self.profile.counts[(dtype, flops, nbytes, in_optimizer_step)] += 1
 
 
-def launches_kernel(func: Any) -> bool:
-    """Whether an op runs device work: not a view, an allocation, a composite or communication."""
+def _kind(func: Any) -> str:
+    """Whether an op runs device work: not a view, an allocation or communication. An op a dispatch mode sees
+    runs whole (a composite's parts run below the mode, unseen), so a composite is one kernel too unless it
+    returns a view (``reshape`` of a contiguous tensor)."""
     if not isinstance(func, torch._ops.OpOverload) or func.namespace in _NOT_DEVICE_WORK:
-        return False
+        return "none"
     packet = func._overloadpacket
     if func.is_view or packet in _VIEW_OPS or packet in _ALLOCATIONS or torch.Tag.inplace_view in func.tags:
-        return False
-    if func in DECOMPOSE:  # its parts run (and are counted) instead
-        return False
-    return not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+        return "none"
+    if func in DECOMPOSE:  # its parts run under the mode instead, and are counted
+        return "none"
+    composite = torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+    return "composite" if composite else "kernel"
+
+
+def _aliases(written: list[torch.Tensor], read: list[torch.Tensor]) -> bool:
+    inputs = {t.untyped_storage()._cdata for t in read}
+    return any(t.untyped_storage()._cdata in inputs for t in written)
 
 
 def _flops(func: Any, args: tuple, kwargs: dict | None, out: Any) -> tuple[int, str]:
     packet = func._overloadpacket
+    first = next((t for t in _tensors(args) if t.is_floating_point()), None)
+    dtype = DTYPE_NAMES.get(first.dtype, "fp32") if first is not None else "fp32"
+    if packet in _CONTRACTIONS:  # each output element is a dot product over the input's last dimension
+        return 2 * out.numel() * args[0].shape[-1], dtype
     formula, causal_at = flop_registry.get(packet), None
     if formula is None and packet in _CAUSAL_ARGUMENT:
         registered, causal_at = _CAUSAL_ARGUMENT[packet]
@@ -139,8 +156,7 @@ def _flops(func: Any, args: tuple, kwargs: dict | None, out: Any) -> tuple[int, 
     if causal_at is not None:
         causal = args[causal_at] if len(args) > causal_at else (kwargs or {}).get("is_causal", False)
         flops = flops // 2 if causal else flops
-    first = next((t for t in _tensors(args) if t.is_floating_point()), None)
-    return flops, DTYPE_NAMES.get(first.dtype, "fp32") if first is not None else "fp32"
+    return flops, dtype
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -189,6 +205,8 @@ class CountingMode(TorchDispatchMode):
         super().__init__()
         self.counter = OpCounter()
         self.when = when
+        if "bitsandbytes" in sys.modules:  # only a run that imported it can call its ops
+            decompose_gemm_4bit()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         impl = DECOMPOSE.get(func)
