@@ -128,9 +128,7 @@ def run_ours(base: str, args: argparse.Namespace) -> StepMeter:
         accelerator="cpu",
         devices=1,
         max_steps=args.steps,
-        strategy=LowPrecisionStrategy(
-            quantization="nf4-dq", lora=LORA, activation_checkpointing=["LlamaDecoderLayer"]
-        ),
+        strategy=LowPrecisionStrategy(quantization="nf4-dq", lora=LORA, activation_checkpointing=["LlamaDecoderLayer"]),
         plugins=[AMPPrecision("bf16-mixed")],
         callbacks=[LightningMeter(meter)],
         logger=False,
