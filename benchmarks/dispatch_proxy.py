@@ -95,6 +95,10 @@ class StepMeter:
         self.mode: CountingMode | None = None
         self.profile = OpProfile()
 
+    def optimizer_step(self) -> None:
+        if self.mode is not None:
+            self.mode.in_optimizer_step = True
+
     def begin(self) -> None:
         if self.index == self.counted:
             self.mode = CountingMode()
@@ -117,6 +121,9 @@ class LightningMeter(pl.Callback):
 
     def on_train_batch_start(self, *args: Any) -> None:
         self.meter.begin()
+
+    def on_before_optimizer_step(self, *args: Any) -> None:
+        self.meter.optimizer_step()
 
     def on_train_batch_end(self, *args: Any) -> None:
         self.meter.end()
@@ -164,6 +171,9 @@ def run_hf(base: str, args: argparse.Namespace, root: str) -> StepMeter:
     class HFMeter(TrainerCallback):
         def on_step_begin(self, *a: Any, **k: Any) -> None:
             meter.begin()
+
+        def on_pre_optimizer_step(self, *a: Any, **k: Any) -> None:
+            meter.optimizer_step()
 
         def on_step_end(self, *a: Any, **k: Any) -> None:
             meter.end()

@@ -195,7 +195,9 @@ def _bytes(tensors: list[torch.Tensor]) -> int:
 
 class CountingMode(TorchDispatchMode):
     """Counts the ops of a real run with ``OpCounter`` (``counter.profile``); the ops ``estimate_memory``'s step
-    runs as their composite (bitsandbytes' ``gemm_4bit``) run as it, so both count the same kernels.
+    runs as their composite (bitsandbytes' ``gemm_4bit``) run as it, so both count the same kernels. Set
+    ``in_optimizer_step`` around the optimizer step (a callback's ``on_before_optimizer_step``), as the fake step
+    marks it.
 
     Args:
         when: Count only while this returns true (e.g. inside a training step); every op runs either way.
@@ -205,6 +207,7 @@ class CountingMode(TorchDispatchMode):
         super().__init__()
         self.counter = OpCounter()
         self.when = when
+        self.in_optimizer_step = False
         if "bitsandbytes" in sys.modules:  # only a run that imported it can call its ops
             decompose_gemm_4bit()
 
@@ -215,5 +218,5 @@ class CountingMode(TorchDispatchMode):
                 return impl(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         if self.when is None or self.when():
-            self.counter.record(func, args, kwargs, out)
+            self.counter.record(func, args, kwargs, out, self.in_optimizer_step)
         return out
