@@ -3,15 +3,17 @@ the host's time per kernel launch.
 
 GPUs come from their spec sheets (dense tensor-core figures, no sparsity; fp32 without TF32, PyTorch's default
 for matmuls), scaled by the achievable fractions below. The local CPU is measured once per process instead
-(``local_cpu``, about 0.3 s): its spec sheet (``lscpu``) gives neither the rate torch's matmul kernels reach
+(``local_cpu``, well under a second): its spec sheet (``lscpu``) gives neither the rate torch's matmul kernels reach
 on it nor its memory bandwidth, and on a CPU shared with other work the measurement is what a step will see.
 
-Calibration: the efficiencies and the launch overhead are estimates, pending measurement on a lent GPU; change
-them here, in one place. The launch overhead (host time per kernel in an eager step with Hugging Face and peft
-modules: Python, the dispatcher, autograd, ``cudaLaunchKernel``) was set from the two GPU figures available
-(issue 28, the shipped QLoRA path, batch 2 x 2048 on an H200: 0.45 s a step at Llama-3.2-1B shapes, 0.95 s at
-Llama-3.1-8B shapes), as the value that predicts both within the 25% target (0.372 s, -17%, and 1.104 s, +16%):
-a fit to two figures, not a check. It belongs to the host, so every GPU gets the same.
+Calibration (change the constants here, in one place). On an H200 (``benchmarks/step_time_calibration.py``,
+docs/memory.md) a large bf16 matmul reached 0.80 of the peak and a large copy 0.88 of the bandwidth; the lower
+0.7 and 0.8 predict whole steps of plain PyTorch models (a mix of smaller matmuls) within 7%. The launch overhead
+(host time per kernel in an eager step: Python, the dispatcher, autograd, ``cudaLaunchKernel``; 32 us measured
+for a small plain-PyTorch model) was set from issue 28's two H200 figures of the shipped QLoRA path with Hugging
+Face and peft modules (batch 2 x 2048: 0.45 s a step at Llama-3.2-1B shapes, 0.95 s at Llama-3.1-8B shapes) as
+the value that predicts both within the 25% target (0.372 s, -17%, and 1.104 s, +16%): a fit to two figures,
+not a check. It belongs to the host, so every GPU gets the same.
 """
 
 from __future__ import annotations

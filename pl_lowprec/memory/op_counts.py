@@ -76,6 +76,11 @@ class OpProfile:
         return sum(self.counts.values())
 
     @property
+    def optimizer_launches(self) -> int:
+        """The optimizer step's kernels (per tensor, as torch's AdamW runs on a CPU)."""
+        return sum(n for key, n in self.counts.items() if key[3])
+
+    @property
     def flops(self) -> int:
         return sum(key[1] * n for key, n in self.counts.items())
 

@@ -40,6 +40,8 @@ class StepTime:
     launches: int
     flops: int
     bytes: int
+    optimizer_launches: int = 0
+    foreach: bool = False  # the optimizer's per-tensor kernels run as a few foreach kernels (a GPU)
 
     def line(self) -> str:
         """One line for ``pl-lowprec estimate``."""
@@ -53,9 +55,14 @@ class StepTime:
             )
         )
         return (
-            f"Predicted step time on {self.device}: {self.seconds:.3f} s ({parts}; {self.launches:,} kernel"
-            f" launches, {_decimal(self.flops, 'FLOP')}, {_decimal(self.bytes, 'B')} moved)"
+            f"Predicted step time on {self.device}: {self.seconds:.3f} s ({parts}; {self.launches:,} kernels"
+            f"{self._optimizer_part()}, {_decimal(self.flops, 'FLOP')}, {_decimal(self.bytes, 'B')} moved)"
         )
+
+    def _optimizer_part(self) -> str:
+        if not (self.foreach and self.optimizer_launches):
+            return ""
+        return f" ({self.optimizer_launches:,} of them the optimizer's per-tensor ones, run as foreach kernels)"
 
 
 def _decimal(value: float, unit: str) -> str:
@@ -90,4 +97,6 @@ def predict_step_time(profile: OpProfile, device: DeviceSpec) -> StepTime:
         profile.launches,
         profile.flops,
         profile.bytes,
+        profile.optimizer_launches,
+        device.asynchronous,
     )
