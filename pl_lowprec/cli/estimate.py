@@ -16,6 +16,7 @@ from lightning.pytorch.plugins.precision import Precision
 
 from pl_lowprec._imports import import_matplotlib_pyplot
 from pl_lowprec.cli.rebuild import rebuild_classes
+from pl_lowprec.memory.devices import GPUS, device_spec
 from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
 from pl_lowprec.memory.plot import plot_step
 
@@ -37,8 +38,9 @@ def device_of(trainer: Any) -> str:
     return "cpu"
 
 
-def estimate_config(cli_args: list[str]) -> MemoryEstimate:
-    """The estimate for ``--config X.yaml`` (and overrides), as ``pl-lowprec fit`` would build the run."""
+def estimate_config(cli_args: list[str], time_on: str | None = None) -> MemoryEstimate:
+    """The estimate for ``--config X.yaml`` (and overrides), as ``pl-lowprec fit`` would build the run; its step
+    time on ``time_on`` (a GPU of ``memory.devices.GPUS``), else on the config's device."""
     run = rebuild_classes(cli_args)
     trainer = run.config_init.trainer
     if run.datamodule is None:
@@ -60,6 +62,7 @@ def estimate_config(cli_args: list[str]) -> MemoryEstimate:
         accumulate_grad_batches=int(getattr(trainer, "accumulate_grad_batches", None) or 1),
         sharding=sharding,
         world_size=devices_of(trainer) if sharding is not None else 1,
+        time_on=time_on,
     )
 
 
@@ -78,14 +81,33 @@ def devices_of(trainer: Any) -> int:
     return count * int(getattr(trainer, "num_nodes", None) or 1)
 
 
+def step_time_line(estimate: MemoryEstimate) -> str:
+    """The predicted step time, or why there is none (a CUDA config estimated where there is no GPU)."""
+    step = estimate.step_time
+    if step is None:
+        return (
+            "Step time not predicted: the config runs on CUDA and this machine has no GPU with known figures;"
+            f" name one with --gpu ({', '.join(GPUS)})."
+        )
+    per_rank = f" (per rank of {estimate.world_size}, without communication)" if estimate.world_size > 1 else ""
+    return step.line() + per_rank
+
+
 def main(args: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="pl-lowprec estimate", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="a YAML file that `pl-lowprec fit --config` runs")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the step as stacked categories (needs matplotlib)")
+    parser.add_argument("--gpu", help=f"predict the step time on this GPU ({', '.join(GPUS)}); default: here")
     options, overrides = parser.parse_known_args(args)
     if options.plot:
         import_matplotlib_pyplot()  # a missing matplotlib fails before the estimate runs
-    estimate = estimate_config(["--config", options.config, *overrides])
+    if options.gpu:
+        try:
+            device_spec(options.gpu)
+        except ValueError as error:
+            parser.exit(2, f"pl-lowprec estimate: {error}\n")
+    estimate = estimate_config(["--config", options.config, *overrides], time_on=options.gpu)
     print(estimate.table())
+    print(step_time_line(estimate))
     if options.plot:
         print(f"Plot: {plot_step(estimate, options.plot)}")

@@ -1,10 +1,11 @@
-"""``pl-lowprec plan --config X.yaml --memory 24GiB``: the cheapest memory settings that fit, as a config to run.
+"""``pl-lowprec plan --config X.yaml --memory 24GiB``: the fastest memory settings that fit, as a config to run.
 
 The config is read as ``pl-lowprec estimate`` reads it (``rebuild_classes``: no Trainer, the model on the meta
-device). Every candidate of ``pl_lowprec.memory.plan`` is simulated; the ranked table is printed, and the
-cheapest candidate that fits is written with ``--out`` as the same YAML with only the searched settings changed,
-so ``pl-lowprec fit --config plan.yaml`` runs it as is. ``--maximize seq_len`` (or ``batch_size``) instead finds
-the longest sequence (or largest micro-batch) that fits with the most memory-saving settings the config allows.
+device). Every candidate of ``pl_lowprec.memory.plan`` is simulated; the table ranked by predicted step time
+(on the config's device, or ``--gpu``) is printed, and the fastest candidate that fits is written with ``--out``
+as the same YAML with only the searched settings changed, so ``pl-lowprec fit --config plan.yaml`` runs it as is.
+``--maximize seq_len`` (or ``batch_size``) instead finds the longest sequence (or largest micro-batch) that fits
+with the most memory-saving settings the config allows.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import yaml
 from pl_lowprec.cli.estimate import device_of, devices_of, precision_of
 from pl_lowprec.cli.rebuild import rebuild_classes
 from pl_lowprec.distributed.sharding import Sharding
+from pl_lowprec.memory.devices import GPUS, device_spec
 from pl_lowprec.memory.estimate import estimate_memory
 from pl_lowprec.memory.fake_step import DryRunTrainer, attached, batch_tensors
 from pl_lowprec.memory.plan import (
@@ -54,6 +56,7 @@ def main(args: list[str] | None = None) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     parser.add_argument("--maximize", choices=["seq_len", "batch_size"], help="the largest value that fits")
     parser.add_argument("--allow_quantization", action="store_true", help="also try nf4-dq base weights")
+    parser.add_argument("--gpu", help=f"rank by the predicted step time on this GPU ({', '.join(GPUS)})")
     options, overrides = parser.parse_known_args(args)
     try:
         budget = parse_bytes(options.memory, "--memory")
@@ -62,6 +65,8 @@ def main(args: list[str] | None = None) -> None:
         out = Path(options.out) if options.out else None
         if out is not None and out.exists() and not options.overwrite:
             raise ValueError(f"--out {out} exists: pass --overwrite to replace it, or another path.")
+        if options.gpu:
+            device_spec(options.gpu)
     except ValueError as error:
         parser.exit(2, f"pl-lowprec plan: {error}\n")
     run = rebuild_classes(["--config", options.config, *overrides])
@@ -101,13 +106,22 @@ def main(args: list[str] | None = None) -> None:
         options.allow_quantization,
         blocks,
         sharding=sharding,
+        time_on=options.gpu,
     )
     print(plan.table())
     switch_to: dict[str, Any] | None = None
     if devices > 1 and sharding is None:
         global_batch = rows * accumulate * devices
         make_plan = functools.partial(
-            plan_memory, build, lambda micro: resized(batch, micro), budget, global_batch, precision, device, config
+            plan_memory,
+            build,
+            lambda micro: resized(batch, micro),
+            budget,
+            global_batch,
+            precision,
+            device,
+            config,
+            time_on=options.gpu,
         )
         sharded, line = _sharded_alternative(make_plan, config, devices, options, blocks, plan.chosen is None)
         print(line)
@@ -118,7 +132,10 @@ def main(args: list[str] | None = None) -> None:
     if chosen is None:
         print(plan.nothing_fits(), file=sys.stderr)
         raise SystemExit(1)
-    print(f"Chosen: {chosen.settings.describe()}, predicted peak {format_bytes(chosen.peak)}.")
+    print(
+        f"Chosen: {chosen.settings.describe()}, predicted peak {format_bytes(chosen.peak)}, step"
+        f" {chosen.step.seconds:.3f} s on {chosen.step.device}."
+    )
     if out is not None:
         write_plan(options.config, overrides, out, chosen.settings, blocks, config, devices, run, strategy=switch_to)
         print(f"Wrote {out}: pl-lowprec fit --config {out}")
