@@ -33,6 +33,7 @@ from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
 from pl_lowprec.memory.fake_model import meta_copy
 from pl_lowprec.memory.sizes import format_bytes
+from pl_lowprec.transforms.checkpointing import declared_blocks
 from pl_lowprec.transforms.config import TransformConfig
 
 FORWARD, BACKWARD = 1.0, 2.0
@@ -171,7 +172,7 @@ def plan_memory(
         sharding: The config's FSDP2 sharding (``strategy.transform_sharding(config)``): every candidate is
             simulated per rank of ``devices``.
     """
-    config = config or TransformConfig()
+    config = searched_config(config or TransformConfig())
     device = torch.device(device)
     plan = MemoryPlan(budget, margin)
     sharded = sharding is not None
@@ -253,9 +254,17 @@ def settings_config(config: TransformConfig, settings: Settings, block_names: li
     return dataclasses.replace(config, **changes)
 
 
+def searched_config(config: TransformConfig) -> TransformConfig:
+    """``activation_checkpointing="auto"`` leaves the blocks to the plan, as a config that names none does (the
+    plan searches the blocks the model declares); ``memory_saving="auto"`` is simulated on its memory-saving side."""
+    if config.activation_checkpointing == "auto":
+        return dataclasses.replace(config, activation_checkpointing=None)
+    return config
+
+
 def block_classes(model: nn.Module) -> list[str]:
     """The repeated block classes a model declares (Hugging Face's ``_no_split_modules``)."""
-    return sorted({n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or ())})
+    return declared_blocks(model)
 
 
 def fresh_copies(model: nn.Module) -> Callable[[], nn.Module]:
