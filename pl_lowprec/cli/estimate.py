@@ -19,6 +19,7 @@ from pl_lowprec._imports import import_matplotlib_pyplot
 from pl_lowprec.cli.rebuild import rebuild_classes
 from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
 from pl_lowprec.memory.fastest import faster_settings_line
+from pl_lowprec.memory.plan import fresh_copies
 from pl_lowprec.memory.plot import plot_step
 
 
@@ -60,7 +61,7 @@ def estimate_arguments(cli_args: list[str]) -> dict[str, Any]:
     config = getattr(strategy, "transform_config", None)  # None: not this package's strategy
     sharding = strategy.transform_sharding(config) if hasattr(strategy, "transform_sharding") else None
     return {
-        "build_model": lambda: run.model,
+        "build_model": fresh_copies(run.model),  # a meta copy each call: each estimate transforms its own
         "example_batch": batch,
         "precision": precision_of(trainer),
         "device": device_of(trainer),

@@ -41,6 +41,7 @@ from pl_lowprec.memory.sizes import format_bytes
 from pl_lowprec.plugins.precision_choice import choose_precision
 from pl_lowprec.transforms.checkpointing import declared_blocks
 from pl_lowprec.transforms.config import TransformConfig
+from pl_lowprec.transforms.dtypes import dtype_of_precision
 from pl_lowprec.transforms.memory_saving import ALL_PATHS, AUTO, PATHS
 
 MARGIN = 0.1  # of the free memory, kept for what the estimate does not see: the allocator's fragmentation, scratch
@@ -100,6 +101,8 @@ def applicable_paths(config: TransformConfig, precision: str, model: nn.Module) 
     """The memory-saving paths that change this run: the strategy's with LoRA under mixed precision and without
     ``compile=`` (``ModelTransform.apply``), and those the module's loss names (``memory_saving_paths``)."""
     paths = set(getattr(model, "memory_saving_paths", ()))
+    if dtype_of_precision(precision) == torch.float32:
+        paths.discard("grouped_cross_entropy")  # fp32 logits: it is F.cross_entropy itself (cross_entropy.py)
     lean = config.lora is not None and config.qat is None and config.fp8 is None and precision.endswith("-mixed")
     if lean and config.compile_kwargs is None:
         paths |= BLOCK_PATHS
@@ -166,7 +169,8 @@ class Search:
         """What was chosen for ``memory`` (e.g. "79.21 GiB free on cuda:0, less 10%"), its predicted peak, and
         what it gave up: the faster candidate before it and that one's peak."""
         step_time = getattr(self.estimate, "step_time", None)
-        predicted = f"predicted peak {format_bytes(self.estimate.peak)}"
+        per_rank = " per rank" if self.estimate.world_size > 1 else ""
+        predicted = f"predicted peak {format_bytes(self.estimate.peak)}{per_rank}"
         predicted += f", {step_time:.2f} s per step" if step_time else ""
         if not self.fits:
             return (

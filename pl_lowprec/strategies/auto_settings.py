@@ -33,17 +33,25 @@ def choose_memory_settings(strategy: Any, trainer: Any, precision: str, budget: 
         rank_zero_info(f"Memory settings: the free memory of {device} cannot be read here: memory-saving settings.")
         return None
     config = strategy.transform_config
-    search = fastest_fitting(
-        fresh_copies(strategy.lightning_module),  # each call a meta copy: the estimate transforms its own
-        first_training_batch(trainer),
-        limit,
-        precision,
-        device,
-        config,
-        accumulate_grad_batches=int(trainer.accumulate_grad_batches),
-        sharding=strategy.transform.sharding,
-        world_size=strategy.world_size,
-    )
+    try:
+        search = fastest_fitting(
+            fresh_copies(strategy.lightning_module),  # each call a meta copy: the estimate transforms its own
+            first_training_batch(trainer),
+            limit,
+            precision,
+            device,
+            config,
+            accumulate_grad_batches=int(trainer.accumulate_grad_batches),
+            sharding=strategy.transform.sharding,
+            world_size=strategy.world_size,
+        )
+    except Exception as err:  # the real run meets it again where it has its own handling (a refusal, a traceback)
+        rank_zero_warn(
+            f"Memory settings: the simulated step failed ({type(err).__name__}: {str(err).splitlines()[0][:300]}), so"
+            " the 'auto' settings stay on their memory-saving side. Set memory_saving and activation_checkpointing"
+            " explicitly to run without the simulation."
+        )
+        return None
     line = search.line(memory)
     if search.fits:
         rank_zero_info(line)
