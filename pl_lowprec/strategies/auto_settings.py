@@ -3,10 +3,10 @@ fits this device (``pl_lowprec.memory.fastest``), said in one line.
 
 The memory is ``memory_budget=`` where given (as given: it is what the peak may reach), else what the device has
 free now less a 10% margin for what the estimate does not see (the caching allocator's fragmentation, kernels'
-scratch, DDP's buckets): ``torch.cuda.mem_get_info`` on CUDA, the host's ``MemAvailable`` on CPU. Every rank
-takes the least of all ranks, so all of them choose the same settings. The estimate runs as ``memory_budget``'s
-does: on a meta copy of the module as ``configure_model`` left it, with one batch of the run's own data drawn
-without touching its random state.
+scratch, DDP's buckets): ``torch.cuda.mem_get_info`` on CUDA, the host's ``MemAvailable`` on CPU, shared by the
+processes on the host. Every rank takes the least of all ranks, so all of them choose the same settings. The
+estimate runs as ``memory_budget``'s does: on a meta copy of the module as ``configure_model`` left it, with one
+batch of the run's own data drawn without touching its random state.
 """
 
 from __future__ import annotations
@@ -75,5 +75,9 @@ def memory_limit(strategy: Any, device: torch.device, budget: int | None) -> tup
     least = strategy.reduce(torch.tensor(free, dtype=torch.int64, device=device), reduce_op="min")
     free = int(least)
     where = f"free on {device}" if device.type == "cuda" else "of available host memory"
-    ranks = ", the least of all ranks" if strategy.world_size > 1 else ""
-    return int(free * (1 - MARGIN)), f"{format_bytes(free)} {where}{ranks}, less {MARGIN:.0%}"
+    where += ", the least of all ranks" if strategy.world_size > 1 else ""
+    local = len(strategy.parallel_devices or [device])
+    shared = device.type == "cpu" and local > 1  # the processes on one host share its memory
+    where += f", shared by {local} processes" if shared else ""
+    limit = free / (local if shared else 1) * (1 - MARGIN)
+    return int(limit), f"{format_bytes(free)} {where}, less {MARGIN:.0%}"
