@@ -126,3 +126,22 @@ def test_the_ordering_is_one_function_of_the_settings():
     order = fastest.candidates(fastest.TransformConfig(lora=LORA, **AUTO), fastest.ALL_PATHS, ["LlamaDecoderLayer"])
     ranks = [fastest.predicted_seconds(None, settings) for settings in order]
     assert ranks == sorted(ranks) and len(order) == 6
+
+
+class _Strategy:
+    """What ``memory_limit`` reads from a strategy: 2 processes on one host (DDP on CPU), a reduce across them."""
+
+    world_size = 2
+    parallel_devices = [torch.device("cpu")] * 2
+
+    def reduce(self, tensor, reduce_op):
+        assert reduce_op == "min"
+        return torch.minimum(tensor, torch.tensor(30 * GiB))  # the other rank sees 30 GiB free
+
+
+def test_the_memory_is_the_least_of_all_ranks_shared_on_one_host_less_the_margin(monkeypatch):
+    monkeypatch.setattr(auto_settings, "available_memory", lambda device: 40 * GiB)
+    limit, said = auto_settings.memory_limit(_Strategy(), torch.device("cpu"), None)
+    assert limit == int(30 * GiB / 2 * 0.9)
+    assert said == "30.00 GiB of available host memory, the least of all ranks, shared by 2 processes, less 10%"
+    assert auto_settings.memory_limit(_Strategy(), torch.device("cpu"), 5 * GiB) == (5 * GiB, "memory_budget=5.00 GiB")
