@@ -27,10 +27,13 @@ def _fit(caplog, free=None, steps=2, **strategy):
     model = tiny_llama(hidden_size=64)
     built = LowPrecisionStrategy(lora=LORA, **strategy)
     trainer = quiet_trainer(strategy=built, precision="bf16-mixed", max_steps=steps)
+    caplog.clear()
     with caplog.at_level("INFO"):
         trainer.fit(model, ids_loader(batches=2, batch_size=4, seq_len=64))
         trainer.fit(model, ids_loader(batches=2, batch_size=4, seq_len=64))  # a second fit chooses nothing again
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Memory settings")]
+    adapted = [r for r in caplog.records if r.getMessage().startswith("LoRA on 14 layers")]
+    assert len(adapted) == 1  # the real transform says it; the simulated candidates do not repeat it
     return lines, built, model
 
 
