@@ -49,8 +49,8 @@ class CausalLM(pl.LightningModule):
         min_lr_ratio: Cosine decay ends at ``lr * min_lr_ratio`` at the Trainer's last step.
         loss_chunk_size: Positions per chunk of the loss (``None``: all at once); 256 holds 8x less of
             the fp32 logits than a 2048-token sequence, for one more output-head matmul per chunk. ``"auto"``: the
-            strategy's ``memory_saving`` decides (its ``chunked_loss`` path: 256, else all at once); ``fit`` under
-            ``memory_saving: auto`` chooses it for the device.
+            strategy's ``memory_saving`` decides (its ``chunked_loss`` path: 256, else all at once; 256 under a
+            plain Lightning strategy); ``fit`` under ``memory_saving: auto`` chooses it for the device.
         dtype: dtype of the parameters that stay unquantized (``"bfloat16"``...); ``None`` follows the
             default dtype (the precision plugin's under ``-true`` precisions).
     """
