@@ -3,7 +3,8 @@
 The config is read by the parser ``pl-lowprec fit`` uses (``pl_lowprec.cli.rebuild``), so the same classes, short
 names, defaults and refusals apply. No Trainer is built, so a config for a GPU is estimated on any machine; the
 model is built on the meta device (nothing allocated); the data module is built for real, only to take the shape
-of one training batch.
+of one training batch. ``"auto"`` memory settings are estimated on their memory-saving side, as the device is not
+known here, and one more line says from how much free memory ``fit`` takes the fastest settings, and their peak.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pl_lowprec._imports import import_matplotlib_pyplot
 from pl_lowprec.cli.rebuild import rebuild_classes
 from pl_lowprec.memory.devices import GPUS, device_spec
 from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
+from pl_lowprec.memory.fastest import faster_settings_line
+from pl_lowprec.memory.plan import fresh_copies
 from pl_lowprec.memory.plot import plot_step
 
 
@@ -41,6 +44,12 @@ def device_of(trainer: Any) -> str:
 def estimate_config(cli_args: list[str], time_on: str | None = None) -> MemoryEstimate:
     """The estimate for ``--config X.yaml`` (and overrides), as ``pl-lowprec fit`` would build the run; its step
     time on ``time_on`` (a GPU of ``memory.devices.GPUS``), else on the config's device."""
+    return estimate_memory(**estimate_arguments(cli_args), time_on=time_on)
+
+
+def estimate_arguments(cli_args: list[str]) -> dict[str, Any]:
+    """``estimate_memory``'s arguments for ``--config X.yaml`` (and overrides), as ``pl-lowprec fit`` would build
+    the run."""
     run = rebuild_classes(cli_args)
     trainer = run.config_init.trainer
     if run.datamodule is None:
@@ -53,17 +62,16 @@ def estimate_config(cli_args: list[str], time_on: str | None = None) -> MemoryEs
     strategy = trainer.strategy
     config = getattr(strategy, "transform_config", None)  # None: not this package's strategy
     sharding = strategy.transform_sharding(config) if hasattr(strategy, "transform_sharding") else None
-    return estimate_memory(
-        lambda: run.model,
-        batch,
-        precision=precision_of(trainer),
-        device=device_of(trainer),
-        config=config,
-        accumulate_grad_batches=int(getattr(trainer, "accumulate_grad_batches", None) or 1),
-        sharding=sharding,
-        world_size=devices_of(trainer) if sharding is not None else 1,
-        time_on=time_on,
-    )
+    return {
+        "build_model": fresh_copies(run.model),  # a meta copy each call: each estimate transforms its own
+        "example_batch": batch,
+        "precision": precision_of(trainer),
+        "device": device_of(trainer),
+        "config": config,
+        "accumulate_grad_batches": int(getattr(trainer, "accumulate_grad_batches", None) or 1),
+        "sharding": sharding,
+        "world_size": devices_of(trainer) if sharding is not None else 1,
+    }
 
 
 def devices_of(trainer: Any) -> int:
@@ -106,8 +114,14 @@ def main(args: list[str] | None = None) -> None:
             device_spec(options.gpu)
         except ValueError as error:
             parser.exit(2, f"pl-lowprec estimate: {error}\n")
-    estimate = estimate_config(["--config", options.config, *overrides], time_on=options.gpu)
+    arguments = estimate_arguments(["--config", options.config, *overrides])
+    estimate = estimate_memory(**arguments, time_on=options.gpu)
     print(estimate.table())
     print(step_time_line(estimate))
+    config = arguments["config"]
+    if config is not None and config.chooses_automatically:  # the device is not known here: the faster choice
+        line = faster_settings_line(**arguments)
+        if line is not None:
+            print(line)
     if options.plot:
         print(f"Plot: {plot_step(estimate, options.plot)}")

@@ -36,6 +36,7 @@ from pl_lowprec.memory.plan import (
     largest_fitting,
     plan_memory,
     resized,
+    searched_config,
     settings_config,
 )
 from pl_lowprec.memory.sizes import format_bytes, parse_bytes
@@ -72,6 +73,7 @@ def main(args: list[str] | None = None) -> None:
     run = rebuild_classes(["--config", options.config, *overrides])
     trainer = run.config_init.trainer
     config = getattr(trainer.strategy, "transform_config", None)
+    config = searched_config(config) if config is not None else None
     if config is None or run.datamodule is None:
         parser.exit(
             2,

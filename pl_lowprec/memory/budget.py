@@ -41,12 +41,14 @@ def check_memory_budget(
     config: TransformConfig,
     sharding: Any = None,
     world_size: int = 1,
+    estimate: MemoryEstimate | None = None,
 ) -> MemoryEstimate:
-    """Predict the peak of one optimizer step; ``ValueError`` naming the plan's settings when it exceeds ``budget``."""
+    """Predict the peak of one optimizer step (or take ``estimate``, made for ``config`` already); ``ValueError``
+    naming the plan's settings when it exceeds ``budget``."""
     build = fresh_copies(module)  # each call a meta copy: the estimate transforms its own, the module stays
     batch = first_training_batch(trainer)
     accumulate = int(trainer.accumulate_grad_batches)
-    estimate = estimate_memory(
+    estimate = estimate or estimate_memory(
         build,
         batch,
         precision=precision,

@@ -35,6 +35,7 @@ from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory, timed_de
 from pl_lowprec.memory.fake_model import meta_copy
 from pl_lowprec.memory.sizes import format_bytes
 from pl_lowprec.memory.step_time import StepTime, predict_step_time
+from pl_lowprec.transforms.checkpointing import declared_blocks
 from pl_lowprec.transforms.config import TransformConfig
 
 ASSUMED_GPU = "H100"  # the GPU a CUDA plan is timed on when none is named and this machine has none
@@ -170,7 +171,7 @@ def plan_memory(
         time_on: The device the steps are timed on (``estimate_memory``'s ``time_on``); ``None``: ``device``,
             and for CUDA without a GPU here, ``ASSUMED_GPU`` (the table says so).
     """
-    config = config or TransformConfig()
+    config = searched_config(config or TransformConfig())
     device = torch.device(device)
     timed = timed_device(time_on, device, precision)
     plan = MemoryPlan(budget, margin, time_on=timed or ASSUMED_GPU, assumed=timed is None)
@@ -255,9 +256,17 @@ def settings_config(config: TransformConfig, settings: Settings, block_names: li
     return dataclasses.replace(config, **changes)
 
 
+def searched_config(config: TransformConfig) -> TransformConfig:
+    """``activation_checkpointing="auto"`` leaves the blocks to the plan, as a config that names none does (the
+    plan searches the blocks the model declares); ``memory_saving="auto"`` is simulated on its memory-saving side."""
+    if config.activation_checkpointing == "auto":
+        return dataclasses.replace(config, activation_checkpointing=None)
+    return config
+
+
 def block_classes(model: nn.Module) -> list[str]:
     """The repeated block classes a model declares (Hugging Face's ``_no_split_modules``)."""
-    return sorted({n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or ())})
+    return declared_blocks(model)
 
 
 def fresh_copies(model: nn.Module) -> Callable[[], nn.Module]:

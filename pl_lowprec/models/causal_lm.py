@@ -2,7 +2,9 @@
 strategy's streaming loader (quantized as it loads under ``LowPrecisionStrategy(quantization=...)``).
 
 Training uses the token-mean loss across accumulation and ranks (``pl_lowprec.models.token_loss``) and, with
-``loss_chunk_size``, never holds the whole batch's fp32 logits (``pl_lowprec.models.chunked_loss``).
+``loss_chunk_size``, never holds the whole batch's fp32 logits (``pl_lowprec.models.chunked_loss``). Its loss has
+two of the strategy's ``memory_saving`` paths (``grouped_cross_entropy``, and ``chunked_loss`` where
+``loss_chunk_size="auto"``), switched through ``configure_memory_saving``.
 Validation logs ``val/loss`` (mean per target token) and ``val/perplexity``, through torchmetrics.
 """
 
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -27,8 +29,10 @@ from pl_lowprec.models.forward_batch import forward_batch
 from pl_lowprec.models.token_loss import TokenMeanLoss
 from pl_lowprec.models.tokenizer_check import check_tokenizer
 from pl_lowprec.transforms.dtypes import to_dtype
+from pl_lowprec.transforms.memory_saving import AUTO
 
 PREFIX = "model."  # the Hugging Face model is held as self.model
+AUTO_LOSS_CHUNK = 256  # loss_chunk_size="auto" with the chunked_loss path on
 
 
 class CausalLM(pl.LightningModule):
@@ -45,7 +49,9 @@ class CausalLM(pl.LightningModule):
         warmup_steps: Linear warm-up from 0, in optimizer steps.
         min_lr_ratio: Cosine decay ends at ``lr * min_lr_ratio`` at the Trainer's last step.
         loss_chunk_size: Positions per chunk of the loss (``None``: all at once); 256 holds 8x less of
-            the fp32 logits than a 2048-token sequence.
+            the fp32 logits than a 2048-token sequence, for one more output-head matmul per chunk. ``"auto"``: the
+            strategy's ``memory_saving`` decides (its ``chunked_loss`` path: 256, else all at once; 256 under a
+            plain Lightning strategy); ``fit`` under ``memory_saving: auto`` chooses it for the device.
         dtype: dtype of the parameters that stay unquantized (``"bfloat16"``...); ``None`` follows the
             default dtype (the precision plugin's under ``-true`` precisions).
     """
@@ -61,12 +67,15 @@ class CausalLM(pl.LightningModule):
         weight_decay: float = 0.0,
         warmup_steps: int = 10,
         min_lr_ratio: float = 0.1,
-        loss_chunk_size: int | None = None,
+        loss_chunk_size: int | Literal["auto"] | None = None,
         dtype: str | None = None,
     ) -> None:
         super().__init__()
-        if loss_chunk_size is not None and loss_chunk_size < 1:
-            raise ValueError(f"CausalLM(loss_chunk_size={loss_chunk_size}) must be a positive number of positions.")
+        if loss_chunk_size not in (None, AUTO) and (not isinstance(loss_chunk_size, int) or loss_chunk_size < 1):
+            raise ValueError(
+                f"CausalLM(loss_chunk_size={loss_chunk_size}) must be a positive number of positions, 'auto' (the"
+                " strategy's memory_saving decides) or None (all positions at once)."
+            )
         if not 0 <= min_lr_ratio <= 1:
             raise ValueError(f"CausalLM(min_lr_ratio={min_lr_ratio}) must be between 0 and 1.")
         check_positive("CausalLM", "LoRA usually trains at 1e-4 to 3e-3.", lr=lr)
@@ -88,6 +97,8 @@ class CausalLM(pl.LightningModule):
         self.token_mean = TokenMeanLoss()
         self.val_nll = MeanMetric()
         self.loss_fn = chunk_loss
+        self.loss_chunk = AUTO_LOSS_CHUNK if loss_chunk_size == AUTO else loss_chunk_size
+        self.grouped_cross_entropy = True
 
     @property
     def pretrained_weights(self) -> PretrainedWeights:
@@ -140,7 +151,21 @@ class CausalLM(pl.LightningModule):
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = forward_batch(self.model.base_model, batch).last_hidden_state
         head = self.model.get_output_embeddings()
-        return causal_lm_loss_sum(head, hidden, batch["labels"], self.hparams.loss_chunk_size, self.loss_fn)
+        chunk, grouped = self.loss_chunk, self.grouped_cross_entropy
+        return causal_lm_loss_sum(head, hidden, batch["labels"], chunk, self.loss_fn, grouped)
+
+    @property
+    def memory_saving_paths(self) -> frozenset[str]:
+        """The strategy's ``memory_saving`` paths this module's loss takes (``configure_memory_saving``)."""
+        chunked = {"chunked_loss"} if self.hparams.loss_chunk_size == AUTO else set()
+        return frozenset({"grouped_cross_entropy", *chunked})
+
+    def configure_memory_saving(self, paths: frozenset[str]) -> None:
+        """Called by the strategy's transform with the ``memory_saving`` paths that are on: the cross-entropy in
+        row groups or ``F.cross_entropy`` on fp32 logits; with ``loss_chunk_size="auto"``, chunks or all at once."""
+        self.grouped_cross_entropy = "grouped_cross_entropy" in paths
+        if self.hparams.loss_chunk_size == AUTO:
+            self.loss_chunk = AUTO_LOSS_CHUNK if "chunked_loss" in paths else None
 
     def compile_loss(self, options: dict[str, Any]) -> None:
         """Called by the strategy's ``compile=``: the output head and cross-entropy, one chunk at a time."""
