@@ -1,6 +1,8 @@
 """Eager against compiled step time (``compile=``), LoRA and QLoRA with checkpointing, and what really compiled.
 
 Run: python benchmarks/run_all.py --only compile
+or, with other sizes (a Llama-3.2-1B-wide block on a GPU, say):
+    python benchmarks/compile_speed.py --hidden 2048 --intermediate 8192 --heads 32 --batch 2 --seq 2048
 A Llama (``TinyLlama``: hidden 256, MLP 688, 4 decoder layers, 4 heads, vocab 256), LoRA r=8 on every linear
 layer, every decoder layer checkpointed (non-reentrant), batch 4 x 256. Each model goes through the strategy's
 own ``ModelTransform`` (what ``LowPrecisionStrategy`` runs in ``setup``): fp32 LoRA, fp32 QLoRA (bitsandbytes
@@ -10,12 +12,14 @@ as ``compile=True`` does, with an empty inductor cache (a fresh ``TORCHINDUCTOR_
 cache compiles several times faster). The first compiled step compiles; its time, torch._dynamo's compile seconds
 over the whole run, the graphs it compiled and its graph breaks (``compile_report.CompileWatch``, what the INFO
 line reports) are shown apart. After one more untimed step each, the eager and compiled models take steps in
-rotating order; the table shows the median. A CPU figure: on a GPU the op-dispatch overhead that compile removes
-is a larger share of the step, and the kernels are Triton's, not C++.
+rotating order; the table shows the median. It runs on the GPU where there is one (steps timed between
+``torch.cuda.synchronize()`` calls), else on the CPU, whose figure says little about a GPU: there the op
+dispatch that compile removes is a larger share of the step, and the kernels are Triton's, not C++.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import tempfile
@@ -24,7 +28,7 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
-from common import markdown_table, ratio, rounds, section, with_spread, write_json
+from common import device, markdown_table, ratio, rounds, section, with_spread, write_json
 from lightning.pytorch.plugins.precision import Precision
 
 from pl_lowprec import AMPPrecision
@@ -33,7 +37,7 @@ from pl_lowprec.transforms.compile_report import CompileWatch
 from pl_lowprec.transforms.config import TransformConfig
 from pl_lowprec.transforms.pipeline import ModelTransform
 
-ROUNDS, BATCH, SEQ = 11, 4, 256
+DEVICE = device()
 RUNS = {  # name: (quantization, precision)
     "LoRA, fp32": (None, "32-true"),
     "QLoRA nf4, fp32": ("nf4", "32-true"),
@@ -41,32 +45,56 @@ RUNS = {  # name: (quantization, precision)
 }
 
 
-def build(quantization: str | None, precision: str, compile: bool) -> TinyLlama:
+def build(quantization: str | None, precision: str, compile: bool, args: argparse.Namespace) -> TinyLlama:
     torch.manual_seed(0)
-    model = TinyLlama(hidden_size=256, intermediate_size=688, num_layers=4, num_heads=4, max_len=SEQ)
+    model = TinyLlama(
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        max_len=args.seq,
+    )
     config = TransformConfig(
         quantization=quantization, lora={"r": 8}, activation_checkpointing="LlamaDecoderLayer", compile=compile
     )
     plugin = AMPPrecision(precision) if precision.endswith("-mixed") else Precision()
-    ModelTransform(config).apply(model, plugin, torch.device("cpu"))
-    return model
+    ModelTransform(config).apply(model, plugin, DEVICE)  # as the strategy's setup: quantized layers on DEVICE
+    return model.to(DEVICE)  # and the rest, as Lightning moves the module after it
 
 
 def step(model: TinyLlama, ids: torch.Tensor, precision: str) -> float:
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else nullcontext()
+    autocast = torch.autocast(DEVICE.type, dtype=torch.bfloat16) if precision == "bf16-mixed" else nullcontext()
+    synchronize()
     start = time.perf_counter()
     with autocast:
         loss = model.model(input_ids=ids, labels=ids, use_cache=False).loss
     loss.backward()
+    synchronize()
     return time.perf_counter() - start
 
 
+def synchronize() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ids = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--intermediate", type=int, default=688)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS), metavar="RUN")
+    args = parser.parse_args(argv)
+    ids = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="pl_lowprec_inductor_")  # a cold compile
     result, rows = {}, []
-    for name, (quantization, precision) in RUNS.items():
-        eager, compiled = build(quantization, precision, False), build(quantization, precision, True)
+    for name in args.runs:
+        quantization, precision = RUNS[name]
+        eager, compiled = build(quantization, precision, False, args), build(quantization, precision, True, args)
         step(eager, ids, precision)  # warm-up
         torch._dynamo.reset()  # each run compiles its own graphs
         watch = CompileWatch()
@@ -77,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "eager": lambda m=eager, p=precision: step(m, ids, p),
                 "compiled": lambda m=compiled, p=precision: step(m, ids, p),
             },
-            ROUNDS,
+            args.rounds,
         )
         activity = watch.activity()
         speed = ratio(times["eager"], times["compiled"])
@@ -97,8 +125,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
              with_spread(speed, 2), f"{first:.1f}", f"{activity.seconds:.1f}", activity.graphs, breaks)
         )  # fmt: skip
     section(
-        "compile=: TinyLlama hidden 256, 4 layers, LoRA r=8, every layer checkpointed, batch 4 x 256;"
-        f" median of {ROUNDS} rounds"
+        f"compile=: TinyLlama hidden {args.hidden}, MLP {args.intermediate}, {args.layers} layers, LoRA r=8, every"
+        f" layer checkpointed, batch {args.batch} x {args.seq}, on {DEVICE.type}; median of {args.rounds} rounds"
     )
     headers = [
         "run",

@@ -72,7 +72,7 @@ def pretrained(tmp_path_factory):
     return save_pretrained_dir(tmp_path_factory.mktemp("pretrained"), hidden_size=32, layers=3)
 
 
-def _fit(pretrained, tmp_path, precision="32-true", quantization="nf4", **strategy):
+def _fit(pretrained, tmp_path, precision="32-true", quantization="nf4", accelerator="cpu", **strategy):
     """Two optimizer steps of CausalLM QLoRA, every decoder layer checkpointed; the model, each step's gradients
     and losses, and what torch.compile did meanwhile."""
     from pl_lowprec.data import TextDataModule
@@ -87,6 +87,7 @@ def _fit(pretrained, tmp_path, precision="32-true", quantization="nf4", **strate
     grads, losses = GradRecorder(), LossRecorder()
     base = {"quantization": quantization, "lora": {"r": 8}, "activation_checkpointing": ["LlamaDecoderLayer"]}
     trainer = quiet_trainer(
+        accelerator=accelerator,
         strategy=LowPrecisionStrategy(**base, **strategy),
         **({"precision": precision} if precision == "32-true" else {"plugins": [AMPPrecision(precision)]}),
         max_steps=2,
@@ -115,11 +116,13 @@ def test_compiled_qlora_blocks_and_loss_match_eager(pretrained, tmp_path, caplog
     assert len(reports) == 1 and "(3 blocks wrapped)" in reports[0] and "no graph breaks" in reports[0]
 
 
-def test_bf16_qlora_blocks_compile_whole_one_graph_for_all_layers_and_train_as_eager(pretrained, tmp_path):
+@pytest.mark.parametrize("accelerator", ["cpu", pytest.param("gpu", marks=pytest.mark.cuda)])
+def test_bf16_qlora_blocks_compile_whole_one_graph_for_all_layers_and_train_as_eager(pretrained, tmp_path, accelerator):
     """The shipped recipe (nf4-dq, LoRA, every block checkpointed, bf16-mixed: the norms' and LoRA's autocast hooks)
     compiles each block whole, without graph breaks, and the layers share their graphs (a per-layer guard would
-    recompile each one, and past dynamo's limit of 8 the rest would run eagerly); it trains as eager does."""
-    recipe = {"precision": "bf16-mixed", "quantization": "nf4-dq"}
+    recompile each one, and past dynamo's limit of 8 the rest would run eagerly); it trains as eager does. On a GPU:
+    bitsandbytes' CUDA kernels and Triton's instead of C++."""
+    recipe = {"precision": "bf16-mixed", "quantization": "nf4-dq", "accelerator": accelerator}
     _, eager, eager_losses, _ = _fit(pretrained, tmp_path, **recipe)
     model, compiled, losses, activity = _fit(pretrained, tmp_path, **recipe, compile=True)
     assert activity.graph_breaks == {} and activity.failures == []
