@@ -193,10 +193,14 @@ def report(timeline: Timeline) -> dict[str, Any]:
     headers = ["step", "wall s", "batches s", "rest s", "gc s", "loggers s", "allocator (CUDA)", "first imported",
                "slowest calls (s)"]  # fmt: skip
     print(markdown_table(headers, rows))
+    settled = [wall[s] for s in steps if s >= 2 and s in wall]
+    if settled:
+        print(f"\nMedian step over steps 2+: {statistics.median(settled):.3f} s; slowest {max(settled):.3f} s.")
     outliers = find_outliers(timeline, steps)
     print("\nCalls that took longer at one step than their median over steps 2+ (by more than 20 ms):")
     print("\n".join(f"- step {s}: {what} {v:.3f} s (median {m:.3f} s)" for s, what, v, m in outliers) or "- none")
-    return {"steps": result, "outliers": [list(o) for o in outliers]}
+    median = statistics.median(settled) if settled else None
+    return {"steps": result, "median_step_seconds": median, "outliers": [list(o) for o in outliers]}
 
 
 def find_outliers(timeline: Timeline, steps: list[int]) -> list[tuple[int, str, float, float]]:
