@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import statistics
 import sys
 import time
@@ -126,10 +127,9 @@ class StepBoundaries(pl.Callback):
     def __init__(self, timeline: Timeline) -> None:
         self.timeline = timeline
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.timeline.objects = (len(gc.get_objects()), gc.get_freeze_count())
-
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.timeline.step == -1:  # after every on_train_start hook: the strategy's freeze is done
+            self.timeline.objects = (len(gc.get_objects()), gc.get_freeze_count())
         if trainer.global_step != self.timeline.step:
             self.timeline.begin_step(trainer.global_step)
 
@@ -232,6 +232,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="torch.cuda.synchronize() around every timed call (default on CUDA), at step boundaries only, or never",
     )
     args = parser.parse_args(own)
+    logging.getLogger("lightning.pytorch").setLevel(logging.INFO)  # the run's own lines (common.py quiets them)
     from pl_lowprec.cli import build_cli
     from pl_lowprec.strategies import transform_hooks
 
@@ -252,8 +253,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         gc.callbacks.remove(collector)
     objects, frozen = timeline.objects
     print(
-        f"\nsynchronize: {args.sync}; gc: {args.gc} ({objects:,} objects tracked by the collector at the first step,"
-        f" {frozen:,} of them frozen); seconds per optimizer step (steps from 0)\n"
+        f"\nsynchronize: {args.sync}; gc: {args.gc} (at the first step {objects:,} objects in the collector's"
+        f" generations, {frozen:,} frozen); seconds per optimizer step (steps from 0)\n"
     )
     return report(timeline)
 
