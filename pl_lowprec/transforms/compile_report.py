@@ -62,6 +62,45 @@ class CompileActivity:
         more = f"; and {len(self.graph_breaks) - limit} more" if len(self.graph_breaks) > limit else ""
         return "; ".join(shown) + more
 
+    def first_step_line(self, blocks: int) -> str:
+        """The line logged after the first optimizer step: what compiled, why anything compiled twice, the seconds."""
+        if not self.graphs:
+            return (
+                f"torch.compile: nothing compiled up to the end of the first optimizer step ({blocks} blocks were"
+                " wrapped): every compiled block ran eagerly."
+            )
+        why = f"; recompiled: {self.recompile_reasons()}" if self.recompiles else ""
+        breaks = sum(self.graph_breaks.values())
+        broken = f"{breaks} graph breaks (warned below)" if breaks else "no graph breaks"
+        return (
+            f"torch.compile: {self.graphs} graphs (each forward and backward) compiled in {self.seconds:.1f} s up to"
+            f" the end of the first optimizer step ({blocks} blocks wrapped): {self.graphs_by_function()}{why};"
+            f" {broken}. Later steps reuse them unless shapes change."
+        )
+
+    def later_line(self) -> str:
+        """The line logged at the end of training about what compiled after the first optimizer step."""
+        why = f" ({self.recompile_reasons()})" if self.recompiles else ""
+        return (
+            f"torch.compile: {self.graphs} more graphs ({self.seconds:.1f} s) after the first optimizer step:"
+            f" {self.graphs_by_function()}{why}."
+        )
+
+    def broken_graphs_warning(self) -> str:
+        """One paragraph naming what did not compile whole, and how to see where."""
+        parts = []
+        if self.graph_breaks:
+            parts.append(
+                f"torch.compile broke the graph {sum(self.graph_breaks.values())} times: {self.graph_break_reasons()}."
+                " The code around each break runs eagerly, and a break inside a checkpointed block leaves that block"
+                " uncompiled."
+            )
+        if self.failures:
+            failed = "; ".join(dict.fromkeys(f"{f.function}: {f.failed}" for f in self.failures))
+            parts.append(f"torch.compile gave up on {len(self.failures)} frames, which run eagerly: {failed}.")
+        parts.append("TORCH_LOGS=graph_breaks,recompiles shows where.")
+        return " ".join(parts)
+
 
 class CompileWatch:
     """Marks a point in time; ``activity()`` is what dynamo did since."""

@@ -28,7 +28,7 @@ from torch._inductor.cpp_builder import get_cpp_compiler
 from torch._inductor.exc import InvalidCxxCompiler
 
 from pl_lowprec.transforms.checkpointing import CheckpointPolicy, select_modules
-from pl_lowprec.transforms.compile_report import CompileActivity, CompileWatch
+from pl_lowprec.transforms.compile_report import CompileWatch
 
 CompileArg = bool | Mapping[str, Any]
 COMPILE_KEYS = tuple(name for name in inspect.signature(torch.compile).parameters if name != "model")
@@ -142,53 +142,15 @@ class CompileClock:
         if self.watch is None:
             return
         activity, self.watch, self.later = self.watch.activity(), None, CompileWatch()
-        rank_zero_info(first_step_report(activity, self.blocks))
+        rank_zero_info(activity.first_step_line(self.blocks))
         if activity.graph_breaks or activity.failures:
-            rank_zero_warn(broken_graphs_warning(activity))
+            rank_zero_warn(activity.broken_graphs_warning())
 
     def report_later(self) -> None:
         if self.later is None:
             return
         activity, self.later = self.later.activity(), None
         if activity.graphs or activity.graph_breaks or activity.failures:
-            rank_zero_info(
-                f"torch.compile: {activity.graphs} more graphs ({activity.seconds:.1f} s) after the first optimizer"
-                f" step: {activity.graphs_by_function()}"
-                + (f" ({activity.recompile_reasons()})" if activity.recompiles else "")
-                + "."
-            )
+            rank_zero_info(activity.later_line())
         if activity.graph_breaks or activity.failures:
-            rank_zero_warn(broken_graphs_warning(activity))
-
-
-def first_step_report(activity: CompileActivity, blocks: int) -> str:
-    """The line logged after the first optimizer step: what compiled, why anything compiled twice, the seconds."""
-    if not activity.graphs:
-        return (
-            f"torch.compile: nothing compiled up to the end of the first optimizer step ({blocks} blocks were"
-            " wrapped): every compiled block ran eagerly."
-        )
-    why = f"; recompiled: {activity.recompile_reasons()}" if activity.recompiles else ""
-    breaks = sum(activity.graph_breaks.values())
-    broken = f"{breaks} graph breaks (warned below)" if breaks else "no graph breaks"
-    return (
-        f"torch.compile: {activity.graphs} graphs (each forward and backward) compiled in {activity.seconds:.1f} s"
-        f" up to the end of the first optimizer step ({blocks} blocks wrapped): {activity.graphs_by_function()}"
-        f"{why}; {broken}. Later steps reuse them unless shapes change."
-    )
-
-
-def broken_graphs_warning(activity: CompileActivity) -> str:
-    """One paragraph naming what did not compile whole, and how to see where."""
-    parts = []
-    if activity.graph_breaks:
-        parts.append(
-            f"torch.compile broke the graph {sum(activity.graph_breaks.values())} times:"
-            f" {activity.graph_break_reasons()}. The code around each break runs eagerly, and a break inside a"
-            " checkpointed block leaves that block uncompiled."
-        )
-    if activity.failures:
-        failed = "; ".join(dict.fromkeys(f"{f.function}: {f.failed}" for f in activity.failures))
-        parts.append(f"torch.compile gave up on {len(activity.failures)} frames, which run eagerly: {failed}.")
-    parts.append("TORCH_LOGS=graph_breaks,recompiles shows where.")
-    return " ".join(parts)
+            rank_zero_warn(activity.broken_graphs_warning())

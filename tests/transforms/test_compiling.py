@@ -175,3 +175,37 @@ def test_selective_checkpointing_compiles_to_eager_gradients_and_counts_at_run_t
     assert traced_bytes == run_bytes
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], rtol=RTOL, atol=ATOL)
+
+
+class _Breaks(torch.nn.Module):
+    def forward(self, x):
+        x = x * 2
+        torch._dynamo.graph_break()  # what a side effect in a hook would do
+        return x + 1
+
+
+def test_the_report_warns_of_each_graph_break_and_says_when_nothing_compiled(caplog):
+    torch._dynamo.reset()
+    clock = compiling.CompileClock()
+    module = _Breaks()
+    module.compile(backend="eager")
+    clock.started(1)
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"), pytest.warns(UserWarning) as w:
+        module(torch.ones(3))
+        clock.report_once()
+    info = [m for m in caplog.messages if "torch.compile" in m]
+    assert len(info) == 1 and info[0].startswith("torch.compile: 2 graphs (each forward and backward) compiled")
+    assert "forward (test_compiling.py:" in info[0] and "1 graph breaks (warned below)" in info[0]
+    warned = [str(r.message) for r in w if "torch.compile" in str(r.message)]
+    assert len(warned) == 1 and warned[0].startswith("torch.compile broke the graph 1 times: Call to `torch._dynamo")
+    assert "TORCH_LOGS=graph_breaks,recompiles shows where." in warned[0]
+
+    caplog.clear()
+    idle = compiling.CompileClock()
+    idle.started(3)
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+        idle.report_once()
+    assert caplog.messages == [
+        "torch.compile: nothing compiled up to the end of the first optimizer step (3 blocks were wrapped): every"
+        " compiled block ran eagerly."
+    ]
