@@ -129,7 +129,7 @@ def test_bf16_qlora_blocks_compile_whole_one_graph_for_all_layers_and_train_as_e
     blocks = [f for f in activity.frames if f.function.startswith("__call__ (checkpointing.py")]
     # one graph for the first layer (its input needs no gradient: the embeddings are frozen), one for the others
     assert len(blocks) == 2, activity.frames
-    assert [f.recompile_reason for f in blocks][1].startswith("tensor 'args[0]' requires_grad mismatch")
+    assert "requires_grad mismatch" in blocks[1].recompile_reason  # "tensor 'args[0]' requires_grad mismatch ..."
     assert type(model.model.model.layers[2].mlp.down_proj.base_layer).__name__ == "Linear4bit"
     # inductor fuses the norms' and the loss's elementwise ops, rounding to bf16 at other points than eager
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-2, atol=0)
