@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from functools import lru_cache
 from types import ModuleType
 
@@ -17,6 +18,7 @@ _TORCHAO = RequirementCache("torchao>=0.18")
 _MATPLOTLIB = RequirementCache("matplotlib")
 _DATASETS = RequirementCache("datasets>=4.0")
 _GGUF = RequirementCache("gguf>=0.19")
+_LIGER = RequirementCache("liger-kernel>=0.8.5")
 
 
 def require_cli() -> None:
@@ -166,3 +168,24 @@ def import_gguf() -> ModuleType:
     import gguf
 
     return gguf
+@lru_cache
+def import_liger_fused_linear_cross_entropy() -> Callable[..., torch.Tensor]:
+    """Liger-Kernel's functional fused linear cross-entropy, or an error naming the feature and the install command
+    (Liger's kernels are Triton: installed with CUDA builds of torch, not with CPU ones)."""
+    problem = liger_missing()
+    if problem:
+        raise ModuleNotFoundError(problem)
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    return liger_fused_linear_cross_entropy
+
+
+def liger_missing() -> str | None:
+    """Why Liger-Kernel cannot be imported (a sentence with the install command), or ``None``."""
+    if not _LIGER:
+        return f'Liger-Kernel is not installed ({_LIGER.message}); install it with: pip install "pl_lowprec[liger]"'
+    try:
+        import liger_kernel.transformers.functional  # noqa: F401
+    except ImportError as err:
+        return f"Liger-Kernel is installed but does not import ({err}); it needs Triton, which CUDA torch builds bring"
+    return None

@@ -26,6 +26,7 @@ from pl_lowprec.loading import PretrainedWeights, empty_weights, load_pretrained
 from pl_lowprec.loading.hub import resolve_pretrained
 from pl_lowprec.models.chunked_loss import causal_lm_loss_sum, chunk_loss
 from pl_lowprec.models.forward_batch import forward_batch
+from pl_lowprec.models.liger_loss import LossKernel, check_head, check_loss_kernel, choose_loss_kernel, liger_loss_sum
 from pl_lowprec.models.token_loss import TokenMeanLoss
 from pl_lowprec.models.tokenizer_check import check_tokenizer
 from pl_lowprec.transforms.dtypes import to_dtype
@@ -54,6 +55,10 @@ class CausalLM(pl.LightningModule):
             plain Lightning strategy); ``fit`` under ``memory_saving: auto`` chooses it for the device.
         dtype: dtype of the parameters that stay unquantized (``"bfloat16"``...); ``None`` follows the
             default dtype (the precision plugin's under ``-true`` precisions).
+        loss_kernel: ``"torch"`` (default): the output head and PyTorch's cross-entropy (in chunks of
+            ``loss_chunk_size``); ``"liger"``: Liger-Kernel's fused linear cross-entropy, which never holds the
+            logits (CUDA only; ``pip install "pl_lowprec[liger]"``); ``"auto"``: Liger where it runs, else
+            ``"torch"``, said in one line.
     """
 
     # position_ids reach the model with no mask and no cache (forward_batch). TextDataModule(packing=True) checks
@@ -69,8 +74,10 @@ class CausalLM(pl.LightningModule):
         min_lr_ratio: float = 0.1,
         loss_chunk_size: int | Literal["auto"] | None = None,
         dtype: str | None = None,
+        loss_kernel: LossKernel = "torch",
     ) -> None:
         super().__init__()
+        check_loss_kernel(loss_kernel)
         if loss_chunk_size not in (None, AUTO) and (not isinstance(loss_chunk_size, int) or loss_chunk_size < 1):
             raise ValueError(
                 f"CausalLM(loss_chunk_size={loss_chunk_size}) must be a positive number of positions, 'auto' (the"
@@ -99,6 +106,7 @@ class CausalLM(pl.LightningModule):
         self.loss_fn = chunk_loss
         self.loss_chunk = AUTO_LOSS_CHUNK if loss_chunk_size == AUTO else loss_chunk_size
         self.grouped_cross_entropy = True
+        self.loss_kernel_in_use: Literal["torch", "liger"] | None = None  # set on the device in on_fit_start
 
     @property
     def pretrained_weights(self) -> PretrainedWeights:
@@ -139,6 +147,20 @@ class CausalLM(pl.LightningModule):
                 destroy_process_group_at_exit()  # Lightning does this for NCCL only; gloo would abort at exit
                 rank_zero_info(f"CausalLM: FSDP2 on {len(blocks)} blocks and the module as the root.")
 
+    def on_fit_start(self) -> None:
+        self.resolve_loss_kernel()
+
+    def on_validation_start(self) -> None:
+        self.resolve_loss_kernel()
+
+    def resolve_loss_kernel(self) -> None:
+        """Once, on the device, after the strategy transformed the model: Liger's fused loss or PyTorch's; refuses
+        ``loss_kernel="liger"`` where it cannot run, before any step (``liger_loss.py``)."""
+        if self.loss_kernel_in_use is None:
+            kernel = self.hparams.loss_kernel
+            chosen = choose_loss_kernel(kernel, self.device)
+            self.loss_kernel_in_use = check_head(kernel, chosen, self.model.get_output_embeddings())
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -151,6 +173,8 @@ class CausalLM(pl.LightningModule):
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = forward_batch(self.model.base_model, batch).last_hidden_state
         head = self.model.get_output_embeddings()
+        if self.loss_kernel_in_use == "liger":
+            return liger_loss_sum(head, hidden, batch["labels"])
         chunk, grouped = self.loss_chunk, self.grouped_cross_entropy
         return causal_lm_loss_sum(head, hidden, batch["labels"], chunk, self.loss_fn, grouped)
 
@@ -168,7 +192,8 @@ class CausalLM(pl.LightningModule):
             self.loss_chunk = AUTO_LOSS_CHUNK if "chunked_loss" in paths else None
 
     def compile_loss(self, options: dict[str, Any]) -> None:
-        """Called by the strategy's ``compile=``: the output head and cross-entropy, one chunk at a time."""
+        """Called by the strategy's ``compile=``: the output head and cross-entropy, one chunk at a time (not Liger's
+        kernel, fused already)."""
         self.loss_fn = torch.compile(chunk_loss, **options)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -64,9 +65,19 @@ def causal_lm_loss_sum(
     if chunk_size is None:
         return loss_fn(head, hidden, targets, grouped=grouped), tokens
     total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, hidden.size(1), chunk_size):
-        part = targets[:, start : start + chunk_size]
-        if (part == IGNORE_INDEX).all():
+    starts = range(0, hidden.size(1), chunk_size)
+    for start, nothing_to_learn in zip(starts, _chunks_without_targets(targets, chunk_size), strict=True):
+        if nothing_to_learn:
             continue  # nothing to learn here: skip the head's matmul entirely
+        part = targets[:, start : start + chunk_size]
         total = total + loss_fn(head, hidden[:, start : start + chunk_size], part, recompute=True, grouped=grouped)
     return total, tokens
+
+
+def _chunks_without_targets(targets: torch.Tensor, chunk_size: int) -> list[bool]:
+    """Whether each chunk of positions holds no target token, read with one host sync for all chunks (on a GPU a
+    sync per chunk would stop the CPU from queueing the next chunk's kernels while the GPU runs this one's)."""
+    ignored = targets == IGNORE_INDEX
+    pad = -ignored.size(1) % chunk_size
+    chunks = F.pad(ignored, (0, pad), value=True).reshape(ignored.size(0), -1, chunk_size)
+    return chunks.all(dim=2).all(dim=0).tolist()

@@ -13,9 +13,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from pl_lowprec.memory.budget import check_memory_budget
 from pl_lowprec.strategies.auto_settings import choose_memory_settings
+from pl_lowprec.strategies.garbage_collection import freeze_long_lived_objects, unfreeze
 from pl_lowprec.strategies.trainer_checks import check_trainer_arguments
 from pl_lowprec.strategies.transform_args import TransformArguments
 from pl_lowprec.transforms.weight_sources import teardown_with_meta
@@ -25,6 +27,7 @@ class TransformHooks(TransformArguments):
     """Runs ``self.transform`` at setup, around training steps, at the end of fit and for checkpoints."""
 
     _memory_settled = False
+    _frozen: tuple[int, float] | None = None
 
     def setup(self, trainer: pl.Trainer) -> None:
         check_trainer_arguments(trainer)
@@ -66,6 +69,8 @@ class TransformHooks(TransformArguments):
             yield
 
     def teardown(self) -> None:
+        unfreeze(self._frozen)
+        self._frozen = None
         teardown_with_meta(self, super().teardown)
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -80,6 +85,17 @@ class TransformHooks(TransformArguments):
         output = super().optimizer_step(*args, **kwargs)
         self.transform.after_optimizer_step()
         return output
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._frozen = freeze_long_lived_objects()
+        if self._frozen is not None:
+            frozen, seconds = self._frozen
+            rank_zero_info(
+                f"Froze the {frozen:,} Python objects alive before the first step (gc.freeze, after one full"
+                f" collection: {seconds:.1f} s): Python's full garbage collections skip them and no longer stall a"
+                " step (strategies/garbage_collection.py)."
+            )
 
     def on_train_end(self) -> None:
         super().on_train_end()

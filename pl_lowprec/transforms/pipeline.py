@@ -216,7 +216,9 @@ class ModelTransform:
         return OffloadActivations(device, exclude=[*model.parameters(), *model.buffers()])
 
     def on_fit_end(self, model: nn.Module) -> None:
-        """Convert a QAT model to its real quantized form (``QATConfig.convert_on_fit_end``)."""
+        """Convert a QAT model to its real quantized form (``QATConfig.convert_on_fit_end``); say what compiled after
+        the first step."""
+        self.compile_clock.report_later()
         if self.config.qat is not None and self.config.qat.convert_on_fit_end and not is_converted(model):
             converted = convert_qat(model, self.config.qat)
             rank_zero_info(f"QAT: converted {len(converted)} linear layers to {self.config.qat.scheme}.")

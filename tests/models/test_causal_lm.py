@@ -94,6 +94,28 @@ def test_chunked_loss_equals_the_whole_and_holds_less_at_vocab_32000():
     assert chunked[3] < logits_bytes / 50  # only hidden-state chunks are kept
 
 
+def test_chunks_without_a_target_skip_the_head_and_the_rest_give_the_whole_loss():
+    from pl_lowprec.models.chunked_loss import chunk_loss
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(2, 44, 16)  # 43 positions predict a target: 5 chunks of 8 and one of 3
+    labels = torch.randint(0, 50, (2, 44))
+    labels[:, :18] = -100  # targets are labels[:, 1:]: positions 0-16 have none, so chunks 0 and 1 are skipped
+    labels[:, 41:] = -100  # and positions 40-42: the last, short chunk
+    labels[0, 30] = -100
+    chunks = []
+
+    def counted(head, hidden, labels, recompute=False):
+        chunks.append(hidden.shape[1])
+        return chunk_loss(head, hidden, labels, recompute)
+
+    loss, tokens = causal_lm_loss_sum(head, hidden, labels, 8, counted)
+    whole, whole_tokens = causal_lm_loss_sum(head, hidden, labels, None)
+    assert chunks == [8, 8, 8] and tokens == whole_tokens == 2 * 23 - 1  # chunks 2-4: positions 16-39
+    torch.testing.assert_close(loss, whole)
+
+
 def test_warmup_then_cosine():
     f = warmup_cosine(warmup_steps=4, total_steps=14, min_ratio=0.1)
     assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
