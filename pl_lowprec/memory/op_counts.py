@@ -157,11 +157,27 @@ def _flops(func: Any, args: tuple, kwargs: dict | None, out: Any) -> tuple[int, 
         formula = flop_registry[registered]
     if formula is None:
         return 0, ""
-    flops = int(formula(*args, **(kwargs or {}), out_val=out))
+    try:
+        flops = int(formula(*args, **(kwargs or {}), out_val=out))
+    except AssertionError:  # grouped-query attention: torch's formula wants as many key/value heads as queries
+        flops = int(formula(*_heads_as_query(args), **(kwargs or {}), out_val=out))
     if causal_at is not None:
         causal = args[causal_at] if len(args) > causal_at else (kwargs or {}).get("is_causal", False)
         flops = flops // 2 if causal else flops
     return flops, dtype
+
+
+def _heads_as_query(args: tuple) -> tuple:
+    """Attention arguments with each 4-D key/value (and its gradient) as the shape it would have with its heads
+    repeated to the query's: the work GQA does is that of full attention. torch 2.13's formulas count GQA
+    themselves; torch 2.11's refuse it (their shape wrapper passes a ``torch.Size`` through as it is)."""
+    heads = args[0].shape[1]
+    return tuple(
+        torch.Size((a.shape[0], heads, *a.shape[2:]))
+        if isinstance(a, torch.Tensor) and a.dim() == 4 and a.shape[1] != heads
+        else a
+        for a in args
+    )
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

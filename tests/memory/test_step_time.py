@@ -199,3 +199,25 @@ def test_plan_ranks_by_predicted_time_where_flops_disagree():
     assert planned.chosen.settings == every_2nd
     assert planned.chosen.step.seconds < everything[smaller].step.seconds
     assert "Ranked by the predicted optimizer step on H100 (SXM, 80 GB)" in planned.table()
+
+
+def test_grouped_query_attention_counts_full_attention_on_a_torch_whose_formula_refuses_it(monkeypatch):
+    """torch 2.11's SDPA flop formula asserts on fewer key/value heads than queries (the H200 run's estimate
+    failed there); the count is then that of the heads repeated, as torch 2.13 counts it."""
+    from torch.utils import flop_counter
+
+    from pl_lowprec.memory.op_counts import _flops
+
+    q, k, v = torch.empty(2, 8, 64, 32), torch.empty(2, 2, 64, 32), torch.empty(2, 2, 64, 32)
+    op = torch.ops.aten._scaled_dot_product_efficient_attention.default
+    native, dtype = _flops(op, (q, k, v, None, False), {}, None)
+    assert native == 2 * (2 * 2 * 8 * 64 * 64 * 32) and dtype == "fp32"
+    counted = flop_counter.sdpa_flop_count
+
+    def without_gqa(query_shape, key_shape, value_shape):
+        if query_shape[1] != key_shape[1]:
+            raise AssertionError("sdpa_flop_count: query/key/value shapes are incompatible")
+        return counted(query_shape, key_shape, value_shape)
+
+    monkeypatch.setattr(flop_counter, "sdpa_flop_count", without_gqa)
+    assert _flops(op, (q, k, v, None, False), {}, None) == (native, "fp32")
