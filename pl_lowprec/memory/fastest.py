@@ -171,7 +171,7 @@ class Search:
         step_time = getattr(self.estimate, "step_time", None)
         per_rank = " per rank" if self.estimate.world_size > 1 else ""
         predicted = f"predicted peak {format_bytes(self.estimate.peak)}{per_rank}"
-        predicted += f", {step_time:.2f} s per step" if step_time else ""
+        predicted += f", {step_time.seconds:.2f} s per step on {step_time.device}" if step_time else ""
         if not self.fits:
             return (
                 f"No settings fit in {format_bytes(self.limit)} ({memory}): the most memory-saving"

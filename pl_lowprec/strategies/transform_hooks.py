@@ -27,6 +27,7 @@ class TransformHooks(TransformArguments):
     """Runs ``self.transform`` at setup, around training steps, at the end of fit and for checkpoints."""
 
     _memory_settled = False
+    automatic_choice: Any = None  # the Search behind the "auto" settings, once fit has chosen them
     _frozen: tuple[int, float] | None = None
 
     def setup(self, trainer: pl.Trainer) -> None:
@@ -49,6 +50,7 @@ class TransformHooks(TransformArguments):
         search = None
         if config.chooses_automatically:
             search = choose_memory_settings(self, trainer, str(plugin.precision), self.memory_budget)
+            self.automatic_choice = search
         if self.memory_budget is None or (search is not None and search.fits):
             return  # the choice's line gave the peak within the budget
         check_memory_budget(
