@@ -168,6 +168,8 @@ def import_gguf() -> ModuleType:
     import gguf
 
     return gguf
+
+
 @lru_cache
 def import_liger_fused_linear_cross_entropy() -> Callable[..., torch.Tensor]:
     """Liger-Kernel's functional fused linear cross-entropy, or an error naming the feature and the install command

@@ -25,10 +25,12 @@ from pl_lowprec.models.token_loss import IGNORE_INDEX
 def _logits_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, grouped: bool = True) -> torch.Tensor:
     # A chunk is a strided view of the hidden states; its recompute may get a dense copy (activation offloading
     # moves checkpoint inputs to host and back), and matmul takes another path for each, saving tensors of other
-    # shapes, which the checkpoint refuses. Dense in both: a chunk-sized temporary.
-    logits = head(hidden.contiguous())
+    # shapes, which the checkpoint refuses. Dense in both: a chunk-sized temporary. Rows as a 2-D matrix: a 3-D
+    # chunk of one sequence is "contiguous" but not foldable, and matmul then runs it as a bmm (18 GFLOP/s in bf16
+    # on a CPU, against 289 for the mm of the same rows; benchmarks/dispatch_proxy.py found it).
+    rows = hidden.contiguous().reshape(-1, hidden.size(-1))
     loss = cross_entropy_sum if grouped else plain_cross_entropy_sum
-    return loss(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
+    return loss(head(rows), labels.reshape(-1))
 
 
 def chunk_loss(
