@@ -7,9 +7,8 @@ is merged, again and again, and what no token covers is spelled with the ``<0xNN
 the scores from ``tokenizer.model`` with sentencepiece; a fine-tune's directory holds the ``tokenizer.json`` that
 transformers loads (and trained with), whose merges are SentencePiece's, ranked by score. So each token's score here
 is minus the rank of its first merge, and llama.cpp merges in the order transformers does, provided the merges are
-the ones that rule implies: every split of a token into two tokens is a merge, and one token's merges are adjacent
-in rank (``merge_problem``; a BPE trained otherwise is refused). transformers' GGUF reader rebuilds its merges from
-these scores the same way.
+the ones that rule implies (``gguf_merge_order``; a BPE trained otherwise is refused). transformers' GGUF reader
+rebuilds its merges from these scores the same way.
 
 Token types as llama.cpp's converter sets them: ``<0xNN>`` byte tokens BYTE (llama.cpp decodes them to the byte,
 and falls back on them), the unknown token UNKNOWN, special added tokens (and those that look special) CONTROL,
@@ -23,6 +22,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from pl_lowprec.export.gguf_merge_order import first_merge_ranks, merge_problem
 from pl_lowprec.export.gguf_special import (
     METASPACE,
     added_special_tokens,
@@ -70,34 +70,6 @@ def merge_pairs(model: dict[str, Any]) -> list[tuple[str, str]]:
     return [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in model.get("merges", [])]
 
 
-def merge_problem(vocab: dict[str, int], merges: list[tuple[str, str]]) -> str | None:
-    """Why llama.cpp's score-ordered merging would not merge as these ranked merges do, or None.
-    ``vocab`` is the BPE model's own vocabulary (added-only tokens are matched whole before merging)."""
-    pairs = set(merges)
-    for token in vocab:
-        for cut in range(1, len(token)):
-            left, right = token[:cut], token[cut:]
-            if left in vocab and right in vocab and (left, right) not in pairs:
-                return (
-                    f"{left!r} + {right!r} -> {token!r} is not one of its merges, though all three are tokens"
-                    " (llama.cpp merges any two pieces that form a token)"
-                )
-    done: set[str] = set()
-    current = None
-    for rank, (left, right) in enumerate(merges):
-        token = left + right
-        if token != current:
-            if token in done:
-                return (
-                    f"the merges of {token!r} are not adjacent in rank (another comes at rank {rank}), so no score"
-                    " per token orders them as these merges do"
-                )
-            if current is not None:
-                done.add(current)
-            current = token
-    return None
-
-
 def check_sentencepiece(tokenizer_json: dict[str, Any], source: str | Path) -> bool:
     """``add_space_prefix`` for a SentencePiece-style ``tokenizer.json``; a ``ValueError`` with the fix when llama.cpp
     would tokenize differently from it (checked before any weights load)."""
@@ -126,14 +98,6 @@ def check_sentencepiece(tokenizer_json: dict[str, Any], source: str | Path) -> b
     if problem is not None:
         raise _refuse(source, f"its merges are not the ones SentencePiece's rule implies: {problem}.")
     return prefix
-
-
-def first_merge_ranks(merges: list[tuple[str, str]]) -> dict[str, int]:
-    """Each merged token's rank: the rank of the first merge that makes it."""
-    ranks: dict[str, int] = {}
-    for rank, (left, right) in enumerate(merges):
-        ranks.setdefault(left + right, rank)
-    return ranks
 
 
 def sentencepiece_vocabulary(

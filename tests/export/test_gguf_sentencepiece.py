@@ -9,6 +9,7 @@ Mistral-7B-v0.3's config shrunk; no real vocabulary is available offline.
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -154,6 +155,28 @@ def test_llama_cpp_and_transformers_differ_where_llama_cpp_adds_its_space(mistra
     assert chat != tokenizer("[INST]What is 2+2?[/INST]")["input_ids"]
 
 
+def test_a_tokenizer_that_adds_no_bos_says_so_in_the_file(mistral, tmp_path):
+    """llama.cpp adds BOS to a SentencePiece vocabulary unless the file says not to; a tokenizer whose files do not
+    say (no add_bos_token, no post-processor: transformers then adds none) gets add_bos_token false written."""
+    from transformers import AutoTokenizer
+
+    source, _, _ = mistral
+    model_dir = tmp_path / "model"
+    shutil.copytree(source, model_dir)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config.pop("add_bos_token", None)
+    config.pop("add_eos_token", None)
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer_json = json.loads((model_dir / "tokenizer.json").read_text())
+    (model_dir / "tokenizer.json").write_text(json.dumps({**tokenizer_json, "post_processor": None}))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert tokenizer("def f")["input_ids"][0] != tokenizer.bos_token_id
+    convert(model_dir, "bf16")
+    fields, _ = metadata(gguf_dir(model_dir) / "model-bf16.gguf")
+    assert fields["tokenizer.ggml.add_bos_token"] is False
+    assert LlamaCppSpm.from_fields(fields).tokenize("def f") == tokenizer("def f")["input_ids"]
+
+
 # --- the user's path: pl-lowprec fit on a Mistral with this tokenizer, then export --format gguf ------------------
 
 MISTRAL_MODELFILE = (
@@ -195,7 +218,7 @@ def test_fine_tuned_mistral_gguf_completes_as_the_merged_model(exported):
     ids = held_out_ids(len(tokenizer), low=300)
     torch.testing.assert_close(logits(read, ids), logits(merged, ids), rtol=0, atol=1e-6)
     words = ["import", "return", "naïve", "self", "while", "lambda", "yield", "größe", "raise", "日本"]
-    prompts = [f"[INST]{words[i % 10]} {words[(3 * i + 1) % 10]}_{i}([/INST]" for i in range(20)]
+    prompts = [f"[INST]{words[i % 10]}:\n    {words[(3 * i + 1) % 10]}_{i}([/INST]" for i in range(20)]
     assert [from_gguf(p)["input_ids"] for p in prompts] == [tokenizer(p)["input_ids"] for p in prompts]
     decoding = Decoding(max_new_tokens=8)
     expected = Generator(merged, tokenizer).complete(prompts, decoding)
@@ -234,12 +257,6 @@ def test_tokenizers_llama_cpp_would_split_otherwise_are_refused_with_the_reason(
     assert "'▁' + '▁' -> '▁▁' is not one of its merges, though all three are tokens" in message
     assert message.startswith("The tokenizer of 'tok' is a SentencePiece-style BPE (byte fallback)")
     assert message.endswith("Export --format merged and convert with llama.cpp's convert_hf_to_gguf.py.")
-    # one token's merges apart in rank: no score per token can order them
-    pairs = [tuple(m) for m in model["merges"]]
-    twice = next(i for i in range(1, len(pairs)) if "".join(pairs[i]) == "".join(pairs[i - 1]))
-    moved = [*model["merges"][:twice], *model["merges"][twice + 1 : twice + 3], model["merges"][twice]]
-    moved += model["merges"][twice + 3 :]
-    assert "are not adjacent in rank" in refused({**tokenizer_json, "model": {**model, "merges": moved}})
     vocab = {k: v for k, v in model["vocab"].items() if k != "<0x0A>"}
     message = refused({**tokenizer_json, "model": {**model, "vocab": vocab}})
     assert "lacks 1 of the 256 byte tokens (<0x0A>...)" in message
@@ -249,6 +266,42 @@ def test_tokenizers_llama_cpp_would_split_otherwise_are_refused_with_the_reason(
     unigram = {"type": "Unigram", "unk_id": 0, "vocab": [["<unk>", 0.0], ["▁a", -1.0]], "byte_fallback": True}
     message = refused({**tokenizer_json, "model": unigram})
     assert "is a Unigram model: llama.cpp's SentencePiece tokenizer merges pairs by score" in message
+
+
+def test_merges_apart_in_rank_are_accepted_only_where_llama_cpp_still_merges_alike(spm_dir):
+    """transformers 5 ranks the merges of tokens SentencePiece scores alike (Mistral's runs of spaces, all -1e9) by
+    the pieces' lengths, interleaving them: no score per token gives that order, yet llama.cpp splits every text
+    of those pieces alike, so the tokenizer is written. Where it would not, the refusal shows a text it splits
+    otherwise."""
+    from transformers import AutoTokenizer
+    from transformers.tokenization_utils_base import generate_merges
+
+    from pl_lowprec.export.gguf_merge_order import first_merge_ranks, interleaved_pieces, merge_problem
+
+    tokenizer_json = json.loads((spm_dir / "tokenizer.json").read_text())
+    model = tokenizer_json["model"]
+    first = first_merge_ranks([tuple(m) for m in model["merges"]])
+    scores = {token: -1e9 if token in WHITESPACE else -first.get(token, 10**6) for token in model["vocab"]}
+    tied = [list(m) for m in generate_merges(model["vocab"], scores)]
+    assert interleaved_pieces([tuple(m) for m in tied]) >= set(WHITESPACE[:3])  # apart in rank: probed
+    tied_json = {**tokenizer_json, "model": {**model, "merges": tied}}
+    assert merge_problem(model["vocab"], [tuple(m) for m in tied]) is None
+    tied_dir = spm_dir.with_name("tied")
+    shutil.copytree(spm_dir, tied_dir)
+    (tied_dir / "tokenizer.json").write_text(json.dumps(tied_json))
+    tokenizer = AutoTokenizer.from_pretrained(tied_dir)
+    ranks = first_merge_ranks([tuple(m) for m in tied])
+    vocab = sorted(model["vocab"], key=model["vocab"].get)
+    llama_cpp = LlamaCppSpm(vocab, [-float(ranks.get(t, 10**6)) for t in vocab], [1] * len(vocab))
+    for spaces in range(1, 40):
+        text = f"x{' ' * spaces}y"
+        assert llama_cpp.tokenize(text) == tokenizer(text)["input_ids"], spaces
+
+    # abc's merges at ranks 1 and 3 with bcd's at 2: llama.cpp, scoring abc by its first rank, prefers it
+    vocab = {token: index for index, token in enumerate(["a", "b", "c", "d", "bc", "ab", "abc", "bcd"])}
+    merges = [("b", "c"), ("ab", "c"), ("bc", "d"), ("a", "bc"), ("a", "b")]
+    problem = merge_problem(vocab, merges)
+    assert problem.endswith("llama.cpp would split 'abcd' into ['abc', 'd'] where the merges give ['a', 'bcd']")
 
 
 def test_legacy_and_metaspace_splittings_set_the_space_prefix():
