@@ -111,3 +111,21 @@ def load_exported(exported: Path) -> tuple:
     tokenizer = AutoTokenizer.from_pretrained(exported / "merged")
     from_gguf = AutoTokenizer.from_pretrained(exported / "gguf", gguf_file="model-bf16.gguf")
     return merged, tokenizer, read, from_gguf
+
+
+def assert_completes_as_merged(exported: Path, prompts: list[str], ids: torch.Tensor) -> None:
+    """``exported`` holds the GGUF and its Modelfile only; the GGUF read back gives the merged export's logits on
+    ``ids`` (the same bf16 bits), its tokenizer encodes ``prompts`` alike, and greedy completions (each model with
+    its own tokenizer) agree on at least 95% of them, in fact on all."""
+    from pl_lowprec.export.generate import Decoding, Generator
+
+    assert sorted(p.name for p in (exported / "gguf").iterdir()) == ["Modelfile", "model-bf16.gguf"]
+    merged, tokenizer, read, from_gguf = load_exported(exported)
+    torch.testing.assert_close(logits(read, ids), logits(merged, ids), rtol=0, atol=1e-6)
+    assert [from_gguf(p)["input_ids"] for p in prompts] == [tokenizer(p)["input_ids"] for p in prompts]
+    decoding = Decoding(max_new_tokens=8)
+    expected = Generator(merged, tokenizer).complete(prompts, decoding)
+    got = Generator(read, from_gguf).complete(prompts, decoding)
+    assert len(set(expected)) > 1  # the completions differ between prompts: the comparison can fail
+    assert sum(a == b for a, b in zip(got, expected, strict=True)) >= 0.95 * len(prompts)
+    assert got == expected

@@ -3,12 +3,12 @@ sentencepiece package), saved as the ``LlamaTokenizerFast`` directory a hub mode
 
 Shaped as the hub's ``tokenizer.json`` files converted from a SentencePiece BPE model are: ``<unk>``, ``<s>``,
 ``</s>`` and Mistral's control tokens first (special added tokens, also in the BPE vocabulary), the 256 ``<0xNN>``
-byte-fallback tokens next, runs of spaces, then the learned pieces in merge order and the characters last; merges
-are every split of a token into two tokens, ranked by the score of the token they make (transformers'
-``SentencePieceExtractor``), the runs of spaces last;
-spaces become ``▁`` (``Metaspace``, one prepended, text kept whole); BOS is added. The pieces are learned on the
-standard library's sources (ASCII only, so other text needs the byte fallback), and ``<think>`` is a plain
-(user-defined) added token. The chat template wraps turns in Mistral's control tokens.
+byte-fallback tokens, runs of spaces, the learned pieces in merge order, the characters last. The merges are every
+split of a token into two tokens, ranked by the score of the token they make (transformers'
+``SentencePieceExtractor``), the runs of spaces last as their -1e9 scores put them. Spaces become ``▁``
+(``Metaspace``: one prepended, the text kept whole); BOS is added. The pieces are learned on the standard library's
+sources (ASCII only, so other text needs the byte fallback); ``<think>`` is a plain (user-defined) added token; the
+chat template wraps turns in Mistral's control tokens.
 """
 
 from __future__ import annotations

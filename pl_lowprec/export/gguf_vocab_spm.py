@@ -11,8 +11,10 @@ the ones that rule implies (``gguf_merge_order``; a BPE trained otherwise is ref
 rebuilds its merges from these scores the same way.
 
 Token types as llama.cpp's converter sets them: ``<0xNN>`` byte tokens BYTE (llama.cpp decodes them to the byte,
-and falls back on them), the unknown token UNKNOWN, special added tokens (and those that look special) CONTROL,
-other added tokens USER_DEFINED (matched whole in raw text), rows past the tokenizer ``[PAD<i>]`` UNUSED.
+and falls back on them), special added tokens (and those that look special) CONTROL, other added tokens
+USER_DEFINED (matched whole in raw text), rows past the tokenizer ``[PAD<i>]`` UNUSED; the unknown token UNKNOWN,
+as sentencepiece marks it (llama.cpp's converter then makes it CONTROL when it is a special added token; llama.cpp
+treats the two alike).
 """
 
 from __future__ import annotations

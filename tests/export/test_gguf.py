@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf_helpers import convert, fit_and_export, gguf_dir, held_out_ids, load_exported, logits, metadata
+from gguf_helpers import assert_completes_as_merged, convert, fit_and_export, gguf_dir, held_out_ids, logits, metadata
 from gguf_helpers import shrunk_model as shrunk
 from loading_helpers import save_llama, save_tokenizer
 from model_shapes import LLAMA31_8B, MISTRAL_7B_V03, QWEN25_05B, SMOLLM2_135M
@@ -188,24 +188,10 @@ def exported(trained):
     return trained[2]
 
 
-def test_exported_gguf_completes_as_the_merged_model(exported, capsys):
-    """Greedy completions of held-out prompts (each model with its own tokenizer: the GGUF's read back from the
-    file) agree on at least 95% of them; in fact on all, since the bf16 weights are the same bits."""
-    from pl_lowprec.export.generate import Decoding, Generator
-
-    assert sorted(p.name for p in (exported / "gguf").iterdir()) == ["Modelfile", "model-bf16.gguf"]
-    merged, tokenizer, read, from_gguf = load_exported(exported)
-    ids = held_out_ids()
-    torch.testing.assert_close(logits(read, ids), logits(merged, ids), rtol=0, atol=1e-6)
+def test_exported_gguf_completes_as_the_merged_model(exported):
     words = ["import", "return", "class", "self", "while", "lambda", "yield", "assert", "raise", "with"]
     prompts = [f"{words[i % 10]} {words[(3 * i + 1) % 10]}_{i}(" for i in range(20)]
-    assert [from_gguf(p)["input_ids"] for p in prompts] == [tokenizer(p)["input_ids"] for p in prompts]
-    decoding = Decoding(max_new_tokens=8)
-    expected = Generator(merged, tokenizer).complete(prompts, decoding)
-    got = Generator(read, from_gguf).complete(prompts, decoding)
-    assert len(set(expected)) > 1  # the completions differ between prompts: the comparison can fail
-    assert sum(a == b for a, b in zip(got, expected, strict=True)) >= 0.95 * len(prompts)
-    assert got == expected
+    assert_completes_as_merged(exported, prompts, held_out_ids())
 
 
 DEMO_MODELFILE = (

@@ -13,7 +13,16 @@ import shutil
 
 import pytest
 import torch
-from gguf_helpers import convert, fit_and_export, gguf_dir, held_out_ids, load_exported, logits, metadata, shrunk_model
+from gguf_helpers import (
+    assert_completes_as_merged,
+    convert,
+    fit_and_export,
+    gguf_dir,
+    held_out_ids,
+    logits,
+    metadata,
+    shrunk_model,
+)
 from llama_cpp_tokenizer import LlamaCppSpm
 from model_shapes import MISTRAL_7B_V03
 from sentencepiece_tokenizer import CONTROL, USER_DEFINED, WHITESPACE, save_sentencepiece_tokenizer
@@ -26,6 +35,7 @@ PROMPTS = [
     "ünïcödé 123 45678 ...!!",  # characters the vocabulary lacks: byte fallback
     "日本語のテキスト 🤖 emoji",
     "[INST]What is 2+2?[/INST]",  # control tokens inside the text
+    "[INST]a <unk> b</s>",  # the unknown token (UNKNOWN, not CONTROL) is still matched whole
     "<think>hmm</think> ok",  # a user-defined added token
     "class Held(Out):\n        pass\t# eight spaces\n\n",
 ]
@@ -205,33 +215,56 @@ def exported(spm_dir, tmp_path_factory):
         {"messages": [{"role": "user", "content": f"What is {i} + 1?"}, {"role": "assistant", "content": f"{i + 1}"}]}
         for i in range(40)
     ]
-    _, _, printed = fit_and_export(pretrained, root, chats)
-    return root, printed
+    checkpoint, args, printed = fit_and_export(pretrained, root, chats)
+    return root, printed, checkpoint, args
 
 
-def test_fine_tuned_mistral_gguf_completes_as_the_merged_model(exported):
-    from pl_lowprec.export.generate import Decoding, Generator
+def test_fine_tuned_mistral_gguf_completes_as_the_merged_model(exported, spm_dir):
+    """Held-out chat prompts with indentation and text that needs the byte fallback."""
+    from transformers import AutoTokenizer
 
-    root, printed = exported
-    assert sorted(p.name for p in (root / "gguf").iterdir()) == ["Modelfile", "model-bf16.gguf"]
-    merged, tokenizer, read, from_gguf = load_exported(root)
-    ids = held_out_ids(len(tokenizer), low=300)
-    torch.testing.assert_close(logits(read, ids), logits(merged, ids), rtol=0, atol=1e-6)
+    root, printed, _, _ = exported
     words = ["import", "return", "naïve", "self", "while", "lambda", "yield", "größe", "raise", "日本"]
     prompts = [f"[INST]{words[i % 10]}:\n    {words[(3 * i + 1) % 10]}_{i}([/INST]" for i in range(20)]
-    assert [from_gguf(p)["input_ids"] for p in prompts] == [tokenizer(p)["input_ids"] for p in prompts]
-    decoding = Decoding(max_new_tokens=8)
-    expected = Generator(merged, tokenizer).complete(prompts, decoding)
-    got = Generator(read, from_gguf).complete(prompts, decoding)
-    assert len(set(expected)) > 1  # the completions differ between prompts: the comparison can fail
-    assert sum(a == b for a, b in zip(got, expected, strict=True)) >= 0.95 * len(prompts)
-    assert got == expected
+    assert_completes_as_merged(root, prompts, held_out_ids(len(AutoTokenizer.from_pretrained(spm_dir)), low=300))
     assert "tokenizer llama (SentencePiece-style, byte fallback, add_space_prefix True) with" in printed
 
 
 def test_the_modelfile_has_mistrals_template_and_stop_tokens(exported):
-    root, _ = exported
+    root = exported[0]
     assert (root / "gguf" / "Modelfile").read_text() == MISTRAL_MODELFILE
+
+
+def test_a_tokenizer_llama_cpp_would_split_otherwise_is_refused_before_the_checkpoint_loads(
+    exported, spm_dir, tmp_path, monkeypatch
+):
+    import pl_lowprec.cli.export as cli_export
+    from pl_lowprec.cli import main
+
+    def no_restore(*args, **kwargs):
+        raise AssertionError("the checkpoint was restored before the refusal")
+
+    monkeypatch.setattr(cli_export, "restore", no_restore)
+    _, _, checkpoint, args = exported
+    broken = tmp_path / "broken_tokenizer"
+    shutil.copytree(spm_dir, broken)
+    tokenizer_json = json.loads((broken / "tokenizer.json").read_text())
+    tokenizer_json["model"]["merges"].remove(["▁", "▁"])
+    (broken / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    out = tmp_path / "gguf"
+    message = r"broken_tokenizer' is a SentencePiece-style BPE \(byte fallback\).* '▁' \+ '▁' -> '▁▁' is not one of"
+    with pytest.raises(ValueError, match=message):
+        main(
+            [
+                "export",
+                f"--ckpt_path={checkpoint}",
+                f"--out={out}",
+                *args,
+                "--format=gguf",
+                f"--data.tokenizer={broken}",
+            ]
+        )
+    assert not out.exists()
 
 
 # --- refusals: what llama.cpp's SentencePiece tokenizer would split differently -----------------------------------
