@@ -79,6 +79,16 @@ def export_gguf(restored: Restored, out: Path, gguf_type: str, overwrite: bool, 
     return summary(written, gguf_file, out / "Modelfile", template, stops, source)
 
 
+def tokenizer_note(vocab: dict[str, Any]) -> str:
+    """The tokenizer part of the summary: llama.cpp's model/pre names, the tokens and what orders the merging."""
+    if vocab["model"] == "llama":
+        return (
+            f"llama (SentencePiece-style, byte fallback, add_space_prefix {vocab['add_space_prefix']}) with"
+            f" {vocab['tokens']} tokens, scored by rank in {vocab['merges']} merges"
+        )
+    return f"gpt2/{vocab['pre']} with {vocab['tokens']} tokens and {vocab['merges']} merges"
+
+
 def summary(
     written: dict[str, Any], gguf_file: Path, modelfile_path: Path, template: str | None, stops: list[str], source: str
 ) -> str:
@@ -104,8 +114,8 @@ def summary(
         )
     return (
         f"Wrote {gguf_file} ({written['architecture']}, {gguf_file.stat().st_size / 2**20:,.1f} MiB,"
-        f" {written['tensors']} tensors: {types}; tokenizer gpt2/{vocab['pre']} with {vocab['tokens']} tokens and"
-        f" {vocab['merges']} merges, {specials}, add_bos {bool(vocab['add_special'].get('bos'))}; chat template"
+        f" {written['tensors']} tensors: {types}; tokenizer {tokenizer_note(vocab)}, {specials}, add_bos"
+        f" {bool(vocab['add_special'].get('bos'))}; chat template"
         f" {'included' if vocab['chat_template'] else 'none'}) and {modelfile_path} ({template_note}; stop"
         f" {', '.join(repr(s) for s in stops)}) from {source}.{window_note} Run it with: ollama create NAME -f"
         f" {modelfile_path}, or llama-cli -m {gguf_file}."

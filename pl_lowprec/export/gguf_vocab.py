@@ -1,4 +1,5 @@
-"""The tokenizer in a GGUF's metadata, as llama.cpp's converter writes a byte-level BPE (``_set_vocab_gpt2``).
+"""The tokenizer in a GGUF's metadata, as llama.cpp's converter writes it; here byte-level BPE (``_set_vocab_gpt2``),
+and the choice between it and SentencePiece-style BPE (``gguf_vocab_spm``), by the tokenizer's BPE model.
 
 - ``tokenizer.ggml.model = gpt2``, the vocabulary in its byte-level spelling, a type per token (control for
   special added tokens and those that look special, user-defined for other added tokens, unused for the
@@ -10,17 +11,19 @@
   seen; here it is read from the loaded tokenizer's pre-tokenizer (transformers rebuilds Qwen2's, for one,
   whatever tokenizer.json says), and a splitting that is not one of ``PRE_TOKENIZERS`` is refused: llama.cpp
   would split text differently from the tokenizer the model learned.
+
+Other tokenizer models are refused: Unigram (llama.cpp's ``llama`` tokenizer merges pairs by score, which is not a
+Unigram model's most likely segmentation), WordPiece and WordLevel (no llama.cpp tokenizer for a Llama or Qwen2).
 """
 
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from pl_lowprec.export.gguf_special import looks_special, special_vocab, user_defined_text
+from pl_lowprec.export.gguf_vocab_spm import add_sentencepiece_vocabulary, check_sentencepiece
 from pl_lowprec.loading.tokenizer import load_tokenizer
 
 # llama.cpp's pre-tokenizer names (llama-vocab.cpp), by the splitting tokenizer.json declares.
@@ -59,8 +62,17 @@ def pre_tokenizer(tokenizer_json: dict[str, Any]) -> str | None:
     return None
 
 
+def tokenizer_model(tokenizer_json: dict[str, Any]) -> str | None:
+    """llama.cpp's ``tokenizer.ggml.model`` for the BPE of ``tokenizer.json``: ``llama`` for SentencePiece-style
+    (byte fallback), ``gpt2`` for byte-level (with merges); None for what neither tokenizer reproduces."""
+    model = tokenizer_json.get("model") or {}
+    if model.get("type") != "BPE" or not model.get("merges"):
+        return None
+    return "llama" if model.get("byte_fallback") else "gpt2"
+
+
 def check_tokenizer(tokenizer: Any, source: str | Path, vocab_size: int) -> str:
-    """``tokenizer.ggml.pre`` for ``tokenizer`` as loaded (transformers may rebuild a model type's splitting over
+    """``tokenizer.ggml.model`` for ``tokenizer`` as loaded (transformers may rebuild a model type's splitting over
     what tokenizer.json says, and the loaded one is what the model learned); a ``ValueError`` with the fix when
     llama.cpp could not tokenize as it does (checked before any weights load)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -76,15 +88,22 @@ def check_tokenizer(tokenizer: Any, source: str | Path, vocab_size: int) -> str:
 def check_tokenizer_json(tokenizer_json: dict[str, Any], source: str | Path, vocab_size: int) -> str:
     """``check_tokenizer`` on the tokenizers serialization (``tokenizer.json``'s content)."""
     model = tokenizer_json.get("model") or {}
-    if model.get("type") != "BPE" or model.get("byte_fallback") or not model.get("merges"):
-        kind = "a SentencePiece-style BPE (byte fallback)" if model.get("byte_fallback") else model.get("type")
+    kind = tokenizer_model(tokenizer_json)
+    if kind is None:
+        why = {
+            "Unigram": "llama.cpp's SentencePiece tokenizer merges pairs by score, which is not the most likely"
+            " segmentation a Unigram model picks, so it would split text differently",
+            "BPE": "it has no merges to write",
+        }.get(model.get("type"), "llama.cpp has no tokenizer of that kind for these architectures")
         raise ValueError(
-            f"The tokenizer of {str(source)!r} is {kind}; --format gguf writes byte-level BPE tokenizers with"
-            " merges (tokenizer.ggml.model = gpt2: Llama 3, Qwen2, SmolLM and the demo's). Export --format merged"
-            " and convert with llama.cpp's convert_hf_to_gguf.py, which reads tokenizer.model with sentencepiece."
+            f"The tokenizer of {str(source)!r} is a {model.get('type')} model: {why}. --format gguf writes BPE"
+            " tokenizers: byte-level (tokenizer.ggml.model = gpt2: Llama 3, Qwen2, SmolLM and the demo's) and"
+            " SentencePiece-style with byte fallback (llama: Llama 2, TinyLlama, Mistral 7B). Export --format merged"
+            " and convert with llama.cpp's convert_hf_to_gguf.py."
         )
-    name = pre_tokenizer(tokenizer_json)
-    if name is None:
+    if kind == "llama":
+        check_sentencepiece(tokenizer_json, source)
+    elif pre_tokenizer(tokenizer_json) is None:
         known = "; ".join(f"{key}: {what}" for key, what in PRE_TOKENIZERS.items())
         raise ValueError(
             f"The tokenizer of {str(source)!r} splits text with a pre-tokenizer llama.cpp has no name for here"
@@ -100,33 +119,7 @@ def check_tokenizer_json(tokenizer_json: dict[str, Any], source: str | Path, voc
             f" vocab_size={vocab_size} rows: that token has no embedding. Use the tokenizer the model was trained"
             " with (--data.tokenizer)."
         )
-    return name
-
-
-@contextmanager
-def _without_pair_template_warning() -> Iterator[None]:
-    """``SpecialVocab`` warns when a tokenizer's pair template (two sequences) adds other special tokens than its
-    single one, as the demo's does; llama.cpp only ever encodes single sequences, so nothing is wrong to report."""
-
-    def keep(record: logging.LogRecord) -> bool:
-        return "TemplateProcessing<pair>" not in record.getMessage()
-
-    logger = logging.getLogger("gguf.vocab")
-    logger.addFilter(keep)
-    try:
-        yield
-    finally:
-        logger.removeFilter(keep)
-
-
-def looks_special(token: str) -> bool:
-    """Added tokens llama.cpp treats as control even when not marked special (``does_token_look_special``)."""
-    return (
-        token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
-        or (token.startswith("<|") and token.endswith("|>"))
-        or (token.startswith("<\uff5c") and token.endswith("\uff5c>"))
-        or (token.startswith("<unused") and token.endswith(">"))
-    )
+    return kind
 
 
 def vocabulary(tokenizer: Any, vocab_size: int, token_types: Any) -> tuple[list[str], list[int]]:
@@ -148,7 +141,7 @@ def vocabulary(tokenizer: Any, vocab_size: int, token_types: Any) -> tuple[list[
             if decoder[index].special or looks_special(token):
                 types.append(token_types.CONTROL)
             else:
-                token = token.replace("\u2581", " ")
+                token = user_defined_text(token)
                 types.append(token_types.USER_DEFINED)
         else:
             types.append(token_types.NORMAL)
@@ -159,16 +152,18 @@ def vocabulary(tokenizer: Any, vocab_size: int, token_types: Any) -> tuple[list[
 def add_vocabulary(writer: Any, gguf: Any, directory: Path, vocab_size: int) -> dict[str, Any]:
     """Write the tokenizer of ``directory`` into ``writer``; what was written (for the summary and Modelfile)."""
     tokenizer = load_tokenizer(directory)
-    pre = check_tokenizer(tokenizer, directory, vocab_size)
+    if check_tokenizer(tokenizer, directory, vocab_size) == "llama":
+        return add_sentencepiece_vocabulary(writer, gguf, directory, tokenizer, vocab_size)
+    pre = pre_tokenizer(json.loads(tokenizer.backend_tokenizer.to_str()))
     tokens, types = vocabulary(tokenizer, vocab_size, gguf.TokenType)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    with _without_pair_template_warning():
-        special = gguf.SpecialVocab(str(directory), load_merges=True, n_vocab=vocab_size)
+    special = special_vocab(gguf, directory, vocab_size, load_merges=True)
     special.add_to_gguf(writer, quiet=True)
     return {
+        "model": "gpt2",
         "pre": pre,
         "tokens": len(tokens),
         "merges": len(special.merges),

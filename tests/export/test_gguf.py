@@ -16,10 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gguf_helpers import assert_completes_as_merged, convert, fit_and_export, gguf_dir, held_out_ids, logits, metadata
+from gguf_helpers import shrunk_model as shrunk
 from loading_helpers import save_llama, save_tokenizer
 from model_shapes import LLAMA31_8B, MISTRAL_7B_V03, QWEN25_05B, SMOLLM2_135M
 
-from pl_lowprec.cli import build_cli, main
+from pl_lowprec.cli import main
 
 pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -47,46 +49,7 @@ def tokenizer_dir(tmp_path_factory):
 
 def shrunk_model(directory, tokenizer_dir, name):
     """A bf16 model directory with the real config's quirks, 2 layers and small heads, and the demo tokenizer."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    shape, head_dim, rows = SHAPES[name]
-    fields = dict(shape, num_hidden_layers=2, vocab_size=rows, bos_token_id=0, eos_token_id=1)
-    hidden = fields["num_attention_heads"] * head_dim
-    fields.update(hidden_size=hidden, intermediate_size=2 * hidden)
-    if "head_dim" in fields:
-        fields["head_dim"] = head_dim
-    if "max_window_layers" in fields:
-        fields["max_window_layers"] = 2
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(fields))
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory)).to(torch.bfloat16).save_pretrained(
-        directory
-    )
-    for path in tokenizer_dir.iterdir():
-        shutil.copy(path, directory / path.name)
-    return directory
-
-
-def gguf_dir(model_dir):
-    """Where ``convert`` writes: a directory of its own, as the export's (no tokenizer files beside the GGUF)."""
-    return model_dir.with_name(f"{model_dir.name}-gguf")
-
-
-def convert(model_dir, gguf_type, name="tiny-model"):
-    from pl_lowprec.export.gguf_convert import convert_to_gguf
-
-    gguf_dir(model_dir).mkdir(exist_ok=True)
-    return convert_to_gguf(model_dir, gguf_dir(model_dir) / f"model-{gguf_type}.gguf", gguf_type, name)
-
-
-def logits(model, ids):
-    with torch.no_grad():
-        return model(input_ids=ids).logits
-
-
-def held_out_ids(vocab=320):
-    return torch.randint(6, vocab, (3, 24), generator=torch.Generator().manual_seed(1))
+    return shrunk(directory, tokenizer_dir, *SHAPES[name], bos_token_id=0, eos_token_id=1)
 
 
 def load_pair(model_dir, gguf_type, name):
@@ -100,12 +63,6 @@ def load_pair(model_dir, gguf_type, name):
         gguf_dir(model_dir), gguf_file=f"model-{gguf_type}.gguf", dtype=torch.float32, **extra
     )
     return reference, read
-
-
-def metadata(path):
-    reader = gguf.GGUFReader(path)
-    fields = {name: field.contents() for name, field in reader.fields.items()}
-    return fields, {t.name: t for t in reader.tensors}
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -218,66 +175,23 @@ def pretrained(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trained(pretrained, tmp_path_factory):
-    """A QLoRA (nf4) run of a few steps, checkpointed as the strategy writes it."""
-    root = tmp_path_factory.mktemp("run")
-    data = root / "pc.jsonl"
+    """A QLoRA (nf4) run of a few steps, checkpointed as the strategy writes it, exported --merged and --format
+    gguf (bf16) into exports/merged and exports/gguf."""
+    root = tmp_path_factory.mktemp("exports")
     rows = [{"prompt": f"def f{i}(x):\n    return", "completion": f" x + {i}"} for i in range(40)]
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    args = [
-        "--config=configs/finetune-causal-lm.yaml",
-        f"--model.pretrained={pretrained}",
-        f"--data.tokenizer={pretrained}",
-        f"--data.train_files={data}",
-        "--data.val_files=null",
-        "--data.batch_size=4",
-        "--trainer.strategy.init_args.activation_checkpointing=null",
-        "--trainer.plugins=[]",
-        "--trainer.precision=32-true",
-        "--model.lr=0.005",
-        "--trainer.limit_val_batches=0",
-        f"--trainer.default_root_dir={root}",
-        "--trainer.enable_progress_bar=false",
-        "--trainer.logger=false",
-    ]
-    cli = build_cli(["fit", *args, "--trainer.max_steps=4"])
-    checkpoint = root / "trained.ckpt"
-    cli.trainer.save_checkpoint(checkpoint)
-    return checkpoint, args
+    checkpoint, args, _ = fit_and_export(pretrained, root, rows)
+    return checkpoint, args, root
 
 
 @pytest.fixture(scope="module")
-def exported(trained, tmp_path_factory):
-    """The same checkpoint exported --merged and --format gguf (bf16)."""
-    checkpoint, args = trained
-    root = tmp_path_factory.mktemp("exports")
-    main(["export", f"--ckpt_path={checkpoint}", f"--out={root / 'merged'}", "--merged", *args])
-    main(["export", f"--ckpt_path={checkpoint}", f"--out={root / 'gguf'}", "--format=gguf", *args])
-    return root
+def exported(trained):
+    return trained[2]
 
 
-def test_exported_gguf_completes_as_the_merged_model(exported, capsys):
-    """Greedy completions of held-out prompts (each model with its own tokenizer: the GGUF's read back from the
-    file) agree on at least 95% of them; in fact on all, since the bf16 weights are the same bits."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from pl_lowprec.export.generate import Decoding, Generator
-
-    assert sorted(p.name for p in (exported / "gguf").iterdir()) == ["Modelfile", "model-bf16.gguf"]
-    merged = AutoModelForCausalLM.from_pretrained(exported / "merged", dtype=torch.float32)
-    read = AutoModelForCausalLM.from_pretrained(exported / "gguf", gguf_file="model-bf16.gguf", dtype=torch.float32)
-    ids = held_out_ids()
-    torch.testing.assert_close(logits(read, ids), logits(merged, ids), rtol=0, atol=1e-6)
+def test_exported_gguf_completes_as_the_merged_model(exported):
     words = ["import", "return", "class", "self", "while", "lambda", "yield", "assert", "raise", "with"]
     prompts = [f"{words[i % 10]} {words[(3 * i + 1) % 10]}_{i}(" for i in range(20)]
-    tokenizer = AutoTokenizer.from_pretrained(exported / "merged")
-    from_gguf = AutoTokenizer.from_pretrained(exported / "gguf", gguf_file="model-bf16.gguf")
-    assert [from_gguf(p)["input_ids"] for p in prompts] == [tokenizer(p)["input_ids"] for p in prompts]
-    decoding = Decoding(max_new_tokens=8)
-    expected = Generator(merged, tokenizer).complete(prompts, decoding)
-    got = Generator(read, from_gguf).complete(prompts, decoding)
-    assert len(set(expected)) > 1  # the completions differ between prompts: the comparison can fail
-    assert sum(a == b for a, b in zip(got, expected, strict=True)) >= 0.95 * len(prompts)
-    assert got == expected
+    assert_completes_as_merged(exported, prompts, held_out_ids())
 
 
 DEMO_MODELFILE = (
@@ -304,7 +218,7 @@ def test_refusals_come_before_anything_loads_and_name_the_fix(trained, pretraine
         raise AssertionError("the checkpoint was restored before the refusal")
 
     monkeypatch.setattr(cli_export, "restore", no_restore)
-    checkpoint, args = trained
+    checkpoint, args, _ = trained
     out = tmp_path / "gguf"
     base = ["export", f"--ckpt_path={checkpoint}", f"--out={out}", *args]
     cases = [
@@ -364,14 +278,15 @@ def test_unsupported_models_and_tokenizers_are_refused_before_the_weights_load(t
 
     with pytest.raises(ValueError, match=r"model_type='gpt2'. Export --format merged and convert it with llama"):
         architecture(GPT2Config())
-    assert check_tokenizer(load_tokenizer(tokenizer_dir), tokenizer_dir, 320) == "gpt-2"
+    assert check_tokenizer(load_tokenizer(tokenizer_dir), tokenizer_dir, 320) == "gpt2"
     with pytest.raises(ValueError, match=r"has token id 319, and the model's embedding has vocab_size=300 rows"):
         check_tokenizer(load_tokenizer(tokenizer_dir), tokenizer_dir, 300)
     tokenizer_json = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    byte_fallback = r"SentencePiece-style BPE \(byte fallback\).* but it splits text otherwise than SentencePiece"
     for index, (change, message) in enumerate(
         (
             ({"pre_tokenizer": {"type": "Metaspace", "replacement": "\u2581"}}, r"pre-tokenizer llama.cpp has no name"),
-            ({"model": {**tokenizer_json["model"], "byte_fallback": True}}, r"SentencePiece-style BPE \(byte fallback"),
+            ({"model": {**tokenizer_json["model"], "byte_fallback": True}}, byte_fallback),
         )
     ):
         with pytest.raises(ValueError, match=message):
