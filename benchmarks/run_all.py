@@ -17,6 +17,7 @@ Sections (in order):
   fused_ops                 fused LoRA MLP, cross-entropy and norm backward vs the unfused paths: peak, step time
   against_hf                QLoRA against transformers + peft + BitsAndBytesConfig, alternating rounds
   pretrained_vs_hf          the same from a ~100M bf16 checkpoint: streaming load + CausalLM vs HF's recipe
+  dispatch_proxy            kernels, FLOPs and bytes per step vs HF's recipe (Llama-3.2-1B shapes); predicted step time
   callbacks                 LossScaleMonitor and MemoryTracker cost, per step and per fit
   quality                   validation perplexity per precision and mode (reported only)
   kbit_prep                 parameter memory after k-bit preparation vs peft
@@ -46,6 +47,7 @@ SECTIONS = {
     "fused_ops": "fused_ops",
     "against_hf": "against_hf",
     "pretrained_vs_hf": "pretrained_vs_hf",
+    "dispatch_proxy": "dispatch_proxy",
     "callbacks": "callback_overhead",
     "quality": "quality",
     "kbit_prep": "kbit_prep_memory",

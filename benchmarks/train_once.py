@@ -32,12 +32,14 @@ import bitsandbytes  # noqa: F401  (every library is imported before the memory 
 import lightning.pytorch as pl
 import peft
 import torch
+import yaml
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Trainer, TrainerCallback, TrainingArguments
 from transformers.models.llama import modeling_llama  # noqa: F401
 
 from pl_lowprec import AMPPrecision, LowPrecisionStrategy, MemoryTracker
 from pl_lowprec.demo import TinyLlama
 from pl_lowprec.demo.stdlib_text import stdlib_bytes, windows
+from pl_lowprec.memory.estimate import estimate_memory
 from pl_lowprec.memory.process import memory_stats, reset_peak
 from pl_lowprec.models import CausalLM
 
@@ -45,6 +47,19 @@ warnings.filterwarnings("ignore")
 
 LR, WEIGHT_DECAY, CLIP = 1e-3, 0.01, 1.0
 LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": "all-linear"}
+
+
+def lora_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """LoRA for both stacks: ``--lora-r`` (alpha twice the rank), else r=8 alpha 16."""
+    return LORA | ({"r": args.lora_r, "lora_alpha": 2 * args.lora_r} if args.lora_r else {})
+
+
+def synchronize() -> None:
+    """Step times on a GPU are taken between synchronizations: device work is asynchronous."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 DTYPES = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
@@ -112,9 +127,11 @@ class Record(pl.Callback):
         self.losses: list[float] = []
 
     def on_train_batch_start(self, *args: Any) -> None:
+        synchronize()
         self.start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *a: Any) -> None:
+        synchronize()
         self.times.append(time.perf_counter() - self.start)
         self.losses.append(float(outputs["loss"]))
 
@@ -124,9 +141,9 @@ def lightning_trainer(
 ) -> pl.Trainer:
     """The Trainer both Lightning stacks train with: ``LowPrecisionStrategy`` set from ``--mode`` and
     ``--checkpointing``, ``AMPPrecision`` under a "-mixed" precision, nothing logged or saved."""
-    settings: dict[str, Any] = {}
+    settings: dict[str, Any] = dict(args.strategy_arg)
     if args.mode in ("lora", "qlora"):
-        settings["lora"] = LORA
+        settings["lora"] = lora_settings(args)
     if args.mode == "qlora":
         settings["quantization"] = "nf4-dq"
     if args.checkpointing:
@@ -187,16 +204,52 @@ def run_causal_lm(args: argparse.Namespace, root: str) -> dict[str, Any]:
     record, loaded = Record(), PeakBeforeReset()
     trainer = lightning_trainer(args, dev, [loaded, record], root)
     dtype = str(DTYPES[args.precision]).removeprefix("torch.")
-    chunk = args.loss_chunk_size or None  # 0: the whole sequence at once
+    chunk = {0: None, -1: "auto"}.get(args.loss_chunk_size, args.loss_chunk_size)  # 0: all at once, -1: auto
     model = AdamWCausalLM(args.pretrained, loss_chunk_size=chunk, dtype=dtype)
+    predicted = predict(
+        args, trainer, loader, lambda: AdamWCausalLM(args.pretrained, loss_chunk_size=chunk, dtype=dtype)
+    )
     torch.manual_seed(0)  # LoRA initialisation, as on the hf side
     trainer.fit(model, loader)
+    return (
+        {
+            "times": record.times,
+            "losses": record.losses,
+            "measured_peak": peak(dev) - start,
+            "after_load": loaded.current - start,
+            "load_peak": loaded.peak - start,
+        }
+        | predicted
+        | chosen_settings(trainer)
+    )
+
+
+def predict(args: argparse.Namespace, trainer: pl.Trainer, loader: Any, build: Any) -> dict[str, Any]:
+    """``--predict``: the estimate of the strategy's settings as given, before anything loads (an automatic
+    choice replaces it with the estimate of what it chose: ``chosen_settings``)."""
+    if not args.predict:
+        return {}
+    estimate = estimate_memory(
+        build,
+        next(iter(loader)),
+        precision=args.precision,
+        device=device(),
+        config=trainer.strategy.transform_config,
+    )
+    step_time = getattr(estimate, "step_time", None)
+    return {"predicted_peak": estimate.peak, "predicted_step_s": getattr(step_time, "seconds", None)}
+
+
+def chosen_settings(trainer: pl.Trainer) -> dict[str, Any]:
+    """What the strategy's automatic choice chose, with its estimate, where it made one."""
+    choice = getattr(trainer.strategy, "automatic_choice", None)
+    if choice is None:
+        return {}
+    step_time = getattr(choice.estimate, "step_time", None)
     return {
-        "times": record.times,
-        "losses": record.losses,
-        "measured_peak": peak(dev) - start,
-        "after_load": loaded.current - start,
-        "load_peak": loaded.peak - start,
+        "chosen": choice.settings.describe(),
+        "predicted_peak": choice.estimate.peak,
+        "predicted_step_s": getattr(step_time, "seconds", None),
     }
 
 
@@ -222,16 +275,18 @@ def run_hf(args: argparse.Namespace, root: str) -> dict[str, Any]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.mode != "full":
         torch.manual_seed(0)  # LoRA initialisation, as on the lightning side
-        model = peft.get_peft_model(model, peft.LoraConfig(**LORA))
+        model = peft.get_peft_model(model, peft.LoraConfig(**lora_settings(args)))
     loaded = {"after_load": current(dev) - start, "load_peak": peak(dev) - start}
     times: list[float] = []
     losses: list[float] = []
 
     class Record(TrainerCallback):
         def on_step_begin(self, *a: Any, **k: Any) -> None:
+            synchronize()
             self.start = time.perf_counter()
 
         def on_step_end(self, *a: Any, **k: Any) -> None:
+            synchronize()
             times.append(time.perf_counter() - self.start)
 
         def on_log(self, _args: Any, state: Any, control: Any, logs: dict | None = None, **k: Any) -> None:
@@ -267,6 +322,14 @@ def run_hf(args: argparse.Namespace, root: str) -> dict[str, Any]:
     return {"times": times, "losses": losses, "measured_peak": peak(dev) - start} | loaded
 
 
+def strategy_argument(text: str) -> tuple[str, Any]:
+    """``key=value`` with the value read as YAML (``compile=true``, ``checkpoint_every_n=2``)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE, e.g. compile=true")
+    return key, yaml.safe_load(value)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stack", choices=["lightning", "causal-lm", "hf"], default="lightning")
@@ -279,9 +342,19 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--precision", choices=sorted(DTYPES), default="32-true")
     parser.add_argument("--checkpoint-impl", choices=["non_reentrant", "reentrant"], default="non_reentrant")
-    parser.add_argument("--loss-chunk-size", type=int, default=256, help="causal-lm: 0 for no chunks")
+    parser.add_argument("--loss-chunk-size", type=int, default=256, help="causal-lm: 0 for no chunks, -1 for 'auto'")
     parser.add_argument("--breakdown", action="store_true", help="lightning: add MemoryTracker's breakdown")
     parser.add_argument("--pretrained", help="a save_pretrained directory of the same model (causal-lm, hf stacks)")
+    parser.add_argument("--predict", action="store_true", help="causal-lm: add the predicted peak (and step time)")
+    parser.add_argument("--lora-r", type=int, default=0, help="LoRA rank (alpha twice it); default r=8 alpha 16")
+    parser.add_argument(
+        "--strategy-arg",
+        action="append",
+        default=[],
+        type=strategy_argument,
+        metavar="KEY=YAML",
+        help="lightning/causal-lm: one more LowPrecisionStrategy argument, e.g. compile=true (repeatable)",
+    )
     args = parser.parse_args()
     if args.stack != "lightning" and not args.pretrained:
         parser.error(f"--stack {args.stack} loads the base from a checkpoint: pass --pretrained DIR")

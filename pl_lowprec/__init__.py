@@ -1,9 +1,9 @@
 """pl_lowprec: mixed precision with honest loss scaling, QLoRA, activation checkpointing and accumulation
 for any LightningModule, by configuration.
 
-The strategies are imported on first use (``from pl_lowprec import LowPrecisionStrategy``, or
-``import pl_lowprec.strategies``), which registers their names (``Trainer(strategy="lowprec_ddp")``); importing
-another part of the package (``pl_lowprec.memory``, ``pl_lowprec.plugins``) registers nothing.
+``import pl_lowprec`` registers the strategy names with Lightning (``Trainer(strategy="lowprec_ddp")``,
+``"lowprec"``, ``"lowprec_ddp_spawn"``, ``"lowprec_fsdp"``); the strategy classes themselves are imported when
+first asked for (``from pl_lowprec import LowPrecisionStrategy``) or built by name.
 """
 
 from importlib import import_module
@@ -20,12 +20,14 @@ from pl_lowprec.plugins import (
     SkipAwareScheduler,
     choose_precision,
 )
+from pl_lowprec.strategy_names import register_strategy_names
 from pl_lowprec.transforms.checkpointing import remove_activation_checkpointing, set_activation_checkpointing
 from pl_lowprec.transforms.fp8 import FP8Config
 from pl_lowprec.transforms.qat import QATConfig
 from pl_lowprec.transforms.quantization import QuantizationConfig
 
 filter_torchao_import_noise()  # before anything (transformers included) imports torchao; see pl_lowprec._imports
+register_strategy_names()
 
 __all__ = [
     "AMPPrecision",
@@ -58,7 +60,7 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    """The strategy classes, imported (and their names registered with Lightning) when first asked for."""
+    """The strategy classes, imported when first asked for."""
     if name in _LAZY:
         return getattr(import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

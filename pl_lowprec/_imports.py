@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from functools import lru_cache
 from types import ModuleType
 
@@ -15,6 +16,9 @@ _PEFT = RequirementCache("peft>=0.13")
 _SAFETENSORS = RequirementCache("safetensors>=0.4")
 _TORCHAO = RequirementCache("torchao>=0.18")
 _MATPLOTLIB = RequirementCache("matplotlib")
+_DATASETS = RequirementCache("datasets>=4.0")
+_GGUF = RequirementCache("gguf>=0.19")
+_LIGER = RequirementCache("liger-kernel>=0.8.5")
 
 
 def require_cli() -> None:
@@ -60,6 +64,20 @@ def import_safetensors() -> ModuleType:
     import safetensors
 
     return safetensors
+
+
+@lru_cache
+def import_datasets() -> ModuleType:
+    """Hugging Face datasets, or an error naming the feature and the install command."""
+    if not _DATASETS:
+        raise ModuleNotFoundError(
+            "TextDataModule reads .parquet, .csv, .json and .arrow files, saved datasets, hub dataset ids and"
+            f" datasets.Dataset objects through Hugging Face datasets: {_DATASETS.message}. Install it with:"
+            ' pip install "pl_lowprec[datasets]" (.txt and .jsonl files need nothing more).'
+        )
+    import datasets
+
+    return datasets
 
 
 def import_torchao() -> ModuleType:
@@ -131,3 +149,45 @@ def import_matplotlib_pyplot() -> ModuleType:
     import matplotlib.pyplot
 
     return matplotlib.pyplot
+
+
+GGUF_INSTALL = 'pip install "pl_lowprec[gguf]"'
+
+
+def gguf_missing() -> str | None:
+    """Why ``--format gguf`` cannot run here (the ``gguf`` package is absent or too old), or None."""
+    return None if _GGUF else f"{_GGUF.message}. Install it with: {GGUF_INSTALL}"
+
+
+@lru_cache
+def import_gguf() -> ModuleType:
+    """llama.cpp's ``gguf`` package (the GGUF writer and quantizers), or an error with the install command."""
+    missing = gguf_missing()
+    if missing is not None:
+        raise ModuleNotFoundError(f"pl-lowprec export --format gguf needs the gguf package: {missing}")
+    import gguf
+
+    return gguf
+
+
+@lru_cache
+def import_liger_fused_linear_cross_entropy() -> Callable[..., torch.Tensor]:
+    """Liger-Kernel's functional fused linear cross-entropy, or an error naming the feature and the install command
+    (Liger's kernels are Triton: installed with CUDA builds of torch, not with CPU ones)."""
+    problem = liger_missing()
+    if problem:
+        raise ModuleNotFoundError(problem)
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    return liger_fused_linear_cross_entropy
+
+
+def liger_missing() -> str | None:
+    """Why Liger-Kernel cannot be imported (a sentence with the install command), or ``None``."""
+    if not _LIGER:
+        return f'Liger-Kernel is not installed ({_LIGER.message}); install it with: pip install "pl_lowprec[liger]"'
+    try:
+        import liger_kernel.transformers.functional  # noqa: F401
+    except ImportError as err:
+        return f"Liger-Kernel is installed but does not import ({err}); it needs Triton, which CUDA torch builds bring"
+    return None

@@ -24,3 +24,79 @@ SMOLLM2_135M = {
     "initializer_range": 0.02,
     "mlp_bias": False,
 }
+
+# Qwen2.5-0.5B's config.json (Qwen/Qwen2.5-0.5B): tied, 14 heads / 2 KV heads, hidden 896, q/k/v biases (Qwen2
+# always has them), a padded vocabulary (151,936 rows for 151,665 tokens)
+QWEN25_05B = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,
+    "bos_token_id": 151643,
+    "eos_token_id": 151643,
+    "torch_dtype": "bfloat16",
+    "hidden_act": "silu",
+    "sliding_window": 32768,
+    "use_sliding_window": False,
+    "max_window_layers": 24,
+}
+
+# Llama-3.1-8B's config.json (meta-llama/Llama-3.1-8B): untied, GQA 32/8, llama3 rope scaling
+LLAMA31_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 8.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "tie_word_embeddings": False,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "torch_dtype": "bfloat16",
+    "attention_bias": False,
+    "hidden_act": "silu",
+}
+
+# Mistral-7B-v0.3's config.json (mistralai/Mistral-7B-v0.3): untied, GQA 32/8, no sliding window
+MISTRAL_7B_V03 = {
+    "architectures": ["MistralForCausalLM"],
+    "model_type": "mistral",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 32768,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "bfloat16",
+    "attention_bias": False,
+    "hidden_act": "silu",
+    "sliding_window": None,
+}

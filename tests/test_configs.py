@@ -122,6 +122,11 @@ def test_config_runs_two_steps_with_its_components(config, tmp_path, monkeypatch
     if "strategy" in spec:
         assert type(trainer.strategy).__name__ == _short(spec["strategy"]["class_path"])
         settings = spec["strategy"].get("init_args", {})
+        if settings.get("activation_checkpointing") == "auto":  # chosen for this machine before loading
+            chosen = trainer.strategy.transform_config
+            assert chosen.activation_checkpointing != "auto" and chosen.memory_saving != "auto"
+            settings = {**settings, "activation_checkpointing": chosen.activation_checkpointing}
+            settings["checkpoint_every_n"] = chosen.checkpoint_every_n
         assert_strategy_in_effect(settings, cli.model, trainer.optimizers[0], trainer.strategy.root_device)
     in_effect = {type(c).__name__ for c in trainer.callbacks}
     assert {_short(c["class_path"]) for c in spec.get("callbacks", [])} <= in_effect

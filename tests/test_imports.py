@@ -1,4 +1,4 @@
-"""The package's import graph: no circle, and importing a leaf registers nothing with Lightning."""
+"""The package's import graph (no circle) and the strategy names that importing it registers with Lightning."""
 
 import ast
 import json
@@ -124,14 +124,49 @@ def _registered_after(code: str) -> dict[str, list[str]]:
     return json.loads(done.stdout.splitlines()[-1])
 
 
-def test_importing_the_memory_estimate_registers_no_strategy():
-    assert _registered_after("import pl_lowprec.memory\nimport pl_lowprec.memory.estimate") == []
+NAMES = ["lowprec", "lowprec_ddp", "lowprec_ddp_spawn", "lowprec_fsdp"]
+
+
+def test_import_pl_lowprec_registers_every_strategy_name_without_importing_the_strategies():
+    """``import pl_lowprec`` is enough for ``Trainer(strategy="lowprec_ddp")``; the names map to factories, so the
+    strategies (and what they import) load only when one is built."""
+    code = """
+import sys
+import pl_lowprec
+assert "pl_lowprec.strategies" not in sys.modules, "import pl_lowprec imported the strategies"
+from lightning.pytorch import Trainer
+for name, devices, cls, start in [("lowprec", 1, "LowPrecisionStrategy", None),
+                                  ("lowprec_ddp", 2, "LowPrecisionDDPStrategy", "popen"),
+                                  ("lowprec_ddp_spawn", 2, "LowPrecisionDDPStrategy", "spawn"),
+                                  ("lowprec_fsdp", 2, "LowPrecisionFSDPStrategy", None)]:
+    strategy = Trainer(strategy=name, accelerator="cpu", devices=devices, logger=False).strategy
+    assert type(strategy).__name__ == cls, (name, strategy)
+    assert getattr(strategy, "_start_method", None) == start, (name, strategy._start_method)
+"""
+    assert _registered_after(code) == NAMES
+    assert _registered_after("import pl_lowprec.memory.estimate") == NAMES  # any part of the package
+
+
+def test_the_factory_names_are_the_names_the_strategies_register():
+    """Building by name hands over to the class's own entry; no class registers a name the factories miss."""
+    code = """
+import json
+from lightning.pytorch.strategies import StrategyRegistry
+import pl_lowprec.strategies
+own = sorted(n for n, e in StrategyRegistry.items()
+             if getattr(e["strategy"], "__module__", "").startswith("pl_lowprec.strategies."))
+print(json.dumps(own))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    from pl_lowprec.strategy_names import STRATEGY_NAMES
+
+    assert json.loads(done.stdout.splitlines()[-1]) == sorted(STRATEGY_NAMES) == NAMES
 
 
 def test_importing_the_strategies_registers_their_names():
-    names = ["lowprec", "lowprec_ddp", "lowprec_ddp_spawn", "lowprec_fsdp"]
-    assert _registered_after("import pl_lowprec.strategies") == names
-    assert _registered_after("from pl_lowprec import LowPrecisionStrategy") == names
+    assert _registered_after("import pl_lowprec.strategies") == NAMES
+    assert _registered_after("from pl_lowprec import LowPrecisionStrategy") == NAMES
 
 
 def test_a_strategy_named_in_a_config_is_found_by_the_cli():

@@ -10,7 +10,7 @@ SCRIPT = textwrap.dedent(
     import importlib.abc, sys, warnings
 
     # yaml is a lightning dependency
-    BLOCKED = {"bitsandbytes", "peft", "safetensors", "transformers", "jsonargparse", "torchao"}
+    BLOCKED = {"bitsandbytes", "peft", "safetensors", "transformers", "jsonargparse", "torchao", "datasets"}
 
     class Block(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
@@ -48,6 +48,14 @@ SCRIPT = textwrap.dedent(
         pl_lowprec.demo.TinyLlama()
     except ModuleNotFoundError as err:
         print("refused:", err)
+    import tempfile, pathlib
+    from pl_lowprec.data import TextDataModule
+    parquet = pathlib.Path(tempfile.mkdtemp()) / "train.parquet"
+    parquet.write_bytes(b"")
+    try:
+        TextDataModule(train_files=str(parquet), tokenizer="unused")
+    except ModuleNotFoundError as err:
+        print("refused:", err)
     """
 )
 
@@ -63,6 +71,8 @@ def test_core_install_imports_trains_and_names_the_extras():
     assert "lora= needs peft" in out
     assert out.count("qat= and fp8= need torchao") == 2 and 'pip install "pl_lowprec[torchao]"' in out
     assert "TinyLlama needs transformers" in out and 'pip install "pl_lowprec[hf]"' in out
+    assert "TextDataModule reads .parquet, .csv, .json and .arrow files" in out
+    assert 'pip install "pl_lowprec[datasets]"' in out
 
 
 def test_torchao_imports_without_its_cuda_only_noise_on_a_cpu_machine():

@@ -3,7 +3,9 @@
 The config is read by the parser ``pl-lowprec fit`` uses (``pl_lowprec.cli.rebuild``), so the same classes, short
 names, defaults and refusals apply, and several ``--config`` files and overrides merge as they do for ``fit``.
 No Trainer is built, so a config for a GPU is estimated on any machine; the model is built on the meta device
-(nothing allocated); the data module is built for real, only to take the shape of one training batch.
+(nothing allocated); the data module is built for real, only to take the shape of one training batch. ``"auto"``
+memory settings are estimated on their memory-saving side, as the device is not known here, and one more line says
+from how much free memory ``fit`` takes the fastest settings, and their peak.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from lightning.pytorch.plugins.precision import Precision
 
 from pl_lowprec._imports import import_matplotlib_pyplot
 from pl_lowprec.cli.rebuild import passed_on, rebuild_classes
+from pl_lowprec.memory.devices import GPUS, device_spec
 from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
+from pl_lowprec.memory.fastest import faster_settings_line
+from pl_lowprec.memory.plan import fresh_copies
 from pl_lowprec.memory.plot import plot_step
 
 
@@ -38,8 +43,15 @@ def device_of(trainer: Any) -> str:
     return "cpu"
 
 
-def estimate_config(cli_args: list[str]) -> MemoryEstimate:
-    """The estimate for ``--config X.yaml`` (and overrides), as ``pl-lowprec fit`` would build the run."""
+def estimate_config(cli_args: list[str], time_on: str | None = None) -> MemoryEstimate:
+    """The estimate for ``--config X.yaml`` (and overrides), as ``pl-lowprec fit`` would build the run; its step
+    time on ``time_on`` (a GPU of ``memory.devices.GPUS``), else on the config's device."""
+    return estimate_memory(**estimate_arguments(cli_args), time_on=time_on)
+
+
+def estimate_arguments(cli_args: list[str]) -> dict[str, Any]:
+    """``estimate_memory``'s arguments for ``--config X.yaml`` (and overrides), as ``pl-lowprec fit`` would build
+    the run."""
     run = rebuild_classes(cli_args)
     trainer = run.config_init.trainer
     check_devices(trainer)
@@ -53,16 +65,16 @@ def estimate_config(cli_args: list[str]) -> MemoryEstimate:
     strategy = trainer.strategy
     config = getattr(strategy, "transform_config", None)  # None: not this package's strategy
     sharding = strategy.transform_sharding(config) if hasattr(strategy, "transform_sharding") else None
-    return estimate_memory(
-        lambda: run.model,
-        batch,
-        precision=precision_of(trainer),
-        device=device_of(trainer),
-        config=config,
-        accumulate_grad_batches=int(getattr(trainer, "accumulate_grad_batches", None) or 1),
-        sharding=sharding,
-        world_size=devices_of(trainer) if sharding is not None else 1,
-    )
+    return {
+        "build_model": fresh_copies(run.model),  # a meta copy each call: each estimate transforms its own
+        "example_batch": batch,
+        "precision": precision_of(trainer),
+        "device": device_of(trainer),
+        "config": config,
+        "accumulate_grad_batches": int(getattr(trainer, "accumulate_grad_batches", None) or 1),
+        "sharding": sharding,
+        "world_size": devices_of(trainer) if sharding is not None else 1,
+    }
 
 
 def check_devices(trainer: Any) -> None:
@@ -103,6 +115,18 @@ def devices_of(trainer: Any) -> int:
     return count * int(getattr(trainer, "num_nodes", None) or 1)
 
 
+def step_time_line(estimate: MemoryEstimate) -> str:
+    """The predicted step time, or why there is none (a CUDA config estimated where there is no GPU)."""
+    step = estimate.step_time
+    if step is None:
+        return (
+            "Step time not predicted: the config runs on CUDA and this machine has no GPU with known figures;"
+            f" name one with --gpu ({', '.join(GPUS)})."
+        )
+    per_rank = f" (per rank of {estimate.world_size}, without communication)" if estimate.world_size > 1 else ""
+    return step.line() + per_rank
+
+
 def main(args: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="pl-lowprec estimate", description=__doc__.splitlines()[0], allow_abbrev=False
@@ -114,11 +138,24 @@ def main(args: list[str] | None = None) -> None:
         help="a YAML file that `pl-lowprec fit --config` runs (several merge, as for fit)",
     )
     parser.add_argument("--plot", metavar="FILE.png", help="draw the step as stacked categories (needs matplotlib)")
+    parser.add_argument("--gpu", help=f"predict the step time on this GPU ({', '.join(GPUS)}); default: here")
     args = sys.argv[1:] if args is None else list(args)
     options, _ = parser.parse_known_args(args)
     if options.plot:
         import_matplotlib_pyplot()  # a missing matplotlib fails before the estimate runs
-    estimate = estimate_config(passed_on(parser, args))
+    if options.gpu:
+        try:
+            device_spec(options.gpu)
+        except ValueError as error:
+            parser.exit(2, f"{parser.prog}: error: {error}\n")
+    arguments = estimate_arguments(passed_on(parser, args))
+    estimate = estimate_memory(**arguments, time_on=options.gpu)
     print(estimate.table())
+    print(step_time_line(estimate))
+    config = arguments["config"]
+    if config is not None and config.chooses_automatically:  # the device is not known here: the faster choice
+        line = faster_settings_line(**arguments)
+        if line is not None:
+            print(line)
     if options.plot:
         print(f"Plot: {plot_step(estimate, options.plot)}")

@@ -2,6 +2,7 @@
 
     pl-lowprec export --config configs/finetune-causal-lm.yaml --ckpt_path runs/.../last.ckpt --out runs/adapter
     pl-lowprec export --config ... --ckpt_path ... --out runs/merged --merged [--dtype float32]
+    pl-lowprec export --config ... --ckpt_path ... --out runs/gguf --format gguf [--gguf_type q8_0]
 
 Arguments the export does not know (``--model.pretrained DIR``, ``--trainer.accelerator cpu``) go to the config,
 as for ``pl-lowprec fit``. Without ``--config``, the ``config.yaml`` LightningCLI saved next to the run's
@@ -15,9 +16,10 @@ from pathlib import Path
 
 from pl_lowprec.cli.rebuild import config_files, rebuild, with_config
 from pl_lowprec.cli.resume import check_checkpoint
+from pl_lowprec.export.gguf_export import check_gguf_request, check_gguf_sources, export_gguf
 from pl_lowprec.export.out_paths import check_out_dir
 from pl_lowprec.export.restore import restore, sources
-from pl_lowprec.export.write import check_dtype, check_export, export, read_paths
+from pl_lowprec.export.write import check_dtype, check_export, choose_format, export, read_paths
 
 
 def main(args: list[str] | None = None) -> None:
@@ -27,26 +29,42 @@ def main(args: list[str] | None = None) -> None:
     parser.add_argument("--merged", action="store_true", help="Merge into the original weights (default: adapter).")
     parser.add_argument("--dtype", default=None, help="Merged weights' dtype (default: the pretrained files').")
     parser.add_argument(
+        "--format",
+        default=None,
+        help="adapter (the default), merged (as --merged), or gguf: the merged model for llama.cpp and Ollama.",
+    )
+    parser.add_argument(
+        "--gguf_type", default=None, help="With --format gguf: auto (the default: bf16 or f16), bf16, f16, q8_0, q4_0."
+    )
+    parser.add_argument(
         "--overwrite",
         action="store_true",
         help="Replace a previous export in --out (never a file read).",
     )
     parsed, cli_args = parser.parse_known_args(args)
+    export_format = choose_format(parsed.format, parsed.merged, parsed.gguf_type)
+    if export_format == "gguf":  # merged weights too, written in --gguf_type: no --dtype
+        check_gguf_request(parsed.gguf_type or "auto", parsed.dtype)
+    check_dtype(parsed.dtype, export_format == "merged")
     checkpoint = Path(parsed.ckpt_path)
     check_checkpoint(checkpoint)
     cli_args = with_config(checkpoint, cli_args, parser)
     inputs, out = config_files(cli_args), Path(parsed.out)
-    check_dtype(parsed.dtype, parsed.merged)
     check_out_dir(out, parsed.overwrite, read_paths(checkpoint, None, None, inputs))  # before the config is read
     run = rebuild(cli_args)  # the classes, nothing loaded: the rest is checked before the slow restore
     weights, tokenizer_dir = sources(run.trainer, run.model, run.datamodule)
     check_export(
         out,
-        parsed.merged,
+        export_format != "adapter",
         parsed.dtype,
         parsed.overwrite,
         read_paths(checkpoint, weights, tokenizer_dir, inputs),
         weights,
     )
+    if export_format == "gguf":
+        check_gguf_sources(weights, tokenizer_dir)
     restored = restore(checkpoint, run.trainer, run.model, run.datamodule)
-    print(export(restored, out, parsed.merged, parsed.dtype, parsed.overwrite, inputs))
+    if export_format == "gguf":
+        print(export_gguf(restored, out, parsed.gguf_type or "auto", parsed.overwrite, inputs))
+        return
+    print(export(restored, out, export_format == "merged", parsed.dtype, parsed.overwrite, inputs))

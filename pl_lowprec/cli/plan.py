@@ -1,12 +1,12 @@
-"""``pl-lowprec plan --config X.yaml --memory 24GiB``: the cheapest memory settings that fit, as a config to run.
+"""``pl-lowprec plan --config X.yaml --memory 24GiB``: the fastest memory settings that fit, as a config to run.
 
 The config is read as ``pl-lowprec estimate`` reads it (``rebuild_classes``: no Trainer, the model on the meta
 device; several ``--config`` files and overrides merge as for ``fit``). Every candidate of
-``pl_lowprec.memory.plan`` is simulated; the ranked table is printed, and the cheapest candidate that fits is
-written with ``--out`` as the same YAML (the configs merged) with only the searched settings changed, so
-``pl-lowprec fit --config plan.yaml`` runs it as is; never over a config it reads. ``--maximize seq_len`` (or
-``batch_size``) instead finds the longest sequence (or largest micro-batch) that fits with the most memory-saving
-settings the config allows.
+``pl_lowprec.memory.plan`` is simulated; the table ranked by predicted step time (on the config's device, or
+``--gpu``) is printed, and the fastest candidate that fits is written with ``--out`` as the same YAML (the configs
+merged) with only the searched settings changed, so ``pl-lowprec fit --config plan.yaml`` runs it as is; never over
+a config it reads. ``--maximize seq_len`` (or ``batch_size``) instead finds the longest sequence (or largest
+micro-batch) that fits with the most memory-saving settings the config allows.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pl_lowprec.cli.estimate import check_devices, device_of, devices_of, precis
 from pl_lowprec.cli.rebuild import config_files, passed_on, rebuild_classes
 from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.export.out_paths import refuse_inputs
+from pl_lowprec.memory.devices import GPUS, device_spec
 from pl_lowprec.memory.estimate import estimate_memory
 from pl_lowprec.memory.fake_step import DryRunTrainer, attached, batch_tensors
 from pl_lowprec.memory.plan import (
@@ -38,6 +39,7 @@ from pl_lowprec.memory.plan import (
     largest_fitting,
     plan_memory,
     resized,
+    searched_config,
     settings_config,
 )
 from pl_lowprec.memory.quiet import quiet_setup_logs
@@ -66,6 +68,7 @@ def main(args: list[str] | None = None) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     parser.add_argument("--maximize", choices=["seq_len", "batch_size"], help="the largest value that fits")
     parser.add_argument("--allow_quantization", action="store_true", help="also try nf4-dq base weights")
+    parser.add_argument("--gpu", help=f"rank by the predicted step time on this GPU ({', '.join(GPUS)})")
     args = sys.argv[1:] if args is None else list(args)
     options, _ = parser.parse_known_args(args)
     cli_args = passed_on(parser, args)  # the --config files and overrides, in order
@@ -77,10 +80,13 @@ def main(args: list[str] | None = None) -> None:
         refuse_inputs(out, config_files(cli_args))  # never over a config it reads, --overwrite or not
         if out.exists() and not options.overwrite:
             raise ValueError(f"--out {out} exists: pass --overwrite to replace it, or another path.")
+    if options.gpu:
+        device_spec(options.gpu)  # an unknown GPU: refused before the config is read
     run = rebuild_classes(cli_args)
     trainer = run.config_init.trainer
     check_devices(trainer)
     config = getattr(trainer.strategy, "transform_config", None)
+    config = searched_config(config) if config is not None else None
     if config is None or run.datamodule is None:
         parser.exit(
             2,
@@ -115,13 +121,22 @@ def main(args: list[str] | None = None) -> None:
         options.allow_quantization,
         blocks,
         sharding=sharding,
+        time_on=options.gpu,
     )
     print(plan.table())
     switch_to: dict[str, Any] | None = None
     if devices > 1 and sharding is None:
         global_batch = rows * accumulate * devices
         make_plan = functools.partial(
-            plan_memory, build, lambda micro: resized(batch, micro), budget, global_batch, precision, device, config
+            plan_memory,
+            build,
+            lambda micro: resized(batch, micro),
+            budget,
+            global_batch,
+            precision,
+            device,
+            config,
+            time_on=options.gpu,
         )
         sharded, line = _sharded_alternative(make_plan, config, devices, options, blocks, plan.chosen is None)
         print(line)
@@ -132,7 +147,10 @@ def main(args: list[str] | None = None) -> None:
     if chosen is None:
         print(plan.nothing_fits(), file=sys.stderr)
         raise SystemExit(1)
-    print(f"Chosen: {chosen.settings.describe()}, predicted peak {format_bytes(chosen.peak)}.")
+    print(
+        f"Chosen: {chosen.settings.describe()}, predicted peak {format_bytes(chosen.peak)}, step"
+        f" {chosen.step.seconds:.3f} s on {chosen.step.device}."
+    )
     if out is not None:
         write_plan(cli_args, out, chosen.settings, blocks, config, devices, run, strategy=switch_to)
         print(f"Wrote {out}: pl-lowprec fit --config {out}")

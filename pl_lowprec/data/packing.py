@@ -83,8 +83,8 @@ class PackedRows(Dataset):
     """
 
     def __init__(self, samples: Sequence[Row], seq_len: int, seed: int, ready: Sequence[Row] = ()) -> None:
-        self.samples = list(samples)
-        self.ready = list(ready)
+        self.samples = samples  # indexed, never copied: a dataset's rows stay in their Arrow table
+        self.ready = ready
         self.seq_len = seq_len
         self.seed = seed
         self.lengths = [len(s["input_ids"]) for s in self.samples]

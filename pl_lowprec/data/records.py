@@ -1,6 +1,7 @@
 """Records of a fine-tuning file turned into token ids and labels, with every unusable record counted.
 
-Formats, by the fields of each record (a ``.jsonl`` line; a ``.txt`` file is one ``text`` record):
+Formats, by the fields of each record (a ``.jsonl`` line, a row of a dataset; a ``.txt`` file is one ``text``
+record; ``pl_lowprec.data.fields`` maps other column names to these):
 - ``text``: language modelling on every token; records are joined (each ends with EOS) and cut into blocks.
 - ``prompt`` + ``completion``: loss on the completion (and its EOS) only.
 - ``messages``: a chat rendered with the tokenizer's chat template; loss on the assistant turns only.
@@ -17,8 +18,6 @@ from typing import Any
 
 from pl_lowprec.models.token_loss import IGNORE_INDEX
 
-SUFFIXES = (".txt", ".jsonl")
-
 
 @dataclass
 class Sample:
@@ -29,9 +28,11 @@ class Sample:
 
 @dataclass
 class FileReport:
-    """What one file gave: usable records, and unusable ones by reason with their first line numbers."""
+    """What one file (or dataset) gave: usable records, and unusable ones by reason with their first line numbers
+    (``unit``: a dataset's records are numbered by row index, from 0 as ``dataset[i]``)."""
 
-    path: Path
+    path: Path | str
+    unit: str = "lines"
     used: int = 0
     bad: Counter = field(default_factory=Counter)
     first_lines: dict[str, list[int]] = field(default_factory=dict)
@@ -39,6 +40,7 @@ class FileReport:
     target_tokens: int = 0
     lost_target_tokens: int = 0
     target_positions: Counter = field(default_factory=Counter)
+    columns: set[str] = field(default_factory=set)  # every field name a record had, before any mapping
 
     def count_targets(self, labels: list[int], seq_len: int) -> None:
         """Tally a sample's target tokens (the first label is never predicted) and those past ``seq_len``."""
@@ -68,7 +70,7 @@ class FileReport:
             self.first_lines[reason].append(line)
 
     def describe(self) -> str:
-        reasons = "; ".join(f"{n} {reason} (lines {self.first_lines[reason]})" for reason, n in self.bad.items())
+        reasons = "; ".join(f"{n} {reason} ({self.unit} {self.first_lines[reason]})" for reason, n in self.bad.items())
         truncation = (
             f"; {self.truncated} truncated, losing {self.lost_target_tokens} of {self.target_tokens} target tokens"
             f" ({self.lost_share():.1%})"
@@ -80,6 +82,26 @@ class FileReport:
             + (f": {reasons}" if reasons else "")
             + truncation
         )
+
+
+class TextBlocks:
+    """``text`` documents joined into one stream and cut into blocks of ``seq_len`` tokens as they come; the last,
+    shorter block is kept when it has at least 2 tokens (one target)."""
+
+    def __init__(self, seq_len: int) -> None:
+        self.seq_len = seq_len
+        self.pending: list[int] = []
+
+    def add(self, tokens: list[int]) -> list[Sample]:
+        self.pending += tokens
+        full = len(self.pending) // self.seq_len * self.seq_len
+        blocks = [self.pending[start : start + self.seq_len] for start in range(0, full, self.seq_len)]
+        del self.pending[:full]
+        return [Sample(block, list(block), text_block=True) for block in blocks]
+
+    def finish(self) -> list[Sample]:
+        block, self.pending = self.pending, []
+        return [Sample(block, list(block), text_block=True)] if len(block) >= 2 else []
 
 
 def read_records(path: Path, report: FileReport) -> Iterator[tuple[int, dict[str, Any]]]:

@@ -1,31 +1,36 @@
-"""``TextDataModule``: fine-tune a causal LM on your own ``.txt`` and ``.jsonl`` files.
+"""``TextDataModule``: fine-tune a causal LM on your own records: ``.txt``/``.jsonl`` files, and through Hugging
+Face ``datasets`` Parquet, CSV, JSON and Arrow files, saved datasets, hub ids and ``datasets.Dataset`` objects.
 
 Batches follow the Hugging Face convention: ``input_ids`` and ``attention_mask`` [B, T], ``labels`` [B, T]
 with -100 where no loss is taken (the model shifts them). With ``packing=True`` a row holds several samples and
 the batch has ``position_ids`` instead of ``attention_mask`` (``pl_lowprec.data.packing``).
-The training loader resumes mid-epoch exactly (``pl_lowprec.data.resumable``). Unusable records are counted by
-reason with their line numbers and logged; a file with no usable record fails with its path.
+The training loader resumes mid-epoch exactly (``pl_lowprec.data.resumable``). Every source goes through one
+record → tokens step (``_encode_records``); a dataset's samples stay in a memory-mapped Arrow table
+(``pl_lowprec.data.token_table``). Unusable records are counted by reason with their line numbers (row indices
+for a dataset) and logged; a source with no usable record fails with its name.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset
 
 from pl_lowprec._checks import check_at_least
 from pl_lowprec.data.collate import PackedCollate, PadCollate
-from pl_lowprec.data.packing import PackedRows, document_row, padding_fraction
+from pl_lowprec.data.dataset_files import open_dataset
+from pl_lowprec.data.fields import check_columns, check_fields, read_fields
+from pl_lowprec.data.packing import PackedRows, padding_fraction
+from pl_lowprec.data.packing_guard import PackingGuard
 from pl_lowprec.data.records import (
-    SUFFIXES,
     FileReport,
     Sample,
+    TextBlocks,
     encode_messages,
     encode_prompt_completion,
     encode_text,
@@ -33,52 +38,17 @@ from pl_lowprec.data.records import (
     record_kind,
 )
 from pl_lowprec.data.resumable import resumable_loader
+from pl_lowprec.data.sources import Source, describe_objects, is_dataset_object, resolve_sources
+from pl_lowprec.data.token_table import TokenRows, sample_row, tokenize
 from pl_lowprec.loading.tokenizer import load_tokenizer
 from pl_lowprec.models.token_loss import IGNORE_INDEX
 
-# Files a directory of records may hold that this module does not read: refused rather than skipped in silence.
-# Others (a README.md, a .gitattributes) are listed in the log.
-DATA_SUFFIXES = {".json", ".csv", ".tsv", ".parquet", ".arrow", ".gz", ".bz2", ".xz", ".zst", ".zip"}
+Row = dict[str, torch.Tensor]
 
-
-def directory_files(path: Path, argument: str) -> list[Path]:
-    """The ``.txt`` / ``.jsonl`` files under ``path``; records in other formats are an error that lists them."""
-    files = [
-        p
-        for p in sorted(path.rglob("*"))
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
-    ]
-    read = [p for p in files if p.suffix in SUFFIXES]
-    unread = [p for p in files if p.suffix not in SUFFIXES]
-    by_suffix = Counter(p.suffix or p.name for p in unread)
-    listed = ", ".join(f"{n} {suffix}" for suffix, n in sorted(by_suffix.items()))
-    if any(p.suffix in DATA_SUFFIXES for p in unread):
-        raise ValueError(
-            f"{argument}: directory {str(path)!r} holds files this module does not read ({listed}) beside"
-            f" {len(read)} .txt/.jsonl files. Convert them to .jsonl (one JSON record per line), move them out, or"
-            " name the files to use instead of the directory."
-        )
-    if not read:
-        raise ValueError(f"{argument}: directory {str(path)!r} holds no .txt or .jsonl file.")
-    if unread:
-        rank_zero_info(f"{argument}: {str(path)!r}: read {len(read)} .txt/.jsonl files; not read: {listed}.")
-    return read
-
-
-def data_files(files: str | Path | Sequence[str | Path], argument: str) -> list[Path]:
-    """Files named directly or found in named directories; ``ValueError`` for anything else."""
-    named = [files] if isinstance(files, (str, Path)) else list(files)
-    found: list[Path] = []
-    for item in named:
-        path = Path(item).expanduser()
-        if path.is_dir():
-            found += directory_files(path, argument)
-        elif path.is_file() and path.suffix in SUFFIXES:
-            found.append(path)
-        else:
-            what = "does not exist" if not path.exists() else f"is not a .txt or .jsonl file ({path.suffix!r})"
-            raise ValueError(f"{argument}: {str(path)!r} {what}. Give .txt or .jsonl files or directories of them.")
-    return found
+# Paths, or (in Python) a datasets.Dataset / DatasetDict. ``Any`` stands for the datasets classes: naming a class
+# in the union makes LightningCLI (jsonargparse) read a path's file as a config and pass its text instead.
+DataFiles = str | list[str] | Any
+VAL_SPLITS = ("validation", "test")  # val_split=None: the first of these a DatasetDict has
 
 
 def check_tokenizer_with_model(trainer: Any, tokenizer: Any, source: str | None) -> None:
@@ -91,12 +61,15 @@ def check_tokenizer_with_model(trainer: Any, tokenizer: Any, source: str | None)
 
 
 class TextDataModule(pl.LightningDataModule):
-    """Causal-LM data from ``.txt`` / ``.jsonl`` files (fields ``text``, ``prompt``/``completion``, ``messages``).
+    """Causal-LM data from records with the fields ``text``, ``prompt``/``completion`` or ``messages``.
 
     Args:
-        train_files: Files or directories for training.
+        train_files: For training: ``.txt``, ``.jsonl``, ``.parquet``, ``.csv``, ``.json`` or ``.arrow`` files,
+            directories of them, glob patterns, directories written by ``save_to_disk``, a hub dataset id
+            (``org/name``; needs the network), or a ``datasets.Dataset`` / ``DatasetDict`` (in Python). All but
+            ``.txt``/``.jsonl`` need ``pl_lowprec[datasets]``.
         tokenizer: The model directory (or hub id) whose tokenizer to use, usually the model's ``pretrained``.
-        val_files: Files for validation; ``None`` holds out ``val_fraction`` of the training samples.
+        val_files: The same for validation; ``None`` holds out ``val_fraction`` of the training samples.
         seq_len: Tokens per block of packed ``text``; longer prompt/completion and chat samples are truncated.
         batch_size: Samples per batch (per process under DDP).
         val_fraction: Share held out when ``val_files`` is ``None`` (0 for none).
@@ -107,14 +80,22 @@ class TextDataModule(pl.LightningDataModule):
         packing: Put several prompt/completion or chat samples in each row of ``seq_len`` (best-fit decreasing,
             repacked each epoch), with ``position_ids`` restarting per sample and attention cut between them;
             ``text`` documents get their attention cut at each EOS. Worth it when sample lengths vary widely:
-            it removes the padding. The LightningModule must declare ``accepts_packed_batches = True``.
+            it removes the padding. The LightningModule must declare ``accepts_packed_batches = True`` and call
+            its model with ``position_ids``, no ``attention_mask`` and ``use_cache=False``
+            (``pl_lowprec.models.forward_batch``); the first packed batches check that it keeps samples apart.
+        fields: Your column names for the fields read, instead of renaming them by hand: ``{"prompt":
+            "question", "completion": "answer"}``, ``{"text": "content"}`` or ``{"messages": "dialog"}``; only the
+            named columns are read. ShareGPT's ``conversations`` (``from``/``value`` turns, roles human/gpt/system)
+            are read as ``messages`` without a mapping.
+        train_split: The split of a ``DatasetDict`` (hub id, saved or in Python) in ``train_files`` to train on.
+        val_split: The split of a ``DatasetDict`` in ``val_files``; ``None``: ``validation``, else ``test``.
     """
 
     def __init__(
         self,
-        train_files: str | list[str],
+        train_files: DataFiles,
         tokenizer: str,
-        val_files: str | list[str] | None = None,
+        val_files: DataFiles | None = None,
         seq_len: int = 512,
         batch_size: int = 8,
         val_fraction: float = 0.05,
@@ -122,6 +103,9 @@ class TextDataModule(pl.LightningDataModule):
         num_workers: int = 0,
         max_truncated_fraction: float = 0.05,
         packing: bool = False,
+        fields: dict[str, str] | None = None,
+        train_split: str = "train",
+        val_split: str | None = None,
     ) -> None:
         super().__init__()
         if seq_len < 2:
@@ -133,9 +117,16 @@ class TextDataModule(pl.LightningDataModule):
         check_at_least("TextDataModule", 0, "0 loads batches in the main process.", num_workers=num_workers)
         if not 0 <= max_truncated_fraction <= 1:
             raise ValueError(f"TextDataModule(max_truncated_fraction={max_truncated_fraction}) must be in [0, 1].")
-        self.save_hyperparameters()  # saved in checkpoints: a resumption with other data is refused (resume.py)
-        self.train_paths = data_files(train_files, "train_files")
-        self.val_paths = data_files(val_files, "val_files") if val_files is not None else None
+        self.fields = check_fields(fields)
+        # saved in checkpoints (a resumption with other data is refused, resume.py); a dataset object is described
+        objects = {"train_files": train_files, "val_files": val_files}
+        objects = {name: value for name, value in objects.items() if value is not None and is_dataset_object(value)}
+        self.save_hyperparameters(ignore=list(objects))
+        self.hparams.update({name: describe_objects(value) for name, value in objects.items()})
+        self.train_sources = resolve_sources(train_files, "train_files")
+        self.val_sources = resolve_sources(val_files, "val_files") if val_files is not None else None
+        self.train_splits = (train_split,)
+        self.val_splits = (val_split,) if val_split is not None else VAL_SPLITS
         self.tokenizer_dir = tokenizer
         self.seq_len = seq_len
         self.batch_size = batch_size
@@ -148,23 +139,24 @@ class TextDataModule(pl.LightningDataModule):
         self.reports: list[FileReport] = []
         self.train_set: Dataset | None = None
         self.val_set: Dataset = []
+        self.packing_guard: PackingGuard | None = None
 
     def setup(self, stage: str) -> None:
-        if self.packing:
-            check_accepts_packed_batches(self.trainer.lightning_module if self.trainer is not None else None)
+        if self.packing:  # refuses an undeclared module now, checks the first packed batches (packing_guard)
+            self.packing_guard = PackingGuard(self.trainer.lightning_module if self.trainer is not None else None)
         if self.train_set is not None:
             return
         self.tokenizer = load_tokenizer(self.tokenizer_dir)
         check_tokenizer_with_model(self.trainer, self.tokenizer, self.tokenizer_dir)  # before any record is read
-        train = self._samples(self.train_paths)
-        if self.val_paths is not None:
-            self.train_set, self.val_set = train, self._samples(self.val_paths)
+        train = self._samples(self.train_sources, self.train_splits, "train_files")
+        if self.val_sources is not None:
+            self.train_set, self.val_set = train, self._samples(self.val_sources, self.val_splits, "val_files")
         else:
             order = torch.randperm(len(train), generator=torch.Generator().manual_seed(self.seed)).tolist()
             n_val = round(len(train) * self.val_fraction)
             n_val = max(n_val, 1) if self.val_fraction > 0 and len(train) > 1 else n_val
-            self.val_set = [train[i] for i in order[:n_val]]
-            self.train_set = [train[i] for i in sorted(order[n_val:])]
+            self.val_set = subset(train, order[:n_val])
+            self.train_set = subset(train, sorted(order[n_val:]))
         rank_zero_info(f"TextDataModule: {len(self.train_set)} training and {len(self.val_set)} validation samples.")
         if self.packing:
             self._pack()
@@ -181,23 +173,66 @@ class TextDataModule(pl.LightningDataModule):
             f" seq_len={self.seq_len}; padding {before:.1%} of the batch tokens without packing, {after:.1%} with."
         )
 
-    def _samples(self, paths: list[Path]) -> list[dict[str, torch.Tensor]]:
-        samples: list[Sample] = []
-        for path in paths:
-            report = FileReport(path)
-            samples += self._file_samples(path, report)
+    def _samples(self, sources: list[Source], splits: tuple[str, ...], argument: str) -> Sequence[Row]:
+        """Every source's samples, in order: a list for ``.txt``/``.jsonl``, Arrow-backed rows for datasets."""
+        parts: list[Sequence[Row]] = []
+        for source in sources:
+            if source.kind == "native":
+                report = FileReport(source.path)
+                parts.append(self._file_samples(source, report))
+            else:
+                dataset, label = open_dataset(source, splits, argument)
+                report = FileReport(label, unit="row indices")
+                parts.append(self._dataset_samples(dataset, report))
             self.reports.append(report)
             rank_zero_info(report.describe())
+            if source.kind == "native" and self.fields is not None:  # a dataset's columns are checked before
+                check_columns(report.columns, self.fields, str(report.path))
             if report.used == 0:
                 raise ValueError(f"No usable record in {report.describe()}.")
             self._check_truncation(report)
-        return [self._tensors(s) for s in samples]
+        if all(isinstance(part, list) for part in parts):
+            return [row for part in parts for row in part]
+        return parts[0] if len(parts) == 1 else ConcatDataset(parts)
 
-    def _tensors(self, sample: Sample) -> dict[str, torch.Tensor]:
-        """A sample as tensors; a ``text`` block under packing is a ready row, cut at each document's EOS."""
-        if sample.text_block and self.packing:
-            return document_row(sample.input_ids, self.tokenizer.eos_token_id)
-        return {"input_ids": torch.tensor(sample.input_ids), "labels": torch.tensor(sample.labels)}
+    def _file_samples(self, source: Source, report: FileReport) -> list[Row]:
+        """A ``.txt`` or ``.jsonl`` file's samples as tensors."""
+        samples = self._encode_records(read_records(source.path, report), report, TextBlocks(self.seq_len), True)
+        eos = self.tokenizer.eos_token_id
+        return [
+            sample_row(torch.tensor(s.input_ids), torch.tensor(s.labels), s.text_block, self.packing, eos)
+            for s in samples
+        ]
+
+    def _dataset_samples(self, dataset: Any, report: FileReport) -> TokenRows:
+        """A ``datasets.Dataset``'s samples, tokenized by ``Dataset.map`` into a memory-mapped Arrow table."""
+        report.columns.update(dataset.column_names)
+        check_columns(report.columns, self.fields, str(report.path))
+        blocks = TextBlocks(self.seq_len)
+        table = tokenize(
+            dataset, lambda records, last: self._encode_records(records, report, blocks, last), str(report.path)
+        )
+        return TokenRows(table, self.packing, self.tokenizer.eos_token_id)
+
+    def _encode_records(
+        self, records: Iterable[tuple[int, dict[str, Any]]], report: FileReport, blocks: TextBlocks, last: bool
+    ) -> list[Sample]:
+        """The one record → tokens step of every source: its prompt/completion and chat samples, then the ``text``
+        blocks completed (the last, shorter one too when ``last``); unusable records are counted in ``report``."""
+        samples: list[Sample] = []
+        completed: list[Sample] = []
+        for number, record in records:
+            report.columns.update(record)
+            sample_or_reason = self._encode(read_fields(record, self.fields), report)
+            if isinstance(sample_or_reason, str):
+                report.reject(sample_or_reason, number)
+                continue
+            report.used += 1
+            if isinstance(sample_or_reason, list):
+                completed += blocks.add(sample_or_reason)
+            else:
+                samples.append(sample_or_reason)
+        return samples + completed + (blocks.finish() if last else [])
 
     def _check_truncation(self, report: FileReport) -> None:
         """A file that ``seq_len`` cuts more than ``max_truncated_fraction`` of its target tokens from is refused."""
@@ -212,26 +247,6 @@ class TextDataModule(pl.LightningDataModule):
             f" them: pass --data.seq_len {suggested}, or accept the loss with --data.max_truncated_fraction"
             f" {min(1.0, round(report.lost_share() + 0.005, 2))}."
         )
-
-    def _file_samples(self, path: Path, report: FileReport) -> list[Sample]:
-        """One file's samples: its text records packed into ``seq_len`` blocks, the others one sample each."""
-        stream: list[int] = []
-        samples: list[Sample] = []
-        for line, record in read_records(path, report):
-            sample_or_reason = self._encode(record, report)
-            if isinstance(sample_or_reason, str):
-                report.reject(sample_or_reason, line)
-            elif isinstance(sample_or_reason, list):
-                stream += sample_or_reason
-                report.used += 1
-            else:
-                samples.append(sample_or_reason)
-                report.used += 1
-        for start in range(0, len(stream) - 1, self.seq_len):
-            block = stream[start : start + self.seq_len]
-            if len(block) >= 2:
-                samples.append(Sample(block, list(block), text_block=True))
-        return samples
 
     def _encode(self, record: dict[str, Any], report: FileReport) -> Sample | list[int] | str:
         """A sample, a token stream to pack (text), or the reason the record is unusable."""
@@ -268,6 +283,18 @@ class TextDataModule(pl.LightningDataModule):
             return f"records with no target tokens within seq_len={self.seq_len}"
         return sample
 
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """A batch on its device, before the step: the first packed ones check the module (``PackingGuard``).
+        Lightning calls only the data module's hook when both have one, so the module's own runs here, after."""
+        if self.trainer is None:
+            return batch
+        if self.packing_guard is not None:
+            self.packing_guard.check(self.trainer, batch)
+        module = self.trainer.lightning_module
+        if is_overridden("on_after_batch_transfer", module, pl.LightningModule):
+            return module.on_after_batch_transfer(batch, dataloader_idx)
+        return batch
+
     def train_dataloader(self) -> DataLoader:
         return resumable_loader(
             self.train_set,
@@ -290,23 +317,17 @@ class TextDataModule(pl.LightningDataModule):
         return PackedCollate(pad) if self.packing else PadCollate(pad)
 
 
-def packed_rows(samples: list[dict[str, torch.Tensor]], seq_len: int, seed: int) -> PackedRows:
+def subset(samples: Sequence[Row], indices: list[int]) -> Sequence[Row]:
+    """The samples at ``indices``: a list of a list, a view of rows that stay in their Arrow table."""
+    if isinstance(samples, list):
+        return [samples[i] for i in indices]
+    if isinstance(samples, Subset):  # one view, not a chain of them
+        return Subset(samples.dataset, [samples.indices[i] for i in indices])
+    return Subset(samples, indices)
+
+
+def packed_rows(samples: Sequence[Row], seq_len: int, seed: int) -> PackedRows:
     """``text`` rows (which carry ``position_ids`` already) as they are; the other samples packed."""
-    ready = [s for s in samples if "position_ids" in s]
-    return PackedRows([s for s in samples if "position_ids" not in s], seq_len, seed, ready=ready)
-
-
-def check_accepts_packed_batches(module: pl.LightningModule | None) -> None:
-    """Packing is refused for a module that does not declare it takes packed batches (``None``: no module yet)."""
-    if module is None or getattr(module, "accepts_packed_batches", False):
-        return
-    name = type(module).__name__
-    raise ValueError(
-        f"TextDataModule(packing=True) puts several samples in each row, with batches of input_ids, labels and"
-        f" position_ids that restart at 0 for each sample and no attention_mask; {name} does not declare that"
-        f" its training_step takes such batches (class attribute accepts_packed_batches = True). A model that"
-        f" ignores position_ids would let each sample attend to the ones before it in its row. Use"
-        f" pl_lowprec.models.CausalLM, or pass batch['position_ids'] to your Hugging Face model (with no"
-        f" attention_mask) and set {name}.accepts_packed_batches = True, or set packing=False"
-        f" (--data.packing false)."
-    )
+    ready = [i for i in range(len(samples)) if "position_ids" in samples[i]]
+    others = sorted(set(range(len(samples))) - set(ready))
+    return PackedRows(subset(samples, others), seq_len, seed, ready=subset(samples, ready))

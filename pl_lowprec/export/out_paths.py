@@ -3,7 +3,8 @@
 A command reads a checkpoint, a config, a pretrained directory, a tokenizer, a prompts file. ``--out`` may not be
 one of them, hold one of them, or (for an existing path) lie inside one, even with ``--overwrite``. Otherwise an
 existing ``--out`` needs ``--overwrite``, and an export directory is only emptied when every file in it is one an
-export writes: a directory that also holds a ``.ckpt``, data or anything else is not a previous export.
+export writes (or the temporary merged directory of a GGUF export that was killed): a directory that also holds a
+``.ckpt``, data or anything else is not a previous export.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ EXPORT_FILE = re.compile(
     r"|config\.json|generation_config\.json|adapter_config\.json|README\.md"
     r"|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|added_tokens\.json"
     r"|vocab\.json|merges\.txt|tokenizer\.model|chat_template\.(jinja|json)"
+    r"|model-(bf16|f16|q8_0|q4_0)\.gguf|Modelfile"
 )
+# The merged model a GGUF export converts from, left behind only if the export was killed before it finished.
+EXPORT_DIR = re.compile(r"\.merged-[\w-]+")
 
 
 def refuse_inputs(out: Path, inputs: dict[str, Path | None]) -> None:
@@ -46,7 +50,7 @@ def check_out_dir(out: Path, overwrite: bool, inputs: dict[str, Path | None]) ->
         raise ValueError(f"--out {str(out)!r} is a file; name a directory.")
     if not out.is_dir() or not any(out.iterdir()):
         return
-    foreign = sorted(c.name for c in out.iterdir() if c.is_dir() or not EXPORT_FILE.fullmatch(c.name))
+    foreign = sorted(c.name for c in out.iterdir() if not written_by_export(c))
     shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
     if foreign:
         flag = "--overwrite will not empty it" if overwrite else "--overwrite would not empty it either"
@@ -59,6 +63,15 @@ def check_out_dir(out: Path, overwrite: bool, inputs: dict[str, Path | None]) ->
             f"--out {str(out)!r} exists and is not empty: pass --overwrite to replace its contents (a previous"
             " export), or name a new directory."
         )
+
+
+def written_by_export(path: Path) -> bool:
+    """A file an export writes, or the merged directory a killed GGUF export left (holding only such files)."""
+    if path.is_dir():
+        return bool(EXPORT_DIR.fullmatch(path.name)) and all(
+            c.is_file() and EXPORT_FILE.fullmatch(c.name) for c in path.iterdir()
+        )
+    return bool(EXPORT_FILE.fullmatch(path.name))
 
 
 def prepare_out_dir(out: Path, overwrite: bool, inputs: dict[str, Path | None]) -> None:

@@ -15,6 +15,23 @@ from pl_lowprec.transforms.dtypes import to_dtype
 
 MERGED_DTYPES = ("float32", "bfloat16", "float16")
 
+FORMATS = ("adapter", "merged", "gguf")
+
+
+def choose_format(export_format: str | None, merged: bool, gguf_type: str | None) -> str:
+    """``--format`` reconciled with ``--merged`` and ``--gguf_type``: adapter unless one asks for another."""
+    if export_format is not None and export_format not in FORMATS:
+        raise ValueError(f"--format {export_format!r} is not one of {', '.join(FORMATS)}.")
+    if merged and export_format not in (None, "merged"):
+        raise ValueError(
+            f"--merged asks for a merged model directory and --format {export_format} for another export; pass"
+            " one of them (--format gguf is merged too: it writes the merged weights as one GGUF file)."
+        )
+    chosen = export_format or ("merged" if merged else "adapter")
+    if gguf_type is not None and chosen != "gguf":
+        raise ValueError(f"--gguf_type {gguf_type} applies to --format gguf, and this export is --format {chosen}.")
+    return chosen
+
 
 def pretrained_dir(restored: Restored) -> Path | None:
     """The model directory the pretrained weights came from (config, tokenizer), if they came from one."""
@@ -67,6 +84,16 @@ def check_dtype(dtype: str | None, merged: bool) -> None:
         )
 
 
+def check_merge_base(weights: PretrainedWeights | None) -> None:
+    """A merge (``--merged``, ``--format gguf``) adds the adapters to the original weights: the config names them."""
+    if weights is None:
+        raise ValueError(
+            "A merged export adds the adapters to the original pretrained weights, and this config names none"
+            " (CausalLM(pretrained=...) or the strategy's pretrained=): its base was built from a config with"
+            " random or seeded weights. Export the adapter directory instead (leave out --merged)."
+        )
+
+
 def check_export(
     out: Path,
     merged: bool,
@@ -77,13 +104,20 @@ def check_export(
 ) -> None:
     """Every refusal of an export that is known before the model loads (``pl-lowprec export`` checks them then)."""
     check_dtype(dtype, merged)
-    if merged and weights is None:
-        raise ValueError(
-            "A merged export adds the adapters to the original pretrained weights, and this config names none"
-            " (CausalLM(pretrained=...) or the strategy's pretrained=): its base was built from a config with"
-            " random or seeded weights. Export the adapter directory instead (leave out --merged)."
-        )
+    if merged:
+        check_merge_base(weights)
     check_out_dir(out, overwrite, read)
+
+
+def check_merged(restored: Restored) -> None:
+    """A merge needs the original weights, and a config to go with them; the config's source is known only once
+    the module is restored (its Hugging Face model). Refused before anything is written."""
+    check_merge_base(restored.weights)
+    if pretrained_dir(restored) is None and restored.hf_model is None:
+        raise ValueError(
+            f"pretrained={str(restored.weights.path)!r} is a single file and the module holds no Hugging Face"
+            " model whose config could go with the merged weights. Point pretrained= at a model directory."
+        )
 
 
 def export(
@@ -93,11 +127,8 @@ def export(
     source = pretrained_dir(restored)
     read = read_paths(restored.checkpoint, restored.weights, restored.tokenizer_dir, inputs)
     check_export(out, merged, dtype, overwrite, read, restored.weights)
-    if merged and source is None and restored.hf_model is None:
-        raise ValueError(
-            f"pretrained={str(restored.weights.path)!r} is a single file and the module holds no Hugging Face"
-            " model whose config could go with the merged weights. Point pretrained= at a model directory."
-        )
+    if merged:
+        check_merged(restored)
     prepare_out_dir(out, overwrite, read)
     if merged:
         counts = merge_into_pretrained(restored.module, restored.weights, out, dtype)

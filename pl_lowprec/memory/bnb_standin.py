@@ -60,10 +60,9 @@ def _classes() -> dict[str, type]:
     if _CLASSES:
         return _CLASSES
     bnb = import_bitsandbytes()
-    from bitsandbytes.backends.default.ops import _gemm_4bit_default_impl
     from bitsandbytes.functional import QuantState
 
-    DECOMPOSE[torch.ops.bitsandbytes.gemm_4bit.default] = _gemm_4bit_default_impl
+    decompose_gemm_4bit()
 
     class FakeLinear4bit(bnb.nn.Linear4bit):
         """bitsandbytes ``Linear4bit`` as fake buffers (its ``__init__`` is skipped: it would build Params4bit)."""
@@ -173,6 +172,15 @@ def _classes() -> dict[str, type]:
 
     _CLASSES.update({"4bit": FakeLinear4bit, "8bit": FakeLinear8bitLt})
     return _CLASSES
+
+
+def decompose_gemm_4bit() -> None:
+    """Under the package's dispatch modes, bitsandbytes' 4-bit matmul runs as its registered composite
+    (dequantize, then ``linear``), whose parts they see: the tracker its ``B_dq``, the op counter its bytes
+    and FLOPs (bitsandbytes' CUDA kernel does the same for training shapes)."""
+    from bitsandbytes.backends.default.ops import _gemm_4bit_default_impl
+
+    DECOMPOSE[torch.ops.bitsandbytes.gemm_4bit.default] = _gemm_4bit_default_impl
 
 
 def is_standin(module: nn.Module) -> bool:

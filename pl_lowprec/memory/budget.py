@@ -42,22 +42,25 @@ def check_memory_budget(
     config: TransformConfig,
     sharding: Any = None,
     world_size: int = 1,
+    estimate: MemoryEstimate | None = None,
 ) -> MemoryEstimate:
-    """Predict the peak of one optimizer step; ``ValueError`` naming the plan's settings when it exceeds ``budget``."""
+    """Predict the peak of one optimizer step (or take ``estimate``, made for ``config`` already); ``ValueError``
+    naming the plan's settings when it exceeds ``budget``."""
     build = fresh_copies(module)  # each call a meta copy: the estimate transforms its own, the module stays
     batch = first_training_batch(trainer)
     accumulate = int(trainer.accumulate_grad_batches)
-    with quiet_setup_logs():  # the run prints its setup lines itself, once, when it loads
-        estimate = estimate_memory(
-            build,
-            batch,
-            precision=precision,
-            device=device,
-            config=config,
-            accumulate_grad_batches=accumulate,
-            sharding=sharding,
-            world_size=world_size,
-        )
+    if estimate is None:
+        with quiet_setup_logs():  # the run prints its setup lines itself, once, when it loads
+            estimate = estimate_memory(
+                build,
+                batch,
+                precision=precision,
+                device=device,
+                config=config,
+                accumulate_grad_batches=accumulate,
+                sharding=sharding,
+                world_size=world_size,
+            )
     per = " per rank" if sharding is not None else ""
     if estimate.peak <= budget:
         rank_zero_info(

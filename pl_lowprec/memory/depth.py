@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from torch import nn
 
 from pl_lowprec.memory.fake_step import SimulatedStep
+from pl_lowprec.memory.op_counts import OpProfile
 from pl_lowprec.transforms.checkpointing import is_checkpointed
 
 MIN_DEPTH = 5  # up to 4, simulating every block is as fast
@@ -85,4 +86,5 @@ def extrapolated(simulate: Callable[[], SimulatedStep], blocks: nn.ModuleList) -
         offloaded_bytes=_line(two.offloaded_bytes, three.offloaded_bytes, depth),
         host_peak=_line(two.host_peak, three.host_peak, depth),
         extrapolated=True,
+        ops=OpProfile.line(two.ops, three.ops, depth),
     )

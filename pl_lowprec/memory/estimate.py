@@ -35,9 +35,12 @@ from pl_lowprec._checks import check_at_least
 from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.memory.bnb_standin import FakeOptimizer8bit, is_standin
 from pl_lowprec.memory.depth import extrapolated, repeated_blocks
+from pl_lowprec.memory.devices import device_spec, gpu_named
 from pl_lowprec.memory.fake_distributed import fake_mesh
 from pl_lowprec.memory.fake_step import DryRunTrainer, SimulatedStep, attached, simulate_step
+from pl_lowprec.memory.op_counts import DTYPE_NAMES, OpProfile
 from pl_lowprec.memory.simulated_transform import SimulatedTransform
+from pl_lowprec.memory.step_time import StepTime, predict_step_time
 from pl_lowprec.plugins.precision_choice import choose_precision
 from pl_lowprec.transforms.config import TransformConfig
 from pl_lowprec.transforms.dtypes import HALF_DTYPES, dtype_of_precision
@@ -79,6 +82,19 @@ class MemoryEstimate:
     seconds: float = 0.0
     samples: list[tuple[str, dict[str, int]]] = field(default_factory=list, repr=False)
     extrapolated: bool = False
+    ops: OpProfile = field(default_factory=OpProfile, repr=False)
+    time_on: str | None = None
+
+    @property
+    def step_time(self) -> StepTime | None:
+        """The predicted time of the step on ``time_on`` (``step_time.py``); ``None`` where there is no device to
+        time it on (a CUDA run estimated on a machine without a GPU, and no ``time_on``)."""
+        return None if self.time_on is None else self.step_time_on(self.time_on)
+
+    def step_time_on(self, device: str) -> StepTime:
+        """The predicted time of the same step on another device: ``"cpu"`` (this one) or a GPU of
+        ``devices.GPUS`` (``"H100"``, ``"H200"``, ``"A100"``, ``"L4"``, ``"RTX4090"``, ``"T4"``)."""
+        return predict_step_time(self.ops, device_spec(device))
 
     @property
     def total(self) -> int:
@@ -90,7 +106,7 @@ class MemoryEstimate:
         """Peak, phase, timeline and split from a ``SimulatedStep``."""
         self.peak, self.peak_phase, self.peak_split = step.peak, step.peak_phase, dict(step.peak_split)
         self.timeline, self.samples, self.host_peak = list(step.timeline), list(step.samples), step.host_peak
-        self.extrapolated = step.extrapolated
+        self.extrapolated, self.ops = step.extrapolated, step.ops
 
     def as_dict(self) -> dict[str, int]:
         flat = {f"params_{k}": v for k, v in self.weights.items()}
@@ -158,6 +174,7 @@ def estimate_memory(
     extrapolate: bool = True,
     sharding: Sharding | None = None,
     world_size: int = 1,
+    time_on: str | None = None,
     **transform_args: Any,
 ) -> MemoryEstimate:
     """Predict the peak memory of a training step without allocating the model.
@@ -178,6 +195,10 @@ def estimate_memory(
         sharding: FSDP2 (``strategy.transform_sharding(config)``): the estimate is per rank of ``world_size``,
             simulated as rank 0 on a fake process group.
         world_size: The number of ranks the run shards over (with ``sharding``).
+        time_on: The device ``estimate.step_time`` predicts the step's duration on: ``"cpu"`` (this machine,
+            measured once) or a GPU of ``devices.GPUS`` (``"H100"``, ``"H200"``, ``"A100"``, ``"L4"``,
+            ``"RTX4090"``, ``"T4"``). ``None``: ``device``, this machine's GPU where it has one; a CUDA run
+            estimated without a GPU then has no step time (``estimate.step_time_on("H100")`` gives one).
         **transform_args: Or the strategies' model arguments themselves (``quantization="nf4-dq"``,
             ``lora={"r": 16}``, ``activation_checkpointing=[...]``, ...: see ``TransformArguments``);
             ``optimizer="adamw"`` names the module's own torch AdamW, as no ``optimizer`` does.
@@ -189,8 +210,13 @@ def estimate_memory(
         precision = choose_precision(device).precision
     started = time.perf_counter()
     check_at_least("estimate_memory", 1, world_size=world_size)
+    time_on = timed_device(time_on, device, precision)
     if sharding is None:
-        return _estimate(build_model, example_batch, precision, device, config, accumulate_grad_batches, extrapolate)
+        estimate = _estimate(
+            build_model, example_batch, precision, device, config, accumulate_grad_batches, extrapolate
+        )
+        estimate.time_on = time_on
+        return estimate
     with fake_mesh(world_size) as mesh:
         estimate = _estimate(
             build_model,
@@ -202,9 +228,27 @@ def estimate_memory(
             False,
             dataclasses.replace(sharding, mesh=mesh),
         )
-    estimate.world_size = world_size
+    estimate.world_size, estimate.time_on = world_size, time_on
     estimate.seconds = time.perf_counter() - started
     return estimate
+
+
+def timed_device(time_on: str | None, device: torch.device, precision: str) -> str | None:
+    """The device to time the step on: ``time_on``, checked before the simulation (an unknown GPU, or a precision
+    it does not compute, such as bf16 on a T4, is refused); else ``device``: this CPU, or this machine's GPU
+    where the table knows it and its dtype (``None`` otherwise: no step time)."""
+    dtype = DTYPE_NAMES.get(dtype_of_precision(precision), "fp32")
+    if time_on is None:
+        if device.type == "cpu":
+            return "cpu"
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return None
+        here = gpu_named(torch.cuda.get_device_name(device))
+        return here if here is not None and dtype in device_spec(here).flops else None
+    if time_on.lower() == "cpu":
+        return "cpu"
+    device_spec(time_on).flops_per_second(dtype)
+    return time_on
 
 
 def _estimate(

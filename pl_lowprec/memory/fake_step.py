@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pl_lowprec.memory.activations import count_saved_tensors
 from pl_lowprec.memory.fake_model import eager_attention_masks, fake_tensors
+from pl_lowprec.memory.op_counts import OpCounter, OpProfile
 from pl_lowprec.memory.tracker import StepTracker
 from pl_lowprec.transforms.offloading import OffloadActivations
 
@@ -133,6 +134,7 @@ class SimulatedStep:
     offloaded_bytes: int
     host_peak: int = 0
     extrapolated: bool = False  # from 2 and 3 identical blocks (depth.py)
+    ops: OpProfile = field(default_factory=OpProfile)  # the kernels of the step, for its time (step_time.py)
 
 
 def simulate_step(
@@ -159,7 +161,8 @@ def simulate_step(
         batch = _to_fake(mode, example_batch)
         optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
         prime_optimizer(optimizer)
-        tracker = StepTracker(model, optimizer, batch_tensors(batch), device_type)
+        counter = OpCounter()
+        tracker = StepTracker(model, optimizer, batch_tensors(batch), device_type, counter)
         offload = SimulatedOffload(tracker, [*model.parameters(), *model.buffers()]) if offloading else None
         saved: list[Any] = []
 
@@ -185,6 +188,7 @@ def simulate_step(
         saved[0].nbytes,
         saved[0].offloaded_nbytes,
         tracker.host_peak,
+        ops=counter.profile,
     )
 
 

@@ -1,4 +1,4 @@
-"""``plan_memory``: the cheapest memory settings whose predicted peak fits a budget.
+"""``plan_memory``: the fastest memory settings whose predicted peak fits a budget.
 
 The model, the sequence length and the global batch (micro-batch x accumulation x devices) stay as the config
 has them; what is searched only trades memory for time and never changes what is learned:
@@ -12,11 +12,11 @@ has them; what is searched only trades memory for time and never changes what is
 Quantization changes the model, so it is searched only where the config already quantizes (its mode is kept)
 or with ``allow_quantization`` (then nf4-dq is tried too); it is never switched on silently.
 
-Each candidate is simulated by ``estimate_memory`` (one fake step through the strategy's own transform). Its
-cost is relative FLOPs per optimizer step: forward 1, backward 2, plus the forward work each checkpointing
-policy recomputes (every block 1, every n-th block 1/n, selective 0: it keeps the matmul outputs). FLOPs do not
-see the cost of memory-bound ops or of small micro-batches, so ties go to the larger micro-batch, then to fewer
-changes (docs/memory.md gives how this ranked measured step times).
+Each candidate is simulated by ``estimate_memory`` (one fake step through the strategy's own transform), and
+ranked by the predicted time of its optimizer step on the device (``estimate.step_time_on``: each kernel's
+FLOPs, bytes and launch, ``step_time.py``), which sees what FLOPs alone did not: the recompute of memory-bound
+ops under selective checkpointing, and the launches of more, smaller micro-batches. Ties go to the larger
+micro-batch, then to fewer changes.
 """
 
 from __future__ import annotations
@@ -30,13 +30,16 @@ import torch
 from torch import nn
 
 from pl_lowprec.distributed.sharding import Sharding
-from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
+from pl_lowprec.memory.devices import device_spec
+from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory, timed_device
 from pl_lowprec.memory.fake_model import meta_copy
 from pl_lowprec.memory.quiet import quiet_setup_logs
 from pl_lowprec.memory.sizes import format_bytes
+from pl_lowprec.memory.step_time import StepTime, predict_step_time
+from pl_lowprec.transforms.checkpointing import declared_blocks
 from pl_lowprec.transforms.config import TransformConfig
 
-FORWARD, BACKWARD = 1.0, 2.0
+ASSUMED_GPU = "H100"  # the GPU a CUDA plan is timed on when none is named and this machine has none
 
 
 @dataclass(frozen=True)
@@ -50,18 +53,6 @@ class Settings:
     optimizer: str | None = None
     activation_offloading: bool = False
     quantization: str | None = None  # None: as the config has it; else switched on (allow_quantization)
-
-    @property
-    def recompute(self) -> float:
-        """The fraction of forward FLOPs recomputed in backward."""
-        if self.checkpointing in ("none", "selective"):
-            return 0.0
-        return 1.0 / self.checkpoint_every_n
-
-    @property
-    def cost(self) -> float:
-        """FLOPs per optimizer step relative to a step without recompute."""
-        return (FORWARD + BACKWARD + FORWARD * self.recompute) / (FORWARD + BACKWARD)
 
     def describe(self) -> str:
         parts = [f"micro-batch {self.micro_batch} x {self.accumulate}", f"checkpointing {self.checkpointing}"]
@@ -79,6 +70,7 @@ class Candidate:
     settings: Settings
     estimate: MemoryEstimate
     fits: bool
+    step: StepTime  # the predicted optimizer step on the plan's device
 
     @property
     def peak(self) -> int:
@@ -87,11 +79,14 @@ class Candidate:
 
 @dataclass
 class MemoryPlan:
-    """The ranked candidates (fitting ones first, cheapest first) and the chosen one (``None``: nothing fits)."""
+    """The ranked candidates (fitting ones first, fastest first) and the chosen one (``None``: nothing fits).
+    ``time_on``: the device the steps are timed on (``assumed``: named by no one, see ``ASSUMED_GPU``)."""
 
     budget: int
     margin: float
     candidates: list[Candidate] = field(default_factory=list)
+    time_on: str = "cpu"
+    assumed: bool = False
 
     @property
     def limit(self) -> int:
@@ -105,17 +100,19 @@ class MemoryPlan:
     def table(self, rows: int = 12) -> str:
         """The ``rows`` best candidates (all that fit first), and how many more were simulated."""
         gib = 2**30
+        device = self.candidates[0].step.device if self.candidates else self.time_on
+        assumed = " (assumed: no GPU with known figures here; name one with --gpu)" if self.assumed else ""
         lines = [
             f"Budget {self.budget / gib:.2f} GiB, margin {self.margin:.0%}: a peak up to {self.limit / gib:.2f} GiB"
-            " fits. Cost: FLOPs per optimizer step relative to no recompute.",
-            f"  {'fits':<5}{'peak GiB':>10}{'headroom GiB':>14}{'cost':>7}  settings",
+            f" fits. Ranked by the predicted optimizer step on {device}{assumed}.",
+            f"  {'fits':<5}{'peak GiB':>10}{'headroom GiB':>14}{'step s':>9}  settings",
         ]
         for c in self.candidates[:rows]:
             mark = "*" if c is self.chosen else " "
             headroom = (self.limit - c.peak) / gib
             lines.append(
                 f"{mark} {'yes' if c.fits else 'no':<5}{c.peak / gib:>10.3f}{headroom:>14.3f}"
-                f"{c.settings.cost:>7.2f}  {c.settings.describe()}"
+                f"{c.step.seconds:>9.3f}  {c.settings.describe()}"
             )
         if len(self.candidates) > rows:
             lines.append(f"  ... and {len(self.candidates) - rows} more simulated, all ranked lower.")
@@ -158,8 +155,9 @@ def plan_memory(
     block_names: list[str] | None = None,
     cache: dict[Settings, MemoryEstimate] | None = None,
     sharding: Sharding | None = None,
+    time_on: str | None = None,
 ) -> MemoryPlan:
-    """Simulate every candidate and rank them.
+    """Simulate every candidate and rank them by predicted step time.
 
     Args:
         build_model: Builds the module, untransformed, on each call (called on the meta device).
@@ -171,10 +169,14 @@ def plan_memory(
         cache: Estimates by settings, kept across calls that differ only in ``budget`` or ``margin``.
         sharding: The config's FSDP2 sharding (``strategy.transform_sharding(config)``): every candidate is
             simulated per rank of ``devices``.
+        time_on: The device the steps are timed on (``estimate_memory``'s ``time_on``); ``None``: ``device``,
+            and for CUDA without a GPU here, ``ASSUMED_GPU`` (the table says so).
     """
-    config = config or TransformConfig()
+    config = searched_config(config or TransformConfig())
     device = torch.device(device)
-    plan = MemoryPlan(budget, margin)
+    timed = timed_device(time_on, device, precision)
+    plan = MemoryPlan(budget, margin, time_on=timed or ASSUMED_GPU, assumed=timed is None)
+    spec = device_spec(plan.time_on)
     sharded = sharding is not None
     for group in candidate_groups(config, global_batch, devices, device, allow_quantization, block_names, sharded):
         for settings in group:  # from the fewest changes: the first that fits ends the group
@@ -193,10 +195,11 @@ def plan_memory(
                     )
                 if cache is not None:
                     cache[settings] = estimate
-            plan.candidates.append(Candidate(settings, estimate, estimate.peak <= plan.limit))
+            step = predict_step_time(estimate.ops, spec)
+            plan.candidates.append(Candidate(settings, estimate, estimate.peak <= plan.limit, step))
             if plan.candidates[-1].fits:
                 break
-    plan.candidates.sort(key=lambda c: (not c.fits, c.settings.cost, -c.settings.micro_batch, _changes(c)))
+    plan.candidates.sort(key=lambda c: (not c.fits, c.step.seconds, -c.settings.micro_batch, _changes(c)))
     return plan
 
 
@@ -255,9 +258,17 @@ def settings_config(config: TransformConfig, settings: Settings, block_names: li
     return dataclasses.replace(config, **changes)
 
 
+def searched_config(config: TransformConfig) -> TransformConfig:
+    """``activation_checkpointing="auto"`` leaves the blocks to the plan, as a config that names none does (the
+    plan searches the blocks the model declares); ``memory_saving="auto"`` is simulated on its memory-saving side."""
+    if config.activation_checkpointing == "auto":
+        return dataclasses.replace(config, activation_checkpointing=None)
+    return config
+
+
 def block_classes(model: nn.Module) -> list[str]:
     """The repeated block classes a model declares (Hugging Face's ``_no_split_modules``)."""
-    return sorted({n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or ())})
+    return declared_blocks(model)
 
 
 def fresh_copies(model: nn.Module) -> Callable[[], nn.Module]:

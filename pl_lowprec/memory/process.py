@@ -54,3 +54,21 @@ def memory_stats(device: torch.device) -> dict[str, int]:
         scale = 1 if sys.platform == "darwin" else 1024
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
     return {"rss_peak": max(peak, current), "rss_current": current}
+
+
+_MEMINFO = Path("/proc/meminfo")
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes a run on ``device`` can still take: free CUDA memory (``torch.cuda.mem_get_info``, what other
+    processes and this one's CUDA context leave), or on CPU the host's ``MemAvailable`` (``/proc/meminfo``: free
+    memory plus what the kernel can reclaim). ``None`` where it cannot be read."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type != "cpu":
+        return None
+    try:
+        lines = _MEMINFO.read_text().splitlines()
+    except OSError:
+        return None
+    return next((int(line.split()[1]) * 1024 for line in lines if line.startswith("MemAvailable:")), None)

@@ -1,9 +1,11 @@
 """Setup lines silenced while candidates are simulated.
 
-``plan_memory`` and ``memory_budget=`` simulate one step per candidate through the strategy's own transform,
-whose INFO lines (``Quantized 14 linear layers to nf4-dq.``, ``LoRA on 14 layers; ...``) would repeat once per
-candidate and describe models that are never built; the real run prints them once, when it sets up.
-``pl-lowprec estimate`` simulates the config as it is, once, and keeps them.
+``plan_memory``, ``memory_budget=`` and the automatic settings (``fastest.fastest_fitting``: ``"auto"`` before
+``fit`` loads, and ``pl-lowprec estimate``'s faster-settings line) simulate one step per candidate through the
+strategy's own transform, whose INFO lines (``Quantized 14 linear layers to nf4-dq.``, ``LoRA on 14 layers; ...``)
+would repeat once per candidate and describe models that are never built; the real run prints them once, when it
+sets up, and a search reports itself in one line. ``pl-lowprec estimate`` simulates the config as it is, once, and
+keeps them. This is the package's one way to silence them.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed._tools.common_utils import get_untyped_storages
@@ -27,6 +27,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
+
+if TYPE_CHECKING:
+    from pl_lowprec.memory.op_counts import OpCounter
 
 CATEGORIES = ("weights", "gradients", "optimizer_state", "inputs", "activations", "temporaries")
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every request up to a multiple of 512 bytes
@@ -60,6 +63,7 @@ class StepTracker(TorchDispatchMode):
         optimizer: Its state counts as optimizer state (re-read after each ``phase("optimizer step")``).
         inputs: Tensors alive at the step start that are not the model's (the batch).
         device_type: ``"cuda"`` rounds every allocation as the caching allocator does.
+        counter: Shown every op that runs on the device (``op_counts.OpCounter``: FLOPs, bytes, kernels).
     """
 
     def __init__(
@@ -68,9 +72,11 @@ class StepTracker(TorchDispatchMode):
         optimizer: torch.optim.Optimizer | None,
         inputs: list[torch.Tensor] = (),  # type: ignore[assignment]
         device_type: str = "cpu",
+        counter: OpCounter | None = None,
     ) -> None:
         super().__init__()
         self.device_type = device_type
+        self.counter = counter
         self.info: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> [bytes, category]
         self.current = dict.fromkeys(CATEGORIES, 0)
         self.total = 0
@@ -213,6 +219,8 @@ class StepTracker(TorchDispatchMode):
             with self:
                 return impl(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
+        if self.counter is not None and not self._on_host:  # offloading's copies overlap on a side stream
+            self.counter.record(func, args, kwargs, out, self.phase_name == "optimizer step")
         before = self.total
         category = "activations" if self.phase_name == "forward" else "temporaries"
         if self._on_host:

@@ -2,7 +2,9 @@
 strategy's streaming loader (quantized as it loads under ``LowPrecisionStrategy(quantization=...)``).
 
 Training uses the token-mean loss across accumulation and ranks (``pl_lowprec.models.token_loss``) and, with
-``loss_chunk_size``, never holds the whole batch's fp32 logits (``pl_lowprec.models.chunked_loss``).
+``loss_chunk_size``, never holds the whole batch's fp32 logits (``pl_lowprec.models.chunked_loss``). Its loss has
+two of the strategy's ``memory_saving`` paths (``grouped_cross_entropy``, and ``chunked_loss`` where
+``loss_chunk_size="auto"``), switched through ``configure_memory_saving``.
 Validation logs ``val/loss`` (mean per target token) and ``val/perplexity``, through torchmetrics.
 """
 
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -23,17 +25,21 @@ from pl_lowprec.distributed.shard import shard_pretrained_blocks
 from pl_lowprec.loading import PretrainedWeights, empty_weights, load_pretrained
 from pl_lowprec.loading.hub import resolve_pretrained
 from pl_lowprec.models.chunked_loss import causal_lm_loss_sum, chunk_loss
+from pl_lowprec.models.forward_batch import forward_batch
+from pl_lowprec.models.liger_loss import LossKernel, check_head, check_loss_kernel, choose_loss_kernel, liger_loss_sum
 from pl_lowprec.models.token_loss import TokenMeanLoss
 from pl_lowprec.models.tokenizer_check import check_tokenizer
 from pl_lowprec.transforms.dtypes import to_dtype
+from pl_lowprec.transforms.memory_saving import AUTO
 
 PREFIX = "model."  # the Hugging Face model is held as self.model
+AUTO_LOSS_CHUNK = 256  # loss_chunk_size="auto" with the chunked_loss path on
 
 
 class CausalLM(pl.LightningModule):
     """Fine-tune a Hugging Face causal LM; batches are ``{"input_ids", "attention_mask", "labels"}``, or packed
-    ``{"input_ids", "position_ids", "labels"}`` (``TextDataModule(packing=True)``): with ``position_ids`` and no
-    mask, transformers cuts attention where the positions restart.
+    ``{"input_ids", "position_ids", "labels"}`` (``TextDataModule(packing=True)``): with ``position_ids``, no
+    mask and no cache (``forward_batch``), transformers cuts attention where the positions restart.
 
     Args:
         pretrained: A local model directory (``save_pretrained``), or a hub id where the network is available.
@@ -44,12 +50,20 @@ class CausalLM(pl.LightningModule):
         warmup_steps: Linear warm-up from 0, in optimizer steps.
         min_lr_ratio: Cosine decay ends at ``lr * min_lr_ratio`` at the Trainer's last step.
         loss_chunk_size: Positions per chunk of the loss (``None``: all at once); 256 holds 8x less of
-            the fp32 logits than a 2048-token sequence.
+            the fp32 logits than a 2048-token sequence, for one more output-head matmul per chunk. ``"auto"``: the
+            strategy's ``memory_saving`` decides (its ``chunked_loss`` path: 256, else all at once; 256 under a
+            plain Lightning strategy); ``fit`` under ``memory_saving: auto`` chooses it for the device.
         dtype: dtype of the parameters that stay unquantized (``"bfloat16"``...); ``None`` follows the
             default dtype (the precision plugin's under ``-true`` precisions).
+        loss_kernel: ``"torch"`` (default): the output head and PyTorch's cross-entropy (in chunks of
+            ``loss_chunk_size``); ``"liger"``: Liger-Kernel's fused linear cross-entropy, which never holds the
+            logits (CUDA only; ``pip install "pl_lowprec[liger]"``); ``"auto"``: Liger where it runs, else
+            ``"torch"``, said in one line.
     """
 
-    accepts_packed_batches = True  # position_ids reach the model (TextDataModule(packing=True) checks this)
+    # position_ids reach the model with no mask and no cache (forward_batch). TextDataModule(packing=True) checks
+    # this declaration, and checks the samples stay apart unless forward, loss_sum and the steps are these ones.
+    accepts_packed_batches = True
 
     def __init__(
         self,
@@ -58,12 +72,17 @@ class CausalLM(pl.LightningModule):
         weight_decay: float = 0.0,
         warmup_steps: int = 10,
         min_lr_ratio: float = 0.1,
-        loss_chunk_size: int | None = None,
+        loss_chunk_size: int | Literal["auto"] | None = None,
         dtype: str | None = None,
+        loss_kernel: LossKernel = "torch",
     ) -> None:
         super().__init__()
-        if loss_chunk_size is not None and loss_chunk_size < 1:
-            raise ValueError(f"CausalLM(loss_chunk_size={loss_chunk_size}) must be a positive number of positions.")
+        check_loss_kernel(loss_kernel)
+        if loss_chunk_size not in (None, AUTO) and (not isinstance(loss_chunk_size, int) or loss_chunk_size < 1):
+            raise ValueError(
+                f"CausalLM(loss_chunk_size={loss_chunk_size}) must be a positive number of positions, 'auto' (the"
+                " strategy's memory_saving decides) or None (all positions at once)."
+            )
         if not 0 <= min_lr_ratio <= 1:
             raise ValueError(f"CausalLM(min_lr_ratio={min_lr_ratio}) must be between 0 and 1.")
         check_positive("CausalLM", "LoRA usually trains at 1e-4 to 3e-3.", lr=lr)
@@ -86,6 +105,9 @@ class CausalLM(pl.LightningModule):
         self.token_mean = TokenMeanLoss()
         self.val_nll = MeanMetric()
         self.loss_fn = chunk_loss
+        self.loss_chunk = AUTO_LOSS_CHUNK if loss_chunk_size == AUTO else loss_chunk_size
+        self.grouped_cross_entropy = True
+        self.loss_kernel_in_use: Literal["torch", "liger"] | None = None  # set on the device in on_fit_start
 
     @property
     def pretrained_weights(self) -> PretrainedWeights:
@@ -132,28 +154,53 @@ class CausalLM(pl.LightningModule):
                 destroy_process_group_at_exit()  # Lightning does this for NCCL only; gloo would abort at exit
                 rank_zero_info(f"CausalLM: FSDP2 on {len(blocks)} blocks and the module as the root.")
 
+    def on_fit_start(self) -> None:
+        self.resolve_loss_kernel()
+
+    def on_validation_start(self) -> None:
+        self.resolve_loss_kernel()
+
+    def resolve_loss_kernel(self) -> None:
+        """Once, on the device, after the strategy transformed the model: Liger's fused loss or PyTorch's; refuses
+        ``loss_kernel="liger"`` where it cannot run, before any step (``liger_loss.py``)."""
+        if self.loss_kernel_in_use is None:
+            kernel = self.hparams.loss_kernel
+            chosen = choose_loss_kernel(kernel, self.device)
+            self.loss_kernel_in_use = check_head(kernel, chosen, self.model.get_output_embeddings())
+
     def forward(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).logits
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        return forward_batch(self.model, batch).logits
 
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.model.base_model(
-            input_ids=batch["input_ids"],
-            attention_mask=batch.get("attention_mask"),
-            position_ids=batch.get("position_ids"),
-            use_cache=False,
-        ).last_hidden_state
+        hidden = forward_batch(self.model.base_model, batch).last_hidden_state
         head = self.model.get_output_embeddings()
-        return causal_lm_loss_sum(head, hidden, batch["labels"], self.hparams.loss_chunk_size, self.loss_fn)
+        if self.loss_kernel_in_use == "liger":
+            return liger_loss_sum(head, hidden, batch["labels"])
+        chunk, grouped = self.loss_chunk, self.grouped_cross_entropy
+        return causal_lm_loss_sum(head, hidden, batch["labels"], chunk, self.loss_fn, grouped)
+
+    @property
+    def memory_saving_paths(self) -> frozenset[str]:
+        """The strategy's ``memory_saving`` paths this module's loss takes (``configure_memory_saving``)."""
+        chunked = {"chunked_loss"} if self.hparams.loss_chunk_size == AUTO else set()
+        return frozenset({"grouped_cross_entropy", *chunked})
+
+    def configure_memory_saving(self, paths: frozenset[str]) -> None:
+        """Called by the strategy's transform with the ``memory_saving`` paths that are on: the cross-entropy in
+        row groups or ``F.cross_entropy`` on fp32 logits; with ``loss_chunk_size="auto"``, chunks or all at once."""
+        self.grouped_cross_entropy = "grouped_cross_entropy" in paths
+        if self.hparams.loss_chunk_size == AUTO:
+            self.loss_chunk = AUTO_LOSS_CHUNK if "chunked_loss" in paths else None
 
     def compile_loss(self, options: dict[str, Any]) -> None:
-        """Called by the strategy's ``compile=``: the output head and cross-entropy, one chunk at a time."""
+        """Called by the strategy's ``compile=``: the output head and cross-entropy, one chunk at a time (not Liger's
+        kernel, fused already)."""
         self.loss_fn = torch.compile(chunk_loss, **options)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

@@ -14,28 +14,36 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pl_lowprec.models.cross_entropy import cross_entropy_sum
+from pl_lowprec.models.cross_entropy import cross_entropy_sum, plain_cross_entropy_sum
 from pl_lowprec.models.token_loss import IGNORE_INDEX
 
 
-def _logits_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def _logits_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, grouped: bool = True) -> torch.Tensor:
     # A chunk is a strided view of the hidden states; its recompute may get a dense copy (activation offloading
     # moves checkpoint inputs to host and back), and matmul takes another path for each, saving tensors of other
-    # shapes, which the checkpoint refuses. Dense in both: a chunk-sized temporary.
-    logits = head(hidden.contiguous())
-    return cross_entropy_sum(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
+    # shapes, which the checkpoint refuses. Dense in both: a chunk-sized temporary. Rows as a 2-D matrix: a 3-D
+    # chunk of one sequence is "contiguous" but not foldable, and matmul then runs it as a bmm (18 GFLOP/s in bf16
+    # on a CPU, against 289 for the mm of the same rows; benchmarks/dispatch_proxy.py found it).
+    rows = hidden.contiguous().reshape(-1, hidden.size(-1))
+    loss = cross_entropy_sum if grouped else plain_cross_entropy_sum
+    return loss(head(rows), labels.reshape(-1))
 
 
-def chunk_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, recompute: bool = False) -> torch.Tensor:
+def chunk_loss(
+    head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, recompute: bool = False, grouped: bool = True
+) -> torch.Tensor:
     """Summed cross-entropy of one chunk (output head and loss), the part that ``compile=`` compiles; with
     ``recompute``, under activation checkpointing. The checkpoint is inside, so a compiled ``chunk_loss`` traces it
-    (an eager checkpoint around compiled code would recompute through a different graph than its forward)."""
+    (an eager checkpoint around compiled code would recompute through a different graph than its forward).
+    ``grouped``: the cross-entropy without fp32 copies of the logits (``cross_entropy.py``), else
+    ``F.cross_entropy`` on fp32 logits."""
     if recompute:
-        return checkpoint(_logits_loss, head, hidden, labels, use_reentrant=False)
-    return _logits_loss(head, hidden, labels)
+        return checkpoint(_logits_loss, head, hidden, labels, grouped, use_reentrant=False)
+    return _logits_loss(head, hidden, labels, grouped)
 
 
 ChunkLoss = Callable[..., torch.Tensor]
@@ -47,20 +55,31 @@ def causal_lm_loss_sum(
     labels: torch.Tensor,
     chunk_size: int | None = None,
     loss_fn: ChunkLoss = chunk_loss,
+    grouped: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed loss of position t predicting ``labels[t + 1]``, and the number of target tokens.
 
     ``chunk_size=None`` computes the logits of the whole sequence at once; ``loss_fn`` is ``chunk_loss`` or its
-    compiled form.
+    compiled form; ``grouped`` as ``chunk_loss`` takes it.
     """
     hidden, targets = hidden[:, :-1], labels[:, 1:]
     tokens = (targets != IGNORE_INDEX).sum()
     if chunk_size is None:
-        return loss_fn(head, hidden, targets), tokens
+        return loss_fn(head, hidden, targets, grouped=grouped), tokens
     total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, hidden.size(1), chunk_size):
-        part = targets[:, start : start + chunk_size]
-        if (part == IGNORE_INDEX).all():
+    starts = range(0, hidden.size(1), chunk_size)
+    for start, nothing_to_learn in zip(starts, _chunks_without_targets(targets, chunk_size), strict=True):
+        if nothing_to_learn:
             continue  # nothing to learn here: skip the head's matmul entirely
-        total = total + loss_fn(head, hidden[:, start : start + chunk_size], part, recompute=True)
+        part = targets[:, start : start + chunk_size]
+        total = total + loss_fn(head, hidden[:, start : start + chunk_size], part, recompute=True, grouped=grouped)
     return total, tokens
+
+
+def _chunks_without_targets(targets: torch.Tensor, chunk_size: int) -> list[bool]:
+    """Whether each chunk of positions holds no target token, read with one host sync for all chunks (on a GPU a
+    sync per chunk would stop the CPU from queueing the next chunk's kernels while the GPU runs this one's)."""
+    ignored = targets == IGNORE_INDEX
+    pad = -ignored.size(1) % chunk_size
+    chunks = F.pad(ignored, (0, pad), value=True).reshape(ignored.size(0), -1, chunk_size)
+    return chunks.all(dim=2).all(dim=0).tolist()

@@ -31,6 +31,13 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
     return _CrossEntropySum.apply(logits, targets)
 
 
+def plain_cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")`` itself, as Hugging
+    Face's loss computes it: one fused kernel each way, and the fp32 copies above (``memory_saving`` without
+    ``grouped_cross_entropy``)."""
+    return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
 def _row_groups(rows: int, vocab: int) -> list[slice]:
     step = max(1, ROW_ELEMENTS // max(vocab, 1))
     return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]

@@ -43,8 +43,15 @@ from pl_lowprec.plugins.dtype_checks import (
     upcast_parameters,
     verify_bf16_support,
 )
+from pl_lowprec.plugins.lightning_messages import hide_fp32_matmul_advice
 from pl_lowprec.plugins.loss_scale import LossScaleCollapseError, LossScaleState, LossScaleTracker
-from pl_lowprec.plugins.loss_scale_config import AMPPrecisionInput, LossScaleConfig, LossScaleInput
+from pl_lowprec.plugins.loss_scale_config import (
+    AMPPrecisionInput,
+    LossScaleConfig,
+    LossScaleInput,
+    check_own_scaler,
+    device_type,
+)
 from pl_lowprec.plugins.precision_choice import PrecisionChoice, choose_precision
 from pl_lowprec.plugins.scaler_bookkeeping import ScalerBookkeeping, has_gradients, optimizer_handles_unscaling
 from pl_lowprec.plugins.scheduler_guard import guard_step_schedulers
@@ -72,12 +79,18 @@ class AMPPrecision(MixedPrecision):
         upcast_trainable: Under fp16, cast trainable fp16 parameters to fp32 (and say so) instead of failing.
         float32_matmul_precision: ``torch.set_float32_matmul_precision`` for the run (``"highest"``, ``"high"``,
             ``"medium"``), restored at teardown. ``None`` leaves the process setting alone.
-        device: Autocast device type. ``None`` takes the Trainer's device at setup.
+        device: Autocast device type (``"cuda:0"`` is read as ``"cuda"``). ``None`` takes the Trainer's device
+            at setup.
+        scaler: A ``torch.amp.GradScaler`` (or a subclass of your own) to use instead of the one built from the
+            loss-scale settings, as Lightning's ``MixedPrecision(scaler=...)`` takes it; ``"16-mixed"`` only.
+            Assigning ``plugin.scaler`` later works the same: every unscale, step and update goes through it.
     """
 
     # strategy="lowprec_fsdp" runs every mode (pl_lowprec.distributed.precision): the loss scaler agrees on
     # overflows across the shards.
     supports_fsdp2: ClassVar[bool] = True
+
+    _steps: ScalerBookkeeping | None = None  # with the scaler, when there is one (the ``scaler`` setter)
 
     def __init__(
         self,
@@ -92,6 +105,7 @@ class AMPPrecision(MixedPrecision):
         upcast_trainable: bool = False,
         float32_matmul_precision: MatmulPrecision | None = None,
         device: Literal["cpu", "cuda"] | None = None,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         if precision not in get_args(AMPPrecisionInput):
             raise ValueError(
@@ -110,6 +124,9 @@ class AMPPrecision(MixedPrecision):
         self.loss_scaling = LossScaleConfig(
             precision, loss_scale, init_scale, growth_factor, backoff_factor, growth_interval, min_scale
         )
+        if scaler is not None:
+            check_own_scaler(scaler, precision, self.loss_scaling)
+        device = device_type(device)
         super().__init__("bf16-mixed", device=device or "cpu", scaler=None)
         self.requested_precision = precision
         self.choice: PrecisionChoice | None = None
@@ -119,23 +136,42 @@ class AMPPrecision(MixedPrecision):
         self.float32_matmul_precision = float32_matmul_precision
         self._matmul_precision_before: str | None = None
         self._tracker = LossScaleTracker()
-        self._steps: ScalerBookkeeping | None = None  # with the scaler, when there is one
         if precision == "auto":
             self.precision = "auto"
             self.scaler = None
             self.loss_scale_mode, self.static_scale, self.min_scale = None, None, None
         else:
-            self._configure(precision, device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            self._configure(precision, device or ("cuda" if torch.cuda.is_available() else "cpu"), scaler)
+        hide_fp32_matmul_advice(self)
 
-    def _configure(self, precision: str, scaler_device: str) -> None:
-        """Set the precision and build the scaler it needs."""
+    def _configure(self, precision: str, scaler_device: str, scaler: torch.amp.GradScaler | None = None) -> None:
+        """Set the precision and build the scaler it needs (or take the one given)."""
         self.precision = precision
         # Only fp16 scales; under "auto" the loss-scale settings apply only if it chose fp16.
         self.loss_scale_mode = self.loss_scaling.mode(precision)
         self.static_scale = self.loss_scaling.static_scale if self.loss_scale_mode == "static" else None
         self.min_scale = self.loss_scaling.min_scale if self.loss_scale_mode == "dynamic" else None
-        self.scaler = self.loss_scaling.make_scaler(precision, scaler_device)
-        self._steps = ScalerBookkeeping(self.scaler) if self.scaler is not None else None
+        self.scaler = scaler if scaler is not None else self.loss_scaling.make_scaler(precision, scaler_device)
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The loss scaler every unscale, step and update goes through (``None``: no loss scaling)."""
+        return self._scaler
+
+    @scaler.setter
+    def scaler(self, scaler: torch.amp.GradScaler | None) -> None:
+        """Assigning a scaler (Lightning's tests wrap it in a ``Mock``; a user may bring a subclass) replaces it
+        everywhere, the per-optimizer bookkeeping and its step hooks included."""
+        self._scaler = scaler
+        steps = getattr(self, "_steps", None)
+        if scaler is None:
+            if steps is not None:
+                steps.release()
+            self._steps = None
+        elif steps is None:
+            self._steps = ScalerBookkeeping(scaler)
+        else:
+            steps.scaler = scaler
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -276,7 +312,7 @@ class AMPPrecision(MixedPrecision):
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
         """Lightning's order: disabled clipping returns before anything is read; an optimizer that unscales
-        inside its own step is refused before anything is unscaled; otherwise unscale once, then clip."""
+        inside its own step is refused before anything is unscaled; otherwise the clip (which unscales first)."""
         if clip_val is None or clip_val <= 0:
             return
         if optimizer_handles_unscaling(optimizer):
@@ -284,10 +320,19 @@ class AMPPrecision(MixedPrecision):
                 f"The current optimizer, {type(optimizer).__qualname__}, does not allow for gradient clipping"
                 " because it performs unscaling of gradients internally. HINT: Are you using a 'fused' optimizer?"
             )
-        # Manual optimization clips before ``optimizer.step()``: unscale here so the threshold means the same.
+        super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+
+    # Manual optimization clips before ``optimizer.step()``: the clip unscales (once) so that the threshold means
+    # the same as in automatic optimization, where the step unscaled before clipping.
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
         if self._steps is not None:
             self._steps.unscale_once(optimizer)
-        super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+        super().clip_grad_by_value(optimizer, clip_val)
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        if self._steps is not None:
+            self._steps.unscale_once(optimizer)
+        super().clip_grad_by_norm(optimizer, clip_val)
 
     def _check_min_scale(self) -> None:
         scale = self.scaler.get_scale()

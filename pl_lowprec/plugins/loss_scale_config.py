@@ -128,3 +128,26 @@ def _check_dynamic(config: LossScaleConfig) -> None:
             + "; ".join(problems)
             + ". For a fixed scale pass loss_scale=<float> instead."
         )
+
+
+def check_own_scaler(scaler: object, precision: str, config: LossScaleConfig) -> None:
+    """``AMPPrecision(scaler=...)``: a scaler of the user's replaces the one the loss-scale settings would build."""
+    if precision != "16-mixed":
+        raise ValueError(
+            f"AMPPrecision(precision={precision!r}, scaler={type(scaler).__name__}(...)): a loss scaler is for fp16"
+            " only ('16-mixed'); bf16 does not scale, and 'auto' may choose bf16. Pass precision='16-mixed' with"
+            " your scaler, or drop scaler=."
+        )
+    changed = _changed_dynamic_settings(config)
+    if config.loss_scale not in ("auto", "dynamic") or changed:
+        given = ", ".join([*([f"loss_scale={config.loss_scale!r}"] if config.loss_scale != "auto" else []), *changed])
+        raise ValueError(
+            f"AMPPrecision(scaler={type(scaler).__name__}(...), {given}): the scaler you pass carries its own"
+            " settings, so the loss-scale arguments would be ignored. Set them on your scaler, or drop scaler= and"
+            " keep the arguments."
+        )
+
+
+def device_type(device: str | None) -> str | None:
+    """``"cuda:0"`` as autocast and GradScaler take it (``"cuda"``), as Lightning's ``MixedPrecision`` accepts."""
+    return None if device is None else torch.device(device).type

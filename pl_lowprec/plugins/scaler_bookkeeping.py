@@ -30,7 +30,7 @@ class ScalerBookkeeping:
     """
 
     def __init__(self, scaler: torch.amp.GradScaler) -> None:
-        check_scaler_internals(scaler)
+        check_scaler_internals()
         self.scaler = scaler
         self.unscaled: set[int] = set()
         self._applied: set[int] = set()

@@ -59,7 +59,8 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
 
     Args:
         shard_modules: Blocks that each form a shard unit (classes, class names or a predicate); default: the
-            ``activation_checkpointing`` blocks.
+            ``activation_checkpointing`` blocks (with ``"auto"``, the blocks the model declares, whatever is
+            checkpointed).
         reshard_after_forward: Free each unit's gathered weights after its forward (less memory, one more
             all-gather per unit in backward).
         cpu_offload: Keep sharded parameters, gradients and optimizer state in CPU memory (CUDA only).
@@ -75,6 +76,7 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
     """
 
     strategy_name = "lowprec_fsdp"
+    ARGUMENTS_SET_HERE = ("data_parallel_size", "save_distributed_checkpoint")
 
     def __init__(
         self,
@@ -155,7 +157,7 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         """Transform and shard (no ``configure_model`` needed), then the precision and the optimizers."""
         check_trainer_arguments(trainer)
-        self.check_memory_budget(trainer)
+        self.settle_memory(trainer)
         self.accelerator.setup(trainer)
         self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)
         if not is_sharded(self.lightning_module):  # one process: no fully_shard moved it to the device

@@ -10,13 +10,15 @@ with the help below, and YAML stays flat (``init_args.quantization: nf4-dq``).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.memory.sizes import parse_bytes
+from pl_lowprec.strategies.signature import forwarded_signature
 from pl_lowprec.transforms.checkpointing import CheckpointImpl, CheckpointMode, CheckpointPolicy
 from pl_lowprec.transforms.config import TransformConfig
 from pl_lowprec.transforms.fp8 import FP8Config, FP8Recipe
+from pl_lowprec.transforms.memory_saving import MemorySavingPath
 from pl_lowprec.transforms.optimizers import OptimizerName
 from pl_lowprec.transforms.pipeline import ModelTransform
 from pl_lowprec.transforms.qat import QATConfig, QATScheme
@@ -28,7 +30,9 @@ class TransformArguments:
 
     Args:
         activation_checkpointing: Blocks to recompute in backward: module classes, class names (YAML), or a
-            callable ``(module, name) -> bool``.
+            callable ``(module, name) -> bool``. ``"auto"``: the blocks the model declares (Hugging Face's
+            ``_no_split_modules``), checkpointed as ``memory_saving="auto"`` chooses: none, selective, every 2nd
+            block or every block, the fastest that fits.
         checkpoint_every_n: Checkpoint only every n-th selected block: less recompute, more memory.
         checkpoint_impl: ``"non_reentrant"`` (default) or ``"reentrant"``.
         checkpoint_mode: ``"full"`` (default) recomputes each checkpointed block whole; ``"selective"`` keeps
@@ -60,19 +64,34 @@ class TransformArguments:
             a dict of ``torch.compile`` arguments (``{"mode": "max-autotune-no-cudagraphs"}``). The first steps
             are slower while it compiles (logged once). On CPU it needs a C++ compiler. Not with
             ``quantization="int8"`` or ``checkpoint_impl="reentrant"``.
+        memory_saving: The exact memory-saving paths, which cost time (``pl_lowprec.transforms.memory_saving``):
+            ``True`` (default) all, ``False`` none, or a list of ``fused_mlp`` (the LoRA SwiGLU MLP as one
+            Function), ``recomputed_norms`` (norms redone row-wise in backward), ``grouped_cross_entropy`` and
+            ``chunked_loss`` (the module's loss: ``CausalLM``'s cross-entropy without fp32 logits, and its
+            ``loss_chunk_size: auto``). ``"auto"``: before loading, ``fit`` takes the fastest settings whose
+            predicted peak fits the device (free CUDA memory, or available host memory, less 10%; or
+            ``memory_budget``), turning on the paths, then checkpointing, in that order, and says in one line what
+            it chose. Settings given explicitly are kept.
         memory_budget: Device memory the run may use (``"24GiB"``, ``"80GB"``, bytes): before any weight loads,
             ``fit`` predicts the step's peak (``estimate_memory``, per rank under ``lowprec_fsdp``) and stops when
             it is above, naming the settings ``pl-lowprec plan`` would choose. Keep a margin inside it for the
-            CUDA context and fragmentation. ``None`` (default): no check.
+            CUDA context and fragmentation. ``None`` (default): no check. With ``"auto"`` settings, the memory
+            they are chosen for.
     """
 
     transform_config: TransformConfig
     transform: ModelTransform
+    ARGUMENTS_SET_HERE: tuple[str, ...] = ()  # what a strategy passes to its Lightning base itself
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Every strategy (and a user's subclass) shows its whole signature, these arguments included."""
+        super().__init_subclass__(**kwargs)
+        cls.__signature__ = forwarded_signature(cls, cls.ARGUMENTS_SET_HERE)
 
     def __init__(
         self,
         *,
-        activation_checkpointing: CheckpointPolicy | None = None,
+        activation_checkpointing: CheckpointPolicy | Literal["auto"] | None = None,
         checkpoint_every_n: int = 1,
         checkpoint_impl: CheckpointImpl = "non_reentrant",
         checkpoint_mode: CheckpointMode = "full",
@@ -86,6 +105,7 @@ class TransformArguments:
         fp8: FP8Recipe | FP8Config | None = None,
         activation_offloading: bool = False,
         compile: bool | dict[str, Any] = False,
+        memory_saving: bool | Literal["auto"] | list[MemorySavingPath] = True,
         memory_budget: str | int | None = None,
         **kwargs: Any,
     ) -> None:
@@ -104,6 +124,7 @@ class TransformArguments:
             fp8=fp8,
             activation_offloading=activation_offloading,
             compile=compile,
+            memory_saving=memory_saving,
         )
         self.memory_budget = None if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
         super().__init__(**kwargs)

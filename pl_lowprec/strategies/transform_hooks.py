@@ -13,8 +13,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from pl_lowprec.memory.budget import check_memory_budget
+from pl_lowprec.strategies.auto_settings import choose_memory_settings
+from pl_lowprec.strategies.garbage_collection import freeze_long_lived_objects, unfreeze
 from pl_lowprec.strategies.trainer_checks import check_trainer_arguments
 from pl_lowprec.strategies.transform_args import TransformArguments
 from pl_lowprec.transforms.weight_sources import teardown_with_meta
@@ -23,22 +26,33 @@ from pl_lowprec.transforms.weight_sources import teardown_with_meta
 class TransformHooks(TransformArguments):
     """Runs ``self.transform`` at setup, around training steps, at the end of fit and for checkpoints."""
 
-    _memory_budget_checked = False
+    _memory_settled = False
+    automatic_choice: Any = None  # the Search behind the "auto" settings, once fit has chosen them
+    _frozen: tuple[int, float] | None = None
 
     def setup(self, trainer: pl.Trainer) -> None:
         check_trainer_arguments(trainer)
-        self.check_memory_budget(trainer)
+        self.settle_memory(trainer)
         self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)
         super().setup(trainer)
 
-    def check_memory_budget(self, trainer: pl.Trainer) -> None:
-        """``memory_budget=``: once per strategy, before ``fit`` transforms (and loads) the model."""
-        if self.memory_budget is None or self._memory_budget_checked or trainer.state.fn != TrainerFn.FITTING:
+    def settle_memory(self, trainer: pl.Trainer) -> None:
+        """Once per strategy, before ``fit`` transforms (and loads) the model: the ``"auto"`` settings chosen for
+        the device (``auto_settings.py``), then ``memory_budget=``."""
+        config = self.transform_config
+        asked = self.memory_budget is not None or config.chooses_automatically
+        if not asked or self._memory_settled or trainer.state.fn != TrainerFn.FITTING:
             return
-        self._memory_budget_checked = True
+        self._memory_settled = True
         plugin = self.precision_plugin
         if hasattr(plugin, "resolve"):  # AMPPrecision("auto") chooses for the device
             plugin.resolve(self.root_device)
+        search = None
+        if config.chooses_automatically:
+            search = choose_memory_settings(self, trainer, str(plugin.precision), self.memory_budget)
+            self.automatic_choice = search
+        if self.memory_budget is None or (search is not None and search.fits):
+            return  # the choice's line gave the peak within the budget
         check_memory_budget(
             self.memory_budget,
             self.lightning_module,
@@ -48,6 +62,7 @@ class TransformHooks(TransformArguments):
             self.transform_config,
             self.transform.sharding,
             self.world_size,
+            estimate=search.estimate if search is not None else None,
         )
 
     @contextmanager
@@ -56,6 +71,8 @@ class TransformHooks(TransformArguments):
             yield
 
     def teardown(self) -> None:
+        unfreeze(self._frozen)
+        self._frozen = None
         teardown_with_meta(self, super().teardown)
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -71,6 +88,17 @@ class TransformHooks(TransformArguments):
         self.transform.after_optimizer_step()
         return output
 
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._frozen = freeze_long_lived_objects()
+        if self._frozen is not None:
+            frozen, seconds = self._frozen
+            rank_zero_info(
+                f"Froze the {frozen:,} Python objects alive before the first step (gc.freeze, after one full"
+                f" collection: {seconds:.1f} s): Python's full garbage collections skip them and no longer stall a"
+                " step (strategies/garbage_collection.py)."
+            )
+
     def on_train_end(self) -> None:
         super().on_train_end()
         self.transform.on_fit_end(self.lightning_module)
@@ -79,6 +107,6 @@ class TransformHooks(TransformArguments):
         return self.transform.state_dict(self.lightning_module)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        self.check_memory_budget(self.lightning_module.trainer)  # resuming: this runs before setup
+        self.settle_memory(self.lightning_module.trainer)  # resuming: this runs before setup
         self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)
         self.transform.load_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)

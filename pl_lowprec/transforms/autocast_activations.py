@@ -16,14 +16,16 @@ Under autocast, norms here return their input's dtype (as Hugging Face's norms d
 compute dtype: transformers' bf16 loading, torchtune's recipes) and, while gradients are recorded, keep only
 their bf16 input and redo their few elementwise ops in backward (the same ops under the same autocast, so the
 same gradients; not under ``compile=``, which fuses them). LoRA layers read their input as it is (peft's
-``cast_input_dtype_enabled``): their matmuls are unchanged, since the round trip bf16 -> fp32 -> bf16 is exact.
-Only the residual stream changes numbers: bf16 instead of fp32 from the second block on. On Llama-3.1-8B QLoRA
-shapes, batch 2 x 2048, every block checkpointed, the three save about 1.7 GiB of the predicted peak
-(``docs/memory.md``). Outside autocast nothing changes.
+``_cast_input_dtype``, replaced on each layer): their matmuls are unchanged, since the round trip bf16 -> fp32 ->
+bf16 is exact. Only the residual stream changes numbers: bf16 instead of fp32 from the second block on. On
+Llama-3.1-8B QLoRA shapes, batch 2 x 2048, every block checkpointed, the three save about 1.7 GiB of the
+predicted peak (``docs/memory.md``). Outside autocast nothing changes.
 """
 
 from __future__ import annotations
 
+import functools
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -42,37 +44,40 @@ def keep_activations_in_compute_dtype(model: nn.Module, recompute_norms: bool = 
     hooked = 0
     for module in [m for m in model.modules() if is_norm(m)]:
         if not getattr(module, _HOOKED, False):
-            module.forward = _LeanNorm(module, recompute_norms)
+            module._pl_lowprec_norm_forward = module.forward
+            module._pl_lowprec_recompute_norm = recompute_norms
+            # a method bound to each norm, one function for all: torch.compile guards on the function, so the
+            # blocks share one compiled graph (a callable object per norm was guarded by identity: one
+            # recompile per block, and past torch._dynamo's recompile limit the rest ran eagerly)
+            module.forward = types.MethodType(_lean_norm_forward, module)
             setattr(module, _HOOKED, True)
             hooked += 1
     for module in lora_layers(model).values():
         if not getattr(module, _HOOKED, False):
-            module.register_forward_pre_hook(_lora_input_as_it_is_under_autocast)
+            module._cast_input_dtype = _cast_input_unless_autocast  # peft's method, read from the instance first
             setattr(module, _HOOKED, True)
             hooked += 1
     return hooked
 
 
-class _LeanNorm:
+def _lean_norm_forward(module: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
     """A norm's ``forward`` that, under autocast with a half-precision input, returns the input's dtype and, while
     gradients are recorded (and its own weights are frozen), keeps only its input for backward."""
+    half = isinstance(x, torch.Tensor) and x.dtype in HALF_DTYPES
+    if not half or not torch.is_autocast_enabled(x.device.type):
+        return module._pl_lowprec_norm_forward(x, *args, **kwargs)
+    in_input_dtype = functools.partial(_in_input_dtype, module._pl_lowprec_norm_forward)
+    frozen = not any(p.requires_grad for p in module.parameters(recurse=False))
+    recompute = module._pl_lowprec_recompute_norm and frozen and not args and not kwargs
+    if recompute and torch.is_grad_enabled() and x.requires_grad:
+        rowwise = not isinstance(module, nn.GroupNorm)  # LayerNorm and RMSNorm: over the last dim only
+        return _RecomputedInBackward.apply(in_input_dtype, rowwise, x)
+    return in_input_dtype(x, *args, **kwargs)
 
-    def __init__(self, module: nn.Module, recompute: bool) -> None:
-        self.module, self.forward, self.recompute = module, module.forward, recompute
 
-    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        half = isinstance(x, torch.Tensor) and x.dtype in HALF_DTYPES
-        if not half or not torch.is_autocast_enabled(x.device.type):
-            return self.forward(x, *args, **kwargs)
-        frozen = not any(p.requires_grad for p in self.module.parameters(recurse=False))
-        if self.recompute and frozen and not args and not kwargs and torch.is_grad_enabled() and x.requires_grad:
-            rowwise = not isinstance(self.module, nn.GroupNorm)  # LayerNorm and RMSNorm: over the last dim only
-            return _RecomputedInBackward.apply(self._in_input_dtype, rowwise, x)
-        return self._in_input_dtype(x, *args, **kwargs)
-
-    def _in_input_dtype(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        out = self.forward(x, *args, **kwargs)
-        return out.to(x.dtype) if isinstance(out, torch.Tensor) and out.is_floating_point() else out
+def _in_input_dtype(forward: Callable[..., Any], x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    out = forward(x, *args, **kwargs)
+    return out.to(x.dtype) if isinstance(out, torch.Tensor) and out.is_floating_point() else out
 
 
 def _kept(tensor: torch.Tensor) -> torch.Tensor:
@@ -116,7 +121,11 @@ def _recomputed_grad(ctx: Any, x: torch.Tensor, grad: torch.Tensor) -> torch.Ten
     return torch.autograd.grad(out, leaf, grad)[0]
 
 
-def _lora_input_as_it_is_under_autocast(module: nn.Module, args: tuple[Any, ...]) -> None:
-    first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-    under_autocast = first is not None and torch.is_autocast_enabled(first.device.type)
-    module.cast_input_dtype_enabled = not under_autocast
+def _cast_input_unless_autocast(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """peft's ``LoraLayer._cast_input_dtype`` for a hooked layer: under autocast the input stays as it is (autocast
+    casts it for the matmul); outside, it is cast to the adapter's dtype as peft does. A pure function of its
+    arguments, with no module state changed in forward: a flag set per call (``cast_input_dtype_enabled``) inside
+    a checkpointed block is a side effect ``torch.compile`` cannot trace, and broke every compiled block's graph."""
+    if x is None or x.dtype == dtype or torch.is_autocast_enabled(x.device.type):
+        return x
+    return x.to(dtype)

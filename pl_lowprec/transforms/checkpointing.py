@@ -107,6 +107,12 @@ def set_activation_checkpointing(
     return [name for name, _ in chosen]
 
 
+def declared_blocks(model: nn.Module) -> list[str]:
+    """The repeated block classes a model declares (Hugging Face's ``_no_split_modules``): what
+    ``activation_checkpointing="auto"`` checkpoints."""
+    return sorted({n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or ())})
+
+
 def remove_activation_checkpointing(model: nn.Module) -> None:
     for module in model.modules():
         if is_checkpointed(module):

@@ -9,8 +9,9 @@ of the whole model. It runs last, after quantization, LoRA, checkpointing and, u
 define ``compile_loss(options)``; ``CausalLM`` compiles its chunked cross-entropy there.
 
 What cannot compile is refused when the strategy is built, naming the combination and the reason; on CPU,
-inductor writes C++ and needs a compiler, checked before the first step. The compile time is logged once, after
-the first optimizer step (``CompileClock``).
+inductor writes C++ and needs a compiler, checked before the first step. What really compiled is logged once, after
+the first optimizer step (``CompileClock``, from torch._dynamo's own records, ``compile_report.py``): graphs,
+recompiles and their reasons, seconds, and a warning naming each graph break.
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
-from torch._dynamo.utils import calculate_time_spent
 from torch._inductor import config as inductor_config
 from torch._inductor import list_mode_options
 from torch._inductor.cpp_builder import get_cpp_compiler
@@ -30,6 +30,7 @@ from torch._inductor.exc import InvalidCxxCompiler
 
 from pl_lowprec._checks import CannotRunHere
 from pl_lowprec.transforms.checkpointing import CheckpointPolicy, select_modules
+from pl_lowprec.transforms.compile_report import CompileWatch
 
 CompileArg = bool | Mapping[str, Any]
 COMPILE_KEYS = tuple(name for name in inspect.signature(torch.compile).parameters if name != "model")
@@ -139,28 +140,33 @@ def compile_model(model: nn.Module, policy: CheckpointPolicy | None, options: Ma
     return compiled
 
 
-def compile_seconds() -> float:
-    """Seconds torch.compile has spent compiling in this process (dynamo, AOTAutograd and inductor)."""
-    return float(calculate_time_spent().get("total_wall_time", 0.0))
-
-
 class CompileClock:
-    """Logs once, after the first optimizer step, how long compiling took since the blocks were compiled."""
+    """Reports what ``torch.compile`` really compiled: once after the first optimizer step (graphs, recompiles,
+    seconds; a warning naming each graph break, since a break in a checkpointed block leaves it uncompiled), and
+    at the end of training what compiled after that step (a new shape, validation's no-grad pass), if anything."""
 
     def __init__(self) -> None:
-        self.start: float | None = None
+        self.watch: CompileWatch | None = None
+        self.later: CompileWatch | None = None
         self.blocks = 0
 
     def started(self, blocks: int) -> None:
-        if self.start is None:
-            self.start, self.blocks = compile_seconds(), blocks
+        if self.watch is None and self.later is None:
+            self.watch, self.blocks = CompileWatch(), blocks
 
     def report_once(self) -> None:
-        if self.start is None:
+        if self.watch is None:
             return
-        seconds = compile_seconds() - self.start
-        self.start = None
-        rank_zero_info(
-            f"torch.compile: compiling took {seconds:.1f} s up to the end of the first optimizer step ({self.blocks}"
-            " blocks, forward and backward graphs); later steps reuse the compiled code unless shapes change."
-        )
+        activity, self.watch, self.later = self.watch.activity(), None, CompileWatch()
+        rank_zero_info(activity.first_step_line(self.blocks))
+        if activity.graph_breaks or activity.failures:
+            rank_zero_warn(activity.broken_graphs_warning())
+
+    def report_later(self) -> None:
+        if self.later is None:
+            return
+        activity, self.later = self.later.activity(), None
+        if activity.graphs or activity.graph_breaks or activity.failures:
+            rank_zero_info(activity.later_line())
+        if activity.graph_breaks or activity.failures:
+            rank_zero_warn(activity.broken_graphs_warning())

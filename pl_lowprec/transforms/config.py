@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pl_lowprec.loading import PretrainedWeights
 from pl_lowprec.transforms.checkpointing import (
@@ -26,6 +26,7 @@ from pl_lowprec.transforms.compiling import CompileArg, check_compile_combinatio
 from pl_lowprec.transforms.fp8 import FP8Config, FP8Recipe
 from pl_lowprec.transforms.linear_filter import DEFAULT_SKIP
 from pl_lowprec.transforms.lora import lora_config
+from pl_lowprec.transforms.memory_saving import ALL_PATHS, AUTO, MemorySavingArg, memory_saving_paths
 from pl_lowprec.transforms.optimizers import OptimizerName, validate_optimizer_name
 from pl_lowprec.transforms.qat import QATConfig, QATScheme
 from pl_lowprec.transforms.quantization import QuantizationConfig, QuantMode
@@ -37,7 +38,7 @@ class TransformConfig:
     ``TransformArguments``). After ``__post_init__``, ``quantization``, ``qat`` and ``fp8`` are configs (or
     ``None``), ``lora`` is a ``peft.LoraConfig`` (or ``None``) and ``weights`` says where ``pretrained=`` points."""
 
-    activation_checkpointing: CheckpointPolicy | None = None
+    activation_checkpointing: CheckpointPolicy | Literal["auto"] | None = None
     checkpoint_every_n: int = 1
     checkpoint_impl: CheckpointImpl = "non_reentrant"
     checkpoint_mode: CheckpointMode = "full"
@@ -51,11 +52,20 @@ class TransformConfig:
     fp8: FP8Recipe | FP8Config | None = None
     activation_offloading: bool = False
     compile: CompileArg = False
+    memory_saving: MemorySavingArg = True
     weights: PretrainedWeights | None = field(init=False, default=None, repr=False, compare=False)
     compile_kwargs: dict[str, Any] | None = field(init=False, default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         validate_checkpoint_args(self.checkpoint_every_n, self.checkpoint_impl, self.checkpoint_mode)
+        object.__setattr__(self, "memory_saving", memory_saving_paths(self.memory_saving))
+        if self.activation_checkpointing == AUTO and (self.checkpoint_every_n != 1 or self.checkpoint_mode != "full"):
+            raise ValueError(
+                f"activation_checkpointing='auto' with checkpoint_every_n={self.checkpoint_every_n} and"
+                f" checkpoint_mode={self.checkpoint_mode!r}: 'auto' chooses those itself (none, selective, every 2nd"
+                " block or every block of the blocks the model declares). Name the blocks (activation_checkpointing:"
+                " [LlamaDecoderLayer]) to set them, or leave them at their defaults (1, 'full')."
+            )
         if self.checkpoint_mode != "full" and self.activation_checkpointing is None:
             raise ValueError(
                 f"checkpoint_mode={self.checkpoint_mode!r} was given without activation_checkpointing=: it says what"
@@ -87,6 +97,16 @@ class TransformConfig:
     def skip_modules(self) -> tuple[str, ...]:
         """The layers LoRA leaves alone: quantization's ``skip_modules``, else the output heads."""
         return tuple(self.quantization.skip_modules) if self.quantization is not None else DEFAULT_SKIP
+
+    @property
+    def memory_saving_on(self) -> frozenset[str]:
+        """The memory-saving paths that are on: ``memory_saving="auto"`` not chosen yet means all of them."""
+        return ALL_PATHS if self.memory_saving == AUTO else self.memory_saving
+
+    @property
+    def chooses_automatically(self) -> bool:
+        """Whether a setting is ``"auto"``, for the strategy to choose before loading (``memory/fastest.py``)."""
+        return AUTO in (self.memory_saving, self.activation_checkpointing)
 
     @property
     def adapter_only(self) -> bool:

@@ -55,7 +55,12 @@ from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.loading import PretrainedWeights, has_meta_tensors
 from pl_lowprec.loading.host_memory import release_freed_host_memory
 from pl_lowprec.transforms.autocast_activations import keep_activations_in_compute_dtype
-from pl_lowprec.transforms.checkpointing import is_checkpointed, set_activation_checkpointing
+from pl_lowprec.transforms.checkpointing import (
+    CheckpointPolicy,
+    declared_blocks,
+    is_checkpointed,
+    set_activation_checkpointing,
+)
 from pl_lowprec.transforms.checks import refuse_fitting_converted
 from pl_lowprec.transforms.compiling import CompileClock, check_compiler, compile_model
 from pl_lowprec.transforms.config import TransformConfig
@@ -64,6 +69,7 @@ from pl_lowprec.transforms.fp8 import check_fp8_device, convert_to_fp8
 from pl_lowprec.transforms.frozen_dtype import cast_frozen_weights
 from pl_lowprec.transforms.fused_lora_mlp import fuse_lora_mlps
 from pl_lowprec.transforms.lora import has_lora, inject_lora, prepare_for_kbit_training
+from pl_lowprec.transforms.memory_saving import AUTO
 from pl_lowprec.transforms.offloading import OffloadActivations, check_offload_device
 from pl_lowprec.transforms.optimizers import import_optimizer_library, rebind_schedulers, swap_optimizer
 from pl_lowprec.transforms.qat import convert_qat, is_converted, prepare_qat
@@ -142,14 +148,21 @@ class ModelTransform:
                 name = str(compute_dtype).removeprefix("torch.")
                 less = f"{saved / 2**20:,.1f} MiB"
                 rank_zero_info(f"Frozen weights kept in {name}, the compute dtype: {less} less than in fp32.")
-            keep_activations_in_compute_dtype(model, recompute_norms=c.compile_kwargs is None)
+            paths = c.memory_saving_on
+            recompute_norms = c.compile_kwargs is None and "recomputed_norms" in paths
+            keep_activations_in_compute_dtype(model, recompute_norms=recompute_norms)
             # compile fuses these ops itself; selective checkpointing caches the matmul outputs this overwrites
-            if c.compile_kwargs is None and c.checkpoint_mode != "selective" and fuse_lora_mlps(model):
+            fuse = c.compile_kwargs is None and c.checkpoint_mode != "selective" and "fused_mlp" in paths
+            if fuse and fuse_lora_mlps(model):
                 rank_zero_info("LoRA SwiGLU MLPs fused: gate and up outputs kept, the rest recomputed in backward.")
-        if c.activation_checkpointing is not None:
+        configure_memory_saving = getattr(model, "configure_memory_saving", None)
+        if callable(configure_memory_saving):  # the module's own paths (CausalLM's loss)
+            configure_memory_saving(c.memory_saving_on)
+        blocks = checkpointed_blocks(c, model)
+        if blocks is not None:
             already = any(is_checkpointed(m) for m in model.modules())
             names = set_activation_checkpointing(
-                model, c.activation_checkpointing, c.checkpoint_every_n, c.checkpoint_impl, c.checkpoint_mode
+                model, blocks, c.checkpoint_every_n, c.checkpoint_impl, c.checkpoint_mode
             )
             if not already:
                 shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
@@ -162,7 +175,7 @@ class ModelTransform:
             elif self.sharding.world_size == 1:
                 rank_zero_info("FSDP2 on one process: the model is not sharded (NF4 weights as they are).")
         if c.compile_kwargs is not None:
-            units = c.activation_checkpointing if self.sharding is None else self.sharding.units
+            units = blocks if self.sharding is None else self.sharding.units
             compiled = compile_model(model, units, c.compile_kwargs)
             if compiled:
                 self.compile_clock.started(len(compiled))
@@ -212,7 +225,9 @@ class ModelTransform:
         return OffloadActivations(device, exclude=[*model.parameters(), *model.buffers()])
 
     def on_fit_end(self, model: nn.Module) -> None:
-        """Convert a QAT model to its real quantized form (``QATConfig.convert_on_fit_end``)."""
+        """Convert a QAT model to its real quantized form (``QATConfig.convert_on_fit_end``); say what compiled after
+        the first step."""
+        self.compile_clock.report_later()
         if self.config.qat is not None and self.config.qat.convert_on_fit_end and not is_converted(model):
             converted = convert_qat(model, self.config.qat)
             rank_zero_info(f"QAT: converted {len(converted)} linear layers to {self.config.qat.scheme}.")
@@ -246,6 +261,14 @@ class ModelTransform:
                 model.load_state_dict(state_dict, strict=strict)
         except RuntimeError as err:  # torch's line per tensor
             raise CheckpointMismatch(mismatch_summary(err)) from err
+
+
+def checkpointed_blocks(config: TransformConfig, model: nn.Module) -> CheckpointPolicy | None:
+    """The blocks to checkpoint; ``activation_checkpointing="auto"`` not chosen yet means every block the model
+    declares (the memory-saving side), or none where it declares none."""
+    if config.activation_checkpointing == AUTO:
+        return declared_blocks(model) or None
+    return config.activation_checkpointing
 
 
 def precision_plugin_is_mixed(precision_plugin: Any) -> bool:

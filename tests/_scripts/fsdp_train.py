@@ -41,7 +41,9 @@ from pl_lowprec.demo import TinyLlama
 from pl_lowprec.distributed.mesh import full_tensor
 from pl_lowprec.loading import empty_weights
 from pl_lowprec.transforms.config import TransformConfig
+from pl_lowprec.transforms.dtypes import dtype_of_precision
 from pl_lowprec.transforms.fp8 import FP8Config
+from pl_lowprec.transforms.frozen_dtype import cast_frozen_weights
 from pl_lowprec.transforms.lora import inject_lora
 from pl_lowprec.transforms.nf4 import NF4Layout, dequantize_nf4, is_nf4, local, nf4_bytes, quantize_model_nf4
 from pl_lowprec.transforms.pipeline import ModelTransform
@@ -122,12 +124,15 @@ def _trainer(world, out, precision, strategy=None, callbacks=(), steps=2 * STEPS
     )
 
 
-def _unsharded_logits(adapters: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
-    """The same NF4 weights and adapters in one process, without FSDP."""
+def _unsharded_logits(adapters: dict[str, torch.Tensor], ids: torch.Tensor, precision: str) -> torch.Tensor:
+    """The same NF4 weights and adapters in one process, without FSDP; under mixed precision the frozen embedding
+    and head in the compute dtype, as the strategy keeps them (``frozen_dtype.cast_frozen_weights``)."""
     model = TinyLlama(**SIZES)
     quantize_model_nf4(model, QuantizationConfig("nf4"), NF4Layout(scaler_block_size=32), torch.device("cpu"))
     inject_lora(model, LORA)
     model.load_state_dict(adapters, strict=False)
+    if precision.endswith("-mixed"):
+        cast_frozen_weights(model, dtype_of_precision(precision))
     with torch.no_grad():
         return model.to(ids.device)(ids)
 
@@ -151,7 +156,7 @@ def train(world, out, precision) -> dict:
         "adapters": adapters,
         "nf4_bytes": sum(nf4_bytes(p) for p in weights),
         "sharded_logits": sharded,
-        "unsharded_logits": _unsharded_logits(adapters, ids),
+        "unsharded_logits": _unsharded_logits(adapters, ids, precision),
         "merged": merged_state_dict(model),
         "export": str(export),
         "loss_scale": _scale_state(trainer),

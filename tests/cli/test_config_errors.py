@@ -180,7 +180,8 @@ def finetune_args(pretrained, data, root) -> list[str]:
 FINETUNE_CASES = {
     "readability": [
         ("--data.train_files=DIR/missing.jsonl", "missing.jsonl", "does not exist"),
-        ("--data.train_files=DIR/records.csv", "records.csv", "'.csv'"),
+        ("--data.train_files=DIR/records.tsv", "records.tsv", "'.tsv'"),
+        ('--data.fields={"prompt":"q"}', "fields={'prompt': 'q'}", "is not one format"),
         ("--data.val_files=DIR/missing.jsonl", "val_files", "missing.jsonl"),
         ("--model.pretrained=DIR/no-model", "no-model"),
         ("--data.tokenizer=DIR", "tokenizer="),
@@ -213,7 +214,7 @@ FINETUNE_CASES = {
 @pytest.mark.parametrize("argument, named", _cases(FINETUNE_CASES))
 def test_user_path_bad_value_is_one_paragraph(capsys, tmp_path, user_files, argument, named):
     pretrained, data = user_files
-    (tmp_path / "records.csv").write_text("prompt,completion\na,b\n")
+    (tmp_path / "records.tsv").write_text("prompt\tcompletion\na\tb\n")
     args = [*finetune_args(pretrained, data, tmp_path / "run"), *argument.replace("DIR", str(tmp_path)).split()]
     paragraph = refusal(capsys, args)
     for part in named:

@@ -1,6 +1,7 @@
 """A run killed with SIGKILL mid-epoch and resumed from last.ckpt ends with the adapters of an uninterrupted run."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -16,8 +17,9 @@ pytest.importorskip("transformers")
 
 
 def _run(mode: str, out: Path, spec: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_DATASETS_CACHE": str(out.parent / "hf-cache")}  # load_dataset's copies: not ~/.cache
     return subprocess.run(
-        [sys.executable, str(SCRIPT), mode, str(out), spec], capture_output=True, text=True, timeout=300
+        [sys.executable, str(SCRIPT), mode, str(out), spec], capture_output=True, text=True, timeout=300, env=env
     )
 
 
@@ -43,17 +45,22 @@ def test_stdlib_text_resumes_exactly(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("packing", [False, True])
-def test_text_datamodule_with_causal_lm_resumes_exactly(tmp_path, packing):
+@pytest.mark.parametrize(("suffix", "packing"), [(".jsonl", False), (".jsonl", True), (".parquet", True)])
+def test_text_datamodule_with_causal_lm_resumes_exactly(tmp_path, suffix, packing):
+    """From a .jsonl file, and from a Parquet file, whose samples stay in a memory-mapped Arrow table."""
     from loading_helpers import save_pretrained_dir
 
     pretrained = save_pretrained_dir(tmp_path / "pretrained")
     rows = [{"prompt": f"def f{i}(x):\n    return", "completion": " x" + " + 1" * (i % 7)} for i in range(40)]
-    (tmp_path / "pc.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    if suffix == ".parquet":
+        datasets = pytest.importorskip("datasets")
+        datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "pc.parquet"))
+    else:
+        (tmp_path / "pc.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     # 36 training samples in batches of 3: 12 batches, 6 optimizer steps (accumulating 2) per epoch; packed into
     # rows of 48 tokens, 2 to 3 samples a row, repacked each epoch: the kill falls mid-epoch in a later epoch
     data = {
-        "train_files": str(tmp_path / "pc.jsonl"),
+        "train_files": str(tmp_path / f"pc{suffix}"),
         "tokenizer": str(pretrained),
         "batch_size": 3,
         "val_fraction": 0.1,

@@ -153,6 +153,7 @@ def test_a_module_that_does_not_declare_packed_batches_is_refused(tmp_path, toke
     trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, max_steps=1)
     trainer.strategy.connect(TinyLlama(hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, max_len=16))
     data.trainer = trainer
-    with pytest.raises(ValueError, match=r"TinyLlama does not declare.*accepts_packed_batches = True.*packing=False"):
+    refused = r"TinyLlama does not declare.*accepts_packed_batches = True.*use_cache=False.*packing=False"
+    with pytest.raises(ValueError, match=refused):
         data.setup("fit")
     assert data.train_set is None  # refused before any data is read

@@ -129,9 +129,9 @@ def test_a_file_with_no_usable_record_fails_with_path_and_lines(tmp_path, tokeni
 def test_bad_arguments_fail_when_built(tmp_path, tokenizer_dir):
     with pytest.raises(ValueError, match=r"train_files: '.*missing.jsonl' does not exist"):
         TextDataModule(train_files=tmp_path / "missing.jsonl", tokenizer=str(tokenizer_dir))
-    (tmp_path / "x.csv").write_text("a")
-    with pytest.raises(ValueError, match=r"is not a .txt or .jsonl file \('.csv'\)"):
-        TextDataModule(train_files=tmp_path / "x.csv", tokenizer=str(tokenizer_dir))
+    (tmp_path / "x.tsv").write_text("a")
+    with pytest.raises(ValueError, match=r"is not a file this module reads \('.tsv'\)"):
+        TextDataModule(train_files=tmp_path / "x.tsv", tokenizer=str(tokenizer_dir))
     (tmp_path / "a.txt").write_text("text")
     with pytest.raises(ValueError, match=r"pretrained=./nope. is neither a model directory nor a hub id"):
         _setup(train_files=tmp_path / "a.txt", tokenizer="/nope")
@@ -194,12 +194,12 @@ def test_truncation_is_reported_by_file_and_refused_past_the_threshold(tmp_path,
 
 def test_a_directory_with_records_in_other_formats_lists_them(tmp_path, tokenizer_dir):
     _jsonl(tmp_path / "a.jsonl", [{"prompt": "p", "completion": " c"}])
-    (tmp_path / "b.json").write_text('[{"prompt": "p", "completion": " c"}]')
-    (tmp_path / "c.csv").write_text("prompt,completion\np, c\n")
-    with pytest.raises(ValueError, match=r"holds files this module does not read \(1 .csv, 1 .json\) beside 1 "):
+    (tmp_path / "b.jsonl.gz").write_bytes(b"")
+    (tmp_path / "c.tsv").write_text("prompt\tcompletion\np\t c\n")
+    with pytest.raises(ValueError, match=r"holds files this module does not read \(1 .gz, 1 .tsv\) beside 1 "):
         TextDataModule(train_files=tmp_path, tokenizer=str(tokenizer_dir))
-    (tmp_path / "b.json").unlink()
-    (tmp_path / "c.csv").unlink()
+    (tmp_path / "b.jsonl.gz").unlink()
+    (tmp_path / "c.tsv").unlink()
     (tmp_path / "README.md").write_text("notes")  # not records: read past, and said so
     data = TextDataModule(train_files=tmp_path, tokenizer=str(tokenizer_dir))
-    assert data.train_paths == [tmp_path / "a.jsonl"]
+    assert [source.path for source in data.train_sources] == [tmp_path / "a.jsonl"]

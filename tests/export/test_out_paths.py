@@ -74,6 +74,27 @@ def test_overwrite_replaces_a_previous_export_and_nothing_else(tmp_path):
     assert (pretrained / "model.safetensors").read_text() == "weights"
 
 
+def test_overwrite_replaces_a_previous_gguf_export_even_one_killed_mid_merge(tmp_path):
+    """A GGUF export writes model-<type>.gguf and Modelfile; one killed before it finished leaves its temporary
+    merged directory (.merged-*, export files only). --overwrite replaces those, and only those."""
+    previous = tmp_path / "gguf"
+    (previous / ".merged-k2x9").mkdir(parents=True)
+    for name in ("model-q8_0.gguf", "Modelfile", ".merged-k2x9/model.safetensors", ".merged-k2x9/config.json"):
+        (previous / name).write_text("old")
+    prepare_out_dir(previous, overwrite=True, inputs={})
+    assert list(previous.iterdir()) == []
+
+    for kept in (".merged-k2x9/notes.txt", "model-q3_k.gguf", "weights/model.safetensors"):
+        out = tmp_path / kept.replace("/", "_")
+        (out / kept).parent.mkdir(parents=True)
+        (out / kept).write_text("keep me")
+        (out / "Modelfile").write_text("FROM ./model.gguf")
+        before = snapshot(out)
+        with pytest.raises(ValueError, match=rf"holds {kept.split('/')[0]}, which no export writes"):
+            prepare_out_dir(out, overwrite=True, inputs={})
+        assert snapshot(out) == before
+
+
 def test_export_says_the_checkpoint_is_missing_or_not_a_checkpoint(run, tmp_path, capsys):
     missing = run / "checkpoints/missing.ckpt"
     err = refused(capsys, ["export", f"--ckpt_path={missing}", f"--out={tmp_path / 'out'}"])

@@ -120,7 +120,8 @@ def test_meta_copy_copies_no_weight():
 
 def test_under_lowprec_fsdp_on_two_ranks_the_budget_is_per_rank(tmp_path):
     """The user's command on the shipped FSDP config (2 gloo ranks): each rank predicts its own shard's peak inside
-    the running process group, and the run goes on."""
+    the running process group, and the run goes on. The config's "auto" settings are chosen for the budget, which
+    the choice's line says."""
     command = [
         *("pl-lowprec", "fit", "--config", str(ROOT / "configs" / "fsdp-qlora.yaml")),
         *("--trainer.max_steps", "1", "--trainer.limit_val_batches", "0", "--trainer.logger", "false"),
@@ -129,5 +130,6 @@ def test_under_lowprec_fsdp_on_two_ranks_the_budget_is_per_rank(tmp_path):
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "memory_budget=1.00 GiB: the predicted peak per rank is" in done.stdout + done.stderr
+    assert "Memory settings for 1.00 GiB (memory_budget=1.00 GiB): no activation checkpointing" in done.stderr
+    assert "; predicted peak" in done.stderr and " per rank; the fastest settings" in done.stderr
     assert "`Trainer.fit` stopped: `max_steps=1` reached." in done.stdout + done.stderr

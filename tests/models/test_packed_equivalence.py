@@ -106,3 +106,22 @@ def test_fit_and_validate_with_packing_through_the_trainer(tmp_path):
     trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
     unpacked = trainer.validate(plain_model, datamodule=plain_model.trainer.datamodule, verbose=False)[0]["val/loss"]
     assert abs(packed_loss - unpacked) < 1e-5
+
+
+def test_with_a_cache_transformers_lets_packed_samples_attend_to_each_other(pretrained):
+    """Why ``forward_batch`` passes ``use_cache=False`` (issue 30): a model whose config has ``use_cache: true``, as
+    most hub models, makes a cache in training too, and with a cache transformers builds no block-causal mask."""
+    from transformers import LlamaForCausalLM
+
+    samples = _samples()
+    rows = PackedRows(samples, seq_len=48, seed=0)
+    packed, unpacked = PackedCollate(pad_token_id=0)([rows[0]]), PadCollate(pad_token_id=0)(samples)
+    model = LlamaForCausalLM.from_pretrained(pretrained, attn_implementation="sdpa").train()
+    assert model.config.use_cache
+
+    def loss(batch, **kwargs):
+        return model(**batch, **kwargs).loss
+
+    reference = loss(unpacked, use_cache=False)
+    torch.testing.assert_close(loss(packed, use_cache=False), reference, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(loss(packed), reference, rtol=1e-3)  # the cache: samples attend to each other

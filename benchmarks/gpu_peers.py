@@ -1,0 +1,198 @@
+"""QLoRA step time and peak memory against Hugging Face's recipe on one GPU: Llama-3.2-1B and Llama-3.1-8B shapes.
+
+Run (a lent GPU, about 8 minutes for both models): python benchmarks/gpu_peers.py
+CPU check of the same code path (tiny shapes, a minute): python benchmarks/gpu_peers.py --models tiny
+
+Each model is random bf16 weights written from its ``config.json`` (``model_shapes.py``) as sharded safetensors,
+batch 2 x 2048 (``--batch``, ``--seq``), LoRA r=16 alpha 32 on every linear layer, nf4 with double quantization,
+bf16-mixed, AdamW. Every contender is a fresh process (``train_once.py``), so its peak is its own:
+
+- ``hf``: ``from_pretrained(BitsAndBytesConfig(nf4, double quant, bf16))`` + ``prepare_model_for_kbit_training``
+  (gradient checkpointing) + ``get_peft_model(r=16, all-linear)`` + transformers' ``Trainer``;
+- ``auto``: ``CausalLM`` + ``LowPrecisionStrategy`` with the shipped automatic choice (the fastest settings whose
+  predicted peak fits the GPU's free memory);
+- ``saving``: the memory-saving path (every block checkpointed, fused LoRA MLP, grouped cross-entropy, row-wise
+  norms, loss in chunks of 256);
+- ``compile``: the memory-saving path with ``compile=True``;
+- Unsloth: not run where it cannot be installed (no network on the GPU machine); said in the output.
+
+Figures: the median step time of steps ``--time-from`` to the last (CUDA-synchronized), tokens/s, the peak
+(``max_memory_allocated`` above the memory held after the imports), the predicted peak and step time where the
+contender reports them, and each one's ratio to ``hf``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from model_shapes import SHAPES
+
+HERE = Path(__file__).resolve().parent
+GiB = 2**30
+TINY = SHAPES["1b"] | {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "vocab_size": 4096}
+TINY |= {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32}
+
+# contender -> train_once.py arguments (besides the shared ones)
+CONTENDERS: dict[str, list[str]] = {
+    "hf": ["--stack", "hf", "--checkpointing"],
+    "auto": [
+        "--stack",
+        "causal-lm",
+        "--strategy-arg",
+        "memory_saving=auto",
+        "--strategy-arg",
+        "activation_checkpointing=auto",
+        "--loss-chunk-size",
+        "-1",
+    ],
+    "saving": ["--stack", "causal-lm", "--checkpointing"],
+    "compile": ["--stack", "causal-lm", "--checkpointing", "--strategy-arg", "compile=true"],
+}
+
+
+def write_random_checkpoint(config: dict[str, Any], directory: Path, shard_bytes: int = 4 * GiB) -> int:
+    """Random bf16 weights of ``config``'s shapes (std 0.02, norms 1), written as safetensors shards with an index,
+    generated on the GPU where there is one (an 8B model in seconds); returns the parameter count."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
+    tied = {"lm_head.weight"} if hf_config.tie_word_embeddings else set()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator(dev).manual_seed(0)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size, count = 0, 0
+    for name, meta in model.state_dict().items():
+        if name in tied:
+            continue
+        if name.endswith("norm.weight"):
+            tensor = torch.ones(meta.shape, dtype=torch.bfloat16)
+        else:
+            tensor = (torch.randn(meta.shape, generator=generator, device=dev, dtype=torch.bfloat16) * 0.02).cpu()
+        if size + tensor.nbytes > shard_bytes and shards[-1]:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += tensor.nbytes
+        count += tensor.numel()
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(directory / file), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(shard, file)
+    total = sum(t.nbytes for shard in shards for t in shard.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    hf_config.save_pretrained(directory)
+    return count
+
+
+def run_contender(name: str, args: argparse.Namespace, pretrained: Path) -> dict[str, Any]:
+    """One contender in a fresh process; its RESULT line, or the error it ended with."""
+    shared = ["--mode", "qlora", "--precision", args.precision, "--lora-r", str(args.r)]
+    shared += ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps)]
+    shared += ["--pretrained", str(pretrained), "--predict"]
+    command = [sys.executable, str(HERE / "train_once.py"), *CONTENDERS[name], *shared]
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    seconds = time.perf_counter() - started
+    line = next((x for x in reversed(done.stdout.splitlines()) if x.startswith("RESULT ")), None)
+    if done.returncode != 0 or line is None:
+        return {"error": (done.stderr or done.stdout)[-3000:], "wall_s": seconds}
+    return json.loads(line.removeprefix("RESULT ")) | {"wall_s": seconds}
+
+
+def summarize(name: str, result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    if "error" in result:
+        return {"contender": name, "error": result["error"].strip().splitlines()[-1][:200]}
+    timed = result["times"][args.time_from - 1 :]
+    step = statistics.median(timed)
+    return {
+        "contender": name,
+        "step_s": step,
+        "step_min_s": min(timed),
+        "step_max_s": max(timed),
+        "tokens_per_s": args.batch * args.seq / step,
+        "peak_gib": result["measured_peak"] / GiB,
+        "predicted_peak_gib": result["predicted_peak"] / GiB if result.get("predicted_peak") else None,
+        "predicted_step_s": result.get("predicted_step_s"),
+        "chosen": result.get("chosen"),
+        "first_loss": result["losses"][0] if result["losses"] else None,
+        "all_steps_s": [round(t, 4) for t in result["times"]],
+        "wall_s": result["wall_s"],
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    hf = next((r for r in rows if r["contender"] == "hf" and "error" not in r), None)
+    lines = [
+        "| contender | step s (min-max) | tokens/s | x HF step | peak GiB | x HF peak | predicted GiB"
+        " | predicted step s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['contender']} | failed: {r['error']} |||||||")
+            continue
+        step_ratio = f"{r['step_s'] / hf['step_s']:.2f}x" if hf else "-"
+        peak_ratio = f"{r['peak_gib'] / hf['peak_gib']:.2f}x" if hf else "-"
+        predicted = f"{r['predicted_peak_gib']:.2f}" if r["predicted_peak_gib"] is not None else "-"
+        predicted_step = f"{r['predicted_step_s']:.3f}" if r["predicted_step_s"] is not None else "-"
+        lines.append(
+            f"| {r['contender']} | {r['step_s']:.3f} ({r['step_min_s']:.3f}-{r['step_max_s']:.3f}) |"
+            f" {r['tokens_per_s']:,.0f} | {step_ratio} | {r['peak_gib']:.2f} | {peak_ratio} | {predicted} |"
+            f" {predicted_step} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="1b,8b", help="comma-separated: 1b, 8b, tiny (a CPU check)")
+    parser.add_argument("--contenders", default="hf,auto,saving,compile")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--r", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--time-from", type=int, default=3, help="first timed step (1-based)")
+    parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds per contender")
+    parser.add_argument("--out", default=os.environ.get("OUT") or str(HERE / "results"))
+    args = parser.parse_args(argv)
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU (CPU check)"
+    print(f"# gpu_peers on {gpu}, torch {torch.__version__}; {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
+    print("Unsloth: not run (it installs from the network, which the GPU machine does not reach).", flush=True)
+    rows: list[dict[str, Any]] = []
+    for model in args.models.split(","):
+        config = TINY if model == "tiny" else SHAPES[model]
+        with tempfile.TemporaryDirectory() as directory:
+            started = time.perf_counter()
+            params = write_random_checkpoint(config, Path(directory))
+            print(f"\n## {model}: {params / 1e9:.2f}B parameters, written in {time.perf_counter() - started:.0f} s")
+            model_rows = []
+            for name in args.contenders.split(","):
+                result = run_contender(name, args, Path(directory))
+                row = summarize(name, result, args) | {"model": model}
+                model_rows.append(row)
+                print(f"{name}: {json.dumps(row)}", flush=True)
+            print(table(model_rows), flush=True)
+            rows += model_rows
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    Path(args.out, "gpu_peers.json").write_text(json.dumps({"gpu": gpu, "args": vars(args), "rows": rows}, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

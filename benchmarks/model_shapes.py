@@ -1,0 +1,72 @@
+"""Real models' config.json (hyperparameters only), embedded so the GPU benchmark needs nothing outside the
+repository: the device machine gets the checkout alone."""
+
+# Llama-3.2-1B (meta-llama/Llama-3.2-1B): tied embeddings, GQA 32/8, llama3 rope scaling
+LLAMA_3_2_1B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": True,
+    "rope_scaling": {
+        "factor": 32.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "torch_dtype": "bfloat16",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "mlp_bias": False,
+    "pretraining_tp": 1,
+    "use_cache": True,
+}
+
+# Llama-3.1-8B (meta-llama/Llama-3.1-8B): untied head, vocab 128,256
+LLAMA_3_1_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "rope_scaling": {
+        "factor": 8.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "torch_dtype": "bfloat16",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "mlp_bias": False,
+    "pretraining_tp": 1,
+    "use_cache": True,
+}
+
+SHAPES = {"1b": LLAMA_3_2_1B, "8b": LLAMA_3_1_8B}

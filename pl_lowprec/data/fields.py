@@ -1,0 +1,79 @@
+"""The user's column names mapped to the fields ``TextDataModule`` reads, and ShareGPT chats read as ``messages``.
+
+A record is read by its fields: ``text``; ``prompt`` + ``completion``; ``messages`` (a list of ``{role, content}``).
+``fields`` names the user's columns for them, as renaming the columns by hand would: ``{"prompt": "question",
+"completion": "answer"}``. With a mapping, only the columns it names are read. ShareGPT chats (a ``conversations``
+column of ``{from, value}`` turns, roles ``human``/``gpt``/``system``) are read as ``messages`` with the roles
+``user``/``assistant``/``system``, as TRL's ``maybe_convert_to_chatml`` does; under another column name, map it with
+``{"messages": COLUMN}``. A value that is absent (``None``, as Arrow tables hold for a field a record lacks) is read
+as a missing field, so a ``.jsonl`` file and its Parquet copy give the same records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+FIELD_NAMES = ("text", "prompt", "completion", "messages")
+FORMATS = ({"text"}, {"prompt", "completion"}, {"messages"})
+SHAREGPT_COLUMN = "conversations"
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+EXAMPLE = (
+    "fields={'prompt': 'question', 'completion': 'answer'} (--data.fields '{prompt: question, completion: answer}')"
+)
+
+
+def check_fields(fields: dict[str, str] | None) -> dict[str, str] | None:
+    """``fields`` as a plain dict, or a ``ValueError`` that names what is wrong and what is allowed."""
+    if fields is None:
+        return None
+    if not isinstance(fields, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in fields.items()):
+        raise ValueError(f"TextDataModule(fields={fields!r}) must map field names to column names, e.g. {EXAMPLE}.")
+    unknown = sorted(set(fields) - set(FIELD_NAMES))
+    if unknown or set(fields) not in FORMATS:
+        what = f"{unknown} are not fields it reads" if unknown else f"{sorted(fields)} is not one format"
+        raise ValueError(
+            f"TextDataModule(fields={fields!r}): {what}. A mapping names the columns of one format: {{text}},"
+            f" {{prompt, completion}} or {{messages}}, each mapped to a column of your records, e.g. {EXAMPLE}."
+        )
+    return dict(fields)
+
+
+def read_fields(record: dict[str, Any], fields: dict[str, str] | None) -> dict[str, Any]:
+    """The record under the field names ``TextDataModule`` reads (see the module docstring)."""
+    if fields is not None:
+        record = {name: record[column] for name, column in fields.items() if column in record}
+    record = {key: value for key, value in record.items() if value is not None}
+    if fields is None and "messages" not in record and SHAREGPT_COLUMN in record:
+        record["messages"] = record.pop(SHAREGPT_COLUMN)
+    if isinstance(record.get("messages"), list):
+        record["messages"] = [chat_turn(turn) for turn in record["messages"]]
+    return record
+
+
+def chat_turn(turn: Any) -> Any:
+    """A ``{role, content}`` turn; a ShareGPT ``{from, value}`` turn converted, with its role renamed."""
+    if not isinstance(turn, dict):
+        return turn
+    turn = {key: value for key, value in turn.items() if value is not None}
+    if "role" not in turn and "from" in turn and "value" in turn:
+        return {"role": SHAREGPT_ROLES.get(turn["from"], turn["from"]), "content": turn["value"]}
+    return turn
+
+
+def check_columns(columns: Iterable[str], fields: dict[str, str] | None, source: str) -> None:
+    """A mapping that names a column ``source`` lacks, or a table with no column to read, is refused."""
+    columns = sorted(columns)
+    if fields is not None:
+        missing = [column for column in fields.values() if column not in columns]
+        if missing:
+            raise ValueError(
+                f"{source}: fields={fields!r} names the column(s) {missing}, which it does not have; its columns are"
+                f" {columns}. Map each field to one of them."
+            )
+        return
+    if not set(columns) & {*FIELD_NAMES, SHAREGPT_COLUMN}:
+        raise ValueError(
+            f"{source} has the columns {columns}, none of which TextDataModule reads (text; prompt and completion;"
+            f" messages; ShareGPT's conversations). Name yours with a field mapping, e.g. {EXAMPLE}."
+        )

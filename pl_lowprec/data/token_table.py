@@ -1,0 +1,93 @@
+"""Tokenized samples of a ``datasets.Dataset`` kept in a memory-mapped Arrow table, never in Python lists.
+
+``Dataset.map`` runs the one record → tokens step (``TextDataModule._encode_records``, which ``.txt``/``.jsonl``
+files go through too) batch by batch, in order, in this process, and writes each batch's samples (``input_ids``,
+``labels``, int32) to an Arrow file in the temporary directory ``datasets`` deletes at exit: never beside the
+user's files, never a stale cache. ``TokenRows`` reads the rows back by index. A batch gives its prompt/completion
+and chat samples, then the ``text`` blocks it completed; ``TokenRows`` orders all samples before all blocks, the
+order a ``.jsonl`` file gives, so both give the same batches.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from pl_lowprec._imports import import_datasets
+from pl_lowprec.data.packing import document_row
+from pl_lowprec.data.records import Sample
+
+Row = dict[str, torch.Tensor]
+# (row index, record) pairs of one batch, and whether it is the last batch -> its samples
+MAP_BATCH_SIZE = 1000  # records a batch of Dataset.map: its Python lists hold this many at a time
+EncodeRecords = Callable[[Iterable[tuple[int, dict[str, Any]]], bool], list[Sample]]
+
+
+def sample_row(input_ids: torch.Tensor, labels: torch.Tensor, text_block: bool, packing: bool, eos: int) -> Row:
+    """A sample as the loaders take it; a ``text`` block under packing is a ready row, cut at each document's EOS."""
+    if text_block and packing:
+        return document_row(input_ids.tolist(), eos)
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def batch_records(batch: dict[str, list]) -> Iterator[dict[str, Any]]:
+    """The records (one dict each) of a batch of columns."""
+    return (dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True))
+
+
+def tokenize(dataset: Any, encode: EncodeRecords, description: str) -> Any:
+    """``dataset``'s samples as an Arrow table of ``input_ids``, ``labels`` and ``text_block``, memory-mapped."""
+    datasets = import_datasets()
+    last = len(dataset) - 1
+
+    def encode_batch(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        samples = encode(zip(indices, batch_records(batch), strict=True), indices[-1] == last)
+        return {
+            "input_ids": [s.input_ids for s in samples],
+            "labels": [s.labels for s in samples],
+            "text_block": [s.text_block for s in samples],
+        }
+
+    tokens = datasets.Features(
+        {
+            "input_ids": datasets.List(datasets.Value("int32")),
+            "labels": datasets.List(datasets.Value("int32")),
+            "text_block": datasets.Value("bool"),
+        }
+    )
+    name = f"pl_lowprec-tokens-{uuid.uuid4().hex}"
+    return dataset.map(
+        encode_batch,
+        batched=True,
+        with_indices=True,
+        remove_columns=dataset.column_names,
+        features=tokens,
+        load_from_cache_file=False,
+        cache_file_name=os.path.join(datasets.fingerprint.get_temporary_cache_files_directory(), f"{name}.arrow"),
+        new_fingerprint=name,  # the encoding step is not hashed: it is never read back from a cache
+        batch_size=MAP_BATCH_SIZE,
+        desc=f"Tokenizing {description}",
+    )
+
+
+class TokenRows(Dataset):
+    """The rows of a ``tokenize`` table as tensors, read by index: the samples first, then the ``text`` blocks."""
+
+    def __init__(self, table: Any, packing: bool, eos_token_id: int) -> None:
+        blocks = torch.from_numpy(table.data.column("text_block").to_numpy(zero_copy_only=False))
+        self.order = torch.cat([torch.nonzero(~blocks).squeeze(1), torch.nonzero(blocks).squeeze(1)])
+        self.table = table.with_format("torch")
+        self.packing = packing
+        self.eos_token_id = eos_token_id
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, index: int) -> Row:
+        row = self.table[int(self.order[index])]
+        return sample_row(row["input_ids"], row["labels"], bool(row["text_block"]), self.packing, self.eos_token_id)

@@ -1,0 +1,151 @@
+"""A Hugging Face model directory (a merged export) written as one GGUF file for llama.cpp and Ollama.
+
+What ``convert_hf_to_gguf.py`` does for the architectures of ``gguf_arch``, with the ``gguf`` package's writer:
+the hyperparameters, the tokenizer and chat template (``gguf_vocab``), then every tensor under its llama.cpp name
+in the type ``gguf_types`` chooses. The tensors are streamed: their names, shapes and types are written first
+(from the safetensors headers), then each is loaded, converted and written in turn, so the peak is one tensor,
+not the model (llama.cpp's converter gets the same from lazy tensors).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import groupby
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pl_lowprec._imports import import_gguf, import_safetensors
+from pl_lowprec.export.gguf_arch import (
+    SKIPPED_SUFFIXES,
+    Architecture,
+    add_hyperparameters,
+    architecture,
+    llama3_rope_factors,
+    permute_qk,
+)
+from pl_lowprec.export.gguf_types import encode, file_type, stored_as, tensor_type
+from pl_lowprec.export.gguf_vocab import add_vocabulary
+from pl_lowprec.loading.sources import INDEX_NAME
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One tensor of the GGUF: where it is read from (None: computed), its GGUF name, shape and type."""
+
+    gguf_name: str
+    shape: tuple[int, ...]
+    qtype: Any
+    file: Path | None = None
+    key: str | None = None
+
+
+def model_config(model_dir: Path) -> Any:
+    from transformers import AutoConfig  # optional (pl_lowprec[hf]), as for every export
+
+    return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The weight files of ``model_dir`` in the order of its index (or its one ``model.safetensors``)."""
+    index = model_dir / INDEX_NAME
+    if index.is_file():
+        names = dict.fromkeys(json.loads(index.read_text())["weight_map"].values())
+        return [model_dir / name for name in names]
+    single = model_dir / "model.safetensors"
+    if not single.is_file():
+        raise ValueError(f"{str(model_dir)!r} holds no model.safetensors (or index) to convert to GGUF.")
+    return [single]
+
+
+def auto_type(model_dir: Path) -> str:
+    """``--gguf_type auto``: bf16 for bf16 weights, else f16 (llama.cpp's converter reads the first matrix too)."""
+    with import_safetensors().safe_open(str(safetensors_files(model_dir)[0]), framework="pt") as handle:
+        for key in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
+            tensor = handle.get_slice(key)
+            if len(tensor.get_shape()) >= 2:
+                return "bf16" if tensor.get_dtype() == "BF16" else "f16"
+    return "f16"
+
+
+def plan(gguf: Any, model_dir: Path, config: Any, arch: Architecture, gguf_type: str) -> list[Planned]:
+    """Every tensor the file will hold, from the safetensors headers (nothing is loaded)."""
+    safetensors = import_safetensors()
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.gguf_arch), config.num_hidden_layers)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    planned: list[Planned] = []
+    factors = llama3_rope_factors(config)
+    if factors is not None:
+        name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
+        planned.append(Planned(name, factors.shape, gguf.GGMLQuantizationType.F32))
+    for file in safetensors_files(model_dir):
+        with safetensors.safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                if key.endswith(SKIPPED_SUFFIXES) or (tied and key == "lm_head.weight"):
+                    continue
+                base, _, suffix = key.rpartition(".")
+                gguf_base = names.get_name(base)
+                if gguf_base is None:
+                    raise ValueError(
+                        f"{file.name} holds {key!r}, which llama.cpp's {arch.gguf_arch.lower()} has no tensor for: the"
+                        f" GGUF could not compute what this {arch.model_type} model computes. Export --format merged."
+                    )
+                gguf_name = f"{gguf_base}.{suffix}"
+                shape = tuple(handle.get_slice(key).get_shape())
+                output = gguf_name == "output.weight" or (tied and gguf_name == "token_embd.weight")
+                planned.append(
+                    Planned(gguf_name, shape, tensor_type(gguf, gguf_type, gguf_name, shape, output), file, key)
+                )
+    return planned
+
+
+def tensor_values(planned: list[Planned], config: Any, arch: Architecture) -> Iterator[np.ndarray]:
+    """Each planned tensor as float32 values in llama.cpp's layout, one file open at a time."""
+    safetensors = import_safetensors()
+    for file, items in groupby(planned, key=lambda item: item.file):
+        if file is None:
+            yield from (llama3_rope_factors(config) for _ in items)
+            continue
+        with safetensors.safe_open(str(file), framework="pt") as handle:
+            for item in items:
+                yield permute_qk(item.key, handle.get_tensor(item.key).float().numpy(), config, arch)
+
+
+def convert_to_gguf(model_dir: Path, out_file: Path, gguf_type: str, name: str) -> dict[str, Any]:
+    """Write ``model_dir`` (config, safetensors, tokenizer) to ``out_file``; return what was written."""
+    gguf = import_gguf()
+    model_dir = Path(model_dir)
+    config = model_config(model_dir)
+    arch = architecture(config)
+    planned = plan(gguf, model_dir, config, arch, gguf_type)
+    writer = gguf.GGUFWriter(str(out_file), gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, arch.gguf_arch)])
+    parameters = sum(int(np.prod(item.shape)) for item in planned if item.file is not None)
+    writer.add_type(gguf.GGUFType.MODEL)
+    writer.add_name(name)
+    writer.add_size_label(gguf.size_label(parameters, parameters, 0, 0))
+    add_hyperparameters(writer, gguf, config, arch, file_type(gguf, gguf_type))
+    vocab = add_vocabulary(writer, gguf, model_dir, config.vocab_size)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for item in planned:
+        shape, dtype, nbytes = stored_as(gguf, item.shape, item.qtype)
+        writer.add_tensor_info(item.gguf_name, shape, dtype, nbytes, raw_dtype=item.qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    try:
+        for item, values in zip(planned, tensor_values(planned, config, arch), strict=True):
+            writer.write_tensor_data(encode(gguf, values, item.qtype))
+    finally:
+        writer.close()
+    return {
+        "architecture": arch.gguf_arch.lower(),
+        "tensors": len(planned),
+        "types": Counter(item.qtype.name for item in planned),
+        "parameters": parameters,
+        "vocab": vocab,
+        "config": config,
+    }

@@ -1,0 +1,119 @@
+"""``pl-lowprec export --format gguf``: the merged model as one GGUF file, with an Ollama ``Modelfile`` beside it.
+
+    pl-lowprec export --ckpt_path runs/.../last.ckpt --out runs/gguf --format gguf --gguf_type q8_0
+
+The merge is the ``--format merged`` export itself (``write.export``), written to a temporary directory inside
+``--out`` and removed once the GGUF is written, so the GGUF holds exactly the weights a merged export holds
+(``gguf_convert``). Everything that can be refused is refused before the checkpoint loads: the type, a missing
+``gguf`` package, an architecture or tokenizer llama.cpp would not compute or split as transformers does.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pl_lowprec._imports import gguf_missing, import_gguf
+from pl_lowprec.export.gguf_arch import architecture
+from pl_lowprec.export.gguf_convert import auto_type, convert_to_gguf, model_config
+from pl_lowprec.export.gguf_types import check_gguf_type
+from pl_lowprec.export.gguf_vocab import check_tokenizer
+from pl_lowprec.export.modelfile import chat_parts, modelfile, verified_template
+from pl_lowprec.export.out_paths import prepare_out_dir
+from pl_lowprec.export.restore import Restored
+from pl_lowprec.export.write import check_merged, export, pretrained_dir, read_paths
+from pl_lowprec.loading import PretrainedWeights
+from pl_lowprec.loading.tokenizer import load_tokenizer
+
+
+def check_gguf_request(gguf_type: str, dtype: str | None) -> None:
+    """The arguments alone: a type this export writes, no ``--dtype``, and the ``gguf`` package installed."""
+    if gguf_type != "auto":
+        check_gguf_type(gguf_type)
+    if dtype is not None:
+        raise ValueError(
+            f"--dtype {dtype} sets the dtype of a --format merged export; a GGUF's tensors are written in"
+            f" --gguf_type ({gguf_type}, norms and biases in F32). Leave out --dtype."
+        )
+    missing = gguf_missing()
+    if missing is not None:
+        raise ValueError(f"--format gguf writes the file with llama.cpp's gguf package: {missing}")
+
+
+def check_gguf_sources(weights: PretrainedWeights | None, tokenizer_dir: str | None) -> None:
+    """The rebuilt run's model config and tokenizer (``restore.sources``), before its weights load: an architecture
+    llama.cpp computes as transformers does, and a tokenizer it splits as the one the model learned."""
+    if weights is None or not (Path(weights.path) / "config.json").is_file():
+        return  # check_export and check_merged refuse these with their own message
+    directory = Path(weights.path)
+    config = model_config(directory)
+    architecture(config)
+    check_tokenizer(load_tokenizer(tokenizer_dir or directory), tokenizer_dir or directory, config.vocab_size)
+
+
+def export_gguf(restored: Restored, out: Path, gguf_type: str, overwrite: bool, inputs: dict | None = None) -> str:
+    """Write ``out/model-<type>.gguf`` and ``out/Modelfile``; return the summary the command prints. ``gguf_type``
+    ``auto`` is the merged weights' 16-bit type (bf16 or f16; f16 from float32, as llama.cpp's converter picks)."""
+    if gguf_type != "auto":
+        check_gguf_type(gguf_type)
+    import_gguf()
+    check_merged(restored)
+    prepare_out_dir(out, overwrite, read_paths(restored.checkpoint, restored.weights, restored.tokenizer_dir, inputs))
+    with tempfile.TemporaryDirectory(dir=out, prefix=".merged-") as merged:
+        export(restored, Path(merged), merged=True, dtype=None, overwrite=False, inputs=inputs)
+        gguf_type = auto_type(Path(merged)) if gguf_type == "auto" else gguf_type
+        gguf_file = out / f"model-{gguf_type}.gguf"
+        written = convert_to_gguf(Path(merged), gguf_file, gguf_type, name=out.resolve().name)
+        tokenizer = load_tokenizer(merged)
+    vocab = written["vocab"]
+    parts = chat_parts(tokenizer, add_bos=bool(vocab["add_special"].get("bos")))
+    template = verified_template(tokenizer, parts)
+    stops = parts.stops(tokenizer.eos_token) if parts is not None else [tokenizer.eos_token]
+    (out / "Modelfile").write_text(modelfile(gguf_file.name, template, stops), encoding="utf-8")
+    base = pretrained_dir(restored)
+    source = f"{restored.checkpoint}" + (f" merged into {base}" if base is not None else "")
+    return summary(written, gguf_file, out / "Modelfile", template, stops, source)
+
+
+def tokenizer_note(vocab: dict[str, Any]) -> str:
+    """The tokenizer part of the summary: llama.cpp's model/pre names, the tokens and what orders the merging."""
+    if vocab["model"] == "llama":
+        return (
+            f"llama (SentencePiece-style, byte fallback, add_space_prefix {vocab['add_space_prefix']}) with"
+            f" {vocab['tokens']} tokens, scored by rank in {vocab['merges']} merges"
+        )
+    return f"gpt2/{vocab['pre']} with {vocab['tokens']} tokens and {vocab['merges']} merges"
+
+
+def summary(
+    written: dict[str, Any], gguf_file: Path, modelfile_path: Path, template: str | None, stops: list[str], source: str
+) -> str:
+    """One paragraph: what the file holds, what the Modelfile holds, where it came from, how to run it."""
+    vocab, config = written["vocab"], written["config"]
+    types = ", ".join(f"{count} {name}" for name, count in sorted(written["types"].items()))
+    specials = ", ".join(f"{kind} {index}" for kind, index in sorted(vocab["special_ids"].items()))
+    if template is not None:
+        template_note = "TEMPLATE converted from the chat template and checked on 5 conversations"
+    elif vocab["chat_template"]:
+        template_note = (
+            "no TEMPLATE: the chat template is not fixed strings around each turn, so Ollama chooses one from the"
+            " file's tokenizer.chat_template"
+        )
+    else:
+        template_note = "no TEMPLATE: the tokenizer has no chat template (plain completion)"
+    window = getattr(config, "sliding_window", None)
+    window_note = ""
+    if window and getattr(config, "use_sliding_window", True) and window < config.max_position_embeddings:
+        window_note = (
+            f" Note: the model's sliding_window={window} is not in the file: llama.cpp's"
+            f" {written['architecture']} attends to the whole context, as its own converter leaves it."
+        )
+    return (
+        f"Wrote {gguf_file} ({written['architecture']}, {gguf_file.stat().st_size / 2**20:,.1f} MiB,"
+        f" {written['tensors']} tensors: {types}; tokenizer {tokenizer_note(vocab)}, {specials}, add_bos"
+        f" {bool(vocab['add_special'].get('bos'))}; chat template"
+        f" {'included' if vocab['chat_template'] else 'none'}) and {modelfile_path} ({template_note}; stop"
+        f" {', '.join(repr(s) for s in stops)}) from {source}.{window_note} Run it with: ollama create NAME -f"
+        f" {modelfile_path}, or llama-cli -m {gguf_file}."
+    )

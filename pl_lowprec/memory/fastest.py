@@ -1,0 +1,260 @@
+"""The fastest settings whose predicted peak fits: what ``memory_saving="auto"`` and
+``activation_checkpointing="auto"`` choose before ``fit`` loads anything.
+
+The candidates run from the fastest to the most memory-saving; each is one ``estimate_memory`` (a fake step through
+the strategy's own transform), and the first that fits is taken, so a device with room costs one estimate:
+
+1. nothing traded for memory: no activation checkpointing, peft's MLP, the norms' own backward,
+   ``F.cross_entropy`` on fp32 logits over every position at once (Hugging Face's recipe, without its
+   checkpointing);
+2. the module's loss without fp32 logits: cross-entropy in row groups and, with
+   ``CausalLM(loss_chunk_size="auto")``, in chunks of 256 positions (at a 128k vocabulary the logits are a step's
+   largest temporaries, and this costs little time);
+3. every exact path: also the fused LoRA MLP and the norms recomputed row-wise;
+4. with them, activation checkpointing: selective, every 2nd block, every block (the shipped memory-saving
+   settings).
+
+A setting given explicitly is the same in every candidate, and candidates that differ only in paths that do not
+apply to the run (no LoRA under mixed precision: no fused MLP, no recomputed norms) are simulated once.
+``predicted_seconds`` orders them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from pl_lowprec.distributed.sharding import Sharding
+from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
+from pl_lowprec.memory.fake_step import DryRunTrainer, attached
+from pl_lowprec.memory.quiet import quiet_setup_logs
+from pl_lowprec.memory.sizes import format_bytes
+from pl_lowprec.plugins.precision_choice import choose_precision
+from pl_lowprec.transforms.checkpointing import declared_blocks
+from pl_lowprec.transforms.config import TransformConfig
+from pl_lowprec.transforms.dtypes import dtype_of_precision
+from pl_lowprec.transforms.memory_saving import ALL_PATHS, AUTO, PATHS
+
+MARGIN = 0.1  # of the free memory, kept for what the estimate does not see: the allocator's fragmentation, scratch
+GIVEN = "as given"  # activation checkpointing set explicitly: the same in every candidate
+LOSS_PATHS = frozenset({"grouped_cross_entropy", "chunked_loss"})
+BLOCK_PATHS = frozenset({"fused_mlp", "recomputed_norms"})  # the strategy's own, with LoRA under mixed precision
+LADDER: tuple[tuple[str, frozenset[str]], ...] = (
+    ("none", frozenset()),
+    ("none", LOSS_PATHS),
+    ("none", ALL_PATHS),
+    ("selective", ALL_PATHS),
+    ("every 2nd block", ALL_PATHS),
+    ("every block", ALL_PATHS),
+)
+# An ordering, not a prediction, until the step-time prediction replaces it: a step's time relative to the fastest
+# settings. Checkpointing: measured on a 4-layer LoRA Llama on a CPU (docs/benchmarks.md, selective checkpointing).
+# The paths: their share of a profiled 1B QLoRA step on an H200 (issue 28: fused MLP, norms, cross-entropy), the
+# chunks one more output-head matmul per chunk.
+CHECKPOINTING_TIME = {"none": 1.0, GIVEN: 1.0, "selective": 1.16, "every 2nd block": 1.18, "every block": 1.38}
+PATH_TIME = {"fused_mlp": 0.05, "recomputed_norms": 0.03, "grouped_cross_entropy": 0.03, "chunked_loss": 0.02}
+CHECKPOINTING_WORDS = {
+    "none": "no activation checkpointing",
+    "selective": "selective activation checkpointing",
+    "every 2nd block": "activation checkpointing on every 2nd block",
+    "every block": "activation checkpointing on every block",
+}
+PATH_WORDS = {  # (off, on)
+    "fused_mlp": ("MLP unfused", "fused LoRA MLP"),
+    "recomputed_norms": ("norms with their own backward", "norms recomputed row-wise"),
+    "grouped_cross_entropy": ("cross-entropy on fp32 logits", "cross-entropy in row groups"),
+    "chunked_loss": ("loss over all positions at once", "loss in chunks"),
+}
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """One candidate: its activation checkpointing and the memory-saving paths on, of those that apply."""
+
+    checkpointing: str  # a CHECKPOINTING_WORDS key, or GIVEN
+    paths: frozenset[str]
+    applicable: frozenset[str] = field(default=ALL_PATHS, compare=False)
+
+    def describe(self) -> str:
+        parts = [] if self.checkpointing == GIVEN else [CHECKPOINTING_WORDS[self.checkpointing]]
+        parts += [PATH_WORDS[p][p in self.paths] for p in PATHS if p in self.applicable]
+        return ", ".join(parts) or "the settings as given"
+
+
+def predicted_seconds(estimate: MemoryEstimate | None, settings: MemorySettings) -> float:
+    """The ranking of candidates, fastest first: for now an explicit ordering (a step's time relative to the
+    fastest settings, ``estimate`` unused), so candidates are ordered before any is simulated. The step-time
+    prediction replaces it with the seconds per optimizer step of ``estimate``, the settings' simulated step."""
+    return CHECKPOINTING_TIME[settings.checkpointing] + sum(PATH_TIME[p] for p in settings.paths)
+
+
+def applicable_paths(config: TransformConfig, precision: str, model: nn.Module) -> frozenset[str]:
+    """The memory-saving paths that change this run: the strategy's with LoRA under mixed precision and without
+    ``compile=`` (``ModelTransform.apply``), and those the module's loss names (``memory_saving_paths``)."""
+    paths = set(getattr(model, "memory_saving_paths", ()))
+    if dtype_of_precision(precision) == torch.float32:
+        paths.discard("grouped_cross_entropy")  # fp32 logits: it is F.cross_entropy itself (cross_entropy.py)
+    lean = config.lora is not None and config.qat is None and config.fp8 is None and precision.endswith("-mixed")
+    if lean and config.compile_kwargs is None:
+        paths |= BLOCK_PATHS
+    return frozenset(paths)
+
+
+def candidates(config: TransformConfig, applicable: frozenset[str], blocks: list[str]) -> list[MemorySettings]:
+    """The ladder's rungs with the explicit settings kept, each simulated-distinct one once, fastest first."""
+    found: list[MemorySettings] = []
+    for checkpointing, paths in LADDER:
+        if config.activation_checkpointing != AUTO:
+            checkpointing = GIVEN
+        elif checkpointing != "none" and not blocks:
+            continue  # the model declares no blocks to checkpoint
+        selective = checkpointing == "selective" or (checkpointing == GIVEN and config.checkpoint_mode == "selective")
+        here = applicable - {"fused_mlp"} if selective else applicable  # ModelTransform.apply: not fused there
+        chosen = paths if config.memory_saving == AUTO else config.memory_saving
+        settings = MemorySettings(checkpointing, chosen & here, here)
+        if settings not in found:
+            found.append(settings)
+    return sorted(found, key=lambda s: predicted_seconds(None, s))
+
+
+def settings_config(config: TransformConfig, settings: MemorySettings, blocks: list[str]) -> TransformConfig:
+    """``config`` with the candidate's settings in place of its ``"auto"`` ones."""
+    changes: dict[str, Any] = {}
+    if config.memory_saving == AUTO:
+        changes["memory_saving"] = settings.paths
+    if config.activation_checkpointing == AUTO:
+        if settings.checkpointing == "none":
+            changes["activation_checkpointing"] = None
+        else:
+            changes["activation_checkpointing"] = list(blocks)
+            changes["checkpoint_every_n"] = 2 if settings.checkpointing == "every 2nd block" else 1
+            changes["checkpoint_mode"] = "selective" if settings.checkpointing == "selective" else "full"
+    return dataclasses.replace(config, **changes)
+
+
+@dataclass
+class Search:
+    """The candidates simulated, fastest first, up to the first that fits (all of them when none does)."""
+
+    limit: int
+    candidates: int = 0
+    tried: list[tuple[MemorySettings, TransformConfig, MemoryEstimate]] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return bool(self.tried) and self.tried[-1][2].peak <= self.limit
+
+    @property
+    def settings(self) -> MemorySettings:
+        return self.tried[-1][0]
+
+    @property
+    def config(self) -> TransformConfig:
+        return self.tried[-1][1]
+
+    @property
+    def estimate(self) -> MemoryEstimate:
+        return self.tried[-1][2]
+
+    def line(self, memory: str) -> str:
+        """What was chosen for ``memory`` (e.g. "79.21 GiB free on cuda:0, less 10%"), its predicted peak, and
+        what it gave up: the faster candidate before it and that one's peak."""
+        step_time = getattr(self.estimate, "step_time", None)
+        per_rank = " per rank" if self.estimate.world_size > 1 else ""
+        predicted = f"predicted peak {format_bytes(self.estimate.peak)}{per_rank}"
+        predicted += f", {step_time.seconds:.2f} s per step on {step_time.device}" if step_time else ""
+        if not self.fits:
+            return (
+                f"No settings fit in {format_bytes(self.limit)} ({memory}): the most memory-saving"
+                f" ({self.settings.describe()}) has a {predicted}."
+            )
+        if len(self.tried) == 1:
+            gave_up = "the fastest settings: nothing is traded for memory"
+        else:
+            faster, _, estimate = self.tried[-2]
+            gave_up = f"faster settings would need {format_bytes(estimate.peak)} ({faster.describe()})"
+        chosen = self.settings.describe()
+        return f"Memory settings for {format_bytes(self.limit)} ({memory}): {chosen}; {predicted}; {gave_up}."
+
+
+def ladder(
+    build_model: Callable[[], nn.Module], precision: str, device: torch.device, config: TransformConfig
+) -> tuple[list[MemorySettings], list[str]]:
+    """The candidates for ``config`` on the module ``build_model`` builds, fastest first, and the blocks the
+    module declares (what ``activation_checkpointing="auto"`` checkpoints)."""
+    if precision == "auto":
+        precision = choose_precision(device).precision
+    model = configured(build_model)
+    blocks = declared_blocks(model)
+    return candidates(config, applicable_paths(config, precision, model), blocks), blocks
+
+
+def configured(build_model: Callable[[], nn.Module]) -> nn.Module:
+    """The module as ``configure_model`` leaves it, on the meta device, as ``estimate_memory`` builds it."""
+    with torch.device("meta"):
+        model = build_model()
+        with attached(model, DryRunTrainer(transform=None)):
+            if callable(getattr(model, "configure_model", None)):
+                model.configure_model()
+    return model
+
+
+def fastest_fitting(
+    build_model: Callable[[], nn.Module],
+    example_batch: Any,
+    limit: int,
+    precision: str,
+    device: str | torch.device,
+    config: TransformConfig,
+    accumulate_grad_batches: int = 1,
+    sharding: Sharding | None = None,
+    world_size: int = 1,
+) -> Search:
+    """Simulate the candidates of ``config``'s ``"auto"`` settings from the fastest down, and stop at the first
+    whose peak is at most ``limit`` bytes. The other arguments as ``estimate_memory`` takes them."""
+    device = torch.device(device)
+    order, blocks = ladder(build_model, precision, device, config)
+    search = Search(limit, len(order))
+    with quiet_setup_logs():  # each simulated transform would repeat what the run says once
+        for settings in order:
+            chosen = settings_config(config, settings, blocks)
+            estimate = estimate_memory(
+                build_model,
+                example_batch,
+                precision=precision,
+                device=device,
+                config=chosen,
+                accumulate_grad_batches=accumulate_grad_batches,
+                sharding=sharding,
+                world_size=world_size,
+            )
+            search.tried.append((settings, chosen, estimate))
+            if estimate.peak <= limit:
+                break
+    return search
+
+
+def faster_settings_line(
+    build_model: Callable[[], nn.Module], example_batch: Any, precision: str, device: str | torch.device, **kwargs: Any
+) -> str | None:
+    """Where the device's memory is not known (``pl-lowprec estimate`` of a config with ``"auto"`` settings, which
+    reports the memory-saving ones): the fastest candidate, its peak, and the free memory from which ``fit`` takes
+    it. ``kwargs``: ``config`` and the rest as ``fastest_fitting`` takes them. ``None`` when there is one
+    candidate (nothing to choose)."""
+    search = fastest_fitting(build_model, example_batch, sys.maxsize, precision, device, **kwargs)
+    if search.candidates < 2:
+        return None
+    peak = search.estimate.peak
+    free = math.ceil(peak / (1 - MARGIN) / 2**30 * 100) / 100
+    return (
+        f"On a device with at least {free:.2f} GiB free, fit would take the fastest settings"
+        f" ({search.settings.describe()}): predicted peak {format_bytes(peak)}. Above: the memory-saving settings"
+        " ('auto' where the device is not known)."
+    )

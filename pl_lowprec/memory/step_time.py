@@ -1,0 +1,102 @@
+"""How long one optimizer step takes on a device: a roofline over the kernels the simulated step runs.
+
+Each kernel of the step (``op_counts.OpProfile``: its FLOPs, bytes and dtype) takes the longest of
+
+- its FLOPs at the device's achievable matmul rate for its dtype (compute-bound),
+- its bytes at the device's achievable memory bandwidth (memory-bound),
+- on a GPU, the host's time to launch it (launch-bound: the GPU waits for Python and the dispatcher),
+
+as ``torch.distributed._tools.RuntimeEstimator``'s roofline mode takes the first two. On a CPU the same cores
+dispatch and compute, so the dispatch time adds to each kernel instead. The step's time is the sum: eager
+PyTorch runs one kernel after another.
+
+The optimizer step is simulated on CPU tensors, where torch's AdamW runs a dozen kernels per parameter tensor;
+on CUDA it runs the same arithmetic as ``foreach`` kernels, each over a list of tensors: a few dozen launches
+in all. So on a GPU the optimizer step's kernels are charged their bytes and FLOPs but no launch each.
+
+Left out: communication (a sharded estimate is per rank, without its collectives), offloading's host copies
+(on a side stream), the data loader and Lightning's loop. Assumed: the CUDA step runs the kernels of the CPU
+step that is simulated (the same modules, autograd and attention; CUDA's SDPA kernel in place of the CPU's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pl_lowprec.memory.devices import DeviceSpec
+from pl_lowprec.memory.op_counts import OpProfile
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """The predicted seconds of one optimizer step on ``device``, split by what bounds each kernel; with the
+    step's kernel launches, FLOPs and bytes moved."""
+
+    device: str
+    seconds: float
+    compute_bound: float
+    memory_bound: float
+    launch_overhead: float
+    launches: int
+    flops: int
+    bytes: int
+    optimizer_launches: int = 0
+    foreach: bool = False  # the optimizer's per-tensor kernels run as a few foreach kernels (a GPU)
+
+    def line(self) -> str:
+        """One line for ``pl-lowprec estimate``."""
+        total = self.seconds or 1.0
+        parts = ", ".join(
+            f"{name} {value:.3f} s ({value / total:.0%})"
+            for name, value in (
+                ("compute-bound", self.compute_bound),
+                ("memory-bound", self.memory_bound),
+                ("launch overhead", self.launch_overhead),
+            )
+        )
+        return (
+            f"Predicted step time on {self.device}: {self.seconds:.3f} s ({parts}; {self.launches:,} kernels"
+            f"{self._optimizer_part()}, {_decimal(self.flops, 'FLOP')}, {_decimal(self.bytes, 'B')} moved)"
+        )
+
+    def _optimizer_part(self) -> str:
+        if not (self.foreach and self.optimizer_launches):
+            return ""
+        return f" ({self.optimizer_launches:,} of them the optimizer's per-tensor ones, run as foreach kernels)"
+
+
+def _decimal(value: float, unit: str) -> str:
+    """``value`` with a decimal prefix: 173.50 TFLOP, 392.15 MB."""
+    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= factor:
+            return f"{value / factor:,.2f} {prefix}{unit}"
+    return f"{value:,.0f} {unit}"
+
+
+def predict_step_time(profile: OpProfile, device: DeviceSpec) -> StepTime:
+    """The roofline of every kernel of ``profile`` on ``device``, summed."""
+    bandwidth = device.bandwidth * device.memory_efficiency
+    seconds = {"compute": 0.0, "memory": 0.0, "launch": 0.0}
+    for (dtype, flops, nbytes, in_optimizer_step), count in profile.counts.items():
+        on_flops = flops / device.flops_per_second(dtype) if flops else 0.0
+        on_bytes = nbytes / bandwidth
+        bound, kernel = ("compute", on_flops) if on_flops >= on_bytes else ("memory", on_bytes)
+        if not device.asynchronous:  # the CPU dispatches, then computes
+            seconds[bound] += count * kernel
+            seconds["launch"] += count * device.launch_overhead
+        elif in_optimizer_step or kernel >= device.launch_overhead:  # foreach in the optimizer step: see above
+            seconds[bound] += count * kernel
+        else:  # the GPU waits for the host to launch it
+            seconds["launch"] += count * device.launch_overhead
+    return StepTime(
+        device.name,
+        sum(seconds.values()),
+        seconds["compute"],
+        seconds["memory"],
+        seconds["launch"],
+        profile.launches,
+        profile.flops,
+        profile.bytes,
+        profile.optimizer_launches,
+        device.asynchronous,
+    )

@@ -1,0 +1,370 @@
+"""TextDataModule through Hugging Face datasets: every format gives the batches (and first loss) of the same records
+as .jsonl; field mappings and ShareGPT chats equal the renamed records; the checks of .jsonl hold; the tokens stay
+in a memory-mapped Arrow table."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from loading_helpers import save_pretrained_dir
+
+from pl_lowprec.data import TextDataModule, token_table
+from pl_lowprec.data.token_table import TokenRows
+
+datasets = pytest.importorskip("datasets")
+pytest.importorskip("transformers")
+
+RECORDS = [
+    *({"prompt": f"def f{i}(x):\n    return", "completion": f" x + {i}" * (1 + i % 3)} for i in range(14)),
+    *({"text": f"import os\nprint(os.sep * {i})\n" * (2 + i % 4)} for i in range(6)),
+    {"prompt": "only a prompt"},  # unusable: counted with its row
+    {"note": "no field this module reads"},
+    *({"prompt": f"x{i} =", "completion": f" {i}"} for i in range(6)),
+    {"prompt": "What is 6 x 7? ", "completion": "42"},  # CSV: a number stays text
+    {"prompt": "Which value is missing? ", "completion": "None"},  # CSV: only an empty cell is missing
+]
+CHATS = [
+    {
+        "messages": [
+            *([{"role": "system", "content": "Be brief."}] if i % 2 else []),
+            {"role": "user", "content": f"What is {i} + {i}?"},
+            {"role": "assistant", "content": f"{2 * i}."},
+            {"role": "user", "content": "And doubled?"},
+            {"role": "assistant", "content": f"{4 * i}."},
+        ]
+    }
+    for i in range(10)
+]
+FORMATS = ["parquet", "csv", "json", "json-array", "arrow", "arrow-ipc-file", "saved", "Dataset", "DatasetDict"]
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    return save_pretrained_dir(tmp_path_factory.mktemp("pretrained"))
+
+
+@pytest.fixture(autouse=True)
+def _datasets_cache(tmp_path, monkeypatch):
+    """load_dataset's Arrow copies go to the test's directory, not to ~/.cache."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+
+
+def _table(records):
+    """A Dataset with a column for every field any record has (None where a record lacks it), as Arrow holds them."""
+    keys = list(dict.fromkeys(k for r in records for k in r))
+    return datasets.Dataset.from_dict({k: [r.get(k) for r in records] for k in keys})
+
+
+def _write(fmt, records, directory):
+    """``records`` as a file, directory or object of format ``fmt``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    table = _table(records)
+    if fmt == "jsonl":
+        path = directory / "data.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        return path
+    if fmt == "json-array":
+        path = directory / "data.json"
+        path.write_text(json.dumps(records))
+        return path
+    if fmt in ("parquet", "csv", "json"):
+        path = directory / f"data.{fmt}"
+        getattr(table, f"to_{fmt}")(str(path), **({"index": False} if fmt == "csv" else {}))
+        return path
+    if fmt == "saved":
+        table.save_to_disk(directory / "saved")
+        return directory / "saved"
+    if fmt == "arrow":  # the stream format that datasets writes (save_to_disk, caches)
+        table.save_to_disk(directory / "saved-for-arrow")
+        return shutil.copy(next((directory / "saved-for-arrow").glob("*.arrow")), directory / "data.arrow")
+    if fmt == "arrow-ipc-file":  # the Arrow IPC file format (Feather v2), as pyarrow and pandas write it
+        from pyarrow import feather
+
+        feather.write_feather(table.data.table, str(directory / "data.arrow"), compression="uncompressed")
+        return directory / "data.arrow"
+    if fmt == "Dataset":
+        return table
+    assert fmt == "DatasetDict"
+    return datasets.DatasetDict({"train": table, "test": _table(records[:3])})
+
+
+def _data(train_files, pretrained, **kwargs):
+    kwargs = {"val_fraction": 0.2, "seq_len": 48, "batch_size": 4, **kwargs}
+    data = TextDataModule(train_files=train_files, tokenizer=str(pretrained), **kwargs)
+    data.setup("fit")
+    return data
+
+
+def _batches(data, epoch=1):
+    loader = data.train_dataloader()
+    loader.sampler.set_epoch(epoch)
+    return [{k: v.tolist() for k, v in b.items()} for b in loader]
+
+
+def _rows(rows):
+    return [{k: v.tolist() for k, v in rows[i].items()} for i in range(len(rows))]
+
+
+def _first_loss(data, pretrained):
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(pretrained).eval()
+    loader = data.train_dataloader()
+    loader.sampler.set_epoch(0)
+    with torch.no_grad():
+        return model(**next(iter(loader))).loss
+
+
+@pytest.fixture(scope="module")
+def reference(pretrained, tmp_path_factory):
+    """What the .jsonl file gives: batches of two epochs, validation rows, first loss, the report."""
+    data = _data(_write("jsonl", RECORDS, tmp_path_factory.mktemp("jsonl")), pretrained)
+    return data, _batches(data, 0) + _batches(data, 1), _rows(data.val_set), _first_loss(data, pretrained)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_format_gives_the_batches_and_first_loss_of_the_jsonl_file(
+    fmt, reference, pretrained, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(token_table, "MAP_BATCH_SIZE", 4)  # text blocks span Dataset.map's batches
+    expected, batches, val_rows, loss = reference
+    data = _data(_write(fmt, RECORDS, tmp_path), pretrained)
+    assert _batches(data, 0) + _batches(data, 1) == batches
+    assert _rows(data.val_set) == val_rows
+    assert _first_loss(data, pretrained) == loss
+    (report,) = data.reports
+    assert report.used == expected.reports[0].used == 28 and report.bad == expected.reports[0].bad
+    # the same records, numbered by row index (from 0) instead of line (from 1)
+    assert {k: [r + 1 for r in rows] for k, rows in report.first_lines.items()} == expected.reports[0].first_lines
+    assert "(row indices [20])" in report.describe()
+    assert isinstance(data.train_set.dataset, TokenRows)  # the held-out split is a view, not a copy
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "json", "arrow", "saved", "Dataset"])
+def test_chats_in_every_format_give_the_samples_of_the_jsonl_file(fmt, pretrained, tmp_path):
+    expected = _rows(_data(_write("jsonl", CHATS, tmp_path / "jsonl"), pretrained, seq_len=64).train_set)
+    assert _rows(_data(_write(fmt, CHATS, tmp_path / fmt), pretrained, seq_len=64).train_set) == expected
+
+
+def test_packing_a_parquet_file_gives_the_rows_of_the_jsonl_file(pretrained, tmp_path, monkeypatch):
+    monkeypatch.setattr(token_table, "MAP_BATCH_SIZE", 4)
+    expected = _data(_write("jsonl", RECORDS, tmp_path / "j"), pretrained, packing=True)
+    data = _data(_write("parquet", RECORDS, tmp_path / "p"), pretrained, packing=True)
+    assert len(data.train_set) == len(expected.train_set)
+    assert isinstance(data.train_set.samples.dataset, TokenRows)  # packed by index: the rows stay in Arrow
+    for epoch in (0, 1):
+        assert _batches(data, epoch) == _batches(expected, epoch)
+    assert _rows(data.val_set) == _rows(expected.val_set)
+
+
+def test_workers_read_the_memory_mapped_rows(pretrained, tmp_path):
+    path = _write("parquet", RECORDS, tmp_path)
+    batches = [_batches(_data(path, pretrained, num_workers=workers)) for workers in (0, 1)]
+    assert batches[0] == batches[1] and len(batches[0]) == 7
+
+
+def test_a_field_mapping_equals_the_renamed_file(pretrained, tmp_path):
+    renamed = [{"question": r["prompt"], "answer": r["completion"], "id": i} for i, r in enumerate(RECORDS[:14])]
+    expected = _batches(_data(_write("jsonl", RECORDS[:14], tmp_path / "pc"), pretrained))
+    fields = {"prompt": "question", "completion": "answer"}
+    for fmt in ("parquet", "jsonl", "Dataset"):
+        assert _batches(_data(_write(fmt, renamed, tmp_path / fmt), pretrained, fields=fields)) == expected
+    text = [{"content": r["text"], "prompt": "ignored: not named by the mapping"} for r in RECORDS[14:20]]
+    expected = _rows(_data(_write("jsonl", RECORDS[14:20], tmp_path / "text"), pretrained).train_set)
+    data = _data(_write("parquet", text, tmp_path / "content"), pretrained, fields={"text": "content"})
+    assert _rows(data.train_set) == expected
+
+
+def test_sharegpt_conversations_read_as_messages(pretrained, tmp_path):
+    roles = {"user": "human", "assistant": "gpt", "system": "system"}
+    sharegpt = [
+        {"conversations": [{"from": roles[m["role"]], "value": m["content"]} for m in r["messages"]]} for r in CHATS
+    ]
+    expected = _rows(_data(_write("jsonl", CHATS, tmp_path / "chat"), pretrained, seq_len=64).train_set)
+    for fmt in ("parquet", "jsonl"):
+        assert _rows(_data(_write(fmt, sharegpt, tmp_path / fmt), pretrained, seq_len=64).train_set) == expected
+    dialog = [{"dialog": r["conversations"]} for r in sharegpt]
+    data = _data(_write("parquet", dialog, tmp_path / "dialog"), pretrained, seq_len=64, fields={"messages": "dialog"})
+    assert _rows(data.train_set) == expected
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_a_mapping_naming_a_missing_column_is_refused_with_the_columns(fmt, pretrained, tmp_path):
+    path = _write(fmt, [{"question": "q", "answer_text": "a"}], tmp_path)
+    with pytest.raises(ValueError) as error:
+        _data(path, pretrained, fields={"prompt": "question", "completion": "answer"})
+    assert f"{path}: fields={{'prompt': 'question', 'completion': 'answer'}} names the column(s) ['answer']" in str(
+        error.value
+    )
+    assert "its columns are ['answer_text', 'question']" in str(error.value)
+
+
+def test_a_table_with_no_column_to_read_is_refused_with_a_mapping_example(pretrained, tmp_path):
+    path = _write("parquet", [{"question": "q", "answer": "a"}], tmp_path)
+    with pytest.raises(ValueError, match=r"has the columns \['answer', 'question'\], none of which .*fields="):
+        _data(path, pretrained)
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"prompt": "question"}, r"\['prompt'\] is not one format"),
+        ({"answer": "a", "prompt": "q"}, r"\['answer'\] are not fields it reads"),
+        ({"text": 3}, r"must map field names to column names"),
+    ],
+)
+def test_bad_fields_are_refused_when_built(fields, match, pretrained, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        TextDataModule(train_files=_write("jsonl", RECORDS, tmp_path), tokenizer=str(pretrained), fields=fields)
+
+
+def test_truncation_is_reported_and_refused_as_for_jsonl(pretrained, tmp_path):
+    long = [{"prompt": "def f(x):\n    return", "completion": " x + 1" * 10} for _ in range(5)]
+    messages = {}
+    for fmt in ("jsonl", "parquet"):
+        path = _write(fmt, long, tmp_path / fmt)
+        with pytest.raises(ValueError) as error:
+            _data(path, pretrained)
+        messages[fmt] = str(error.value).replace(str(path), "PATH")
+    assert messages["jsonl"] == messages["parquet"]
+    assert "seq_len=48 cuts 5 samples" in messages["parquet"]
+
+
+def test_chat_records_need_a_chat_template(pretrained, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(pretrained)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(tmp_path / "plain")
+    for template in tmp_path.joinpath("plain").glob("chat_template.*"):
+        template.unlink()
+    data = TextDataModule(train_files=_write("parquet", CHATS, tmp_path), tokenizer=str(tmp_path / "plain"))
+    with pytest.raises(ValueError, match=r"'messages' records need a chat template, and the tokenizer in .* has none"):
+        data.setup("fit")
+
+
+def test_nothing_is_written_beside_the_data_and_tokens_stay_memory_mapped(pretrained, tmp_path):
+    for fmt in ("arrow", "saved"):
+        path = _write(fmt, RECORDS, tmp_path / fmt)
+        before = sorted(p.name for p in path.parent.rglob("*"))
+        data = _data(path, pretrained, val_fraction=0)
+        assert sorted(p.name for p in path.parent.rglob("*")) == before
+        table = data.train_set.dataset.table
+        (cache,) = table.cache_files  # the tokens: one Arrow file, in datasets' temporary directory
+        assert cache["filename"].startswith(datasets.fingerprint.get_temporary_cache_files_directory())
+        assert set(table.column_names) == {"input_ids", "labels", "text_block"}
+
+
+def test_a_directory_reads_every_format_and_refuses_several_splits(pretrained, tmp_path):
+    _write("jsonl", RECORDS[:10], tmp_path / "mixed")
+    _write("parquet", RECORDS[10:], tmp_path / "mixed")
+    _table(CHATS).save_to_disk(tmp_path / "mixed" / "chats")
+    (tmp_path / "mixed" / "README.md").write_text("notes")
+    (tmp_path / "mixed" / "dataset_infos.json").write_text('{"default": {"description": "metadata, not records"}}')
+    data = _data(tmp_path / "mixed", pretrained, seq_len=64)
+    assert [(s.kind, s.path.name) for s in data.train_sources] == [
+        ("saved", "chats"),
+        ("native", "data.jsonl"),
+        ("file", "data.parquet"),
+    ]
+    assert [r.used for r in data.reports] == [10, 10, 18]
+
+    hub_layout = tmp_path / "repo" / "data"
+    hub_layout.mkdir(parents=True)
+    _table(RECORDS[:8]).to_parquet(str(hub_layout / "train-00000-of-00001.parquet"))
+    _table(RECORDS[20:]).to_parquet(str(hub_layout / "test-00000-of-00001.parquet"))
+    with pytest.raises(ValueError) as error:
+        TextDataModule(train_files=tmp_path / "repo", tokenizer=str(pretrained))
+    assert "holds the files of several splits (test: 1, train: 1 files)" in str(error.value)
+    assert f"train_files='{hub_layout}/test*.parquet'" in str(error.value)
+    data = _data(str(hub_layout / "train-*.parquet"), pretrained, val_files=str(hub_layout / "test-*.parquet"))
+    assert [r.used for r in data.reports] == [8, 8]
+    with pytest.raises(ValueError, match=r"'.*nothing-\*.parquet' matches no file"):
+        TextDataModule(train_files=str(tmp_path / "nothing-*.parquet"), tokenizer=str(pretrained))
+
+
+def test_a_dataset_dict_gives_the_split_asked_for(pretrained, tmp_path):
+    splits = datasets.DatasetDict({"train": _table(RECORDS[:14]), "test": _table(RECORDS[20:])})
+    data = _data(splits, pretrained, val_files=splits)
+    assert [r.path for r in data.reports] == [
+        "the DatasetDict given as train_files (split 'train')",
+        "the DatasetDict given as val_files (split 'test')",
+    ]
+    assert (len(data.train_set), len(data.val_set)) == (14, 8)
+    splits.save_to_disk(tmp_path / "saved")
+    data = _data(tmp_path / "saved", pretrained, val_files=tmp_path / "saved", train_split="test", val_split="train")
+    assert (len(data.train_set), len(data.val_set)) == (8, 14)
+    with pytest.raises(
+        ValueError, match=r"has the splits \['train', 'test'\], and none of \['dev'\]. .*val_split=NAME"
+    ):
+        _data(splits, pretrained, val_files=splits, val_split="dev")
+
+
+def test_a_hub_id_is_loaded_with_load_dataset_and_offline_says_what_to_do(pretrained, monkeypatch):
+    """Only the wiring: these machines have no network, so load_dataset is replaced."""
+    splits = datasets.DatasetDict({"train": _table(RECORDS[:14])})
+    monkeypatch.setattr(datasets, "load_dataset", lambda name: splits if name == "org/instructions" else None)
+    data = _data("org/instructions", pretrained, val_fraction=0)
+    assert data.reports[0].path == "hub dataset 'org/instructions' (split 'train')" and len(data.train_set) == 14
+
+    def offline(name):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(ValueError, match=r"'org/instructions' is not a local file or directory, and loading it .*"):
+        _data("org/instructions", pretrained)
+
+
+def test_a_dataset_object_is_described_not_saved_in_the_hyperparameters(pretrained):
+    table = _table(RECORDS)
+    data = TextDataModule(train_files=table, tokenizer=str(pretrained), val_files=[table])
+    assert data.hparams.train_files == f"Dataset(num_rows=30, fingerprint={table._fingerprint})"
+    assert data.hparams.val_files == [data.hparams.train_files]
+    with pytest.raises(TypeError, match=r"a streaming IterableDataset has no length"):
+        TextDataModule(train_files=table.to_iterable_dataset(), tokenizer=str(pretrained))
+    with pytest.raises(TypeError, match=r"train_files=dict is neither a path nor a datasets.Dataset"):
+        TextDataModule(train_files={"prompt": "x"}, tokenizer=str(pretrained))
+
+
+def test_without_the_extra_a_parquet_file_is_refused_with_the_install_command(tmp_path, monkeypatch):
+    from lightning_utilities.core.imports import RequirementCache
+
+    from pl_lowprec import _imports
+
+    monkeypatch.setattr(_imports, "_DATASETS", RequirementCache("datasets>=999"))
+    _imports.import_datasets.cache_clear()
+    (tmp_path / "data.parquet").write_bytes(b"")
+    try:
+        with pytest.raises(ModuleNotFoundError, match=r'Install it with: pip install "pl_lowprec\[datasets\]"'):
+            TextDataModule(train_files=tmp_path / "data.parquet", tokenizer="unused")
+    finally:
+        _imports.import_datasets.cache_clear()
+
+
+def test_the_command_line_passes_a_csv_path_and_a_field_mapping(tmp_path, capsys, monkeypatch):
+    """A class named in train_files' type would make LightningCLI read the file as a config and pass its text."""
+    import yaml
+
+    from pl_lowprec.cli import build_cli
+
+    path = tmp_path / "qa.csv"
+    path.write_text("question,answer\nq,a\n")  # text that also parses as YAML
+    args = [
+        "fit",
+        "--model=pl_lowprec.models.CausalLM",
+        "--model.pretrained=unused",
+        "--data=pl_lowprec.data.TextDataModule",
+        f"--data.train_files={path}",
+        f"--data.val_files=[{path}]",
+        "--data.tokenizer=unused",
+        "--data.fields={prompt: question, completion: answer}",
+        "--print_config",
+    ]
+    monkeypatch.setattr("sys.argv", ["pl-lowprec"])  # pytest's own arguments are not the CLI's
+    with pytest.raises(SystemExit) as exit_info:
+        build_cli(args)
+    assert exit_info.value.code == 0
+    data = yaml.safe_load(capsys.readouterr().out)["data"]["init_args"]
+    assert (data["train_files"], data["val_files"]) == (str(path), [str(path)])
+    assert data["fields"] == {"prompt": "question", "completion": "answer"}

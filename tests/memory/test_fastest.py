@@ -1,0 +1,128 @@
+"""The fastest settings that fit (``memory_saving="auto"``, ``activation_checkpointing="auto"``): a budget the fast
+path fits turns nothing on, smaller ones turn the savings on in order, each choice's estimate fits, explicit
+settings are kept, and where the device is not known the estimate stays on the memory-saving side."""
+
+import functools
+import math
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from qlora_helpers import tiny_llama
+
+from pl_lowprec import estimate_memory
+from pl_lowprec.cli.estimate import main as estimate_main
+from pl_lowprec.memory.fastest import MARGIN, fastest_fitting
+from pl_lowprec.transforms.config import TransformConfig
+
+pytest.importorskip("peft")
+BATCH = {"input_ids": torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))}
+LORA = {"r": 4, "lora_alpha": 8}
+AUTO = {"memory_saving": "auto", "activation_checkpointing": "auto"}
+build = functools.partial(tiny_llama, hidden_size=64)
+_QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
+
+
+def _search(limit, **config):
+    return fastest_fitting(build, BATCH, limit, "bf16-mixed", "cpu", TransformConfig(lora=LORA, **config))
+
+
+@pytest.fixture(scope="module")
+def every_candidate():
+    """Each candidate of the ladder simulated (a limit nothing fits), fastest first."""
+    search = _search(0, **AUTO)
+    assert not search.fits and len(search.tried) == search.candidates == 5
+    return search.tried
+
+
+def test_a_budget_the_fast_path_fits_turns_nothing_on(every_candidate):
+    fastest_peak = every_candidate[0][2].peak
+    search = _search(fastest_peak, **AUTO)
+    assert len(search.tried) == 1 and search.fits  # a device with room costs one estimate
+    assert search.config.memory_saving == frozenset() and search.config.activation_checkpointing is None
+    assert search.settings.describe() == "no activation checkpointing, MLP unfused, norms with their own backward"
+    assert search.estimate.peak == fastest_peak
+
+
+def test_smaller_budgets_turn_the_savings_on_in_order_and_each_choice_fits(every_candidate):
+    peaks = [estimate.peak for _, _, estimate in every_candidate]
+    assert peaks == sorted(peaks, reverse=True)  # this model: each rung saves memory
+    described = [settings.describe() for settings, _, _ in every_candidate]
+    assert described == [
+        "no activation checkpointing, MLP unfused, norms with their own backward",
+        "no activation checkpointing, fused LoRA MLP, norms recomputed row-wise",
+        "selective activation checkpointing, norms recomputed row-wise",  # selective keeps the MLP unfused
+        "activation checkpointing on every 2nd block, fused LoRA MLP, norms recomputed row-wise",
+        "activation checkpointing on every block, fused LoRA MLP, norms recomputed row-wise",
+    ]
+    for index, peak in enumerate(peaks):
+        for budget in (peak, (peak + peaks[index - 1]) // 2) if index else (peak,):
+            search = _search(budget, **AUTO)
+            assert len(search.tried) == index + 1 and search.fits, (budget, index)  # the first that fits
+            estimate = estimate_memory(build, BATCH, precision="bf16-mixed", config=search.config)
+            assert estimate.peak == search.estimate.peak <= budget  # the chosen config's own estimate fits
+    config = _search(peaks[-1], **AUTO).config
+    assert config.activation_checkpointing == ["LlamaDecoderLayer"] and config.checkpoint_every_n == 1
+
+
+def test_explicit_settings_are_kept_and_only_the_auto_ones_vary():
+    off = _search(0, memory_saving=False, activation_checkpointing="auto")
+    assert [s.describe() for s, _, _ in off.tried] == [
+        "no activation checkpointing, MLP unfused, norms with their own backward",
+        "selective activation checkpointing, norms with their own backward",
+        "activation checkpointing on every 2nd block, MLP unfused, norms with their own backward",
+        "activation checkpointing on every block, MLP unfused, norms with their own backward",
+    ]
+    assert {c.memory_saving for _, c, _ in off.tried} == {frozenset()}
+    named = _search(0, memory_saving="auto", activation_checkpointing=["LlamaDecoderLayer"], checkpoint_every_n=2)
+    assert [s.describe() for s, _, _ in named.tried] == [
+        "MLP unfused, norms with their own backward",
+        "fused LoRA MLP, norms recomputed row-wise",
+    ]
+    kept = {(c.activation_checkpointing[0], c.checkpoint_every_n) for _, c, _ in named.tried}
+    assert kept == {("LlamaDecoderLayer", 2)}
+    only_norms = _search(0, memory_saving=["recomputed_norms"], activation_checkpointing="auto")
+    assert {c.memory_saving for _, c, _ in only_norms.tried} == {frozenset({"recomputed_norms"})}
+
+
+def test_where_nothing_chooses_auto_is_the_memory_saving_side():
+    """``estimate_memory`` of a config with "auto" gives what the same config gave before "auto": every path on,
+    every declared block checkpointed."""
+    blocks = ["LlamaDecoderLayer"]
+    saving = estimate_memory(build, BATCH, precision="bf16-mixed", lora=LORA, activation_checkpointing=blocks)
+    auto = estimate_memory(build, BATCH, precision="bf16-mixed", lora=LORA, **AUTO)
+    assert auto.as_dict() == saving.as_dict() and auto.peak_split == saving.peak_split
+    plain = estimate_memory(build, BATCH, precision="bf16-mixed", lora=LORA, memory_saving=False)
+    assert plain.peak > estimate_memory(build, BATCH, precision="bf16-mixed", lora=LORA).peak  # the switch works
+
+
+def test_bad_values_are_refused_with_what_is_allowed():
+    with pytest.raises(ValueError, match=r"memory_saving='fast' is not valid: use 'auto' .* fused_mlp, recomputed_"):
+        TransformConfig(memory_saving="fast")
+    with pytest.raises(ValueError, match=r"memory_saving='fused_mpl' is not valid"):
+        TransformConfig(memory_saving=["fused_mlp", "fused_mpl"])
+    with pytest.raises(ValueError, match=r"activation_checkpointing='auto' with checkpoint_every_n=2 .* chooses"):
+        TransformConfig(activation_checkpointing="auto", checkpoint_every_n=2)
+
+
+def test_the_cli_estimate_reports_the_memory_saving_side_and_the_faster_settings(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["pl-lowprec"])
+    estimate_main(["--config", str(_QUICKSTART), "--trainer.max_steps", "1"])
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].startswith("Estimated training memory (")
+    line = lines[-1]
+    found = re.fullmatch(
+        r"On a device with at least ([0-9.]+) GiB free, fit would take the fastest settings \((.*)\): predicted peak"
+        r" ([0-9.]+) MiB\. Above: the memory-saving settings \('auto' where the device is not known\)\.",
+        line,
+    )
+    assert found, line
+    assert found.group(2) == "no activation checkpointing, MLP unfused, norms with their own backward"
+    shown = float(re.search(r"PEAK ([0-9,.]+) MiB", out).group(1).replace(",", ""))
+    fastest = float(found.group(3))
+    assert fastest > shown  # the table is the memory-saving side
+    assert float(found.group(1)) == math.ceil(fastest / 1024 / (1 - MARGIN) * 100) / 100
