@@ -141,7 +141,7 @@ def lightning_trainer(
 ) -> pl.Trainer:
     """The Trainer both Lightning stacks train with: ``LowPrecisionStrategy`` set from ``--mode`` and
     ``--checkpointing``, ``AMPPrecision`` under a "-mixed" precision, nothing logged or saved."""
-    settings: dict[str, Any] = dict(args.strategy_arg)
+    settings: dict[str, Any] = {}
     if args.mode in ("lora", "qlora"):
         settings["lora"] = lora_settings(args)
     if args.mode == "qlora":
@@ -149,6 +149,7 @@ def lightning_trainer(
     if args.checkpointing:
         settings["activation_checkpointing"] = ["LlamaDecoderLayer"]
         settings["checkpoint_impl"] = args.checkpoint_impl
+    settings |= dict(args.strategy_arg)  # last: --strategy-arg activation_checkpointing=auto overrides --checkpointing
     mixed = args.precision.endswith("-mixed")
     return pl.Trainer(
         accelerator=dev.type,
