@@ -127,14 +127,16 @@ def local_cpu() -> DeviceSpec:
     """This CPU, measured once per process: matmul FLOP/s per dtype (768-square; fp16, which CPUs run slowly,
     128-square), copy bandwidth (64 MiB, beyond the caches), and the time of one tiny op with autograd (the
     dispatch cost each kernel pays). Best of a few runs each, so other work on the machine counts least; already
-    achievable rates, so the efficiencies are 1."""
+    achievable rates, so the efficiencies are 1. Its own random generator: a run's random state (seed_everything,
+    LoRA's initialisation, dropout) must not depend on whether this ran first in the process."""
+    generator = torch.Generator().manual_seed(0)
     flops = {}
     for dtype, name, size in (
         (torch.float32, "fp32", 768),
         (torch.bfloat16, "bf16", 768),
         (torch.float16, "fp16", 128),
     ):
-        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+        a, b = (torch.randn(size, size, dtype=dtype, generator=generator) for _ in range(2))
         flops[name] = 2 * size**3 / _best_seconds(lambda a=a, b=b: a @ b, 4)
     source = torch.empty(16 * 2**20, dtype=torch.float32)
     target = torch.empty_like(source)

@@ -221,3 +221,14 @@ def test_grouped_query_attention_counts_full_attention_on_a_torch_whose_formula_
 
     monkeypatch.setattr(flop_counter, "sdpa_flop_count", without_gqa)
     assert _flops(op, (q, k, v, None, False), {}, None) == (native, "fp32")
+
+
+def test_measuring_the_local_cpu_leaves_the_random_state_alone():
+    """It runs inside the first fit's estimate (the automatic choice, memory_budget=): a draw from the global
+    generator there gave the first fit of a process other numbers than a later one (the resume tests found it)."""
+    from pl_lowprec.memory.devices import local_cpu
+
+    local_cpu.cache_clear()
+    before = torch.random.get_rng_state()
+    local_cpu()
+    assert torch.equal(torch.random.get_rng_state(), before)
