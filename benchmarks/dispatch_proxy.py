@@ -36,6 +36,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from common import markdown_table, section, write_json
+from model_shapes import LLAMA_3_2_1B  # Llama-3.2-1B's config.json; depth set by --layers
 
 from pl_lowprec import AMPPrecision, LowPrecisionStrategy, estimate_memory
 from pl_lowprec.memory.devices import device_spec
@@ -45,30 +46,6 @@ from pl_lowprec.models import CausalLM
 
 warnings.filterwarnings("ignore")
 
-LLAMA_3_2_1B = {  # Llama-3.2-1B's config.json (meta-llama/Llama-3.2-1B), depth set by --layers
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 2048,
-    "intermediate_size": 8192,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 64,
-    "vocab_size": 128256,
-    "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-05,
-    "rope_theta": 500000.0,
-    "rope_scaling": {
-        "factor": 32.0,
-        "high_freq_factor": 4.0,
-        "low_freq_factor": 1.0,
-        "original_max_position_embeddings": 8192,
-        "rope_type": "llama3",
-    },
-    "tie_word_embeddings": True,
-    "attention_bias": False,
-    "mlp_bias": False,
-    "hidden_act": "silu",
-}
 LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": "all-linear"}
 OURS, HF = "pl_lowprec (CausalLM + LowPrecisionStrategy)", "Hugging Face (bnb + peft + Trainer)"
 
@@ -76,7 +53,8 @@ OURS, HF = "pl_lowprec (CausalLM + LowPrecisionStrategy)", "Hugging Face (bnb + 
 def write_base(directory: str, layers: int) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(**{**LLAMA_3_2_1B, "num_hidden_layers": layers})
+    shape = {k: v for k, v in LLAMA_3_2_1B.items() if k not in ("torch_dtype", "use_cache")}  # as measured
+    config = LlamaConfig(**{**shape, "num_hidden_layers": layers})
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(directory)
 
