@@ -61,9 +61,13 @@ def cast_inputs(module: nn.Module, weight_dtype: torch.dtype) -> None:
     module.register_forward_hook(_restore_output_dtype)
 
 
+def _first_floating(args: tuple[Any, ...]) -> torch.Tensor | None:
+    return next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+
+
 def _cast_floating_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     weight_dtype = getattr(module, _WEIGHT_DTYPE)
-    first = next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+    first = _first_floating(args)
     if first is None or first.dtype == weight_dtype or torch.is_autocast_enabled(first.device.type):
         return None
     setattr(module, _OUTPUT_DTYPE, first.dtype)
@@ -71,6 +75,11 @@ def _cast_floating_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any
 
 
 def _restore_output_dtype(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    first = _first_floating(args)
+    if first is not None and torch.is_autocast_enabled(first.device.type):
+        # The pre-hook cast nothing, so there is nothing to pop: training (always under autocast) never touches the
+        # module's __dict__, which torch.compile before 2.13 cannot trace (a graph break in every compiled block).
+        return None
     dtype = module.__dict__.pop(_OUTPUT_DTYPE, None)
     if dtype is None or not isinstance(output, torch.Tensor) or not output.is_floating_point():
         return None

@@ -109,3 +109,26 @@ def test_a_trained_model_runs_outside_autocast_as_under_it(tmp_path, bf16_checkp
             autocast = model(ids)
     assert plain.dtype == torch.float32  # the head returns its input's dtype, as bitsandbytes' layers do
     torch.testing.assert_close(plain, autocast.float(), atol=0.05, rtol=0.05)
+
+
+class _DictAccessLog(dict):
+    """A module's ``__dict__`` that records ``pop`` calls."""
+
+    pops = 0
+
+    def pop(self, *args):
+        type(self).pops += 1
+        return super().pop(*args)
+
+
+def test_under_autocast_the_cast_hooks_leave_the_modules_dict_alone():
+    """Training runs under autocast, where the hooks cast nothing. They must not touch ``module.__dict__`` then:
+    torch.compile before 2.13 cannot trace ``__dict__.pop`` and broke every compiled block there (seen on an H200
+    with torch 2.11). Outside autocast they still cast in and back."""
+    layer = torch.nn.Linear(4, 4).requires_grad_(False)
+    assert cast_frozen_weights(layer, torch.bfloat16) > 0
+    layer.__dict__ = _DictAccessLog(layer.__dict__)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(torch.ones(2, 4)).dtype == torch.bfloat16
+    assert _DictAccessLog.pops == 0
+    assert layer(torch.ones(2, 4)).dtype == torch.float32 and _DictAccessLog.pops == 1
