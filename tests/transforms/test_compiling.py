@@ -23,6 +23,9 @@ RTOL, ATOL = 1e-4, 1e-5
 # then also the first Adam step's difference: B starts at zero and moves by lr x sign(grad), so the few elements
 # whose tiny gradient changed sign move the other way (3.3% seen). A missing or wrong term is off by far more.
 BF16_ERROR = (2e-2, 6e-2)
+# On a GPU, Triton's kernels round at yet other points, so more of those signs flip: 7.2% seen in the second step on
+# an H200 (torch 2.11), the first step within 2% as on the CPU.
+BF16_ERROR_GPU = (2e-2, 1e-1)
 
 
 @pytest.mark.parametrize("bad", ["yes", 1, ["mode"]])
@@ -133,7 +136,8 @@ def test_bf16_qlora_blocks_compile_whole_one_graph_for_all_layers_and_train_as_e
     assert type(model.model.model.layers[2].mlp.down_proj.base_layer).__name__ == "Linear4bit"
     # inductor fuses the norms' and the loss's elementwise ops, rounding to bf16 at other points than eager
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-2, atol=0)
-    for step_eager, step_compiled, tolerance in zip(eager, compiled, BF16_ERROR, strict=True):
+    bounds = BF16_ERROR_GPU if accelerator == "gpu" else BF16_ERROR
+    for step_eager, step_compiled, tolerance in zip(eager, compiled, bounds, strict=True):
         assert step_eager.keys() == step_compiled.keys() and len(step_eager) == 3 * 7 * 2
         errors = {name: _relative_error(step_compiled[name], step_eager[name]) for name in step_eager}
         assert max(errors.values()) < tolerance, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
