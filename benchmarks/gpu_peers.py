@@ -13,7 +13,10 @@ bf16-mixed, AdamW. Every contender is a fresh process (``train_once.py``), so it
   predicted peak fits the GPU's free memory);
 - ``saving``: the memory-saving path (every block checkpointed, fused LoRA MLP, grouped cross-entropy, row-wise
   norms, loss in chunks of 256);
+- ``auto-half``: the automatic choice with ``memory_budget=`` half of ``hf``'s measured peak on the same model (the
+  issue's two targets at once: the fastest settings predicted to stay under 0.5x HF's peak); it runs after ``hf``;
 - ``compile``: the memory-saving path with ``compile=True``;
+- ``NAME+compile``: contender NAME with ``compile=True`` (``auto-half+compile``);
 - Unsloth: not run where it cannot be installed (no network on the GPU machine); said in the output.
 
 Figures: the median step time of steps ``--time-from`` to the last (CUDA-synchronized), tokens/s, the peak
@@ -56,6 +59,7 @@ CONTENDERS: dict[str, list[str]] = {
         "-1",
     ],
     "saving": ["--stack", "causal-lm", "--checkpointing"],
+    "auto-half": [],  # the "auto" arguments and a memory_budget from hf's row (run_contender)
     "compile": ["--stack", "causal-lm", "--checkpointing", "--strategy-arg", "compile=true"],
 }
 
@@ -99,14 +103,26 @@ def write_random_checkpoint(config: dict[str, Any], directory: Path, shard_bytes
     return count
 
 
-def run_contender(name: str, args: argparse.Namespace, pretrained: Path) -> dict[str, Any]:
+def run_contender(
+    name: str, args: argparse.Namespace, pretrained: Path, earlier: list[dict[str, Any]]
+) -> dict[str, Any]:
     """One contender in a fresh process; its RESULT line, or the error it ended with."""
     shared = ["--mode", "qlora", "--precision", args.precision, "--lora-r", str(args.r)]
     shared += ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps)]
     shared += ["--pretrained", str(pretrained), "--predict"]
-    command = [sys.executable, str(HERE / "train_once.py"), *CONTENDERS[name], *shared]
+    base, _, compiled = name.partition("+")  # "auto-half+compile": that contender with compile=True
+    own = CONTENDERS[base] + (["--strategy-arg", "compile=true"] if compiled == "compile" else [])
+    if base == "auto-half":
+        hf = next((r for r in earlier if r["contender"] == "hf" and "error" not in r), None)
+        if hf is None:
+            return {"error": "auto-half needs a measured hf row before it (--contenders hf,...,auto-half)"}
+        own += [*CONTENDERS["auto"], "--strategy-arg", f"memory_budget={int(hf['peak_gib'] * GiB / 2)}"]
+    command = [sys.executable, str(HERE / "train_once.py"), *own, *shared]
     started = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"over --timeout {args.timeout} s", "wall_s": time.perf_counter() - started}
     seconds = time.perf_counter() - started
     line = next((x for x in reversed(done.stdout.splitlines()) if x.startswith("RESULT ")), None)
     if done.returncode != 0 or line is None:
@@ -161,7 +177,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="1b,8b", help="comma-separated: 1b, 8b, tiny (a CPU check)")
-    parser.add_argument("--contenders", default="hf,auto,saving,compile")
+    parser.add_argument("--contenders", default="hf,auto,auto-half,saving,compile")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--r", type=int, default=16)
@@ -183,15 +199,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             print(f"\n## {model}: {params / 1e9:.2f}B parameters, written in {time.perf_counter() - started:.0f} s")
             model_rows = []
             for name in args.contenders.split(","):
-                result = run_contender(name, args, Path(directory))
+                result = run_contender(name, args, Path(directory), model_rows)
                 row = summarize(name, result, args) | {"model": model}
                 model_rows.append(row)
                 print(f"{name}: {json.dumps(row)}", flush=True)
+                write_rows(args, gpu, rows + model_rows)  # after each one: a run cut short keeps what it measured
             print(table(model_rows), flush=True)
             rows += model_rows
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    Path(args.out, "gpu_peers.json").write_text(json.dumps({"gpu": gpu, "args": vars(args), "rows": rows}, indent=1))
     return rows
+
+
+def write_rows(args: argparse.Namespace, gpu: str, rows: list[dict[str, Any]]) -> None:
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    name = f"gpu_peers-{args.models.replace(',', '-')}.json"
+    Path(args.out, name).write_text(json.dumps({"gpu": gpu, "args": vars(args), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
