@@ -181,7 +181,17 @@ class Search:
             faster, _, estimate = self.tried[-2]
             gave_up = f"faster settings would need {format_bytes(estimate.peak)} ({faster.describe()})"
         chosen = self.settings.describe()
-        return f"Memory settings for {format_bytes(self.limit)} ({memory}): {chosen}; {predicted}; {gave_up}."
+        line = f"Memory settings for {format_bytes(self.limit)} ({memory}): {chosen}; {predicted}; {gave_up}."
+        return line + (COMPILED_CAVEAT if self.config.compile_kwargs is not None else "")
+
+
+# The estimate is the eager step (simulated_transform.py); what compiled blocks keep is not modelled, and it differs
+# by backend: measured on an H200 (docs/benchmarks.md, gpu_peers run 2), Llama-3.2-1B's memory-saving path compiled
+# peaked at 4.73 GiB against 1.72 predicted, while on a CPU compile lowered the peak.
+COMPILED_CAVEAT = (
+    " With compile= the peak is predicted as the eager step's: compiled blocks may keep more (2.75x the prediction"
+    " measured at Llama-3.2-1B on an H200), so leave room or set memory_budget below the device's memory."
+)
 
 
 def ladder(

@@ -126,3 +126,13 @@ def test_the_cli_estimate_reports_the_memory_saving_side_and_the_faster_settings
     fastest = float(found.group(3))
     assert fastest > shown  # the table is the memory-saving side
     assert float(found.group(1)) == math.ceil(fastest / 1024 / (1 - MARGIN) * 100) / 100
+
+
+def test_with_compile_the_line_says_the_peak_is_the_eager_prediction(every_candidate):
+    """The estimate does not model compiled blocks (on a GPU they kept more than eager): the line says so, only
+    under compile=."""
+    fastest_peak = every_candidate[0][2].peak
+    eager, compiled = _search(fastest_peak, **AUTO), _search(fastest_peak, **AUTO, compile=True)
+    assert compiled.estimate.peak == eager.estimate.peak  # the same eager step is simulated
+    assert "predicted as the eager step's" in compiled.line("test") and "memory_budget" in compiled.line("test")
+    assert "compile" not in eager.line("test")
