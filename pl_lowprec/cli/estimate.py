@@ -21,7 +21,7 @@ from pl_lowprec._imports import import_matplotlib_pyplot
 from pl_lowprec.cli.rebuild import passed_on, rebuild_classes
 from pl_lowprec.memory.devices import GPUS, device_spec
 from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
-from pl_lowprec.memory.fastest import faster_settings_line
+from pl_lowprec.memory.fastest import COMPILED_CAVEAT, faster_settings_line
 from pl_lowprec.memory.plan import fresh_copies
 from pl_lowprec.memory.plot import plot_step
 
@@ -153,6 +153,8 @@ def main(args: list[str] | None = None) -> None:
     print(estimate.table())
     print(step_time_line(estimate))
     config = arguments["config"]
+    if config is not None and config.compile_kwargs is not None:
+        print(COMPILED_CAVEAT.strip())
     if config is not None and config.chooses_automatically:  # the device is not known here: the faster choice
         line = faster_settings_line(**arguments)
         if line is not None:

@@ -126,6 +126,11 @@ def test_the_cli_estimate_reports_the_memory_saving_side_and_the_faster_settings
     fastest = float(found.group(3))
     assert fastest > shown  # the table is the memory-saving side
     assert float(found.group(1)) == math.ceil(fastest / 1024 / (1 - MARGIN) * 100) / 100
+    assert "compile" not in out
+    estimate_main(
+        ["--config", str(_QUICKSTART), "--trainer.max_steps", "1", "--trainer.strategy.init_args.compile", "true"]
+    )
+    assert "With compile= the peak is predicted as the eager step's" in capsys.readouterr().out
 
 
 def test_with_compile_the_line_says_the_peak_is_the_eager_prediction(every_candidate):
