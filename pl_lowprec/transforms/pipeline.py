@@ -27,7 +27,10 @@ bitsandbytes, a meta-device module keeps only each rank's rows of every tensor a
 root with FSDP2.
 
 What to do comes from one ``TransformConfig`` (``transforms/config.py``, validated there); where the
-weights come from is ``transforms/weight_sources.py``.
+weights come from is ``transforms/weight_sources.py``. Which memory-saving paths run (the fused LoRA MLP, the norms
+recomputed in backward, and the module's own loss paths through its ``configure_memory_saving``) is
+``memory_saving`` (``transforms/memory_saving.py``). ``"auto"`` settings are chosen by the strategy before this runs
+(``memory/fastest.py``); where nothing chose, they mean the memory-saving side.
 
 ``apply`` is idempotent, derived from the model itself (quantized layers, LoRA layers and checkpointed blocks
 are recognisable), so a second ``fit``, or ``validate`` after ``fit``, changes nothing.
