@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
 from pl_lowprec.distributed.meta_init import meta_stand_ins
-from pl_lowprec.transforms.checkpointing import CheckpointPolicy, declared_blocks, select_modules
+from pl_lowprec.transforms.checkpointing import CheckpointPolicy, resolved_blocks, select_modules
 
 ShardPolicy = CheckpointPolicy
 
@@ -23,8 +23,7 @@ ShardPolicy = CheckpointPolicy
 def shard_units(model: nn.Module, policy: ShardPolicy | None) -> list[tuple[str, nn.Module]]:
     """The blocks that each become one FSDP unit (``"auto"``, from ``activation_checkpointing="auto"``: the blocks
     the model declares); ``ValueError`` listing the model's classes if none is named."""
-    if policy == "auto":
-        policy = declared_blocks(model) or None
+    policy = resolved_blocks(model, policy)
     if policy is None:
         classes = sorted({type(m).__name__ for m in model.modules()})
         raise ValueError(

@@ -113,6 +113,14 @@ def declared_blocks(model: nn.Module) -> list[str]:
     return sorted({n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or ())})
 
 
+def resolved_blocks(model: nn.Module, policy: CheckpointPolicy | Literal["auto"] | None) -> CheckpointPolicy | None:
+    """``policy`` with ``"auto"`` (``activation_checkpointing="auto"`` not chosen yet, or the FSDP shard units taken
+    from it) read as every block the model declares, or ``None`` where it declares none."""
+    if policy == "auto":
+        return declared_blocks(model) or None
+    return policy
+
+
 def remove_activation_checkpointing(model: nn.Module) -> None:
     for module in model.modules():
         if is_checkpointed(module):

@@ -29,7 +29,7 @@ from torch._inductor.cpp_builder import get_cpp_compiler
 from torch._inductor.exc import InvalidCxxCompiler
 
 from pl_lowprec._checks import CannotRunHere
-from pl_lowprec.transforms.checkpointing import CheckpointPolicy, select_modules
+from pl_lowprec.transforms.checkpointing import CheckpointPolicy, resolved_blocks, select_modules
 from pl_lowprec.transforms.compile_report import CompileWatch
 
 CompileArg = bool | Mapping[str, Any]
@@ -111,11 +111,9 @@ def check_compiler(device: torch.device, options: Mapping[str, Any]) -> None:
 
 
 def compile_units(model: nn.Module, policy: CheckpointPolicy | None) -> list[tuple[str, nn.Module]]:
-    """The blocks to compile: ``policy`` (checkpointed blocks or shard units), else Hugging Face's
-    ``_no_split_modules``; ``ValueError`` listing the model's classes if there are none."""
-    if policy is None:
-        names = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or ())}
-        policy = sorted(names) or None
+    """The blocks to compile: ``policy`` (checkpointed blocks or shard units), else (``None`` or ``"auto"``) the
+    blocks the model declares; ``ValueError`` listing the model's classes if there are none."""
+    policy = resolved_blocks(model, "auto" if policy is None else policy)
     if policy is None:
         classes = sorted({type(m).__name__ for m in model.modules()})
         raise ValueError(

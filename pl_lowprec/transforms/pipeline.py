@@ -60,8 +60,8 @@ from pl_lowprec.loading.host_memory import release_freed_host_memory
 from pl_lowprec.transforms.autocast_activations import keep_activations_in_compute_dtype
 from pl_lowprec.transforms.checkpointing import (
     CheckpointPolicy,
-    declared_blocks,
     is_checkpointed,
+    resolved_blocks,
     set_activation_checkpointing,
 )
 from pl_lowprec.transforms.checks import refuse_fitting_converted
@@ -72,7 +72,6 @@ from pl_lowprec.transforms.fp8 import check_fp8_device, convert_to_fp8
 from pl_lowprec.transforms.frozen_dtype import cast_frozen_weights
 from pl_lowprec.transforms.fused_lora_mlp import fuse_lora_mlps
 from pl_lowprec.transforms.lora import has_lora, inject_lora, prepare_for_kbit_training
-from pl_lowprec.transforms.memory_saving import AUTO
 from pl_lowprec.transforms.offloading import OffloadActivations, check_offload_device
 from pl_lowprec.transforms.optimizers import import_optimizer_library, rebind_schedulers, swap_optimizer
 from pl_lowprec.transforms.qat import convert_qat, is_converted, prepare_qat
@@ -269,9 +268,7 @@ class ModelTransform:
 def checkpointed_blocks(config: TransformConfig, model: nn.Module) -> CheckpointPolicy | None:
     """The blocks to checkpoint; ``activation_checkpointing="auto"`` not chosen yet means every block the model
     declares (the memory-saving side), or none where it declares none."""
-    if config.activation_checkpointing == AUTO:
-        return declared_blocks(model) or None
-    return config.activation_checkpointing
+    return resolved_blocks(model, config.activation_checkpointing)
 
 
 def precision_plugin_is_mixed(precision_plugin: Any) -> bool:
