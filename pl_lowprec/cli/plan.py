@@ -20,7 +20,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
 from pl_lowprec._checks import int_at_least
@@ -30,10 +29,10 @@ from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.export.out_paths import refuse_inputs
 from pl_lowprec.memory.devices import GPUS, device_spec
 from pl_lowprec.memory.estimate import estimate_memory
-from pl_lowprec.memory.fake_step import DryRunTrainer, attached, batch_tensors
+from pl_lowprec.memory.fake_step import batch_tensors
+from pl_lowprec.memory.fastest import configured
 from pl_lowprec.memory.plan import (
     Settings,
-    block_classes,
     doubling_bound,
     fresh_copies,
     largest_fitting,
@@ -46,6 +45,7 @@ from pl_lowprec.memory.quiet import quiet_setup_logs
 from pl_lowprec.memory.sizes import format_bytes, parse_bytes
 from pl_lowprec.strategies.fsdp import check_fsdp_arguments
 from pl_lowprec.strategies.transform_args import TransformArguments
+from pl_lowprec.transforms.checkpointing import declared_blocks
 from pl_lowprec.transforms.config import TransformConfig
 
 MAX_SEQ_LEN = 1 << 20
@@ -305,11 +305,7 @@ def _block_names(build: Callable[[], Any], config: TransformConfig) -> list[str]
     """The block classes to checkpoint: the config's, else those the (configured) model declares."""
     if config.activation_checkpointing is not None:
         return None
-    model = build()
-    with torch.device("meta"), attached(model, DryRunTrainer(None)):
-        if hasattr(model, "configure_model"):
-            model.configure_model()
-    return block_classes(model) or None
+    return declared_blocks(configured(build)) or None
 
 
 def merged_fields(cli_args: list[str]) -> dict[str, Any]:

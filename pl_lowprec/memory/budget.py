@@ -20,9 +20,10 @@ from torch import nn
 
 from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
 from pl_lowprec.memory.fake_step import batch_tensors
-from pl_lowprec.memory.plan import block_classes, fresh_copies, plan_memory, resized
+from pl_lowprec.memory.plan import fresh_copies, plan_memory, resized
 from pl_lowprec.memory.quiet import quiet_setup_logs
 from pl_lowprec.memory.sizes import format_bytes
+from pl_lowprec.transforms.checkpointing import declared_blocks
 from pl_lowprec.transforms.config import TransformConfig
 
 
@@ -103,7 +104,7 @@ def _suggestion(
         config,
         devices=world_size,
         margin=0.0,
-        block_names=block_classes(build()),
+        block_names=declared_blocks(build()),
         sharding=sharding,
     )
     chosen = plan.chosen

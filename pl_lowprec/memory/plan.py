@@ -36,7 +36,6 @@ from pl_lowprec.memory.fake_model import meta_copy
 from pl_lowprec.memory.quiet import quiet_setup_logs
 from pl_lowprec.memory.sizes import format_bytes
 from pl_lowprec.memory.step_time import StepTime, predict_step_time
-from pl_lowprec.transforms.checkpointing import declared_blocks
 from pl_lowprec.transforms.config import TransformConfig
 
 ASSUMED_GPU = "H100"  # the GPU a CUDA plan is timed on when none is named and this machine has none
@@ -264,11 +263,6 @@ def searched_config(config: TransformConfig) -> TransformConfig:
     if config.activation_checkpointing == "auto":
         return dataclasses.replace(config, activation_checkpointing=None)
     return config
-
-
-def block_classes(model: nn.Module) -> list[str]:
-    """The repeated block classes a model declares (Hugging Face's ``_no_split_modules``)."""
-    return declared_blocks(model)
 
 
 def fresh_copies(model: nn.Module) -> Callable[[], nn.Module]:
