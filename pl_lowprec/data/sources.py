@@ -129,7 +129,7 @@ def directory_sources(path: Path, argument: str) -> list[Source]:
     """The readable files and saved datasets under ``path``; unread data files are an error that lists them."""
     saved: list[Path] = []
     files: list[Path] = []
-    walk_directory(path, path, saved, files)
+    walk_directory(path, saved, files)
     read = [p for p in files if p.suffix in READ_SUFFIXES and p.name not in METADATA_FILES]
     unread = [p for p in files if p not in read]
     listed = ", ".join(f"{n} {suffix}" for suffix, n in sorted(Counter(p.suffix or p.name for p in unread).items()))
@@ -152,7 +152,7 @@ def directory_sources(path: Path, argument: str) -> list[Source]:
     return sources + [Source(str(p), "native" if p.suffix in NATIVE_SUFFIXES else "file", p) for p in read]
 
 
-def walk_directory(root: Path, path: Path, saved: list[Path], files: list[Path]) -> None:
+def walk_directory(path: Path, saved: list[Path], files: list[Path]) -> None:
     """Files under ``path`` in sorted order, hidden ones left out; a saved dataset is one entry, not walked."""
     for child in sorted(path.iterdir()):
         if child.name.startswith("."):
@@ -161,7 +161,7 @@ def walk_directory(root: Path, path: Path, saved: list[Path], files: list[Path])
             if is_saved_dataset(child):
                 saved.append(child)
             else:
-                walk_directory(root, child, saved, files)
+                walk_directory(child, saved, files)
         elif child.is_file():
             files.append(child)
 
