@@ -65,10 +65,14 @@ def refusals(prog: str | None = None) -> Iterator[None]:
     except REFUSALS as err:
         if debugging():
             raise
-        message = first_paragraph(str(err)) or type(err).__name__
-        if not raised_by_package(err):
-            message = f"{message} ({DEBUG_HINT})"
-        refuse(message, prog)
+        refuse(refusal_message(err), prog)
+
+
+def refusal_message(err: BaseException) -> str:
+    """``err``'s first paragraph; one that is not the package's own (a library's: perhaps a bug) says how to see the
+    traceback."""
+    message = first_paragraph(str(err)) or type(err).__name__
+    return message if raised_by_package(err) else f"{message} ({DEBUG_HINT})"
 
 
 def raised_by_package(err: BaseException) -> bool:

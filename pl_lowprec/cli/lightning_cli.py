@@ -32,15 +32,13 @@ import pl_lowprec.transforms.quantization  # noqa: F401
 from pl_lowprec._imports import require_cli
 from pl_lowprec.callbacks.progress import StepLimitedRichProgressBar
 from pl_lowprec.cli.config_errors import (
-    DEBUG_HINT,
     REFUSALS,
     ClassRefusals,
     class_key,
     debugging,
-    first_paragraph,
     parse_error_paragraph,
-    raised_by_package,
     raised_refusal,
+    refusal_message,
     refusals,
     refuse,
 )
@@ -159,8 +157,7 @@ class LowPrecisionCLI(LightningCLI):
         except (*REFUSALS, MisconfigurationException) as err:
             if debugging() or batches_started(self.trainer):
                 raise
-            hint = "" if raised_by_package(err) else f" ({DEBUG_HINT})"
-            refuse(f"{subcommand} stopped before its first step: {first_paragraph(str(err))}{hint}")
+            refuse(f"{subcommand} stopped before its first step: {refusal_message(err)}")
 
     def _subcommand_config(self) -> dict[str, Any]:
         config = self.config.as_dict()
