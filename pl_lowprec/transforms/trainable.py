@@ -7,8 +7,10 @@ run, and also the usual result of a config that lost its ``lora:`` section; one 
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
+from pl_lowprec.transforms.nf4 import is_nf4
 from pl_lowprec.transforms.quantization import is_quantized
 
 
@@ -53,7 +55,11 @@ def parameter_count(model: nn.Module) -> int:
 
 def quantized_layers(model: nn.Module) -> int:
     """Linear layers with quantized weights: bitsandbytes' layers, or torchao NF4 weights (under FSDP2)."""
-    return sum(is_quantized(m) or type(getattr(m, "weight", None)).__name__ == "NF4Tensor" for m in model.modules())
+    return sum(is_quantized(m) or is_nf4_weight(getattr(m, "weight", None)) for m in model.modules())
+
+
+def is_nf4_weight(weight: object) -> bool:
+    return isinstance(weight, torch.Tensor) and is_nf4(weight)
 
 
 def without_lora_line(model: nn.Module, mode: str) -> str:
