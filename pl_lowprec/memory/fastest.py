@@ -101,8 +101,7 @@ def applicable_paths(config: TransformConfig, precision: str, model: nn.Module) 
     paths = set(getattr(model, "memory_saving_paths", ()))
     if dtype_of_precision(precision) == torch.float32:
         paths.discard("grouped_cross_entropy")  # fp32 logits: it is F.cross_entropy itself (cross_entropy.py)
-    lean = config.lora is not None and config.qat is None and config.fp8 is None and precision.endswith("-mixed")
-    if lean and config.compile_kwargs is None:
+    if config.lora_in_compute_dtype(precision.endswith("-mixed")) and config.compile_kwargs is None:
         paths |= BLOCK_PATHS
     return frozenset(paths)
 

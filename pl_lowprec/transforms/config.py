@@ -103,6 +103,12 @@ class TransformConfig:
         """The memory-saving paths that are on: ``memory_saving="auto"`` not chosen yet means all of them."""
         return ALL_PATHS if self.memory_saving == AUTO else self.memory_saving
 
+    def lora_in_compute_dtype(self, mixed_precision: bool) -> bool:
+        """Whether frozen weights and activations stay in the compute dtype (``frozen_dtype.py``,
+        ``autocast_activations.py``), where the fused LoRA MLP and the recomputed norms can apply: LoRA under mixed
+        precision, without QAT or fp8."""
+        return self.lora is not None and self.qat is None and self.fp8 is None and mixed_precision
+
     @property
     def chooses_automatically(self) -> bool:
         """Whether a setting is ``"auto"``, for the strategy to choose before loading (``memory/fastest.py``)."""

@@ -144,7 +144,7 @@ class ModelTransform:
                 rank_zero_info(f"Upcast trainable and norm weights to fp32 for mixed precision (+{added} bytes).")
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             rank_zero_info(f"LoRA on {len(adapted)} layers; {trainable} trainable parameters.")
-        if c.lora is not None and c.qat is None and c.fp8 is None and precision_plugin_is_mixed(precision_plugin):
+        if c.lora_in_compute_dtype(precision_plugin_is_mixed(precision_plugin)):
             saved = cast_frozen_weights(model, compute_dtype)
             if saved:
                 name = str(compute_dtype).removeprefix("torch.")
