@@ -75,6 +75,12 @@ def check_tokenizer(tokenizer: Any, source: str | Path, vocab_size: int) -> str:
     """``tokenizer.ggml.model`` for ``tokenizer`` as loaded (transformers may rebuild a model type's splitting over
     what tokenizer.json says, and the loaded one is what the model learned); a ``ValueError`` with the fix when
     llama.cpp could not tokenize as it does (checked before any weights load)."""
+    return check_tokenizer_json(serialized(tokenizer, source), source, vocab_size)
+
+
+def serialized(tokenizer: Any, source: str | Path) -> dict[str, Any]:
+    """``tokenizer``'s tokenizers serialization as loaded (``tokenizer.json``'s content); a ``ValueError`` for a
+    slow-only tokenizer, which has none."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise ValueError(
@@ -82,7 +88,7 @@ def check_tokenizer(tokenizer: Any, source: str | Path, vocab_size: int) -> str:
             f" {str(source)!r} is a slow-only {type(tokenizer).__name__}. Export --format merged and convert with"
             " llama.cpp's convert_hf_to_gguf.py."
         )
-    return check_tokenizer_json(json.loads(backend.to_str()), source, vocab_size)
+    return json.loads(backend.to_str())
 
 
 def check_tokenizer_json(tokenizer_json: dict[str, Any], source: str | Path, vocab_size: int) -> str:
@@ -152,9 +158,10 @@ def vocabulary(tokenizer: Any, vocab_size: int, token_types: Any) -> tuple[list[
 def add_vocabulary(writer: Any, gguf: Any, directory: Path, vocab_size: int) -> dict[str, Any]:
     """Write the tokenizer of ``directory`` into ``writer``; what was written (for the summary and Modelfile)."""
     tokenizer = load_tokenizer(directory)
-    if check_tokenizer(tokenizer, directory, vocab_size) == "llama":
-        return add_sentencepiece_vocabulary(writer, gguf, directory, tokenizer, vocab_size)
-    pre = pre_tokenizer(json.loads(tokenizer.backend_tokenizer.to_str()))
+    tokenizer_json = serialized(tokenizer, directory)
+    if check_tokenizer_json(tokenizer_json, directory, vocab_size) == "llama":
+        return add_sentencepiece_vocabulary(writer, gguf, directory, tokenizer, tokenizer_json, vocab_size)
+    pre = pre_tokenizer(tokenizer_json)
     tokens, types = vocabulary(tokenizer, vocab_size, gguf.TokenType)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)

@@ -103,10 +103,10 @@ def check_sentencepiece(tokenizer_json: dict[str, Any], source: str | Path) -> b
 
 
 def sentencepiece_vocabulary(
-    tokenizer: Any, vocab_size: int, token_types: Any
+    tokenizer: Any, model: dict[str, Any], vocab_size: int, token_types: Any
 ) -> tuple[list[str], list[float], list[int]]:
-    """The tokens, scores and types, one per embedding row (``_create_vocab_sentencepiece``)."""
-    model = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    """The tokens, scores and types, one per embedding row (``_create_vocab_sentencepiece``); ``model`` is the
+    tokenizer's serialized BPE model."""
     merges = merge_pairs(model)
     ranks = first_merge_ranks(merges)
     reverse = {index: token for token, index in tokenizer.get_vocab().items()}
@@ -150,12 +150,12 @@ def check_unique(tokens: list[str], source: str | Path) -> None:
 
 
 def add_sentencepiece_vocabulary(
-    writer: Any, gguf: Any, directory: Path, tokenizer: Any, vocab_size: int
+    writer: Any, gguf: Any, directory: Path, tokenizer: Any, tokenizer_json: dict[str, Any], vocab_size: int
 ) -> dict[str, Any]:
-    """Write ``tokenizer`` (loaded from ``directory``) into ``writer``; what was written."""
-    tokenizer_json = json.loads(tokenizer.backend_tokenizer.to_str())
-    prefix = check_sentencepiece(tokenizer_json, directory)
-    tokens, scores, types = sentencepiece_vocabulary(tokenizer, vocab_size, gguf.TokenType)
+    """Write ``tokenizer`` (loaded from ``directory``; ``tokenizer_json``, its serialization, passed
+    ``check_sentencepiece``) into ``writer``; what was written."""
+    prefix = bool(space_prefix(tokenizer_json))
+    tokens, scores, types = sentencepiece_vocabulary(tokenizer, tokenizer_json["model"], vocab_size, gguf.TokenType)
     check_unique(tokens, directory)
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
