@@ -34,6 +34,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from pl_lowprec._checks import check_at_least
 from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.memory.bnb_standin import FakeOptimizer8bit, is_standin
+from pl_lowprec.memory.compiled_backward import LABEL as COMPILED_LABEL
+from pl_lowprec.memory.compiled_backward import compiled_backward_bytes
 from pl_lowprec.memory.depth import extrapolated, repeated_blocks
 from pl_lowprec.memory.devices import device_spec, gpu_named
 from pl_lowprec.memory.fake_distributed import fake_mesh
@@ -107,6 +109,20 @@ class MemoryEstimate:
         self.peak, self.peak_phase, self.peak_split = step.peak, step.peak_phase, dict(step.peak_split)
         self.timeline, self.samples, self.host_peak = list(step.timeline), list(step.samples), step.host_peak
         self.extrapolated, self.ops = step.extrapolated, step.ops
+
+    def add_to_backward_peak(self, extra: int, label: str) -> None:
+        """``extra`` bytes held at the backward peak that the simulated step did not run (``compiled_backward.py``):
+        the backward peak grows by them, and becomes the step's peak if it is then the highest."""
+        at = next((i for i, (point, _) in enumerate(self.timeline) if point == "backward peak"), None)
+        if at is None or extra <= 0:
+            return
+        backward = self.timeline[at][1] + extra
+        self.timeline[at] = ("backward peak", backward)
+        if self.peak_phase == "backward":
+            self.peak, self.peak_split = backward, self.peak_split | {label: extra}
+        elif backward > self.peak:
+            self.peak, self.peak_phase = backward, "backward"
+            self.peak_split = {label: extra, "the eager backward peak": backward - extra}
 
     def as_dict(self) -> dict[str, int]:
         flat = {f"params_{k}": v for k, v in self.weights.items()}
@@ -300,6 +316,9 @@ def _estimate(
     step = simulate() if blocks is None else extrapolated(simulate, blocks)
     estimate.activations, estimate.activations_offloaded_to_host = step.saved_bytes, step.offloaded_bytes
     estimate.take_simulation(step)
+    if config.compile_kwargs is not None:
+        extra = compiled_backward_bytes(model, example_batch, autocast_dtype or compute_dtype)
+        estimate.add_to_backward_peak(extra, COMPILED_LABEL)
     estimate.seconds = time.perf_counter() - started
     return estimate
 

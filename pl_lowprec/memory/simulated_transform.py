@@ -2,7 +2,8 @@
 
 Loading ``pretrained=`` is skipped (shapes only: a directory with just ``config.json`` is enough), and
 bitsandbytes layers become their stand-ins (``bnb_standin.py``), built through ``quantize_model``'s own layer
-walk, and ``compile=`` is left out (the estimate is the eager step), so the estimate cannot drift from what the
+walk, and ``compile=`` builds the blocks as it does but compiles nothing (the estimate is the eager step of the
+compiled run's blocks), so the estimate cannot drift from what the
 strategy does: the same layers are quantized, the same LoRA targets adapted, the same blocks checkpointed, in
 the same order. float8 runs emulated (fake CPU tensors).
 Under FSDP (``sharding``) the 4-bit weights are torchao NF4 as in the real run, quantized from fake tensors in the
@@ -33,10 +34,14 @@ class SimulatedTransform(ModelTransform):
         self.fake_mode = fake_mode
         if config.fp8 is not None:  # fake CPU tensors: torchao's emulated float8 saves and casts the same tensors
             config = dataclasses.replace(config, fp8=dataclasses.replace(config.fp8, emulate=True))
-        # Eager: nothing is compiled on fake tensors, and the estimate is the eager step's memory (a compiled
-        # graph may save other tensors; docs/memory.md says so).
-        config = dataclasses.replace(config, compile=False)
         super().__init__(config, sharding)
+
+    def check_compiler(self, device: torch.device) -> None:
+        """An estimate needs no compiler: nothing is compiled."""
+
+    def compile(self, model: nn.Module, units: object) -> None:
+        """Nothing is compiled on fake tensors: the step runs the blocks eagerly, built as the compiled run builds
+        them (without the fused MLP and row-wise norms that ``compile=`` leaves to inductor)."""
 
     def load_pretrained(self, model: nn.Module, compute_dtype: torch.dtype, device: torch.device) -> None:
         """Nothing to load: the step needs shapes and dtypes, which the meta-device module has."""

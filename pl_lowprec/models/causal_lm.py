@@ -10,6 +10,7 @@ Validation logs ``val/loss`` (mean per target token) and ``val/perplexity``, thr
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from typing import Any, Literal
@@ -201,7 +202,7 @@ class CausalLM(pl.LightningModule):
     def compile_loss(self, options: dict[str, Any]) -> None:
         """Called by the strategy's ``compile=``: the output head and cross-entropy, one chunk at a time (not Liger's
         kernel, fused already)."""
-        self.loss_fn = torch.compile(chunk_loss, **options)
+        self.loss_fn = torch.compile(functools.partial(chunk_loss, traced=True), **options)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss_sum, tokens = self.loss_sum(batch)

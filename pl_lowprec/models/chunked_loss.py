@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pl_lowprec.models.cross_entropy import cross_entropy_sum, plain_cross_entropy_sum
 from pl_lowprec.models.token_loss import IGNORE_INDEX
+from pl_lowprec.transforms.selective_checkpointing import traced_full_checkpoint_args
 
 
 def _logits_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, grouped: bool = True) -> torch.Tensor:
@@ -34,15 +35,22 @@ def _logits_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, gr
 
 
 def chunk_loss(
-    head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, recompute: bool = False, grouped: bool = True
+    head: nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    recompute: bool = False,
+    grouped: bool = True,
+    traced: bool = False,
 ) -> torch.Tensor:
     """Summed cross-entropy of one chunk (output head and loss), the part that ``compile=`` compiles; with
     ``recompute``, under activation checkpointing. The checkpoint is inside, so a compiled ``chunk_loss`` traces it
     (an eager checkpoint around compiled code would recompute through a different graph than its forward).
     ``grouped``: the cross-entropy without fp32 copies of the logits (``cross_entropy.py``), else
-    ``F.cross_entropy`` on fp32 logits."""
+    ``F.cross_entropy`` on fp32 logits. ``traced``: compiled, so the recompute is tagged op by op, reaching the ops
+    inside the cross-entropy's autograd.Function (``traced_full_checkpoint_args``)."""
     if recompute:
-        return checkpoint(_logits_loss, head, hidden, labels, grouped, use_reentrant=False)
+        args = traced_full_checkpoint_args() if traced else {}
+        return checkpoint(_logits_loss, head, hidden, labels, grouped, use_reentrant=False, **args)
     return _logits_loss(head, hidden, labels, grouped)
 
 

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pl_lowprec.memory.activations import note_checkpoint_inputs
-from pl_lowprec.transforms.selective_checkpointing import selective_contexts
+from pl_lowprec.transforms.selective_checkpointing import selective_contexts, traced_full_checkpoint_args
 
 CheckpointPolicy = type[nn.Module] | str | Iterable[type[nn.Module] | str] | Callable[[nn.Module, str], bool]
 CheckpointImpl = Literal["non_reentrant", "reentrant"]
@@ -28,22 +28,26 @@ CheckpointMode = Literal["full", "selective"]
 
 
 class CheckpointedForward:
-    """A module's ``forward``, recomputed during backward; plain ``forward`` when no grad is being recorded."""
+    """A module's ``forward``, recomputed during backward; plain ``forward`` when no grad is being recorded.
+    ``compiled``: the block is compiled (``compile=``), and full recompute is tagged op by op where torch does not
+    (``traced_full_checkpoint_args``); eager blocks keep plain checkpointing, without a dispatch mode on every op."""
 
     def __init__(self, forward: Callable[..., Any], impl: CheckpointImpl, mode: CheckpointMode = "full") -> None:
         self.forward = forward
         self.impl = impl
         self.mode = mode
+        self.compiled = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.forward(*args, **kwargs)
         note_checkpoint_inputs([*args, *kwargs.values()])
         if self.impl == "non_reentrant":
+            # torch.compile traces checkpoint() only without a context_fn or with a plain function, as these are
             if self.mode == "selective":
                 return checkpoint(self.forward, *args, use_reentrant=False, context_fn=selective_contexts, **kwargs)
-            # no context_fn at all here: torch.compile traces checkpoint() only without one or with a plain function
-            return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+            traced = traced_full_checkpoint_args() if self.compiled else {}
+            return checkpoint(self.forward, *args, use_reentrant=False, **traced, **kwargs)
         # Reentrant checkpointing takes positional tensors only and returns no grad if none requires one,
         # which silently freezes the block when the embeddings are frozen (LoRA; transformers #26221).
         return checkpoint(functools.partial(self.forward, **kwargs), *_with_grad_input(args), use_reentrant=True)

@@ -29,7 +29,7 @@ from torch._inductor.cpp_builder import get_cpp_compiler
 from torch._inductor.exc import InvalidCxxCompiler
 
 from pl_lowprec._checks import CannotRunHere
-from pl_lowprec.transforms.checkpointing import CheckpointPolicy, resolved_blocks, select_modules
+from pl_lowprec.transforms.checkpointing import CheckpointPolicy, is_checkpointed, resolved_blocks, select_modules
 from pl_lowprec.transforms.compile_report import CompileWatch
 
 CompileArg = bool | Mapping[str, Any]
@@ -132,6 +132,8 @@ def compile_model(model: nn.Module, policy: CheckpointPolicy | None, options: Ma
         if getattr(block, "_compiled_call_impl", None) is None:
             block.compile(**options)
             compiled.append(name)
+        if is_checkpointed(block):
+            block.forward.compiled = True
     compile_loss = getattr(model, "compile_loss", None)
     if compiled and callable(compile_loss):
         compile_loss(dict(options))

@@ -114,7 +114,7 @@ class ModelTransform:
         if c.activation_offloading:
             check_offload_device(device)
         if c.compile_kwargs is not None:
-            check_compiler(device, c.compile_kwargs)
+            self.check_compiler(device)
         if c.qat is not None and is_converted(model):
             refuse_fitting_converted(model)
             return  # converted to its quantized form at the end of fit: the model is final
@@ -177,13 +177,20 @@ class ModelTransform:
             elif self.sharding.world_size == 1:
                 rank_zero_info("FSDP2 on one process: the model is not sharded (NF4 weights as they are).")
         if c.compile_kwargs is not None:
-            units = blocks if self.sharding is None else self.sharding.units
-            compiled = compile_model(model, units, c.compile_kwargs)
-            if compiled:
-                self.compile_clock.started(len(compiled))
-                rank_zero_info(
-                    f"torch.compile on {len(compiled)} blocks ({compiled[0]}, ...); they compile in the first step."
-                )
+            self.compile(model, blocks if self.sharding is None else self.sharding.units)
+
+    def check_compiler(self, device: torch.device) -> None:
+        """Refuse ``compile=`` where inductor cannot build kernels, before anything loads."""
+        check_compiler(device, self.config.compile_kwargs)
+
+    def compile(self, model: nn.Module, units: CheckpointPolicy | None) -> None:
+        """``compile=``: each block, last of all the transforms (``compiling.py``)."""
+        compiled = compile_model(model, units, self.config.compile_kwargs)
+        if compiled:
+            self.compile_clock.started(len(compiled))
+            rank_zero_info(
+                f"torch.compile on {len(compiled)} blocks ({compiled[0]}, ...); they compile in the first step."
+            )
 
     def after_optimizer_step(self) -> None:
         """Log the compile time once, after the first optimizer step."""
