@@ -317,6 +317,7 @@ def _estimate(
     estimate.activations, estimate.activations_offloaded_to_host = step.saved_bytes, step.offloaded_bytes
     estimate.take_simulation(step)
     if config.compile_kwargs is not None:
+        estimate.ops.compiled = True
         extra = compiled_backward_bytes(model, example_batch, autocast_dtype or compute_dtype)
         estimate.add_to_backward_peak(extra, COMPILED_LABEL)
     estimate.seconds = time.perf_counter() - started

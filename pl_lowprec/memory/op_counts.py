@@ -67,9 +67,11 @@ DTYPE_NAMES = {
 
 @dataclass
 class OpProfile:
-    """The kernels of one step: how many of each (FLOP dtype, FLOPs, bytes, whether in the optimizer step)."""
+    """The kernels of one step: how many of each (FLOP dtype, FLOPs, bytes, whether in the optimizer step).
+    ``compiled``: the forward and backward run as compiled graphs (``compile=``; ``step_time.py`` says what changes)."""
 
     counts: Counter[OpKey] = field(default_factory=Counter)
+    compiled: bool = False
 
     @property
     def launches(self) -> int:
