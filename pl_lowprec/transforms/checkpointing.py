@@ -41,7 +41,8 @@ class CheckpointedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.forward(*args, **kwargs)
-        note_checkpoint_inputs([*args, *kwargs.values()])
+        if not torch.compiler.is_compiling():  # a compiled block saves its inputs through autograd, counted there
+            note_checkpoint_inputs([*args, *kwargs.values()])
         if self.impl == "non_reentrant":
             # torch.compile traces checkpoint() only without a context_fn or with a plain function, as these are
             if self.mode == "selective":
