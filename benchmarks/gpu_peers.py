@@ -17,7 +17,9 @@ bf16-mixed, AdamW. Every contender is a fresh process (``train_once.py``), so it
   issue's two targets at once: the fastest settings predicted to stay under 0.5x HF's peak); it runs after ``hf``;
 - ``compile``: the memory-saving path with ``compile=True``;
 - ``NAME+compile``: contender NAME with ``compile=True`` (``auto-half+compile``);
-- Unsloth: not run where it cannot be installed (no network on the GPU machine); said in the output.
+- ``unsloth``: Unsloth's ``FastLanguageModel`` with the same settings (``unsloth_once.py``), where it is installed
+  (carried as wheels to the GPU machine; ``UNSLOTH_PYTHONPATH``, its own path, since it pins an older
+  transformers).
 
 Figures: the median step time of steps ``--time-from`` to the last (CUDA-synchronized), tokens/s, the peak
 (``max_memory_allocated`` above the memory held after the imports), the predicted peak and step time where the
@@ -109,7 +111,9 @@ def run_contender(
     """One contender in a fresh process; its RESULT line, or the error it ended with."""
     shared = ["--mode", "qlora", "--precision", args.precision, "--lora-r", str(args.r)]
     shared += ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps)]
-    shared += ["--pretrained", str(pretrained), "--predict"]
+    shared += ["--pretrained", str(pretrained), "--predict"] + ["--profile-step"] * args.profile_step
+    if name == "unsloth":
+        return run_unsloth(args, pretrained)
     base, _, compiled = name.partition("+")  # "auto-half+compile": that contender with compile=True
     own = CONTENDERS[base] + (["--strategy-arg", "compile=true"] if compiled == "compile" else [])
     if base == "auto-half":
@@ -117,12 +121,25 @@ def run_contender(
         if hf is None:
             return {"error": "auto-half needs a measured hf row before it (--contenders hf,...,auto-half)"}
         own += [*CONTENDERS["auto"], "--strategy-arg", f"memory_budget={int(hf['peak_gib'] * GiB / 2)}"]
-    command = [sys.executable, str(HERE / "train_once.py"), *own, *shared]
+    return run_script([sys.executable, str(HERE / "train_once.py"), *own, *shared], args.timeout)
+
+
+def run_unsloth(args: argparse.Namespace, pretrained: Path) -> dict[str, Any]:
+    """Unsloth's QLoRA (``unsloth_once.py``) with the same settings, on its own ``PYTHONPATH`` where one is given
+    (``UNSLOTH_PYTHONPATH``: Unsloth pins an older transformers than the other contenders')."""
+    command = [sys.executable, str(HERE / "unsloth_once.py"), "--pretrained", str(pretrained)]
+    command += ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps), "--lora-r", str(args.r)]
+    path = os.environ.get("UNSLOTH_PYTHONPATH")
+    return run_script(command, args.timeout, os.environ | {"PYTHONPATH": path} if path else None)
+
+
+def run_script(command: list[str], timeout: int, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """A contender's process; its RESULT line, or the error it ended with."""
     started = time.perf_counter()
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
-        return {"error": f"over --timeout {args.timeout} s", "wall_s": time.perf_counter() - started}
+        return {"error": f"over --timeout {timeout} s", "wall_s": time.perf_counter() - started}
     seconds = time.perf_counter() - started
     line = next((x for x in reversed(done.stdout.splitlines()) if x.startswith("RESULT ")), None)
     if done.returncode != 0 or line is None:
@@ -132,7 +149,8 @@ def run_contender(
 
 def summarize(name: str, result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     if "error" in result:
-        return {"contender": name, "error": result["error"].strip().splitlines()[-1][:200]}
+        lines = result["error"].strip().splitlines()
+        return {"contender": name, "error": lines[-1][:200], "error_tail": "\n".join(lines[-40:])}
     timed = result["times"][args.time_from - 1 :]
     step = statistics.median(timed)
     return {
@@ -147,6 +165,10 @@ def summarize(name: str, result: dict[str, Any], args: argparse.Namespace) -> di
         "chosen": result.get("chosen"),
         "first_loss": result["losses"][0] if result["losses"] else None,
         "all_steps_s": [round(t, 4) for t in result["times"]],
+        "step_profile": result.get("step_profile"),
+        "host": result.get("host"),
+        "ops": result.get("ops"),
+        "ops_compiled": result.get("ops_compiled"),
         "wall_s": result["wall_s"],
     }
 
@@ -176,7 +198,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="1b,8b", help="comma-separated: 1b, 8b, tiny (a CPU check)")
+    parser.add_argument(
+        "--models", default="1b,8b", help="comma-separated: 1b, 8b, qwen-0.5b, mistral-7b (model_shapes.py), tiny"
+    )
     parser.add_argument("--contenders", default="hf,auto,auto-half,saving,compile")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=2048)
@@ -185,24 +209,32 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--time-from", type=int, default=3, help="first timed step (1-based)")
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per contender")
+    parser.add_argument("--profile-step", action="store_true", help="one more step, profiled (train_once.py)")
+    parser.add_argument("--keep-models", help="write each model's checkpoint under this folder, and reuse it there")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(HERE / "results"))
     args = parser.parse_args(argv)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU (CPU check)"
     print(f"# gpu_peers on {gpu}, torch {torch.__version__}; {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
-    print("Unsloth: not run (it installs from the network, which the GPU machine does not reach).", flush=True)
+    if "unsloth" not in args.contenders.split(","):
+        print("Unsloth: not run (--contenders unsloth runs it where it is installed).", flush=True)
     rows: list[dict[str, Any]] = []
     for model in args.models.split(","):
         config = TINY if model == "tiny" else SHAPES[model]
-        with tempfile.TemporaryDirectory() as directory:
+        with tempfile.TemporaryDirectory() as scratch:
+            directory = Path(args.keep_models, model) if args.keep_models else Path(scratch)
             started = time.perf_counter()
-            params = write_random_checkpoint(config, Path(directory))
+            if (directory / "model.safetensors.index.json").exists():
+                params = 0
+            else:
+                directory.mkdir(parents=True, exist_ok=True)
+                params = write_random_checkpoint(config, directory)
             print(f"\n## {model}: {params / 1e9:.2f}B parameters, written in {time.perf_counter() - started:.0f} s")
             model_rows = []
             for name in args.contenders.split(","):
-                result = run_contender(name, args, Path(directory), model_rows)
+                result = run_contender(name, args, directory, model_rows)
                 row = summarize(name, result, args) | {"model": model}
                 model_rows.append(row)
-                print(f"{name}: {json.dumps(row)}", flush=True)
+                print(f"{name}: {json.dumps({k: v for k, v in row.items() if k != 'ops'})}", flush=True)
                 write_rows(args, gpu, rows + model_rows)  # after each one: a run cut short keeps what it measured
             print(table(model_rows), flush=True)
             rows += model_rows

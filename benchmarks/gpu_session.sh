@@ -8,10 +8,21 @@
 #   --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
 #   --platform manylinux_2_17_x86_64 -d .whl bitsandbytes==0.50.2 torchao==0.18.0 peft==0.21.2 \
 #   transformers==5.23.0 jsonargparse==4.53.0 docstring-parser==0.18.0 typeshed-client==2.15.0 liger-kernel==0.8.5
+#   python benchmarks/slim_wheel.py .whl/bitsandbytes-0.50.2-*.whl --cuda 130   (43 MB to 4 MB: room for Unsloth's)
 # Then: run(command="bash benchmarks/gpu_session.sh", carry=[".whl"], timeout_s=540)
 # A shorter call: FIRST_TESTS=tests/transforms/test_compiling.py CONTENDERS_FIRST=hf,saving,compile MODELS_SECOND=
 # REST_TESTS=0 bash benchmarks/gpu_session.sh
-# CPU check of the script: MODELS_FIRST=tiny MODELS_SECOND=tiny FIRST_TESTS=tests/test_readme.py bash benchmarks/gpu_session.sh
+# CPU check of the script: INSTALL=0 MODELS_FIRST=tiny MODELS_SECOND=tiny FIRST_TESTS=tests/test_readme.py bash benchmarks/gpu_session.sh
+# More: MORE_STAGES="qwen-0.5b:saving,compile:100:90 8b:saving:170:80" (model:contenders:per-contender-timeout:cap),
+# PROFILE=1 (each contender profiles one more step: gpu_peers.py --profile-step), KEEP_MODELS=.gpu_models (the
+# checkpoints stay on the machine for a later call). The wheels install into .gpu_site (.gpu_tf: transformers,
+# which the unsloth contender leaves out), ignored folders that a later call on the same warm
+# machine finds there; FIRST_TESTS=none runs no tests first. Unsloth (contender unsloth): carry .whl_unsloth too
+# (Unsloth 2026.10.9 and what it needs that the machine lacks, listed in docs/benchmarks.md; Unsloth's wheel without
+# its unimported studio/ folder, as slim_wheel.py rewrites one), installed into .gpu_unsloth, which its process
+# reads with .gpu_site and the machine's own transformers (it pins transformers <= 5.17):
+# FIRST_TESTS=none CONTENDERS_FIRST=hf,auto,compile,unsloth MODELS_SECOND=8b CONTENDERS_SECOND=hf,compile,unsloth \
+#   bash benchmarks/gpu_session.sh   (carry=[".whl", ".whl_unsloth"]; 61 MB with bitsandbytes slimmed)
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results}
@@ -19,24 +30,41 @@ mkdir -p "$OUT"
 t0=$(date +%s)
 deadline=$(( t0 + ${DEADLINE_S:-480} ))
 left() { echo $(( deadline - $(date +%s) > 5 ? deadline - $(date +%s) : 5 )); }
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+if [ -d .whl ] && [ "${INSTALL:-1}" = 1 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .gpu_tf \
+    .whl/transformers-*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .gpu_site \
+    $(ls .whl/*.whl | grep -v /transformers-)
 fi
-export PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks:$PWD/tests
+if [ -d .whl_unsloth ] && [ "${INSTALL:-1}" = 1 ]; then  # the unsloth contender's own path: not .gpu_tf
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .gpu_unsloth \
+    .whl_unsloth/*.whl
+fi
+export UNSLOTH_PYTHONPATH=$PWD/.gpu_unsloth:$PWD/.gpu_site:$PWD:$PWD/benchmarks
+export PYTHONPATH=$PWD/.gpu_tf:$PWD/.gpu_site:$PWD:$PWD/benchmarks:$PWD/tests
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null
 FIRST_TESTS=${FIRST_TESTS:-tests/strategies/test_fsdp_one_gpu.py tests/data/test_packing_guard.py tests/transforms/test_compiling.py}
-# shellcheck disable=SC2086
-timeout $(( $(left) < 110 ? $(left) : 110 )) python3 -m pytest -q -p no:cacheprovider -m cuda $FIRST_TESTS \
-  > "$OUT/cuda_tests_first.log" 2>&1
-tail -3 "$OUT/cuda_tests_first.log"; echo "first cuda tests done at $(( $(date +%s) - t0 )) s"
+if [ "$FIRST_TESTS" != none ]; then
+  # shellcheck disable=SC2086
+  timeout $(( $(left) < 110 ? $(left) : 110 )) python3 -m pytest -q -p no:cacheprovider -m cuda $FIRST_TESTS \
+    > "$OUT/cuda_tests_first.log" 2>&1
+  tail -3 "$OUT/cuda_tests_first.log"; echo "first cuda tests done at $(( $(date +%s) - t0 )) s"
+fi
+extra=()
+[ "${PROFILE:-0}" = 1 ] && extra+=(--profile-step)
+[ -n "${KEEP_MODELS:-}" ] && extra+=(--keep-models "$KEEP_MODELS")
 peers() {  # models contenders per-contender-timeout stage-cap
   timeout $(( $(left) < $4 ? $(left) : $4 )) python3 benchmarks/gpu_peers.py --models "$1" --contenders "$2" \
-    --timeout "$3" --out "$OUT" > "$OUT/gpu_peers-$1.log" 2>&1
+    --timeout "$3" --out "$OUT" "${extra[@]}" > "$OUT/gpu_peers-$1.log" 2>&1
   grep -E '^\||^##|^[a-z-]+: \{' "$OUT/gpu_peers-$1.log" | grep -v '^[a-z-]*: {' ; grep -F '"error"' "$OUT/gpu_peers-$1.log" | cut -c1-400 | tail -3
   echo "benchmark $1 done at $(( $(date +%s) - t0 )) s"
 }
 peers "${MODELS_FIRST:-1b}" "${CONTENDERS_FIRST:-hf,auto,auto-half,saving,compile}" 100 "${FIRST_CAP_S:-210}"
 if [ -n "${MODELS_SECOND-8b}" ]; then peers "${MODELS_SECOND-8b}" "${CONTENDERS_SECOND:-hf,auto}" 170 300; fi
+for stage in ${MORE_STAGES:-}; do
+  IFS=: read -r model contenders each cap <<< "$stage"
+  peers "$model" "$contenders" "$each" "$cap"
+done
 [ "${REST_TESTS:-1}" = 1 ] || exit 0
 # shellcheck disable=SC2086
 timeout "$(left)" python3 -m pytest -q -p no:cacheprovider -m cuda tests $(printf -- '--deselect %s ' $FIRST_TESTS) \

@@ -26,6 +26,7 @@ import json
 import tempfile
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import bitsandbytes  # noqa: F401  (every library is imported before the memory baseline, on both stacks)
@@ -33,6 +34,7 @@ import lightning.pytorch as pl
 import peft
 import torch
 import yaml
+from host_overhead import StepProfile, micro
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Trainer, TrainerCallback, TrainingArguments
 from transformers.models.llama import modeling_llama  # noqa: F401
 
@@ -136,6 +138,30 @@ class Record(pl.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
+class ProfileStep(pl.Callback):
+    """``--profile-step``: profiles the run's last step (``host_overhead.StepProfile``), one past the timed ones."""
+
+    def __init__(self, index: int) -> None:
+        self.index, self.profile = index, StepProfile()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.index and torch.cuda.is_available():
+            self.profile.start()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        if idx == self.index and torch.cuda.is_available():
+            self.profile.stop()
+
+
+def decoder_layer(pretrained: str | None) -> str:
+    """The checkpointed block's class: the checkpoint's architecture's decoder layer (Qwen2DecoderLayer), else
+    the TinyLlama's (LlamaDecoderLayer)."""
+    if pretrained is None:
+        return "LlamaDecoderLayer"
+    architecture = json.loads((Path(pretrained) / "config.json").read_text())["architectures"][0]
+    return architecture.removesuffix("ForCausalLM") + "DecoderLayer"
+
+
 def lightning_trainer(
     args: argparse.Namespace, dev: torch.device, callbacks: list[pl.Callback], root: str
 ) -> pl.Trainer:
@@ -147,7 +173,7 @@ def lightning_trainer(
     if args.mode == "qlora":
         settings["quantization"] = "nf4-dq"
     if args.checkpointing:
-        settings["activation_checkpointing"] = ["LlamaDecoderLayer"]
+        settings["activation_checkpointing"] = [decoder_layer(args.pretrained)]
         settings["checkpoint_impl"] = args.checkpoint_impl
     settings |= dict(args.strategy_arg)  # last: --strategy-arg activation_checkpointing=auto overrides --checkpointing
     mixed = args.precision.endswith("-mixed")
@@ -202,8 +228,8 @@ def run_causal_lm(args: argparse.Namespace, root: str) -> dict[str, Any]:
     dev = device()
     loader = torch.utils.data.DataLoader(labelled_batches(args), batch_size=args.batch)
     start = baseline(dev)
-    record, loaded = Record(), PeakBeforeReset()
-    trainer = lightning_trainer(args, dev, [loaded, record], root)
+    record, loaded, profiled = Record(), PeakBeforeReset(), ProfileStep(args.steps - 1)
+    trainer = lightning_trainer(args, dev, [loaded, record] + [profiled] * args.profile_step, root)
     dtype = str(DTYPES[args.precision]).removeprefix("torch.")
     chunk = {0: None, -1: "auto"}.get(args.loss_chunk_size, args.loss_chunk_size)  # 0: all at once, -1: auto
     model = AdamWCausalLM(args.pretrained, loss_chunk_size=chunk, dtype=dtype)
@@ -222,6 +248,7 @@ def run_causal_lm(args: argparse.Namespace, root: str) -> dict[str, Any]:
         }
         | predicted
         | chosen_settings(trainer)
+        | {"step_profile": profiled.profile.figures}
     )
 
 
@@ -238,7 +265,15 @@ def predict(args: argparse.Namespace, trainer: pl.Trainer, loader: Any, build: A
         config=trainer.strategy.transform_config,
     )
     step_time = getattr(estimate, "step_time", None)
-    return {"predicted_peak": estimate.peak, "predicted_step_s": getattr(step_time, "seconds", None)}
+    return {"predicted_peak": estimate.peak, "predicted_step_s": getattr(step_time, "seconds", None)} | ops(estimate)
+
+
+def ops(estimate: Any) -> dict[str, Any]:
+    """The simulated step's kernels (``OpProfile``), so that another step-time model can be replayed on them."""
+    profile = getattr(estimate, "ops", None)
+    if profile is None:
+        return {}
+    return {"ops": [[*key, n] for key, n in profile.counts.items()], "ops_compiled": profile.compiled}
 
 
 def chosen_settings(trainer: pl.Trainer) -> dict[str, Any]:
@@ -251,7 +286,7 @@ def chosen_settings(trainer: pl.Trainer) -> dict[str, Any]:
         "chosen": choice.settings.describe(),
         "predicted_peak": choice.estimate.peak,
         "predicted_step_s": getattr(step_time, "seconds", None),
-    }
+    } | ops(choice.estimate)
 
 
 def run_hf(args: argparse.Namespace, root: str) -> dict[str, Any]:
@@ -280,15 +315,21 @@ def run_hf(args: argparse.Namespace, root: str) -> dict[str, Any]:
     loaded = {"after_load": current(dev) - start, "load_peak": peak(dev) - start}
     times: list[float] = []
     losses: list[float] = []
+    profiled = StepProfile()
+    profiling = args.profile_step and torch.cuda.is_available()
 
     class Record(TrainerCallback):
-        def on_step_begin(self, *a: Any, **k: Any) -> None:
+        def on_step_begin(self, _args: Any, state: Any, *a: Any, **k: Any) -> None:
             synchronize()
             self.start = time.perf_counter()
+            if profiling and state.global_step == args.steps - 1:
+                profiled.start()
 
-        def on_step_end(self, *a: Any, **k: Any) -> None:
+        def on_step_end(self, _args: Any, state: Any, *a: Any, **k: Any) -> None:
             synchronize()
             times.append(time.perf_counter() - self.start)
+            if profiling and state.global_step == args.steps:
+                profiled.stop()
 
         def on_log(self, _args: Any, state: Any, control: Any, logs: dict | None = None, **k: Any) -> None:
             if logs and "loss" in logs:
@@ -320,7 +361,8 @@ def run_hf(args: argparse.Namespace, root: str) -> dict[str, Any]:
         seed=0,
     )
     InOrder(model=model, args=training_args, train_dataset=data, callbacks=[Record()]).train()
-    return {"times": times, "losses": losses, "measured_peak": peak(dev) - start} | loaded
+    figures = {"times": times, "losses": losses, "measured_peak": peak(dev) - start}
+    return figures | loaded | {"step_profile": profiled.figures}
 
 
 def strategy_argument(text: str) -> tuple[str, Any]:
@@ -347,6 +389,11 @@ def main() -> None:
     parser.add_argument("--breakdown", action="store_true", help="lightning: add MemoryTracker's breakdown")
     parser.add_argument("--pretrained", help="a save_pretrained directory of the same model (causal-lm, hf stacks)")
     parser.add_argument("--predict", action="store_true", help="causal-lm: add the predicted peak (and step time)")
+    parser.add_argument(
+        "--profile-step",
+        action="store_true",
+        help="one more step, profiled (CUDA kernels, busy time; not timed), and the host's time per kernel",
+    )
     parser.add_argument("--lora-r", type=int, default=0, help="LoRA rank (alpha twice it); default r=8 alpha 16")
     parser.add_argument(
         "--strategy-arg",
@@ -360,8 +407,12 @@ def main() -> None:
     if args.stack != "lightning" and not args.pretrained:
         parser.error(f"--stack {args.stack} loads the base from a checkpoint: pass --pretrained DIR")
     run = {"lightning": run_lightning, "causal-lm": run_causal_lm, "hf": run_hf}[args.stack]
+    host = micro(device()) if args.profile_step else {}
+    args.steps += args.profile_step  # the profiled step is the last, and not timed
     with tempfile.TemporaryDirectory() as root:
         result = run(args, root)
+    if args.profile_step:
+        result |= {"times": result["times"][:-1], "losses": result["losses"][:-1], "host": host}
     print("RESULT " + json.dumps(result))
 
 
