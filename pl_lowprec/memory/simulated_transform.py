@@ -41,7 +41,11 @@ class SimulatedTransform(ModelTransform):
 
     def compile(self, model: nn.Module, units: object) -> None:
         """Nothing is compiled on fake tensors: the step runs the blocks eagerly, built as the compiled run builds
-        them (without the fused MLP and row-wise norms that ``compile=`` leaves to inductor)."""
+        them (without the fused MLP and row-wise norms that ``compile=`` leaves to inductor), and the module's
+        compiled loss as its stand-in where it has one (``simulate_compiled_loss``, as ``CausalLM`` does)."""
+        simulate = getattr(model, "simulate_compiled_loss", None)
+        if callable(simulate):
+            simulate()
 
     def load_pretrained(self, model: nn.Module, compute_dtype: torch.dtype, device: torch.device) -> None:
         """Nothing to load: the step needs shapes and dtypes, which the meta-device module has."""

@@ -25,7 +25,7 @@ from pl_lowprec.distributed.process_group_exit import destroy_process_group_at_e
 from pl_lowprec.distributed.shard import shard_pretrained_blocks
 from pl_lowprec.loading import PretrainedWeights, empty_weights, load_pretrained
 from pl_lowprec.loading.hub import resolve_pretrained
-from pl_lowprec.models.chunked_loss import causal_lm_loss_sum, chunk_loss
+from pl_lowprec.models.chunked_loss import causal_lm_loss_sum, chunk_loss, compiled_chunk_loss_standin
 from pl_lowprec.models.forward_batch import forward_batch
 from pl_lowprec.models.liger_loss import LossKernel, check_head, check_loss_kernel, choose_loss_kernel, liger_loss_sum
 from pl_lowprec.models.token_loss import TokenMeanLoss
@@ -203,6 +203,11 @@ class CausalLM(pl.LightningModule):
         """Called by the strategy's ``compile=``: the output head and cross-entropy, one chunk at a time (not Liger's
         kernel, fused already)."""
         self.loss_fn = torch.compile(functools.partial(chunk_loss, traced=True), **options)
+
+    def simulate_compiled_loss(self) -> None:
+        """``compile_loss`` in ``estimate_memory``'s fake step, where nothing compiles: a stand-in with the memory of
+        the compiled loss (``compiled_chunk_loss_standin``)."""
+        self.loss_fn = compiled_chunk_loss_standin
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss_sum, tokens = self.loss_sum(batch)
