@@ -1,6 +1,6 @@
 """QLoRA step time and peak memory against Hugging Face's recipe on one GPU: Llama-3.2-1B and Llama-3.1-8B shapes.
 
-Run (a lent GPU, about 8 minutes for both models): python benchmarks/gpu_peers.py
+Run (a lent GPU; every default contender at both models, about 9 minutes): python benchmarks/gpu_peers.py
 CPU check of the same code path (tiny shapes, a minute): python benchmarks/gpu_peers.py --models tiny
 
 Each model is random bf16 weights written from its ``config.json`` (``model_shapes.py``) as sharded safetensors,
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument(
         "--models", default="1b,8b", help="comma-separated: 1b, 8b, qwen-0.5b, mistral-7b (model_shapes.py), tiny"
     )
-    parser.add_argument("--contenders", default="hf,auto,auto-half,saving,compile")
+    parser.add_argument("--contenders", default="hf,auto,saving,compile,unsloth")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--r", type=int, default=16)

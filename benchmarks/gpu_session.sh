@@ -1,34 +1,36 @@
 #!/usr/bin/env bash
-# One call on a lent GPU (the device tool), prepared and checked on a CPU first: the wheels the GPU machine lacks,
-# the cuda-marked tests that issues wait on, the QLoRA benchmark against Hugging Face's recipe at 1B (every
-# contender) and 8B (hf and auto), then the other cuda-marked tests. Every stage runs under the time left before
-# a deadline (DEADLINE_S, 480 s), and writes under $OUT as it goes, so a call cut short still returns its figures.
+# One call on a lent GPU (the device tool), prepared and checked on a CPU first: issue 28's peer benchmark
+# (benchmarks/gpu_peers.py: Hugging Face's recipe, the automatic choice, the memory-saving path, compile and Unsloth
+# at Llama-3.2-1B shapes; the same but the memory-saving path at Llama-3.1-8B), then every cuda-marked test in the
+# time left. Every stage runs under the time left before a deadline (DEADLINE_S, 560 s), and writes under $OUT as
+# it goes, so a call cut short still returns its figures.
 #
-# Here, once: echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all: \
-#   --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
-#   --platform manylinux_2_17_x86_64 -d .whl bitsandbytes==0.50.2 torchao==0.18.0 peft==0.21.2 \
-#   transformers==5.23.0 jsonargparse==4.53.0 docstring-parser==0.18.0 typeshed-client==2.15.0 liger-kernel==0.8.5
-#   python benchmarks/slim_wheel.py .whl/bitsandbytes-0.50.2-*.whl --cuda 130   (43 MB to 4 MB: room for Unsloth's)
-# Then: run(command="bash benchmarks/gpu_session.sh", carry=[".whl"], timeout_s=540)
-# A shorter call: FIRST_TESTS=tests/transforms/test_compiling.py CONTENDERS_FIRST=hf,saving,compile MODELS_SECOND=
-# REST_TESTS=0 bash benchmarks/gpu_session.sh
-# CPU check of the script: INSTALL=0 MODELS_FIRST=tiny MODELS_SECOND=tiny FIRST_TESTS=tests/test_readme.py bash benchmarks/gpu_session.sh
-# More: MORE_STAGES="qwen-0.5b:saving,compile:100:90 8b:saving:170:80" (model:contenders:per-contender-timeout:cap),
+# Here, once (wheels for the machine's Python 3.12; .whl and .whl_unsloth are ignored folders):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
+#     bitsandbytes==0.50.2 torchao==0.18.0 peft==0.21.2 transformers==5.23.0 jsonargparse==4.53.0 \
+#     docstring-parser==0.18.0 typeshed-client==2.15.0 liger-kernel==0.8.5
+#   python benchmarks/slim_wheel.py .whl/bitsandbytes-0.50.2-*.whl --cuda 130   (43 MB to 4 MB)
+#   the same download into .whl_unsloth of Unsloth's wheels (docs/benchmarks.md, run 4, lists them), then
+#   python benchmarks/slim_wheel.py .whl_unsloth/unsloth-2026.10.9-*.whl --drop '^studio/'   (28.6 MB to 2.2 MB)
+# Then: run(command="bash benchmarks/gpu_session.sh", carry=[".whl", ".whl_unsloth"], timeout_s=590): 61 MB.
+# The wheels install into .gpu_site, transformers into .gpu_tf and Unsloth's into .gpu_unsloth: ignored folders
+# that a later call on the same warm machine finds there. The unsloth contender reads .gpu_unsloth and .gpu_site
+# with the machine's own transformers (Unsloth 2026.10.9 pins transformers <= 5.17), the others .gpu_tf too.
+#
+# Settings: MODELS_FIRST (1b) with CONTENDERS_FIRST, MODELS_SECOND (8b; empty: none) with CONTENDERS_SECOND,
+# MORE_STAGES="qwen-0.5b:saving,compile:100:90 8b:saving:170:80" (model:contenders:per-contender-timeout:cap),
+# FIRST_TESTS (cuda-marked tests to run before the benchmark; none by default), REST_TESTS=0 (no tests after),
 # PROFILE=1 (each contender profiles one more step: gpu_peers.py --profile-step), KEEP_MODELS=.gpu_models (the
-# checkpoints stay on the machine for a later call). The wheels install into .gpu_site (.gpu_tf: transformers,
-# which the unsloth contender leaves out), ignored folders that a later call on the same warm
-# machine finds there; FIRST_TESTS=none runs no tests first. Unsloth (contender unsloth): carry .whl_unsloth too
-# (Unsloth 2026.10.9 and what it needs that the machine lacks, listed in docs/benchmarks.md; Unsloth's wheel without
-# its unimported studio/ folder, as slim_wheel.py rewrites one), installed into .gpu_unsloth, which its process
-# reads with .gpu_site and the machine's own transformers (it pins transformers <= 5.17):
-# FIRST_TESTS=none CONTENDERS_FIRST=hf,auto,compile,unsloth MODELS_SECOND=8b CONTENDERS_SECOND=hf,compile,unsloth \
-#   bash benchmarks/gpu_session.sh   (carry=[".whl", ".whl_unsloth"]; 61 MB with bitsandbytes slimmed)
+# checkpoints stay on the machine for a later call), INSTALL=0 (install nothing).
+# CPU check of the script: INSTALL=0 MODELS_FIRST=tiny MODELS_SECOND= CONTENDERS_FIRST=hf,saving REST_TESTS=0 \
+#   bash benchmarks/gpu_session.sh
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 t0=$(date +%s)
-deadline=$(( t0 + ${DEADLINE_S:-480} ))
+deadline=$(( t0 + ${DEADLINE_S:-560} ))
 left() { echo $(( deadline - $(date +%s) > 5 ? deadline - $(date +%s) : 5 )); }
 if [ -d .whl ] && [ "${INSTALL:-1}" = 1 ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .gpu_tf \
@@ -43,7 +45,7 @@ fi
 export UNSLOTH_PYTHONPATH=$PWD/.gpu_unsloth:$PWD/.gpu_site:$PWD:$PWD/benchmarks
 export PYTHONPATH=$PWD/.gpu_tf:$PWD/.gpu_site:$PWD:$PWD/benchmarks:$PWD/tests
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null
-FIRST_TESTS=${FIRST_TESTS:-tests/strategies/test_fsdp_one_gpu.py tests/data/test_packing_guard.py tests/transforms/test_compiling.py}
+FIRST_TESTS=${FIRST_TESTS:-none}
 if [ "$FIRST_TESTS" != none ]; then
   # shellcheck disable=SC2086
   timeout $(( $(left) < 110 ? $(left) : 110 )) python3 -m pytest -q -p no:cacheprovider -m cuda $FIRST_TESTS \
@@ -59,8 +61,8 @@ peers() {  # models contenders per-contender-timeout stage-cap
   grep -E '^\||^##|^[a-z-]+: \{' "$OUT/gpu_peers-$1.log" | grep -v '^[a-z-]*: {' ; grep -F '"error"' "$OUT/gpu_peers-$1.log" | cut -c1-400 | tail -3
   echo "benchmark $1 done at $(( $(date +%s) - t0 )) s"
 }
-peers "${MODELS_FIRST:-1b}" "${CONTENDERS_FIRST:-hf,auto,auto-half,saving,compile}" 100 "${FIRST_CAP_S:-210}"
-if [ -n "${MODELS_SECOND-8b}" ]; then peers "${MODELS_SECOND-8b}" "${CONTENDERS_SECOND:-hf,auto}" 170 300; fi
+peers "${MODELS_FIRST:-1b}" "${CONTENDERS_FIRST:-hf,auto,saving,compile,unsloth}" 100 "${FIRST_CAP_S:-250}"
+if [ -n "${MODELS_SECOND-8b}" ]; then peers "${MODELS_SECOND-8b}" "${CONTENDERS_SECOND:-hf,auto,compile,unsloth}" 170 300; fi
 for stage in ${MORE_STAGES:-}; do
   IFS=: read -r model contenders each cap <<< "$stage"
   peers "$model" "$contenders" "$each" "$cap"
