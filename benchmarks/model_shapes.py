@@ -1,5 +1,15 @@
 """Real models' config.json (hyperparameters only), embedded so the GPU benchmark needs nothing outside the
-repository: the device machine gets the checkout alone."""
+repository: the device machine gets the checkout alone. Llama-3.2-1B's is here; the others the tests embed too,
+and are read from there (tests/model_shapes.py, loaded by path: both modules are named model_shapes)."""
+
+import importlib.util
+from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location(
+    "tests_model_shapes", Path(__file__).resolve().parents[1] / "tests" / "model_shapes.py"
+)
+_tests = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_tests)
 
 # Llama-3.2-1B (meta-llama/Llama-3.2-1B): tied embeddings, GQA 32/8, llama3 rope scaling
 LLAMA_3_2_1B = {
@@ -35,93 +45,9 @@ LLAMA_3_2_1B = {
     "use_cache": True,
 }
 
-# Llama-3.1-8B (meta-llama/Llama-3.1-8B): untied head, vocab 128,256
-LLAMA_3_1_8B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 128256,
-    "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-05,
-    "rope_theta": 500000.0,
-    "tie_word_embeddings": False,
-    "rope_scaling": {
-        "factor": 8.0,
-        "high_freq_factor": 4.0,
-        "low_freq_factor": 1.0,
-        "original_max_position_embeddings": 8192,
-        "rope_type": "llama3",
-    },
-    "bos_token_id": 128000,
-    "eos_token_id": 128001,
-    "torch_dtype": "bfloat16",
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "hidden_act": "silu",
-    "initializer_range": 0.02,
-    "mlp_bias": False,
-    "pretraining_tp": 1,
-    "use_cache": True,
+SHAPES = {
+    "1b": LLAMA_3_2_1B,
+    "8b": _tests.LLAMA31_8B,  # untied head, vocab 128,256
+    "qwen-0.5b": _tests.QWEN25_05B,  # qkv biases, 14/2 heads, MLP 4864, tied, vocab 151,936; held out from the fits
+    "mistral-7b": _tests.MISTRAL_7B_V03,  # Llama-3.1-8B's blocks, vocab 32,768; held out from the fits
 }
-
-# Qwen2.5-0.5B (Qwen/Qwen2.5-0.5B): qkv biases, 14/2 heads, MLP 4864, tied embeddings, vocab 151,936;
-# held out from the fits
-QWEN_2_5_0_5B = {
-    "architectures": ["Qwen2ForCausalLM"],
-    "model_type": "qwen2",
-    "hidden_size": 896,
-    "intermediate_size": 4864,
-    "num_hidden_layers": 24,
-    "num_attention_heads": 14,
-    "num_key_value_heads": 2,
-    "vocab_size": 151936,
-    "max_position_embeddings": 32768,
-    "rms_norm_eps": 1e-06,
-    "rope_theta": 1000000.0,
-    "tie_word_embeddings": True,
-    "use_sliding_window": False,
-    "sliding_window": 32768,
-    "max_window_layers": 24,
-    "bos_token_id": 151643,
-    "eos_token_id": 151643,
-    "torch_dtype": "bfloat16",
-    "attention_dropout": 0.0,
-    "hidden_act": "silu",
-    "initializer_range": 0.02,
-    "use_cache": True,
-}
-
-# Mistral-7B-v0.3 (mistralai/Mistral-7B-v0.3): Llama-3.1-8B's blocks, vocab 32,768; held out from the fits
-MISTRAL_7B = {
-    "architectures": ["MistralForCausalLM"],
-    "model_type": "mistral",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 32768,
-    "max_position_embeddings": 32768,
-    "rms_norm_eps": 1e-05,
-    "rope_theta": 1000000.0,
-    "tie_word_embeddings": False,
-    "sliding_window": None,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "torch_dtype": "bfloat16",
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "hidden_act": "silu",
-    "initializer_range": 0.02,
-    "mlp_bias": False,
-    "pretraining_tp": 1,
-    "use_cache": True,
-}
-
-SHAPES = {"1b": LLAMA_3_2_1B, "8b": LLAMA_3_1_8B, "qwen-0.5b": QWEN_2_5_0_5B, "mistral-7b": MISTRAL_7B}

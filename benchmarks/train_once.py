@@ -30,12 +30,14 @@ from pathlib import Path
 from typing import Any
 
 import bitsandbytes  # noqa: F401  (every library is imported before the memory baseline, on both stacks)
+import hf_trainer
 import lightning.pytorch as pl
 import peft
 import torch
 import yaml
+from hf_trainer import CLIP, LR, WEIGHT_DECAY, synchronize
 from host_overhead import StepProfile, micro
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Trainer, TrainerCallback, TrainingArguments
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 from transformers.models.llama import modeling_llama  # noqa: F401
 
 from pl_lowprec import AMPPrecision, LowPrecisionStrategy, MemoryTracker
@@ -47,19 +49,12 @@ from pl_lowprec.models import CausalLM
 
 warnings.filterwarnings("ignore")
 
-LR, WEIGHT_DECAY, CLIP = 1e-3, 0.01, 1.0
 LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": "all-linear"}
 
 
 def lora_settings(args: argparse.Namespace) -> dict[str, Any]:
     """LoRA for both stacks: ``--lora-r`` (alpha twice the rank), else r=8 alpha 16."""
     return LORA | ({"r": args.lora_r, "lora_alpha": 2 * args.lora_r} if args.lora_r else {})
-
-
-def synchronize() -> None:
-    """Step times on a GPU are taken between synchronizations: device work is asynchronous."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 DTYPES = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -313,54 +308,18 @@ def run_hf(args: argparse.Namespace, root: str) -> dict[str, Any]:
         torch.manual_seed(0)  # LoRA initialisation, as on the lightning side
         model = peft.get_peft_model(model, peft.LoraConfig(**lora_settings(args)))
     loaded = {"after_load": current(dev) - start, "load_peak": peak(dev) - start}
-    times: list[float] = []
-    losses: list[float] = []
     profiled = StepProfile()
     profiling = args.profile_step and torch.cuda.is_available()
 
-    class Record(TrainerCallback):
-        def on_step_begin(self, _args: Any, state: Any, *a: Any, **k: Any) -> None:
-            synchronize()
-            self.start = time.perf_counter()
-            if profiling and state.global_step == args.steps - 1:
-                profiled.start()
+    def on_step(when: str, global_step: int) -> None:  # the last step, one past the timed ones
+        if profiling and (when, global_step) == ("begin", args.steps - 1):
+            profiled.start()
+        elif profiling and (when, global_step) == ("end", args.steps):
+            profiled.stop()
 
-        def on_step_end(self, _args: Any, state: Any, *a: Any, **k: Any) -> None:
-            synchronize()
-            times.append(time.perf_counter() - self.start)
-            if profiling and state.global_step == args.steps:
-                profiled.stop()
-
-        def on_log(self, _args: Any, state: Any, control: Any, logs: dict | None = None, **k: Any) -> None:
-            if logs and "loss" in logs:
-                losses.append(float(logs["loss"]))
-
-    class InOrder(Trainer):
-        """The same batch order as the Lightning run (no shuffling)."""
-
-        def _get_train_sampler(self, *a: Any, **k: Any) -> torch.utils.data.Sampler:
-            return torch.utils.data.SequentialSampler(self.train_dataset)
-
-    training_args = TrainingArguments(
-        output_dir=root,
-        per_device_train_batch_size=args.batch,
-        max_steps=args.steps,
-        learning_rate=LR,
-        weight_decay=WEIGHT_DECAY,
-        max_grad_norm=CLIP,
-        lr_scheduler_type="constant",
-        optim="adamw_torch",
-        bf16=args.precision == "bf16-mixed",
-        fp16=args.precision == "16-mixed",
-        use_cpu=dev.type == "cpu",
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        seed=0,
+    times, losses = hf_trainer.train(
+        model, data, batch=args.batch, steps=args.steps, precision=args.precision, output_dir=root, on_step=on_step
     )
-    InOrder(model=model, args=training_args, train_dataset=data, callbacks=[Record()]).train()
     figures = {"times": times, "losses": losses, "measured_peak": peak(dev) - start}
     return figures | loaded | {"step_profile": profiled.figures}
 

@@ -28,11 +28,9 @@ import json
 import os
 import sysconfig
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-LR, WEIGHT_DECAY, CLIP = 1e-3, 0.01, 1.0
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 OFFLINE = {
     "HF_HUB_OFFLINE": "1",
@@ -142,7 +140,7 @@ def main() -> None:
     # isort: split
     import bitsandbytes as bnb
     import torch
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from hf_trainer import train  # imports transformers when it runs: after Unsloth
 
     if not torch.cuda.is_available():  # UNSLOTH_ALLOW_CPU=1 (Unsloth's CUDA-shaped test mode) gets this far
         raise SystemExit(f"unsloth_once: Unsloth {unsloth.__version__} imported, but torch sees no CUDA GPU")
@@ -182,46 +180,9 @@ def main() -> None:
         "after_load": torch.cuda.memory_allocated(dev) - start,
         "load_peak": torch.cuda.max_memory_allocated(dev) - start,
     }
-    times: list[float] = []
-    losses: list[float] = []
-
-    class Record(TrainerCallback):
-        def on_step_begin(self, *a: Any, **k: Any) -> None:
-            torch.cuda.synchronize()
-            self.start = time.perf_counter()
-
-        def on_step_end(self, *a: Any, **k: Any) -> None:
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - self.start)
-
-        def on_log(self, _args: Any, state: Any, control: Any, logs: dict | None = None, **k: Any) -> None:
-            if logs and "loss" in logs:
-                losses.append(float(logs["loss"]))
-
-    class InOrder(Trainer):
-        """The same batch order as the other contenders (no shuffling)."""
-
-        def _get_train_sampler(self, *a: Any, **k: Any) -> torch.utils.data.Sampler:
-            return torch.utils.data.SequentialSampler(self.train_dataset)
-
-    training_args = TrainingArguments(
-        output_dir=str(Path(root.name) / "out"),
-        per_device_train_batch_size=args.batch,
-        max_steps=args.steps,
-        learning_rate=LR,
-        weight_decay=WEIGHT_DECAY,
-        max_grad_norm=CLIP,
-        lr_scheduler_type="constant",
-        optim="adamw_torch",
-        bf16=True,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        seed=0,
+    times, losses = train(
+        model, data, batch=args.batch, steps=args.steps, precision="bf16-mixed", output_dir=str(Path(root.name) / "out")
     )
-    InOrder(model=model, args=training_args, train_dataset=data, callbacks=[Record()]).train()
     result = {"times": times, "losses": losses, "measured_peak": torch.cuda.max_memory_allocated(dev) - start}
     root.cleanup()
     print("RESULT " + json.dumps(result | loaded | {"unsloth": unsloth.__version__}), flush=True)
