@@ -82,12 +82,25 @@ class PackedRows(Dataset):
     before the sampler gives each rank its share, so ranks see disjoint rows.
     """
 
-    def __init__(self, samples: Sequence[Row], seq_len: int, seed: int, ready: Sequence[Row] = ()) -> None:
+    def __init__(
+        self,
+        samples: Sequence[Row],
+        seq_len: int,
+        seed: int,
+        ready: Sequence[Row] = (),
+        lengths: Sequence[int] | None = None,
+        ready_lengths: Sequence[int] | None = None,
+    ) -> None:
+        """``lengths`` and ``ready_lengths``: the token counts of ``samples`` and ``ready`` where the caller has them
+        without reading the rows (``row_facts.row_lengths``); else each row is read once here."""
         self.samples = samples  # indexed, never copied: a dataset's rows stay in their Arrow table
         self.ready = ready
         self.seq_len = seq_len
         self.seed = seed
-        self.lengths = [len(s["input_ids"]) for s in self.samples]
+        self.lengths = list(lengths) if lengths is not None else [len(s["input_ids"]) for s in self.samples]
+        self.ready_lengths = (
+            list(ready_lengths) if ready_lengths is not None else [len(r["input_ids"]) for r in self.ready]
+        )
         self._epoch, self._bins = 0, self.bins(0)
 
     def bins(self, epoch: int) -> list[list[int]]:
@@ -107,7 +120,7 @@ class PackedRows(Dataset):
         return pack_row([self.samples[i] for i in self._bins[row - len(self.ready)]])
 
     def row_lengths(self) -> list[int]:
-        return [len(r["input_ids"]) for r in self.ready] + [sum(self.lengths[i] for i in b) for b in self._bins]
+        return self.ready_lengths + [sum(self.lengths[i] for i in b) for b in self._bins]
 
 
 def padding_fraction(lengths: Sequence[int], batch_size: int, seed: int) -> float:

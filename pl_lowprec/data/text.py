@@ -38,6 +38,7 @@ from pl_lowprec.data.records import (
     record_kind,
 )
 from pl_lowprec.data.resumable import resumable_loader
+from pl_lowprec.data.row_facts import ready_rows, row_lengths
 from pl_lowprec.data.sources import Source, describe_objects, is_dataset_object, resolve_sources
 from pl_lowprec.data.token_table import TokenRows, sample_row, tokenize
 from pl_lowprec.loading.tokenizer import load_tokenizer
@@ -166,7 +167,7 @@ class TextDataModule(pl.LightningDataModule):
         train = self.train_set
         self.train_set = packed_rows(train, self.seq_len, self.seed)
         self.val_set = packed_rows(self.val_set, self.seq_len, self.seed)
-        before = padding_fraction([len(s["input_ids"]) for s in train], self.batch_size, self.seed)
+        before = padding_fraction(self.train_set.lengths + self.train_set.ready_lengths, self.batch_size, self.seed)
         after = padding_fraction(self.train_set.row_lengths(), self.batch_size, self.seed)
         rank_zero_info(
             f"TextDataModule(packing=True): {len(train)} training samples in {len(self.train_set)} rows of"
@@ -327,7 +328,16 @@ def subset(samples: Sequence[Row], indices: list[int]) -> Sequence[Row]:
 
 
 def packed_rows(samples: Sequence[Row], seq_len: int, seed: int) -> PackedRows:
-    """``text`` rows (which carry ``position_ids`` already) as they are; the other samples packed."""
-    ready = [i for i in range(len(samples)) if "position_ids" in samples[i]]
-    others = sorted(set(range(len(samples))) - set(ready))
-    return PackedRows(subset(samples, others), seq_len, seed, ready=subset(samples, ready))
+    """``text`` rows (which carry ``position_ids`` already) as they are; the other samples packed. Reads no row of
+    an Arrow table (``row_facts``)."""
+    flags, lengths = ready_rows(samples), row_lengths(samples)
+    ready = [i for i, flag in enumerate(flags) if flag]
+    others = [i for i, flag in enumerate(flags) if not flag]
+    return PackedRows(
+        subset(samples, others),
+        seq_len,
+        seed,
+        ready=subset(samples, ready),
+        lengths=[lengths[i] for i in others],
+        ready_lengths=[lengths[i] for i in ready],
+    )

@@ -79,11 +79,22 @@ class TokenRows(Dataset):
     """The rows of a ``tokenize`` table as tensors, read by index: the samples first, then the ``text`` blocks."""
 
     def __init__(self, table: Any, packing: bool, eos_token_id: int) -> None:
-        blocks = torch.from_numpy(table.data.column("text_block").to_numpy(zero_copy_only=False))
-        self.order = torch.cat([torch.nonzero(~blocks).squeeze(1), torch.nonzero(blocks).squeeze(1)])
+        self.blocks = torch.from_numpy(table.data.column("text_block").to_numpy(zero_copy_only=False))
+        self.order = torch.cat([torch.nonzero(~self.blocks).squeeze(1), torch.nonzero(self.blocks).squeeze(1)])
         self.table = table.with_format("torch")
         self.packing = packing
         self.eos_token_id = eos_token_id
+
+    def lengths(self) -> list[int]:
+        """Each row's token count, in index order, from the ``input_ids`` column's offsets: no row is decoded."""
+        chunks = self.table.data.column("input_ids").chunks
+        counts = [torch.from_numpy(c.value_lengths().to_numpy(zero_copy_only=False).copy()) for c in chunks]
+        whole = torch.cat(counts) if counts else torch.zeros(0, dtype=torch.int64)
+        return whole[self.order].tolist()
+
+    def ready(self) -> list[bool]:
+        """Whether each row, in index order, is one packing leaves as it is (a ``text`` block: ``sample_row``)."""
+        return (self.blocks[self.order] & self.packing).tolist()
 
     def __len__(self) -> int:
         return len(self.order)

@@ -150,9 +150,17 @@ def test_chats_in_every_format_give_the_samples_of_the_jsonl_file(fmt, pretraine
 def test_packing_a_parquet_file_gives_the_rows_of_the_jsonl_file(pretrained, tmp_path, monkeypatch):
     monkeypatch.setattr(token_table, "MAP_BATCH_SIZE", 4)
     expected = _data(_write("jsonl", RECORDS, tmp_path / "j"), pretrained, packing=True)
+    reads = []
+    read_row = TokenRows.__getitem__
+    monkeypatch.setattr(TokenRows, "__getitem__", lambda rows, i: reads.append(i) or read_row(rows, i))
     data = _data(_write("parquet", RECORDS, tmp_path / "p"), pretrained, packing=True)
+    assert reads == []  # packing took the lengths and the text blocks from the Arrow columns, not from the rows
     assert len(data.train_set) == len(expected.train_set)
     assert isinstance(data.train_set.samples.dataset, TokenRows)  # packed by index: the rows stay in Arrow
+    for packed in (data.train_set, data.val_set):
+        assert packed.lengths == [len(s["input_ids"]) for s in packed.samples]
+        assert packed.ready_lengths == [len(r["input_ids"]) for r in packed.ready]
+    assert data.train_set.row_lengths() == expected.train_set.row_lengths()
     for epoch in (0, 1):
         assert _batches(data, epoch) == _batches(expected, epoch)
     assert _rows(data.val_set) == _rows(expected.val_set)
