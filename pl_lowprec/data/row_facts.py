@@ -6,7 +6,8 @@ rows is not decoded row by row, twice, before training starts; read from the row
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import ConcatDataset, Subset
@@ -18,23 +19,22 @@ Row = dict[str, torch.Tensor]
 
 def row_lengths(samples: Sequence[Row]) -> list[int]:
     """The token count of each sample, in index order."""
-    if isinstance(samples, TokenRows):
-        return samples.lengths()
-    if isinstance(samples, Subset):
-        whole = row_lengths(samples.dataset)
-        return [whole[i] for i in samples.indices]
-    if isinstance(samples, ConcatDataset):
-        return [n for part in samples.datasets for n in row_lengths(part)]
-    return [len(s["input_ids"]) for s in samples]
+    return _per_row(samples, TokenRows.lengths, lambda row: len(row["input_ids"]))
 
 
 def ready_rows(samples: Sequence[Row]) -> list[bool]:
     """Whether each sample, in index order, is a ready row that packing leaves as it is."""
+    return _per_row(samples, TokenRows.ready, lambda row: "position_ids" in row)
+
+
+def _per_row(samples: Sequence[Row], from_table: Callable[[TokenRows], list], from_row: Callable[[Row], Any]) -> list:
+    """``from_table`` of a ``TokenRows``, through the ``Subset`` views and ``ConcatDataset`` joins over it;
+    ``from_row`` of each row of anything else."""
     if isinstance(samples, TokenRows):
-        return samples.ready()
+        return from_table(samples)
     if isinstance(samples, Subset):
-        whole = ready_rows(samples.dataset)
+        whole = _per_row(samples.dataset, from_table, from_row)
         return [whole[i] for i in samples.indices]
     if isinstance(samples, ConcatDataset):
-        return [flag for part in samples.datasets for flag in ready_rows(part)]
-    return ["position_ids" in s for s in samples]
+        return [value for part in samples.datasets for value in _per_row(part, from_table, from_row)]
+    return [from_row(row) for row in samples]
