@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from pl_lowprec._imports import import_gguf, import_safetensors
+from pl_lowprec._imports import import_gguf
 from pl_lowprec.export.gguf_arch import (
     SKIPPED_SUFFIXES,
     Architecture,
@@ -30,7 +30,7 @@ from pl_lowprec.export.gguf_arch import (
 )
 from pl_lowprec.export.gguf_types import encode, file_type, stored_as, tensor_type
 from pl_lowprec.export.gguf_vocab import add_vocabulary
-from pl_lowprec.loading.sources import INDEX_NAME
+from pl_lowprec.loading.sources import INDEX_NAME, open_safetensors
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 def auto_type(model_dir: Path) -> str:
     """``--gguf_type auto``: bf16 for bf16 weights, else f16 (llama.cpp's converter reads the first matrix too)."""
-    with import_safetensors().safe_open(str(safetensors_files(model_dir)[0]), framework="pt") as handle:
+    with open_safetensors(safetensors_files(model_dir)[0]) as handle:
         for key in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
             tensor = handle.get_slice(key)
             if len(tensor.get_shape()) >= 2:
@@ -74,7 +74,6 @@ def auto_type(model_dir: Path) -> str:
 
 def plan(gguf: Any, model_dir: Path, config: Any, arch: Architecture, gguf_type: str) -> list[Planned]:
     """Every tensor the file will hold, from the safetensors headers (nothing is loaded)."""
-    safetensors = import_safetensors()
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.gguf_arch), config.num_hidden_layers)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     planned: list[Planned] = []
@@ -83,7 +82,7 @@ def plan(gguf: Any, model_dir: Path, config: Any, arch: Architecture, gguf_type:
         name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
         planned.append(Planned(name, factors.shape, gguf.GGMLQuantizationType.F32))
     for file in safetensors_files(model_dir):
-        with safetensors.safe_open(str(file), framework="pt") as handle:
+        with open_safetensors(file) as handle:
             for key in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
                 if key.endswith(SKIPPED_SUFFIXES) or (tied and key == "lm_head.weight"):
                     continue
@@ -105,12 +104,11 @@ def plan(gguf: Any, model_dir: Path, config: Any, arch: Architecture, gguf_type:
 
 def tensor_values(planned: list[Planned], config: Any, arch: Architecture) -> Iterator[np.ndarray]:
     """Each planned tensor as float32 values in llama.cpp's layout, one file open at a time."""
-    safetensors = import_safetensors()
     for file, items in groupby(planned, key=lambda item: item.file):
         if file is None:
             yield from (llama3_rope_factors(config) for _ in items)
             continue
-        with safetensors.safe_open(str(file), framework="pt") as handle:
+        with open_safetensors(file) as handle:
             for item in items:
                 yield permute_qk(item.key, handle.get_tensor(item.key).float().numpy(), config, arch)
 

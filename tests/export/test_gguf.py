@@ -388,3 +388,12 @@ def test_templates_that_are_not_fixed_strings_per_turn_get_no_template(tokenizer
     )
     assert chat_parts(tokenizer, add_bos=True) is None
     assert modelfile("model-q8_0.gguf", None, ["</s>"]) == 'FROM ./model-q8_0.gguf\nPARAMETER stop "</s>"\n'
+
+
+def test_a_truncated_weight_file_is_named_with_its_size_before_anything_is_written(tmp_path, tokenizer_dir):
+    model_dir = shrunk_model(tmp_path / "model", tokenizer_dir, "smollm2")
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # a copy cut short
+    with pytest.raises(ValueError, match=r"model\.safetensors \(100 bytes\) is not a complete safetensors file"):
+        convert(model_dir, "bf16")
+    assert not list(gguf_dir(model_dir).glob("*.gguf"))
