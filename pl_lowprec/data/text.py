@@ -164,10 +164,10 @@ class TextDataModule(pl.LightningDataModule):
 
     def _pack(self) -> None:
         """Replace the sample lists by packed rows, and log what packing saves."""
-        train = self.train_set
-        self.train_set = packed_rows(train, self.seq_len, self.seed)
+        train, lengths = self.train_set, row_lengths(self.train_set)
+        self.train_set = packed_rows(train, self.seq_len, self.seed, lengths)
         self.val_set = packed_rows(self.val_set, self.seq_len, self.seed)
-        before = padding_fraction(self.train_set.lengths + self.train_set.ready_lengths, self.batch_size, self.seed)
+        before = padding_fraction(lengths, self.batch_size, self.seed)  # the samples in their order, unpacked
         after = padding_fraction(self.train_set.row_lengths(), self.batch_size, self.seed)
         rank_zero_info(
             f"TextDataModule(packing=True): {len(train)} training samples in {len(self.train_set)} rows of"
@@ -327,10 +327,11 @@ def subset(samples: Sequence[Row], indices: list[int]) -> Sequence[Row]:
     return Subset(samples, indices)
 
 
-def packed_rows(samples: Sequence[Row], seq_len: int, seed: int) -> PackedRows:
+def packed_rows(samples: Sequence[Row], seq_len: int, seed: int, lengths: list[int] | None = None) -> PackedRows:
     """``text`` rows (which carry ``position_ids`` already) as they are; the other samples packed. Reads no row of
-    an Arrow table (``row_facts``)."""
-    flags, lengths = ready_rows(samples), row_lengths(samples)
+    an Arrow table (``row_facts``). ``lengths``: the samples' token counts, where the caller has them already."""
+    flags = ready_rows(samples)
+    lengths = row_lengths(samples) if lengths is None else lengths
     ready = [i for i, flag in enumerate(flags) if flag]
     others = [i for i, flag in enumerate(flags) if not flag]
     return PackedRows(
