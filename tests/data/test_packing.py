@@ -9,7 +9,7 @@ from loading_helpers import save_tokenizer
 
 from pl_lowprec.data import TextDataModule
 from pl_lowprec.data.collate import PackedCollate
-from pl_lowprec.data.packing import PackedRows, best_fit_decreasing, document_row, pack_row
+from pl_lowprec.data.packing import PackedRows, best_fit_decreasing, document_row, pack_row, padding_fraction
 from pl_lowprec.data.resumable import ResumableSampler
 
 pytest.importorskip("transformers")
@@ -157,3 +157,21 @@ def test_a_module_that_does_not_declare_packed_batches_is_refused(tmp_path, toke
     with pytest.raises(ValueError, match=refused):
         data.setup("fit")
     assert data.train_set is None  # refused before any data is read
+
+
+def test_the_padding_without_packing_is_that_of_the_samples_in_their_own_order(tmp_path, tokenizer_dir, caplog):
+    """Two files: each gives its samples, then its text blocks, so packing's split (samples, then every block)
+    is another order, whose padding differs."""
+    files = []
+    for name in ("a", "b"):
+        texts = [{"text": "import os\n" * (3 + i % 11)} for i in range(12)]
+        samples = [{"prompt": "def f(x):" + " x" * (i % 13), "completion": " y"} for i in range(20)]
+        files.append(_jsonl(tmp_path / f"{name}.jsonl", texts + samples))
+    kwargs = {"train_files": files, "tokenizer": str(tokenizer_dir), "seq_len": 64, "batch_size": 4, "val_fraction": 0}
+    plain = TextDataModule(**kwargs)
+    plain.setup("fit")
+    with caplog.at_level(logging.INFO):
+        TextDataModule(**kwargs, packing=True).setup("fit")
+    line = next(r.getMessage() for r in caplog.records if "packing=True" in r.getMessage())
+    unpacked = padding_fraction([len(s["input_ids"]) for s in plain.train_set], 4, plain.seed)
+    assert f"padding {unpacked:.1%} of the batch tokens without packing" in line, line
