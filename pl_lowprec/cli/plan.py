@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from pl_lowprec._checks import int_at_least
+from pl_lowprec.cli.arguments import options, read_config
 from pl_lowprec.cli.estimate import check_devices, device_of, devices_of, precision_of
 from pl_lowprec.cli.rebuild import config_files, passed_on, rebuild_classes
 from pl_lowprec.distributed.sharding import Sharding
@@ -313,18 +314,12 @@ def merged_fields(cli_args: list[str]) -> dict[str, Any]:
     LightningCLI merges them: a later one wins, dicts merge key by key, and a node that names another
     ``class_path`` replaces the earlier one."""
     fields: dict[str, Any] = {}
-    args = iter(cli_args)
-    for arg in args:
-        if not arg.startswith("--"):
-            continue
-        name, sep, value = arg[2:].partition("=")
-        value = value if sep else next(args, "true")
-        if name == "config":
-            path = Path(value)
-            loaded = yaml.safe_load(path.read_text() if path.is_file() else value) or {}
+    for option in options(cli_args):
+        if option.name == "--config":
+            loaded, _ = read_config(option.value)
             fields = _merge(fields, loaded) if isinstance(loaded, dict) else fields
-        else:
-            _set(fields, name, yaml.safe_load(value))
+        elif option.name:
+            _set(fields, option.name[2:], yaml.safe_load(option.value))
     return fields
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import yaml
 
+from pl_lowprec.cli.arguments import config_values, options, read_config
 from pl_lowprec.cli.lightning_cli import LowPrecisionCLI, build_cli
 
 KEPT_KEYS = ("seed_everything", "trainer", "model", "data")
@@ -91,26 +92,23 @@ def without_run_keys(cli_args: list[str]) -> list[str]:
     """``cli_args`` with each ``--config`` file given inline as ``rebuild_config`` of it, after checking that the
     classes it names can be imported."""
     out: list[str] = []
-    args = iter(cli_args)
-    for arg in args:
-        name, _, value = arg.partition("=")
-        if name != "--config":
-            out.append(arg)
+    for option in options(cli_args):
+        if option.name != "--config":
+            out += option.given
             continue
-        value = value or next(args, "")
-        path = Path(value)
-        fields = yaml.safe_load(path.read_text()) if path.is_file() else yaml.safe_load(value)
+        fields, source = read_config(option.value)
         if isinstance(fields, dict):
             fields = rebuild_config(fields)
-            check_importable(fields, str(path) if path.is_file() else "the --config given inline")
-            value = yaml.safe_dump(fields)
-        out += ["--config", value]
+            check_importable(fields, source)
+            out += ["--config", yaml.safe_dump(fields)]
+        else:
+            out += ["--config", option.value]
     return out
 
 
 def with_config(checkpoint: Path, cli_args: list[str], parser: argparse.ArgumentParser) -> list[str]:
     """``cli_args``, with the run's saved ``config.yaml`` in front when no ``--config`` is given."""
-    if any(a == "--config" or a.startswith("--config=") for a in cli_args):
+    if config_values(cli_args):
         return cli_args
     found = default_config(checkpoint)
     if found is None:
@@ -139,12 +137,7 @@ def passed_on(
 
 def config_files(cli_args: list[str]) -> dict[str, Path | None]:
     """The ``--config`` files among ``cli_args``, as ``{what: path}`` for the inputs ``--out`` must spare."""
-    paths: list[Path] = []
-    args = iter(cli_args)
-    for arg in args:
-        name, _, value = arg.partition("=")
-        if name == "--config":
-            paths.append(Path(value or next(args, "")))
+    paths = [Path(value) for value in config_values(cli_args)]
     return {"config" if len(paths) == 1 else f"config ({i + 1} of {len(paths)})": path for i, path in enumerate(paths)}
 
 

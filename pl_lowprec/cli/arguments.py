@@ -1,0 +1,53 @@
+"""A command line's ``--config`` files and ``--key=value`` overrides, read in one place: ``plan`` merges them
+into the config it writes, the rebuild hands them to LightningCLI with the run-only keys dropped, and ``export``,
+``generate`` and ``plan`` list the files they must never write over."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@dataclass(frozen=True)
+class Option:
+    """One argument as given: ``--name=value``, ``--name value``, a bare ``--flag`` (value ``"true"``, as
+    jsonargparse reads it) or a positional argument (``name`` empty)."""
+
+    name: str
+    value: str
+    given: tuple[str, ...]
+
+
+def options(cli_args: list[str]) -> Iterator[Option]:
+    """``cli_args`` as options, in order; an option's value is the next argument unless that is itself an option."""
+    index = 0
+    while index < len(cli_args):
+        arg = cli_args[index]
+        name, equals, value = arg.partition("=")
+        if not arg.startswith("--"):
+            yield Option("", arg, (arg,))
+        elif equals:
+            yield Option(name, value, (arg,))
+        elif index + 1 < len(cli_args) and not cli_args[index + 1].startswith("--"):
+            index += 1
+            yield Option(name, cli_args[index], (arg, cli_args[index]))
+        else:
+            yield Option(name, "true", (arg,))
+        index += 1
+
+
+def config_values(cli_args: list[str]) -> list[str]:
+    """The values of ``--config``, in order: paths of YAML files, or YAML given inline."""
+    return [option.value for option in options(cli_args) if option.name == "--config"]
+
+
+def read_config(value: str) -> tuple[Any, str]:
+    """A ``--config`` value's fields (a YAML file's, or the YAML given inline) and where they come from, in words."""
+    path = Path(value)
+    if path.is_file():
+        return yaml.safe_load(path.read_text()), str(path)
+    return yaml.safe_load(value), "the --config given inline"
