@@ -144,10 +144,7 @@ def main(args: list[str] | None = None) -> None:
     if options.plot:
         import_matplotlib_pyplot()  # a missing matplotlib fails before the estimate runs
     if options.gpu:
-        try:
-            device_spec(options.gpu)
-        except ValueError as error:
-            parser.exit(2, f"{parser.prog}: error: {error}\n")
+        device_spec(options.gpu)  # an unknown GPU is refused (``dispatch``'s refusals) before the estimate runs
     arguments = estimate_arguments(passed_on(parser, args))
     estimate = estimate_memory(**arguments, time_on=options.gpu)
     print(estimate.table())

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pl_lowprec import estimate_memory
+from pl_lowprec.cli.dispatch import main as pl_lowprec_cli
 from pl_lowprec.cli.estimate import main as estimate_cli
 from pl_lowprec.demo import TinyLlama
 from pl_lowprec.memory.devices import GPUS, DeviceSpec, device_spec
@@ -210,11 +211,17 @@ def test_estimate_prints_the_step_time_line(capsys):
     assert any(line.startswith("Predicted step time on H100 (SXM, 80 GB): ") for line in lines), lines[-3:]
 
 
-def test_estimate_refuses_an_unknown_gpu_in_one_paragraph(capsys):
+def test_estimate_refuses_an_unknown_gpu_in_one_paragraph_before_estimating(capsys, monkeypatch):
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the estimate ran before the unknown GPU was refused")
+
+    monkeypatch.setattr("pl_lowprec.cli.estimate.estimate_arguments", must_not_run)
     with pytest.raises(SystemExit) as exit_:
-        estimate_cli(["--config", str(ROOT / "configs/quickstart.yaml"), "--gpu", "V100"])
+        pl_lowprec_cli(["estimate", "--config", str(ROOT / "configs/quickstart.yaml"), "--gpu", "V100"])
     assert exit_.value.code == 2
-    assert "No figures for a GPU named 'V100'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("pl-lowprec estimate: error: No figures for a GPU named 'V100'"), err
+    assert "H100" in err and "Traceback" not in err
 
 
 def _tiny():
