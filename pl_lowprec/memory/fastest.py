@@ -255,11 +255,12 @@ def faster_settings_line(
 ) -> str | None:
     """Where the device's memory is not known (``pl-lowprec estimate`` of a config with ``"auto"`` settings, which
     reports the memory-saving ones): the fastest candidate, its peak, and the free memory from which ``fit`` takes
-    it. ``kwargs``: ``config`` and the rest as ``fastest_fitting`` takes them. ``None`` when there is one
-    candidate (nothing to choose)."""
-    search = fastest_fitting(build_model, example_batch, sys.maxsize, precision, device, **kwargs)
-    if search.candidates < 2:
+    it. ``kwargs``: ``config`` and the rest as ``fastest_fitting`` takes them. ``None``, with nothing simulated,
+    when there is one candidate (nothing to choose)."""
+    order, _ = ladder(build_model, precision, torch.device(device), kwargs["config"])
+    if len(order) < 2:
         return None
+    search = fastest_fitting(build_model, example_batch, sys.maxsize, precision, device, **kwargs)
     peak = search.estimate.peak
     free = math.ceil(peak / (1 - MARGIN) / 2**30 * 100) / 100
     return (

@@ -14,7 +14,7 @@ from qlora_helpers import tiny_llama
 
 from pl_lowprec import estimate_memory
 from pl_lowprec.cli.estimate import main as estimate_main
-from pl_lowprec.memory.fastest import MARGIN, fastest_fitting
+from pl_lowprec.memory.fastest import MARGIN, faster_settings_line, fastest_fitting
 from pl_lowprec.transforms.config import TransformConfig
 
 pytest.importorskip("peft")
@@ -96,6 +96,20 @@ def test_where_nothing_chooses_auto_is_the_memory_saving_side():
     assert auto.as_dict() == saving.as_dict() and auto.peak_split == saving.peak_split
     plain = estimate_memory(build, BATCH, precision="bf16-mixed", lora=LORA, memory_saving=False)
     assert plain.peak > estimate_memory(build, BATCH, precision="bf16-mixed", lora=LORA).peak  # the switch works
+
+
+def test_the_faster_settings_line_simulates_nothing_where_there_is_nothing_to_choose(monkeypatch):
+    """Explicit settings leave one candidate: no line, and no simulated step spent finding that out."""
+    simulated = []
+    real = fastest_fitting.__globals__["estimate_memory"]
+    monkeypatch.setitem(
+        fastest_fitting.__globals__, "estimate_memory", lambda *a, **k: simulated.append(1) or real(*a, **k)
+    )
+    explicit = TransformConfig(lora=LORA, memory_saving=False, activation_checkpointing=None)
+    assert faster_settings_line(build, BATCH, "bf16-mixed", "cpu", config=explicit) is None
+    assert simulated == []
+    line = faster_settings_line(build, BATCH, "bf16-mixed", "cpu", config=TransformConfig(lora=LORA, **AUTO))
+    assert line.startswith("On a device with at least ") and simulated == [1]  # the fastest candidate only
 
 
 def test_bad_values_are_refused_with_what_is_allowed():
