@@ -37,7 +37,8 @@ def first_training_batch(trainer: Any) -> Any:
 def check_memory_budget(
     budget: int,
     module: nn.Module,
-    trainer: Any,
+    batch: Any,
+    accumulate: int,
     precision: str,
     device: torch.device,
     config: TransformConfig,
@@ -45,11 +46,10 @@ def check_memory_budget(
     world_size: int = 1,
     estimate: MemoryEstimate | None = None,
 ) -> MemoryEstimate:
-    """Predict the peak of one optimizer step (or take ``estimate``, made for ``config`` already); ``ValueError``
-    naming the plan's settings when it exceeds ``budget``."""
+    """Predict the peak of one optimizer step of ``batch`` (``first_training_batch``), ``accumulate`` micro-batches
+    each, or take ``estimate``, made for ``config`` already; ``ValueError`` naming the plan's settings when it exceeds
+    ``budget``."""
     build = fresh_copies(module)  # each call a meta copy: the estimate transforms its own, the module stays
-    batch = first_training_batch(trainer)
-    accumulate = int(trainer.accumulate_grad_batches)
     if estimate is None:
         with quiet_setup_logs():  # the run prints its setup lines itself, once, when it loads
             estimate = estimate_memory(

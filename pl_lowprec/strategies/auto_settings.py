@@ -16,15 +16,17 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from pl_lowprec.memory.budget import first_training_batch
 from pl_lowprec.memory.fastest import MARGIN, Search, fastest_fitting
 from pl_lowprec.memory.plan import fresh_copies
 from pl_lowprec.memory.process import available_memory
 from pl_lowprec.memory.sizes import format_bytes
 
 
-def choose_memory_settings(strategy: Any, trainer: Any, precision: str, budget: int | None) -> Search | None:
-    """Resolve ``strategy.transform_config``'s ``"auto"`` settings for the device, log the choice once, and return
+def choose_memory_settings(
+    strategy: Any, trainer: Any, batch: Any, precision: str, budget: int | None
+) -> Search | None:
+    """Resolve ``strategy.transform_config``'s ``"auto"`` settings for the device with one ``batch`` of the run's
+    data (``first_training_batch``), log the choice once, and return
     the search (``None`` where the device's memory cannot be read: the ``"auto"`` settings then stay on their
     memory-saving side)."""
     device = strategy.root_device
@@ -36,7 +38,7 @@ def choose_memory_settings(strategy: Any, trainer: Any, precision: str, budget: 
     try:
         search = fastest_fitting(
             fresh_copies(strategy.lightning_module),  # each call a meta copy: the estimate transforms its own
-            first_training_batch(trainer),
+            batch,
             limit,
             precision,
             device,

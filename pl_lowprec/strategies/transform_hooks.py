@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from pl_lowprec.memory.budget import check_memory_budget
+from pl_lowprec.memory.budget import check_memory_budget, first_training_batch
 from pl_lowprec.strategies.auto_settings import choose_memory_settings
 from pl_lowprec.strategies.garbage_collection import freeze_long_lived_objects, unfreeze
 from pl_lowprec.strategies.trainer_checks import check_trainer_arguments
@@ -47,16 +47,18 @@ class TransformHooks(TransformArguments):
         plugin = self.precision_plugin
         if hasattr(plugin, "resolve"):  # AMPPrecision("auto") chooses for the device
             plugin.resolve(self.root_device)
+        batch = first_training_batch(trainer)  # one draw serves the choice and the budget's check
         search = None
         if config.chooses_automatically:
-            search = choose_memory_settings(self, trainer, str(plugin.precision), self.memory_budget)
+            search = choose_memory_settings(self, trainer, batch, str(plugin.precision), self.memory_budget)
             self.automatic_choice = search
         if self.memory_budget is None or (search is not None and search.fits):
             return  # the choice's line gave the peak within the budget
         check_memory_budget(
             self.memory_budget,
             self.lightning_module,
-            trainer,
+            batch,
+            int(trainer.accumulate_grad_batches),
             str(plugin.precision),
             self.root_device,
             self.transform_config,

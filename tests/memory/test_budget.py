@@ -91,6 +91,29 @@ def test_a_budget_below_anything_possible_says_what_dominates(caplog):
     assert "LoRA on " not in caplog.text and "Activation checkpointing" not in caplog.text, caplog.text
 
 
+class CountingLoader(DataLoader):
+    """Counts the iterators drawn from it: each is a batch drawn before the run."""
+
+    drawn = 0
+
+    def __iter__(self):
+        CountingLoader.drawn += 1
+        return super().__iter__()
+
+
+def test_the_automatic_choice_and_the_budget_check_draw_one_batch_between_them():
+    rows = list(_loader(batch_size=1).dataset)
+    loader = CountingLoader(rows, batch_size=1)
+    CountingLoader.drawn = 0
+    strategy = LowPrecisionStrategy(
+        lora=LORA, memory_budget="1KiB", memory_saving="auto", activation_checkpointing="auto"
+    )
+    trainer = quiet_trainer(strategy=strategy, precision="bf16-mixed", max_steps=1)
+    with pytest.raises(ValueError, match=r"memory_budget=1\.00 KiB: .*Nothing fits"):
+        trainer.fit(tiny_llama(hidden_size=64), loader)
+    assert CountingLoader.drawn == 1  # the refusal's plan reuses the batch the choice simulated
+
+
 def test_small_sizes_read_as_sizes():
     from pl_lowprec.memory.sizes import format_bytes
 
