@@ -2,6 +2,8 @@
 
 Run (a lent GPU; every default contender at both models, about 9 minutes): python benchmarks/gpu_peers.py
 CPU check of the same code path (tiny shapes, a minute): python benchmarks/gpu_peers.py --models tiny
+CPU proxy of the host's share of a 1B step (its 16 blocks, tiny widths; docs/benchmarks.md): python
+benchmarks/gpu_peers.py --models host --contenders hf,auto,saving,compile --seq 128 --batch 2 --steps 12 --time-from 4
 
 Each model is random bf16 weights written from its ``config.json`` (``model_shapes.py``) as sharded safetensors,
 batch 2 x 2048 (``--batch``, ``--seq``), LoRA r=16 alpha 32 on every linear layer, nf4 with double quantization,
@@ -46,6 +48,12 @@ HERE = Path(__file__).resolve().parent
 GiB = 2**30
 TINY = SHAPES["1b"] | {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "vocab_size": 4096}
 TINY |= {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32}
+# Llama-3.2-1B's 16 blocks and every op of its step at widths too small to compute much: on a CPU its step time is
+# the host's (Python, the dispatcher, autograd, Lightning's or Trainer's loop), which a GPU step waits on when the
+# GPU is faster than the host can launch.
+HOST = SHAPES["1b"] | {"hidden_size": 64, "intermediate_size": 128, "vocab_size": 512, "head_dim": 16}
+HOST |= {"num_attention_heads": 4, "num_key_value_heads": 2}
+SMALL_SHAPES = {"tiny": TINY, "host": HOST}
 
 # contender -> train_once.py arguments (besides the shared ones)
 CONTENDERS: dict[str, list[str]] = {
@@ -199,7 +207,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--models", default="1b,8b", help="comma-separated: 1b, 8b, qwen-0.5b, mistral-7b (model_shapes.py), tiny"
+        "--models", default="1b,8b", help="comma-separated: 1b, 8b, qwen-0.5b, mistral-7b (model_shapes.py), tiny, host"
     )
     parser.add_argument("--contenders", default="hf,auto,saving,compile,unsloth")
     parser.add_argument("--batch", type=int, default=2)
@@ -219,7 +227,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         print("Unsloth: not run (--contenders unsloth runs it where it is installed).", flush=True)
     rows: list[dict[str, Any]] = []
     for model in args.models.split(","):
-        config = TINY if model == "tiny" else SHAPES[model]
+        config = SMALL_SHAPES.get(model) or SHAPES[model]
         with tempfile.TemporaryDirectory() as scratch:
             directory = Path(args.keep_models, model) if args.keep_models else Path(scratch)
             started = time.perf_counter()

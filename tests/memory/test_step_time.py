@@ -132,6 +132,37 @@ def test_a_compiled_step_waits_for_no_launch_on_a_gpu_and_still_dispatches_on_a_
     assert predict_step_time(compiled, cpu).launch_overhead == predict_step_time(eager, cpu).launch_overhead
 
 
+def test_the_host_proxy_launches_the_kernels_of_the_1b_step(tmp_path):
+    """gpu_peers.py --models host (docs/benchmarks.md, the host's share of a step): Llama-3.2-1B's blocks at tiny
+    widths run the same kernels as the real shapes, so its CPU step time is the host's share of theirs."""
+    import json
+    import sys
+
+    from pl_lowprec.models import CausalLM
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_peers
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    ids = torch.zeros(2, 128, dtype=torch.long)
+    lora = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": "all-linear"}
+    launches = {}
+    for name, config in (("host", gpu_peers.SMALL_SHAPES["host"]), ("1b", gpu_peers.SHAPES["1b"])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        estimate = estimate_memory(
+            lambda name=name: CausalLM(str(tmp_path / name), dtype="bfloat16"),
+            {"input_ids": ids, "labels": ids},
+            precision="bf16-mixed",
+            quantization="nf4-dq",
+            lora=lora,
+            memory_saving=False,  # the path auto chooses where memory is free, as on the H200
+        )
+        launches[name] = estimate.ops.launches
+    assert launches["host"] == launches["1b"] > 6000, launches
+
+
 def test_the_compiled_memory_saving_step_of_llama_3_2_1b_is_predicted_near_the_h100_measurement(tmp_path):
     """docs/benchmarks.md, gpu_peers run 3 (an H100, torch 2.11): the memory-saving path with compile= at
     Llama-3.2-1B's shapes, batch 2 x 2048, stepped in 0.125 s; timed as eager kernels it was predicted at 0.295 s."""
