@@ -42,18 +42,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from model_shapes import SHAPES
+from model_shapes import SHAPES, SMALL_SHAPES
 
 HERE = Path(__file__).resolve().parent
 GiB = 2**30
-TINY = SHAPES["1b"] | {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "vocab_size": 4096}
-TINY |= {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32}
-# Llama-3.2-1B's 16 blocks and every op of its step at widths too small to compute much: on a CPU its step time is
-# the host's (Python, the dispatcher, autograd, Lightning's or Trainer's loop), which a GPU step waits on when the
-# GPU is faster than the host can launch.
-HOST = SHAPES["1b"] | {"hidden_size": 64, "intermediate_size": 128, "vocab_size": 512, "head_dim": 16}
-HOST |= {"num_attention_heads": 4, "num_key_value_heads": 2}
-SMALL_SHAPES = {"tiny": TINY, "host": HOST}
 
 # contender -> train_once.py arguments (besides the shared ones)
 CONTENDERS: dict[str, list[str]] = {

@@ -51,3 +51,13 @@ SHAPES = {
     "qwen-0.5b": _tests.QWEN25_05B,  # qkv biases, 14/2 heads, MLP 4864, tied, vocab 151,936; held out from the fits
     "mistral-7b": _tests.MISTRAL_7B_V03,  # Llama-3.1-8B's blocks, vocab 32,768; held out from the fits
 }
+
+# The CPU check of the GPU benchmark's code path: 2 small blocks.
+TINY = SHAPES["1b"] | {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "vocab_size": 4096}
+TINY |= {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32}
+# Llama-3.2-1B's 16 blocks and every op of its step at widths too small to compute much: on a CPU its step time is
+# the host's (Python, the dispatcher, autograd, Lightning's or Trainer's loop), which a GPU step waits on when the
+# GPU is faster than the host can launch.
+HOST = SHAPES["1b"] | {"hidden_size": 64, "intermediate_size": 128, "vocab_size": 512, "head_dim": 16}
+HOST |= {"num_attention_heads": 4, "num_key_value_heads": 2}
+SMALL_SHAPES = {"tiny": TINY, "host": HOST}

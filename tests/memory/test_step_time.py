@@ -133,22 +133,22 @@ def test_a_compiled_step_waits_for_no_launch_on_a_gpu_and_still_dispatches_on_a_
 
 
 def test_the_host_proxy_launches_the_kernels_of_the_1b_step(tmp_path):
-    """gpu_peers.py --models host (docs/benchmarks.md, the host's share of a step): Llama-3.2-1B's blocks at tiny
-    widths run the same kernels as the real shapes, so its CPU step time is the host's share of theirs."""
+    """gpu_peers.py --models host (benchmarks/model_shapes.py; docs/benchmarks.md, the host's share of a step):
+    Llama-3.2-1B's blocks at tiny widths run the same kernels as the real shapes, so its CPU step time is the
+    host's share of theirs."""
+    import importlib.util
     import json
-    import sys
 
     from pl_lowprec.models import CausalLM
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import gpu_peers
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    # by path: tests/model_shapes.py is a module of the same name
+    spec = importlib.util.spec_from_file_location("benchmark_model_shapes", ROOT / "benchmarks" / "model_shapes.py")
+    shapes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shapes)
     ids = torch.zeros(2, 128, dtype=torch.long)
     lora = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": "all-linear"}
     launches = {}
-    for name, config in (("host", gpu_peers.SMALL_SHAPES["host"]), ("1b", gpu_peers.SHAPES["1b"])):
+    for name, config in (("host", shapes.SMALL_SHAPES["host"]), ("1b", shapes.SHAPES["1b"])):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(config))
         estimate = estimate_memory(
