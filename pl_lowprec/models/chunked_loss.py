@@ -24,15 +24,18 @@ from pl_lowprec.models.token_loss import IGNORE_INDEX
 from pl_lowprec.transforms.selective_checkpointing import traced_full_checkpoint_args
 
 
-def _logits_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, grouped: bool = True) -> torch.Tensor:
+def _dense_rows(hidden: torch.Tensor) -> torch.Tensor:
     # A chunk is a strided view of the hidden states; its recompute may get a dense copy (activation offloading
     # moves checkpoint inputs to host and back), and matmul takes another path for each, saving tensors of other
     # shapes, which the checkpoint refuses. Dense in both: a chunk-sized temporary. Rows as a 2-D matrix: a 3-D
     # chunk of one sequence is "contiguous" but not foldable, and matmul then runs it as a bmm (18 GFLOP/s in bf16
     # on a CPU, against 289 for the mm of the same rows; benchmarks/dispatch_proxy.py found it).
-    rows = hidden.contiguous().reshape(-1, hidden.size(-1))
+    return hidden.contiguous().reshape(-1, hidden.size(-1))
+
+
+def _logits_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, grouped: bool = True) -> torch.Tensor:
     loss = cross_entropy_sum if grouped else plain_cross_entropy_sum
-    return loss(head(rows), labels.reshape(-1))
+    return loss(head(_dense_rows(hidden)), labels.reshape(-1))
 
 
 def chunk_loss(
@@ -91,8 +94,7 @@ def compiled_chunk_loss_standin(
     cross-entropy in row groups run as the eager step runs them: their compiled forms were not measured apart."""
     if recompute or grouped:
         return chunk_loss(head, hidden, labels, recompute, grouped)
-    rows = hidden.contiguous().reshape(-1, hidden.size(-1))
-    return _FusedCrossEntropyStandIn.apply(head(rows), labels.reshape(-1))
+    return _FusedCrossEntropyStandIn.apply(head(_dense_rows(hidden)), labels.reshape(-1))
 
 
 ChunkLoss = Callable[..., torch.Tensor]
