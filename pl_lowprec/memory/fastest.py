@@ -230,6 +230,36 @@ def fastest_fitting(
     whose peak is at most ``limit`` bytes. The other arguments as ``estimate_memory`` takes them."""
     device = torch.device(device)
     order, blocks = ladder(build_model, precision, device, config)
+    return search_ladder(
+        order,
+        blocks,
+        build_model,
+        example_batch,
+        limit,
+        precision,
+        device,
+        config,
+        accumulate_grad_batches,
+        sharding,
+        world_size,
+    )
+
+
+def search_ladder(
+    order: list[MemorySettings],
+    blocks: list[str],
+    build_model: Callable[[], nn.Module],
+    example_batch: Any,
+    limit: int,
+    precision: str,
+    device: torch.device,
+    config: TransformConfig,
+    accumulate_grad_batches: int = 1,
+    sharding: Sharding | None = None,
+    world_size: int = 1,
+) -> Search:
+    """``fastest_fitting`` over the candidates ``ladder`` gave (``order``, fastest first, and the declared
+    ``blocks``)."""
     search = Search(limit, len(order))
     with quiet_setup_logs():  # each simulated transform would repeat what the run says once
         for settings in order:
@@ -257,10 +287,11 @@ def faster_settings_line(
     reports the memory-saving ones): the fastest candidate, its peak, and the free memory from which ``fit`` takes
     it. ``kwargs``: ``config`` and the rest as ``fastest_fitting`` takes them. ``None``, with nothing simulated,
     when there is one candidate (nothing to choose)."""
-    order, _ = ladder(build_model, precision, torch.device(device), kwargs["config"])
+    device = torch.device(device)
+    order, blocks = ladder(build_model, precision, device, kwargs["config"])
     if len(order) < 2:
         return None
-    search = fastest_fitting(build_model, example_batch, sys.maxsize, precision, device, **kwargs)
+    search = search_ladder(order, blocks, build_model, example_batch, sys.maxsize, precision, device, **kwargs)
     peak = search.estimate.peak
     free = math.ceil(peak / (1 - MARGIN) / 2**30 * 100) / 100
     return (
