@@ -4,7 +4,9 @@ The same path as resuming a fit: Lightning's ``configure_model`` hook runs under
 contexts, the strategy's ``ModelTransform`` loads the pretrained weights (quantizing as they stream in) and
 injects the adapters, and the checkpoint's weights load into it. Nothing is trained; no process group is started,
 so a DDP config restores in one process, and an FSDP config restores unsharded (the adapters are the same tensors
-either way). The run itself is rebuilt from its config by ``pl_lowprec.cli.rebuild``.
+either way). The ``"auto"`` memory settings take the fastest side (``nothing_traded``): without a backward pass
+checkpointing and the memory-saving paths save nothing. The run itself is rebuilt from its config by
+``pl_lowprec.cli.rebuild``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 
 from pl_lowprec.adapters import CheckpointMismatch, find_base_model
 from pl_lowprec.loading import PretrainedWeights
+from pl_lowprec.memory.fastest import nothing_traded
 from pl_lowprec.transforms.lora import has_lora
 from pl_lowprec.transforms.pipeline import ModelTransform
 
@@ -50,8 +53,9 @@ def restore(checkpoint: str | Path, trainer: Any, module: nn.Module, datamodule:
     if not checkpoint.is_file():
         raise FileNotFoundError(f"Checkpoint {str(checkpoint)!r} does not exist (a Lightning .ckpt file).")
     transform = strategy_transform(trainer)
-    if transform.sharding is not None:  # restore unsharded, in this one process (bitsandbytes storage)
-        transform = ModelTransform(transform.config)
+    config = nothing_traded(transform.config)  # nothing trains here, so "auto" takes the fastest settings
+    if transform.sharding is not None or config is not transform.config:  # unsharded, in this one process
+        transform = ModelTransform(config)
     state = trainer.strategy.load_checkpoint(checkpoint)
     if not isinstance(state, dict) or "state_dict" not in state:
         raise ValueError(f"{str(checkpoint)!r} is not a Lightning checkpoint: it has no 'state_dict'.")

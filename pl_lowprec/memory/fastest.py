@@ -138,6 +138,14 @@ def settings_config(config: TransformConfig, settings: MemorySettings, blocks: l
     return dataclasses.replace(config, **changes)
 
 
+def nothing_traded(config: TransformConfig) -> TransformConfig:
+    """``config`` with its ``"auto"`` settings on the ladder's first rung, for a run that does not train
+    (``export``, ``generate``): without a backward pass the memory-saving paths and checkpointing save nothing."""
+    if not config.chooses_automatically:
+        return config
+    return settings_config(config, MemorySettings(*LADDER[0]), blocks=[])
+
+
 @dataclass
 class Search:
     """The candidates simulated, fastest first, up to the first that fits (all of them when none does)."""

@@ -210,6 +210,23 @@ def test_generate_from_the_checkpoint_the_merged_model_and_the_adapter_agree(pre
     assert len(set(completions["merged"])) > 1 and all(c.strip() for c in completions["merged"])
 
 
+def test_restoring_a_config_with_auto_settings_takes_the_fastest_side(qlora_run):
+    """The shipped configs' ``"auto"`` settings, restored for export or generate: nothing trains there, so no block
+    is checkpointed, no MLP is fused and the loss is not chunked (fit's choice needs a device and a backward)."""
+    from pl_lowprec.cli.rebuild import rebuild
+    from pl_lowprec.export.restore import restore
+    from pl_lowprec.transforms.checkpointing import is_checkpointed
+    from pl_lowprec.transforms.fused_lora_mlp import _HOOKED
+
+    _, checkpoint, args = qlora_run
+    shipped = [a for a in args if "activation_checkpointing" not in a and "precision" not in a]
+    run = rebuild([*shipped, "--trainer.precision=bf16-mixed"])  # the block paths apply to LoRA under bf16
+    assert run.trainer.strategy.transform.config.chooses_automatically
+    module = restore(checkpoint, run.trainer, run.model, run.datamodule).module
+    assert not any(is_checkpointed(m) or getattr(m, _HOOKED, False) for m in module.modules())
+    assert module.loss_chunk is None and not module.grouped_cross_entropy
+
+
 def test_generate_reads_txt_prompts_and_names_bad_records(tmp_path):
     from pl_lowprec.export.generate import Decoding, read_prompts
 
