@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from pl_lowprec.memory.budget import check_memory_budget, first_training_batch
 from pl_lowprec.strategies.auto_settings import choose_memory_settings
 from pl_lowprec.strategies.garbage_collection import freeze_long_lived_objects, unfreeze
+from pl_lowprec.strategies.step_clock import StepClock, step_time_line
 from pl_lowprec.strategies.trainer_checks import check_trainer_arguments
 from pl_lowprec.strategies.transform_args import TransformArguments
 from pl_lowprec.transforms.weight_sources import teardown_with_meta
@@ -28,6 +29,8 @@ class TransformHooks(TransformArguments):
 
     _memory_settled = False
     automatic_choice: Any = None  # the Search behind the "auto" settings, once fit has chosen them
+    prediction: Any = None  # the MemoryEstimate of the settings fit runs, where "auto" or memory_budget made one
+    step_clock: StepClock | None = None  # the run's optimizer steps, to set beside the prediction at the end
     _frozen: tuple[int, float] | None = None
 
     def setup(self, trainer: pl.Trainer) -> None:
@@ -52,9 +55,10 @@ class TransformHooks(TransformArguments):
         if config.chooses_automatically:
             search = choose_memory_settings(self, trainer, batch, str(plugin.precision), self.memory_budget)
             self.automatic_choice = search
+            self.prediction = search.estimate if search is not None else None
         if self.memory_budget is None or (search is not None and search.fits):
             return  # the choice's line gave the peak within the budget
-        check_memory_budget(
+        self.prediction = check_memory_budget(
             self.memory_budget,
             self.lightning_module,
             batch,
@@ -88,10 +92,13 @@ class TransformHooks(TransformArguments):
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().optimizer_step(*args, **kwargs)
         self.transform.after_optimizer_step()
+        if self.step_clock is not None:
+            self.step_clock.tick()
         return output
 
     def on_train_start(self) -> None:
         super().on_train_start()
+        self.step_clock = StepClock()
         self._frozen = freeze_long_lived_objects()
         if self._frozen is not None:
             frozen, seconds = self._frozen
@@ -104,6 +111,10 @@ class TransformHooks(TransformArguments):
     def on_train_end(self) -> None:
         super().on_train_end()
         self.transform.on_fit_end(self.lightning_module)
+        predicted = getattr(self.prediction, "step_time", None)
+        line = step_time_line(self.step_clock, predicted) if self.step_clock and predicted else None
+        if line:
+            rank_zero_info(line)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return self.transform.state_dict(self.lightning_module)

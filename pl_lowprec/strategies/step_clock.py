@@ -1,0 +1,62 @@
+"""The run's own step time beside the one predicted before it loaded.
+
+The ``"auto"`` settings and ``memory_budget=`` predict one optimizer step's time (``memory/step_time.py``) before
+anything loads, and the log says it. A prediction that misses should show in the user's own run, not only in a
+benchmark: ``StepClock`` takes the wall time between consecutive optimizer steps, and at the end of ``fit`` one line
+sets their median beside the prediction.
+
+- From the third optimizer step on: the first creates the optimizer state (and, with ``compile=``, compiles), the
+  second may still be warming up caches.
+- No device synchronisation, so timing costs the run nothing: in a steady state the host waits for the device once
+  per step anyway, so the interval between two steps is one step's time.
+- The median leaves out the steps that validate, save a checkpoint or log more than usual.
+- What is measured includes the data loader, Lightning's loop and logging, which the prediction leaves out (it
+  counts the step's kernels): the line says so.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from pl_lowprec.memory.step_time import StepTime
+
+FIRST_TIMED_STEP = 3  # the first creates the optimizer state (and compiles); the second may still warm caches
+
+
+@dataclass
+class StepClock:
+    """When each optimizer step ended (``time.perf_counter``), in order."""
+
+    ends: list[float] = field(default_factory=list)
+
+    def tick(self) -> None:
+        """Called once per optimizer step, after it."""
+        self.ends.append(time.perf_counter())
+
+    @property
+    def durations(self) -> list[float]:
+        """The seconds of each optimizer step from ``FIRST_TIMED_STEP`` on: the time since the step before ended."""
+        return [later - earlier for earlier, later in itertools.pairwise(self.ends[FIRST_TIMED_STEP - 2 :])]
+
+    @property
+    def median(self) -> float | None:
+        """The median of ``durations``; ``None`` when the run made fewer than ``FIRST_TIMED_STEP`` steps."""
+        return statistics.median(self.durations) if self.durations else None
+
+
+def step_time_line(clock: StepClock, predicted: StepTime) -> str | None:
+    """One line: the measured median beside ``predicted`` and their ratio; ``None`` with nothing to compare."""
+    measured = clock.median
+    if measured is None or predicted.seconds <= 0:
+        return None
+    count = len(clock.durations)
+    steps = f"the median of {count} steps from step {FIRST_TIMED_STEP} on" if count > 1 else f"step {FIRST_TIMED_STEP}"
+    return (
+        f"Step time of this run: {measured:.3f} s per optimizer step ({steps}); predicted before loading:"
+        f" {predicted.seconds:.3f} s on {predicted.device}, so the run took {measured / predicted.seconds:.2f}x the"
+        " prediction. The prediction counts the step's kernels; the run's time also holds the data loader,"
+        " Lightning's loop and logging."
+    )

@@ -1,0 +1,70 @@
+"""At the end of ``fit``, the run's own median optimizer step beside the step time predicted before loading."""
+
+import itertools
+import statistics
+import time
+
+import lightning.pytorch as pl
+import pytest
+from lightning_helpers import quiet_trainer
+from qlora_helpers import ids_loader, tiny_llama
+
+import pl_lowprec.strategies.auto_settings as auto_settings
+from pl_lowprec import LowPrecisionStrategy
+from pl_lowprec.strategies.step_clock import StepClock
+
+pytest.importorskip("peft")
+LORA = {"r": 4, "lora_alpha": 8}
+GiB = 2**30
+
+
+def test_the_durations_start_at_the_third_step_and_the_median_is_theirs():
+    clock = StepClock(ends=[0.0, 1.0, 3.0, 6.0, 10.0, 100.0])  # steps 1-6 ended at these times
+    assert clock.durations == [2.0, 3.0, 4.0, 90.0]  # steps 3-6: the first two warm up
+    assert clock.median == 3.5  # the 90 s step (a validation, a checkpoint) does not move it
+    assert StepClock(ends=[0.0, 1.0]).median is None
+
+
+class OptimizerStepTimes(pl.Callback):
+    """When each optimizer step starts, taken apart from the strategy's clock."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.starts.append(time.perf_counter())
+
+
+@pytest.mark.parametrize(
+    ("strategy", "predicted"),
+    [
+        ({"memory_saving": "auto", "activation_checkpointing": "auto"}, True),
+        ({"memory_saving": False, "memory_budget": "8GiB"}, True),
+        ({"memory_saving": False}, False),  # nothing was predicted, so nothing to compare
+    ],
+    ids=["auto settings", "memory_budget", "explicit settings"],
+)
+def test_fit_sets_its_median_step_beside_the_prediction(caplog, monkeypatch, strategy, predicted):
+    monkeypatch.setattr(auto_settings, "available_memory", lambda device: 64 * GiB)
+    built = LowPrecisionStrategy(lora=LORA, **strategy)
+    times = OptimizerStepTimes()
+    trainer = quiet_trainer(
+        strategy=built, precision="bf16-mixed", max_steps=6, accumulate_grad_batches=2, callbacks=[times]
+    )
+    with caplog.at_level("INFO"):
+        trainer.fit(tiny_llama(), ids_loader(batches=12, batch_size=2, seq_len=32))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Step time of this run")]
+    if not predicted:
+        assert built.prediction is None and lines == []
+        return
+    # 6 optimizer steps of 2 micro-batches: steps 3-6 timed, each from the end of the one before
+    own = [later - earlier for earlier, later in itertools.pairwise(times.starts[1:])]
+    assert len(built.step_clock.durations) == len(own) == 4
+    assert built.step_clock.median == pytest.approx(statistics.median(own), rel=0.1, abs=2e-3)
+    seconds = built.prediction.step_time.seconds
+    assert lines == [
+        f"Step time of this run: {built.step_clock.median:.3f} s per optimizer step (the median of 4 steps from step"
+        f" 3 on); predicted before loading: {seconds:.3f} s on {built.prediction.step_time.device}, so the run took"
+        f" {built.step_clock.median / seconds:.2f}x the prediction. The prediction counts the step's kernels; the"
+        " run's time also holds the data loader, Lightning's loop and logging."
+    ]
