@@ -26,6 +26,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from lightning.pytorch.strategies import StrategyRegistry
+
 from pl_lowprec._checks import CannotRunHere
 
 # Errors by which a class or a check refuses a value; anything else (a bug) keeps its traceback.
@@ -169,6 +171,21 @@ def own_error(err: BaseException) -> bool:
     """Whether ``err`` was raised outside jsonargparse, i.e. by the class it was building (not a wrapping)."""
     raised_in = _innermost_file(err)
     return raised_in is not None and f"{os.sep}jsonargparse{os.sep}" not in raised_in
+
+
+_STRATEGY_NAME = re.compile(r"invalid strategy name: `strategy='(?P<name>[^']*)'`")
+
+
+def with_strategy_names(message: str) -> str:
+    """Lightning's refusal of an unknown ``strategy=`` name lists a few of its own names only; add the closest
+    registered name and pl_lowprec's names (``import pl_lowprec`` registered them)."""
+    given = _STRATEGY_NAME.search(message)
+    if given is None:
+        return message
+    ours = sorted(name for name in StrategyRegistry.available_strategies() if name.startswith("lowprec"))
+    closest = difflib.get_close_matches(given.group("name"), StrategyRegistry.available_strategies(), n=1, cutoff=0.6)
+    hint = f" Did you mean {closest[0]!r}?" if closest else ""
+    return f"{message.rstrip('.')}.{hint} pl_lowprec's names: {', '.join(ours)}."
 
 
 def first_paragraph(text: str) -> str:

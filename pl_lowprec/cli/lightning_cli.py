@@ -41,6 +41,7 @@ from pl_lowprec.cli.config_errors import (
     refusal_message,
     refusals,
     refuse,
+    with_strategy_names,
 )
 from pl_lowprec.cli.resume import check_checkpoint, check_same_run, resolve_ckpt_path
 from pl_lowprec.strategies.trainer_checks import batches_started, check_trainer_arguments
@@ -143,7 +144,7 @@ class LowPrecisionCLI(LightningCLI):
             if refusal is None:
                 raise
             key = class_key(self._subcommand_config(), refusal.class_name) if refusal.class_name else None
-            refuse(refusal.paragraph(key))
+            refuse(with_strategy_names(refusal.paragraph(key)))
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         trainer = super().instantiate_trainer(**kwargs)

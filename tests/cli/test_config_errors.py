@@ -66,6 +66,8 @@ QUICKSTART_CASES = {
         (f"{AMP}.precision=16mixed", "'16mixed'", "Did you mean '16-mixed'?"),
         (f"{AMP}.float32_matmul_precision=hihg", "'hihg'", "Did you mean 'high'?"),
         (f"{AMP}.device=gpu", "'gpu'", "Allowed: 'cpu', 'cuda'"),
+        ("--trainer.strategy=lowprec_fsdpp", "'lowprec_fsdpp'", "Did you mean 'lowprec_fsdp'? pl_lowprec's names:"),
+        ("--trainer.strategy=qlora", "'qlora'", "pl_lowprec's names: lowprec, lowprec_ddp, lowprec_ddp_spawn,"),
     ],
     "numeric": [
         ("--trainer.accumulate_grad_batches=0", "accumulate_grad_batches=0"),
