@@ -22,12 +22,13 @@ def _resident_bytes() -> int:
 
 @linux_only
 def test_freed_heap_blocks_return_to_the_system():
+    release_freed_host_memory()  # what earlier tests freed would otherwise take some of the blocks below
     base = _resident_bytes()
     blocks = [torch.ones(2048) for _ in range(20_000)]  # 160 MiB in 8 KiB tensors: glibc's heap, not mmap
     del blocks
     kept = _resident_bytes() - base
     assert release_freed_host_memory()
-    assert kept > 100 * 2**20  # glibc kept what was freed...
+    assert kept > 80 * 2**20  # glibc kept most of what was freed...
     assert _resident_bytes() - base < kept / 4  # ...until trimmed
 
 
