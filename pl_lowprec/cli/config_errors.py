@@ -29,6 +29,7 @@ from typing import Any, NoReturn
 from lightning.pytorch.strategies import StrategyRegistry
 
 from pl_lowprec._checks import CannotRunHere
+from pl_lowprec.strategy_names import STRATEGY_NAMES
 
 # Errors by which a class or a check refuses a value; anything else (a bug) keeps its traceback.
 REFUSALS: tuple[type[BaseException], ...] = (ValueError, TypeError, ImportError, FileNotFoundError, CannotRunHere)
@@ -182,10 +183,9 @@ def with_strategy_names(message: str) -> str:
     given = _STRATEGY_NAME.search(message)
     if given is None:
         return message
-    ours = sorted(name for name in StrategyRegistry.available_strategies() if name.startswith("lowprec"))
     closest = difflib.get_close_matches(given.group("name"), StrategyRegistry.available_strategies(), n=1, cutoff=0.6)
     hint = f" Did you mean {closest[0]!r}?" if closest else ""
-    return f"{message.rstrip('.')}.{hint} pl_lowprec's names: {', '.join(ours)}."
+    return f"{message.rstrip('.')}.{hint} pl_lowprec's names: {', '.join(STRATEGY_NAMES)}."
 
 
 def first_paragraph(text: str) -> str:
