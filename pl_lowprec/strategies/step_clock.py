@@ -28,8 +28,9 @@ FIRST_TIMED_STEP = 3  # the first creates the optimizer state (and compiles); th
 
 @dataclass
 class StepClock:
-    """When each optimizer step ended (``time.perf_counter``), in order."""
+    """When each optimizer step ended (``time.perf_counter``), in order, and the step time predicted for them."""
 
+    predicted: StepTime | None = None
     ends: list[float] = field(default_factory=list)
 
     def tick(self) -> None:
@@ -46,17 +47,18 @@ class StepClock:
         """The median of ``durations``; ``None`` when the run made fewer than ``FIRST_TIMED_STEP`` steps."""
         return statistics.median(self.durations) if self.durations else None
 
-
-def step_time_line(clock: StepClock, predicted: StepTime) -> str | None:
-    """One line: the measured median beside ``predicted`` and their ratio; ``None`` with nothing to compare."""
-    measured = clock.median
-    if measured is None or predicted.seconds <= 0:
-        return None
-    count = len(clock.durations)
-    steps = f"the median of {count} steps from step {FIRST_TIMED_STEP} on" if count > 1 else f"step {FIRST_TIMED_STEP}"
-    return (
-        f"Step time of this run: {measured:.3f} s per optimizer step ({steps}); predicted before loading:"
-        f" {predicted.seconds:.3f} s on {predicted.device}, so the run took {measured / predicted.seconds:.2f}x the"
-        " prediction. The prediction counts the step's kernels; the run's time also holds the data loader,"
-        " Lightning's loop and logging."
-    )
+    def line(self) -> str | None:
+        """One line: the measured median beside the prediction and their ratio; ``None`` with nothing to compare."""
+        measured, predicted = self.median, self.predicted
+        if measured is None or predicted is None or predicted.seconds <= 0:
+            return None
+        count = len(self.durations)
+        steps = (
+            f"the median of {count} steps from step {FIRST_TIMED_STEP} on" if count > 1 else f"step {FIRST_TIMED_STEP}"
+        )
+        return (
+            f"Step time of this run: {measured:.3f} s per optimizer step ({steps}); predicted before loading:"
+            f" {predicted.seconds:.3f} s on {predicted.device}, so the run took {measured / predicted.seconds:.2f}x the"
+            " prediction. The prediction counts the step's kernels; the run's time also holds the data loader,"
+            " Lightning's loop and logging."
+        )

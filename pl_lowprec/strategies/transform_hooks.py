@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from pl_lowprec.memory.budget import check_memory_budget, first_training_batch
 from pl_lowprec.strategies.auto_settings import choose_memory_settings
 from pl_lowprec.strategies.garbage_collection import freeze_long_lived_objects, unfreeze
-from pl_lowprec.strategies.step_clock import StepClock, step_time_line
+from pl_lowprec.strategies.step_clock import StepClock
 from pl_lowprec.strategies.trainer_checks import check_trainer_arguments
 from pl_lowprec.strategies.transform_args import TransformArguments
 from pl_lowprec.transforms.weight_sources import teardown_with_meta
@@ -30,7 +30,7 @@ class TransformHooks(TransformArguments):
     _memory_settled = False
     automatic_choice: Any = None  # the Search behind the "auto" settings, once fit has chosen them
     prediction: Any = None  # the MemoryEstimate of the settings fit runs, where "auto" or memory_budget made one
-    step_clock: StepClock | None = None  # the run's optimizer steps, to set beside the prediction at the end
+    step_clock: StepClock | None = None  # the run's optimizer steps, where there is a prediction to set them beside
     _frozen: tuple[int, float] | None = None
 
     def setup(self, trainer: pl.Trainer) -> None:
@@ -98,7 +98,8 @@ class TransformHooks(TransformArguments):
 
     def on_train_start(self) -> None:
         super().on_train_start()
-        self.step_clock = StepClock()
+        predicted = getattr(self.prediction, "step_time", None)  # nothing timed where nothing was predicted
+        self.step_clock = StepClock(predicted) if predicted is not None else None
         self._frozen = freeze_long_lived_objects()
         if self._frozen is not None:
             frozen, seconds = self._frozen
@@ -111,8 +112,7 @@ class TransformHooks(TransformArguments):
     def on_train_end(self) -> None:
         super().on_train_end()
         self.transform.on_fit_end(self.lightning_module)
-        predicted = getattr(self.prediction, "step_time", None)
-        line = step_time_line(self.step_clock, predicted) if self.step_clock and predicted else None
+        line = self.step_clock.line() if self.step_clock is not None else None
         if line:
             rank_zero_info(line)
 
