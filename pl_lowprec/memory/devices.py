@@ -150,7 +150,7 @@ def local_cpu() -> DeviceSpec:
     launch = _best_seconds(hundred_ops, 3) / 100
     threads = torch.get_num_threads()
     return DeviceSpec(
-        f"this CPU ({threads} threads, measured)",
+        f"this CPU ({threads} thread{'s' if threads != 1 else ''}, measured)",
         flops,
         bandwidth,
         launch,

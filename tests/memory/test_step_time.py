@@ -314,3 +314,18 @@ def test_measuring_the_local_cpu_leaves_the_random_state_alone():
     before = torch.random.get_rng_state()
     local_cpu()
     assert torch.equal(torch.random.get_rng_state(), before)
+
+
+@pytest.mark.parametrize(
+    ("threads", "named"), [(1, "this CPU (1 thread, measured)"), (2, "this CPU (2 threads, measured)")]
+)
+def test_the_local_cpu_is_named_with_its_threads(monkeypatch, threads, named):
+    """The name is what the step-time lines print ("predicted ... on this CPU (2 threads, measured)")."""
+    from pl_lowprec.memory.devices import local_cpu
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    local_cpu.cache_clear()
+    try:
+        assert local_cpu().name == named
+    finally:
+        local_cpu.cache_clear()  # the next caller measures with the real thread count
