@@ -21,7 +21,10 @@ from pl_lowprec.memory.step_time import predict_step_time
 
 
 def profile_of(row: dict[str, Any]) -> OpProfile:
-    counts = Counter({(d, f, b, bool(o)): n for d, f, b, o, n in row["ops"]})
+    """The row's kernels; rows written before kernels had a kind (5 columns, not 6) hold no attention apart."""
+    counts: Counter = Counter()
+    for d, f, b, o, *kind, n in row["ops"]:
+        counts[(d, f, b, bool(o), kind[0] if kind else "")] += n
     return OpProfile(counts, compiled=bool(row.get("ops_compiled")))
 
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pl_lowprec.memory.op_counts import ATTENTION, CountingMode
+
 MATMUL_EFFICIENCY = 0.7  # of the spec sheet's dense peak, reached by large bf16 cuBLAS matmuls (H100/H200)
 MEMORY_EFFICIENCY = 0.8  # of the spec sheet's bandwidth, reached by large elementwise kernels and copies
 LAUNCH_OVERHEAD = 38e-6  # seconds of host time per kernel launch in an eager training step (see above)
@@ -40,6 +42,12 @@ class DeviceSpec:
     ``asynchronous``: the host launches the next kernel while the device runs this one (GPUs), so an op takes
     the longest of its FLOPs, its bytes and its launch; on a CPU the same cores dispatch and compute, so the
     dispatch adds to the kernel.
+
+    Measured on a CPU only (``local_cpu``; the GPUs' rows leave them empty): ``attention_flops``, the FLOP/s of
+    the fused attention kernels by dtype (a CPU's flash attention reaches about a tenth of its matmul rate;
+    where absent, attention runs at the matmul rate), and ``matmul_latency``, the seconds a matmul takes beyond
+    its FLOPs and its dispatch by dtype (the math library's setup and its threads' start: about 14 us in bf16
+    on an AVX-512 CPU, more than a small matmul's FLOPs take).
     """
 
     name: str
@@ -50,6 +58,8 @@ class DeviceSpec:
     memory_efficiency: float = MEMORY_EFFICIENCY
     asynchronous: bool = True
     source: str = "spec sheet"
+    attention_flops: dict[str, float] = field(default_factory=dict, hash=False)
+    matmul_latency: dict[str, float] = field(default_factory=dict, hash=False)
 
     def flops_per_second(self, dtype: str) -> float:
         """The achievable FLOP/s of matmuls in ``dtype``; refuses a dtype the device does not compute."""
@@ -61,6 +71,10 @@ class DeviceSpec:
                 " time the step on another device."
             )
         return peak * self.matmul_efficiency
+
+    def attention_flops_per_second(self, dtype: str) -> float:
+        """The FLOP/s of fused attention kernels in ``dtype``: measured on a CPU, the matmul rate elsewhere."""
+        return self.attention_flops.get(dtype) or self.flops_per_second(dtype)
 
 
 def _gpu(name: str, bf16: float | None, fp16: float, fp32: float, bandwidth_tb: float, fp8: float | None = None):
@@ -124,23 +138,14 @@ def _best_seconds(run: Callable[[], object], repeats: int = 5, budget: float = 0
 
 @functools.cache
 def local_cpu() -> DeviceSpec:
-    """This CPU, measured once per process: matmul FLOP/s per dtype (768-square; fp16, which CPUs run slowly,
-    128-square), copy bandwidth (64 MiB, beyond the caches), and the time of one tiny op with autograd (the
-    dispatch cost each kernel pays). Best of a few runs each, so other work on the machine counts least; already
-    achievable rates, so the efficiencies are 1. Its own random generator: a run's random state (seed_everything,
-    LoRA's initialisation, dropout) must not depend on whether this ran first in the process."""
+    """This CPU, measured once per process (about half a second): matmul FLOP/s per dtype (768-square; fp16,
+    which CPUs run slowly, 128-square) and each matmul's latency (a 32-square one less its FLOPs and its
+    dispatch), causal flash attention's FLOP/s forward and backward (``_attention_flops``), copy bandwidth (64
+    MiB, beyond the caches), and the time of one tiny op with autograd (the dispatch cost each kernel pays).
+    Best of a few runs each, so other work on the machine counts least; already achievable rates, so the
+    efficiencies are 1. Its own random generator: a run's random state (seed_everything, LoRA's initialisation,
+    dropout) must not depend on whether this ran first in the process."""
     generator = torch.Generator().manual_seed(0)
-    flops = {}
-    for dtype, name, size in (
-        (torch.float32, "fp32", 768),
-        (torch.bfloat16, "bf16", 768),
-        (torch.float16, "fp16", 128),
-    ):
-        a, b = (torch.randn(size, size, dtype=dtype, generator=generator) for _ in range(2))
-        flops[name] = 2 * size**3 / _best_seconds(lambda a=a, b=b: a @ b, 4)
-    source = torch.empty(16 * 2**20, dtype=torch.float32)
-    target = torch.empty_like(source)
-    bandwidth = 2 * source.nbytes / _best_seconds(lambda: target.copy_(source), 3)
     tiny = torch.ones(4, requires_grad=True)
 
     def hundred_ops() -> None:
@@ -148,6 +153,21 @@ def local_cpu() -> DeviceSpec:
             tiny * 2
 
     launch = _best_seconds(hundred_ops, 3) / 100
+    flops, latency, attention = {}, {}, {}
+    for dtype, name, size in (
+        (torch.float32, "fp32", 768),
+        (torch.bfloat16, "bf16", 768),
+        (torch.float16, "fp16", 128),
+    ):
+        a, b = (torch.randn(size, size, dtype=dtype, generator=generator) for _ in range(2))
+        flops[name] = 2 * size**3 / _best_seconds(lambda a=a, b=b: a @ b, 4)
+        small = torch.randn(32, 32, dtype=dtype, generator=generator)
+        latency[name] = max(0.0, _best_seconds(lambda s=small: s @ s, 5) - 2 * 32**3 / flops[name] - launch)
+        if name != "fp16":  # a CPU's fp16 attention is rare (Lightning runs 16-mixed as bf16 there) and slow
+            attention[name] = _attention_flops(dtype, generator)
+    source = torch.empty(16 * 2**20, dtype=torch.float32)
+    target = torch.empty_like(source)
+    bandwidth = 2 * source.nbytes / _best_seconds(lambda: target.copy_(source), 3)
     threads = torch.get_num_threads()
     return DeviceSpec(
         f"this CPU ({threads} thread{'s' if threads != 1 else ''}, measured)",
@@ -158,4 +178,23 @@ def local_cpu() -> DeviceSpec:
         1.0,
         asynchronous=False,
         source="measured",
+        attention_flops=attention,
+        matmul_latency=latency,
     )
+
+
+def _attention_flops(dtype: torch.dtype, generator: torch.Generator) -> float:
+    """FLOP/s of causal scaled-dot-product attention forward and backward on this CPU, counted as the step's
+    kernels are (``op_counts``), at the shape of a real model's layer: head size 64, 512 positions, 4 heads per
+    thread so that every thread has work."""
+    heads = 4 * torch.get_num_threads()
+    q, k, v = (torch.randn(1, heads, 512, 64, dtype=dtype, generator=generator).requires_grad_() for _ in range(3))
+
+    def forward_and_backward() -> None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.autograd.grad(out, (q, k, v), out)
+
+    with CountingMode() as mode:
+        forward_and_backward()
+    counted = sum(key[1] * n for key, n in mode.counter.profile.counts.items() if key[4] == ATTENTION)
+    return counted / _best_seconds(forward_and_backward, 3)

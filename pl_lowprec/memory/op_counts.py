@@ -17,7 +17,9 @@ The same counting serves the fake step (``StepTracker`` hands each op to an ``Op
   inside runs below the mode), so each op seen is one kernel; ``linear`` and ``matmul``, which reach the mode
   only from inside another op's composite (bitsandbytes' 4-bit matmul), count their dot products.
 
-One ``OpProfile`` holds a step as counts of kernels by (FLOP dtype, FLOPs, bytes, in the optimizer step): small
+One ``OpProfile`` holds a step as counts of kernels by (FLOP dtype, FLOPs, bytes, in the optimizer step, kind):
+``kind`` is ``"attention"`` for the fused attention kernels (whose FLOP rate a CPU measures apart: its flash
+attention runs far below its matmul rate) and ``""`` for every other kernel. Small
 (a few hundred distinct kinds), linear in the number of identical blocks (``depth.py`` extrapolates it as it does
 bytes), and enough to predict the step's time on any device afterwards (``step_time.py``).
 """
@@ -40,7 +42,7 @@ from pl_lowprec.memory.tracker import DECOMPOSE
 
 aten = torch.ops.aten
 
-OpKey = tuple[str, int, int, bool]  # (the dtype of its FLOPs, "" without; FLOPs; bytes; in the optimizer step)
+OpKey = tuple[str, int, int, bool, str]  # (FLOP dtype, "" without; FLOPs; bytes; in the optimizer step; kind)
 
 _ALLOCATIONS = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided}
 _ALLOCATIONS |= {aten.empty_permuted, aten.resize_, aten.set_, aten.lift_fresh_copy, aten._local_scalar_dense}
@@ -55,6 +57,8 @@ _CAUSAL_ARGUMENT = {  # attention ops the registry has no formula for: (its form
         7,
     ),
 }
+ATTENTION = "attention"  # the kind of the fused attention kernels: their FLOP rate is not a matmul's on a CPU
+_ATTENTION_OPS = {op for op in flop_registry if "attention" in str(op)} | set(_CAUSAL_ARGUMENT)
 DTYPE_NAMES = {
     torch.float32: "fp32",
     torch.float64: "fp32",  # rare; counted at the fp32 rate
@@ -124,7 +128,8 @@ class OpCounter:
             read = [t for t in read if not t.is_floating_point()] + written  # the indices and the rows returned
         nbytes = _bytes(read) + _bytes(written)
         flops, dtype = _flops(func, args, kwargs, out)
-        self.profile.counts[(dtype, flops, nbytes, in_optimizer_step)] += 1
+        family = ATTENTION if packet in _ATTENTION_OPS else ""
+        self.profile.counts[(dtype, flops, nbytes, in_optimizer_step, family)] += 1
 
 
 def _kind(func: Any) -> str:

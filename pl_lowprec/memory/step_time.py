@@ -7,8 +7,10 @@ Each kernel of the step (``op_counts.OpProfile``: its FLOPs, bytes and dtype) ta
 - on a GPU, the host's time to launch it (launch-bound: the GPU waits for Python and the dispatcher),
 
 as ``torch.distributed._tools.RuntimeEstimator``'s roofline mode takes the first two. On a CPU the same cores
-dispatch and compute, so the dispatch time adds to each kernel instead. The step's time is the sum: eager
-PyTorch runs one kernel after another.
+dispatch and compute, so the dispatch time adds to each kernel instead, and two rates are its own, measured
+(``devices.local_cpu``): fused attention at its flash attention's FLOP/s (a tenth of its matmul rate), and each
+matmul's fixed latency on top of its FLOPs. The step's time is the sum: eager PyTorch runs one kernel after
+another.
 
 Compiled (``compile=``, ``OpProfile.compiled``): on a GPU the blocks and the loss run as graphs whose kernels
 inductor's generated code launches with no Python, dispatcher or autograd between them, so the host stays ahead
@@ -31,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pl_lowprec.memory.devices import DeviceSpec
-from pl_lowprec.memory.op_counts import OpProfile
+from pl_lowprec.memory.op_counts import ATTENTION, OpProfile
 
 
 @dataclass(frozen=True)
@@ -84,8 +86,13 @@ def predict_step_time(profile: OpProfile, device: DeviceSpec) -> StepTime:
     """The roofline of every kernel of ``profile`` on ``device``, summed."""
     bandwidth = device.bandwidth * device.memory_efficiency
     seconds = {"compute": 0.0, "memory": 0.0, "launch": 0.0}
-    for (dtype, flops, nbytes, in_optimizer_step), count in profile.counts.items():
-        on_flops = flops / device.flops_per_second(dtype) if flops else 0.0
+    for (dtype, flops, nbytes, in_optimizer_step, kind), count in profile.counts.items():
+        if not flops:
+            on_flops = 0.0
+        elif kind == ATTENTION:
+            on_flops = flops / device.attention_flops_per_second(dtype)
+        else:
+            on_flops = flops / device.flops_per_second(dtype) + device.matmul_latency.get(dtype, 0.0)
         on_bytes = nbytes / bandwidth
         bound, kernel = ("compute", on_flops) if on_flops >= on_bytes else ("memory", on_bytes)
         if not device.asynchronous:  # the CPU dispatches, then computes

@@ -13,8 +13,8 @@ from pl_lowprec import estimate_memory
 from pl_lowprec.cli.dispatch import main as pl_lowprec_cli
 from pl_lowprec.cli.estimate import main as estimate_cli
 from pl_lowprec.demo import TinyLlama
-from pl_lowprec.memory.devices import GPUS, DeviceSpec, device_spec
-from pl_lowprec.memory.op_counts import CountingMode, OpProfile
+from pl_lowprec.memory.devices import GPUS, DeviceSpec, device_spec, local_cpu
+from pl_lowprec.memory.op_counts import ATTENTION, CountingMode, OpProfile
 from pl_lowprec.memory.plan import Settings, plan_memory, resized
 from pl_lowprec.memory.step_time import predict_step_time
 from pl_lowprec.transforms.config import TransformConfig
@@ -103,10 +103,10 @@ def test_each_kernel_takes_the_longest_of_its_flops_bytes_and_launch():
     profile = OpProfile(
         Counter(
             {
-                ("bf16", 10**12, 10**6, False): 1,  # 1e12 / 50e12 = 20 ms of FLOPs
-                ("", 0, 10**9, False): 1,  # 1e9 / 0.5e12 = 2 ms of bytes
-                ("", 0, 1000, False): 10,  # tiny: the GPU waits 10 us for each launch
-                ("", 0, 1000, True): 10,  # the optimizer step's kernels: foreach, no launch each
+                ("bf16", 10**12, 10**6, False, ""): 1,  # 1e12 / 50e12 = 20 ms of FLOPs
+                ("", 0, 10**9, False, ""): 1,  # 1e9 / 0.5e12 = 2 ms of bytes
+                ("", 0, 1000, False, ""): 10,  # tiny: the GPU waits 10 us for each launch
+                ("", 0, 1000, True, ""): 10,  # the optimizer step's kernels: foreach, no launch each
             }
         )
     )
@@ -123,13 +123,48 @@ def test_each_kernel_takes_the_longest_of_its_flops_bytes_and_launch():
 def test_a_compiled_step_waits_for_no_launch_on_a_gpu_and_still_dispatches_on_a_cpu():
     """Compiled graphs launch their kernels without Python between them: on a GPU none waits for the host."""
     device = DeviceSpec("test", {"bf16": 100e12}, bandwidth=1e12, launch_overhead=1e-5)
-    counts = Counter({("bf16", 10**12, 10**6, False): 1, ("", 0, 1000, False): 10, ("", 0, 1000, True): 10})
+    counts = Counter({("bf16", 10**12, 10**6, False, ""): 1, ("", 0, 1000, False, ""): 10, ("", 0, 1000, True, ""): 10})
     eager, compiled = OpProfile(counts), OpProfile(counts, compiled=True)
     assert predict_step_time(eager, device).launch_overhead == pytest.approx(10 * 1e-5)
     step = predict_step_time(compiled, device)
     assert step.launch_overhead == 0 and step.memory_bound == pytest.approx(20 * 1000 / (0.8 * 1e12))
     cpu = DeviceSpec(**{**device.__dict__, "asynchronous": False})
     assert predict_step_time(compiled, cpu).launch_overhead == predict_step_time(eager, cpu).launch_overhead
+
+
+def test_fused_attention_is_counted_apart_from_the_matmuls_around_it():
+    q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
+    w = torch.randn(8, 8)
+
+    def attention_then_matmul():
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        (out @ w).sum().backward()
+
+    kinds = Counter()
+    for (_, flops, _, _, kind), n in _counted(attention_then_matmul).counts.items():
+        kinds[kind] += flops * n
+    forward = 4 * 2 * 16 * 16 * 8 // 2  # 2 heads, 16 positions, head size 8, causal: half the square
+    assert kinds[ATTENTION] == forward + 5 * forward // 2  # the backward: 2.5 times the forward
+    assert kinds[""] == 2 * (2 * 2 * 16 * 8 * 8)  # out @ w and the gradient of out (w needs none)
+
+
+def test_on_a_cpu_attention_runs_at_its_measured_rate_and_each_matmul_pays_its_latency():
+    counts = Counter({("bf16", 10**9, 10**3, False, ATTENTION): 1, ("bf16", 10**9, 10**3, False, ""): 4})
+    gpu = DeviceSpec("gpu", {"bf16": 1e12}, bandwidth=1e12, launch_overhead=0.0, matmul_efficiency=1.0)
+    assert predict_step_time(OpProfile(counts), gpu).compute_bound == pytest.approx(5e-3)  # all at the matmul rate
+    cpu = DeviceSpec(
+        **{**gpu.__dict__, "asynchronous": False, "attention_flops": {"bf16": 1e11}, "matmul_latency": {"bf16": 1e-5}}
+    )
+    step = predict_step_time(OpProfile(counts), cpu)
+    assert step.compute_bound == pytest.approx(1e-2 + 4 * (1e-3 + 1e-5))
+
+
+def test_the_local_cpu_measures_attention_and_matmul_latency_per_dtype():
+    cpu = local_cpu()
+    assert set(cpu.attention_flops) == {"fp32", "bf16"} and min(cpu.attention_flops.values()) > 0
+    assert set(cpu.matmul_latency) == {"fp32", "bf16", "fp16"} and min(cpu.matmul_latency.values()) >= 0
+    assert cpu.attention_flops_per_second("fp16") == cpu.flops_per_second("fp16")  # not measured: the matmul rate
+    assert not any(gpu.attention_flops or gpu.matmul_latency for gpu in GPUS.values())  # spec sheets only
 
 
 def test_the_host_proxy_launches_the_kernels_of_the_1b_step(tmp_path):
