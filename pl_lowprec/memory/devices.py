@@ -138,7 +138,7 @@ def _best_seconds(run: Callable[[], object], repeats: int = 5, budget: float = 0
 
 @functools.cache
 def local_cpu() -> DeviceSpec:
-    """This CPU, measured once per process (about half a second): matmul FLOP/s per dtype (768-square; fp16,
+    """This CPU, measured once per process (about a fifth of a second): matmul FLOP/s per dtype (768-square; fp16,
     which CPUs run slowly, 128-square) and each matmul's latency (a 32-square one less its FLOPs and its
     dispatch), causal flash attention's FLOP/s forward and backward (``_attention_flops``), copy bandwidth (64
     MiB, beyond the caches), and the time of one tiny op with autograd (the dispatch cost each kernel pays).
