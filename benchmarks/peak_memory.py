@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 MiB = 2**20
@@ -132,10 +133,11 @@ def measure_and_predict(name: str, batch_size: int = 8, seq_len: int = 256, **mo
     }
 
 
-def measure_in_fresh_process(precision: str, settings: dict, **sizes: int) -> int:
-    """``measure`` in a fresh process: the measured peak of any settings (``plan``'s tests use it)."""
+def measure_in_fresh_process(precision: str, settings: dict, run: Callable = subprocess.run, **sizes: int) -> int:
+    """``measure`` in a process of its own: the measured peak of any settings (``plan``'s tests use it, with a
+    ``run`` that starts the process already importing torch: tests/warm_python.py)."""
     request = json.dumps({"precision": precision, "settings": settings, "sizes": sizes})
-    done = subprocess.run(
+    done = run(
         [sys.executable, __file__, "--measure", request], capture_output=True, text=True, cwd=Path(__file__).parents[1]
     )
     if done.returncode != 0:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 
 SCRIPT = Path(__file__).parents[1] / "_scripts" / "resume_run.py"
 
@@ -18,9 +19,7 @@ pytest.importorskip("transformers")
 
 def _run(mode: str, out: Path, spec: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_DATASETS_CACHE": str(out.parent / "hf-cache")}  # load_dataset's copies: not ~/.cache
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), mode, str(out), spec], capture_output=True, text=True, timeout=300, env=env
-    )
+    return warm_python.run([sys.executable, str(SCRIPT), mode, str(out), spec], timeout=300, env=env)
 
 
 def assert_resume_is_exact(tmp_path: Path, spec: str) -> None:

@@ -4,12 +4,12 @@ The user's module wraps a real ``LlamaForCausalLM`` (SDPA, config ``use_cache=Tr
 leaks are transformers' own: a cache or an attention_mask turns the block-causal mask off.
 """
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 from loading_helpers import save_pretrained_dir
 from packing_helpers import ForwardCounter, HFUser, prompt_completion_file, quiet_trainer
 
@@ -187,10 +187,7 @@ def test_processes_check_together_and_stop_together(pretrained, tmp_path_factory
     records = prompt_completion_file(tmp_path_factory.mktemp("records") / "pc.jsonl", n=24)
     script = Path(__file__).parents[1] / "_scripts" / "packing_guard_ddp.py"
     out = tmp_path_factory.mktemp("out")
-    run = subprocess.run(
-        [sys.executable, str(script), str(out), str(pretrained), str(records), call, strategy],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    run = warm_python.run([sys.executable, str(script), str(out), str(pretrained), str(records), call, strategy], 300)
     outcomes = [out.joinpath(f"rank{rank}.txt").read_text() for rank in (0, 1)]
     assert all(o.startswith(expected) for o in outcomes), (outcomes, run.stderr[-3000:])
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+import warm_python
 import yaml
 from lightning.pytorch.callbacks import Callback
 from lightning_helpers import quiet_trainer
@@ -31,7 +32,7 @@ def _measure(settings: dict, batch_size: int) -> int:
         from peak_memory import measure_in_fresh_process  # the profiler's ground truth, a fresh process each
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    return measure_in_fresh_process("32-true", settings, **{**SIZES, "batch_size": batch_size})
+    return measure_in_fresh_process("32-true", settings, warm_python.run, **{**SIZES, "batch_size": batch_size})
 
 
 def _as_arguments(config: TransformConfig, settings: Settings) -> dict:

@@ -6,12 +6,12 @@ CPU ranks (lowprec_ddp, lowprec_fsdp); then ``pl-lowprec export`` and ``pl-lowpr
 import json
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 from model_shapes import SMOLLM2_135M
 
 pytest.importorskip("transformers")
@@ -67,13 +67,13 @@ def write_spec(root: Path) -> dict:
     return spec
 
 
-def launch(root: Path, steps: list[str]) -> subprocess.Popen:
+def launch(root: Path, steps: list[str]) -> warm_python.WarmProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, str(SCRIPTS / "causal_lm_cli.py"), str(root), ",".join(steps)]
-    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return warm_python.WarmProcess(command, env=env)
 
 
-def finish(process: subprocess.Popen, expect: int = 0) -> str:
+def finish(process: warm_python.WarmProcess, expect: int = 0) -> str:
     _, stderr = process.communicate(timeout=600)
     assert process.returncode == expect, stderr[-5000:]
     return stderr

@@ -2,12 +2,12 @@
 across gradient accumulation (1 process) and across ranks (2 DDP CPU processes)."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 from lightning_helpers import quiet_trainer
 from token_loss_helpers import TokenMeanLlama, big_batch_step, uneven_rows
 
@@ -38,9 +38,7 @@ def test_two_ddp_processes_equal_one_big_batch(tmp_path):
     script = Path(__file__).parents[1] / "_scripts" / "token_loss_ddp.py"
     helpers = script.parents[1]  # token_loss_helpers.py, beside the tests
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(helpers), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300, env=env
-    )
+    result = warm_python.run([sys.executable, str(script), str(tmp_path)], timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     reference = big_batch_step(uneven_rows(8))

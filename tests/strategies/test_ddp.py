@@ -1,23 +1,18 @@
 """LowPrecisionDDPStrategy on 2 CPU processes (gloo) trains to the parameters of 1 process on the same batch."""
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 
 SCRIPT = Path(__file__).parents[1] / "_scripts" / "ddp_train.py"
 
 
 def _run(mode, out, precision, variant="gpt", accelerator="cpu"):
     out.mkdir()
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), mode, str(out), precision, variant, accelerator],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = warm_python.run([sys.executable, str(SCRIPT), mode, str(out), precision, variant, accelerator], 300)
     assert result.returncode == 0, result.stderr[-4000:]
     return {p.name: torch.load(p, weights_only=False) for p in sorted(out.glob("rank*.pt"))}
 

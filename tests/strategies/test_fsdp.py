@@ -1,11 +1,11 @@
 """LowPrecisionFSDPStrategy on 2 CPU processes (gloo): sharded NF4 QLoRA trains like 1 process on the same batch."""
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 
 pytest.importorskip("torchao")
 pytest.importorskip("peft")
@@ -18,12 +18,8 @@ SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_head
 def _run_many(world, out, precision, scenarios, device="cpu"):
     """One launch of ``world`` processes running ``scenarios`` in turn: {scenario: [result of each rank]}."""
     out.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), str(world), str(out), precision, ",".join(scenarios), device],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    command = [sys.executable, str(SCRIPT), str(world), str(out), precision, ",".join(scenarios), device]
+    result = warm_python.run(command, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     return {
         name: [torch.load(out / name / f"rank{r}.pt", weights_only=False, map_location="cpu") for r in range(world)]
