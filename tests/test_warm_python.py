@@ -34,3 +34,25 @@ def test_a_warm_child_behaves_as_a_fresh_interpreter(tmp_path, mode):
     assert ("atexit ran" in warm.stdout) is (mode != "kill")
     assert warm.stderr.startswith("to stderr\n")
     assert warm.stderr.rstrip().endswith("ValueError: raised by the script") is (mode == "raise")
+
+
+RANKS_SCRIPT = """
+import os, sys, time
+rank = int(os.environ["LOCAL_RANK"])
+print(f"rank {rank} of a group at {os.environ['MASTER_ADDR']}:{int(os.environ['MASTER_PORT']) > 0}")
+sys.stdout.flush()
+if sys.argv[1] == "fail" and rank == 1:
+    sys.exit(5)
+if sys.argv[1] == "fail":
+    time.sleep(600)  # as a rank waiting in a collective for a dead one
+"""
+
+
+@pytest.mark.parametrize("mode", ["ok", "fail"])
+def test_ranks_start_as_torchrun_starts_them_and_a_failed_rank_ends_the_others(tmp_path, mode):
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS_SCRIPT)
+    ranks = warm_python.WarmRanks([sys.executable, str(script), mode], 2, grace=1.0)
+    stdout, _ = ranks.communicate(timeout=120)
+    assert stdout == "rank 0 of a group at 127.0.0.1:True\nrank 1 of a group at 127.0.0.1:True\n"
+    assert ranks.returncode == {"ok": 0, "fail": 5}[mode]  # rank 1's, not rank 0's -9 after the grace

@@ -6,8 +6,10 @@ short training script costs on a 2-core machine, and the suite starts dozens. ``
 imports them once, in a single-threaded server (no OpenMP pool, no test-runner threads), and forks each script
 from it. What the script sees is what ``python SCRIPT ARGS`` gives it: ``sys.argv``, the environment, the
 working directory, ``sys.path`` (the script's folder, then ``PYTHONPATH``), its own stdout and stderr, its exit
-status (``-9`` when it kills itself) and the ``atexit`` handlers at the end. Lightning still starts the other
-ranks of a multi-rank script as fresh interpreters, from ``sys.argv``.
+status (``-9`` when it kills itself) and the ``atexit`` handlers at the end. ``ranks=2`` starts each rank of a
+multi-process script as a warm child, as torchrun does (``LOCAL_RANK``, ``NODE_RANK``, ``MASTER_ADDR`` and
+``MASTER_PORT`` set, so Lightning creates no processes); the user's own command, ``pl-lowprec fit
+--trainer.devices 2``, keeps Lightning's launcher and is tested from a shell.
 
 Not for tests whose subject is a fresh interpreter (imports, the CLI from a shell, resident memory).
 """
@@ -16,11 +18,14 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing
+import multiprocessing.connection
 import os
 import runpy
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -94,6 +99,53 @@ class WarmProcess:
             self._folder.cleanup()
 
 
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class WarmRanks:
+    """``ranks`` warm children of one multi-process script, started as torchrun starts them. Its exit status is
+    that of the first rank to fail (0 if none did); the others then get ``grace`` seconds to end and are killed
+    (nothing else would stop a rank waiting in a collective for a dead one). stdout and stderr: rank 0's, then
+    rank 1's."""
+
+    def __init__(
+        self,
+        command: list[str],
+        ranks: int,
+        env: dict[str, str] | None = None,
+        cwd: str | Path | None = None,
+        grace: float = 30.0,
+    ):
+        shared = {**(os.environ if env is None else env), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+        self.args, self.grace, self.returncode = command, grace, None
+        self._ranks = [
+            WarmProcess(command, env={**shared, "LOCAL_RANK": str(r), "NODE_RANK": "0"}, cwd=cwd) for r in range(ranks)
+        ]
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        processes = [rank._process for rank in self._ranks]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        failed_at, first_failure = None, 0
+        while any(p.exitcode is None for p in processes):
+            failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+            if failed_at is None and failed:
+                failed_at, first_failure = time.monotonic(), failed[0]
+            now = time.monotonic()
+            if (failed_at is not None and now > failed_at + self.grace) or (deadline is not None and now > deadline):
+                for p in processes:
+                    p.kill()
+                if deadline is not None and now > deadline:
+                    raise subprocess.TimeoutExpired(self.args, timeout)
+            multiprocessing.connection.wait([p.sentinel for p in processes if p.exitcode is None], timeout=0.2)
+        outputs = [rank.communicate() for rank in self._ranks]
+        failed = [rank.returncode for rank in self._ranks if rank.returncode != 0]
+        self.returncode = first_failure or (failed[0] if failed else 0)
+        return "".join(out for out, _ in outputs), "".join(err for _, err in outputs)
+
+
 def run(
     command: list[str],
     timeout: float | None = None,
@@ -101,10 +153,12 @@ def run(
     cwd: str | Path | None = None,
     capture_output: bool = True,
     text: bool = True,
+    ranks: int = 1,
 ) -> subprocess.CompletedProcess:
-    """``subprocess.run(command, capture_output=True, text=True, ...)`` in a warm child (it always captures text)."""
+    """``subprocess.run(command, capture_output=True, text=True, ...)`` in a warm child, or in ``ranks`` of them
+    (it always captures text)."""
     if not (capture_output and text):
         raise ValueError("a warm child's output is always captured as text")
-    process = WarmProcess(command, env=env, cwd=cwd)
+    process = WarmProcess(command, env=env, cwd=cwd) if ranks == 1 else WarmRanks(command, ranks, env=env, cwd=cwd)
     stdout, stderr = process.communicate(timeout)
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)

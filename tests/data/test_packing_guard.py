@@ -187,7 +187,8 @@ def test_processes_check_together_and_stop_together(pretrained, tmp_path_factory
     records = prompt_completion_file(tmp_path_factory.mktemp("records") / "pc.jsonl", n=24)
     script = Path(__file__).parents[1] / "_scripts" / "packing_guard_ddp.py"
     out = tmp_path_factory.mktemp("out")
-    run = warm_python.run([sys.executable, str(script), str(out), str(pretrained), str(records), call, strategy], 300)
+    command = [sys.executable, str(script), str(out), str(pretrained), str(records), call, strategy]
+    run = warm_python.run(command, 300, ranks=2)
     outcomes = [out.joinpath(f"rank{rank}.txt").read_text() for rank in (0, 1)]
     assert all(o.startswith(expected) for o in outcomes), (outcomes, run.stderr[-3000:])
 

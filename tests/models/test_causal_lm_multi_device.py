@@ -1,7 +1,9 @@
 """The user's multi-device path for ``CausalLM`` + ``TextDataModule``, through ``pl-lowprec fit`` with the shipped
 ``configs/finetune-causal-lm.yaml``: a pretrained-format checkpoint of SmolLM2-135M's shapes (tied embeddings,
 hidden 576, 9 heads, 3 KV heads; 2 layers and a small vocabulary) with a chat template, on one process and on 2
-CPU ranks (lowprec_ddp, lowprec_fsdp); then ``pl-lowprec export`` and ``pl-lowprec generate`` from the runs."""
+CPU ranks (lowprec_ddp, lowprec_fsdp), started as torchrun starts them (tests/warm_python.py; Lightning's own
+launcher runs the shipped configs from a shell in tests/test_configs.py); then ``pl-lowprec export`` and
+``pl-lowprec generate`` from the runs."""
 
 import json
 import os
@@ -67,13 +69,13 @@ def write_spec(root: Path) -> dict:
     return spec
 
 
-def launch(root: Path, steps: list[str]) -> warm_python.WarmProcess:
+def launch(root: Path, steps: list[str], ranks: int = 1) -> warm_python.WarmProcess | warm_python.WarmRanks:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, str(SCRIPTS / "causal_lm_cli.py"), str(root), ",".join(steps)]
-    return warm_python.WarmProcess(command, env=env)
+    return warm_python.WarmProcess(command, env=env) if ranks == 1 else warm_python.WarmRanks(command, ranks, env=env)
 
 
-def finish(process: warm_python.WarmProcess, expect: int = 0) -> str:
+def finish(process: warm_python.WarmProcess | warm_python.WarmRanks, expect: int = 0) -> str:
     _, stderr = process.communicate(timeout=600)
     assert process.returncode == expect, stderr[-5000:]
     return stderr
@@ -86,17 +88,17 @@ REFERENCE = {"ddp": "lowprec", "fsdp": "fsdp_one"}
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every fit, in 3 rounds: a 2-rank launch beside a 1-process one (rank 0 waits while rank 1 imports). Each
+    """Every fit, in 3 rounds: a 2-rank launch beside a 1-process one (while one waits in a collective). Each
     killed run ends its launch and the next resumes it. Returns ROOT and the stderr of each launch."""
     root = tmp_path_factory.mktemp("causal_lm_cli")
     write_spec(root)
     killed = -signal.SIGKILL
-    two = launch(root, ["fsdp_auto", "lightning_fsdp", "ddp.killed"])
+    two = launch(root, ["fsdp_auto", "lightning_fsdp", "ddp.killed"], ranks=2)
     one = launch(root, ["lowprec", "lightning", "fsdp_one", "lowprec.killed"])
     logs = {"first": finish(two, killed), "one": finish(one, killed)}
-    two, one = launch(root, ["ddp.resumed", "fsdp.killed"]), launch(root, ["lowprec.resumed"])
+    two, one = launch(root, ["ddp.resumed", "fsdp.killed"], ranks=2), launch(root, ["lowprec.resumed"])
     logs["second"], logs["one.resumed"] = finish(two, killed), finish(one)
-    logs["third"] = finish(launch(root, ["fsdp.resumed"]))
+    logs["third"] = finish(launch(root, ["fsdp.resumed"], ranks=2))
     return root, logs
 
 

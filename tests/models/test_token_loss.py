@@ -38,7 +38,7 @@ def test_two_ddp_processes_equal_one_big_batch(tmp_path):
     script = Path(__file__).parents[1] / "_scripts" / "token_loss_ddp.py"
     helpers = script.parents[1]  # token_loss_helpers.py, beside the tests
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(helpers), os.environ.get("PYTHONPATH", "")])}
-    result = warm_python.run([sys.executable, str(script), str(tmp_path)], timeout=300, env=env)
+    result = warm_python.run([sys.executable, str(script), str(tmp_path)], timeout=300, env=env, ranks=2)
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     reference = big_batch_step(uneven_rows(8))

@@ -12,7 +12,8 @@ SCRIPT = Path(__file__).parents[1] / "_scripts" / "ddp_train.py"
 
 def _run(mode, out, precision, variant="gpt", accelerator="cpu"):
     out.mkdir()
-    result = warm_python.run([sys.executable, str(SCRIPT), mode, str(out), precision, variant, accelerator], 300)
+    command = [sys.executable, str(SCRIPT), mode, str(out), precision, variant, accelerator]
+    result = warm_python.run(command, 300, ranks=2 if mode == "ddp" else 1)
     assert result.returncode == 0, result.stderr[-4000:]
     return {p.name: torch.load(p, weights_only=False) for p in sorted(out.glob("rank*.pt"))}
 

@@ -19,7 +19,7 @@ def _run_many(world, out, precision, scenarios, device="cpu"):
     """One launch of ``world`` processes running ``scenarios`` in turn: {scenario: [result of each rank]}."""
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, str(SCRIPT), str(world), str(out), precision, ",".join(scenarios), device]
-    result = warm_python.run(command, timeout=900)
+    result = warm_python.run(command, timeout=900, ranks=world)
     assert result.returncode == 0, result.stderr[-4000:]
     return {
         name: [torch.load(out / name / f"rank{r}.pt", weights_only=False, map_location="cpu") for r in range(world)]
