@@ -1,8 +1,8 @@
 """The user's multi-device path for ``CausalLM`` + ``TextDataModule``, through ``pl-lowprec fit`` with the shipped
 ``configs/finetune-causal-lm.yaml``: a pretrained-format checkpoint of SmolLM2-135M's shapes (tied embeddings,
 hidden 576, 9 heads, 3 KV heads; 2 layers and a small vocabulary) with a chat template, on one process and on 2
-CPU ranks (lowprec_ddp, lowprec_fsdp), started as torchrun starts them (tests/warm_python.py; Lightning's own
-launcher runs the shipped configs from a shell in tests/test_configs.py); then ``pl-lowprec export`` and
+CPU ranks (lowprec_ddp, lowprec_fsdp): the first round through Lightning's launcher, as the user's command, the
+resumed rounds started as torchrun starts ranks (tests/warm_python.py); then ``pl-lowprec export`` and
 ``pl-lowprec generate`` from the runs."""
 
 import json
@@ -69,10 +69,14 @@ def write_spec(root: Path) -> dict:
     return spec
 
 
-def launch(root: Path, steps: list[str], ranks: int = 1) -> warm_python.WarmProcess | warm_python.WarmRanks:
+def launch(root: Path, steps: list[str], ranks: int | None = None) -> warm_python.WarmProcess | warm_python.WarmRanks:
+    """One process, whose 2-device fits Lightning's launcher expands to 2 ranks as for `pl-lowprec fit`; or
+    ``ranks`` processes, started as torchrun starts them."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, str(SCRIPTS / "causal_lm_cli.py"), str(root), ",".join(steps)]
-    return warm_python.WarmProcess(command, env=env) if ranks == 1 else warm_python.WarmRanks(command, ranks, env=env)
+    if ranks is None:
+        return warm_python.WarmProcess(command, env=env)
+    return warm_python.WarmRanks(command, ranks, env=env)
 
 
 def finish(process: warm_python.WarmProcess | warm_python.WarmRanks, expect: int = 0) -> str:
@@ -93,7 +97,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("causal_lm_cli")
     write_spec(root)
     killed = -signal.SIGKILL
-    two = launch(root, ["fsdp_auto", "lightning_fsdp", "ddp.killed"], ranks=2)
+    two = launch(root, ["fsdp_auto", "lightning_fsdp", "ddp.killed"])  # Lightning's launcher, as the user's
     one = launch(root, ["lowprec", "lightning", "fsdp_one", "lowprec.killed"])
     logs = {"first": finish(two, killed), "one": finish(one, killed)}
     two, one = launch(root, ["ddp.resumed", "fsdp.killed"], ranks=2), launch(root, ["lowprec.resumed"])
