@@ -21,13 +21,14 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import runpy
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
+
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 _PRELOAD = ["torch", "lightning.pytorch", "transformers", "peft", "pl_lowprec"]
 _CONTEXT = multiprocessing.get_context("forkserver")
@@ -99,12 +100,6 @@ class WarmProcess:
             self._folder.cleanup()
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 class WarmRanks:
     """``ranks`` warm children of one multi-process script, started as torchrun starts them. Its exit status is
     that of the first rank to fail (0 if none did); the others then get ``grace`` seconds to end and are killed
@@ -119,7 +114,8 @@ class WarmRanks:
         cwd: str | Path | None = None,
         grace: float = 30.0,
     ):
-        shared = {**(os.environ if env is None else env), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+        group = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_network_port())}
+        shared = {**(os.environ if env is None else env), **group}
         self.args, self.grace, self.returncode = command, grace, None
         self._ranks = [
             WarmProcess(command, env={**shared, "LOCAL_RANK": str(r), "NODE_RANK": "0"}, cwd=cwd) for r in range(ranks)
