@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import functools
 import re
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from pl_lowprec.memory.kernel_replay import best_seconds, kernel_seconds
 from pl_lowprec.memory.op_counts import CountingMode
 
 MATMUL_EFFICIENCY = 0.7  # of the spec sheet's dense peak, reached by large bf16 cuBLAS matmuls (H100/H200)
@@ -48,6 +48,9 @@ class DeviceSpec:
     where absent, attention runs at the matmul rate), and ``matmul_latency``, the seconds a matmul takes beyond
     its FLOPs and its dispatch by dtype (the math library's setup and its threads' start: about 14 us in bf16
     on an AVX-512 CPU, more than a small matmul's FLOPs take).
+
+    ``kernel_seconds`` (the local CPU's: ``kernel_replay.kernel_seconds``) times a kernel at its own
+    shapes from its call's label and its roofline time, or gives ``None`` where the roofline serves.
     """
 
     name: str
@@ -60,6 +63,7 @@ class DeviceSpec:
     source: str = "spec sheet"
     attention_flops: dict[str, float] = field(default_factory=dict, hash=False)
     matmul_latency: dict[str, float] = field(default_factory=dict, hash=False)
+    kernel_seconds: Callable[[str, float], float | None] | None = field(default=None, compare=False, repr=False)
 
     def flops_per_second(self, dtype: str) -> float:
         """The achievable FLOP/s of matmuls in ``dtype``; refuses a dtype the device does not compute."""
@@ -122,20 +126,6 @@ def gpu_named(device_name: str) -> str | None:
     return next((known for known in sorted(GPUS, key=len, reverse=True) if known in key), None)
 
 
-def _best_seconds(run: Callable[[], object], repeats: int = 5, budget: float = 0.1) -> float:
-    """The fastest of ``repeats`` runs after a warm-up, stopping early once ``budget`` seconds are spent."""
-    run()  # first-call allocations and kernel selection
-    best, spent = float("inf"), 0.0
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        took = time.perf_counter() - started
-        best, spent = min(best, took), spent + took
-        if spent > budget:
-            break
-    return best
-
-
 @functools.cache
 def local_cpu() -> DeviceSpec:
     """This CPU, measured once per process (about a fifth of a second): matmul FLOP/s per dtype (768-square; fp16,
@@ -152,7 +142,7 @@ def local_cpu() -> DeviceSpec:
         for _ in range(100):
             tiny * 2
 
-    launch = _best_seconds(hundred_ops, 3) / 100
+    launch = best_seconds(hundred_ops, 3) / 100
     flops, latency, attention = {}, {}, {}
     for dtype, name, size in (
         (torch.float32, "fp32", 768),
@@ -160,14 +150,14 @@ def local_cpu() -> DeviceSpec:
         (torch.float16, "fp16", 128),
     ):
         a, b = (torch.randn(size, size, dtype=dtype, generator=generator) for _ in range(2))
-        flops[name] = 2 * size**3 / _best_seconds(lambda a=a, b=b: a @ b, 4)
+        flops[name] = 2 * size**3 / best_seconds(lambda a=a, b=b: a @ b, 4)
         small = torch.randn(32, 32, dtype=dtype, generator=generator)
-        latency[name] = max(0.0, _best_seconds(lambda s=small: s @ s, 5) - 2 * 32**3 / flops[name] - launch)
+        latency[name] = max(0.0, best_seconds(lambda s=small: s @ s, 5) - 2 * 32**3 / flops[name] - launch)
         if name != "fp16":  # a CPU's fp16 attention is rare (Lightning runs 16-mixed as bf16 there) and slow
             attention[name] = _attention_flops(dtype, generator)
     source = torch.empty(16 * 2**20, dtype=torch.float32)
     target = torch.empty_like(source)
-    bandwidth = 2 * source.nbytes / _best_seconds(lambda: target.copy_(source), 3)
+    bandwidth = 2 * source.nbytes / best_seconds(lambda: target.copy_(source), 3)
     threads = torch.get_num_threads()
     return DeviceSpec(
         f"this CPU ({threads} thread{'s' if threads != 1 else ''}, measured)",
@@ -180,6 +170,7 @@ def local_cpu() -> DeviceSpec:
         source="measured",
         attention_flops=attention,
         matmul_latency=latency,
+        kernel_seconds=kernel_seconds,
     )
 
 
@@ -196,4 +187,4 @@ def _attention_flops(dtype: torch.dtype, generator: torch.Generator) -> float:
 
     with CountingMode() as mode:  # attention's kernels are the only ones here with FLOPs
         forward_and_backward()
-    return mode.counter.profile.flops / _best_seconds(forward_and_backward, 3)
+    return mode.counter.profile.flops / best_seconds(forward_and_backward, 3)

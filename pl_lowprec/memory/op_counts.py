@@ -18,10 +18,13 @@ The same counting serves the fake step (``StepTracker`` hands each op to an ``Op
   only from inside another op's composite (bitsandbytes' 4-bit matmul), count their dot products.
 
 One ``OpProfile`` holds a step as counts of kernels by (FLOP dtype, FLOPs, bytes, in the optimizer step, kind):
-``kind`` is ``"attention"`` for the fused attention kernels (whose FLOP rate a CPU measures apart: its flash
-attention runs far below its matmul rate) and ``""`` for every other kernel. Small
-(a few hundred distinct kinds), linear in the number of identical blocks (``depth.py`` extrapolates it as it does
-bytes), and enough to predict the step's time on any device afterwards (``step_time.py``).
+``kind``'s first word (``family``) is ``"attention"`` for the fused attention kernels (whose FLOP rate a CPU
+measures apart: its flash attention runs far below its matmul rate), ``"matmul"`` for the matmuls and
+``"kernel"`` for the rest; the call's label follows it (``kernel_replay.call_label``: the op, dtypes, shapes and
+strides), from which the local CPU times the kernel at its own shapes. A call without a label (a list of tensors
+among its arguments) keeps ``"attention"``, ``"matmul"`` or ``""``. Small (a few hundred distinct kinds),
+linear in the number of identical blocks (``depth.py`` extrapolates it as it does bytes), and enough to predict
+the step's time on any device afterwards (``step_time.py``).
 """
 
 from __future__ import annotations
@@ -38,11 +41,18 @@ from torch.utils._runtime_estimation import _VIEW_OPS
 from torch.utils.flop_counter import flop_registry
 
 from pl_lowprec.memory.bnb_standin import decompose_gemm_4bit
+from pl_lowprec.memory.kernel_replay import MATMULS, call_label
 from pl_lowprec.memory.tracker import DECOMPOSE
 
 aten = torch.ops.aten
 
 OpKey = tuple[str, int, int, bool, str]  # (FLOP dtype, "" without; FLOPs; bytes; in the optimizer step; kind)
+
+
+def family(kind: str) -> str:
+    """The kind's first word: ``"attention"``, ``"matmul"``, ``"kernel"`` or ``""``; then the call's label."""
+    return kind.split(" ", 1)[0]
+
 
 _ALLOCATIONS = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided}
 _ALLOCATIONS |= {aten.empty_permuted, aten.resize_, aten.set_, aten.lift_fresh_copy, aten._local_scalar_dense}
@@ -58,6 +68,8 @@ _CAUSAL_ARGUMENT = {  # attention ops the registry has no formula for: (its form
     ),
 }
 ATTENTION = "attention"  # the kind of the fused attention kernels: their FLOP rate is not a matmul's on a CPU
+MATMUL = "matmul"  # the kind of the matmuls: each kernel's FLOPs at the matmul rate, plus its latency on a CPU
+KERNEL = "kernel"  # the kind of every other kernel whose call has a label (its kind is "" without one)
 _ATTENTION_OPS = {op for op in flop_registry if "attention" in str(op)} | set(_CAUSAL_ARGUMENT)
 DTYPE_NAMES = {
     torch.float32: "fp32",
@@ -128,8 +140,10 @@ class OpCounter:
             read = [t for t in read if not t.is_floating_point()] + written  # the indices and the rows returned
         nbytes = _bytes(read) + _bytes(written)
         flops, dtype = _flops(func, args, kwargs, out)
-        family = ATTENTION if packet in _ATTENTION_OPS else ""
-        self.profile.counts[(dtype, flops, nbytes, in_optimizer_step, family)] += 1
+        kind = ATTENTION if packet in _ATTENTION_OPS else MATMUL if flops and packet in MATMULS else KERNEL
+        label = call_label(func, args, kwargs)
+        kind = f"{kind} {label}" if label is not None else "" if kind == KERNEL else kind
+        self.profile.counts[(dtype, flops, nbytes, in_optimizer_step, kind)] += 1
 
 
 def _kind(func: Any) -> str:

@@ -10,7 +10,11 @@ as ``torch.distributed._tools.RuntimeEstimator``'s roofline mode takes the first
 dispatch and compute, so the dispatch time adds to each kernel instead, and two rates are its own, measured
 (``devices.local_cpu``): fused attention at its flash attention's FLOP/s (a tenth of its matmul rate), and each
 matmul's fixed latency on top of its FLOPs. The step's time is the sum: eager PyTorch runs one kernel after
-another.
+another. The local CPU goes further: it times each kernel at its own shapes (``kernel_replay.py``, as
+RuntimeEstimator's operator-level benchmark mode does), where one rate per dtype missed LoRA's thin matmuls,
+small attention, dequantization and conversions by 3-11x; the roofline stays for kernels too large to replay.
+A timed kernel's time includes its bare dispatch, and the dispatch overhead is added to it as to every kernel:
+about a microsecond counted twice.
 
 Compiled (``compile=``, ``OpProfile.compiled``): on a GPU the blocks and the loss run as graphs whose kernels
 inductor's generated code launches with no Python, dispatcher or autograd between them, so the host stays ahead
@@ -33,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pl_lowprec.memory.devices import DeviceSpec
-from pl_lowprec.memory.op_counts import ATTENTION, OpProfile
+from pl_lowprec.memory.op_counts import ATTENTION, OpProfile, family
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ class StepTime:
     bytes: int
     optimizer_launches: int = 0
     foreach: bool = False  # the optimizer's per-tensor kernels run as a few foreach kernels (a GPU)
+    timed_kernels: int = 0  # kernels timed on this CPU at their own shapes (kernel_replay.py), not on the roofline
 
     def line(self) -> str:
         """One line for ``pl-lowprec estimate``."""
@@ -65,13 +70,19 @@ class StepTime:
         )
         return (
             f"Predicted step time on {self.device}: {self.seconds:.3f} s ({parts}; {self.launches:,} kernels"
-            f"{self._optimizer_part()}, {_decimal(self.flops, 'FLOP')}, {_decimal(self.bytes, 'B')} moved)"
+            f"{self._optimizer_part()}{self._timed_part()}, {_decimal(self.flops, 'FLOP')},"
+            f" {_decimal(self.bytes, 'B')} moved)"
         )
 
     def _optimizer_part(self) -> str:
         if not (self.foreach and self.optimizer_launches):
             return ""
         return f" ({self.optimizer_launches:,} of them the optimizer's per-tensor ones, run as foreach kernels)"
+
+    def _timed_part(self) -> str:
+        if not self.timed_kernels:
+            return ""
+        return f" ({self.timed_kernels:,} of them timed on this CPU at their own shapes)"
 
 
 def _decimal(value: float, unit: str) -> str:
@@ -83,18 +94,23 @@ def _decimal(value: float, unit: str) -> str:
 
 
 def predict_step_time(profile: OpProfile, device: DeviceSpec) -> StepTime:
-    """The roofline of every kernel of ``profile`` on ``device``, summed."""
+    """The roofline of every kernel of ``profile`` on ``device``, summed; on a device that times kernels at their
+    shapes (the local CPU, ``kernel_replay.py``), the matmuls' and attention's own times where it has them."""
     bandwidth = device.bandwidth * device.memory_efficiency
     seconds = {"compute": 0.0, "memory": 0.0, "launch": 0.0}
+    timed = 0
     for (dtype, flops, nbytes, in_optimizer_step, kind), count in profile.counts.items():
         if not flops:
             on_flops = 0.0
-        elif kind == ATTENTION:
+        elif family(kind) == ATTENTION:
             on_flops = flops / device.attention_flops_per_second(dtype)
         else:
             on_flops = flops / device.flops_per_second(dtype) + device.matmul_latency.get(dtype, 0.0)
         on_bytes = nbytes / bandwidth
         bound, kernel = ("compute", on_flops) if on_flops >= on_bytes else ("memory", on_bytes)
+        measured = _measured(device, kind, kernel)
+        if measured is not None:  # split as the roofline bounds it
+            kernel, timed = measured, timed + count
         if not device.asynchronous:  # the CPU dispatches, then computes
             seconds[bound] += count * kernel
             seconds["launch"] += count * device.launch_overhead
@@ -113,4 +129,12 @@ def predict_step_time(profile: OpProfile, device: DeviceSpec) -> StepTime:
         profile.bytes,
         profile.optimizer_launches,
         device.asynchronous,
+        timed,
     )
+
+
+def _measured(device: DeviceSpec, kind: str, roofline: float) -> float | None:
+    """The kernel's time as ``device`` measures it at its shapes, where it does and the kind carries a label."""
+    if device.kernel_seconds is None or " " not in kind:
+        return None
+    return device.kernel_seconds(kind.split(" ", 1)[1], roofline)

@@ -1,0 +1,122 @@
+"""The CPU step-time prediction against the run it predicts: what ``fit`` prints at its end, for three workloads,
+with the kernels timed at their shapes (``pl_lowprec/memory/kernel_replay.py``, shipped) and on the roofline alone.
+
+Run: python benchmarks/cpu_step_prediction.py [--steps 12]
+
+Each workload is a ``Trainer.fit`` with ``LowPrecisionStrategy`` and ``"auto"`` settings, as a user runs it: the
+strategy predicts the step before loading, and its ``StepClock`` takes the median step from step 3 on. The
+"roofline only" column predicts the same simulated step (``strategy.prediction.ops``) on the same measured CPU
+with ``kernel_seconds=None``: the prediction before kernel replay.
+
+- quickstart: ``configs/quickstart.yaml``'s model, data and strategy (TinyLlama hidden 128, 2 layers, batch 8 x
+  128, nf4-dq, LoRA r=8);
+- TinyLlama hidden 512, MLP 1408, 2 layers, 8 heads, batch 4 x 512, the same strategy;
+- Llama-3.2-1B shapes with 2 of 16 blocks (``dispatch_proxy.py``'s model, random bf16 weights), ``CausalLM``
+  with ``loss_chunk_size=256``, nf4-dq, LoRA r=16 on every linear layer, every block checkpointed, batch 1 x 256.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tempfile
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import describe_machine, machine_info, markdown_table, quiet_trainer, section, write_json
+from dispatch_proxy import write_base
+from torch.utils.data import DataLoader
+
+from pl_lowprec import AMPPrecision, LowPrecisionStrategy
+from pl_lowprec.demo import StdlibTextDataModule, TinyLlama
+from pl_lowprec.memory.devices import local_cpu
+from pl_lowprec.memory.step_time import predict_step_time
+from pl_lowprec.models import CausalLM
+
+warnings.filterwarnings("ignore")
+
+QUICKSTART_LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": "all-linear"}
+LORA_16 = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": "all-linear"}
+
+
+def _tiny(hidden: int, mlp: int, heads: int, seq: int, batch: int) -> tuple[Any, Any, dict[str, Any]]:
+    model = TinyLlama(hidden_size=hidden, intermediate_size=mlp, num_layers=2, num_heads=heads, max_len=seq)
+    strategy = {"quantization": "nf4-dq", "lora": QUICKSTART_LORA}
+    return model, StdlibTextDataModule(seq_len=seq, batch_size=batch), strategy
+
+
+def _llama_1b_two_blocks(root: str) -> tuple[Any, Any, dict[str, Any]]:
+    base = str(Path(root) / "base")
+    write_base(base, 2)
+    ids = torch.randint(0, 128_000, (256,), generator=torch.Generator().manual_seed(0))
+    rows = DataLoader([{"input_ids": ids, "labels": ids}] * 64, batch_size=1)
+    strategy = {"quantization": "nf4-dq", "lora": LORA_16, "activation_checkpointing": ["LlamaDecoderLayer"]}
+    return CausalLM(base, loss_chunk_size=256), rows, strategy
+
+
+def measure(build: Callable[[], tuple[Any, Any, dict[str, Any]]], steps: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model, data, settings = build()
+    settings = {"activation_checkpointing": "auto", "memory_saving": "auto", **settings}
+    strategy = LowPrecisionStrategy(**settings)
+    trainer = quiet_trainer(
+        max_steps=steps, limit_val_batches=0, plugins=[AMPPrecision(precision="auto")], strategy=strategy
+    )
+    trainer.fit(model, data)
+    clock, estimate = strategy.step_clock, strategy.prediction
+    roofline = predict_step_time(estimate.ops, dataclasses.replace(local_cpu(), kernel_seconds=None))
+    return {
+        "measured": clock.median,
+        "predicted": clock.predicted.seconds,
+        "roofline_only": roofline.seconds,
+        "kernels": clock.predicted.launches,
+        "timed_kernels": clock.predicted.timed_kernels,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12, help="optimizer steps per run; the median is from step 3")
+    args = parser.parse_args(argv)
+    print(describe_machine(machine_info()))
+    results = {}
+    with tempfile.TemporaryDirectory() as root:
+        workloads = {
+            "quickstart (TinyLlama 128, 2 layers, 8 x 128)": lambda: _tiny(128, 352, 4, 128, 8),
+            "TinyLlama 512, 2 layers, 4 x 512": lambda: _tiny(512, 1408, 8, 512, 4),
+            "Llama-3.2-1B shapes, 2 blocks, 1 x 256": lambda: _llama_1b_two_blocks(root),
+        }
+        for name, build in workloads.items():
+            results[name] = measure(build, args.steps)
+    section("CPU step time: fit's median step against its prediction before loading")
+    rows = [
+        [
+            name,
+            f"{r['kernels']:,} ({r['timed_kernels']:,})",
+            r["measured"],
+            r["predicted"],
+            r["predicted"] / r["measured"],
+            r["roofline_only"],
+            r["roofline_only"] / r["measured"],
+        ]
+        for name, r in results.items()
+    ]
+    headers = [
+        "workload",
+        "kernels (timed at their shapes)",
+        "measured s",
+        "predicted s (shipped)",
+        "predicted / measured",
+        "roofline only s",
+        "roofline only / measured",
+    ]
+    print(markdown_table(headers, rows))
+    write_json("cpu_step_prediction", {"steps": args.steps, "results": results})
+    return results
+
+
+if __name__ == "__main__":
+    main()

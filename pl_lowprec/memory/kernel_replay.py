@@ -1,0 +1,270 @@
+"""The kernels of a step, timed on this CPU at their own shapes, where a roofline misses them.
+
+A roofline holds for a CPU's large matmuls (within 20% from 512 wide, measured against each kernel of a real
+step) but not for much else a fine-tune runs: a LoRA matmul with a side of 8 ran at 3-7x its roofline, flash
+attention's FLOP rate moves 4x with its shape (28 GFLOP/s forward and backward in bf16 at 128 positions and head
+size 32, 104 at 512 and 64), and bitsandbytes' dequantize, dtype conversions and the loss's log-softmax ran at
+5-11x their bytes at the copy bandwidth. The quickstart's step took 3x its roofline, Llama-3.2-1B's blocks 1.6x.
+
+So the step-time prediction on the local CPU (``devices.local_cpu``) times the kernels itself, as
+``torch.distributed._tools.RuntimeEstimator``'s operator-level benchmark mode does: each op is called again on
+random tensors of the recorded dtypes, shapes and strides, best of a few runs, once per process per call.
+``OpCounter`` records each kernel with its ``call_label``; ``kernel_seconds`` replays it. Integer tensors hold
+ones (a valid index, target or mask), so gathers and the loss run as they would.
+
+Bounded, so that estimating a large model on a laptop stays quick (Llama-3.1-8B's QLoRA step at 2 x 2048: 3.8 s
+on a 2-core EPYC): a kernel whose roofline time is above ``REPLAY_LIMIT`` keeps it, which holds at that size,
+except matmuls and attention, whose time is linear in their output's sides and in batch x heads: they run
+smaller and are scaled (``_smaller``). A process spends at most ``REPLAY_BUDGET`` seconds replaying; after that
+the roofline serves. The prediction says how many of its kernels were timed (``StepTime.timed_kernels``).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import math
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+aten = torch.ops.aten
+
+REPLAY_LIMIT = 0.01  # seconds: kernels the roofline puts above this keep it (attention is timed smaller, scaled)
+REPLAY_BUDGET = 10.0  # seconds a process spends replaying kernels at most
+REPLAY_BYTES = 256 * 2**20  # the most memory one replay materialises
+MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.linear, aten.matmul}
+ATTENTION_OPS = {
+    aten._scaled_dot_product_flash_attention_for_cpu,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward,
+}
+_TENSOR = re.compile(r"^(\w+)\[([\d,]*)\]\(([\d,]*)\)$")
+_spent = [0.0]  # seconds this process has replayed kernels for
+
+
+def call_label(func: Any, args: tuple, kwargs: dict | None) -> str | None:
+    """One op call as text that ``kernel_seconds`` can run again: the op, then each argument; a tensor as its
+    dtype, shape and strides (``bfloat16[2048,512](512,1)``), a dtype as ``torch.bfloat16``, a device as
+    ``'cpu'`` (replays run here), numbers, strings and lists of them as their ``repr``. ``None`` where an
+    argument is none of these (a list of tensors, a generator): that kernel keeps the roofline."""
+    parts = [str(func)]
+    for name, value in [(None, value) for value in args] + list((kwargs or {}).items()):
+        text = _argument(value)
+        if text is None:
+            return None
+        parts.append(text if name is None else f"{name}={text}")
+    return " ".join(parts)
+
+
+def _argument(value: Any) -> str | None:
+    if isinstance(value, torch.Tensor):
+        dtype = str(value.dtype).removeprefix("torch.")
+        return f"{dtype}[{','.join(map(str, value.shape))}]({','.join(map(str, value.stride()))})"
+    if isinstance(value, (torch.dtype, torch.memory_format, torch.layout)):
+        return str(value)
+    if isinstance(value, torch.device):
+        return "'cpu'"
+    if value is None or isinstance(value, (bool, int, float)) or (isinstance(value, str) and " " not in value):
+        text = repr(value)
+    elif isinstance(value, (list, tuple)) and all(isinstance(v, (bool, int, float)) for v in value):
+        text = repr(list(value)).replace(" ", "")
+    else:
+        return None
+    try:
+        ast.literal_eval(text)  # inf and nan do not come back
+    except (ValueError, SyntaxError):
+        return None
+    return text
+
+
+def kernel_seconds(label: str, roofline: float) -> float | None:
+    """The seconds the kernel of ``label`` takes on this CPU, timed at its shapes; ``None`` where the roofline
+    (``roofline`` seconds) serves instead: too large to materialise, the process's ``REPLAY_BUDGET`` spent, or a
+    label that cannot be run again. Above ``REPLAY_LIMIT`` it runs a smaller kernel of the same shapes but
+    one (``_smaller``) and scales."""
+    if _spent[0] >= REPLAY_BUDGET:
+        return None
+    return _timed(label, max(1, math.ceil(roofline / REPLAY_LIMIT)))
+
+
+@functools.cache
+def _timed(label: str, share: int) -> float | None:
+    """``label``'s kernel timed once per process; with about ``1 / share`` of its work where ``share`` > 1, and
+    the time scaled back by the fraction it ran."""
+    started = time.perf_counter()
+    try:
+        op, args, kwargs = _parse(label)
+        fraction = 1.0
+        if share > 1:
+            args, fraction = _smaller(str(op._overloadpacket), args, share)
+            if fraction is None:
+                return None
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, _TensorSpec)]
+        if sum(t.nbytes for t in tensors) > REPLAY_BYTES:
+            return None
+        with _disable_current_modes(), torch.autocast("cpu", enabled=False), torch.no_grad():
+            generator = torch.Generator().manual_seed(0)
+            real_args = [a.materialise(generator) if isinstance(a, _TensorSpec) else a for a in args]
+            real_kwargs = {k: v.materialise(generator) if isinstance(v, _TensorSpec) else v for k, v in kwargs.items()}
+            seconds = best_seconds(lambda: op(*real_args, **real_kwargs), repeats=3, budget=3 * REPLAY_LIMIT)
+        return seconds / fraction
+    except (
+        RuntimeError,
+        ValueError,
+        TypeError,
+        AttributeError,
+        SyntaxError,
+        IndexError,
+    ):  # a call this module cannot rebuild
+        return None
+    finally:
+        _spent[0] += time.perf_counter() - started
+
+
+def best_seconds(run: Callable[[], object], repeats: int = 5, budget: float = 0.1) -> float:
+    """The fastest of ``repeats`` runs after a warm-up, stopping early once ``budget`` seconds are spent."""
+    run()  # first-call allocations and kernel selection
+    best, spent = float("inf"), 0.0
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        took = time.perf_counter() - started
+        best, spent = min(best, took), spent + took
+        if spent > budget:
+            break
+    return best
+
+
+class _TensorSpec:
+    """A tensor argument as recorded: dtype, shape and strides, materialised as random values in that layout."""
+
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...], strides: tuple[int, ...]) -> None:
+        self.dtype, self.shape, self.strides = dtype, shape, strides
+
+    @property
+    def nbytes(self) -> int:
+        span = 1 + sum((size - 1) * stride for size, stride in zip(self.shape, self.strides, strict=True) if size)
+        return span * torch.empty((), dtype=self.dtype).element_size()
+
+    def resized(self, shape: tuple[int, ...]) -> _TensorSpec:
+        """The same dimension order in memory (innermost stride first), dense, at ``shape``; a broadcast
+        (stride-0) dimension stays broadcast."""
+        order = sorted(range(len(shape)), key=lambda d: (self.strides[d], self.shape[d]))
+        strides, step = [0] * len(shape), 1
+        for d in order:
+            if self.strides[d] == 0 and self.shape[d] > 1:
+                continue
+            strides[d], step = step, step * max(shape[d], 1)
+        return _TensorSpec(self.dtype, shape, tuple(strides))
+
+    def materialise(self, generator: torch.Generator) -> torch.Tensor:
+        """Random values (ones where not floating point: valid indices and masks), filled through the storage,
+        since a broadcast (stride-0) layout cannot be written through."""
+        storage = torch.empty(self.nbytes // torch.empty((), dtype=self.dtype).element_size(), dtype=self.dtype)
+        if storage.is_floating_point():
+            storage.normal_(generator=generator)
+        else:
+            storage.fill_(1)
+        return storage.as_strided(self.shape, self.strides)
+
+
+def _parse(label: str) -> tuple[Any, list[Any], dict[str, Any]]:
+    name, *tokens = label.split(" ")
+    op = functools.reduce(getattr, name.split("."), torch.ops)
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+    for token in tokens:
+        key, value = None, token
+        head, _, tail = token.partition("=")
+        if tail and head.isidentifier():
+            key, value = head, tail
+        parsed = _value(value)
+        if key is None:
+            args.append(parsed)
+        else:
+            kwargs[key] = parsed
+    return op, args, kwargs
+
+
+def _value(text: str) -> Any:
+    if text.startswith("torch."):
+        return getattr(torch, text.removeprefix("torch."))
+    match = _TENSOR.match(text)
+    if match is None:
+        return ast.literal_eval(text)
+    dtype, shape, strides = match.groups()
+    return _TensorSpec(
+        getattr(torch, dtype),
+        tuple(int(s) for s in shape.split(",") if s),
+        tuple(int(s) for s in strides.split(",") if s),
+    )
+
+
+# Where each output dimension of a matmul sits in its arguments: (argument, dimension), the first one
+# deciding its size. Time grows linearly with any of them once they are a few hundred long.
+_OUTPUT_DIMENSIONS = {
+    "aten.mm": ([(0, 0)], [(1, 1)]),
+    "aten.addmm": ([(1, 0), (0, -2)], [(2, 1), (0, -1)]),
+    "aten.bmm": ([(0, 0), (1, 0)], [(0, 1)], [(1, 2)]),
+    "aten.baddbmm": ([(1, 0), (2, 0), (0, 0)], [(1, 1), (0, 1)], [(2, 2), (0, 2)]),
+    "aten.linear": ([(0, 0)], [(1, 0), (2, 0)]),
+}
+SMALLEST_SIDE = 256  # a matmul's output side is not shrunk below this: smaller ones run at another rate
+
+
+def _smaller(op: str, args: list[Any], share: int) -> tuple[list[Any], float | None]:
+    """``op``'s arguments with about ``1 / share`` of its work, and the fraction kept (``None``: it cannot
+    shrink, or is neither a matmul nor attention). Attention keeps fewer rows and heads (``_fewer_heads``); a
+    matmul shortens its output's longest sides, down to ``SMALLEST_SIDE``."""
+    if op not in _OUTPUT_DIMENSIONS:
+        return _fewer_heads(args, share) if op in {str(o) for o in ATTENTION_OPS} else (args, None)
+    shapes = [list(a.shape) if isinstance(a, _TensorSpec) else None for a in args]
+    sides = []
+    for places in _OUTPUT_DIMENSIONS[op]:
+        arg, dim = places[0]
+        if shapes[arg] is not None and len(shapes[arg]) > dim:
+            sides.append((shapes[arg][dim], places))
+    fraction, left = 1.0, float(share)
+    for size, places in sorted(sides, key=lambda side: -side[0]):
+        kept = max(min(size, SMALLEST_SIDE), math.ceil(size / left))
+        if kept >= size:
+            continue
+        for arg, dim in places:
+            shape = shapes[arg] if arg < len(shapes) else None
+            if shape is not None and -len(shape) <= dim < len(shape) and shape[dim] == size:
+                shape[dim] = kept
+        fraction, left = fraction * kept / size, left * kept / size
+        if left <= 1:
+            break
+    if fraction >= 1.0:
+        return args, None
+    resized = [
+        a.resized(tuple(shape)) if isinstance(a, _TensorSpec) and list(a.shape) != shape else a
+        for a, shape in zip(args, shapes, strict=True)
+    ]
+    return resized, fraction
+
+
+def _fewer_heads(args: list[Any], share: int) -> tuple[list[Any], float | None]:
+    """Attention's arguments with about ``1 / share`` of its work, and the fraction kept (``None`` where one head
+    of one row is all there is). Every tensor is batch x heads x ...; the work is in units of one row's key/value
+    head with its query heads (grouped-query attention keeps its ratio), and fewer units keep fewer rows first."""
+    multi_head = [a.shape[1] for a in args if isinstance(a, _TensorSpec) and len(a.shape) >= 3 and a.shape[1] > 1]
+    batch = next(a for a in args if isinstance(a, _TensorSpec)).shape[0]
+    groups = min(multi_head, default=1)  # key/value heads
+    kept = max(1, batch * groups // share)
+    kept_batch, kept_groups = (kept // groups, groups) if kept >= groups else (1, kept)
+    fraction = kept_batch * kept_groups / (batch * groups)
+    if fraction >= 1.0:
+        return args, None
+    resized = []
+    for a in args:
+        if isinstance(a, _TensorSpec) and len(a.shape) >= 3:
+            heads = a.shape[1] if a.shape[1] == 1 else a.shape[1] * kept_groups // groups
+            a = a.resized((min(a.shape[0], kept_batch), heads, *a.shape[2:]))
+        resized.append(a)
+    return resized, fraction
