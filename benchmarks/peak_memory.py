@@ -216,7 +216,9 @@ def fsdp_measure_and_predict(**sizes: int) -> dict:
         **FSDP_SETTINGS,
     )
     seconds = time.perf_counter() - started
-    port = 29500 + int(time.time()) % 400
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    port = find_free_network_port()
     mp.spawn(_fsdp_rank, args=(2, dict(sizes), port), nprocs=2)
     return {"config": FSDP_NAME, "predicted": estimate.peak, "peak_phase": estimate.peak_phase, "estimate_s": seconds}
 

@@ -119,19 +119,19 @@ class OpCounter:
 
     def __init__(self) -> None:
         self.profile = OpProfile()
-        self._kinds: dict[Any, str] = {}  # op -> "kernel", "composite" (a kernel unless it aliases) or "none"
+        self._works: dict[Any, str] = {}  # op -> "kernel", "composite" (a kernel unless it aliases) or "none"
 
     def record(self, func: Any, args: tuple, kwargs: dict | None, out: Any, in_optimizer_step: bool = False) -> None:
-        kind = self._kinds.get(func)
-        if kind is None:
-            kind = self._kinds[func] = _kind(func)
-        if kind == "none":
+        work = self._works.get(func)
+        if work is None:
+            work = self._works[func] = _work(func)
+        if work == "none":
             return
         written = _tensors(out)
         if not written and func._schema.is_mutable:  # in-place foreach ops return nothing
             written = _mutated(func, args)
         read = _tensors(args) + _tensors(kwargs.values() if kwargs else ())
-        if not written or (kind == "composite" and _aliases(written, read)):
+        if not written or (work == "composite" and _aliases(written, read)):
             return
         packet = func._overloadpacket
         if packet in _WRITE_ONLY:
@@ -140,13 +140,13 @@ class OpCounter:
             read = [t for t in read if not t.is_floating_point()] + written  # the indices and the rows returned
         nbytes = _bytes(read) + _bytes(written)
         flops, dtype = _flops(func, args, kwargs, out)
-        kind = ATTENTION if packet in _ATTENTION_OPS else MATMUL if flops and packet in MATMULS else KERNEL
+        family = ATTENTION if packet in _ATTENTION_OPS else MATMUL if flops and packet in MATMULS else KERNEL
         label = call_label(func, args, kwargs)
-        kind = f"{kind} {label}" if label is not None else "" if kind == KERNEL else kind
+        kind = f"{family} {label}" if label is not None else "" if family == KERNEL else family
         self.profile.counts[(dtype, flops, nbytes, in_optimizer_step, kind)] += 1
 
 
-def _kind(func: Any) -> str:
+def _work(func: Any) -> str:
     """Whether an op runs device work: not a view, an allocation or communication. An op a dispatch mode sees
     runs whole (a composite's parts run below the mode, unseen), so a composite is one kernel too unless it
     returns a view (``reshape`` of a contiguous tensor)."""
