@@ -9,14 +9,14 @@ size 32, 104 at 512 and 64), and bitsandbytes' dequantize, dtype conversions and
 So the step-time prediction on the local CPU (``devices.local_cpu``) times the kernels itself, as
 ``torch.distributed._tools.RuntimeEstimator``'s operator-level benchmark mode does: each op is called again on
 random tensors of the recorded dtypes, shapes and strides, best of a few runs, once per process per call.
-``OpCounter`` records each kernel with its ``call_label``; ``kernel_seconds`` replays it. Integer tensors hold
+``OpCounter`` records each kernel with its ``call_label``; a ``KernelTimer`` replays it. Integer tensors hold
 ones (a valid index, target or mask), so gathers and the loss run as they would.
 
 Bounded, so that estimating a large model on a laptop stays quick (Llama-3.1-8B's QLoRA step at 2 x 2048: 3.8 s
 on a 2-core EPYC): a kernel whose roofline time is above ``REPLAY_LIMIT`` keeps it, which holds at that size,
 except matmuls and attention, whose time is linear in their output's sides and in batch x heads: they run
-smaller and are scaled (``_smaller``). A process spends at most ``REPLAY_BUDGET`` seconds replaying; after that
-the roofline serves. The prediction says how many of its kernels were timed (``StepTime.timed_kernels``).
+smaller and are scaled (``_smaller``). A prediction spends at most ``REPLAY_BUDGET`` seconds on new replays;
+after that the roofline serves. The prediction says how many of its kernels were timed (``StepTime.timed_kernels``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 aten = torch.ops.aten
 
 REPLAY_LIMIT = 0.01  # seconds: kernels the roofline puts above this keep it (attention is timed smaller, scaled)
-REPLAY_BUDGET = 10.0  # seconds a process spends replaying kernels at most
+REPLAY_BUDGET = 10.0  # seconds one prediction spends on new replays at most
 REPLAY_BYTES = 256 * 2**20  # the most memory one replay materialises
 MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.linear, aten.matmul}
 ATTENTION_OPS = {
@@ -44,11 +44,11 @@ ATTENTION_OPS = {
     aten._scaled_dot_product_flash_attention_for_cpu_backward,
 }
 _TENSOR = re.compile(r"^(\w+)\[([\d,]*)\]\(([\d,]*)\)$")
-_spent = [0.0]  # seconds this process has replayed kernels for
+_TIMES: dict[tuple[str, int], float | None] = {}  # (label, share) -> seconds, for the whole process
 
 
 def call_label(func: Any, args: tuple, kwargs: dict | None) -> str | None:
-    """One op call as text that ``kernel_seconds`` can run again: the op, then each argument; a tensor as its
+    """One op call as text that a ``KernelTimer`` can run again: the op, then each argument; a tensor as its
     dtype, shape and strides (``bfloat16[2048,512](512,1)``), a dtype as ``torch.bfloat16``, a device as
     ``'cpu'`` (replays run here), numbers, strings and lists of them as their ``repr``. ``None`` where an
     argument is none of these (a list of tensors, a generator): that kernel keeps the roofline."""
@@ -82,21 +82,31 @@ def _argument(value: Any) -> str | None:
     return text
 
 
-def kernel_seconds(label: str, roofline: float) -> float | None:
-    """The seconds the kernel of ``label`` takes on this CPU, timed at its shapes; ``None`` where the roofline
-    (``roofline`` seconds) serves instead: too large to materialise, the process's ``REPLAY_BUDGET`` spent, or a
-    label that cannot be run again. Above ``REPLAY_LIMIT`` it runs a smaller kernel of the same shapes but
-    one (``_smaller``) and scales."""
-    if _spent[0] >= REPLAY_BUDGET:
-        return None
-    return _timed(label, max(1, math.ceil(roofline / REPLAY_LIMIT)))
+class KernelTimer:
+    """The kernel times of one step-time prediction: ``timer(label, roofline)`` gives the seconds the kernel of
+    ``label`` takes on this CPU, timed at its shapes, or ``None`` where the roofline (``roofline`` seconds)
+    serves instead: too large to materialise, a call that cannot run again, or this prediction's
+    ``REPLAY_BUDGET`` spent on kernels timed for it. A kernel is timed once per process: what earlier
+    predictions timed is reused, so one estimate predicts the same step however often it is asked. Above
+    ``REPLAY_LIMIT`` a matmul or attention runs smaller and is scaled (``_smaller``)."""
+
+    def __init__(self) -> None:
+        self.spent = 0.0
+
+    def __call__(self, label: str, roofline: float) -> float | None:
+        key = (label, max(1, math.ceil(roofline / REPLAY_LIMIT)))
+        if key not in _TIMES:
+            if self.spent >= REPLAY_BUDGET:
+                return None
+            started = time.perf_counter()
+            _TIMES[key] = _timed(*key)
+            self.spent += time.perf_counter() - started
+        return _TIMES[key]
 
 
-@functools.cache
 def _timed(label: str, share: int) -> float | None:
     """``label``'s kernel timed once per process; with about ``1 / share`` of its work where ``share`` > 1, and
     the time scaled back by the fraction it ran."""
-    started = time.perf_counter()
     try:
         op, args, kwargs = _parse(label)
         fraction = 1.0
@@ -116,8 +126,6 @@ def _timed(label: str, share: int) -> float | None:
         return seconds / fraction
     except Exception:  # any call that cannot run again here keeps the roofline, and is not counted as timed
         return None
-    finally:
-        _spent[0] += time.perf_counter() - started
 
 
 def best_seconds(run: Callable[[], object], repeats: int = 5, budget: float = 0.1) -> float:

@@ -98,7 +98,7 @@ def predict_step_time(profile: OpProfile, device: DeviceSpec) -> StepTime:
     shapes (the local CPU, ``kernel_replay.py``), the matmuls' and attention's own times where it has them."""
     bandwidth = device.bandwidth * device.memory_efficiency
     seconds = {"compute": 0.0, "memory": 0.0, "launch": 0.0}
-    timed = 0
+    timed, timer = 0, device.kernel_timer() if device.kernel_timer is not None else None
     for (dtype, flops, nbytes, in_optimizer_step, kind), count in profile.counts.items():
         if not flops:
             on_flops = 0.0
@@ -108,7 +108,7 @@ def predict_step_time(profile: OpProfile, device: DeviceSpec) -> StepTime:
             on_flops = flops / device.flops_per_second(dtype) + device.matmul_latency.get(dtype, 0.0)
         on_bytes = nbytes / bandwidth
         bound, kernel = ("compute", on_flops) if on_flops >= on_bytes else ("memory", on_bytes)
-        measured = _measured(device, kind, kernel)
+        measured = timer(kind.split(" ", 1)[1], kernel) if timer is not None and " " in kind else None
         if measured is not None:  # split as the roofline bounds it
             kernel, timed = measured, timed + count
         if not device.asynchronous:  # the CPU dispatches, then computes
@@ -131,10 +131,3 @@ def predict_step_time(profile: OpProfile, device: DeviceSpec) -> StepTime:
         device.asynchronous,
         timed,
     )
-
-
-def _measured(device: DeviceSpec, kind: str, roofline: float) -> float | None:
-    """The kernel's time as ``device`` measures it at its shapes, where it does and the kind carries a label."""
-    if device.kernel_seconds is None or " " not in kind:
-        return None
-    return device.kernel_seconds(kind.split(" ", 1)[1], roofline)
