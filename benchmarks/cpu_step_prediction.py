@@ -6,7 +6,7 @@ Run: python benchmarks/cpu_step_prediction.py [--steps 12]
 Each workload is a ``Trainer.fit`` with ``LowPrecisionStrategy`` and ``"auto"`` settings, as a user runs it: the
 strategy predicts the step before loading, and its ``StepClock`` takes the median step from step 3 on. The
 "roofline only" column predicts the same simulated step (``strategy.prediction.ops``) on the same measured CPU
-with ``kernel_timer=None``: the prediction before kernel replay.
+with ``kernel_seconds=None``: the prediction before kernel replay.
 
 - quickstart: ``configs/quickstart.yaml``'s model, data and strategy (TinyLlama hidden 128, 2 layers, batch 8 x
   128, nf4-dq, LoRA r=8);
@@ -67,7 +67,7 @@ def measure(build: Callable[[], tuple[Any, Any, dict[str, Any]]], steps: int) ->
     )
     trainer.fit(model, data)
     clock, estimate = strategy.step_clock, strategy.prediction
-    roofline = predict_step_time(estimate.ops, dataclasses.replace(local_cpu(), kernel_timer=None))
+    roofline = predict_step_time(estimate.ops, dataclasses.replace(local_cpu(), kernel_seconds=None))
     return {
         "measured": clock.median,
         "predicted": clock.predicted.seconds,

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pl_lowprec.memory.kernel_replay import KernelTimer, best_seconds
+from pl_lowprec.memory.kernel_replay import best_seconds, kernel_seconds
 from pl_lowprec.memory.op_counts import CountingMode
 
 MATMUL_EFFICIENCY = 0.7  # of the spec sheet's dense peak, reached by large bf16 cuBLAS matmuls (H100/H200)
@@ -49,9 +49,8 @@ class DeviceSpec:
     its FLOPs and its dispatch by dtype (the math library's setup and its threads' start: about 14 us in bf16
     on an AVX-512 CPU, more than a small matmul's FLOPs take).
 
-    ``kernel_timer`` (the local CPU's: ``kernel_replay.KernelTimer``) makes, for each prediction, a function
-    that times a kernel at its own shapes from its call's label and its roofline time, or gives ``None`` where
-    the roofline serves.
+    ``kernel_seconds`` (the local CPU's: ``kernel_replay.kernel_seconds``) times a kernel at its own shapes from
+    its call's label and its roofline time, or gives ``None`` where the roofline serves.
     """
 
     name: str
@@ -64,9 +63,7 @@ class DeviceSpec:
     source: str = "spec sheet"
     attention_flops: dict[str, float] = field(default_factory=dict, hash=False)
     matmul_latency: dict[str, float] = field(default_factory=dict, hash=False)
-    kernel_timer: Callable[[], Callable[[str, float], float | None]] | None = field(
-        default=None, compare=False, repr=False
-    )
+    kernel_seconds: Callable[[str, float], float | None] | None = field(default=None, compare=False, repr=False)
 
     def flops_per_second(self, dtype: str) -> float:
         """The achievable FLOP/s of matmuls in ``dtype``; refuses a dtype the device does not compute."""
@@ -173,7 +170,7 @@ def local_cpu() -> DeviceSpec:
         source="measured",
         attention_flops=attention,
         matmul_latency=latency,
-        kernel_timer=KernelTimer,
+        kernel_seconds=kernel_seconds,
     )
 
 

@@ -9,14 +9,15 @@ size 32, 104 at 512 and 64), and bitsandbytes' dequantize, dtype conversions and
 So the step-time prediction on the local CPU (``devices.local_cpu``) times the kernels itself, as
 ``torch.distributed._tools.RuntimeEstimator``'s operator-level benchmark mode does: each op is called again on
 random tensors of the recorded dtypes, shapes and strides, best of a few runs, once per process per call.
-``OpCounter`` records each kernel with its ``call_label``; a ``KernelTimer`` replays it. Integer tensors hold
+``OpCounter`` records each kernel with its ``call_label``; ``kernel_seconds`` replays it. Integer tensors hold
 ones (a valid index, target or mask), so gathers and the loss run as they would.
 
 Bounded, so that estimating a large model on a laptop stays quick (Llama-3.1-8B's QLoRA step at 2 x 2048: 3.8 s
 on a 2-core EPYC): a kernel whose roofline time is above ``REPLAY_LIMIT`` keeps it, which holds at that size,
 except matmuls and attention, whose time is linear in their output's sides and in batch x heads: they run
-smaller and are scaled (``_smaller``). A prediction spends at most ``REPLAY_BUDGET`` seconds on new replays;
-after that the roofline serves. The prediction says how many of its kernels were timed (``StepTime.timed_kernels``).
+smaller and are scaled (``_smaller``). A process spends at most ``REPLAY_BUDGET`` seconds replaying; after that
+the roofline serves for calls not timed yet. The prediction says how many of its kernels were timed
+(``StepTime.timed_kernels``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 aten = torch.ops.aten
 
 REPLAY_LIMIT = 0.01  # seconds: kernels the roofline puts above this keep it (attention is timed smaller, scaled)
-REPLAY_BUDGET = 10.0  # seconds one prediction spends on new replays at most
+REPLAY_BUDGET = 10.0  # seconds a process spends replaying kernels at most
 REPLAY_BYTES = 256 * 2**20  # the most memory one replay materialises
 MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.linear, aten.matmul}
 ATTENTION_OPS = {
@@ -45,20 +46,36 @@ ATTENTION_OPS = {
 }
 _TENSOR = re.compile(r"^(\w+)\[([\d,]*)\]\(([\d,]*)\)$")
 _TIMES: dict[tuple[str, int], float | None] = {}  # (label, share) -> seconds, for the whole process
+_spent = [0.0]  # seconds this process has replayed kernels for
 
 
 def call_label(func: Any, args: tuple, kwargs: dict | None) -> str | None:
-    """One op call as text that a ``KernelTimer`` can run again: the op, then each argument; a tensor as its
+    """One op call as text that ``kernel_seconds`` can run again: the op, then each argument; a tensor as its
     dtype, shape and strides (``bfloat16[2048,512](512,1)``), a dtype as ``torch.bfloat16``, a device as
     ``'cpu'`` (replays run here), numbers, strings and lists of them as their ``repr``. ``None`` where an
     argument is none of these (a list of tensors, a generator): that kernel keeps the roofline."""
     parts = [str(func)]
-    for name, value in [(None, value) for value in args] + list((kwargs or {}).items()):
-        text = _argument(value)
+    schema = {argument.name: argument for argument in func._schema.arguments}
+    positions = list(func._schema.arguments)
+    named = [(None, value, positions[i] if i < len(positions) else None) for i, value in enumerate(args)]
+    named += [(name, value, schema.get(name)) for name, value in (kwargs or {}).items()]
+    for name, value, argument in named:
+        text = _argument(_number_as_its_type(value, argument))
         if text is None:
             return None
         parts.append(text if name is None else f"{name}={text}")
     return " ".join(parts)
+
+
+def _number_as_its_type(value: Any, argument: Any) -> Any:
+    """A number passed as a tensor or a Scalar (``x * 2.0``, ``add``'s ``alpha``) as one of its type: its value
+    does not change the kernel's work, and LoRA's scaling then gives one label whatever ``lora_alpha`` is. A
+    ``float`` or ``int`` argument (a dropout's ``p``, a dimension) keeps its value."""
+    if argument is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value
+    if isinstance(argument.type, (torch.TensorType, torch.NumberType)):
+        return type(value)(1)
+    return value
 
 
 def _argument(value: Any) -> str | None:
@@ -82,26 +99,20 @@ def _argument(value: Any) -> str | None:
     return text
 
 
-class KernelTimer:
-    """The kernel times of one step-time prediction: ``timer(label, roofline)`` gives the seconds the kernel of
-    ``label`` takes on this CPU, timed at its shapes, or ``None`` where the roofline (``roofline`` seconds)
-    serves instead: too large to materialise, a call that cannot run again, or this prediction's
-    ``REPLAY_BUDGET`` spent on kernels timed for it. A kernel is timed once per process: what earlier
-    predictions timed is reused, so one estimate predicts the same step however often it is asked. Above
-    ``REPLAY_LIMIT`` a matmul or attention runs smaller and is scaled (``_smaller``)."""
-
-    def __init__(self) -> None:
-        self.spent = 0.0
-
-    def __call__(self, label: str, roofline: float) -> float | None:
-        key = (label, max(1, math.ceil(roofline / REPLAY_LIMIT)))
-        if key not in _TIMES:
-            if self.spent >= REPLAY_BUDGET:
-                return None
-            started = time.perf_counter()
-            _TIMES[key] = _timed(*key)
-            self.spent += time.perf_counter() - started
-        return _TIMES[key]
+def kernel_seconds(label: str, roofline: float) -> float | None:
+    """The seconds the kernel of ``label`` takes on this CPU, timed at its shapes; ``None`` where the roofline
+    (``roofline`` seconds) serves instead: too large to materialise, a call that cannot run again, or the
+    process's ``REPLAY_BUDGET`` spent. Each call is timed once per process and reused after, also once the budget
+    is spent, so a step predicted twice is predicted the same. Above ``REPLAY_LIMIT`` a matmul or attention runs
+    smaller and is scaled (``_smaller``)."""
+    key = (label, max(1, math.ceil(roofline / REPLAY_LIMIT)))
+    if key not in _TIMES:
+        if _spent[0] >= REPLAY_BUDGET:
+            return None
+        started = time.perf_counter()
+        _TIMES[key] = _timed(*key)
+        _spent[0] += time.perf_counter() - started
+    return _TIMES[key]
 
 
 def _timed(label: str, share: int) -> float | None:

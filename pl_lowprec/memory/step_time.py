@@ -98,7 +98,7 @@ def predict_step_time(profile: OpProfile, device: DeviceSpec) -> StepTime:
     shapes (the local CPU, ``kernel_replay.py``), the matmuls' and attention's own times where it has them."""
     bandwidth = device.bandwidth * device.memory_efficiency
     seconds = {"compute": 0.0, "memory": 0.0, "launch": 0.0}
-    timed, timer = 0, device.kernel_timer() if device.kernel_timer is not None else None
+    timed, timer = 0, device.kernel_seconds
     for (dtype, flops, nbytes, in_optimizer_step, kind), count in profile.counts.items():
         if not flops:
             on_flops = 0.0

@@ -11,7 +11,7 @@ from pl_lowprec.demo import TinyLlama
 from pl_lowprec.memory import kernel_replay
 from pl_lowprec.memory.devices import DeviceSpec, local_cpu
 from pl_lowprec.memory.estimate import estimate_memory
-from pl_lowprec.memory.kernel_replay import SMALLEST_SIDE, KernelTimer, _parse, _smaller, _TensorSpec, call_label
+from pl_lowprec.memory.kernel_replay import SMALLEST_SIDE, _parse, _smaller, _TensorSpec, call_label, kernel_seconds
 from pl_lowprec.memory.op_counts import MATMUL, OpProfile
 from pl_lowprec.memory.step_time import predict_step_time
 
@@ -72,7 +72,8 @@ def test_a_call_label_runs_the_same_op_again_with_the_same_dtypes_shapes_and_str
         assert (again.shape, again.dtype) == (out.shape, out.dtype), label
 
 
-def test_other_kernels_have_labels_too_unless_an_argument_cannot_be_written_down():
+def test_other_kernels_have_labels_too_unless_an_argument_cannot_be_written_down(monkeypatch):
+    monkeypatch.setattr(kernel_replay, "_spent", [0.0])  # whatever this worker's earlier tests replayed
     x = torch.randn(4, 8, dtype=torch.bfloat16)
     to_float = torch.ops.aten._to_copy.default
     label = call_label(to_float, (x,), {"dtype": torch.float32, "device": torch.device("cpu")})
@@ -81,9 +82,13 @@ def test_other_kernels_have_labels_too_unless_an_argument_cannot_be_written_down
     assert op(args[0].materialise(torch.Generator()), **kwargs).dtype == torch.float32
     softmax = torch.ops.aten._log_softmax.default
     assert _parse(call_label(softmax, (x, -1, False), None))[1][1:] == [-1, False]
+    scaled = [call_label(torch.ops.aten.mul.Tensor, (x, alpha / 8), None) for alpha in (16, 32)]
+    assert scaled[0] == scaled[1] == "aten.mul.Tensor bfloat16[4,8](8,1) 1.0"  # LoRA's scaling: the same work
+    dropout = torch.ops.aten.native_dropout.default
+    assert call_label(dropout, (x, 0.1, True), None) != call_label(dropout, (x, 0.2, True), None)  # a float kept
     assert call_label(torch.ops.aten.cat.default, ([x, x],), None) is None  # a list of tensors
     assert call_label(torch.ops.aten.clamp.default, (x, float("-inf")), None) is None  # -inf does not come back
-    assert KernelTimer()(label, 1e-6) > 0
+    assert kernel_seconds(label, 1e-6) > 0
 
 
 def test_the_prediction_takes_the_devices_own_time_for_each_labelled_kernel():
@@ -98,7 +103,7 @@ def test_the_prediction_takes_the_devices_own_time_for_each_labelled_kernel():
     device = DeviceSpec("cpu", {"bf16": 1e12}, bandwidth=1e12, launch_overhead=0.0, matmul_efficiency=1.0)
     roofline = predict_step_time(OpProfile(counts), device)
     assert roofline.compute_bound == pytest.approx(5e-3) and roofline.timed_kernels == 0
-    timed = predict_step_time(OpProfile(counts), DeviceSpec(**{**device.__dict__, "kernel_timer": lambda: kernel_time}))
+    timed = predict_step_time(OpProfile(counts), DeviceSpec(**{**device.__dict__, "kernel_seconds": kernel_time}))
     assert timed.compute_bound == pytest.approx(3 * 0.5 + 2 * 1e-3)  # the label's 3 measured, the rest roofline
     assert asked == [(label, pytest.approx(1e-3))] and timed.timed_kernels == 3
     assert "5 kernels (3 of them timed on this CPU at their own shapes)" in timed.line()
@@ -143,21 +148,22 @@ def test_attention_runs_with_fewer_rows_and_heads_keeping_its_query_heads_per_ke
     assert _smaller(op, [one_head, one_head, one_head], 4)[1] is None
 
 
-def test_the_roofline_serves_once_a_predictions_budget_is_spent_or_a_label_cannot_run(monkeypatch):
+def test_the_roofline_serves_once_the_budget_is_spent_and_what_was_timed_stays(monkeypatch):
     label = "aten.mm.default float32[8,8](8,1) float32[8,8](8,1)"
     monkeypatch.setattr(kernel_replay, "_TIMES", {})
-    timer = KernelTimer()
-    first = timer(label, 1e-6)
+    monkeypatch.setattr(kernel_replay, "_spent", [0.0])
+    first = kernel_seconds(label, 1e-6)
     assert first > 0
-    assert timer("aten.no_such_op.default float32[8](1)", 1e-6) is None
-    assert timer("aten.mm.default float32[8,8](8,1) float32[9,8](8,1)", 1e-6) is None  # shapes refused
-    monkeypatch.setattr(kernel_replay, "REPLAY_BUDGET", 0.0)
-    assert timer(label, 1e-6) == KernelTimer()(label, 1e-6) == first  # what was timed is reused: the same step again
-    assert KernelTimer()("aten.mm.default float32[4,8](8,1) float32[8,8](8,1)", 1e-6) is None  # nothing new
+    assert kernel_seconds("aten.no_such_op.default float32[8](1)", 1e-6) is None
+    assert kernel_seconds("aten.mm.default float32[8,8](8,1) float32[9,8](8,1)", 1e-6) is None  # shapes refused
+    monkeypatch.setattr(kernel_replay, "_spent", [kernel_replay.REPLAY_BUDGET])
+    assert kernel_seconds(label, 1e-6) == first  # reused: a step predicted twice is predicted the same
+    assert kernel_seconds("aten.mm.default float32[4,8](8,1) float32[8,8](8,1)", 1e-6) is None  # nothing new
 
 
-def test_every_matmul_and_attention_kernel_of_the_simulated_step_runs_again_on_this_cpu():
+def test_every_matmul_and_attention_kernel_of_the_simulated_step_runs_again_on_this_cpu(monkeypatch):
     """The labels come from fake tensors: each must rebuild, or the CPU's prediction quietly falls back."""
+    monkeypatch.setattr(kernel_replay, "_spent", [0.0])  # whatever this worker's earlier tests replayed
     ids = torch.zeros(2, 64, dtype=torch.long)
     estimate = estimate_memory(
         lambda: TinyLlama(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4),
