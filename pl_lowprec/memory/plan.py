@@ -15,8 +15,9 @@ or with ``allow_quantization`` (then nf4-dq is tried too); it is never switched 
 Each candidate is simulated by ``estimate_memory`` (one fake step through the strategy's own transform), and
 ranked by the predicted time of its optimizer step on the device (``estimate.step_time_on``: each kernel's
 FLOPs, bytes and launch, ``step_time.py``), which sees what FLOPs alone did not: the recompute of memory-bound
-ops under selective checkpointing, and the launches of more, smaller micro-batches. Ties go to the larger
-micro-batch, then to fewer changes.
+ops under selective checkpointing, and the launches of more, smaller micro-batches. Steps predicted within 5%
+of the fastest are ties (on a CPU the kernels are timed, and vary that much from run to run); ties go to the
+larger micro-batch, then to fewer changes.
 """
 
 from __future__ import annotations
@@ -198,8 +199,32 @@ def plan_memory(
             plan.candidates.append(Candidate(settings, estimate, estimate.peak <= plan.limit, step))
             if plan.candidates[-1].fits:
                 break
-    plan.candidates.sort(key=lambda c: (not c.fits, c.step.seconds, -c.settings.micro_batch, _changes(c)))
+    plan.candidates.sort(key=_ranking(plan.candidates))
     return plan
+
+
+TIED = 0.05  # predicted steps within 5% of the fastest are tied: a measured CPU's kernel times vary that much
+
+
+def _ranking(candidates: list[Candidate]) -> Callable[[Candidate], tuple]:
+    """Fitting candidates first; those within ``TIED`` of the fastest, the larger micro-batch and fewer changes
+    first (no checkpointing before some); then the rest, fastest first."""
+    fastest = min((c.step.seconds for c in candidates if c.fits), default=0.0)
+
+    def key(c: Candidate) -> tuple:
+        tied = c.fits and c.step.seconds <= fastest * (1 + TIED)
+        checkpointed = c.settings.checkpointing != "none"
+        return (
+            not c.fits,
+            not tied,
+            0.0 if tied else c.step.seconds,
+            -c.settings.micro_batch,
+            checkpointed,
+            _changes(c),
+            c.step.seconds,
+        )
+
+    return key
 
 
 def candidate_groups(

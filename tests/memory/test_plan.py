@@ -280,3 +280,24 @@ def test_sharding_is_not_chosen_where_it_changes_the_4bit_storage():
     assert plan is not None and line.endswith("Chosen, since nothing fits unsharded:")
     plan, line = _sharded_alternative(make_plan, quantized, 2, options, BLOCKS, nothing_fits=False)
     assert plan is None and "Not chosen: the unsharded candidate above fits" in line
+
+
+def test_steps_predicted_within_five_percent_are_tied_and_go_to_fewer_changes():
+    """On a CPU the kernels are timed, so two runs of one plan differ by a few percent: a candidate that is
+    predicted 3% faster with checkpointing must not displace the one that changes nothing."""
+    from pl_lowprec.memory.plan import Candidate, _ranking
+    from pl_lowprec.memory.step_time import StepTime
+
+    def candidate(micro_batch: int, checkpointing: str, seconds: float, fits: bool = True) -> Candidate:
+        step = StepTime("cpu", seconds, seconds, 0.0, 0.0, 1, 1, 1)
+        return Candidate(Settings(micro_batch, 8 // micro_batch, checkpointing), None, fits, step)
+
+    plain, selective = candidate(8, "none", 1.00), candidate(8, "selective", 0.97)
+    smaller, slow, too_big = (
+        candidate(4, "none", 0.98),
+        candidate(8, "every block", 1.10),
+        candidate(16, "none", 0.5, False),
+    )
+    candidates = [too_big, slow, smaller, selective, plain]
+    ranked = sorted(candidates, key=_ranking(candidates))
+    assert ranked == [plain, selective, smaller, slow, too_big]
