@@ -55,16 +55,22 @@ def call_label(func: Any, args: tuple, kwargs: dict | None) -> str | None:
     ``'cpu'`` (replays run here), numbers, strings and lists of them as their ``repr``. ``None`` where an
     argument is none of these (a list of tensors, a generator): that kernel keeps the roofline."""
     parts = [str(func)]
-    schema = {argument.name: argument for argument in func._schema.arguments}
-    positions = list(func._schema.arguments)
+    positions, by_name = _schema_arguments(func)
     named = [(None, value, positions[i] if i < len(positions) else None) for i, value in enumerate(args)]
-    named += [(name, value, schema.get(name)) for name, value in (kwargs or {}).items()]
+    named += [(name, value, by_name.get(name)) for name, value in (kwargs or {}).items()]
     for name, value, argument in named:
         text = _argument(_number_as_its_type(value, argument))
         if text is None:
             return None
         parts.append(text if name is None else f"{name}={text}")
     return " ".join(parts)
+
+
+@functools.cache
+def _schema_arguments(func: Any) -> tuple[list[Any], dict[str, Any]]:
+    """``func``'s schema arguments in order and by name: read once per op, not once per call."""
+    arguments = list(func._schema.arguments)
+    return arguments, {argument.name: argument for argument in arguments}
 
 
 def _number_as_its_type(value: Any, argument: Any) -> Any:
@@ -122,7 +128,7 @@ def _timed(label: str, share: int) -> float | None:
         op, args, kwargs = _parse(label)
         fraction = 1.0
         if share > 1:
-            args, fraction = _smaller(str(op._overloadpacket), args, share)
+            args, fraction = _smaller(op._overloadpacket, args, share)
             if fraction is None:
                 return None
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, _TensorSpec)]
@@ -160,9 +166,13 @@ class _TensorSpec:
         self.dtype, self.shape, self.strides = dtype, shape, strides
 
     @property
+    def span(self) -> int:
+        """The elements of storage the layout reaches."""
+        return 1 + sum((size - 1) * stride for size, stride in zip(self.shape, self.strides, strict=True) if size)
+
+    @property
     def nbytes(self) -> int:
-        span = 1 + sum((size - 1) * stride for size, stride in zip(self.shape, self.strides, strict=True) if size)
-        return span * torch.empty((), dtype=self.dtype).element_size()
+        return self.span * self.dtype.itemsize
 
     def resized(self, shape: tuple[int, ...]) -> _TensorSpec:
         """The same dimension order in memory (innermost stride first), dense, at ``shape``; a broadcast
@@ -178,7 +188,7 @@ class _TensorSpec:
     def materialise(self, generator: torch.Generator) -> torch.Tensor:
         """Random values (ones where not floating point: valid indices and masks), filled through the storage,
         since a broadcast (stride-0) layout cannot be written through."""
-        storage = torch.empty(self.nbytes // torch.empty((), dtype=self.dtype).element_size(), dtype=self.dtype)
+        storage = torch.empty(self.span, dtype=self.dtype)
         if storage.is_floating_point():
             storage.normal_(generator=generator)
         else:
@@ -221,21 +231,21 @@ def _value(text: str) -> Any:
 # Where each output dimension of a matmul sits in its arguments: (argument, dimension), the first one
 # deciding its size. Time grows linearly with any of them once they are a few hundred long.
 _OUTPUT_DIMENSIONS = {
-    "aten.mm": ([(0, 0)], [(1, 1)]),
-    "aten.addmm": ([(1, 0), (0, -2)], [(2, 1), (0, -1)]),
-    "aten.bmm": ([(0, 0), (1, 0)], [(0, 1)], [(1, 2)]),
-    "aten.baddbmm": ([(1, 0), (2, 0), (0, 0)], [(1, 1), (0, 1)], [(2, 2), (0, 2)]),
-    "aten.linear": ([(0, 0)], [(1, 0), (2, 0)]),
+    aten.mm: ([(0, 0)], [(1, 1)]),
+    aten.addmm: ([(1, 0), (0, -2)], [(2, 1), (0, -1)]),
+    aten.bmm: ([(0, 0), (1, 0)], [(0, 1)], [(1, 2)]),
+    aten.baddbmm: ([(1, 0), (2, 0), (0, 0)], [(1, 1), (0, 1)], [(2, 2), (0, 2)]),
+    aten.linear: ([(0, 0)], [(1, 0), (2, 0)]),
 }
 SMALLEST_SIDE = 256  # a matmul's output side is not shrunk below this: smaller ones run at another rate
 
 
-def _smaller(op: str, args: list[Any], share: int) -> tuple[list[Any], float | None]:
+def _smaller(op: Any, args: list[Any], share: int) -> tuple[list[Any], float | None]:
     """``op``'s arguments with about ``1 / share`` of its work, and the fraction kept (``None``: it cannot
     shrink, or is neither a matmul nor attention). Attention keeps fewer rows and heads (``_fewer_heads``); a
     matmul shortens its output's longest sides, down to ``SMALLEST_SIDE``."""
     if op not in _OUTPUT_DIMENSIONS:
-        return _fewer_heads(args, share) if op in {str(o) for o in ATTENTION_OPS} else (args, None)
+        return _fewer_heads(args, share) if op in ATTENTION_OPS else (args, None)
     shapes = [list(a.shape) if isinstance(a, _TensorSpec) else None for a in args]
     sides = []
     for places in _OUTPUT_DIMENSIONS[op]:

@@ -51,7 +51,12 @@ OpKey = tuple[str, int, int, bool, str]  # (FLOP dtype, "" without; FLOPs; bytes
 
 def family(kind: str) -> str:
     """The kind's first word: ``"attention"``, ``"matmul"``, ``"kernel"`` or ``""``; then the call's label."""
-    return kind.split(" ", 1)[0]
+    return kind.partition(" ")[0]
+
+
+def call_of(kind: str) -> str | None:
+    """The call's label after the kind's first word (``kernel_replay.call_label``); ``None`` without one."""
+    return kind.partition(" ")[2] or None
 
 
 _ALLOCATIONS = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided}

@@ -17,7 +17,7 @@ ranked by the predicted time of its optimizer step on the device (``estimate.ste
 FLOPs, bytes and launch, ``step_time.py``), which sees what FLOPs alone did not: the recompute of memory-bound
 ops under selective checkpointing, and the launches of more, smaller micro-batches. Steps predicted within 5%
 of the fastest are ties (on a CPU the kernels are timed, and vary that much from run to run); ties go to the
-larger micro-batch, then to fewer changes.
+larger micro-batch, then to no checkpointing, then to fewer changes.
 """
 
 from __future__ import annotations

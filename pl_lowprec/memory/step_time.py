@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pl_lowprec.memory.devices import DeviceSpec
-from pl_lowprec.memory.op_counts import ATTENTION, OpProfile, family
+from pl_lowprec.memory.op_counts import ATTENTION, OpProfile, call_of, family
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def _decimal(value: float, unit: str) -> str:
 
 def predict_step_time(profile: OpProfile, device: DeviceSpec) -> StepTime:
     """The roofline of every kernel of ``profile`` on ``device``, summed; on a device that times kernels at their
-    shapes (the local CPU, ``kernel_replay.py``), the matmuls' and attention's own times where it has them."""
+    shapes (the local CPU, ``kernel_replay.py``), each kernel's own time where it has one."""
     bandwidth = device.bandwidth * device.memory_efficiency
     seconds = {"compute": 0.0, "memory": 0.0, "launch": 0.0}
     timed, timer = 0, device.kernel_seconds
@@ -108,7 +108,8 @@ def predict_step_time(profile: OpProfile, device: DeviceSpec) -> StepTime:
             on_flops = flops / device.flops_per_second(dtype) + device.matmul_latency.get(dtype, 0.0)
         on_bytes = nbytes / bandwidth
         bound, kernel = ("compute", on_flops) if on_flops >= on_bytes else ("memory", on_bytes)
-        measured = timer(kind.split(" ", 1)[1], kernel) if timer is not None and " " in kind else None
+        label = call_of(kind) if timer is not None else None
+        measured = timer(label, kernel) if label is not None else None
         if measured is not None:  # split as the roofline bounds it
             kernel, timed = measured, timed + count
         if not device.asynchronous:  # the CPU dispatches, then computes

@@ -111,31 +111,29 @@ def test_the_prediction_takes_the_devices_own_time_for_each_labelled_kernel():
 
 def test_a_large_matmul_runs_with_shorter_sides_and_never_below_the_smallest():
     a, b = _TensorSpec(torch.bfloat16, (4096, 2048), (1, 4096)), _TensorSpec(torch.bfloat16, (2048, 1024), (1024, 1))
-    (x, y), fraction = _smaller("aten.mm", [a, b], 4)
+    (x, y), fraction = _smaller(torch.ops.aten.mm, [a, b], 4)
     assert (x.shape, x.strides, y.shape) == ((1024, 2048), (1, 1024), (2048, 1024)) and fraction == 0.25
-    (x, y), fraction = _smaller("aten.mm", [a, b], 10**6)
+    (x, y), fraction = _smaller(torch.ops.aten.mm, [a, b], 10**6)
     assert (x.shape[0], y.shape[1]) == (SMALLEST_SIDE, SMALLEST_SIDE) and fraction == SMALLEST_SIDE**2 / (4096 * 1024)
     bias = _TensorSpec(torch.float32, (1024,), (1,))
-    (shrunk_bias, _, y), _ = _smaller("aten.addmm", [bias, _TensorSpec(torch.float32, (512, 2048), (2048, 1)), b], 4)
+    (shrunk_bias, _, y), _ = _smaller(
+        torch.ops.aten.addmm, [bias, _TensorSpec(torch.float32, (512, 2048), (2048, 1)), b], 4
+    )
     assert shrunk_bias.shape == (256,) and y.shape == (2048, 256)  # the bias follows its side
     head = _TensorSpec(torch.bfloat16, (2, 2048, 32000), (0, 32000, 1))
     (_, shrunk_head), _ = _smaller(
-        "aten.bmm", [_TensorSpec(torch.bfloat16, (2, 256, 2048), (524288, 2048, 1)), head], 8
+        torch.ops.aten.bmm, [_TensorSpec(torch.bfloat16, (2, 256, 2048), (524288, 2048, 1)), head], 8
     )
     assert shrunk_head.shape == (2, 2048, 4000) and shrunk_head.strides == (0, 4000, 1)  # still broadcast
-    assert (
-        _smaller(
-            "aten.mm", [_TensorSpec(torch.bfloat16, (100, 8), (8, 1)), _TensorSpec(torch.bfloat16, (8, 9), (9, 1))], 4
-        )[1]
-        is None
-    )  # nothing to cut
+    narrow = [_TensorSpec(torch.bfloat16, (100, 8), (8, 1)), _TensorSpec(torch.bfloat16, (8, 9), (9, 1))]
+    assert _smaller(torch.ops.aten.mm, narrow, 4)[1] is None  # nothing to cut
 
 
 def test_attention_runs_with_fewer_rows_and_heads_keeping_its_query_heads_per_key_head():
     q = _TensorSpec(torch.bfloat16, (2, 8, 512, 64), (262144, 64, 512, 1))
     kv = _TensorSpec(torch.bfloat16, (2, 2, 512, 64), (65536, 64, 128, 1))
     logsumexp = _TensorSpec(torch.float32, (2, 8, 512), (4096, 512, 1))
-    op = "aten._scaled_dot_product_flash_attention_for_cpu_backward"
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
     (shrunk_q, shrunk_kv, shrunk_lse, causal), fraction = _smaller(op, [q, kv, logsumexp, True], 4)
     assert (shrunk_q.shape, shrunk_kv.shape, shrunk_lse.shape, causal) == (
         (1, 4, 512, 64),
