@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pl_lowprec.memory.kernel_replay import best_seconds, kernel_seconds
+from pl_lowprec.memory.kernel_replay import KernelTime, best_seconds, kernel_seconds, timed_on_free_cores
 from pl_lowprec.memory.op_counts import CountingMode
 
 MATMUL_EFFICIENCY = 0.7  # of the spec sheet's dense peak, reached by large bf16 cuBLAS matmuls (H100/H200)
@@ -63,7 +63,7 @@ class DeviceSpec:
     source: str = "spec sheet"
     attention_flops: dict[str, float] = field(default_factory=dict, hash=False)
     matmul_latency: dict[str, float] = field(default_factory=dict, hash=False)
-    kernel_seconds: Callable[[str, float], float | None] | None = field(default=None, compare=False, repr=False)
+    kernel_seconds: Callable[[str, float], KernelTime | None] | None = field(default=None, compare=False, repr=False)
 
     def flops_per_second(self, dtype: str) -> float:
         """The achievable FLOP/s of matmuls in ``dtype``; refuses a dtype the device does not compute."""
@@ -132,8 +132,9 @@ def local_cpu() -> DeviceSpec:
     which CPUs run slowly, 128-square) and each matmul's latency (a 32-square one less its FLOPs and its
     dispatch), causal flash attention's FLOP/s forward and backward (``_attention_flops``), copy bandwidth (64
     MiB, beyond the caches), and the time of one tiny op with autograd (the dispatch cost each kernel pays).
-    Best of a few runs each, so other work on the machine counts least; already achievable rates, so the
-    efficiencies are 1. Its own random generator: a run's random state (seed_everything, LoRA's initialisation,
+    Best of a few runs each, so other work on the machine counts least, and the rates on one thread where
+    torch's threads waited for busy cores (``timed_on_free_cores``; the name says so); already achievable rates,
+    so the efficiencies are 1. Its own random generator: a run's random state (seed_everything, LoRA's initialisation,
     dropout) must not depend on whether this ran first in the process."""
     generator = torch.Generator().manual_seed(0)
     tiny = torch.ones(4, requires_grad=True)
@@ -143,24 +144,30 @@ def local_cpu() -> DeviceSpec:
             tiny * 2
 
     launch = best_seconds(hundred_ops, 3) / 100
-    flops, latency, attention = {}, {}, {}
+    flops, latency, attention, timings = {}, {}, {}, []
+
+    def seconds(run: Callable[[], object], repeats: int) -> float:
+        timings.append(timed_on_free_cores(run, repeats))
+        return timings[-1].seconds
+
     for dtype, name, size in (
         (torch.float32, "fp32", 768),
         (torch.bfloat16, "bf16", 768),
         (torch.float16, "fp16", 128),
     ):
         a, b = (torch.randn(size, size, dtype=dtype, generator=generator) for _ in range(2))
-        flops[name] = 2 * size**3 / best_seconds(lambda a=a, b=b: a @ b, 4)
+        flops[name] = 2 * size**3 / seconds(lambda a=a, b=b: a @ b, 4)
         small = torch.randn(32, 32, dtype=dtype, generator=generator)
-        latency[name] = max(0.0, best_seconds(lambda s=small: s @ s, 5) - 2 * 32**3 / flops[name] - launch)
+        latency[name] = max(0.0, seconds(lambda s=small: s @ s, 5) - 2 * 32**3 / flops[name] - launch)
         if name != "fp16":  # a CPU's fp16 attention is rare (Lightning runs 16-mixed as bf16 there) and slow
-            attention[name] = _attention_flops(dtype, generator)
+            attention[name] = _attention_flops(dtype, generator, seconds)
     source = torch.empty(16 * 2**20, dtype=torch.float32)
     target = torch.empty_like(source)
-    bandwidth = 2 * source.nbytes / best_seconds(lambda: target.copy_(source), 3)
+    bandwidth = 2 * source.nbytes / seconds(lambda: target.copy_(source), 3)
     threads = torch.get_num_threads()
+    busy = "; its cores were busy: rates of one thread" if any(t.one_thread for t in timings) else ""
     return DeviceSpec(
-        f"this CPU ({threads} thread{'s' if threads != 1 else ''}, measured)",
+        f"this CPU ({threads} thread{'s' if threads != 1 else ''}, measured{busy})",
         flops,
         bandwidth,
         launch,
@@ -174,7 +181,9 @@ def local_cpu() -> DeviceSpec:
     )
 
 
-def _attention_flops(dtype: torch.dtype, generator: torch.Generator) -> float:
+def _attention_flops(
+    dtype: torch.dtype, generator: torch.Generator, seconds: Callable[[Callable[[], object], int], float]
+) -> float:
     """FLOP/s of causal scaled-dot-product attention forward and backward on this CPU, counted as the step's
     kernels are (``op_counts``), at the shape of a real model's layer: head size 64, 512 positions, 4 heads per
     thread so that every thread has work."""
@@ -187,4 +196,4 @@ def _attention_flops(dtype: torch.dtype, generator: torch.Generator) -> float:
 
     with CountingMode() as mode:  # attention's kernels are the only ones here with FLOPs
         forward_and_backward()
-    return mode.counter.profile.flops / best_seconds(forward_and_backward, 3)
+    return mode.counter.profile.flops / seconds(forward_and_backward, 3)

@@ -8,7 +8,8 @@ size 32, 104 at 512 and 64), and bitsandbytes' dequantize, dtype conversions and
 
 So the step-time prediction on the local CPU (``devices.local_cpu``) times the kernels itself, as
 ``torch.distributed._tools.RuntimeEstimator``'s operator-level benchmark mode does: each op is called again on
-random tensors of the recorded dtypes, shapes and strides, best of a few runs, once per process per call.
+random tensors of the recorded dtypes, shapes and strides, best of a few runs, once per process per call,
+and on one thread too where other processes keep the cores busy (``timed_on_free_cores``).
 ``OpCounter`` records each kernel with its ``call_label``; ``kernel_seconds`` replays it. Integer tensors hold
 ones (a valid index, target or mask), so gathers and the loss run as they would.
 
@@ -29,7 +30,7 @@ import re
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -45,7 +46,9 @@ ATTENTION_OPS = {
     aten._scaled_dot_product_flash_attention_for_cpu_backward,
 }
 _TENSOR = re.compile(r"^(\w+)\[([\d,]*)\]\(([\d,]*)\)$")
-_TIMES: dict[tuple[str, int], float | None] = {}  # (label, share) -> seconds, for the whole process
+BUSY = 1.25  # torch's threads this much slower than one thread (its CPU time) ...
+BUSY_WAIT = 0.0005  # ... and by this many seconds (a scheduler slice is milliseconds): other processes hold the cores
+_TIMES: dict[tuple[str, int], KernelTime | None] = {}  # (label, share) -> seconds, for the whole process
 _spent = [0.0]  # seconds this process has replayed kernels for
 
 
@@ -105,12 +108,12 @@ def _argument(value: Any) -> str | None:
     return text
 
 
-def kernel_seconds(label: str, roofline: float) -> float | None:
-    """The seconds the kernel of ``label`` takes on this CPU, timed at its shapes; ``None`` where the roofline
-    (``roofline`` seconds) serves instead: too large to materialise, a call that cannot run again, or the
-    process's ``REPLAY_BUDGET`` spent. Each call is timed once per process and reused after, also once the budget
-    is spent, so a step predicted twice is predicted the same. Above ``REPLAY_LIMIT`` a matmul or attention runs
-    smaller and is scaled (``_smaller``)."""
+def kernel_seconds(label: str, roofline: float) -> KernelTime | None:
+    """The seconds the kernel of ``label`` takes on this CPU, timed at its shapes (``timed_on_free_cores``);
+    ``None`` where the roofline (``roofline`` seconds) serves instead: too large to materialise, a call that
+    cannot run again, or the process's ``REPLAY_BUDGET`` spent. Each call is timed once per process and reused
+    after, also once the budget is spent, so a step predicted twice is predicted the same. Above
+    ``REPLAY_LIMIT`` a matmul or attention runs smaller and is scaled (``_smaller``)."""
     key = (label, max(1, math.ceil(roofline / REPLAY_LIMIT)))
     if key not in _TIMES:
         if _spent[0] >= REPLAY_BUDGET:
@@ -121,7 +124,7 @@ def kernel_seconds(label: str, roofline: float) -> float | None:
     return _TIMES[key]
 
 
-def _timed(label: str, share: int) -> float | None:
+def _timed(label: str, share: int) -> KernelTime | None:
     """``label``'s kernel timed once per process; with about ``1 / share`` of its work where ``share`` > 1, and
     the time scaled back by the fraction it ran."""
     try:
@@ -139,24 +142,65 @@ def _timed(label: str, share: int) -> float | None:
             generator = torch.Generator().manual_seed(0)
             real_args = [a.materialise(generator) if isinstance(a, _TensorSpec) else a for a in args]
             real_kwargs = {k: v.materialise(generator) if isinstance(v, _TensorSpec) else v for k, v in kwargs.items()}
-            seconds = best_seconds(lambda: op(*real_args, **real_kwargs), repeats=3, budget=3 * REPLAY_LIMIT)
-        return seconds / fraction
+            timed = timed_on_free_cores(lambda: op(*real_args, **real_kwargs), repeats=3, budget=3 * REPLAY_LIMIT)
+        return timed._replace(seconds=timed.seconds / fraction)
     except Exception:  # any call that cannot run again here keeps the roofline, and is not counted as timed
         return None
 
 
-def best_seconds(run: Callable[[], object], repeats: int = 5, budget: float = 0.1) -> float:
-    """The fastest of ``repeats`` runs after a warm-up, stopping early once ``budget`` seconds are spent."""
-    run()  # first-call allocations and kernel selection
+def best_seconds(
+    run: Callable[[], object],
+    repeats: int = 5,
+    budget: float = 0.1,
+    clock: Callable[[], float] = time.perf_counter,
+    warm_up: bool = True,
+) -> float:
+    """The fastest of ``repeats`` runs after a warm-up (unless ``run`` has just run), stopping early once
+    ``budget`` seconds are spent; wall time, or ``clock``'s."""
+    if warm_up:
+        run()  # first-call allocations and kernel selection
     best, spent = float("inf"), 0.0
     for _ in range(repeats):
-        started = time.perf_counter()
+        started = clock()
         run()
-        took = time.perf_counter() - started
+        took = clock() - started
         best, spent = min(best, took), spent + took
         if spent > budget:
             break
     return best
+
+
+class KernelTime(NamedTuple):
+    """A kernel's seconds on this CPU; ``one_thread`` where torch's threads were slower than one thread alone
+    (``timed_on_free_cores``), so the seconds are one thread's: an upper bound on the idle machine's."""
+
+    seconds: float
+    one_thread: bool = False
+
+
+def timed_on_free_cores(run: Callable[[], object], repeats: int = 5, budget: float = 0.1) -> KernelTime:
+    """``best_seconds`` on torch's threads; where there are several, twice more on one thread, by the CPU time
+    of the thread that runs it (``time.thread_time``), which is taken when it is less by more than ``BUSY``
+    times and ``BUSY_WAIT`` seconds.
+
+    Why: a kernel split over threads waits at its end for the slowest one, so while other processes hold the
+    cores each call waits out a scheduler slice, and no best-of-few escapes it. On a 2-core EPYC beside two busy
+    processes, an add of 2**20 floats took 11 ms on 2 threads (46 us idle) and 93 us on one (85 us idle), a
+    512-square matmul 20 ms (1.3 ms idle) and 2.5 ms; a prediction of 9 ms read 5 s. On one thread torch runs
+    the kernel in the calling thread, whose CPU time leaves out the slices other processes took. One thread's
+    time is at most the thread count too slow for a kernel that splits, and right for one that does not."""
+    threads = torch.get_num_threads()
+    seconds = best_seconds(run, repeats, budget)
+    if threads == 1:
+        return KernelTime(seconds)
+    torch.set_num_threads(1)
+    try:
+        alone = best_seconds(run, 2, budget, clock=time.thread_time, warm_up=False)
+    finally:
+        torch.set_num_threads(threads)
+    if seconds > BUSY * alone and seconds - alone > BUSY_WAIT:
+        return KernelTime(alone, one_thread=True)
+    return KernelTime(seconds)
 
 
 class _TensorSpec:

@@ -56,6 +56,7 @@ class StepTime:
     optimizer_launches: int = 0
     foreach: bool = False  # the optimizer's per-tensor kernels run as a few foreach kernels (a GPU)
     timed_kernels: int = 0  # kernels timed on this CPU at their own shapes (kernel_replay.py), not on the roofline
+    one_thread_kernels: int = 0  # of them, timed on one thread: torch's threads waited for busy cores
 
     def line(self) -> str:
         """One line for ``pl-lowprec estimate``."""
@@ -82,7 +83,12 @@ class StepTime:
     def _timed_part(self) -> str:
         if not self.timed_kernels:
             return ""
-        return f" ({self.timed_kernels:,} of them timed on this CPU at their own shapes)"
+        busy = (
+            f"; {self.one_thread_kernels:,} on one thread, as other processes kept its cores busy: upper bounds"
+            if self.one_thread_kernels
+            else ""
+        )
+        return f" ({self.timed_kernels:,} of them timed on this CPU at their own shapes{busy})"
 
 
 def _decimal(value: float, unit: str) -> str:
@@ -98,7 +104,7 @@ def predict_step_time(profile: OpProfile, device: DeviceSpec) -> StepTime:
     shapes (the local CPU, ``kernel_replay.py``), each kernel's own time where it has one."""
     bandwidth = device.bandwidth * device.memory_efficiency
     seconds = {"compute": 0.0, "memory": 0.0, "launch": 0.0}
-    timed, timer = 0, device.kernel_seconds
+    timed, one_thread, timer = 0, 0, device.kernel_seconds
     for (dtype, flops, nbytes, in_optimizer_step, kind), count in profile.counts.items():
         if not flops:
             on_flops = 0.0
@@ -111,7 +117,8 @@ def predict_step_time(profile: OpProfile, device: DeviceSpec) -> StepTime:
         label = call_of(kind) if timer is not None else None
         measured = timer(label, kernel) if label is not None else None
         if measured is not None:  # split as the roofline bounds it
-            kernel, timed = measured, timed + count
+            kernel, timed = measured.seconds, timed + count
+            one_thread += count * measured.one_thread
         if not device.asynchronous:  # the CPU dispatches, then computes
             seconds[bound] += count * kernel
             seconds["launch"] += count * device.launch_overhead
@@ -131,4 +138,5 @@ def predict_step_time(profile: OpProfile, device: DeviceSpec) -> StepTime:
         profile.optimizer_launches,
         device.asynchronous,
         timed,
+        one_thread,
     )

@@ -60,5 +60,16 @@ class StepClock:
             f"Step time of this run: {measured:.3f} s per optimizer step ({steps}); predicted before loading:"
             f" {predicted.seconds:.3f} s on {predicted.device}, so the run took {measured / predicted.seconds:.2f}x the"
             " prediction. The prediction counts the step's kernels; the run's time also holds the data loader,"
-            " Lightning's loop and logging."
+            f" Lightning's loop and logging.{_busy_part(predicted)}"
         )
+
+
+def _busy_part(predicted: StepTime) -> str:
+    """Where the prediction timed kernels while other processes held the cores, which the run shared too."""
+    count = predicted.one_thread_kernels
+    if not count:
+        return ""
+    return (
+        f" Other processes kept this CPU's cores busy as it predicted: {count:,} kernels were timed on one thread"
+        " (an upper bound on the idle machine's time), and the run shared the cores with them."
+    )

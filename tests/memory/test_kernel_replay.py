@@ -1,5 +1,6 @@
 """The local CPU times the step's matmul and attention kernels at their own shapes (``memory/kernel_replay.py``)."""
 
+import time
 from collections import Counter
 
 import pytest
@@ -8,10 +9,19 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pl_lowprec.demo import TinyLlama
-from pl_lowprec.memory import kernel_replay
+from pl_lowprec.memory import devices, kernel_replay
 from pl_lowprec.memory.devices import DeviceSpec, local_cpu
 from pl_lowprec.memory.estimate import estimate_memory
-from pl_lowprec.memory.kernel_replay import SMALLEST_SIDE, _parse, _smaller, _TensorSpec, call_label, kernel_seconds
+from pl_lowprec.memory.kernel_replay import (
+    SMALLEST_SIDE,
+    KernelTime,
+    _parse,
+    _smaller,
+    _TensorSpec,
+    call_label,
+    kernel_seconds,
+    timed_on_free_cores,
+)
 from pl_lowprec.memory.op_counts import MATMUL, OpProfile
 from pl_lowprec.memory.step_time import predict_step_time
 
@@ -88,7 +98,7 @@ def test_other_kernels_have_labels_too_unless_an_argument_cannot_be_written_down
     assert call_label(dropout, (x, 0.1, True), None) != call_label(dropout, (x, 0.2, True), None)  # a float kept
     assert call_label(torch.ops.aten.cat.default, ([x, x],), None) is None  # a list of tensors
     assert call_label(torch.ops.aten.clamp.default, (x, float("-inf")), None) is None  # -inf does not come back
-    assert kernel_seconds(label, 1e-6) > 0
+    assert kernel_seconds(label, 1e-6).seconds > 0
 
 
 def test_the_prediction_takes_the_devices_own_time_for_each_labelled_kernel():
@@ -96,9 +106,9 @@ def test_the_prediction_takes_the_devices_own_time_for_each_labelled_kernel():
     counts = Counter({("bf16", 10**9, 10**3, False, f"{MATMUL} {label}"): 3, ("bf16", 10**9, 10**3, False, MATMUL): 2})
     asked = []
 
-    def kernel_time(asked_label: str, roofline: float) -> float:
+    def kernel_time(asked_label: str, roofline: float) -> KernelTime:
         asked.append((asked_label, roofline))
-        return 0.5
+        return KernelTime(0.5)
 
     device = DeviceSpec("cpu", {"bf16": 1e12}, bandwidth=1e12, launch_overhead=0.0, matmul_efficiency=1.0)
     roofline = predict_step_time(OpProfile(counts), device)
@@ -107,6 +117,45 @@ def test_the_prediction_takes_the_devices_own_time_for_each_labelled_kernel():
     assert timed.compute_bound == pytest.approx(3 * 0.5 + 2 * 1e-3)  # the label's 3 measured, the rest roofline
     assert asked == [(label, pytest.approx(1e-3))] and timed.timed_kernels == 3
     assert "5 kernels (3 of them timed on this CPU at their own shapes)" in timed.line()
+    busy = DeviceSpec(**{**device.__dict__, "kernel_seconds": lambda label, roofline: KernelTime(0.5, True)})
+    line = predict_step_time(OpProfile(counts), busy).line()
+    assert "(3 of them timed on this CPU at their own shapes; 3 on one thread, as other processes kept" in line
+
+
+@pytest.fixture
+def two_threads():
+    """The suite's workers run one thread each (conftest); these tests need torch to have several."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _compute(seconds: float) -> None:
+    """Busy on the calling thread for ``seconds``, as a kernel on one thread is."""
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        pass
+
+
+def test_a_kernel_whose_threads_wait_for_busy_cores_is_timed_on_one_thread(two_threads):
+    def waits_when_split() -> None:  # as a split kernel waits out another process's scheduler slice
+        time.sleep(0.004 if torch.get_num_threads() > 1 else 0.001)  # one thread loses a slice less often
+        _compute(0.0005)
+
+    busy = timed_on_free_cores(waits_when_split, repeats=3)
+    assert busy.one_thread and 0.0005 <= busy.seconds < 0.001  # its own work, without any wait
+    assert torch.get_num_threads() == 2  # the run's threads are given back
+
+    idle = timed_on_free_cores(lambda: _compute(0.001), repeats=3)
+    assert not idle.one_thread and idle.seconds >= 0.001  # torch's threads' own time, as the run will have it
+
+
+def test_the_cpus_rates_say_when_they_were_measured_on_one_thread(monkeypatch):
+    monkeypatch.setattr(
+        devices, "timed_on_free_cores", lambda run, repeats=5: KernelTime(timed_on_free_cores(run, repeats)[0], True)
+    )
+    assert devices.local_cpu.__wrapped__().name.endswith("measured; its cores were busy: rates of one thread)")
 
 
 def test_a_large_matmul_runs_with_shorter_sides_and_never_below_the_smallest():
@@ -151,7 +200,7 @@ def test_the_roofline_serves_once_the_budget_is_spent_and_what_was_timed_stays(m
     monkeypatch.setattr(kernel_replay, "_TIMES", {})
     monkeypatch.setattr(kernel_replay, "_spent", [0.0])
     first = kernel_seconds(label, 1e-6)
-    assert first > 0
+    assert first.seconds > 0
     assert kernel_seconds("aten.no_such_op.default float32[8](1)", 1e-6) is None
     assert kernel_seconds("aten.mm.default float32[8,8](8,1) float32[9,8](8,1)", 1e-6) is None  # shapes refused
     monkeypatch.setattr(kernel_replay, "_spent", [kernel_replay.REPLAY_BUDGET])

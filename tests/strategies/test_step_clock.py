@@ -1,5 +1,6 @@
 """At the end of ``fit``, the run's own median optimizer step beside the step time predicted before loading."""
 
+import dataclasses
 import itertools
 import statistics
 import time
@@ -11,6 +12,7 @@ from qlora_helpers import ids_loader, tiny_llama
 
 import pl_lowprec.strategies.auto_settings as auto_settings
 from pl_lowprec import LowPrecisionStrategy
+from pl_lowprec.memory.step_time import StepTime
 from pl_lowprec.strategies.step_clock import StepClock
 
 pytest.importorskip("peft")
@@ -23,6 +25,17 @@ def test_the_durations_start_at_the_third_step_and_the_median_is_theirs():
     assert clock.durations == [2.0, 3.0, 4.0, 90.0]  # steps 3-6: the first two warm up
     assert clock.median == 3.5  # the 90 s step (a validation, a checkpoint) does not move it
     assert StepClock(ends=[0.0, 1.0]).median is None
+
+
+def test_a_prediction_timed_beside_busy_processes_says_so():
+    predicted = StepTime("this CPU (2 threads, measured)", 0.02, 0.01, 0.01, 0.0, 700, 10**9, 10**8)
+    ends = [0.0, 1.0, 1.1, 1.2]
+    assert "busy" not in StepClock(predicted, ends).line()
+    busy = StepClock(dataclasses.replace(predicted, timed_kernels=600, one_thread_kernels=40), ends)
+    assert busy.line().endswith(
+        " Other processes kept this CPU's cores busy as it predicted: 40 kernels were timed on one thread (an upper"
+        " bound on the idle machine's time), and the run shared the cores with them."
+    )
 
 
 class OptimizerStepTimes(pl.Callback):
