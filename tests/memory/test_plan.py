@@ -161,9 +161,6 @@ def _write_config(tmp_path: Path, batch_size: int = 8, strategy: dict | None = N
 def test_cli_writes_a_config_that_fit_runs_and_never_overwrites(tmp_path, capsys):
     source = _write_config(tmp_path)
     out = tmp_path / "plan.yaml"
-    # timed on a spec-sheet GPU: this CPU's kernels are timed now, and a busy test worker's times can reorder
-    # candidates a few percent apart; the ranking on this CPU is test_steps_predicted_within_five_percent_...
-    timed_on = ["--gpu", "H100"]
     cli(
         [
             "plan",
@@ -175,7 +172,6 @@ def test_cli_writes_a_config_that_fit_runs_and_never_overwrites(tmp_path, capsys
             str(out),
             "--data.max_bytes",
             "150000",
-            *timed_on,
         ]
     )
     printed = capsys.readouterr().out
