@@ -1,12 +1,16 @@
 """The CPU step-time prediction against the run it predicts: what ``fit`` prints at its end, for three workloads,
 with the kernels timed at their shapes (``pl_lowprec/memory/kernel_replay.py``, shipped) and on the roofline alone.
 
-Run: python benchmarks/cpu_step_prediction.py [--steps 12]
+Run: python benchmarks/cpu_step_prediction.py [--steps 12] [--busy 2]
 
 Each workload is a ``Trainer.fit`` with ``LowPrecisionStrategy`` and ``"auto"`` settings, as a user runs it: the
 strategy predicts the step before loading, and its ``StepClock`` takes the median step from step 3 on. The
 "roofline only" column predicts the same simulated step (``strategy.prediction.ops``) on the same measured CPU
-with ``kernel_seconds=None``: the prediction before kernel replay.
+with ``kernel_seconds=None``: the prediction before kernel replay. "Threads only" times every kernel again on
+torch's threads alone (``kernel_replay.BUSY`` infinite): the prediction before ``timed_on_free_cores``.
+
+``--busy N`` runs it all beside N other processes, each a loop of 512-square matmuls on 2 threads, as a laptop's
+other work: the predictions should stay near the idle ones while the measured steps slow down.
 
 - quickstart: ``configs/quickstart.yaml``'s model, data and strategy (TinyLlama hidden 128, 2 layers, batch 8 x
   128, nf4-dq, LoRA r=8);
@@ -19,6 +23,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import subprocess
+import sys
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -32,6 +39,7 @@ from torch.utils.data import DataLoader
 
 from pl_lowprec import AMPPrecision, LowPrecisionStrategy
 from pl_lowprec.demo import StdlibTextDataModule, TinyLlama
+from pl_lowprec.memory import kernel_replay
 from pl_lowprec.memory.devices import local_cpu
 from pl_lowprec.memory.step_time import predict_step_time
 from pl_lowprec.models import CausalLM
@@ -40,6 +48,7 @@ warnings.filterwarnings("ignore")
 
 QUICKSTART_LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": "all-linear"}
 LORA_16 = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": "all-linear"}
+BUSY_LOOP = "import torch\ntorch.set_num_threads(2)\na = torch.randn(512, 512)\nwhile True:\n    a @ a"
 
 
 def _tiny(hidden: int, mlp: int, heads: int, seq: int, batch: int) -> tuple[Any, Any, dict[str, Any]]:
@@ -72,33 +81,62 @@ def measure(build: Callable[[], tuple[Any, Any, dict[str, Any]]], steps: int) ->
         "measured": clock.median,
         "predicted": clock.predicted.seconds,
         "roofline_only": roofline.seconds,
+        "threads_only": _threads_only(estimate.ops),
         "kernels": clock.predicted.launches,
         "timed_kernels": clock.predicted.timed_kernels,
+        "one_thread_kernels": clock.predicted.one_thread_kernels,
     }
+
+
+def _threads_only(ops: Any) -> float:
+    """The same step predicted with every kernel and rate timed on torch's threads alone, as before
+    ``timed_on_free_cores``; the process's timings are dropped before and after, so each side times afresh."""
+    shipped = kernel_replay.BUSY
+
+    def forget() -> None:
+        kernel_replay._TIMES.clear()
+        kernel_replay._spent[0] = 0.0
+        local_cpu.cache_clear()
+
+    forget()
+    kernel_replay.BUSY = math.inf
+    try:
+        return predict_step_time(ops, local_cpu()).seconds
+    finally:
+        kernel_replay.BUSY = shipped
+        forget()
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per run; the median is from step 3")
+    parser.add_argument("--busy", type=int, default=0, help="other processes busy on the cores meanwhile")
     args = parser.parse_args(argv)
     print(describe_machine(machine_info()))
     results = {}
+    others = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(args.busy)]
     with tempfile.TemporaryDirectory() as root:
         workloads = {
             "quickstart (TinyLlama 128, 2 layers, 8 x 128)": lambda: _tiny(128, 352, 4, 128, 8),
             "TinyLlama 512, 2 layers, 4 x 512": lambda: _tiny(512, 1408, 8, 512, 4),
             "Llama-3.2-1B shapes, 2 blocks, 1 x 256": lambda: _llama_1b_two_blocks(root),
         }
-        for name, build in workloads.items():
-            results[name] = measure(build, args.steps)
-    section("CPU step time: fit's median step against its prediction before loading")
+        try:
+            for name, build in workloads.items():
+                results[name] = measure(build, args.steps)
+        finally:
+            for other in others:
+                other.kill()
+    beside = f" beside {args.busy} busy processes" if args.busy else ""
+    section(f"CPU step time: fit's median step against its prediction before loading{beside}")
     rows = [
         [
             name,
-            f"{r['kernels']:,} ({r['timed_kernels']:,})",
+            f"{r['kernels']:,} ({r['timed_kernels']:,}; {r['one_thread_kernels']:,})",
             r["measured"],
             r["predicted"],
             r["predicted"] / r["measured"],
+            r["threads_only"],
             r["roofline_only"],
             r["roofline_only"] / r["measured"],
         ]
@@ -106,15 +144,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ]
     headers = [
         "workload",
-        "kernels (timed at their shapes)",
+        "kernels (timed at their shapes; on one thread)",
         "measured s",
         "predicted s (shipped)",
         "predicted / measured",
+        "threads only s",
         "roofline only s",
         "roofline only / measured",
     ]
     print(markdown_table(headers, rows))
-    write_json("cpu_step_prediction", {"steps": args.steps, "results": results})
+    write_json("cpu_step_prediction", {"steps": args.steps, "busy": args.busy, "results": results})
     return results
 
 
