@@ -356,9 +356,13 @@ def test_measuring_the_local_cpu_leaves_the_random_state_alone():
 )
 def test_the_local_cpu_is_named_with_its_threads(monkeypatch, threads, named):
     """The name is what the step-time lines print ("predicted ... on this CPU (2 threads, measured)")."""
+    from pl_lowprec.memory import devices
     from pl_lowprec.memory.devices import local_cpu
+    from pl_lowprec.memory.kernel_replay import KernelTime, best_seconds
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    # torch's threads stay as they are: timing on one thread too would set them to the count pretended here
+    monkeypatch.setattr(devices, "timed_on_free_cores", lambda run, repeats=5: KernelTime(best_seconds(run, repeats)))
     local_cpu.cache_clear()
     try:
         assert local_cpu().name == named
