@@ -3,12 +3,21 @@
 ``Trainer(accumulate_grad_batches=0)`` is accepted and fails inside step 1 with ``ZeroDivisionError``;
 ``check_val_every_n_epoch=0`` and ``val_check_interval=0`` fail the same way at the first validation check.
 ``check_trainer_arguments`` runs when the CLI builds the Trainer and again in the strategies' ``setup``.
+
+An integer ``val_check_interval`` above the training batches of an epoch is refused by Lightning only once its
+fit loop starts, after the model has loaded (minutes for a large checkpoint);
+``check_validation_interval`` counts the batches as Lightning will in the strategies' ``setup``, before loading.
 """
 
 from __future__ import annotations
 
 import math
 from typing import Any
+
+from lightning.fabric.utilities.data import sized_len
+from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+from lightning.pytorch.trainer.states import RunningStage
+from torch.utils.data import DataLoader
 
 
 def check_trainer_arguments(trainer: Any) -> None:
@@ -41,6 +50,47 @@ def check_trainer_arguments(trainer: Any) -> None:
         raise ValueError(
             f"Trainer(num_sanity_val_steps={sanity!r}) must be >= 0, or -1 to check every validation batch."
         )
+
+
+def check_validation_interval(trainer: Any) -> None:
+    """``ValueError`` where ``Trainer(val_check_interval=<int>)`` is more than the training batches of an epoch
+    on this process, on the terms of Lightning's own check (``_FitLoop.setup_data``)."""
+    interval = trainer.val_check_interval
+    if (
+        not isinstance(interval, int)
+        or isinstance(interval, bool)
+        or trainer.check_val_every_n_epoch is None
+        or not trainer.limit_val_batches
+        or getattr(trainer, "_val_check_time_interval", None) is not None
+    ):
+        return
+    batches = training_batches(trainer)
+    if batches is None or interval <= batches:
+        return
+    processes = f" on each of {trainer.world_size} processes" if trainer.world_size > 1 else ""
+    raise ValueError(
+        f"Trainer(val_check_interval={interval}) is more than the {batches} training batches of an epoch here"
+        f"{processes}, so Lightning would stop at the first epoch, after loading the model. Allowed: an integer up"
+        f" to {batches}, a float in (0, 1] for a fraction of the epoch, or check_val_every_n_epoch=None to count"
+        " the batches across epochs (with max_steps set); limit_val_batches=0 skips validation."
+    )
+
+
+def training_batches(trainer: Any) -> int | None:
+    """The training batches one epoch has on this process, as Lightning's fit loop will count them (its
+    distributed sampler and ``limit_train_batches`` included); ``None`` where the loader is not one sized
+    ``DataLoader`` (Lightning checks those itself)."""
+    try:
+        loader = trainer.fit_loop._data_source.dataloader()
+    except Exception:  # no training data attached: Lightning says so itself
+        return None
+    if not isinstance(loader, DataLoader):
+        return None
+    loader = trainer._data_connector._prepare_dataloader(loader, shuffle=True, mode=RunningStage.TRAINING)
+    length = sized_len(loader)
+    if length is None:
+        return None
+    return _parse_num_batches(RunningStage.TRAINING, length, trainer.limit_train_batches)
 
 
 def batches_started(trainer: Any) -> int:

@@ -19,7 +19,7 @@ from pl_lowprec.memory.budget import check_memory_budget, first_training_batch
 from pl_lowprec.strategies.auto_settings import choose_memory_settings
 from pl_lowprec.strategies.garbage_collection import freeze_long_lived_objects, unfreeze
 from pl_lowprec.strategies.step_clock import StepClock
-from pl_lowprec.strategies.trainer_checks import check_trainer_arguments
+from pl_lowprec.strategies.trainer_checks import check_trainer_arguments, check_validation_interval
 from pl_lowprec.strategies.transform_args import TransformArguments
 from pl_lowprec.transforms.weight_sources import teardown_with_meta
 
@@ -35,6 +35,8 @@ class TransformHooks(TransformArguments):
 
     def setup(self, trainer: pl.Trainer) -> None:
         check_trainer_arguments(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            check_validation_interval(trainer)
         self.settle_memory(trainer)
         self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)
         super().setup(trainer)

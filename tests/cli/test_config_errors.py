@@ -205,6 +205,7 @@ FINETUNE_CASES = {
         ("--model.min_lr_ratio=2", "min_lr_ratio=2"),
         ("--model.loss_chunk_size=0", "loss_chunk_size=0"),
         ("--trainer.accumulate_grad_batches=0", "accumulate_grad_batches=0"),
+        ("--trainer.val_check_interval=1000", "val_check_interval=1000", "an integer up to"),
         (f"{STRATEGY}.lora.r=0", "r=0"),
     ],
     "literal": [
