@@ -157,8 +157,7 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         """Transform and shard (no ``configure_model`` needed), then the precision and the optimizers."""
         check_trainer_arguments(trainer)
-        if trainer.state.fn == TrainerFn.FITTING:
-            check_validation_interval(trainer)
+        check_validation_interval(trainer)
         self.settle_memory(trainer)
         self.accelerator.setup(trainer)
         self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)

@@ -16,7 +16,7 @@ from typing import Any
 
 from lightning.fabric.utilities.data import sized_len
 from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
-from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch.utils.data import DataLoader
 
 
@@ -54,10 +54,11 @@ def check_trainer_arguments(trainer: Any) -> None:
 
 def check_validation_interval(trainer: Any) -> None:
     """``ValueError`` where ``Trainer(val_check_interval=<int>)`` is more than the training batches of an epoch
-    on this process, on the terms of Lightning's own check (``_FitLoop.setup_data``)."""
+    on this process, on the terms of Lightning's own check (``_FitLoop.setup_data``); only when fitting."""
     interval = trainer.val_check_interval
     if (
-        not isinstance(interval, int)
+        trainer.state.fn != TrainerFn.FITTING
+        or not isinstance(interval, int)
         or isinstance(interval, bool)
         or trainer.check_val_every_n_epoch is None
         or not trainer.limit_val_batches

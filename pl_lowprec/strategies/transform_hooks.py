@@ -35,8 +35,7 @@ class TransformHooks(TransformArguments):
 
     def setup(self, trainer: pl.Trainer) -> None:
         check_trainer_arguments(trainer)
-        if trainer.state.fn == TrainerFn.FITTING:
-            check_validation_interval(trainer)
+        check_validation_interval(trainer)
         self.settle_memory(trainer)
         self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)
         super().setup(trainer)

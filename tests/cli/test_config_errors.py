@@ -173,6 +173,7 @@ def finetune_args(pretrained, data, root) -> list[str]:
         f"--data.train_files={data}",
         "--data.val_files=null",
         "--data.batch_size=4",
+        "--trainer.val_check_interval=2",  # the config's 20 is past these 4 batches: refused before loading
         "--trainer.plugins=[]",
         "--trainer.precision=32-true",
         f"{STRATEGY}.activation_checkpointing=null",

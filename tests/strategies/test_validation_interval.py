@@ -2,6 +2,7 @@
 (``strategies/trainer_checks.py``); Lightning itself refuses it only once its fit loop starts."""
 
 import pytest
+import torch
 from lightning_helpers import quiet_trainer
 from qlora_helpers import ids_loader, tiny_llama
 
@@ -10,6 +11,15 @@ from pl_lowprec import LowPrecisionStrategy
 from pl_lowprec.transforms.pipeline import ModelTransform
 
 
+@pytest.fixture
+def no_process_group_left():
+    """The FSDP strategy's setup started a one-process group; a refused fit leaves it, as Lightning does."""
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.usefixtures("no_process_group_left")
 @pytest.mark.parametrize("strategy_class", ["LowPrecisionStrategy", "LowPrecisionFSDPStrategy"])
 def test_a_validation_interval_past_the_epoch_is_refused_before_the_model_loads(monkeypatch, strategy_class):
     """Lightning refuses it only once its fit loop starts, after the model has been loaded and transformed."""
