@@ -71,6 +71,16 @@ def attached(model: nn.Module, trainer: DryRunTrainer) -> Iterator[None]:
         model._trainer = before
 
 
+@contextmanager
+def quiet_fake_data_pointers() -> Iterator[None]:
+    """torchao's NF4 all-gather (FSDP2) asserts that its output shares storage with the buffer it gathered into,
+    through ``data_ptr()``; fake tensors have no data, so torch warns at every gathered layer of the simulated
+    step. The real step's gathers still check it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor", category=UserWarning)
+        yield
+
+
 def prime_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Create the optimizer state as after step 1, without running step 1: zero gradients, one step."""
     for group in optimizer.param_groups:
@@ -157,6 +167,7 @@ def simulate_step(
         mode,
         _sharded_to_empty(model) if sharded else fake_tensors(model),
         attached(model, trainer),
+        quiet_fake_data_pointers(),
     ):
         batch = _to_fake(mode, example_batch)
         optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
