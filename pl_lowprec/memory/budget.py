@@ -27,10 +27,16 @@ from pl_lowprec.transforms.checkpointing import declared_blocks
 from pl_lowprec.transforms.config import TransformConfig
 
 
-def first_training_batch(trainer: Any) -> Any:
-    """One batch of the run's training data, drawn without moving any random state the run will use."""
+def training_loader(trainer: Any) -> Any:
+    """The run's training loader, asked of its model or datamodule as Lightning's fit loop asks, without moving
+    any random state the run will use."""
     with torch.random.fork_rng(devices=[]):
-        loader = trainer.fit_loop._data_source.dataloader()
+        return trainer.fit_loop._data_source.dataloader()
+
+
+def first_training_batch(loader: Any) -> Any:
+    """One batch of ``loader`` (``training_loader``), drawn without moving any random state the run will use."""
+    with torch.random.fork_rng(devices=[]):
         return next(iter(loader))
 
 

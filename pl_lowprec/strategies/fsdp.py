@@ -42,7 +42,6 @@ from pl_lowprec.strategies.fsdp_checkpoints import (
     load_optimizer_states,
     optimizer_state,
 )
-from pl_lowprec.strategies.trainer_checks import check_trainer_arguments, check_validation_interval
 from pl_lowprec.strategies.transform_hooks import TransformHooks
 from pl_lowprec.transforms.config import TransformConfig
 from pl_lowprec.transforms.nf4 import NF4Layout, ScalerBlockSize
@@ -156,9 +155,7 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
 
     def setup(self, trainer: pl.Trainer) -> None:
         """Transform and shard (no ``configure_model`` needed), then the precision and the optimizers."""
-        check_trainer_arguments(trainer)
-        check_validation_interval(trainer)
-        self.settle_memory(trainer)
+        self.check_before_loading(trainer)
         self.accelerator.setup(trainer)
         self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)
         if not is_sharded(self.lightning_module):  # one process: no fully_shard moved it to the device

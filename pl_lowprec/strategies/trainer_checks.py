@@ -6,12 +6,13 @@
 
 An integer ``val_check_interval`` above the training batches of an epoch is refused by Lightning only once its
 fit loop starts, after the model has loaded (minutes for a large checkpoint);
-``check_validation_interval`` counts the batches as Lightning will in the strategies' ``setup``, before loading.
+``check_validation_interval`` counts the batches as Lightning will, before the strategies load the model.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from lightning.fabric.utilities.data import sized_len
@@ -52,9 +53,10 @@ def check_trainer_arguments(trainer: Any) -> None:
         )
 
 
-def check_validation_interval(trainer: Any) -> None:
+def check_validation_interval(trainer: Any, loader: Callable[[], Any]) -> None:
     """``ValueError`` where ``Trainer(val_check_interval=<int>)`` is more than the training batches of an epoch
-    on this process, on the terms of Lightning's own check (``_FitLoop.setup_data``); only when fitting."""
+    on this process, on the terms of Lightning's own check (``_FitLoop.setup_data``); only when fitting.
+    ``loader`` gives the run's training loader (``memory.budget.training_loader``), asked for only if needed."""
     interval = trainer.val_check_interval
     if (
         trainer.state.fn != TrainerFn.FITTING
@@ -65,7 +67,7 @@ def check_validation_interval(trainer: Any) -> None:
         or getattr(trainer, "_val_check_time_interval", None) is not None
     ):
         return
-    batches = training_batches(trainer)
+    batches = training_batches(trainer, loader)
     if batches is None or interval <= batches:
         return
     processes = f" on each of {trainer.world_size} processes" if trainer.world_size > 1 else ""
@@ -77,18 +79,18 @@ def check_validation_interval(trainer: Any) -> None:
     )
 
 
-def training_batches(trainer: Any) -> int | None:
-    """The training batches one epoch has on this process, as Lightning's fit loop will count them (its
-    distributed sampler and ``limit_train_batches`` included); ``None`` where the loader is not one sized
-    ``DataLoader`` (Lightning checks those itself)."""
+def training_batches(trainer: Any, loader: Callable[[], Any]) -> int | None:
+    """The training batches one epoch of ``loader()`` has on this process, as Lightning's fit loop will count
+    them (its distributed sampler and ``limit_train_batches`` included); ``None`` where the loader is not one
+    sized ``DataLoader`` (Lightning checks those itself)."""
     try:
-        loader = trainer.fit_loop._data_source.dataloader()
+        training = loader()
     except Exception:  # no training data attached: Lightning says so itself
         return None
-    if not isinstance(loader, DataLoader):
+    if not isinstance(training, DataLoader):
         return None
-    loader = trainer._data_connector._prepare_dataloader(loader, shuffle=True, mode=RunningStage.TRAINING)
-    length = sized_len(loader)
+    training = trainer._data_connector._prepare_dataloader(training, shuffle=True, mode=RunningStage.TRAINING)
+    length = sized_len(training)
     if length is None:
         return None
     return _parse_num_batches(RunningStage.TRAINING, length, trainer.limit_train_batches)

@@ -7,7 +7,8 @@ takes only its own and passes the rest on (``**kwargs``).
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+import functools
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -15,7 +16,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from pl_lowprec.memory.budget import check_memory_budget, first_training_batch
+from pl_lowprec.memory.budget import check_memory_budget, first_training_batch, training_loader
 from pl_lowprec.strategies.auto_settings import choose_memory_settings
 from pl_lowprec.strategies.garbage_collection import freeze_long_lived_objects, unfreeze
 from pl_lowprec.strategies.step_clock import StepClock
@@ -27,31 +28,39 @@ from pl_lowprec.transforms.weight_sources import teardown_with_meta
 class TransformHooks(TransformArguments):
     """Runs ``self.transform`` at setup, around training steps, at the end of fit and for checkpoints."""
 
-    _memory_settled = False
+    _checked_before_loading = False
     automatic_choice: Any = None  # the Search behind the "auto" settings, once fit has chosen them
     prediction: Any = None  # the MemoryEstimate of the settings fit runs, where "auto" or memory_budget made one
     step_clock: StepClock | None = None  # the run's optimizer steps, where there is a prediction to set them beside
     _frozen: tuple[int, float] | None = None
 
     def setup(self, trainer: pl.Trainer) -> None:
-        check_trainer_arguments(trainer)
-        check_validation_interval(trainer)
-        self.settle_memory(trainer)
+        self.check_before_loading(trainer)
         self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)
         super().setup(trainer)
 
-    def settle_memory(self, trainer: pl.Trainer) -> None:
-        """Once per strategy, before ``fit`` transforms (and loads) the model: the ``"auto"`` settings chosen for
-        the device (``auto_settings.py``), then ``memory_budget=``."""
-        config = self.transform_config
-        asked = self.memory_budget is not None or config.chooses_automatically
-        if not asked or self._memory_settled or trainer.state.fn != TrainerFn.FITTING:
+    def check_before_loading(self, trainer: pl.Trainer) -> None:
+        """Before the transform loads the model: in ``setup``, or earlier where ``fit`` resumes from a checkpoint
+        (``load_model_state_dict``). The Trainer's arguments; then, once per strategy when fitting, the validation
+        interval and the memory settings, which share one ask for the training loader."""
+        check_trainer_arguments(trainer)
+        if self._checked_before_loading or trainer.state.fn != TrainerFn.FITTING:
             return
-        self._memory_settled = True
+        self._checked_before_loading = True
+        loader = functools.cache(lambda: training_loader(trainer))
+        check_validation_interval(trainer, loader)
+        self.settle_memory(trainer, loader)
+
+    def settle_memory(self, trainer: pl.Trainer, loader: Callable[[], Any]) -> None:
+        """The ``"auto"`` settings chosen for the device (``auto_settings.py``), then ``memory_budget=``; each
+        from one batch of ``loader()``."""
+        config = self.transform_config
+        if self.memory_budget is None and not config.chooses_automatically:
+            return
         plugin = self.precision_plugin
         if hasattr(plugin, "resolve"):  # AMPPrecision("auto") chooses for the device
             plugin.resolve(self.root_device)
-        batch = first_training_batch(trainer)  # one draw serves the choice and the budget's check
+        batch = first_training_batch(loader())  # one draw serves the choice and the budget's check
         search = None
         if config.chooses_automatically:
             search = choose_memory_settings(self, trainer, batch, str(plugin.precision), self.memory_budget)
@@ -121,6 +130,6 @@ class TransformHooks(TransformArguments):
         return self.transform.state_dict(self.lightning_module)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        self.settle_memory(self.lightning_module.trainer)  # resuming: this runs before setup
+        self.check_before_loading(self.lightning_module.trainer)  # resuming: this runs before setup
         self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)
         self.transform.load_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)

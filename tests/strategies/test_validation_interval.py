@@ -47,3 +47,18 @@ def test_a_validation_interval_within_the_epoch_or_across_epochs_trains():
         )
         trainer.fit(tiny_llama(), ids_loader(batches=8), ids_loader(batches=1))
         assert trainer.global_step == 6
+
+
+def test_resuming_from_a_checkpoint_is_refused_before_the_checkpoint_is_loaded(monkeypatch, tmp_path):
+    """Resuming, the strategy transforms and loads in ``load_model_state_dict``, which runs before ``setup``."""
+    first = quiet_trainer(strategy=LowPrecisionStrategy(lora={"r": 4}), max_steps=2, limit_val_batches=0)
+    first.fit(tiny_llama(), ids_loader(batches=8))
+    first.save_checkpoint(tmp_path / "two.ckpt")
+    applied = []
+    monkeypatch.setattr(ModelTransform, "apply", lambda self, *args: applied.append(args))
+    again = quiet_trainer(
+        strategy=LowPrecisionStrategy(lora={"r": 4}), max_steps=4, val_check_interval=6, limit_train_batches=5
+    )
+    with pytest.raises(ValueError, match=r"val_check_interval=6\) is more than the 5 training batches"):
+        again.fit(tiny_llama(), ids_loader(batches=8), ids_loader(batches=1), ckpt_path=tmp_path / "two.ckpt")
+    assert applied == []
