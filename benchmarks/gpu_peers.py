@@ -46,6 +46,7 @@ from model_shapes import SHAPES, SMALL_SHAPES
 
 HERE = Path(__file__).resolve().parent
 GiB = 2**30
+MIN_CONTENDER_S = 20  # the fastest contender's wall time on a GPU (hf at 1B: 30 s, run 5)
 
 # contender -> train_once.py arguments (besides the shared ones)
 CONTENDERS: dict[str, list[str]] = {
@@ -106,9 +107,14 @@ def write_random_checkpoint(config: dict[str, Any], directory: Path, shard_bytes
 
 
 def run_contender(
-    name: str, args: argparse.Namespace, pretrained: Path, earlier: list[dict[str, Any]]
+    name: str, args: argparse.Namespace, pretrained: Path, earlier: list[dict[str, Any]], deadline: float | None
 ) -> dict[str, Any]:
-    """One contender in a fresh process; its RESULT line, or the error it ended with."""
+    """One contender in a fresh process, in the time ``--budget`` leaves it; its RESULT line, or the error it ended
+    with."""
+    timeout = args.timeout if deadline is None else min(args.timeout, int(deadline - time.monotonic()))
+    if timeout < MIN_CONTENDER_S:
+        return {"error": f"not run: {max(timeout, 0)} s of --budget {args.budget} left", "wall_s": 0.0}
+    args = argparse.Namespace(**vars(args) | {"timeout": timeout})
     shared = ["--mode", "qlora", "--precision", args.precision, "--lora-r", str(args.r)]
     shared += ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps)]
     shared += ["--pretrained", str(pretrained), "--predict"] + ["--profile-step"] * args.profile_step
@@ -209,6 +215,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--time-from", type=int, default=3, help="first timed step (1-based)")
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per contender")
+    parser.add_argument(
+        "--budget",
+        type=int,
+        help="seconds for the whole run: each contender's --timeout shrinks to what is left, and one that cannot"
+        " start is a failed row, so a run cut short still prints its table",
+    )
     parser.add_argument("--profile-step", action="store_true", help="one more step, profiled (train_once.py)")
     parser.add_argument("--keep-models", help="write each model's checkpoint under this folder, and reuse it there")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(HERE / "results"))
@@ -218,6 +230,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if "unsloth" not in args.contenders.split(","):
         print("Unsloth: not run (--contenders unsloth runs it where it is installed).", flush=True)
     rows: list[dict[str, Any]] = []
+    deadline = time.monotonic() + args.budget if args.budget else None
     for model in args.models.split(","):
         config = SMALL_SHAPES.get(model) or SHAPES[model]
         with tempfile.TemporaryDirectory() as scratch:
@@ -231,7 +244,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             print(f"\n## {model}: {params / 1e9:.2f}B parameters, written in {time.perf_counter() - started:.0f} s")
             model_rows = []
             for name in args.contenders.split(","):
-                result = run_contender(name, args, directory, model_rows)
+                result = run_contender(name, args, directory, model_rows, deadline)
                 row = summarize(name, result, args) | {"model": model}
                 model_rows.append(row)
                 print(f"{name}: {json.dumps({k: v for k, v in row.items() if k != 'ops'})}", flush=True)
