@@ -71,6 +71,10 @@ class StepRecorder(pl.Callback):
         self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
 
 
+# The Trainers' folders, removed when the test process ends (they used to stay in /tmp, one per Trainer).
+TRAINER_ROOTS = tempfile.TemporaryDirectory(prefix="pl_lowprec_tests_")
+
+
 def quiet_trainer(**kwargs: Any) -> pl.Trainer:
     defaults = dict(
         accelerator="cpu",
@@ -80,6 +84,6 @@ def quiet_trainer(**kwargs: Any) -> pl.Trainer:
         enable_progress_bar=False,
         enable_model_summary=False,
         # A fresh folder per Trainer: nothing (memory_summary.json, checkpoints) lands in the working directory.
-        default_root_dir=tempfile.mkdtemp(prefix="pl_lowprec_test_"),
+        default_root_dir=tempfile.mkdtemp(prefix="trainer_", dir=TRAINER_ROOTS.name),
     )
     return pl.Trainer(**{**defaults, **kwargs})

@@ -144,7 +144,7 @@ def test_a_kernel_whose_threads_wait_for_busy_cores_is_timed_on_one_thread(two_t
         _compute(0.0005)
 
     busy = timed_on_free_cores(waits_when_split, repeats=3)
-    assert busy.one_thread and 0.0005 <= busy.seconds < 0.001  # its own work, without any wait
+    assert busy.one_thread and 0.0004 <= busy.seconds < 0.001  # its own work (CPU time, a little under wall), no wait
     assert torch.get_num_threads() == 2  # the run's threads are given back
 
     idle = timed_on_free_cores(lambda: _compute(0.001), repeats=3)
