@@ -22,6 +22,7 @@ apply to the run (no LoRA under mixed precision: no fused MLP, no recomputed nor
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 from collections.abc import Callable
@@ -238,50 +239,34 @@ def fastest_fitting(
     whose peak is at most ``limit`` bytes. The other arguments as ``estimate_memory`` takes them."""
     device = torch.device(device)
     order, blocks = ladder(build_model, precision, device, config)
-    return search_ladder(
-        order,
-        blocks,
+    simulate = functools.partial(
+        estimate_memory,
         build_model,
         example_batch,
-        limit,
-        precision,
-        device,
-        config,
-        accumulate_grad_batches,
-        sharding,
-        world_size,
+        precision=precision,
+        device=device,
+        accumulate_grad_batches=accumulate_grad_batches,
+        sharding=sharding,
+        world_size=world_size,
     )
+    return search_ladder(order, blocks, config, limit, simulate)
 
 
 def search_ladder(
     order: list[MemorySettings],
     blocks: list[str],
-    build_model: Callable[[], nn.Module],
-    example_batch: Any,
-    limit: int,
-    precision: str,
-    device: torch.device,
     config: TransformConfig,
-    accumulate_grad_batches: int = 1,
-    sharding: Sharding | None = None,
-    world_size: int = 1,
+    limit: int,
+    simulate: Callable[..., MemoryEstimate],
 ) -> Search:
     """``fastest_fitting`` over the candidates ``ladder`` gave (``order``, fastest first, and the declared
-    ``blocks``)."""
+    ``blocks``): each one's config ``simulate``d (``estimate_memory`` with the run's model and batch bound) until
+    one fits in ``limit``."""
     search = Search(limit, len(order))
     with quiet_setup_logs():  # each simulated transform would repeat what the run says once
         for settings in order:
             chosen = settings_config(config, settings, blocks)
-            estimate = estimate_memory(
-                build_model,
-                example_batch,
-                precision=precision,
-                device=device,
-                config=chosen,
-                accumulate_grad_batches=accumulate_grad_batches,
-                sharding=sharding,
-                world_size=world_size,
-            )
+            estimate = simulate(config=chosen)
             search.tried.append((settings, chosen, estimate))
             if estimate.peak <= limit:
                 break
@@ -299,7 +284,11 @@ def faster_settings_line(
     order, blocks = ladder(build_model, precision, device, kwargs["config"])
     if len(order) < 2:
         return None
-    search = search_ladder(order, blocks, build_model, example_batch, sys.maxsize, precision, device, **kwargs)
+    config = kwargs.pop("config")
+    simulate = functools.partial(
+        estimate_memory, build_model, example_batch, precision=precision, device=device, **kwargs
+    )
+    search = search_ladder(order, blocks, config, sys.maxsize, simulate)
     peak = search.estimate.peak
     free = math.ceil(peak / (1 - MARGIN) / 2**30 * 100) / 100
     return (
