@@ -114,12 +114,11 @@ def run_contender(
     timeout = args.timeout if deadline is None else min(args.timeout, int(deadline - time.monotonic()))
     if timeout < MIN_CONTENDER_S:
         return {"error": f"not run: {max(timeout, 0)} s of --budget {args.budget} left", "wall_s": 0.0}
-    args = argparse.Namespace(**vars(args) | {"timeout": timeout})
     shared = ["--mode", "qlora", "--precision", args.precision, "--lora-r", str(args.r)]
     shared += ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps)]
     shared += ["--pretrained", str(pretrained), "--predict"] + ["--profile-step"] * args.profile_step
     if name == "unsloth":
-        return run_unsloth(args, pretrained)
+        return run_unsloth(args, pretrained, timeout)
     base, _, compiled = name.partition("+")  # "auto-half+compile": that contender with compile=True
     own = CONTENDERS[base] + (["--strategy-arg", "compile=true"] if compiled == "compile" else [])
     if base == "auto-half":
@@ -127,16 +126,16 @@ def run_contender(
         if hf is None:
             return {"error": "auto-half needs a measured hf row before it (--contenders hf,...,auto-half)"}
         own += [*CONTENDERS["auto"], "--strategy-arg", f"memory_budget={int(hf['peak_gib'] * GiB / 2)}"]
-    return run_script([sys.executable, str(HERE / "train_once.py"), *own, *shared], args.timeout)
+    return run_script([sys.executable, str(HERE / "train_once.py"), *own, *shared], timeout)
 
 
-def run_unsloth(args: argparse.Namespace, pretrained: Path) -> dict[str, Any]:
+def run_unsloth(args: argparse.Namespace, pretrained: Path, timeout: int) -> dict[str, Any]:
     """Unsloth's QLoRA (``unsloth_once.py``) with the same settings, on its own ``PYTHONPATH`` where one is given
     (``UNSLOTH_PYTHONPATH``: Unsloth pins an older transformers than the other contenders')."""
     command = [sys.executable, str(HERE / "unsloth_once.py"), "--pretrained", str(pretrained)]
     command += ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps), "--lora-r", str(args.r)]
     path = os.environ.get("UNSLOTH_PYTHONPATH")
-    return run_script(command, args.timeout, os.environ | {"PYTHONPATH": path} if path else None)
+    return run_script(command, timeout, os.environ | {"PYTHONPATH": path} if path else None)
 
 
 def run_script(command: list[str], timeout: int, env: dict[str, str] | None = None) -> dict[str, Any]:

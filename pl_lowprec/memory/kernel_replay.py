@@ -48,7 +48,7 @@ ATTENTION_OPS = {
 _TENSOR = re.compile(r"^(\w+)\[([\d,]*)\]\(([\d,]*)\)$")
 BUSY = 1.25  # torch's threads this much slower than one thread (its CPU time) ...
 BUSY_WAIT = 0.0005  # ... and by this many seconds (a scheduler slice is milliseconds): other processes hold the cores
-_TIMES: dict[tuple[str, int], KernelTime | None] = {}  # (label, share) -> seconds, for the whole process
+_TIMES: dict[tuple[str, int], KernelTime | None] = {}  # (label, share) -> its time, for the whole process
 _spent = [0.0]  # seconds this process has replayed kernels for
 
 
@@ -106,6 +106,13 @@ def _argument(value: Any) -> str | None:
     except (ValueError, SyntaxError):
         return None
     return text
+
+
+def forget_timings() -> None:
+    """Drop the process's kernel times and replay budget, so the next prediction times every kernel afresh (a
+    benchmark comparing two ways of timing)."""
+    _TIMES.clear()
+    _spent[0] = 0.0
 
 
 def kernel_seconds(label: str, roofline: float) -> KernelTime | None:

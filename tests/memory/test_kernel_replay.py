@@ -208,6 +208,16 @@ def test_the_roofline_serves_once_the_budget_is_spent_and_what_was_timed_stays(m
     assert kernel_seconds("aten.mm.default float32[4,8](8,1) float32[8,8](8,1)", 1e-6) is None  # nothing new
 
 
+def test_forgotten_timings_are_timed_again_within_a_fresh_budget(monkeypatch):
+    label = "aten.mm.default float32[8,8](8,1) float32[8,8](8,1)"
+    monkeypatch.setattr(kernel_replay, "_TIMES", {("aten.mm.default float32[4,4](4,1) float32[4,4](4,1)", 1): None})
+    monkeypatch.setattr(kernel_replay, "_spent", [kernel_replay.REPLAY_BUDGET])
+    assert kernel_seconds(label, 1e-6) is None  # the budget is spent: the roofline serves
+    kernel_replay.forget_timings()
+    assert kernel_replay._TIMES == {}
+    assert kernel_seconds(label, 1e-6).seconds > 0 and kernel_replay._spent[0] < kernel_replay.REPLAY_BUDGET
+
+
 def test_every_matmul_and_attention_kernel_of_the_simulated_step_runs_again_on_this_cpu(monkeypatch):
     """The labels come from fake tensors: each must rebuild, or the CPU's prediction quietly falls back."""
     monkeypatch.setattr(kernel_replay, "_spent", [0.0])  # whatever this worker's earlier tests replayed
