@@ -119,6 +119,16 @@ class TransformHooks(TransformArguments):
                 " step (strategies/garbage_collection.py)."
             )
 
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        if self.step_clock is not None:
+            self.step_clock.pause()
+
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        if self.step_clock is not None:
+            self.step_clock.resume()
+
     def on_train_end(self) -> None:
         super().on_train_end()
         self.transform.on_fit_end(self.lightning_module)

@@ -23,8 +23,47 @@ GiB = 2**30
 def test_the_durations_start_at_the_third_step_and_the_median_is_theirs():
     clock = StepClock(ends=[0.0, 1.0, 3.0, 6.0, 10.0, 100.0])  # steps 1-6 ended at these times
     assert clock.durations == [2.0, 3.0, 4.0, 90.0]  # steps 3-6: the first two warm up
-    assert clock.median == 3.5  # the 90 s step (a validation, a checkpoint) does not move it
+    assert clock.median == 3.5  # the 90 s step (a checkpoint saved) does not move it
     assert StepClock(ends=[0.0, 1.0]).median is None
+
+
+def test_the_clock_stands_still_while_paused():
+    clock = StepClock()
+    clock.tick()
+    clock.pause()
+    time.sleep(0.2)  # a validation
+    clock.resume()
+    clock.resume()  # a second resume adds nothing
+    clock.tick()
+    assert clock.paused >= 0.2 and clock.ends[1] - clock.ends[0] < 0.1
+
+
+class SlowValidation(pl.Callback):
+    """Validation that takes 0.3 s a batch, inside the strategy's on_validation_start/end."""
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        time.sleep(0.3)
+
+
+def test_the_steps_after_which_the_run_validated_count_their_own_time_only(monkeypatch):
+    monkeypatch.setattr(auto_settings, "available_memory", lambda device: 64 * GiB)
+    built = LowPrecisionStrategy(lora=LORA, memory_saving="auto", activation_checkpointing="auto")
+    times = OptimizerStepTimes()
+    trainer = quiet_trainer(
+        strategy=built,
+        precision="bf16-mixed",
+        max_steps=6,
+        val_check_interval=2,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        callbacks=[times, SlowValidation()],
+    )
+    loader = ids_loader(batches=12, batch_size=2, seq_len=32)
+    trainer.fit(tiny_llama(), loader, ids_loader(batches=1, batch_size=2, seq_len=32))
+    own = [later - earlier for earlier, later in itertools.pairwise(times.starts[1:])]
+    assert sum(d > 0.3 for d in own) == 2  # steps 3 and 5 began after a validation (after steps 2 and 4)
+    assert max(built.step_clock.durations) < 0.3, built.step_clock.durations
+    assert built.step_clock.paused >= 3 * 0.3  # after steps 2, 4 and 6
 
 
 def test_a_prediction_timed_beside_busy_processes_says_so():
