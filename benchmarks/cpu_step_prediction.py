@@ -1,4 +1,4 @@
-"""The CPU step-time prediction against the run it predicts: what ``fit`` prints at its end, for three workloads,
+"""The CPU step-time prediction against the run it predicts: what ``fit`` prints at its end, for four workloads,
 with the kernels timed at their shapes (``pl_lowprec/memory/kernel_replay.py``, shipped) and on the roofline alone.
 
 Run: python benchmarks/cpu_step_prediction.py [--steps 12] [--busy 2]
@@ -7,7 +7,9 @@ Each workload is a ``Trainer.fit`` with ``LowPrecisionStrategy`` and ``"auto"`` 
 strategy predicts the step before loading, and its ``StepClock`` takes the median step from step 3 on. The
 "roofline only" column predicts the same simulated step (``strategy.prediction.ops``) on the same measured CPU
 with ``kernel_seconds=None``: the prediction before kernel replay. "Threads only" times every kernel again on
-torch's threads alone (``kernel_replay.BUSY`` infinite): the prediction before ``timed_on_free_cores``.
+torch's threads alone (``kernel_replay.BUSY`` infinite): the prediction before ``timed_on_free_cores``. "No fresh
+pages" predicts it with ``fresh_page_seconds=0``: the prediction before the first writes to fresh pages were
+counted (``op_counts.FRESH_PAGES``).
 
 ``--busy N`` runs it all beside N other processes, each a loop of 512-square matmuls on 2 threads, as a laptop's
 other work: the predictions should stay near the idle ones while the measured steps slow down.
@@ -16,7 +18,11 @@ other work: the predictions should stay near the idle ones while the measured st
   128, nf4-dq, LoRA r=8);
 - TinyLlama hidden 512, MLP 1408, 2 layers, 8 heads, batch 4 x 512, the same strategy;
 - Llama-3.2-1B shapes with 2 of 16 blocks (``dispatch_proxy.py``'s model, random bf16 weights), ``CausalLM``
-  with ``loss_chunk_size=256``, nf4-dq, LoRA r=16 on every linear layer, every block checkpointed, batch 1 x 256.
+  with ``loss_chunk_size=256``, nf4-dq, LoRA r=16 on every linear layer, every block checkpointed, batch 1 x 256;
+- SmolLM2-135M shapes with 2 of 30 blocks (tied embeddings, a 49,152-row vocabulary, 9 / 3 heads, hidden 576,
+  random bf16 weights), ``CausalLM`` with ``loss_chunk_size="auto"``, nf4-dq, LoRA r=8 on every linear layer, batch
+  8 x 512: ``configs/finetune-causal-lm.yaml`` at ``--data.seq_len 512``, the user's path where the fp32 logits
+  (0.8 GB a batch) make a few GiB of fresh pages a step.
 """
 
 from __future__ import annotations
@@ -66,6 +72,32 @@ def _llama_1b_two_blocks(root: str) -> tuple[Any, Any, dict[str, Any]]:
     return CausalLM(base, loss_chunk_size=256), rows, strategy
 
 
+SMOLLM2_135M_BLOCK = {  # SmolLM2-135M's config.json (HuggingFaceTB/SmolLM2-135M), as tests/model_shapes.py has it
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "vocab_size": 49152,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+}
+
+
+def _smollm2_two_blocks(root: str) -> tuple[Any, Any, dict[str, Any]]:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    base = str(Path(root) / "smollm2")
+    torch.manual_seed(0)
+    config = LlamaConfig(**SMOLLM2_135M_BLOCK, num_hidden_layers=2)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(base)
+    ids = torch.randint(0, 49152, (64, 512), generator=torch.Generator().manual_seed(0))
+    rows = DataLoader([{"input_ids": row, "labels": row} for row in ids], batch_size=8)
+    return CausalLM(base, loss_chunk_size="auto"), rows, {"quantization": "nf4-dq", "lora": QUICKSTART_LORA}
+
+
 def measure(build: Callable[[], tuple[Any, Any, dict[str, Any]]], steps: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model, data, settings = build()
@@ -77,10 +109,13 @@ def measure(build: Callable[[], tuple[Any, Any, dict[str, Any]]], steps: int) ->
     trainer.fit(model, data)
     clock, estimate = strategy.step_clock, strategy.prediction
     roofline = predict_step_time(estimate.ops, dataclasses.replace(local_cpu(), kernel_seconds=None))
+    no_fresh = predict_step_time(estimate.ops, dataclasses.replace(local_cpu(), fresh_page_seconds=0.0))
     return {
         "measured": clock.median,
         "predicted": clock.predicted.seconds,
         "roofline_only": roofline.seconds,
+        "no_fresh_pages": no_fresh.seconds,
+        "fresh_bytes": clock.predicted.fresh_bytes,
         "threads_only": _threads_only(estimate.ops),
         "kernels": clock.predicted.launches,
         "timed_kernels": clock.predicted.timed_kernels,
@@ -119,6 +154,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "quickstart (TinyLlama 128, 2 layers, 8 x 128)": lambda: _tiny(128, 352, 4, 128, 8),
             "TinyLlama 512, 2 layers, 4 x 512": lambda: _tiny(512, 1408, 8, 512, 4),
             "Llama-3.2-1B shapes, 2 blocks, 1 x 256": lambda: _llama_1b_two_blocks(root),
+            "SmolLM2-135M shapes, 2 blocks, 8 x 512": lambda: _smollm2_two_blocks(root),
         }
         try:
             for name, build in workloads.items():
@@ -135,6 +171,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             r["measured"],
             r["predicted"],
             r["predicted"] / r["measured"],
+            f"{r['no_fresh_pages']:.3f} ({r['fresh_bytes'] / 2**30:.2f} GiB)",
             r["threads_only"],
             r["roofline_only"],
             r["roofline_only"] / r["measured"],
@@ -147,6 +184,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "measured s",
         "predicted s (shipped)",
         "predicted / measured",
+        "no fresh pages s (their GiB)",
         "threads only s",
         "roofline only s",
         "roofline only / measured",

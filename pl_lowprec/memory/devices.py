@@ -51,6 +51,10 @@ class DeviceSpec:
 
     ``kernel_seconds`` (the local CPU's: ``kernel_replay.kernel_seconds``) times a kernel at its own shapes from
     its call's label and its roofline time, or gives ``None`` where the roofline serves.
+
+    ``fresh_page_seconds``: the seconds per byte the first write to freshly mapped pages costs beyond a write to
+    pages already held (the OS faults them in and zeroes them; ``op_counts.FRESH_PAGES``). A GPU's caching
+    allocator keeps its blocks: 0.
     """
 
     name: str
@@ -64,6 +68,7 @@ class DeviceSpec:
     attention_flops: dict[str, float] = field(default_factory=dict, hash=False)
     matmul_latency: dict[str, float] = field(default_factory=dict, hash=False)
     kernel_seconds: Callable[[str, float], KernelTime | None] | None = field(default=None, compare=False, repr=False)
+    fresh_page_seconds: float = 0.0
 
     def flops_per_second(self, dtype: str) -> float:
         """The achievable FLOP/s of matmuls in ``dtype``; refuses a dtype the device does not compute."""
@@ -131,7 +136,8 @@ def local_cpu() -> DeviceSpec:
     """This CPU, measured once per process (about a fifth of a second): matmul FLOP/s per dtype (768-square; fp16,
     which CPUs run slowly, 128-square) and each matmul's latency (a 32-square one less its FLOPs and its
     dispatch), causal flash attention's FLOP/s forward and backward (``_attention_flops``), copy bandwidth (64
-    MiB, beyond the caches), and the time of one tiny op with autograd (the dispatch cost each kernel pays).
+    MiB, beyond the caches), the first write to fresh pages (64 MiB allocated and filled, less a fill of pages
+    held), and the time of one tiny op with autograd (the dispatch cost each kernel pays).
     Best of a few runs each, so other work on the machine counts least, and the rates on one thread where
     torch's threads waited for busy cores (``timed_on_free_cores``; the name says so); already achievable rates,
     so the efficiencies are 1. Its own random generator: a run's random state (seed_everything, LoRA's initialisation,
@@ -164,6 +170,7 @@ def local_cpu() -> DeviceSpec:
     source = torch.empty(16 * 2**20, dtype=torch.float32)
     target = torch.empty_like(source)
     bandwidth = 2 * source.nbytes / seconds(lambda: target.copy_(source), 3)
+    fresh = max(0.0, seconds(lambda: torch.empty_like(source).fill_(1), 3) - seconds(lambda: target.fill_(1), 3))
     threads = torch.get_num_threads()
     busy = "; its cores were busy: rates of one thread" if any(t.one_thread for t in timings) else ""
     return DeviceSpec(
@@ -178,6 +185,7 @@ def local_cpu() -> DeviceSpec:
         attention_flops=attention,
         matmul_latency=latency,
         kernel_seconds=kernel_seconds,
+        fresh_page_seconds=fresh / source.nbytes,
     )
 
 

@@ -25,6 +25,12 @@ strides), from which the local CPU times the kernel at its own shapes. A call wi
 among its arguments) keeps ``"attention"``, ``"matmul"`` or ``""``. Small (a few hundred distinct kinds),
 linear in the number of identical blocks (``depth.py`` extrapolates it as it does bytes), and enough to predict
 the step's time on any device afterwards (``step_time.py``).
+
+- **Fresh pages**: the bytes of each new storage of at least ``FRESH_PAGES`` an op allocates (``OpProfile.fresh``
+  per kernel, ``allocated_fresh`` for the allocations). glibc serves such blocks with a new ``mmap`` each time
+  and hands them back on free, so on a CPU the kernel that first writes them waits for the OS to fault in and
+  zero every page: 236 ms/GiB on a 2-core EPYC, 7x the time of writing pages already held (``devices.local_cpu``
+  measures it). At a 49k vocabulary the fp32 logits and their gradient make a few GiB of them a step.
 """
 
 from __future__ import annotations
@@ -47,6 +53,9 @@ from pl_lowprec.memory.tracker import DECOMPOSE
 aten = torch.ops.aten
 
 OpKey = tuple[str, int, int, bool, str]  # (FLOP dtype, "" without; FLOPs; bytes; in the optimizer step; kind)
+# glibc's mmap threshold at its highest (its dynamic threshold stops at 32 MiB on 64-bit): larger blocks get
+# fresh pages on every allocation
+FRESH_PAGES = 32 * 2**20
 
 
 def family(kind: str) -> str:
@@ -93,6 +102,8 @@ class OpProfile:
 
     counts: Counter[OpKey] = field(default_factory=Counter)
     compiled: bool = False
+    fresh: dict[OpKey, int] = field(default_factory=dict)  # a kernel's new storages of FRESH_PAGES or more, per call
+    allocated_fresh: int = 0  # the same bytes from the allocations (``empty*``), which launch no kernel
 
     @property
     def launches(self) -> int:
@@ -116,7 +127,10 @@ class OpProfile:
         """The profile at ``depth`` blocks from those at 2 and 3: each block adds the same kernels."""
         keys = set(two.counts) | set(three.counts)
         counts = {k: two.counts[k] + (depth - 2) * (three.counts[k] - two.counts[k]) for k in keys}
-        return cls(Counter({k: n for k, n in counts.items() if n > 0}))
+        kept = Counter({k: n for k, n in counts.items() if n > 0})
+        fresh = {k: n for k, n in {**two.fresh, **three.fresh}.items() if k in kept}
+        allocated = max(0, two.allocated_fresh + (depth - 2) * (three.allocated_fresh - two.allocated_fresh))
+        return cls(kept, fresh=fresh, allocated_fresh=allocated)
 
 
 class OpCounter:
@@ -131,6 +145,8 @@ class OpCounter:
         if work is None:
             work = self._works[func] = _work(func)
         if work == "none":
+            if func._overloadpacket in _ALLOCATIONS and not func._schema.is_mutable:
+                self.profile.allocated_fresh += _fresh_bytes(_tensors(out))
             return
         written = _tensors(out)
         if not written and func._schema.is_mutable:  # in-place foreach ops return nothing
@@ -148,7 +164,18 @@ class OpCounter:
         family = ATTENTION if packet in _ATTENTION_OPS else MATMUL if flops and packet in MATMULS else KERNEL
         label = call_label(func, args, kwargs)
         kind = f"{family} {label}" if label is not None else "" if family == KERNEL else family
-        self.profile.counts[(dtype, flops, nbytes, in_optimizer_step, kind)] += 1
+        key = (dtype, flops, nbytes, in_optimizer_step, kind)
+        self.profile.counts[key] += 1
+        fresh = 0 if func._schema.is_mutable else _fresh_bytes(written)  # in place: pages it holds
+        if fresh:
+            self.profile.fresh[key] = max(fresh, self.profile.fresh.get(key, 0))
+
+
+def _fresh_bytes(written: list[torch.Tensor]) -> int:
+    """The bytes of ``written``'s storages of ``FRESH_PAGES`` or more: an op that is not in place and returns no
+    view (those return before) writes new storages."""
+    storages = {s._cdata: s.nbytes() for s in (t.untyped_storage() for t in written)}
+    return sum(n for n in storages.values() if n >= FRESH_PAGES)
 
 
 def _work(func: Any) -> str:

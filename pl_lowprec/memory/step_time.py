@@ -27,6 +27,10 @@ The optimizer step is simulated on CPU tensors, where torch's AdamW runs a dozen
 on CUDA it runs the same arithmetic as ``foreach`` kernels, each over a list of tensors: a few dozen launches
 in all. So on a GPU the optimizer step's kernels are charged their bytes and FLOPs but no launch each.
 
+On a CPU, a kernel's new storages of 32 MiB or more (``op_counts.FRESH_PAGES``) also cost the first write to
+their fresh pages (``DeviceSpec.fresh_page_seconds``), unless its replay ran it whole and so paid them already.
+At SmolLM2-135M's 49k vocabulary (2 blocks, 8 x 512 rows, fp32 logits) that was 1.5 s of a 6.1 s step.
+
 Left out: communication (a sharded estimate is per rank, without its collectives), offloading's host copies
 (on a side stream), the data loader and Lightning's loop. Assumed: the CUDA step runs the kernels of the CPU
 step that is simulated (the same modules, autograd and attention; CUDA's SDPA kernel in place of the CPU's).
@@ -37,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pl_lowprec.memory.devices import DeviceSpec
+from pl_lowprec.memory.kernel_replay import REPLAY_LIMIT
 from pl_lowprec.memory.op_counts import ATTENTION, OpProfile, call_of, family
 
 
@@ -57,6 +62,8 @@ class StepTime:
     foreach: bool = False  # the optimizer's per-tensor kernels run as a few foreach kernels (a GPU)
     timed_kernels: int = 0  # kernels timed on this CPU at their own shapes (kernel_replay.py), not on the roofline
     one_thread_kernels: int = 0  # of them, timed on one thread: torch's threads waited for busy cores
+    fresh_pages: float = 0.0  # seconds of ``seconds`` the first writes to fresh pages take (a CPU)
+    fresh_bytes: int = 0  # the bytes of those pages
 
     def line(self) -> str:
         """One line for ``pl-lowprec estimate``."""
@@ -67,13 +74,19 @@ class StepTime:
                 ("compute-bound", self.compute_bound),
                 ("memory-bound", self.memory_bound),
                 ("launch overhead", self.launch_overhead),
+                *((("fresh pages", self.fresh_pages),) if self.fresh_pages else ()),
             )
         )
         return (
             f"Predicted step time on {self.device}: {self.seconds:.3f} s ({parts}; {self.launches:,} kernels"
             f"{self._optimizer_part()}{self._timed_part()}, {_decimal(self.flops, 'FLOP')},"
-            f" {_decimal(self.bytes, 'B')} moved)"
+            f" {_decimal(self.bytes, 'B')} moved{self._fresh_part()})"
         )
+
+    def _fresh_part(self) -> str:
+        if not self.fresh_pages:
+            return ""
+        return f", {_decimal(self.fresh_bytes, 'B')} of them to fresh pages, whose first write the OS waits on"
 
     def _optimizer_part(self) -> str:
         if not (self.foreach and self.optimizer_launches):
@@ -103,9 +116,11 @@ def predict_step_time(profile: OpProfile, device: DeviceSpec) -> StepTime:
     """The roofline of every kernel of ``profile`` on ``device``, summed; on a device that times kernels at their
     shapes (the local CPU, ``kernel_replay.py``), each kernel's own time where it has one."""
     bandwidth = device.bandwidth * device.memory_efficiency
-    seconds = {"compute": 0.0, "memory": 0.0, "launch": 0.0}
+    seconds = {"compute": 0.0, "memory": 0.0, "launch": 0.0, "fresh": 0.0}
     timed, one_thread, timer = 0, 0, device.kernel_seconds
-    for (dtype, flops, nbytes, in_optimizer_step, kind), count in profile.counts.items():
+    fresh_bytes = profile.allocated_fresh if device.fresh_page_seconds else 0
+    for key, count in profile.counts.items():
+        dtype, flops, nbytes, in_optimizer_step, kind = key
         if not flops:
             on_flops = 0.0
         elif family(kind) == ATTENTION:
@@ -116,9 +131,12 @@ def predict_step_time(profile: OpProfile, device: DeviceSpec) -> StepTime:
         bound, kernel = ("compute", on_flops) if on_flops >= on_bytes else ("memory", on_bytes)
         label = call_of(kind) if timer is not None else None
         measured = timer(label, kernel) if label is not None else None
+        fresh = profile.fresh.get(key, 0) if device.fresh_page_seconds else 0
         if measured is not None:  # split as the roofline bounds it
+            fresh = 0 if kernel <= REPLAY_LIMIT else fresh  # replayed whole: its own fresh pages are in its time
             kernel, timed = measured.seconds, timed + count
             one_thread += count * measured.one_thread
+        fresh_bytes += count * fresh
         if not device.asynchronous:  # the CPU dispatches, then computes
             seconds[bound] += count * kernel
             seconds["launch"] += count * device.launch_overhead
@@ -126,6 +144,7 @@ def predict_step_time(profile: OpProfile, device: DeviceSpec) -> StepTime:
             seconds[bound] += count * kernel
         else:  # the GPU waits for the host to launch it
             seconds["launch"] += count * device.launch_overhead
+    seconds["fresh"] = fresh_bytes * device.fresh_page_seconds
     return StepTime(
         device.name,
         sum(seconds.values()),
@@ -139,4 +158,6 @@ def predict_step_time(profile: OpProfile, device: DeviceSpec) -> StepTime:
         device.asynchronous,
         timed,
         one_thread,
+        seconds["fresh"],
+        fresh_bytes,
     )
