@@ -3,14 +3,18 @@
 ``Dataset.map`` runs the one record → tokens step (``TextDataModule._encode_records``, which ``.txt``/``.jsonl``
 files go through too) batch by batch, in order, in this process, and writes each batch's samples (``input_ids``,
 ``labels``, int32) to an Arrow file in the temporary directory ``datasets`` deletes at exit: never beside the
-user's files, never a stale cache. ``TokenRows`` reads the rows back by index. A batch gives its prompt/completion
+user's files, never a stale cache. A run killed by SIGKILL (the OOM killer's) skips that deletion, so each table's
+name holds its process id, and the next tokenization removes the tables of processes that are gone
+(``remove_tables_of_dead_processes``). ``TokenRows`` reads the rows back by index. A batch gives its prompt/completion
 and chat samples, then the ``text`` blocks it completed; ``TokenRows`` orders all samples before all blocks, the
 order a ``.jsonl`` file gives, so both give the same batches.
 """
 
 from __future__ import annotations
 
+import glob
 import os
+import tempfile
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -26,6 +30,7 @@ Row = dict[str, torch.Tensor]
 # (row index, record) pairs of one batch, and whether it is the last batch -> its samples
 MAP_BATCH_SIZE = 1000  # records a batch of Dataset.map: its Python lists hold this many at a time
 EncodeRecords = Callable[[Iterable[tuple[int, dict[str, Any]]], bool], list[Sample]]
+TABLE_PREFIX = "pl_lowprec-tokens-"  # then the process id, a random hex and ".arrow"
 
 
 def sample_row(input_ids: torch.Tensor, labels: torch.Tensor, text_block: bool, packing: bool, eos: int) -> Row:
@@ -60,7 +65,8 @@ def tokenize(dataset: Any, encode: EncodeRecords, description: str) -> Any:
             "text_block": datasets.Value("bool"),
         }
     )
-    name = f"pl_lowprec-tokens-{uuid.uuid4().hex}"
+    remove_tables_of_dead_processes()
+    name = f"{TABLE_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
     return dataset.map(
         encode_batch,
         batched=True,
@@ -73,6 +79,35 @@ def tokenize(dataset: Any, encode: EncodeRecords, description: str) -> Any:
         batch_size=MAP_BATCH_SIZE,
         desc=f"Tokenizing {description}",
     )
+
+
+def remove_tables_of_dead_processes(root: str | None = None) -> list[str]:
+    """Delete the token tables that processes no longer running left in ``datasets``' temporary directories
+    (``hf_datasets-*`` under ``root``, the system's temporary directory by default), and each directory left
+    empty; the paths deleted. A table whose process is alive, or cannot be told, is kept."""
+    pattern = os.path.join(root or tempfile.gettempdir(), "hf_datasets-*", f"{TABLE_PREFIX}*.arrow")
+    removed = []
+    for path in glob.glob(pattern):
+        pid = os.path.basename(path).removeprefix(TABLE_PREFIX).partition("-")[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            os.remove(path)
+            removed.append(path)
+            os.rmdir(os.path.dirname(path))  # only once empty: other files there are not this package's
+        except OSError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 class TokenRows(Dataset):
