@@ -29,7 +29,9 @@ in all. So on a GPU the optimizer step's kernels are charged their bytes and FLO
 
 On a CPU, a kernel's new storages of 32 MiB or more (``op_counts.FRESH_PAGES``) also cost the first write to
 their fresh pages (``DeviceSpec.fresh_page_seconds``), unless its replay ran it whole and so paid them already.
-At SmolLM2-135M's 49k vocabulary (2 blocks, 8 x 512 rows, fp32 logits) that was 1.5 s of a 6.1 s step.
+At SmolLM2-135M's 49k vocabulary (2 blocks, 8 x 512 rows, fp32 logits) that was 1.5 s of a 6.1 s step. Where
+they are a tenth of the step or more, the line names the glibc settings that keep freed blocks for reuse
+(``KEEP_FREED_BLOCKS``, read at the process's start; ``benchmarks/host_allocator.py`` measures them).
 
 Left out: communication (a sharded estimate is per rank, without its collectives), offloading's host copies
 (on a side stream), the data loader and Lightning's loop. Assumed: the CUDA step runs the kernels of the CPU
@@ -43,6 +45,10 @@ from dataclasses import dataclass
 from pl_lowprec.memory.devices import DeviceSpec
 from pl_lowprec.memory.kernel_replay import REPLAY_LIMIT
 from pl_lowprec.memory.op_counts import ATTENTION, OpProfile, call_of, family
+
+# glibc's settings that serve every block from the heap and keep its freed top (64 GiB), as jemalloc does
+KEEP_FREED_BLOCKS = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(64 * 2**30)}
+FRESH_HINT_SHARE = 0.1  # of the step: from here the line says how to keep the blocks
 
 
 @dataclass(frozen=True)
@@ -86,7 +92,11 @@ class StepTime:
     def _fresh_part(self) -> str:
         if not self.fresh_pages:
             return ""
-        return f", {_decimal(self.fresh_bytes, 'B')} of them to fresh pages, whose first write the OS waits on"
+        part = f", {_decimal(self.fresh_bytes, 'B')} of them to fresh pages, whose first write the OS waits on"
+        if self.fresh_pages < FRESH_HINT_SHARE * self.seconds:
+            return part
+        settings = " ".join(f"{name}={value}" for name, value in KEEP_FREED_BLOCKS.items())
+        return f"{part}; start Python with {settings} to keep freed blocks for reuse"
 
     def _optimizer_part(self) -> str:
         if not (self.foreach and self.optimizer_launches):

@@ -66,3 +66,12 @@ def test_a_cpu_charges_fresh_pages_where_no_replay_paid_them(bandwidth, replayed
     assert without.fresh_pages == 0 and "fresh pages" not in without.line()
     assert f"fresh pages {step.fresh_pages:.3f} s" in step.line()
     assert f"{step.fresh_bytes / 1e6:,.2f} MB of them to fresh pages, whose first write the OS waits on" in step.line()
+
+
+def test_the_line_names_the_settings_that_keep_freed_blocks_only_where_fresh_pages_weigh():
+    cpu = DeviceSpec("cpu", {"fp32": 1e12}, 1e12, launch_overhead=0.0, asynchronous=False)
+    settings = "MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736"
+    for per_byte, named in ((1e-10, True), (1e-14, False)):
+        step = predict_step_time(_profile(64 * MiB), DeviceSpec(**{**cpu.__dict__, "fresh_page_seconds": per_byte}))
+        assert (step.fresh_pages >= 0.1 * step.seconds) == named
+        assert (f"start Python with {settings} to keep freed blocks for reuse" in step.line()) == named
