@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from common import describe_machine, machine_info, markdown_table, quiet_trainer, section, write_json
 from dispatch_proxy import write_base
+from model_shapes import SHAPES
 from torch.utils.data import DataLoader
 
 from pl_lowprec import AMPPrecision, LowPrecisionStrategy
@@ -72,26 +73,12 @@ def _llama_1b_two_blocks(root: str) -> tuple[Any, Any, dict[str, Any]]:
     return CausalLM(base, loss_chunk_size=256), rows, strategy
 
 
-SMOLLM2_135M_BLOCK = {  # SmolLM2-135M's config.json (HuggingFaceTB/SmolLM2-135M), as tests/model_shapes.py has it
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "head_dim": 64,
-    "vocab_size": 49152,
-    "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-05,
-    "rope_theta": 100000.0,
-    "tie_word_embeddings": True,
-}
-
-
 def _smollm2_two_blocks(root: str) -> tuple[Any, Any, dict[str, Any]]:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     base = str(Path(root) / "smollm2")
     torch.manual_seed(0)
-    config = LlamaConfig(**SMOLLM2_135M_BLOCK, num_hidden_layers=2)
+    config = LlamaConfig(**{**SHAPES["smollm2-135m"], "num_hidden_layers": 2})
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(base)
     ids = torch.randint(0, 49152, (64, 512), generator=torch.Generator().manual_seed(0))
     rows = DataLoader([{"input_ids": row, "labels": row} for row in ids], batch_size=8)

@@ -50,6 +50,7 @@ SHAPES = {
     "8b": _tests.LLAMA31_8B,  # untied head, vocab 128,256
     "qwen-0.5b": _tests.QWEN25_05B,  # qkv biases, 14/2 heads, MLP 4864, tied, vocab 151,936; held out from the fits
     "mistral-7b": _tests.MISTRAL_7B_V03,  # Llama-3.1-8B's blocks, vocab 32,768; held out from the fits
+    "smollm2-135m": _tests.SMOLLM2_135M,  # tied, 9/3 heads, hidden 576, vocab 49,152: the CPU user's path
 }
 
 # The CPU check of the GPU benchmark's code path: 2 small blocks.
