@@ -133,8 +133,8 @@ def gpu_named(device_name: str) -> str | None:
 
 @functools.cache
 def local_cpu() -> DeviceSpec:
-    """This CPU, measured once per process (about a fifth of a second): matmul FLOP/s per dtype (768-square; fp16,
-    which CPUs run slowly, 128-square) and each matmul's latency (a 32-square one less its FLOPs and its
+    """This CPU, measured once per process (half a second on a 2-core EPYC): matmul FLOP/s per dtype (768-square;
+    fp16, which CPUs run slowly, 128-square) and each matmul's latency (a 32-square one less its FLOPs and its
     dispatch), causal flash attention's FLOP/s forward and backward (``_attention_flops``), copy bandwidth (64
     MiB, beyond the caches), the first write to fresh pages (64 MiB allocated and filled, less a fill of pages
     held), and the time of one tiny op with autograd (the dispatch cost each kernel pays).
