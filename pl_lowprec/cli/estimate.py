@@ -73,7 +73,7 @@ def estimate_arguments(cli_args: list[str]) -> dict[str, Any]:
         "config": config,
         "accumulate_grad_batches": int(getattr(trainer, "accumulate_grad_batches", None) or 1),
         "sharding": sharding,
-        "world_size": devices_of(trainer) if sharding is not None else 1,
+        "world_size": devices_of(trainer),  # sharded: the memory per rank; else DDP's all-reduce in the step time
     }
 
 
@@ -123,7 +123,7 @@ def step_time_line(estimate: MemoryEstimate) -> str:
             "Step time not predicted: the config runs on CUDA and this machine has no GPU with known figures;"
             f" name one with --gpu ({', '.join(GPUS)})."
         )
-    per_rank = f" (per rank of {estimate.world_size}, without communication)" if estimate.world_size > 1 else ""
+    per_rank = f" (per rank of {estimate.world_size})" if estimate.world_size > 1 else ""
     return step.line() + per_rank
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pl_lowprec.memory.collectives import NVLINK_AMPERE, NVLINK_HOPPER, PCIE, PCIE_GEN3, Interconnect
 from pl_lowprec.memory.kernel_replay import KernelTime, best_seconds, kernel_seconds, timed_on_free_cores
 from pl_lowprec.memory.op_counts import CountingMode
 
@@ -55,6 +56,9 @@ class DeviceSpec:
     ``fresh_page_seconds``: the seconds per byte the first write to freshly mapped pages costs beyond a write to
     pages already held (the OS faults them in and zeroes them; ``op_counts.FRESH_PAGES``). A GPU's caching
     allocator keeps its blocks: 0.
+
+    ``interconnect``: how fast ranks on one host exchange tensors (``collectives.py``): NCCL's figures for the
+    GPUs' links; none for the local CPU, where gloo's speed is measured by a run with its process group.
     """
 
     name: str
@@ -69,6 +73,7 @@ class DeviceSpec:
     matmul_latency: dict[str, float] = field(default_factory=dict, hash=False)
     kernel_seconds: Callable[[str, float], KernelTime | None] | None = field(default=None, compare=False, repr=False)
     fresh_page_seconds: float = 0.0
+    interconnect: Interconnect | None = None  # between ranks on one host; ``None``: not known without measuring
 
     def flops_per_second(self, dtype: str) -> float:
         """The achievable FLOP/s of matmuls in ``dtype``; refuses a dtype the device does not compute."""
@@ -86,21 +91,33 @@ class DeviceSpec:
         return self.attention_flops.get(dtype) or self.flops_per_second(dtype)
 
 
-def _gpu(name: str, bf16: float | None, fp16: float, fp32: float, bandwidth_tb: float, fp8: float | None = None):
+def _gpu(
+    name: str,
+    bf16: float | None,
+    fp16: float,
+    fp32: float,
+    bandwidth_tb: float,
+    fp8: float | None = None,
+    link: Interconnect = PCIE,
+):
     flops = {"fp16": fp16 * TERA, "fp32": fp32 * TERA}
     flops |= {"bf16": bf16 * TERA} if bf16 is not None else {}
     flops |= {"fp8": fp8 * TERA} if fp8 is not None else {}
-    return DeviceSpec(name, flops, bandwidth_tb * TERA)
+    return DeviceSpec(name, flops, bandwidth_tb * TERA, interconnect=link)
 
 
 # Dense peaks (TFLOP/s; fp16/bf16 with fp32 accumulation, as PyTorch runs them) and memory bandwidth (TB/s).
 GPUS: dict[str, DeviceSpec] = {
-    "H100": _gpu("H100 (SXM, 80 GB)", bf16=989.4, fp16=989.4, fp32=66.9, bandwidth_tb=3.35, fp8=1978.9),
-    "H200": _gpu("H200 (SXM, 141 GB)", bf16=989.4, fp16=989.4, fp32=66.9, bandwidth_tb=4.8, fp8=1978.9),
-    "A100": _gpu("A100 (SXM, 80 GB)", bf16=312.0, fp16=312.0, fp32=19.5, bandwidth_tb=2.039),
+    "H100": _gpu(
+        "H100 (SXM, 80 GB)", bf16=989.4, fp16=989.4, fp32=66.9, bandwidth_tb=3.35, fp8=1978.9, link=NVLINK_HOPPER
+    ),
+    "H200": _gpu(
+        "H200 (SXM, 141 GB)", bf16=989.4, fp16=989.4, fp32=66.9, bandwidth_tb=4.8, fp8=1978.9, link=NVLINK_HOPPER
+    ),
+    "A100": _gpu("A100 (SXM, 80 GB)", bf16=312.0, fp16=312.0, fp32=19.5, bandwidth_tb=2.039, link=NVLINK_AMPERE),
     "L4": _gpu("L4 (24 GB)", bf16=121.0, fp16=121.0, fp32=30.3, bandwidth_tb=0.3, fp8=242.5),
     "RTX4090": _gpu("RTX 4090 (24 GB)", bf16=165.2, fp16=165.2, fp32=82.6, bandwidth_tb=1.008, fp8=330.3),
-    "T4": _gpu("T4 (16 GB)", bf16=None, fp16=65.0, fp32=8.1, bandwidth_tb=0.32),
+    "T4": _gpu("T4 (16 GB)", bf16=None, fp16=65.0, fp32=8.1, bandwidth_tb=0.32, link=PCIE_GEN3),
 }
 
 

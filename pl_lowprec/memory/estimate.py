@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from pl_lowprec._checks import check_at_least
 from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.memory.bnb_standin import FakeOptimizer8bit, is_standin
+from pl_lowprec.memory.collectives import Interconnect, count_ddp_all_reduce
 from pl_lowprec.memory.compiled_backward import LABEL as COMPILED_LABEL
 from pl_lowprec.memory.compiled_backward import compiled_backward_bytes
 from pl_lowprec.memory.depth import extrapolated, repeated_blocks
@@ -86,6 +87,7 @@ class MemoryEstimate:
     extrapolated: bool = False
     ops: OpProfile = field(default_factory=OpProfile, repr=False)
     time_on: str | None = None
+    interconnect: Interconnect | None = None  # the run's own, measured (``collectives.measure_interconnect``)
 
     @property
     def step_time(self) -> StepTime | None:
@@ -95,8 +97,10 @@ class MemoryEstimate:
 
     def step_time_on(self, device: str) -> StepTime:
         """The predicted time of the same step on another device: ``"cpu"`` (this one) or a GPU of
-        ``devices.GPUS`` (``"H100"``, ``"H200"``, ``"A100"``, ``"L4"``, ``"RTX4090"``, ``"T4"``)."""
-        return predict_step_time(self.ops, device_spec(device))
+        ``devices.GPUS`` (``"H100"``, ``"H200"``, ``"A100"``, ``"L4"``, ``"RTX4090"``, ``"T4"``). The collectives
+        run on ``interconnect`` where the run measured it on this device, else on the device's own figures."""
+        measured = self.interconnect if device == self.time_on else None
+        return predict_step_time(self.ops, device_spec(device), measured)
 
     @property
     def total(self) -> int:
@@ -210,7 +214,8 @@ def estimate_memory(
             seconds for 8B shapes (``depth.py``). ``False`` always simulates every block.
         sharding: FSDP2 (``strategy.transform_sharding(config)``): the estimate is per rank of ``world_size``,
             simulated as rank 0 on a fake process group.
-        world_size: The number of ranks the run shards over (with ``sharding``).
+        world_size: The number of ranks the run shards over (with ``sharding``), or, without it, the DDP ranks
+            whose gradient all-reduce the step time counts (the memory is one process's).
         time_on: The device ``estimate.step_time`` predicts the step's duration on: ``"cpu"`` (this machine,
             measured once) or a GPU of ``devices.GPUS`` (``"H100"``, ``"H200"``, ``"A100"``, ``"L4"``,
             ``"RTX4090"``, ``"T4"``). ``None``: ``device``, this machine's GPU where it has one; a CUDA run
@@ -231,7 +236,9 @@ def estimate_memory(
         estimate = _estimate(
             build_model, example_batch, precision, device, config, accumulate_grad_batches, extrapolate
         )
-        estimate.time_on = time_on
+        estimate.time_on, estimate.ops.ranks = time_on, world_size
+        if world_size > 1:  # DDP: its reducer all-reduces the gradients, unseen by the simulated step
+            count_ddp_all_reduce(estimate.ops.collectives, estimate.gradients)
         return estimate
     with fake_mesh(world_size) as mesh:
         estimate = _estimate(
@@ -244,7 +251,7 @@ def estimate_memory(
             False,
             dataclasses.replace(sharding, mesh=mesh),
         )
-    estimate.world_size, estimate.time_on = world_size, time_on
+    estimate.world_size, estimate.time_on, estimate.ops.ranks = world_size, time_on, world_size
     estimate.seconds = time.perf_counter() - started
     return estimate
 

@@ -12,8 +12,9 @@ The same counting serves the fake step (``StepTracker`` hands each op to an ``Op
   gathers (``embedding``, ``index_select``, ``gather``, ``index``) read only the rows they return, not the whole
   table. An op that mutates its arguments and returns nothing (``_foreach_add_``) writes those arguments.
 - **Kernel launches** are ops that write a tensor, except views (RuntimeEstimator's ``_VIEW_OPS`` and every op
-  whose schema says view), allocations (``empty*``: no kernel) and communication (collectives are not
-  modelled: a sharded estimate is per rank, without them). A dispatch mode sees an op whole (what it runs
+  whose schema says view), allocations (``empty*``: no kernel) and communication, which is counted apart:
+  ``OpProfile.collectives`` holds each all-gather, reduce-scatter and all-reduce by its whole tensor's bytes
+  (``collectives.py``), for ``OpProfile.ranks`` ranks. A dispatch mode sees an op whole (what it runs
   inside runs below the mode), so each op seen is one kernel; ``linear`` and ``matmul``, which reach the mode
   only from inside another op's composite (bitsandbytes' 4-bit matmul), count their dot products.
 
@@ -47,6 +48,7 @@ from torch.utils._runtime_estimation import _VIEW_OPS
 from torch.utils.flop_counter import flop_registry
 
 from pl_lowprec.memory.bnb_standin import decompose_gemm_4bit
+from pl_lowprec.memory.collectives import COMMUNICATION_NAMESPACES, CollectiveKey, collective_of
 from pl_lowprec.memory.kernel_replay import MATMULS, call_label
 from pl_lowprec.memory.tracker import DECOMPOSE
 
@@ -104,6 +106,8 @@ class OpProfile:
     compiled: bool = False
     fresh: dict[OpKey, int] = field(default_factory=dict)  # a kernel's new storages of FRESH_PAGES or more, per call
     allocated_fresh: int = 0  # the same bytes from the allocations (``empty*``), which launch no kernel
+    collectives: Counter[CollectiveKey] = field(default_factory=Counter)  # (kind, whole tensor's bytes): how many
+    ranks: int = 1  # the ranks the collectives run over
 
     @property
     def launches(self) -> int:
@@ -130,7 +134,15 @@ class OpProfile:
         kept = Counter({k: n for k, n in counts.items() if n > 0})
         fresh = {k: n for k, n in {**two.fresh, **three.fresh}.items() if k in kept}
         allocated = max(0, two.allocated_fresh + (depth - 2) * (three.allocated_fresh - two.allocated_fresh))
-        return cls(kept, fresh=fresh, allocated_fresh=allocated)
+        links = set(two.collectives) | set(three.collectives)
+        collectives = {k: two.collectives[k] + (depth - 2) * (three.collectives[k] - two.collectives[k]) for k in links}
+        return cls(
+            kept,
+            fresh=fresh,
+            allocated_fresh=allocated,
+            collectives=Counter({k: n for k, n in collectives.items() if n > 0}),
+            ranks=three.ranks,
+        )
 
 
 class OpCounter:
@@ -145,7 +157,11 @@ class OpCounter:
         if work is None:
             work = self._works[func] = _work(func)
         if work == "none":
-            if func._overloadpacket in _ALLOCATIONS and not func._schema.is_mutable:
+            if getattr(func, "namespace", None) in COMMUNICATION_NAMESPACES:
+                collective = collective_of(func, _tensors(args), _tensors(out))
+                if collective is not None:
+                    self.profile.collectives[collective] += 1
+            elif func._overloadpacket in _ALLOCATIONS and not func._schema.is_mutable:
                 self.profile.allocated_fresh += _fresh_bytes(_tensors(out))
             return
         written = _tensors(out)

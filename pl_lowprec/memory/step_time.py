@@ -33,15 +33,25 @@ At SmolLM2-135M's 49k vocabulary (2 blocks, 8 x 512 rows, fp32 logits) that was 
 they are a tenth of the step or more, the line names the glibc settings that keep freed blocks for reuse
 (``KEEP_FREED_BLOCKS``, read at the process's start; ``benchmarks/host_allocator.py`` measures them).
 
-Left out: communication (a sharded estimate is per rank, without its collectives), offloading's host copies
-(on a side stream), the data loader and Lightning's loop. Assumed: the CUDA step runs the kernels of the CPU
-step that is simulated (the same modules, autograd and attention; CUDA's SDPA kernel in place of the CPU's).
+Across ranks (DDP, FSDP2: ``OpProfile.collectives``, ``collectives.py``), each collective takes its latency and
+its bytes on the wire at the interconnect's bus bandwidth. On a CPU they add to the step: gloo waits on the same
+cores. On a GPU NCCL runs them on its own stream beside the kernels (FSDP2 gathers the next block while this one
+computes, DDP reduces buckets during the backward), so the step grows only where they outlast the kernels, plus
+the collectives nothing overlaps: the first all-gather, before any kernel (the largest: FSDP2's root, which
+holds the embeddings), and the last reduction, after the backward (of the mean size). Without figures for the
+interconnect (the local CPU outside a run: gloo's speed is measured by a run's own process group), the
+collectives are counted but not timed, and the line says so.
+
+Left out: offloading's host copies (on a side stream), the data loader and Lightning's loop. Assumed: the CUDA
+step runs the kernels of the CPU step that is simulated (the same modules, autograd and attention; CUDA's SDPA
+kernel in place of the CPU's).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pl_lowprec.memory.collectives import ALL_GATHER, Interconnect, wire_bytes
 from pl_lowprec.memory.devices import DeviceSpec
 from pl_lowprec.memory.kernel_replay import REPLAY_LIMIT
 from pl_lowprec.memory.op_counts import ATTENTION, OpProfile, call_of, family
@@ -70,6 +80,11 @@ class StepTime:
     one_thread_kernels: int = 0  # of them, timed on one thread: torch's threads waited for busy cores
     fresh_pages: float = 0.0  # seconds of ``seconds`` the first writes to fresh pages take (a CPU)
     fresh_bytes: int = 0  # the bytes of those pages
+    communication: float = 0.0  # seconds of ``seconds`` the collectives across ranks add
+    collectives: int = 0  # how many a step runs
+    collective_seconds: float = 0.0  # their own time, overlapped with the kernels or not
+    wire_bytes: int = 0  # the bytes each rank's link carries for them
+    interconnect: str = ""  # what they were timed on; "" where they were not timed
 
     def line(self) -> str:
         """One line for ``pl-lowprec estimate``."""
@@ -81,13 +96,28 @@ class StepTime:
                 ("memory-bound", self.memory_bound),
                 ("launch overhead", self.launch_overhead),
                 *((("fresh pages", self.fresh_pages),) if self.fresh_pages else ()),
+                *((("communication", self.communication),) if self.communication else ()),
             )
         )
         return (
             f"Predicted step time on {self.device}: {self.seconds:.3f} s ({parts}; {self.launches:,} kernels"
             f"{self._optimizer_part()}{self._timed_part()}, {_decimal(self.flops, 'FLOP')},"
-            f" {_decimal(self.bytes, 'B')} moved{self._fresh_part()})"
+            f" {_decimal(self.bytes, 'B')} moved{self._fresh_part()}){self._collectives_part()}"
         )
+
+    def _collectives_part(self) -> str:
+        if not self.collectives:
+            return ""
+        plural = "s" if self.collectives != 1 else ""
+        what = f"{self.collectives:,} collective{plural}, {_decimal(self.wire_bytes, 'B')} through each rank's link"
+        if not self.interconnect:
+            return (
+                f"; {what}, not timed: no figures for how this device's ranks talk (a run measures its own process"
+                " group)"
+            )
+        hidden = self.collective_seconds - self.communication
+        overlap = f", {_duration(hidden)} of them beside the kernels" if hidden > 1e-9 else ""
+        return f"; {what}: {_duration(self.collective_seconds)} on {self.interconnect}{overlap}"
 
     def _fresh_part(self) -> str:
         if not self.fresh_pages:
@@ -114,6 +144,13 @@ class StepTime:
         return f" ({self.timed_kernels:,} of them timed on this CPU at their own shapes{busy})"
 
 
+def _duration(seconds: float) -> str:
+    """``seconds`` to three figures: 1.234 s, 12.3 ms, 45 us."""
+    if seconds >= 1:
+        return f"{seconds:.3f} s"
+    return f"{seconds * 1e3:.3g} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.3g} us"
+
+
 def _decimal(value: float, unit: str) -> str:
     """``value`` with a decimal prefix: 173.50 TFLOP, 392.15 MB."""
     for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
@@ -122,9 +159,10 @@ def _decimal(value: float, unit: str) -> str:
     return f"{value:,.0f} {unit}"
 
 
-def predict_step_time(profile: OpProfile, device: DeviceSpec) -> StepTime:
+def predict_step_time(profile: OpProfile, device: DeviceSpec, interconnect: Interconnect | None = None) -> StepTime:
     """The roofline of every kernel of ``profile`` on ``device``, summed; on a device that times kernels at their
-    shapes (the local CPU, ``kernel_replay.py``), each kernel's own time where it has one."""
+    shapes (the local CPU, ``kernel_replay.py``), each kernel's own time where it has one. The collectives across
+    ranks run on ``interconnect`` (a run's measured one), else on ``device.interconnect``."""
     bandwidth = device.bandwidth * device.memory_efficiency
     seconds = {"compute": 0.0, "memory": 0.0, "launch": 0.0, "fresh": 0.0}
     timed, one_thread, timer = 0, 0, device.kernel_seconds
@@ -155,6 +193,9 @@ def predict_step_time(profile: OpProfile, device: DeviceSpec) -> StepTime:
         else:  # the GPU waits for the host to launch it
             seconds["launch"] += count * device.launch_overhead
     seconds["fresh"] = fresh_bytes * device.fresh_page_seconds
+    links = interconnect or device.interconnect
+    talking = communication(profile, links, device.asynchronous, sum(seconds.values())) if links else (0.0, 0.0)
+    seconds["communication"] = talking[0]
     return StepTime(
         device.name,
         sum(seconds.values()),
@@ -170,4 +211,25 @@ def predict_step_time(profile: OpProfile, device: DeviceSpec) -> StepTime:
         one_thread,
         seconds["fresh"],
         fresh_bytes,
+        seconds["communication"],
+        sum(profile.collectives.values()),
+        talking[1],
+        int(sum(n * wire_bytes(kind, size, profile.ranks) for (kind, size), n in profile.collectives.items())),
+        links.name + (", measured" if links.measured else "") if links and profile.collectives else "",
     )
+
+
+def communication(profile: OpProfile, links: Interconnect, overlapped: bool, kernels: float) -> tuple[float, float]:
+    """The seconds the collectives add to a step of ``kernels`` seconds, and their own seconds: all of them where
+    they wait on the cores that compute (a CPU); where they run beside the kernels (``overlapped``: a GPU), what
+    outlasts the kernels plus what nothing overlaps: the first all-gather (FSDP2's root, with the embeddings: the
+    largest) and one reduction of the mean size (the last, after the backward)."""
+    each = {key: links.seconds(key[0], key[1], profile.ranks) for key in profile.collectives}
+    total = sum(n * each[key] for key, n in profile.collectives.items())
+    if not overlapped:
+        return total, total
+    gathers = [each[key] for key in profile.collectives if key[0] == ALL_GATHER]
+    reductions = {key: n for key, n in profile.collectives.items() if key[0] != ALL_GATHER}
+    calls = sum(reductions.values())
+    exposed = max(gathers, default=0.0) + (sum(n * each[k] for k, n in reductions.items()) / calls if calls else 0.0)
+    return min(total, max(0.0, total - kernels) + exposed), total

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from pl_lowprec.memory.collectives import Interconnect, measure_interconnect
 from pl_lowprec.memory.fastest import MARGIN, Search, fastest_fitting
 from pl_lowprec.memory.plan import fresh_copies
 from pl_lowprec.memory.process import available_memory
@@ -23,12 +24,17 @@ from pl_lowprec.memory.sizes import format_bytes
 
 
 def choose_memory_settings(
-    strategy: Any, trainer: Any, batch: Any, precision: str, budget: int | None
+    strategy: Any,
+    trainer: Any,
+    batch: Any,
+    precision: str,
+    budget: int | None,
+    interconnect: Interconnect | None = None,
 ) -> Search | None:
     """Resolve ``strategy.transform_config``'s ``"auto"`` settings for the device with one ``batch`` of the run's
-    data (``first_training_batch``), log the choice once, and return
-    the search (``None`` where the device's memory cannot be read: the ``"auto"`` settings then stay on their
-    memory-saving side)."""
+    data (``first_training_batch``), log the choice once, and return the search (``None`` where the device's
+    memory cannot be read: the ``"auto"`` settings then stay on their memory-saving side). The predicted step
+    times its collectives on ``interconnect``, the run's own (``run_interconnect``)."""
     device = strategy.root_device
     limit, memory = memory_limit(strategy, device, budget)
     if limit is None:
@@ -54,6 +60,8 @@ def choose_memory_settings(
             " explicitly to run without the simulation."
         )
         return None
+    for _, _, estimate in search.tried:
+        estimate.interconnect = interconnect
     line = search.line(memory)
     if search.fits:
         rank_zero_info(line)
@@ -65,6 +73,14 @@ def choose_memory_settings(
         )
     strategy.transform_config = strategy.transform.config = search.config
     return search
+
+
+def run_interconnect(strategy: Any) -> Interconnect | None:
+    """How fast this run's ranks exchange tensors, measured on its process group (every rank calls it);
+    ``None`` on one process."""
+    if strategy.world_size <= 1 or not torch.distributed.is_initialized():
+        return None
+    return measure_interconnect(strategy.root_device)
 
 
 def memory_limit(strategy: Any, device: torch.device, budget: int | None) -> tuple[int | None, str]:

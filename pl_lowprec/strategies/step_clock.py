@@ -74,10 +74,17 @@ class StepClock:
         )
         return (
             f"Step time of this run: {measured:.3f} s per optimizer step ({steps}); predicted before loading:"
-            f" {predicted.seconds:.3f} s on {predicted.device}, so the run took {measured / predicted.seconds:.2f}x the"
-            " prediction. The prediction counts the step's kernels; the run's time also holds the data loader,"
-            f" Lightning's loop and logging.{_busy_part(predicted)}"
+            f" {predicted.seconds:.3f} s on {predicted.device}{_collectives_part(predicted)}, so the run took"
+            f" {measured / predicted.seconds:.2f}x the prediction. The prediction counts the step's kernels; the run's"
+            f" time also holds the data loader, Lightning's loop and logging.{_busy_part(predicted)}"
         )
+
+
+def _collectives_part(predicted: StepTime) -> str:
+    """The collectives' share of the prediction, where a run across ranks timed them."""
+    if not predicted.communication:
+        return ""
+    return f", {predicted.communication:.3f} s of it collectives on {predicted.interconnect}"
 
 
 def _busy_part(predicted: StepTime) -> str:

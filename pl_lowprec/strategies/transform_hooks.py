@@ -17,7 +17,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from pl_lowprec.memory.budget import check_memory_budget, first_training_batch, training_loader
-from pl_lowprec.strategies.auto_settings import choose_memory_settings
+from pl_lowprec.strategies.auto_settings import choose_memory_settings, run_interconnect
 from pl_lowprec.strategies.garbage_collection import freeze_long_lived_objects, unfreeze
 from pl_lowprec.strategies.step_clock import StepClock
 from pl_lowprec.strategies.trainer_checks import check_trainer_arguments, check_validation_interval
@@ -61,9 +61,10 @@ class TransformHooks(TransformArguments):
         if hasattr(plugin, "resolve"):  # AMPPrecision("auto") chooses for the device
             plugin.resolve(self.root_device)
         batch = first_training_batch(loader())  # one draw serves the choice and the budget's check
+        links = run_interconnect(self)  # every rank, before a rank can fail alone
         search = None
         if config.chooses_automatically:
-            search = choose_memory_settings(self, trainer, batch, str(plugin.precision), self.memory_budget)
+            search = choose_memory_settings(self, trainer, batch, str(plugin.precision), self.memory_budget, links)
             self.automatic_choice = search
             self.prediction = search.estimate if search is not None else None
         if self.memory_budget is None or (search is not None and search.fits):
@@ -80,6 +81,7 @@ class TransformHooks(TransformArguments):
             self.world_size,
             estimate=search.estimate if search is not None else None,
         )
+        self.prediction.interconnect = links
 
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:

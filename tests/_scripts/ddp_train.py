@@ -5,10 +5,12 @@ Usage: python ddp_train.py {ddp|single} OUT_DIR PRECISION [gpt|qlora|qlora-compi
 With "qlora", a tiny Llama is trained with nf4-dq base weights, LoRA adapters and checkpointed decoder layers;
 "qlora-compiled" is the same with compile=True (each checkpointed decoder layer compiled);
 with "qat", TinyGPT is trained with int8-dynamic-int4-weight QAT and converted at the end of fit.
-Writes OUT_DIR/rank{N}.pt with the final parameters (and the loss-scale state under "_loss_scale").
+Writes OUT_DIR/rank{N}.pt with the final parameters (and the loss-scale state under "_loss_scale", the predicted
+step under "_step_time").
 Run by tests/strategies/test_ddp.py; Lightning's DDP launcher re-runs this script for rank 1.
 """
 
+import dataclasses
 import os
 import sys
 import warnings
@@ -49,7 +51,8 @@ def main(mode: str, out: str, precision: str, variant: str = "gpt", accelerator:
     transform = {}
     if variant.startswith("qlora"):
         block = "LlamaDecoderLayer"
-        transform = {"quantization": "nf4-dq", "lora": {"r": 8, "lora_alpha": 16}}
+        # memory_budget: the run predicts its step, collectives timed on its own process group (ranks > 1)
+        transform = {"quantization": "nf4-dq", "lora": {"r": 8, "lora_alpha": 16}, "memory_budget": "8GiB"}
     if variant == "qlora-compiled":
         transform["compile"] = True
     if variant == "qat":
@@ -90,6 +93,8 @@ def main(mode: str, out: str, precision: str, variant: str = "gpt", accelerator:
     blocks = model.model.model.layers if variant.startswith("qlora") else model.blocks
     state["_checkpointed"] = [type(b.__dict__.get("forward")).__name__ for b in blocks]
     state["_compiled"] = [b._compiled_call_impl is not None for b in blocks]
+    predicted = strategy.prediction.step_time if strategy.prediction is not None else None
+    state["_step_time"] = dataclasses.asdict(predicted) if predicted is not None else None
     torch.save(state, f"{out}/rank{trainer.global_rank}.pt")
 
 

@@ -48,6 +48,15 @@ def test_qlora_ddp_keeps_adapters_identical_across_ranks(tmp_path):
     for rank in ddp.values():
         assert rank["_checkpointed"] == ["CheckpointedForward"] * 2
         assert set(rank) == set(single)
+    # memory_budget predicted the step; on 2 ranks with DDP's all-reduce of the adapters' gradients (one bucket),
+    # timed on the run's own gloo group: the same figures on both ranks (the slowest rank's)
+    gradient_bytes = sum(single[key].numel() * 4 for key in adapters)
+    assert single["_step_time"]["collectives"] == 0 and single["_step_time"]["communication"] == 0
+    for rank in ddp.values():
+        step = rank["_step_time"]
+        assert step["collectives"] == 1 and step["wire_bytes"] == gradient_bytes  # 2 (n-1)/n of it, n = 2
+        assert step["interconnect"] == "gloo between 2 ranks, measured"
+        assert 0 < step["communication"] == ddp["rank0.pt"]["_step_time"]["communication"]
     for key in adapters:
         assert "lora_A" in key or ddp["rank0.pt"][key].abs().max() > 0  # B starts at zero: it trained
         torch.testing.assert_close(ddp["rank0.pt"][key], ddp["rank1.pt"][key], rtol=0, atol=0)  # identical
