@@ -123,10 +123,15 @@ class StepTime:
         if not self.fresh_pages:
             return ""
         part = f", {_decimal(self.fresh_bytes, 'B')} of them to fresh pages, whose first write the OS waits on"
-        if self.fresh_pages < FRESH_HINT_SHARE * self.seconds:
-            return part
+        hint = self.keep_freed_blocks_hint()
+        return f"{part}; {hint}" if hint else part
+
+    def keep_freed_blocks_hint(self) -> str | None:
+        """Where fresh pages are ``FRESH_HINT_SHARE`` of the step or more: the glibc settings that avoid them."""
+        if not self.fresh_pages or self.fresh_pages < FRESH_HINT_SHARE * self.seconds:
+            return None
         settings = " ".join(f"{name}={value}" for name, value in KEEP_FREED_BLOCKS.items())
-        return f"{part}; start Python with {settings} to keep freed blocks for reuse"
+        return f"start Python with {settings} to keep freed blocks for reuse"
 
     def _optimizer_part(self) -> str:
         if not (self.foreach and self.optimizer_launches):

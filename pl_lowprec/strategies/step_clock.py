@@ -77,6 +77,7 @@ class StepClock:
             f" {predicted.seconds:.3f} s on {predicted.device}{_collectives_part(predicted)}, so the run took"
             f" {measured / predicted.seconds:.2f}x the prediction. The prediction counts the step's kernels; the run's"
             f" time also holds the data loader, Lightning's loop and logging.{_busy_part(predicted)}"
+            f"{_fresh_pages_part(predicted)}"
         )
 
 
@@ -85,6 +86,19 @@ def _collectives_part(predicted: StepTime) -> str:
     if not predicted.communication:
         return ""
     return f", {predicted.communication:.3f} s of it collectives on {predicted.interconnect}"
+
+
+def _fresh_pages_part(predicted: StepTime) -> str:
+    """Where the OS's first writes to fresh pages are a large part of the prediction: how to keep freed blocks
+    (``step_time.KEEP_FREED_BLOCKS``), said where the run ends, as ``estimate`` says it before."""
+    hint = predicted.keep_freed_blocks_hint()
+    if hint is None:
+        return ""
+    share = predicted.fresh_pages / predicted.seconds
+    return (
+        f" The OS's first writes to fresh pages were {predicted.fresh_pages:.3f} s ({share:.0%}) of the prediction:"
+        f" {hint} (faster; the process keeps more resident memory, docs/memory.md)."
+    )
 
 
 def _busy_part(predicted: StepTime) -> str:

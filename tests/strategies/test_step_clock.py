@@ -77,6 +77,28 @@ def test_a_prediction_timed_beside_busy_processes_says_so():
     )
 
 
+def test_where_fresh_pages_are_a_tenth_of_the_prediction_the_end_line_says_how_to_keep_freed_blocks():
+    predicted = StepTime("this CPU (2 threads, measured)", 2.0, 1.0, 0.5, 0.0, 700, 10**9, 10**8)
+    ends = [0.0, 1.0, 3.2, 5.4]
+    assert "fresh pages" not in StepClock(dataclasses.replace(predicted, fresh_pages=0.19), ends).line()
+    line = StepClock(dataclasses.replace(predicted, fresh_pages=0.5, fresh_bytes=2**30), ends).line()
+    assert line.endswith(
+        " The OS's first writes to fresh pages were 0.500 s (25%) of the prediction: start Python with"
+        " MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736 to keep freed blocks for reuse (faster; the process"
+        " keeps more resident memory, docs/memory.md)."
+    )
+
+
+def test_a_prediction_across_ranks_names_its_collectives():
+    predicted = StepTime("this CPU (1 thread, measured)", 2.0, 1.0, 0.5, 0.0, 700, 10**9, 10**8)
+    ends = [0.0, 1.0, 3.2, 5.4]
+    assert "collectives" not in StepClock(predicted, ends).line()
+    ranks = dataclasses.replace(predicted, communication=0.068, collectives=5, interconnect="gloo between 2 ranks")
+    assert "predicted before loading: 2.000 s on this CPU (1 thread, measured), 0.068 s of it collectives on gloo" in (
+        StepClock(ranks, ends).line()
+    )
+
+
 class OptimizerStepTimes(pl.Callback):
     """When each optimizer step starts, taken apart from the strategy's clock."""
 
