@@ -136,7 +136,8 @@ def measure_interconnect(device: torch.device) -> Interconnect:
         moved = wire_bytes(kind, large, ranks) - wire_bytes(kind, SMALL_BYTES, ranks)
         bandwidth[kind] = moved / max(b - s, 1e-9)
     backend = dist.get_backend()
-    return Interconnect(f"{backend} between {ranks} ranks", bandwidth, latency, measured=True)
+    plural = "s" if ranks != 1 else ""
+    return Interconnect(f"{backend} between {ranks} rank{plural}", bandwidth, latency, measured=True)
 
 
 def _best_seconds(kind: str, nbytes: int, ranks: int, device: torch.device) -> float:

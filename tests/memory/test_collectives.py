@@ -16,6 +16,7 @@ from pl_lowprec.memory.collectives import (
     REDUCE_SCATTER,
     Interconnect,
     ddp_buckets,
+    measure_interconnect,
     wire_bytes,
 )
 from pl_lowprec.memory.devices import GPUS, DeviceSpec
@@ -136,3 +137,22 @@ def test_named_gpus_carry_their_links():
     estimate = _tiny_llama_estimate(lora=LORA, world_size=2)
     line = estimate.step_time_on("L4").line()
     assert "; 1 collective, " in line and "on PCIe 4.0" in line
+
+
+@pytest.mark.parametrize(
+    ("backend", "device"),
+    [("gloo", "cpu"), pytest.param("nccl", "cuda", marks=pytest.mark.cuda)],
+)
+def test_the_measurement_runs_on_the_process_groups_device(tmp_path, backend, device):
+    """One rank: its tensors, synchronization and the MAX reduction on the group's own device (NCCL takes no CPU
+    tensors); the 2-rank figures come from tests/strategies/test_ddp.py's gloo run."""
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        link = measure_interconnect(torch.device(device, 0) if device == "cuda" else torch.device(device))
+    finally:
+        dist.destroy_process_group()
+    assert link.name == f"{backend} between 1 rank" and link.measured
+    assert 0 <= link.latency < 0.1 and set(link.bus_bandwidth) == {ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE}
+    assert link.seconds(ALL_REDUCE, 2**30, 1) == 0.0  # one rank sends nothing
