@@ -44,6 +44,7 @@ from pl_lowprec.memory.plan import (
 )
 from pl_lowprec.memory.quiet import quiet_setup_logs
 from pl_lowprec.memory.sizes import format_bytes, parse_bytes
+from pl_lowprec.memory.step_time import StepTime
 from pl_lowprec.strategies.fsdp import check_fsdp_arguments
 from pl_lowprec.strategies.transform_args import TransformArguments
 from pl_lowprec.transforms.checkpointing import declared_blocks
@@ -139,7 +140,7 @@ def main(args: list[str] | None = None) -> None:
             config,
             time_on=options.gpu,
         )
-        sharded, line = _sharded_alternative(make_plan, config, devices, options, blocks, plan.chosen is None)
+        sharded, line = _sharded_alternative(make_plan, config, devices, options, blocks, plan.chosen)
         print(line)
         if sharded is not None:  # nothing fits unsharded and sharding may change what it needs to: switch
             print(sharded.table())
@@ -163,12 +164,13 @@ def _sharded_alternative(
     devices: int,
     options: argparse.Namespace,
     blocks: list[str] | None,
-    nothing_fits: bool,
+    unsharded: Any | None,
 ) -> tuple[Any, str]:
-    """The same devices sharded with ``lowprec_fsdp``, and a line saying it. The sharded plan is returned (to be
-    chosen and written) only when nothing fits unsharded, it fits, and switching changes nothing else: without
-    4-bit weights, or with ``--allow_quantization``, since FSDP2 stores them as torchao NF4 instead of
-    bitsandbytes' (the same NF4 code book, other scale blocks)."""
+    """The same devices sharded with ``lowprec_fsdp``, and a line saying it, beside ``unsharded`` (the candidate
+    chosen without sharding, ``None`` where none fits). The sharded plan is returned (to be chosen and written)
+    only when nothing fits unsharded, it fits, and switching changes nothing else: without 4-bit weights, or with
+    ``--allow_quantization``, since FSDP2 stores them as torchao NF4 instead of bitsandbytes' (the same NF4 code
+    book, other scale blocks)."""
     units = config.activation_checkpointing or blocks
     try:
         check_fsdp_arguments(config, 1)
@@ -185,8 +187,8 @@ def _sharded_alternative(
     )
     if sharded.chosen is None:
         return None, said
-    if not nothing_fits:
-        return None, f"{said} Not chosen: the unsharded candidate above fits without FSDP2's communication."
+    if unsharded is not None:
+        return None, f"{said} Not chosen: the unsharded candidate above fits ({_steps(unsharded.step, best.step)})."
     if config.quantization is not None and not options.allow_quantization:
         return None, (
             f"{said} Not chosen: under FSDP2 the 4-bit weights are stored as torchao NF4 instead of bitsandbytes'"
@@ -196,6 +198,15 @@ def _sharded_alternative(
 
 
 FSDP_STRATEGY = "pl_lowprec.LowPrecisionFSDPStrategy"
+
+
+def _steps(unsharded: StepTime, sharded: StepTime) -> str:
+    """The two predicted steps in words, the sharded one with its collectives."""
+    if sharded.interconnect:
+        talk = f", {sharded.collective_seconds * 1e3:.3g} ms of collectives on {sharded.interconnect} among them"
+    else:
+        talk = f", its {sharded.collectives:,} collectives not timed" if sharded.collectives else ""
+    return f"predicted {unsharded.seconds:.3f} s a step, against {sharded.seconds:.3f} s sharded{talk}"
 
 
 def _eight_bit(sharding: Any) -> str:

@@ -1,6 +1,7 @@
 """plan_memory / pl-lowprec plan: the chosen settings' measured peak stays within the budget, nothing-fits says
 why, the written config runs, and memory-only changes keep the losses."""
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -280,18 +281,31 @@ def test_sharding_is_not_chosen_where_it_changes_the_4bit_storage():
     from types import SimpleNamespace
 
     from pl_lowprec.cli.plan import _sharded_alternative
+    from pl_lowprec.memory.step_time import StepTime
 
-    fitting = SimpleNamespace(peak=1, settings=Settings(1, 1, "none"))
+    sharded_step = StepTime("H100", 0.030, 0.02, 0.01, 0.0, 900, 10**12, 10**9, communication=0.001)
+    sharded_step = dataclasses.replace(sharded_step, collectives=7, collective_seconds=0.004, interconnect="NVLink")
+    fitting = SimpleNamespace(peak=1, settings=Settings(1, 1, "none"), step=sharded_step)
     make_plan = lambda *args, **kwargs: SimpleNamespace(chosen=fitting, candidates=[fitting])  # noqa: E731
     quantized = TransformConfig(quantization="nf4-dq", **LORA, activation_checkpointing=BLOCKS)
     options = SimpleNamespace(margin=0.1, allow_quantization=False)
-    plan, line = _sharded_alternative(make_plan, quantized, 2, options, BLOCKS, nothing_fits=True)
+    plan, line = _sharded_alternative(make_plan, quantized, 2, options, BLOCKS, unsharded=None)
     assert plan is None and "torchao NF4" in line and "pass --allow_quantization to choose it" in line
     options.allow_quantization = True
-    plan, line = _sharded_alternative(make_plan, quantized, 2, options, BLOCKS, nothing_fits=True)
+    plan, line = _sharded_alternative(make_plan, quantized, 2, options, BLOCKS, unsharded=None)
     assert plan is not None and line.endswith("Chosen, since nothing fits unsharded:")
-    plan, line = _sharded_alternative(make_plan, quantized, 2, options, BLOCKS, nothing_fits=False)
-    assert plan is None and "Not chosen: the unsharded candidate above fits" in line
+    unsharded = SimpleNamespace(step=dataclasses.replace(sharded_step, seconds=0.021, collectives=1))
+    plan, line = _sharded_alternative(make_plan, quantized, 2, options, BLOCKS, unsharded=unsharded)
+    assert plan is None and line.endswith(
+        "Not chosen: the unsharded candidate above fits (predicted 0.021 s a step, against 0.030 s sharded, 4 ms"
+        " of collectives on NVLink among them)."
+    )
+    untimed = dataclasses.replace(sharded_step, interconnect="")
+    make_plan = lambda *args, **kwargs: SimpleNamespace(  # noqa: E731
+        chosen=SimpleNamespace(peak=1, settings=Settings(1, 1, "none"), step=untimed), candidates=[]
+    )
+    plan, line = _sharded_alternative(make_plan, quantized, 2, options, BLOCKS, unsharded=unsharded)
+    assert line.endswith("against 0.030 s sharded, its 7 collectives not timed).")
 
 
 def test_steps_predicted_within_five_percent_are_tied_and_go_to_fewer_changes():
