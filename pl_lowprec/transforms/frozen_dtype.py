@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from pl_lowprec.transforms.dtypes import HALF_DTYPES
 from pl_lowprec.transforms.lora import is_norm
@@ -26,8 +27,9 @@ _OUTPUT_DTYPE = "_pl_lowprec_output_dtype"
 
 
 def cast_frozen_weights(model: nn.Module, compute_dtype: torch.dtype) -> int:
-    """Cast frozen, unquantized, non-norm floating-point parameters to ``compute_dtype`` (fp16 or bf16); return
-    the bytes saved. A weight that fp16 cannot hold (a finite value that overflows) is refused, not cast. Every
+    """Cast frozen, unquantized, non-norm floating-point parameters to ``compute_dtype`` (fp16 or bf16), a rank's
+    rows too (a DTensor, as FSDP2's streamed load leaves them: they stayed fp32 before); return the bytes saved (of
+    this rank's rows). A weight that fp16 cannot hold (a finite value that overflows) is refused, not cast. Every
     module left with frozen weights in ``compute_dtype`` casts its inputs outside autocast (``cast_inputs``)."""
     if compute_dtype not in HALF_DTYPES:
         return 0
@@ -38,14 +40,21 @@ def cast_frozen_weights(model: nn.Module, compute_dtype: torch.dtype) -> int:
         frozen_half = False
         for param_name, param in module.named_parameters(recurse=False):
             data = param.data
-            if param.requires_grad or type(data) is not torch.Tensor or not data.is_floating_point():
-                continue  # trainable, a tensor subclass (torchao NF4, DTensor), or quantized integers
-            if data.element_size() > torch.finfo(compute_dtype).bits // 8:
-                cast = data.to(compute_dtype)
-                if compute_dtype == torch.float16 and not data.is_meta:
-                    _check_fp16_range(f"{name}.{param_name}" if name else param_name, data, cast)
-                saved += data.numel() * (data.element_size() - cast.element_size())
-                param.data = data = cast
+            local = data.to_local() if isinstance(data, DTensor) else data  # a rank's rows, streamed in under FSDP2
+            if param.requires_grad or type(local) is not torch.Tensor or not local.is_floating_point():
+                continue  # trainable, a tensor subclass (torchao NF4), or quantized integers
+            if local.element_size() > torch.finfo(compute_dtype).bits // 8:
+                cast = data.to(compute_dtype)  # a DTensor stays one, with its placements
+                cast_local = cast.to_local() if isinstance(cast, DTensor) else cast
+                if compute_dtype == torch.float16 and not local.is_meta:
+                    _check_fp16_range(f"{name}.{param_name}" if name else param_name, local, cast_local)
+                saved += local.numel() * (local.element_size() - cast_local.element_size())
+                if isinstance(cast, DTensor):  # ``.data =`` would leave its local rows fp32: swap, ties kept
+                    del data, local
+                    torch.utils.swap_tensors(param, nn.Parameter(cast, requires_grad=False))
+                    data = param
+                else:
+                    param.data = data = cast
             frozen_half = frozen_half or data.dtype == compute_dtype
         if frozen_half:
             cast_inputs(module, compute_dtype)

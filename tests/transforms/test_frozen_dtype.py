@@ -132,3 +132,33 @@ def test_under_autocast_the_cast_hooks_leave_the_modules_dict_alone():
         assert layer(torch.ones(2, 4)).dtype == torch.bfloat16
     assert _DictAccessLog.pops == 0
     assert layer(torch.ones(2, 4)).dtype == torch.float32 and _DictAccessLog.pops == 1
+
+
+def test_a_ranks_rows_streamed_in_under_fsdp2_are_cast_too(tmp_path):
+    """FSDP2's streamed load leaves each frozen weight as a DTensor of the rank's rows (``mesh.local_rows``):
+    they stayed fp32 before, twice what the estimate counted, and the rows' all-gathers twice as large."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from pl_lowprec.distributed.mesh import local_rows
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        embedding = torch.nn.Embedding(64, 8)
+        embedding.weight = torch.nn.Parameter(local_rows(embedding.weight.detach(), mesh), requires_grad=False)
+        norm = torch.nn.LayerNorm(8)
+        norm.weight = torch.nn.Parameter(local_rows(norm.weight.detach(), mesh), requires_grad=False)
+        head = torch.nn.Linear(8, 64, bias=False)
+        head.weight = embedding.weight  # tied, as SmolLM2's and Llama-3.2-1B's
+        model = torch.nn.Sequential(embedding, norm, head)
+        saved = cast_frozen_weights(model, torch.bfloat16)
+        weight = model[0].weight
+        assert isinstance(weight, DTensor) and weight.dtype == torch.bfloat16
+        assert weight.to_local().dtype == torch.bfloat16 and weight.placements == (Shard(0),)
+        assert saved == 64 * 8 * 2  # this rank's rows, 2 bytes less each
+        assert model[1].weight.dtype == torch.float32  # norms stay fp32
+        assert model[2].weight is weight  # still tied: cast once, counted once
+    finally:
+        dist.destroy_process_group()
