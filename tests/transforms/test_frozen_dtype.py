@@ -160,5 +160,11 @@ def test_a_ranks_rows_streamed_in_under_fsdp2_are_cast_too(tmp_path):
         assert saved == 64 * 8 * 2  # this rank's rows, 2 bytes less each
         assert model[1].weight.dtype == torch.float32  # norms stay fp32
         assert model[2].weight is weight  # still tied: cast once, counted once
+        large = torch.nn.Embedding(4, 8)
+        with torch.no_grad():
+            large.weight[1, 2] = 1e6
+        large.weight = torch.nn.Parameter(local_rows(large.weight.detach(), mesh), requires_grad=False)
+        with pytest.raises(ValueError, match=r"frozen weight 0\.weight holds values up to 1e\+06.*bf16-mixed"):
+            cast_frozen_weights(torch.nn.Sequential(large), torch.float16)  # refused on every rank together
     finally:
         dist.destroy_process_group()
