@@ -44,7 +44,7 @@ from pl_lowprec.memory.plan import (
 )
 from pl_lowprec.memory.quiet import quiet_setup_logs
 from pl_lowprec.memory.sizes import format_bytes, parse_bytes
-from pl_lowprec.memory.step_time import StepTime
+from pl_lowprec.memory.step_time import StepTime, duration
 from pl_lowprec.strategies.fsdp import check_fsdp_arguments
 from pl_lowprec.strategies.transform_args import TransformArguments
 from pl_lowprec.transforms.checkpointing import declared_blocks
@@ -203,7 +203,7 @@ FSDP_STRATEGY = "pl_lowprec.LowPrecisionFSDPStrategy"
 def _steps(unsharded: StepTime, sharded: StepTime) -> str:
     """The two predicted steps in words, the sharded one with its collectives."""
     if sharded.interconnect:
-        talk = f", {sharded.collective_seconds * 1e3:.3g} ms of collectives on {sharded.interconnect} among them"
+        talk = f", {duration(sharded.collective_seconds)} of collectives on {sharded.interconnect} among them"
     else:
         talk = f", its {sharded.collectives:,} collectives not timed" if sharded.collectives else ""
     return f"predicted {unsharded.seconds:.3f} s a step, against {sharded.seconds:.3f} s sharded{talk}"

@@ -116,8 +116,8 @@ class StepTime:
                 " group)"
             )
         hidden = self.collective_seconds - self.communication
-        overlap = f", {_duration(hidden)} of them beside the kernels" if hidden > 1e-9 else ""
-        return f"; {what}: {_duration(self.collective_seconds)} on {self.interconnect}{overlap}"
+        overlap = f", {duration(hidden)} of them beside the kernels" if hidden > 1e-9 else ""
+        return f"; {what}: {duration(self.collective_seconds)} on {self.interconnect}{overlap}"
 
     def _fresh_part(self) -> str:
         if not self.fresh_pages:
@@ -149,7 +149,7 @@ class StepTime:
         return f" ({self.timed_kernels:,} of them timed on this CPU at their own shapes{busy})"
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     """``seconds`` to three figures: 1.234 s, 12.3 ms, 45 us."""
     if seconds >= 1:
         return f"{seconds:.3f} s"
