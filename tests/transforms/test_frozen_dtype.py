@@ -1,9 +1,13 @@
 """Under mixed precision, frozen unquantized weights keep the compute dtype; trainable ones and norms are fp32."""
 
 import json
+import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 from lightning.pytorch.callbacks import Callback
 from lightning_helpers import quiet_trainer
 from loading_helpers import llama_config, save_llama, save_tokenizer
@@ -168,3 +172,14 @@ def test_a_ranks_rows_streamed_in_under_fsdp2_are_cast_too(tmp_path):
             cast_frozen_weights(torch.nn.Sequential(large), torch.float16)  # refused on every rank together
     finally:
         dist.destroy_process_group()
+
+
+def test_a_value_beyond_float16_on_one_rank_is_refused_on_every_rank(tmp_path):
+    """Only rank 0's rows hold the value float16 cannot; rank 1 must refuse too, with the same message, or it
+    would train on and wait in FSDP2's next all-gather for a rank that stopped."""
+    script = Path(__file__).parents[1] / "_scripts" / "fp16_range_ranks.py"
+    result = warm_python.run([sys.executable, str(script), str(tmp_path)], timeout=120, ranks=2)
+    assert result.returncode == 0, result.stderr[-4000:]
+    said = [(tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)]
+    assert said[0] == said[1]
+    assert re.search(r"frozen weight 0\.weight holds values up to 1e\+06, beyond float16's range", said[1])
