@@ -140,6 +140,7 @@ def test_fit_sets_its_median_step_beside_the_prediction(caplog, monkeypatch, str
     assert lines == [
         f"Step time of this run: {built.step_clock.median:.3f} s per optimizer step (the median of 4 steps from step"
         f" 3 on); predicted before loading: {seconds:.3f} s on {built.prediction.step_time.device}, so the run took"
-        f" {built.step_clock.median / seconds:.2f}x the prediction. The prediction counts the step's kernels; the"
-        " run's time also holds the data loader, Lightning's loop and logging."
+        f" {built.step_clock.median / seconds:.2f}x the prediction. The prediction counts the step's kernels and"
+        " their dispatch; the run's time also holds the Python around them (the model's modules, autograd), the data"
+        " loader, Lightning's loop and logging."
     ]
