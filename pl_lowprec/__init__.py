@@ -9,7 +9,7 @@ first asked for (``from pl_lowprec import LowPrecisionStrategy``) or built by na
 from importlib import import_module
 from typing import Any
 
-from pl_lowprec._imports import filter_torchao_import_noise
+from pl_lowprec._imports import filter_import_noise
 from pl_lowprec.callbacks import LossScaleMonitor, MemoryTracker, PersistentOverflowError
 from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
 from pl_lowprec.plugins import (
@@ -26,7 +26,7 @@ from pl_lowprec.transforms.fp8 import FP8Config
 from pl_lowprec.transforms.qat import QATConfig
 from pl_lowprec.transforms.quantization import QuantizationConfig
 
-filter_torchao_import_noise()  # before anything (transformers included) imports torchao; see pl_lowprec._imports
+filter_import_noise()  # before anything (transformers, peft) imports torchao or bitsandbytes; see pl_lowprec._imports
 register_strategy_names()
 
 __all__ = [

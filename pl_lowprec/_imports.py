@@ -94,13 +94,17 @@ def import_torchao() -> ModuleType:
 
 
 class _ImportNoise(logging.Filter):
-    """Drops import-time messages of torchao 0.18 that ask nothing of the user.
+    """Drops import-time messages of torchao 0.18 and bitsandbytes 0.50 that ask nothing of the user.
 
     - "Failed to load .../_C_cutlass_90a.abi3.so" (and ``_C_mxfp8``): CUDA-only kernels in torchao's wheel, which
       cannot load without a CUDA driver; the CPU paths (QAT, FP8 emulation) never call them. Dropped only when CUDA
       is absent: on a GPU machine a kernel that fails to load is a real problem and must be seen.
     - "<enum ...> is an Enum subclass and is now natively supported by torch.compile": torch 2.13 deprecating a
       registration that torchao 0.18 still makes; nothing to do for the user.
+    - "Failed to load CPU gemm_4bit_forward from kernels-community": on a CPU with avx512_bf16, bitsandbytes tries
+      to fetch an optional 4-bit kernel from the Hugging Face Hub (the ``kernels`` package) at import, and falls
+      back to the kernel in its own wheel, which runs. Its advice, ``pip install kernels``, would download code at
+      import time, which offline machines cannot and this package never does.
     """
 
     def __init__(self, cuda_available: bool) -> None:
@@ -109,15 +113,21 @@ class _ImportNoise(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
+        if record.name.startswith("bitsandbytes"):
+            return not message.startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
         if "is an Enum subclass and is now natively supported" in message:
             return False
         return self.cuda_available or not message.startswith("Failed to load")
 
 
-def filter_torchao_import_noise() -> None:
-    """Drop torchao's import-time noise for good (idempotent). Called when ``pl_lowprec`` is imported, because
-    transformers imports torchao whenever it is installed, long before ``import_torchao`` runs."""
-    for name in ("torchao", "torch.utils._pytree"):
+NOISY_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes.backends.cpu.ops")
+
+
+def filter_import_noise() -> None:
+    """Drop torchao's and bitsandbytes' import-time noise for good (idempotent). Called when ``pl_lowprec`` is
+    imported, because transformers and peft import them whenever they are installed, long before this package's
+    own imports of them run."""
+    for name in NOISY_LOGGERS:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _ImportNoise) for f in logger.filters):
             logger.addFilter(_ImportNoise(torch.cuda.is_available()))

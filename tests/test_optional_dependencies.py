@@ -1,6 +1,7 @@
 """With only the core dependencies (torch, lightning), the package imports and AMP trains; each extra's feature
 fails when asked for, with its install command."""
 
+import logging
 import subprocess
 import sys
 import textwrap
@@ -75,15 +76,33 @@ def test_core_install_imports_trains_and_names_the_extras():
     assert 'pip install "pl_lowprec[datasets]"' in out
 
 
-def test_torchao_imports_without_its_cuda_only_noise_on_a_cpu_machine():
+def test_torchao_and_bitsandbytes_import_without_their_noise_on_a_cpu_machine():
     """torchao 0.18's wheel logs 'Failed to load ..._C_cutlass_90a.abi3.so' without a CUDA driver, and torch 2.13
-    logs an Enum deprecation for it; transformers imports torchao whenever it is installed. Neither reaches users."""
+    logs an Enum deprecation for it; transformers imports torchao whenever it is installed. bitsandbytes 0.50, on a
+    CPU with avx512_bf16, logs 'Failed to load CPU gemm_4bit_forward from kernels-community' (an optional Hub
+    kernel; its own runs instead). None of them reaches users."""
     script = (
         "import pl_lowprec, pl_lowprec.demo; pl_lowprec.demo.TinyLlama(hidden_size=32, num_layers=1, num_heads=2)\n"
-        "from pl_lowprec._imports import import_torchao; import_torchao()\n"
-        "import sys; print('torchao' in sys.modules)"
+        "from pl_lowprec._imports import import_torchao, import_bitsandbytes; import_torchao(); import_bitsandbytes()\n"
+        "import sys; print('torchao' in sys.modules, 'bitsandbytes' in sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip() == "True"
+    assert result.stdout.strip() == "True True"
     assert "Failed to load" not in result.stderr and "Enum subclass" not in result.stderr, result.stderr
+
+
+def test_only_the_hub_kernel_notice_of_bitsandbytes_is_dropped(caplog):
+    """The same filter on any CPU (bitsandbytes logs the notice only where it finds avx512_bf16): its other
+    warnings still reach the user."""
+    import pl_lowprec  # noqa: F401  (installs the filters)
+
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    with caplog.at_level(logging.WARNING, logger=logger.name):
+        logger.warning(
+            "Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure you already `pip"
+            " install kernels` and the kernels >= 0.11.1",
+            "No module named 'kernels'",
+        )
+        logger.warning("Failed to load the CPU library")
+    assert [record.getMessage() for record in caplog.records] == ["Failed to load the CPU library"]
