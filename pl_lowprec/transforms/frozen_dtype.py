@@ -47,8 +47,8 @@ def cast_frozen_weights(model: nn.Module, compute_dtype: torch.dtype) -> int:
                 cast = data.to(compute_dtype)  # a DTensor stays one, with its placements
                 cast_local = cast.to_local() if isinstance(cast, DTensor) else cast
                 if compute_dtype == torch.float16 and not local.is_meta:
-                    group = data.device_mesh.get_group() if isinstance(data, DTensor) else None
-                    _check_fp16_range(f"{name}.{param_name}" if name else param_name, local, cast_local, group)
+                    mesh = data.device_mesh if isinstance(data, DTensor) else None
+                    _check_fp16_range(f"{name}.{param_name}" if name else param_name, local, cast_local, mesh)
                 saved += local.numel() * (local.element_size() - cast_local.element_size())
                 if isinstance(cast, DTensor):  # ``.data =`` would leave its local rows fp32: swap, ties kept
                     del data, local
@@ -96,13 +96,15 @@ def _restore_output_dtype(module: nn.Module, args: tuple[Any, ...], output: Any)
     return output.to(dtype)
 
 
-def _check_fp16_range(name: str, before: torch.Tensor, after: torch.Tensor, group: Any = None) -> None:
-    """Refuse a weight with values fp16 cannot hold; with a rank's rows (``group``: its mesh's process group), on
-    every rank together, so none is left waiting in the next collective."""
+def _check_fp16_range(name: str, before: torch.Tensor, after: torch.Tensor, mesh: Any = None) -> None:
+    """Refuse a weight with values fp16 cannot hold; with a rank's rows (``mesh``: their device mesh), on every
+    rank together, so none is left waiting in the next collective. The reduction runs on the mesh's device: rows
+    kept in CPU memory (``cpu_offload=True``) still reduce over NCCL, which takes no CPU tensors."""
     largest = before.abs().max() if before.numel() else before.new_zeros(())  # a rank may hold no rows
     overflow = torch.stack([(torch.isfinite(before) & ~torch.isfinite(after)).any().float(), largest.float()])
-    if group is not None:
-        torch.distributed.all_reduce(overflow, op=torch.distributed.ReduceOp.MAX, group=group)
+    if mesh is not None:
+        overflow = overflow.to(mesh.device_type)
+        torch.distributed.all_reduce(overflow, op=torch.distributed.ReduceOp.MAX, group=mesh.get_group())
     if bool(overflow[0]):
         largest = float(overflow[1])
         raise ValueError(

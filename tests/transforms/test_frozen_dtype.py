@@ -174,6 +174,35 @@ def test_a_ranks_rows_streamed_in_under_fsdp2_are_cast_too(tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize(
+    ("backend", "mesh_device"),
+    [("gloo", "cpu"), pytest.param("nccl", "cuda", marks=pytest.mark.cuda)],
+)
+def test_rows_in_cpu_memory_are_checked_over_the_meshs_own_device(tmp_path, backend, mesh_device):
+    """Under ``cpu_offload=True`` a rank's rows stay in CPU memory while the mesh and its process group are
+    CUDA's: the overflow is reduced on the mesh's device (NCCL takes no CPU tensors), and the refusal is the same."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pl_lowprec.distributed.mesh import local_rows
+
+    dist.init_process_group(backend, init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        if mesh_device == "cuda":
+            torch.cuda.set_device(0)
+        mesh = init_device_mesh(mesh_device, (1,))
+        large = torch.nn.Embedding(4, 8)
+        with torch.no_grad():
+            large.weight[1, 2] = 1e6
+        rows = local_rows(large.weight.detach(), mesh)
+        assert rows.to_local().device.type == "cpu"
+        large.weight = torch.nn.Parameter(rows, requires_grad=False)
+        with pytest.raises(ValueError, match=r"frozen weight 0\.weight holds values up to 1e\+06"):
+            cast_frozen_weights(torch.nn.Sequential(large), torch.float16)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_value_beyond_float16_on_one_rank_is_refused_on_every_rank(tmp_path):
     """Only rank 0's rows hold the value float16 cannot; rank 1 must refuse too, with the same message, or it
     would train on and wait in FSDP2's next all-gather for a rank that stopped."""
