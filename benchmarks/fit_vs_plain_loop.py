@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from common import describe_machine, machine_info, markdown_table, quiet_trainer, section, write_json
+from cpu_step_prediction import _tiny as quickstart_shaped
 from lightning.pytorch.loggers import CSVLogger
 
 from pl_lowprec import AMPPrecision, LossScaleMonitor, LowPrecisionStrategy, MemoryTracker
@@ -34,7 +35,6 @@ from pl_lowprec.demo import StdlibTextDataModule, TinyLlama
 
 warnings.filterwarnings("ignore")
 
-QUICKSTART_LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": "all-linear"}
 WORKLOADS = {  # hidden, MLP, sequence length, batch
     "quickstart (TinyLlama 128, 2 layers, 8 x 128)": (128, 352, 128, 8),
     "host floor (TinyLlama 64, 2 layers, 1 x 16)": (64, 176, 16, 1),
@@ -43,11 +43,8 @@ WORKLOADS = {  # hidden, MLP, sequence length, batch
 
 def _fit(hidden: int, mlp: int, seq_len: int, batch: int, steps: int, log_dir: str) -> tuple[Any, Any, Any]:
     torch.manual_seed(0)
-    model = TinyLlama(hidden_size=hidden, intermediate_size=mlp, num_layers=2, lr=0.003)
-    data = StdlibTextDataModule(seq_len=seq_len, batch_size=batch)
-    strategy = LowPrecisionStrategy(
-        quantization="nf4-dq", lora=QUICKSTART_LORA, activation_checkpointing="auto", memory_saving="auto"
-    )
+    model, data, settings = quickstart_shaped(hidden, mlp, 4, seq_len, batch)  # cpu_step_prediction's quickstart
+    strategy = LowPrecisionStrategy(activation_checkpointing="auto", memory_saving="auto", **settings)
     trainer = quiet_trainer(
         accelerator="cpu",
         max_steps=steps,
