@@ -1,18 +1,25 @@
-"""A training-bar label that makes sense for runs limited by ``max_steps``.
+"""A training bar that makes sense for runs limited by ``max_steps``.
 
 Lightning's ``RichProgressBar`` labels the training bar ``Epoch {epoch}/{max_epochs - 1}``. A run limited by
 ``max_steps`` has ``max_epochs=-1``, so the quick-start read ``Epoch 0/-2``. This bar says
-``Epoch 0 (max_steps=200)`` instead and is otherwise Lightning's. ``pl-lowprec`` uses it in place of the
-default bar; pass it in ``callbacks`` to use it with a plain ``Trainer``.
+``Epoch 0 (max_steps=200)`` instead.
+
+Its total counts batches, as the bar does. Lightning 2.6 caps the total at the optimizer steps left, so with
+``accumulate_grad_batches=2`` a 60-step run read ``120/60`` (Lightning-AI/pytorch-lightning#20124, PR #21802);
+here the steps left are counted in batches, from the batch the epoch resumed at. It is otherwise Lightning's bar.
+``pl-lowprec`` uses it in place of the default bar; pass it in ``callbacks`` to use it with a plain ``Trainer``.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import lightning.pytorch as pl
 from lightning.pytorch.callbacks import RichProgressBar
 
 
 class StepLimitedRichProgressBar(RichProgressBar):
-    """``RichProgressBar`` whose training label names ``max_steps`` when the run has no epoch limit."""
+    """``RichProgressBar`` whose training bar names ``max_steps`` and counts the batches those steps take."""
 
     def _get_train_description(self, current_epoch: int) -> str:
         max_epochs = self.trainer.max_epochs
@@ -20,3 +27,36 @@ class StepLimitedRichProgressBar(RichProgressBar):
             return super()._get_train_description(current_epoch)
         description = f"Epoch {current_epoch} (max_steps={self.trainer.max_steps})"
         return f"{description:{len(self.validation_description)}}"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._epoch_total: int | float | None = None  # set at the epoch's first batch
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._epoch_total = None
+        super().on_train_epoch_start(trainer, pl_module)
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """The epoch's first batch says where a resumed epoch starts: the bar's total is set from it."""
+        if self._epoch_total is None:
+            self._epoch_total = self._batch_index_at_end(first_batch=batch_idx)
+            if self.progress is not None and self.train_progress_bar_id is not None:
+                self.progress.update(self.train_progress_bar_id, total=self._epoch_total)
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    @property
+    def total_train_batches(self) -> int | float:
+        if self._epoch_total is not None:
+            return self._epoch_total
+        epoch_loop = self.trainer.fit_loop.epoch_loop  # before the first batch: a resumed epoch goes on
+        return self._batch_index_at_end(epoch_loop.batch_progress.current.ready if epoch_loop.restarting else 0)
+
+    def _batch_index_at_end(self, first_batch: int) -> int | float:
+        """The batch index this epoch ends at: its length, or where ``max_steps`` stops it first."""
+        trainer = self.trainer
+        if trainer.max_steps is None or trainer.max_steps < 0:
+            return trainer.num_training_batches
+        steps_left = max(trainer.max_steps - trainer.global_step, 0)
+        return min(trainer.num_training_batches, first_batch + steps_left * trainer.accumulate_grad_batches)

@@ -1,0 +1,47 @@
+"""The training bar's total counts the batches that ``max_steps`` takes, with accumulation and on resume."""
+
+import lightning.pytorch as pl
+import pytest
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from pl_lowprec.callbacks import StepLimitedRichProgressBar
+
+
+class RecordingBar(StepLimitedRichProgressBar):
+    """Keeps the training bar's (completed, total) as the run ends."""
+
+    def on_train_end(self, trainer, pl_module):
+        task = self.progress.tasks[self.train_progress_bar_id]
+        self.final = (task.completed, task.total)
+        super().on_train_end(trainer, pl_module)
+
+
+def _fit(max_steps, accumulate, ckpt_path=None):
+    bar = RecordingBar()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        accumulate_grad_batches=accumulate,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=[bar],
+    )
+    trainer.fit(BoringModel(), ckpt_path=ckpt_path)  # 64 batches an epoch
+    return trainer, bar
+
+
+@pytest.mark.parametrize(("max_steps", "accumulate", "final"), [(3, 2, (6, 6)), (3, 1, (3, 3)), (40, 2, (16, 16))])
+def test_bar_ends_full_at_max_steps(max_steps, accumulate, final):
+    # (40, 2): 32 steps fill the first epoch's 64 batches, the second epoch's 8 steps take 16 batches
+    _, bar = _fit(max_steps, accumulate)
+    assert bar.final == final
+
+
+def test_resumed_epoch_counts_on_from_its_batch(tmp_path):
+    trainer, _ = _fit(3, 2)
+    trainer.save_checkpoint(tmp_path / "step3.ckpt")
+    resumed, bar = _fit(5, 2, ckpt_path=tmp_path / "step3.ckpt")
+    assert resumed.global_step == 5
+    assert bar.final == (10, 10)  # batches 7-10 of the epoch, after the 6 before the checkpoint
