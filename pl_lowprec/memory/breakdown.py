@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from pl_lowprec.transforms.nf4 import is_nf4, local
+
 
 class StorageSet:
     """Counts each storage once: ``nbytes(t)`` is the size of ``t``'s storage the first time it is seen, else 0.
@@ -45,8 +47,12 @@ class StorageSet:
 
 
 def quantization_kind(param: torch.Tensor) -> str | None:
-    """``"4bit"`` for bitsandbytes ``Params4bit``, ``"8bit"`` for ``Int8Params``, the target dtype (``"int4"``) for
-    torchao quantized weights, else ``None``."""
+    """``"4bit"`` for bitsandbytes ``Params4bit`` and torchao's ``NF4Tensor``, ``"8bit"`` for ``Int8Params``, the
+    target dtype (``"int4"``) for other torchao quantized weights, else ``None``. An FSDP2 parameter (a DTensor) is
+    the kind of its local shard: a sharded bf16 or fp32 weight is not a quantized one."""
+    param = local(param)
+    if is_nf4(param):
+        return "4bit"
     if is_traceable_wrapper_subclass(param):
         target = getattr(param, "target_dtype", None)
         return str(target).removeprefix("torch.") if target is not None else type(param).__name__
