@@ -1,8 +1,11 @@
 """The README's main command runs end to end through the console entry point (with fewer steps)."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,6 +40,11 @@ def test_quickstart_runs_through_python_dash_m(tmp_path):
     assert "Memory, fit (cpu, 1 rank, max across ranks)" in result.stdout
     assert (tmp_path / "runs/lightning_logs/version_0/memory_summary.json").exists()
     assert "LeafSpec" not in result.stderr
+    # the model summary's size is the bytes MemoryTracker counts in the parameters, not 4 bytes a packed weight
+    summary_mb = float(re.search(r"Total estimated model params size \(MB\): ([\d.]+)", result.stdout).group(1))
+    params_bytes = sum(int(b) for b in re.findall(r"^  params_\w+ +[\d.]+ +(\d+)$", result.stdout, re.MULTILINE))
+    assert params_bytes > 0 and summary_mb == pytest.approx(params_bytes * 1e-6, abs=5e-4)
+    assert "not supported by the model summary" not in result.stderr
     # the default root dir keeps logs and the saved config out of the working directory
     assert (tmp_path / "runs/lightning_logs/version_0/config.yaml").exists()
     assert not (tmp_path / "config.yaml").exists() and not (tmp_path / "lightning_logs").exists()
