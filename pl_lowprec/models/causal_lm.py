@@ -225,8 +225,10 @@ class CausalLM(pl.LightningModule):
     def on_validation_epoch_end(self) -> None:
         nll = self.val_nll.compute()
         self.val_nll.reset()
-        self.log("val/loss", nll, sync_dist=False)
-        self.log("val/perplexity", torch.exp(nll), prog_bar=True)
+        # compute() is already the token-weighted mean over every rank: sync_dist averages equal values (one scalar
+        # all-reduce each) and keeps Lightning from advising it on every validation of a multi-rank run.
+        self.log("val/loss", nll, sync_dist=True)
+        self.log("val/perplexity", torch.exp(nll), prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self) -> dict[str, Any]:
         params = [p for p in self.parameters() if p.requires_grad]

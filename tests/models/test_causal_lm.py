@@ -53,6 +53,27 @@ def test_qlora_fine_tune_from_a_model_directory(pretrained, data):
     assert last["val/loss"] < first["val/loss"]
 
 
+def test_validation_logs_the_ranks_mean_without_lightnings_sync_dist_advice(pretrained, data):
+    """The metric is the all-rank mean already; Lightning warned "use sync_dist=True" on every validation of a
+    multi-rank run (DDP on one rank here)."""
+    import warnings
+
+    import torch.distributed as dist
+
+    metrics = Metrics()
+    trainer = quiet_trainer(strategy="ddp", callbacks=[metrics])
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.validate(CausalLM(str(pretrained)), datamodule=data)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert not [str(w.message) for w in caught if "sync_dist=True" in str(w.message)]
+    (val,) = metrics.val
+    assert val["val/perplexity"] == pytest.approx(torch.exp(torch.tensor(val["val/loss"])).item(), rel=1e-5)
+
+
 def test_plain_lightning_strategy_loads_the_same_weights(pretrained):
     from transformers import AutoModelForCausalLM
 
