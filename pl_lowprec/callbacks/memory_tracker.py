@@ -16,6 +16,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from pl_lowprec.memory.activations import count_saved_tensors
@@ -132,8 +133,7 @@ class MemoryTracker(pl.Callback):
         keys = sorted(local)
         # On the strategy's device: NCCL gathers only CUDA tensors (gloo takes CPU ones, so CPU tests cannot tell).
         values = torch.tensor([local[k] for k in keys], dtype=torch.int64, device=trainer.strategy.root_device)
-        gathered = trainer.strategy.all_gather(values)
-        per_rank = gathered.reshape(-1, len(keys)).cpu()
+        per_rank = gather_from_ranks(values).cpu()
         high, low = per_rank.max(0).values.tolist(), per_rank.min(0).values.tolist()
         entry: dict[str, Any] = {
             "device": trainer.strategy.root_device.type,
@@ -159,6 +159,17 @@ class MemoryTracker(pl.Callback):
     def _write_json(self, folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / SUMMARY_FILE).write_text(json.dumps(self.summary, indent=2, sort_keys=True))
+
+
+def gather_from_ranks(values: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``values`` as rows, in rank order. ``torch.distributed.all_gather``'s list form: Lightning's
+    ``strategy.all_gather`` goes through ``torch.distributed.nn``'s, which torch 2.13 deprecates with a warning
+    on every rank, and the tensor form (``all_gather_into_tensor``) is deprecated there too."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values[None]
+    rows = [torch.empty_like(values) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, values)
+    return torch.stack(rows)
 
 
 def format_table(stage: str, entry: dict[str, Any]) -> str:
