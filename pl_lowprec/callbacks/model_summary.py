@@ -6,9 +6,8 @@ A 2-layer SmolLM2-135M in nf4 with LoRA read "32.0 M params, 128 MB" where it ho
 This summary counts each quantized weight at its logical shape (``quant_state.shape``; peft's
 ``get_nb_trainable_parameters`` doubles the packed count to the same figure) and gives the size as the bytes the
 parameters hold, quantization constants included: the ``params_*`` figures of ``MemoryTracker``, summed over the
-ranks' shards under FSDP2. ``pl-lowprec`` uses it in place of Lightning's default summary; pass
-``LowPrecisionModelSummary`` (or ``LowPrecisionRichModelSummary``) in ``callbacks`` to use it with a plain
-``Trainer``.
+ranks' shards under FSDP2. ``pl-lowprec`` and the strategies use it in place of Lightning's default summary;
+pass ``LowPrecisionModelSummary`` (or ``LowPrecisionRichModelSummary``) in ``callbacks`` to use it elsewhere.
 """
 
 from __future__ import annotations
@@ -87,3 +86,13 @@ class LowPrecisionRichModelSummary(RichModelSummary):
 
     def _summary(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> ModelSummary:
         return TrueSizeSummary(pl_module, self._max_depth, held_parameter_bytes(trainer, pl_module))
+
+
+def use_true_size_model_summary(trainer: pl.Trainer) -> None:
+    """Swap Lightning's default model summary (its exact classes, not a user's subclass) for the one that counts
+    quantized weights. ``pl-lowprec`` calls it on its Trainer and the strategies in ``setup``, before the summary
+    prints in ``on_fit_start``."""
+    swaps = {RichModelSummary: LowPrecisionRichModelSummary, ModelSummaryCallback: LowPrecisionModelSummary}
+    for index, callback in enumerate(trainer.callbacks):
+        if type(callback) in swaps:
+            trainer.callbacks[index] = swaps[type(callback)](callback._max_depth, **callback._summarize_kwargs)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.callbacks import ModelSummary, RichModelSummary, RichProgressBar
+from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
@@ -30,7 +30,7 @@ import pl_lowprec.transforms.fp8
 import pl_lowprec.transforms.qat
 import pl_lowprec.transforms.quantization  # noqa: F401
 from pl_lowprec._imports import require_cli
-from pl_lowprec.callbacks.model_summary import LowPrecisionModelSummary, LowPrecisionRichModelSummary
+from pl_lowprec.callbacks.model_summary import use_true_size_model_summary
 from pl_lowprec.callbacks.progress import StepLimitedRichProgressBar
 from pl_lowprec.cli.config_errors import (
     REFUSALS,
@@ -178,14 +178,6 @@ def use_step_limited_progress_bar(trainer: Any) -> None:
     for index, callback in enumerate(trainer.callbacks):
         if type(callback) is RichProgressBar:
             trainer.callbacks[index] = StepLimitedRichProgressBar()
-
-
-def use_true_size_model_summary(trainer: Any) -> None:
-    """Swap Lightning's default model summary (not a user's own) for the one that counts quantized weights."""
-    swaps = {RichModelSummary: LowPrecisionRichModelSummary, ModelSummary: LowPrecisionModelSummary}
-    for index, callback in enumerate(trainer.callbacks):
-        if type(callback) in swaps:
-            trainer.callbacks[index] = swaps[type(callback)](callback._max_depth, **callback._summarize_kwargs)
 
 
 def build_cli(

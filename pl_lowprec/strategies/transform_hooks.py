@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from pl_lowprec.callbacks.model_summary import use_true_size_model_summary
 from pl_lowprec.memory.budget import check_memory_budget, first_training_batch, training_loader
 from pl_lowprec.strategies.auto_settings import choose_memory_settings, run_interconnect
 from pl_lowprec.strategies.garbage_collection import freeze_long_lived_objects, unfreeze
@@ -35,6 +36,7 @@ class TransformHooks(TransformArguments):
     _frozen: tuple[int, float] | None = None
 
     def setup(self, trainer: pl.Trainer) -> None:
+        use_true_size_model_summary(trainer)  # Lightning's would count a 4-bit weight as half its parameters
         self.check_before_loading(trainer)
         self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)
         super().setup(trainer)

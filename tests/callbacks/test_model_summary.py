@@ -41,8 +41,8 @@ def test_quantized_model_is_counted_at_its_logical_size():
     assert not [w for w in caught if "not supported by the model summary" in str(w.message)]
 
 
-def test_cli_swaps_only_lightnings_default_summary(tmp_path):
-    from pl_lowprec.cli.lightning_cli import use_true_size_model_summary
+def test_only_lightnings_default_summary_is_swapped(tmp_path):
+    from pl_lowprec.callbacks.model_summary import use_true_size_model_summary
 
     class Own(ModelSummary):
         pass
@@ -83,3 +83,13 @@ def test_sharded_parameters_are_summed_over_the_ranks_and_replicated_ones_are_no
         assert held_parameter_bytes(trainer, sharded) == 2 * 8 * 4 * 4 and reduced == ["sum"]
     finally:
         dist.destroy_process_group()
+
+
+def test_a_plain_trainer_with_the_strategy_prints_the_true_size(capsys):
+    trainer = quiet_trainer(max_steps=1, strategy=LowPrecisionStrategy(quantization="nf4"), enable_model_summary=True)
+    model = tiny_llama()
+    trainer.fit(model, ids_loader(batches=1))
+    summaries = [c for c in trainer.callbacks if isinstance(c, ModelSummary)]
+    assert [type(c).__name__ for c in summaries] in (["LowPrecisionRichModelSummary"], ["LowPrecisionModelSummary"])
+    held_mb = sum(parameter_bytes(model).values()) * 1e-6
+    assert f"Total estimated model params size (MB): {held_mb:.3f}" in capsys.readouterr().out
