@@ -33,6 +33,19 @@ def _long_lived_objects_frozen():
 
 
 @pytest.fixture(autouse=True)
+def _environment_restored():
+    """Each test leaves ``os.environ`` as it found it.
+
+    Why: a DDP Trainer run inside the test process sets LOCAL_RANK, NODE_RANK and MASTER_PORT; a later test's
+    2-rank `pl-lowprec fit` inherited them, took itself for a rank an outside launcher had started, never started
+    its second rank, and waited for it until the test's 600 s timeout."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)
     yield
