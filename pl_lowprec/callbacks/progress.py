@@ -2,7 +2,7 @@
 
 Lightning's ``RichProgressBar`` labels the training bar ``Epoch {epoch}/{max_epochs - 1}``. A run limited by
 ``max_steps`` has ``max_epochs=-1``, so the quick-start read ``Epoch 0/-2``. This bar says
-``Epoch 0 (max_steps=200)`` instead.
+``Epoch 0 (max_steps=200)`` instead, and ``Epoch 0 (max_steps=60, 2 batches a step)`` under accumulation.
 
 Its total counts batches, as the bar does. Lightning 2.6 caps the total at the optimizer steps left, so with
 ``accumulate_grad_batches=2`` a 60-step run read ``120/60`` (Lightning-AI/pytorch-lightning#20124, PR #21802);
@@ -25,7 +25,9 @@ class StepLimitedRichProgressBar(RichProgressBar):
         max_epochs = self.trainer.max_epochs
         if max_epochs is not None and max_epochs >= 0:
             return super()._get_train_description(current_epoch)
-        description = f"Epoch {current_epoch} (max_steps={self.trainer.max_steps})"
+        accumulate = self.trainer.accumulate_grad_batches
+        per_step = f", {accumulate} batches a step" if accumulate > 1 else ""  # the bar counts batches
+        description = f"Epoch {current_epoch} (max_steps={self.trainer.max_steps}{per_step})"
         return f"{description:{len(self.validation_description)}}"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

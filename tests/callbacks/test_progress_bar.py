@@ -37,6 +37,8 @@ def test_bar_ends_full_at_max_steps(max_steps, accumulate, final):
     # (40, 2): 32 steps fill the first epoch's 64 batches, the second epoch's 8 steps take 16 batches
     _, bar = _fit(max_steps, accumulate)
     assert bar.final == final
+    per_step = ", 2 batches a step" if accumulate == 2 else ""
+    assert bar._get_train_description(0).strip() == f"Epoch 0 (max_steps={max_steps}{per_step})"
 
 
 def test_resumed_epoch_counts_on_from_its_batch(tmp_path):
