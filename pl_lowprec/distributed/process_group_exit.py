@@ -1,27 +1,53 @@
-"""Destroy the process group when the process exits.
+"""Destroy the process group when the process exits, before the interpreter is torn down.
 
-Lightning registers this only for NCCL. A gloo group still alive at interpreter exit lets its worker threads be
-destroyed while joinable, and a run that trained and saved everything ends with "terminate called without an
-active exception" (exit code -6) on one of its ranks, nondeterministically.
+Lightning registers the destruction only for NCCL. With gloo, a run that trained and saved everything could end
+with "terminate called without an active exception" (SIGABRT) on one of its ranks, nondeterministically: 2 of
+13 two-rank FSDP2 fits on a CPU, and 1 of 10 under ``torchrun``. gdb shows gloo's worker thread
+(``pt_gloo_runloop``) releasing the last collective it ran, a Lightning ``broadcast``, while the interpreter
+finalizes: freeing the tensors' Python objects takes the GIL, which a finalizing interpreter refuses by ending
+the thread, and a C++ thread cannot end there (the race of pytorch/pytorch#179291). The group is destroyed at
+exit, while the interpreter is whole, then a full garbage collection frees the training objects that still hold
+it (FSDP2's states, the device mesh), whose destructor joins those threads. A 2-rank gloo script that exits
+right after ``broadcast_object_list`` aborted 9 times in 24 with ``destroy_process_group`` alone, and 0 times
+in 24 with the collection after it, both where the collection freed the group's holder and where a live global
+kept it (there the collection's own time let the thread finish: a mitigation, not a guarantee);
+``python benchmarks/gloo_exit_race.py`` repeats it.
+
+Rank 0 also waits for the ranks it launched (Lightning's launcher starts them as its child processes) before it
+destroys its group: ``pl-lowprec fit`` returns when every rank is done, as under ``torchrun``.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import gc
+import subprocess
+from collections.abc import Iterable
 
 import torch.distributed as dist
 
+# How long rank 0 waits at exit for each rank it launched; a rank that is stuck is left to Lightning's launcher.
+LAUNCHED_RANKS_WAIT_S = 120.0
+
 _registered = False
+_launched: list[subprocess.Popen] = []
 
 
-def destroy_process_group_at_exit() -> None:
-    """Register, once per process, the destruction of the default process group at interpreter exit."""
+def destroy_process_group_at_exit(launched: Iterable[subprocess.Popen] = ()) -> None:
+    """Register, once per process, the destruction of the default process group at interpreter exit, after the
+    ``launched`` rank processes (Lightning's ``_SubprocessScriptLauncher.procs`` on rank 0) have exited."""
     global _registered
+    _launched.extend(proc for proc in launched if proc not in _launched)
     if not _registered:
         atexit.register(_destroy_default_process_group)
         _registered = True
 
 
 def _destroy_default_process_group() -> None:
+    for proc in _launched:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=LAUNCHED_RANKS_WAIT_S)
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        gc.collect()  # while the interpreter is whole: the group's last holders go, and its threads are joined
