@@ -8,9 +8,9 @@ finalizes: freeing the tensors' Python objects takes the GIL, which a finalizing
 the thread, and a C++ thread cannot end there (the race of pytorch/pytorch#179291). The group is destroyed at
 exit, while the interpreter is whole, then a full garbage collection frees the training objects that still hold
 it (FSDP2's states, the device mesh), whose destructor joins those threads. A 2-rank gloo script that exits
-right after ``broadcast_object_list`` aborted 9 times in 24 with ``destroy_process_group`` alone, and 0 times
-in 24 with the collection after it, both where the collection freed the group's holder and where a live global
-kept it (there the collection's own time let the thread finish: a mitigation, not a guarantee);
+right after ``broadcast_object_list`` aborted 9 times in 24 with ``destroy_process_group`` alone, 0 times in 24
+with the collection after it, and 1 time in 24 where a live global also held the group (the collection cannot
+free it; its own time let the thread finish in the other 23: there it is a mitigation, not a guarantee);
 ``python benchmarks/gloo_exit_race.py`` repeats it.
 
 Rank 0 also waits for the ranks it launched (Lightning's launcher starts them as its child processes) before it
