@@ -4,7 +4,7 @@ from pl_lowprec.callbacks.loss_scale_monitor import LossScaleMonitor, Persistent
 from pl_lowprec.callbacks.memory_tracker import MemoryTracker
 from pl_lowprec.callbacks.model_summary import LowPrecisionModelSummary, LowPrecisionRichModelSummary
 from pl_lowprec.callbacks.overflow_locator import OverflowLocation
-from pl_lowprec.callbacks.progress import StepLimitedRichProgressBar
+from pl_lowprec.callbacks.progress import StepLimitedRichProgressBar, StepLimitedTQDMProgressBar
 
 __all__ = [
     "LossScaleMonitor",
@@ -14,4 +14,5 @@ __all__ = [
     "OverflowLocation",
     "PersistentOverflowError",
     "StepLimitedRichProgressBar",
+    "StepLimitedTQDMProgressBar",
 ]

@@ -1,13 +1,14 @@
-"""A training bar that makes sense for runs limited by ``max_steps``.
+"""Training bars that make sense for runs limited by ``max_steps``.
 
 Lightning's ``RichProgressBar`` labels the training bar ``Epoch {epoch}/{max_epochs - 1}``. A run limited by
-``max_steps`` has ``max_epochs=-1``, so the quick-start read ``Epoch 0/-2``. This bar says
+``max_steps`` has ``max_epochs=-1``, so the quick-start read ``Epoch 0/-2``. The rich bar here says
 ``Epoch 0 (max_steps=200)`` instead, and ``Epoch 0 (max_steps=60, 2 batches a step)`` under accumulation.
 
-Its total counts batches, as the bar does. Lightning 2.6 caps the total at the optimizer steps left, so with
-``accumulate_grad_batches=2`` a 60-step run read ``120/60`` (Lightning-AI/pytorch-lightning#20124, PR #21802);
-here the steps left are counted in batches, from the batch the epoch resumed at. It is otherwise Lightning's bar.
-``pl-lowprec`` uses it in place of the default bar; pass it in ``callbacks`` to use it with a plain ``Trainer``.
+Both bars here (rich, and tqdm where ``rich`` is not installed) count batches, as Lightning's do. Lightning 2.6
+caps their total at the optimizer steps left, so with ``accumulate_grad_batches=2`` a 60-step run read ``120/60``
+(Lightning-AI/pytorch-lightning#20124, PR #21802); here the steps left are counted in batches, from the batch the
+epoch resumed at. They are otherwise Lightning's bars. ``pl-lowprec`` uses them in place of the defaults; pass one
+in ``callbacks`` to use it with a plain ``Trainer``.
 """
 
 from __future__ import annotations
@@ -15,24 +16,14 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
 
 
-class StepLimitedRichProgressBar(RichProgressBar):
-    """``RichProgressBar`` whose training bar names ``max_steps`` and counts the batches those steps take."""
+class _BatchesToMaxSteps(ProgressBar):
+    """The training total as the batch index where ``max_steps`` ends the epoch; placed before Lightning's bar."""
 
-    def _get_train_description(self, current_epoch: int) -> str:
-        max_epochs = self.trainer.max_epochs
-        if max_epochs is not None and max_epochs >= 0:
-            return super()._get_train_description(current_epoch)
-        accumulate = self.trainer.accumulate_grad_batches
-        per_step = f", {accumulate} batches a step" if accumulate > 1 else ""  # the bar counts batches
-        description = f"Epoch {current_epoch} (max_steps={self.trainer.max_steps}{per_step})"
-        return f"{description:{len(self.validation_description)}}"
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._epoch_total: int | float | None = None  # set at the epoch's first batch
+    _epoch_total: int | float | None = None  # set at the epoch's first batch
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._epoch_total = None
@@ -44,8 +35,7 @@ class StepLimitedRichProgressBar(RichProgressBar):
         """The epoch's first batch says where a resumed epoch starts: the bar's total is set from it."""
         if self._epoch_total is None:
             self._epoch_total = self._batch_index_at_end(first_batch=batch_idx)
-            if self.progress is not None and self.train_progress_bar_id is not None:
-                self.progress.update(self.train_progress_bar_id, total=self._epoch_total)
+            self._show_total(self._epoch_total)
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
     @property
@@ -62,3 +52,32 @@ class StepLimitedRichProgressBar(RichProgressBar):
             return trainer.num_training_batches
         steps_left = max(trainer.max_steps - trainer.global_step, 0)
         return min(trainer.num_training_batches, first_batch + steps_left * trainer.accumulate_grad_batches)
+
+    def _show_total(self, total: int | float) -> None:
+        raise NotImplementedError
+
+
+class StepLimitedRichProgressBar(_BatchesToMaxSteps, RichProgressBar):
+    """``RichProgressBar`` whose training bar names ``max_steps`` and counts the batches those steps take."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        max_epochs = self.trainer.max_epochs
+        if max_epochs is not None and max_epochs >= 0:
+            return super()._get_train_description(current_epoch)
+        accumulate = self.trainer.accumulate_grad_batches
+        per_step = f", {accumulate} batches a step" if accumulate > 1 else ""  # the bar counts batches
+        description = f"Epoch {current_epoch} (max_steps={self.trainer.max_steps}{per_step})"
+        return f"{description:{len(self.validation_description)}}"
+
+    def _show_total(self, total: int | float) -> None:
+        if self.progress is not None and self.train_progress_bar_id is not None:
+            self.progress.update(self.train_progress_bar_id, total=total)
+
+
+class StepLimitedTQDMProgressBar(_BatchesToMaxSteps, TQDMProgressBar):
+    """``TQDMProgressBar`` whose training bar counts the batches ``max_steps`` takes."""
+
+    def _show_total(self, total: int | float) -> None:
+        if self._train_progress_bar is not None:
+            self.train_progress_bar.total = None if total == float("inf") else total
+            self.train_progress_bar.refresh()

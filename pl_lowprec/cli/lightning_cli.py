@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
@@ -31,7 +31,7 @@ import pl_lowprec.transforms.qat
 import pl_lowprec.transforms.quantization  # noqa: F401
 from pl_lowprec._imports import require_cli
 from pl_lowprec.callbacks.model_summary import use_true_size_model_summary
-from pl_lowprec.callbacks.progress import StepLimitedRichProgressBar
+from pl_lowprec.callbacks.progress import StepLimitedRichProgressBar, StepLimitedTQDMProgressBar
 from pl_lowprec.cli.config_errors import (
     REFUSALS,
     ClassRefusals,
@@ -174,10 +174,11 @@ def _help_tip(args: list[str] | None) -> str:
 
 
 def use_step_limited_progress_bar(trainer: Any) -> None:
-    """Swap Lightning's default ``RichProgressBar`` (not a user's own bar) for ``StepLimitedRichProgressBar``."""
+    """Swap Lightning's default bar (rich, or tqdm without ``rich``; not a user's own) for the step-limited one."""
+    swaps = {RichProgressBar: StepLimitedRichProgressBar, TQDMProgressBar: StepLimitedTQDMProgressBar}
     for index, callback in enumerate(trainer.callbacks):
-        if type(callback) is RichProgressBar:
-            trainer.callbacks[index] = StepLimitedRichProgressBar()
+        if type(callback) in swaps:
+            trainer.callbacks[index] = swaps[type(callback)]()
 
 
 def build_cli(

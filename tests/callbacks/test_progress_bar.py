@@ -4,10 +4,10 @@ import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from pl_lowprec.callbacks import StepLimitedRichProgressBar
+from pl_lowprec.callbacks import StepLimitedRichProgressBar, StepLimitedTQDMProgressBar
 
 
-class RecordingBar(StepLimitedRichProgressBar):
+class RecordingRichBar(StepLimitedRichProgressBar):
     """Keeps the training bar's (completed, total) as the run ends."""
 
     def on_train_end(self, trainer, pl_module):
@@ -16,8 +16,17 @@ class RecordingBar(StepLimitedRichProgressBar):
         super().on_train_end(trainer, pl_module)
 
 
-def _fit(max_steps, accumulate, ckpt_path=None):
-    bar = RecordingBar()
+class RecordingTQDMBar(StepLimitedTQDMProgressBar):
+    def on_train_end(self, trainer, pl_module):
+        self.final = (self.train_progress_bar.n, self.train_progress_bar.total)
+        super().on_train_end(trainer, pl_module)
+
+
+BARS = [RecordingRichBar, RecordingTQDMBar]
+
+
+def _fit(bar_class, max_steps, accumulate, ckpt_path=None):
+    bar = bar_class()
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=max_steps,
@@ -32,18 +41,42 @@ def _fit(max_steps, accumulate, ckpt_path=None):
     return trainer, bar
 
 
+@pytest.mark.parametrize("bar_class", BARS)
 @pytest.mark.parametrize(("max_steps", "accumulate", "final"), [(3, 2, (6, 6)), (3, 1, (3, 3)), (40, 2, (16, 16))])
-def test_bar_ends_full_at_max_steps(max_steps, accumulate, final):
+def test_bar_ends_full_at_max_steps(bar_class, max_steps, accumulate, final):
     # (40, 2): 32 steps fill the first epoch's 64 batches, the second epoch's 8 steps take 16 batches
-    _, bar = _fit(max_steps, accumulate)
+    _, bar = _fit(bar_class, max_steps, accumulate)
     assert bar.final == final
-    per_step = ", 2 batches a step" if accumulate == 2 else ""
-    assert bar._get_train_description(0).strip() == f"Epoch 0 (max_steps={max_steps}{per_step})"
 
 
-def test_resumed_epoch_counts_on_from_its_batch(tmp_path):
-    trainer, _ = _fit(3, 2)
+def test_the_rich_label_names_max_steps_and_the_batches_a_step_takes():
+    _, bar = _fit(RecordingRichBar, 3, 2)
+    assert bar._get_train_description(0).strip() == "Epoch 0 (max_steps=3, 2 batches a step)"
+    _, bar = _fit(RecordingRichBar, 3, 1)
+    assert bar._get_train_description(0).strip() == "Epoch 0 (max_steps=3)"
+
+
+@pytest.mark.parametrize("bar_class", BARS)
+def test_resumed_epoch_counts_on_from_its_batch(tmp_path, bar_class):
+    trainer, _ = _fit(bar_class, 3, 2)
     trainer.save_checkpoint(tmp_path / "step3.ckpt")
-    resumed, bar = _fit(5, 2, ckpt_path=tmp_path / "step3.ckpt")
+    resumed, bar = _fit(bar_class, 5, 2, ckpt_path=tmp_path / "step3.ckpt")
     assert resumed.global_step == 5
     assert bar.final == (10, 10)  # batches 7-10 of the epoch, after the 6 before the checkpoint
+
+
+def test_the_cli_swaps_only_lightnings_default_bars():
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+
+    from pl_lowprec.cli.lightning_cli import use_step_limited_progress_bar
+
+    class Own(TQDMProgressBar):
+        pass
+
+    for default, ours in ((RichProgressBar, StepLimitedRichProgressBar), (TQDMProgressBar, StepLimitedTQDMProgressBar)):
+        trainer = pl.Trainer(accelerator="cpu", logger=False, callbacks=[default()])
+        use_step_limited_progress_bar(trainer)
+        assert type(trainer.progress_bar_callback) is ours
+    trainer = pl.Trainer(accelerator="cpu", logger=False, callbacks=[Own()])
+    use_step_limited_progress_bar(trainer)
+    assert type(trainer.progress_bar_callback) is Own
