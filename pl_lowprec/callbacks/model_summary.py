@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -23,6 +25,7 @@ from lightning.pytorch.utilities.model_summary import ModelSummary
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from pl_lowprec.callbacks.swap import swap_default_callbacks
 from pl_lowprec.memory.breakdown import parameter_bytes
 
 
@@ -50,11 +53,11 @@ def held_parameter_bytes(trainer: pl.Trainer, model: nn.Module) -> int:
 class TrueSizeSummary(ModelSummary):
     """Lightning's ``ModelSummary`` with logical parameter counts and the parameters' stored bytes as the size."""
 
-    def __init__(self, model: pl.LightningModule, max_depth: int = 1, held_bytes: int | None = None) -> None:
+    def __init__(self, model: pl.LightningModule, max_depth: int, held_bytes: int) -> None:
         with warnings.catch_warnings():  # the size below does not depend on the precision's name
             warnings.filterwarnings("ignore", message=r"Precision .* is not supported by the model summary")
             super().__init__(model, max_depth=max_depth)
-        self._held_bytes = sum(parameter_bytes(model).values()) if held_bytes is None else held_bytes
+        self._held_bytes = held_bytes
 
     @property
     def param_nums(self) -> list[int]:
@@ -74,25 +77,33 @@ class TrueSizeSummary(ModelSummary):
         return self._held_bytes * 1e-6
 
 
-class LowPrecisionModelSummary(ModelSummaryCallback):
+class _TrueSize(ModelSummaryCallback):
+    """Builds ``TrueSizeSummary`` where Lightning's summary callbacks build theirs; placed before them."""
+
+    def _summary(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> ModelSummary:
+        return TrueSizeSummary(pl_module, self._max_depth, held_parameter_bytes(trainer, pl_module))
+
+
+class LowPrecisionModelSummary(_TrueSize):
     """Lightning's ``ModelSummary`` callback with ``TrueSizeSummary``'s counts and size."""
 
-    def _summary(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> ModelSummary:
-        return TrueSizeSummary(pl_module, self._max_depth, held_parameter_bytes(trainer, pl_module))
 
-
-class LowPrecisionRichModelSummary(RichModelSummary):
+class LowPrecisionRichModelSummary(_TrueSize, RichModelSummary):
     """Lightning's ``RichModelSummary`` callback (needs ``rich``) with ``TrueSizeSummary``'s counts and size."""
-
-    def _summary(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> ModelSummary:
-        return TrueSizeSummary(pl_module, self._max_depth, held_parameter_bytes(trainer, pl_module))
 
 
 def use_true_size_model_summary(trainer: pl.Trainer) -> None:
     """Swap Lightning's default model summary (its exact classes, not a user's subclass) for the one that counts
     quantized weights. ``pl-lowprec`` calls it on its Trainer and the strategies in ``setup``, before the summary
     prints in ``on_fit_start``."""
-    swaps = {RichModelSummary: LowPrecisionRichModelSummary, ModelSummaryCallback: LowPrecisionModelSummary}
-    for index, callback in enumerate(trainer.callbacks):
-        if type(callback) in swaps:
-            trainer.callbacks[index] = swaps[type(callback)](callback._max_depth, **callback._summarize_kwargs)
+
+    def keeping_its_settings(summary_class: type) -> Callable[[Any], ModelSummaryCallback]:
+        return lambda default: summary_class(default._max_depth, **default._summarize_kwargs)
+
+    swap_default_callbacks(
+        trainer,
+        {
+            RichModelSummary: keeping_its_settings(LowPrecisionRichModelSummary),
+            ModelSummaryCallback: keeping_its_settings(LowPrecisionModelSummary),
+        },
+    )

@@ -32,6 +32,7 @@ import pl_lowprec.transforms.quantization  # noqa: F401
 from pl_lowprec._imports import require_cli
 from pl_lowprec.callbacks.model_summary import use_true_size_model_summary
 from pl_lowprec.callbacks.progress import StepLimitedRichProgressBar, StepLimitedTQDMProgressBar
+from pl_lowprec.callbacks.swap import swap_default_callbacks
 from pl_lowprec.cli.config_errors import (
     REFUSALS,
     ClassRefusals,
@@ -175,10 +176,13 @@ def _help_tip(args: list[str] | None) -> str:
 
 def use_step_limited_progress_bar(trainer: Any) -> None:
     """Swap Lightning's default bar (rich, or tqdm without ``rich``; not a user's own) for the step-limited one."""
-    swaps = {RichProgressBar: StepLimitedRichProgressBar, TQDMProgressBar: StepLimitedTQDMProgressBar}
-    for index, callback in enumerate(trainer.callbacks):
-        if type(callback) in swaps:
-            trainer.callbacks[index] = swaps[type(callback)]()
+    swap_default_callbacks(
+        trainer,
+        {
+            RichProgressBar: lambda _: StepLimitedRichProgressBar(),
+            TQDMProgressBar: lambda _: StepLimitedTQDMProgressBar(),
+        },
+    )
 
 
 def build_cli(

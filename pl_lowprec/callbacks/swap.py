@@ -1,0 +1,15 @@
+"""Put this package's callbacks where Lightning added its own defaults, never in place of a user's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+def swap_default_callbacks(trainer: Any, swaps: Mapping[type, Callable[[Any], Any]]) -> None:
+    """Replace each callback whose exact type is a key of ``swaps`` (Lightning's default class: a user's subclass
+    is a different type) by ``swaps[type](callback)``, in the same place of ``trainer.callbacks``."""
+    for index, callback in enumerate(trainer.callbacks):
+        make = swaps.get(type(callback))
+        if make is not None:
+            trainer.callbacks[index] = make(callback)
