@@ -23,7 +23,7 @@ import atexit
 import contextlib
 import gc
 import subprocess
-from collections.abc import Iterable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -34,10 +34,12 @@ _registered = False
 _launched: list[subprocess.Popen] = []
 
 
-def destroy_process_group_at_exit(launched: Iterable[subprocess.Popen] = ()) -> None:
+def destroy_process_group_at_exit(strategy: Any = None) -> None:
     """Register, once per process, the destruction of the default process group at interpreter exit, after the
-    ``launched`` rank processes (Lightning's ``_SubprocessScriptLauncher.procs`` on rank 0) have exited."""
+    rank processes the ``strategy``'s launcher started (Lightning's ``_SubprocessScriptLauncher.procs``, on rank 0)
+    have exited."""
     global _registered
+    launched = getattr(getattr(strategy, "launcher", None), "procs", ())
     _launched.extend(proc for proc in launched if proc not in _launched)
     if not _registered:
         atexit.register(_destroy_default_process_group)

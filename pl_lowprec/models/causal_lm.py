@@ -152,8 +152,7 @@ class CausalLM(pl.LightningModule):
             rank_zero_info("CausalLM loaded its weights itself; LowPrecisionStrategy would quantize them as they load.")
             if self.device_mesh is not None:  # Lightning's ModelParallelStrategy: configure_model shards
                 blocks = shard_pretrained_blocks(self, self.model, self.device_mesh)
-                launched = getattr(self.trainer.strategy.launcher, "procs", ())
-                destroy_process_group_at_exit(launched)  # Lightning does this for NCCL only; gloo would abort at exit
+                destroy_process_group_at_exit(self.trainer.strategy)  # Lightning: for NCCL only; gloo aborted at exit
                 rank_zero_info(f"CausalLM: FSDP2 on {len(blocks)} blocks and the module as the root.")
 
     def on_fit_start(self) -> None:

@@ -24,7 +24,7 @@ class LowPrecisionDDPStrategy(TransformHooks, DDPStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        destroy_process_group_at_exit(launched=getattr(self.launcher, "procs", ()))
+        destroy_process_group_at_exit(self)
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:

@@ -132,7 +132,7 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
 
     def setup_environment(self) -> None:
         self._setup_distributed()
-        destroy_process_group_at_exit(launched=getattr(self.launcher, "procs", ()))
+        destroy_process_group_at_exit(self)
         self._data_parallel_size, self._tensor_parallel_size = self.world_size, 1
         if self.sharding.cpu_offload and self.root_device.type != "cuda":
             raise ValueError(

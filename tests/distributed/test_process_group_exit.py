@@ -2,6 +2,7 @@
 made finished 2-process runs abort at exit ("terminate called without an active exception", exit -6)."""
 
 import atexit
+from types import SimpleNamespace
 
 import torch.distributed as dist
 
@@ -37,9 +38,9 @@ def test_rank_zero_waits_for_the_ranks_it_launched_before_destroying_its_group(t
     monkeypatch.setattr(process_group_exit, "_launched", [])
     monkeypatch.setattr(atexit, "register", registered.append)
     monkeypatch.setattr(process_group_exit.gc, "collect", lambda: events.append(("collected", dist.is_initialized())))
-    rank = LaunchedRank()
-    destroy_process_group_at_exit([rank])
-    destroy_process_group_at_exit([rank])  # the strategy and CausalLM may both register: waited for once
+    strategy = SimpleNamespace(launcher=SimpleNamespace(procs=[LaunchedRank()]))  # rank 0's, under Lightning's launcher
+    destroy_process_group_at_exit(strategy)
+    destroy_process_group_at_exit(strategy)  # the strategy and CausalLM may both register: waited for once
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     registered[0]()
     # the launched rank waited for while the group was alive; then the group destroyed and its holders collected,
