@@ -40,10 +40,8 @@ class _BatchesToMaxSteps(ProgressBar):
 
     @property
     def total_train_batches(self) -> int | float:
-        if self._epoch_total is not None:
-            return self._epoch_total
-        epoch_loop = self.trainer.fit_loop.epoch_loop  # before the first batch: a resumed epoch goes on
-        return self._batch_index_at_end(epoch_loop.batch_progress.current.ready if epoch_loop.restarting else 0)
+        # before the epoch's first batch, as if it started at 0: that batch sets the total of a resumed one
+        return self._batch_index_at_end(first_batch=0) if self._epoch_total is None else self._epoch_total
 
     def _batch_index_at_end(self, first_batch: int) -> int | float:
         """The batch index this epoch ends at: its length, or where ``max_steps`` stops it first."""
