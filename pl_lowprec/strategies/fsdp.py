@@ -155,6 +155,7 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
 
     def setup(self, trainer: pl.Trainer) -> None:
         """Transform and shard (no ``configure_model`` needed), then the precision and the optimizers."""
+        self.use_package_callbacks(trainer)
         self.check_before_loading(trainer)
         self.accelerator.setup(trainer)
         self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)
@@ -197,6 +198,7 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
         return torch.load(path, map_location="cpu", weights_only=weights_only)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self.warn_of_a_mid_step_checkpoint(checkpoint)
         load_full_state_dict(
             self.lightning_module, checkpoint["state_dict"], self.transform_config.adapter_only, strict
         )

@@ -14,9 +14,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from pl_lowprec.callbacks.model_summary import use_true_size_model_summary
+from pl_lowprec.callbacks.step_boundary_checkpoint import mid_step_resumption, use_step_boundary_checkpoints
 from pl_lowprec.memory.budget import check_memory_budget, first_training_batch, training_loader
 from pl_lowprec.strategies.auto_settings import choose_memory_settings, run_interconnect
 from pl_lowprec.strategies.garbage_collection import freeze_long_lived_objects, unfreeze
@@ -36,10 +37,17 @@ class TransformHooks(TransformArguments):
     _frozen: tuple[int, float] | None = None
 
     def setup(self, trainer: pl.Trainer) -> None:
-        use_true_size_model_summary(trainer)  # Lightning's would count a 4-bit weight as half its parameters
+        self.use_package_callbacks(trainer)
         self.check_before_loading(trainer)
         self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)
         super().setup(trainer)
+
+    @staticmethod
+    def use_package_callbacks(trainer: pl.Trainer) -> None:
+        """In place of Lightning's own summary, which counts a 4-bit weight as half its parameters, and checkpoint,
+        which saves between accumulated micro-batches and can miss the final step."""
+        use_true_size_model_summary(trainer)
+        use_step_boundary_checkpoints(trainer)
 
     def check_before_loading(self, trainer: pl.Trainer) -> None:
         """Before the transform loads the model: in ``setup``, or earlier where ``fit`` resumes from a checkpoint
@@ -143,7 +151,14 @@ class TransformHooks(TransformArguments):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return self.transform.state_dict(self.lightning_module)
 
+    def warn_of_a_mid_step_checkpoint(self, checkpoint: Mapping[str, Any]) -> None:
+        trainer = self.lightning_module.trainer
+        warning = mid_step_resumption(checkpoint, trainer.accumulate_grad_batches)
+        if warning and trainer.state.fn == TrainerFn.FITTING:
+            rank_zero_warn(warning)
+
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         self.check_before_loading(self.lightning_module.trainer)  # resuming: this runs before setup
+        self.warn_of_a_mid_step_checkpoint(checkpoint)
         self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)
         self.transform.load_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from loading_helpers import causal_lm_fit_args, save_pretrained_dir, write_prompt_completion
 
+from pl_lowprec.callbacks import StepBoundaryCheckpoint
 from pl_lowprec.cli import build_cli, main
 
 pytest.importorskip("transformers")
@@ -56,6 +57,9 @@ def test_last_resumes_the_newest_run_and_logs_beside_it_leaving_its_files_as_the
     cli = build_cli([*args, *root, "--ckpt_path=last", "--trainer.max_steps=4"])
     last = logs / "version_0/checkpoints/last.ckpt"
     assert cli.trainer.ckpt_path == str(last) and cli.trainer.global_step == 4  # went on from step 2
+    assert (
+        type(cli.trainer.checkpoint_callback) is StepBoundaryCheckpoint
+    )  # Lightning's class, named on the command line
     assert snapshot(logs / "version_0") == earlier  # nothing of the earlier run rewritten
     resumed = logs / "version_2"
     assert cli.trainer.log_dir == str(resumed)

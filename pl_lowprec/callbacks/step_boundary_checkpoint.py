@@ -1,0 +1,103 @@
+"""Lightning's ``ModelCheckpoint`` that saves where an optimizer step ends, and saves the run's final step.
+
+Lightning 2.6's ``every_n_train_steps`` tests ``global_step`` after every batch. With ``accumulate_grad_batches``
+above 1, a run resumed from a checkpoint on that grid saves the same step again after its first micro-batch
+(Lightning-AI/pytorch-lightning#17903): that file holds a half-accumulated step whose gradients no checkpoint
+keeps, so a resumption from it drops them, and in the same directory it replaces the file the run resumed from.
+And a run whose ``max_steps`` is off the grid (60 steps, every 20: fine; 50 steps: not) ends without saving its
+last steps: ``last.ckpt`` holds step 40, and ``pl-lowprec export`` of it exports the adapters of 10 steps before
+the end without a word. Hugging Face's ``Trainer`` saves at the end for the same reason (transformers#30160).
+
+``StepBoundaryCheckpoint`` saves only on a batch that stepped the optimizer, and saves the run's final step where a
+step- or time-based schedule would not (the latest ``save_top_k`` files without a monitor; ``last.ckpt`` where
+``save_last``; a monitored top-k is not ranked on a stale metric), inside the epoch, where it resumes exactly. It
+keeps Lightning's state key, so checkpoints resume across the two classes. ``pl-lowprec`` and the strategies turn
+Lightning's own ``ModelCheckpoint`` callbacks (that exact class: the same objects, arguments and state) into this
+one; its own name keeps ``--trainer.callbacks+=ModelCheckpoint`` meaning Lightning's on the command line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+
+from pl_lowprec.callbacks.swap import swap_default_callbacks
+
+
+class StepBoundaryCheckpoint(LightningModelCheckpoint):
+    """``lightning.pytorch.callbacks.ModelCheckpoint``, same arguments: never saves in the middle of an
+    accumulated step, and saves the run's final step that ``every_n_train_steps`` or ``train_time_interval``
+    would miss."""
+
+    _global_step_at_batch_start: int | None = None
+
+    def _generate_state_key(self, **kwargs: Any) -> str:
+        return f"{LightningModelCheckpoint.__qualname__}{kwargs!r}"  # Lightning's key: either class resumes the other
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._global_step_at_batch_start = trainer.global_step
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
+    ) -> None:
+        if not pl_module.automatic_optimization:  # a manual loop steps as it likes
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            return
+        if trainer.global_step == self._global_step_at_batch_start:
+            return  # a micro-batch of an accumulated step: its gradients would not be in the file
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        scheduled_by_steps = self._every_n_train_steps >= 1 or self._train_time_interval is not None
+        if (
+            scheduled_by_steps
+            and run_ends_after_this_batch(trainer)
+            and not self._should_skip_saving_checkpoint(trainer)
+        ):
+            candidates = self._monitor_candidates(trainer)
+            if self.monitor is None:  # the latest k; a monitored top-k would rank the end on a stale metric
+                self._save_topk_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates)
+
+
+def run_ends_after_this_batch(trainer: pl.Trainer) -> bool:
+    """``max_steps`` reached, the last epoch's last batch, or a stop already asked for (``max_time``). Saved here,
+    inside the epoch, a checkpoint resumes exactly; after fit, Lightning counts a stopped epoch as complete and a
+    resumption would start the next one."""
+    if trainer.should_stop or 0 <= trainer.max_steps <= trainer.global_step:
+        return True
+    last_epoch = trainer.max_epochs is not None and 0 <= trainer.max_epochs <= trainer.current_epoch + 1
+    return last_epoch and trainer.fit_loop.epoch_loop._num_ready_batches_reached()
+
+
+def use_step_boundary_checkpoints(trainer: pl.Trainer) -> None:
+    """Turn each of Lightning's own ``ModelCheckpoint`` callbacks (the exact class; a user's subclass is left as
+    it is) into this package's, in place: the object a user holds stays the one the Trainer calls."""
+
+    def in_place(callback: LightningModelCheckpoint) -> LightningModelCheckpoint:
+        callback.__class__ = StepBoundaryCheckpoint
+        return callback
+
+    swap_default_callbacks(trainer, {LightningModelCheckpoint: in_place})
+
+
+def mid_step_resumption(checkpoint: Mapping[str, Any], accumulate_grad_batches: int) -> str | None:
+    """A warning's text where ``checkpoint`` was saved between the micro-batches of an accumulated step (as
+    Lightning's class does on a resumed run's first batch); ``None`` where it was saved where a step ended."""
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress", {})
+    done = progress.get("current", {}).get("processed", 0) % accumulate_grad_batches
+    if not done or progress.get("is_last_batch", False):
+        return None
+    step = checkpoint.get("global_step", 0) + 1
+    return (
+        f"This checkpoint was saved after {done} of the {accumulate_grad_batches} micro-batches of optimizer step"
+        f" {step} (Lightning's ModelCheckpoint saves such a file on the first batch of a run resumed with"
+        " accumulate_grad_batches > 1, Lightning-AI/pytorch-lightning#17903). It holds no gradients, so step"
+        f" {step} is taken on the remaining {accumulate_grad_batches - done} micro-batches alone, not as an"
+        " uninterrupted run takes it. For an exact resumption, resume from a checkpoint saved where a step ended;"
+        " pl_lowprec.callbacks.StepBoundaryCheckpoint saves only there."
+    )

@@ -1,0 +1,148 @@
+"""StepBoundaryCheckpoint saves only where an optimizer step ends and saves the run's final step, so that ``last.ckpt``
+holds the trained model and every checkpoint resumes to the uninterrupted run's weights; Lightning's own class
+is the reference that fails each case."""
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
+from torch.utils.data import TensorDataset
+
+from pl_lowprec import LowPrecisionStrategy
+from pl_lowprec.callbacks import StepBoundaryCheckpoint
+from pl_lowprec.callbacks.step_boundary_checkpoint import use_step_boundary_checkpoints
+from pl_lowprec.data.resumable import resumable_loader
+
+ACCUMULATE, EVERY = 2, 2
+
+
+class Regression(pl.LightningModule):
+    """A linear fit by SGD on a loader that resumes mid-epoch (20 samples, batches of 2: 5 steps an epoch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        x = torch.randn(20, 4, generator=torch.Generator().manual_seed(1))
+        return resumable_loader(TensorDataset(x, x.sum(1, keepdim=True)), 2, None, self.trainer)
+
+
+def fit(directory, checkpoint_class=StepBoundaryCheckpoint, ckpt_path=None, strategy="auto", **trainer_args):
+    """Train to ``max_steps`` (or ``max_epochs``), saving every 2 steps into ``directory``; the final weights."""
+    model = Regression()
+    callback = checkpoint_class(dirpath=directory, every_n_train_steps=EVERY, save_last=True, save_top_k=-1)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        strategy=strategy,
+        accumulate_grad_batches=ACCUMULATE,
+        callbacks=[callback],
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer_args,
+    )
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return model.layer.weight.detach().clone()
+
+
+def saved(path):
+    checkpoint = torch.load(path, weights_only=False)
+    return checkpoint["global_step"], checkpoint["state_dict"]["layer.weight"]
+
+
+@pytest.mark.parametrize(
+    ("checkpoint_class", "holds_the_end"),
+    [(LightningModelCheckpoint, False), (StepBoundaryCheckpoint, True)],
+    ids=["lightning", "pl_lowprec"],
+)
+# off the every-2-steps grid: step 3, and step 5 at the end of the one epoch
+@pytest.mark.parametrize("end", [{"max_steps": 3}, {"max_epochs": 1}], ids=["max_steps", "max_epochs"])
+def test_last_ckpt_holds_the_final_step_off_the_grid(tmp_path, checkpoint_class, holds_the_end, end):
+    final = fit(tmp_path, checkpoint_class, **end)
+    final_step = end.get("max_steps", 5)
+    step, weight = saved(tmp_path / "last.ckpt")
+    assert (step == final_step and torch.equal(weight, final)) is holds_the_end
+    assert (tmp_path / f"epoch=0-step={final_step}.ckpt").is_file() is holds_the_end
+
+
+@pytest.mark.parametrize(
+    ("first", "then", "saved_step"),
+    [({"max_steps": 3}, {"max_steps": 8}, 3), ({"max_epochs": 1}, {"max_epochs": 2}, 5)],
+    ids=["max_steps", "max_epochs"],
+)
+def test_the_final_step_resumes_to_the_uninterrupted_weights(tmp_path, first, then, saved_step):
+    uninterrupted = fit(tmp_path / "full", **then)
+    fit(tmp_path / "part", **first)
+    assert saved(tmp_path / "part/last.ckpt")[0] == saved_step
+    assert torch.equal(fit(tmp_path / "part", ckpt_path=tmp_path / "part/last.ckpt", **then), uninterrupted)
+
+
+@pytest.mark.parametrize(
+    ("checkpoint_class", "exact"),
+    [(LightningModelCheckpoint, False), (StepBoundaryCheckpoint, True)],
+    ids=["lightning", "pl_lowprec"],
+)
+def test_a_resumed_run_leaves_the_checkpoint_it_resumed_from_as_it_was(tmp_path, checkpoint_class, exact):
+    """Resumed at step 2 on the grid, Lightning's class saves step 2 again after the first micro-batch, into the
+    same file: a resumption from that file drops the micro-batch's gradients."""
+    uninterrupted = fit(tmp_path / "full", checkpoint_class, max_steps=6)
+    run = tmp_path / "run"
+    fit(run, checkpoint_class, max_steps=2)
+    before = (run / "epoch=0-step=2.ckpt").read_bytes()
+    fit(run, checkpoint_class, ckpt_path=run / "last.ckpt", max_steps=4)
+    assert ((run / "epoch=0-step=2.ckpt").read_bytes() == before) is exact
+    again = fit(tmp_path / "again", checkpoint_class, ckpt_path=run / "epoch=0-step=2.ckpt", max_steps=6)
+    assert torch.equal(again, uninterrupted) is exact
+
+
+def test_resuming_from_a_mid_step_checkpoint_warns_with_the_micro_batches_it_lacks(tmp_path):
+    run = tmp_path / "run"
+    fit(run, LightningModelCheckpoint, max_steps=2)
+    fit(run, LightningModelCheckpoint, ckpt_path=run / "last.ckpt", max_steps=4)  # rewrites step 2 mid-step
+    with pytest.warns(UserWarning, match=r"after 1 of the 2 micro-batches of optimizer step 3 .* remaining 1 micro"):
+        fit(tmp_path / "a", ckpt_path=run / "epoch=0-step=2.ckpt", max_steps=6, strategy=LowPrecisionStrategy())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(tmp_path / "b", ckpt_path=run / "epoch=0-step=4.ckpt", max_steps=6, strategy=LowPrecisionStrategy())
+    assert not [w for w in caught if "micro-batches of optimizer step" in str(w.message)]
+
+
+def test_lightnings_own_class_becomes_this_one_in_place_and_a_subclass_is_left_as_it_is(tmp_path):
+    class Own(LightningModelCheckpoint):
+        pass
+
+    lightnings, own = LightningModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3), Own(dirpath=tmp_path)
+    trainer = pl.Trainer(accelerator="cpu", callbacks=[lightnings, own], logger=False, enable_progress_bar=False)
+    state_key = lightnings.state_key
+    use_step_boundary_checkpoints(trainer)
+    assert [type(c) for c in trainer.checkpoint_callbacks] == [StepBoundaryCheckpoint, Own]
+    assert trainer.checkpoint_callbacks[0] is lightnings and lightnings._every_n_train_steps == 3
+    assert lightnings.state_key == state_key  # checkpoints of either class restore its state
+
+
+def test_the_strategy_uses_it_for_lightnings_class(tmp_path):
+    callback = LightningModelCheckpoint(dirpath=tmp_path, every_n_train_steps=EVERY, save_last=True)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        strategy=LowPrecisionStrategy(),
+        max_steps=3,
+        accumulate_grad_batches=ACCUMULATE,
+        callbacks=[callback],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Regression())
+    assert type(callback) is StepBoundaryCheckpoint and saved(tmp_path / "last.ckpt")[0] == 3
