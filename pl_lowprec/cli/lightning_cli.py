@@ -110,7 +110,7 @@ class LowPrecisionCLI(LightningCLI):
     def _resolve_ckpt_path(self) -> None:
         section = self.config_init[self.subcommand]
         requested = section.get("ckpt_path")
-        resolved = resolve_ckpt_path(self.trainer, requested, section.get("allow_fresh_start", False))
+        resolved = resolve_ckpt_path(self.trainer, requested, section.get("allow_fresh_start", False), self.subcommand)
         if requested is not None and resolved is None:
             rank_zero_info(
                 f"--ckpt_path {requested}: no checkpoint found; starting from scratch (--allow_fresh_start)."
@@ -119,7 +119,8 @@ class LowPrecisionCLI(LightningCLI):
         elif requested == "last" and resolved is not None:
             check_same_run(Path(resolved), self.config[self.subcommand], section.get("allow_changed_hparams", False))
             section["ckpt_path"] = resolved  # Lightning's "last" searches only this run's new directory
-            rank_zero_info(f"--ckpt_path last: resuming {resolved}; this run logs to {self.trainer.log_dir}.")
+            doing = "resuming" if self.subcommand == "fit" else f"{self.subcommand} uses"
+            rank_zero_info(f"--ckpt_path last: {doing} {resolved}; this run logs to {self.trainer.log_dir}.")
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
         try:

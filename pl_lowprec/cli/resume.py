@@ -63,11 +63,26 @@ def earlier_runs_last(trainer: Any) -> tuple[list[str], str | None]:
     return found, str(Path(logger.root_dir) / "version_*" / "checkpoints")
 
 
-def resolve_ckpt_path(trainer: Any, ckpt_path: str | None, allow_fresh_start: bool) -> str | None:
-    """``ckpt_path`` as Lightning will use it; ``None`` for a fresh start the user allowed, else an error."""
+def resolve_ckpt_path(
+    trainer: Any, ckpt_path: str | None, allow_fresh_start: bool, subcommand: str = "fit"
+) -> str | None:
+    """``ckpt_path`` as Lightning will use it; ``None`` for a fresh start the user allowed, else an error that
+    says what ``subcommand`` would do without it: ``fit`` trains from scratch, the others use the untrained model
+    the config builds."""
     if ckpt_path is None or ckpt_path in ("best", "hpc") or "://" in str(ckpt_path):
         return ckpt_path
-    fresh = "pass --allow_fresh_start true to start from scratch when there is nothing to resume"
+    if subcommand == "fit":
+        without, use = "train from scratch", "resume"
+        fresh = "pass --allow_fresh_start true to start from scratch when there is nothing to resume"
+        fix = (
+            f"To resume, name the .ckpt; to begin a new run, leave out --ckpt_path or {fresh} (a job that resumes"
+            " itself)."
+        )
+        missing = f"so there is nothing to resume. Name an existing .ckpt, or {fresh}."
+    else:
+        without, use = f"{subcommand} the model the config builds, untrained", "use"
+        fix = f"Name the .ckpt to use, or leave out --ckpt_path to {without}."
+        missing = f"so {subcommand} has no trained weights to use. {fix.replace('the .ckpt', 'an existing .ckpt')}"
     if ckpt_path == "last":
         earlier, pattern = earlier_runs_last(trainer)  # before Lightning's search picks this run's version
         found, searched = last_checkpoints(trainer)
@@ -78,19 +93,15 @@ def resolve_ckpt_path(trainer: Any, ckpt_path: str | None, allow_fresh_start: bo
             return None
         where = f"in {', '.join(map(repr, searched))}" if searched else "(no ModelCheckpoint callback saves one)"
         others = ", ".join(map(str, other_runs_last(trainer.default_root_dir)))
-        hint = f" Other runs' last checkpoints: {others}; pass one as --ckpt_path to resume it." if others else ""
+        hint = f" Other runs' last checkpoints: {others}; pass one as --ckpt_path to {use} it." if others else ""
         raise FileNotFoundError(
-            f"--ckpt_path last found no last checkpoint {where}; Lightning would train from scratch.{hint} To resume,"
-            f" name the .ckpt; to begin a new run, leave out --ckpt_path or {fresh} (a job that resumes itself)."
+            f"--ckpt_path last found no last checkpoint {where}; Lightning would {without}.{hint} {fix}"
         )
     path = Path(ckpt_path)
     if not path.exists() and allow_fresh_start:
         return None
     if not path.exists():
-        raise FileNotFoundError(
-            f"--ckpt_path {str(path)!r} does not exist, so there is nothing to resume. Name an existing .ckpt,"
-            f" or {fresh}."
-        )
+        raise FileNotFoundError(f"--ckpt_path {str(path)!r} does not exist, {missing}")
     check_checkpoint(path)
     return ckpt_path
 

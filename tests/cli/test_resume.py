@@ -97,6 +97,18 @@ def test_a_missing_or_non_checkpoint_path_is_refused(run, tmp_path, capsys):
     assert re.search(r"'.*notes.ckpt' is not a Lightning checkpoint \(not a torch.save archive", message)
 
 
+@pytest.mark.parametrize("subcommand", ["validate", "test", "predict"])
+def test_an_evaluation_without_its_checkpoint_says_what_it_would_use_instead(run, tmp_path, capsys, subcommand):
+    """Not "nothing to resume" with --allow_fresh_start: without the weights it would score the untrained model."""
+    args = [subcommand, *run[0][1:], f"--trainer.default_root_dir={tmp_path}"]
+    message = refusal(capsys, [*args, f"--ckpt_path={tmp_path / 'missing.ckpt'}"])
+    assert f"so {subcommand} has no trained weights to use" in message and "resume" not in message
+    assert f"leave out --ckpt_path to {subcommand} the model the config builds, untrained" in message
+    message = refusal(capsys, [*args, "--ckpt_path=last"])
+    assert f"found no last checkpoint in '{tmp_path}" in message and "--allow_fresh_start" not in message
+    assert f"Lightning would {subcommand} the model the config builds, untrained" in message
+
+
 def test_another_runs_checkpoint_is_refused_naming_what_differs(run, tmp_path, capsys):
     args, _, last = run
     other = [*args, f"--trainer.default_root_dir={tmp_path}", f"--ckpt_path={last}", "--trainer.max_steps=3"]
