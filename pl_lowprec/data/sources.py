@@ -115,9 +115,10 @@ def path_sources(item: str | Path, argument: str) -> list[Source]:
         import_datasets()
         return [Source(f"hub dataset {text!r}", "hub", hub_id=text)]
     what = "does not exist" if not path.exists() else f"is not a file this module reads ({path.suffix!r})"
+    held_out = " Or leave val_files out (None; --data.val_files null) to hold out val_fraction of the training samples."
     raise ValueError(
         f"{argument}: {text!r} {what}. Give {READ} files, directories of them, a directory written by"
-        " save_to_disk, or a hub dataset id such as 'org/name'."
+        " save_to_disk, or a hub dataset id such as 'org/name'." + (held_out if argument == "val_files" else "")
     )
 
 

@@ -129,6 +129,9 @@ def test_a_file_with_no_usable_record_fails_with_path_and_lines(tmp_path, tokeni
 def test_bad_arguments_fail_when_built(tmp_path, tokenizer_dir):
     with pytest.raises(ValueError, match=r"train_files: '.*missing.jsonl' does not exist"):
         TextDataModule(train_files=tmp_path / "missing.jsonl", tokenizer=str(tokenizer_dir))
+    (tmp_path / "a.txt").write_text("text")
+    with pytest.raises(ValueError, match=r"val_files: .* does not exist.* Or leave val_files out .* val_fraction"):
+        TextDataModule(train_files=tmp_path / "a.txt", val_files=tmp_path / "val.jsonl", tokenizer=str(tokenizer_dir))
     (tmp_path / "x.tsv").write_text("a")
     with pytest.raises(ValueError, match=r"is not a file this module reads \('.tsv'\)"):
         TextDataModule(train_files=tmp_path / "x.tsv", tokenizer=str(tokenizer_dir))
