@@ -39,6 +39,7 @@ from pl_lowprec.cli.config_errors import (
     ClassRefusals,
     class_key,
     debugging,
+    first_paragraph,
     parse_error_paragraph,
     raised_refusal,
     refusal_message,
@@ -164,11 +165,26 @@ class LowPrecisionCLI(LightningCLI):
         except (*REFUSALS, MisconfigurationException) as err:
             if debugging() or batches_started(self.trainer):
                 raise
-            refuse(f"{subcommand} stopped before its first step: {refusal_message(err)}")
+            message = missing_loop_paragraph(subcommand, err) or refusal_message(err)
+            refuse(f"{subcommand} stopped before its first step: {message}")
 
     def _subcommand_config(self) -> dict[str, Any]:
         config = self.config.as_dict()
         return config.get(self.subcommand, config) if self.subcommand else config
+
+
+def missing_loop_paragraph(subcommand: str, err: BaseException) -> str | None:
+    """Lightning's refusal of ``test``/``predict`` for a module without the step or data without the loader (as
+    ``CausalLM`` and ``TextDataModule`` have none), with the commands that do what the user likely wants."""
+    text = first_paragraph(str(err))
+    missing = f"`{subcommand}_step()`" in text or f"`{subcommand}_dataloader` must be implemented" in text
+    if subcommand not in ("test", "predict") or not isinstance(err, MisconfigurationException) or not missing:
+        return None
+    return (
+        f"{text} For the loss and perplexity of held-out files, run `pl-lowprec validate` with --data.val_files"
+        " FILE and --ckpt_path CKPT; for completions of a file of prompts, `pl-lowprec generate --ckpt_path CKPT"
+        " --prompts FILE --out OUT.jsonl`."
+    )
 
 
 def _help_tip(args: list[str] | None) -> str:

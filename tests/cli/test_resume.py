@@ -109,6 +109,19 @@ def test_an_evaluation_without_its_checkpoint_says_what_it_would_use_instead(run
     assert f"Lightning would {subcommand} the model the config builds, untrained" in message
 
 
+@pytest.mark.parametrize(("subcommand", "missing"), [("test", "test_step()"), ("predict", "predict_dataloader")])
+def test_test_and_predict_on_causal_lm_name_the_commands_that_score_and_complete(
+    run, tmp_path, capsys, subcommand, missing
+):
+    """CausalLM has no test_step and TextDataModule no predict loader: Lightning's refusal, not a possible bug (no
+    traceback hint), with validate and generate named."""
+    args, _, last = run
+    message = refusal(capsys, [subcommand, *args[1:], f"--trainer.default_root_dir={tmp_path}", f"--ckpt_path={last}"])
+    assert f"{subcommand} stopped before its first step: " in message and missing in message
+    assert "`pl-lowprec validate` with --data.val_files FILE" in message and "pl-lowprec generate" in message
+    assert "PL_LOWPREC_DEBUG" not in message
+
+
 def test_another_runs_checkpoint_is_refused_naming_what_differs(run, tmp_path, capsys):
     args, _, last = run
     other = [*args, f"--trainer.default_root_dir={tmp_path}", f"--ckpt_path={last}", "--trainer.max_steps=3"]
