@@ -20,6 +20,7 @@ class TokenMeanLlama(pl.LightningModule):
         torch.manual_seed(0)
         self.model = LlamaForCausalLM(llama_config(hidden_size=32, layers=1))
         self.token_mean = TokenMeanLoss() if token_mean else None
+        self.step_losses: list[float] = []  # what normalize_gradients returns, one per optimizer step
 
     def training_step(self, batch, batch_idx):
         logits = self.model(input_ids=batch["input_ids"], use_cache=False).logits
@@ -30,7 +31,7 @@ class TokenMeanLlama(pl.LightningModule):
 
     def on_before_optimizer_step(self, optimizer) -> None:
         if self.token_mean is not None:
-            self.token_mean.normalize_gradients(self.trainer, self.parameters())
+            self.step_losses.append(float(self.token_mean.normalize_gradients(self.trainer, self.parameters())))
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=LR)
@@ -49,13 +50,18 @@ def uneven_rows(n: int = 8, seq_len: int = 17, seed: int = 0) -> list[dict[str, 
     return rows
 
 
-def big_batch_step(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Parameters after one SGD step on the mean loss over every target token of ``rows``, in one batch."""
-    module = TokenMeanLlama(token_mean=False)
+def big_batch_loss(module: TokenMeanLlama, rows: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    """The mean loss over every target token of ``rows``, in one batch."""
     ids = torch.stack([r["input_ids"] for r in rows])
     labels = torch.stack([r["labels"] for r in rows])
     loss_sum, tokens = token_loss_sum(module.model(input_ids=ids, use_cache=False).logits, labels)
-    (loss_sum / tokens).backward()
+    return loss_sum / tokens
+
+
+def big_batch_step(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Parameters after one SGD step on the mean loss over every target token of ``rows``, in one batch."""
+    module = TokenMeanLlama(token_mean=False)
+    big_batch_loss(module, rows).backward()
     with torch.no_grad():
         for p in module.parameters():
             p -= LR * p.grad

@@ -211,11 +211,13 @@ class CausalLM(pl.LightningModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss_sum, tokens = self.loss_sum(batch)
-        self.log("train/loss", loss_sum.detach() / tokens.clamp(min=1), prog_bar=True)
+        self.log("train/loss", loss_sum.detach() / tokens.clamp(min=1))  # this micro-batch's, on this rank
         return self.token_mean.scaled(self.trainer, loss_sum, tokens)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.token_mean.normalize_gradients(self.trainer, self.parameters())
+        step_loss = self.token_mean.normalize_gradients(self.trainer, self.parameters())
+        if step_loss is not None:  # the loss the step optimized: every micro-batch and rank, per target token
+            self.log("train/step_loss", step_loss, prog_bar=True)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         loss_sum, tokens = self.loss_sum(batch)

@@ -8,7 +8,9 @@ in the loss: each micro-batch returns its *sum* of token losses times ``k * worl
 Lightning's ``/k`` and DDP's mean; ``c`` is a window-wide constant that keeps the magnitude of a mean loss,
 which matters for fp16 loss scaling), and before the optimizer step (after unscaling, before clipping) the
 gradients are multiplied by ``c / N`` with ``N`` the window's target tokens summed over ranks: one scalar
-all-reduce per window. The result equals the gradient of one big batch's token-mean loss.
+all-reduce per window. The result equals the gradient of one big batch's token-mean loss. The same all-reduce
+carries the window's summed loss, so the loss that was optimized (the window's mean per target token over every
+rank: what one process computes on the whole global batch) comes at no extra cost.
 """
 
 from __future__ import annotations
@@ -43,12 +45,14 @@ class TokenMeanLoss:
             return self.token_mean.scaled(self.trainer, loss_sum, tokens)
 
         def on_before_optimizer_step(self, optimizer):
-            self.token_mean.normalize_gradients(self.trainer, self.parameters())
+            step_loss = self.token_mean.normalize_gradients(self.trainer, self.parameters())
+            self.log("train/step_loss", step_loss)
     """
 
     def __init__(self) -> None:
         self.scale: torch.Tensor | None = None  # c, shared by every micro-batch and rank of the window
         self.tokens: torch.Tensor | None = None  # this rank's target tokens in the window so far
+        self.loss: torch.Tensor | None = None  # this rank's summed token losses in the window so far
 
     def scaled(self, trainer: pl.Trainer, loss_sum: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """What ``training_step`` returns for this micro-batch."""
@@ -61,17 +65,21 @@ class TokenMeanLoss:
         if self.scale is None:  # first micro-batch of the window: a common magnitude for all of it
             self.scale = trainer.strategy.reduce(tokens.clamp(min=1.0), reduce_op="mean").detach()
             self.tokens = torch.zeros_like(tokens)
+            self.loss = torch.zeros_like(tokens)
         self.tokens = self.tokens + tokens
+        self.loss = self.loss + loss_sum.detach().to(torch.float64)
         factor = trainer.accumulate_grad_batches * trainer.world_size / self.scale
         return loss_sum * factor.to(loss_sum.dtype)
 
-    def normalize_gradients(self, trainer: pl.Trainer, parameters) -> None:
-        """Turn the window's accumulated gradients into those of its token-mean loss; call once per step."""
+    def normalize_gradients(self, trainer: pl.Trainer, parameters) -> torch.Tensor | None:
+        """Turn the window's accumulated gradients into those of its token-mean loss; call once per step. Returns
+        that loss (float32, the same on every rank), or ``None`` where no micro-batch came since the last call."""
         if self.scale is None:
-            return
-        total = trainer.strategy.reduce(self.tokens, reduce_op="sum")
-        factor = (self.scale / total.clamp(min=1.0)).item()
-        self.scale = self.tokens = None
+            return None
+        loss, tokens = trainer.strategy.reduce(torch.stack([self.loss, self.tokens]), reduce_op="sum")
+        factor = (self.scale / tokens.clamp(min=1.0)).item()
+        self.scale = self.tokens = self.loss = None
         for param in parameters:
             if param.grad is not None:
                 param.grad.mul_(factor)
+        return (loss / tokens.clamp(min=1.0)).float()

@@ -1,6 +1,7 @@
 """One optimizer step of TokenMeanLlama on 2 DDP CPU processes (gloo), accumulating 2 micro-batches of 2 rows.
 
-Usage: python token_loss_ddp.py OUT_DIR   Writes OUT_DIR/rank{N}.pt with the parameters after the step.
+Usage: python token_loss_ddp.py OUT_DIR   Writes OUT_DIR/rank{N}.pt with the parameters after the step and the
+step's loss (``step_losses``).
 Rank r trains on rows [4r, 4r + 4) of uneven_rows(8): the window is all 8 rows. Run by tests/models/test_token_loss.py.
 """
 
@@ -34,7 +35,8 @@ def main(out: str) -> None:
         enable_model_summary=False,
     )
     trainer.fit(model, loader)
-    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, f"{out}/rank{trainer.global_rank}.pt")
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    torch.save({**state, "step_losses": model.step_losses}, f"{out}/rank{trainer.global_rank}.pt")
 
 
 if __name__ == "__main__":

@@ -53,6 +53,31 @@ def test_qlora_fine_tune_from_a_model_directory(pretrained, data):
     assert last["val/loss"] < first["val/loss"]
 
 
+class MicroBatchLosses(Callback):
+    """Each micro-batch's logged mean and its target tokens; the logged step loss at each optimizer step."""
+
+    def __init__(self):
+        self.micro, self.steps = [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        tokens = int((batch["labels"][:, 1:] != -100).sum())
+        self.micro.append((float(trainer.callback_metrics["train/loss"]), tokens))
+        if len(self.micro) % trainer.accumulate_grad_batches == 0:  # this batch stepped
+            self.steps.append(float(trainer.callback_metrics["train/step_loss"]))
+
+
+def test_the_step_loss_is_the_windows_mean_per_target_token_and_on_the_bar(pretrained, data):
+    """With accumulation, ``train/loss`` is one micro-batch's; ``train/step_loss`` is what the step optimized."""
+    record = MicroBatchLosses()
+    trainer = quiet_trainer(max_steps=2, accumulate_grad_batches=2, callbacks=[record], limit_val_batches=0)
+    trainer.fit(CausalLM(str(pretrained), lr=1e-2), datamodule=data)
+    windows = [record.micro[0:2], record.micro[2:4]]
+    expected = [sum(loss * n for loss, n in w) / sum(n for _, n in w) for w in windows]
+    assert record.steps == pytest.approx(expected, rel=1e-5)
+    assert abs(expected[0] - windows[0][1][0]) > 1e-3  # the last micro-batch's loss differs: the test can tell
+    assert "train/step_loss" in trainer.progress_bar_metrics and "train/loss" not in trainer.progress_bar_metrics
+
+
 def test_validation_logs_the_ranks_mean_without_lightnings_sync_dist_advice(pretrained, data):
     """The metric is the all-rank mean already; Lightning warned "use sync_dist=True" on every validation of a
     multi-rank run (DDP on one rank here)."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 import warm_python
 from lightning_helpers import quiet_trainer
-from token_loss_helpers import TokenMeanLlama, big_batch_step, uneven_rows
+from token_loss_helpers import TokenMeanLlama, big_batch_loss, big_batch_step, uneven_rows
 
 pytest.importorskip("transformers")
 
@@ -18,17 +18,19 @@ def _accumulated_step(token_mean: bool, rows) -> dict[str, torch.Tensor]:
     model = TokenMeanLlama(token_mean=token_mean)
     trainer = quiet_trainer(max_steps=1, accumulate_grad_batches=4)
     trainer.fit(model, torch.utils.data.DataLoader(rows, batch_size=2))
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, model.step_losses
 
 
 def test_accumulation_equals_one_big_batch():
     rows = uneven_rows(8)
     reference = big_batch_step(rows)
-    accumulated = _accumulated_step(True, rows)
+    accumulated, step_losses = _accumulated_step(True, rows)
     for key, value in reference.items():
         torch.testing.assert_close(accumulated[key], value, rtol=1e-5, atol=1e-6)
+    # the loss the step optimized, as normalize_gradients returns it: the big batch's
+    assert step_losses == pytest.approx([float(big_batch_loss(TokenMeanLlama(False), rows))], rel=1e-6)
     # Lightning's mean of per-micro-batch means is measurably different on these rows: the test can tell.
-    plain = _accumulated_step(False, rows)
+    plain, _ = _accumulated_step(False, rows)
     diff = max((plain[k] - reference[k]).abs().max().item() for k in reference)
     assert diff > 1e-3
 
@@ -42,6 +44,8 @@ def test_two_ddp_processes_equal_one_big_batch(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     reference = big_batch_step(uneven_rows(8))
+    loss = float(big_batch_loss(TokenMeanLlama(False), uneven_rows(8)))
+    assert ranks[0].pop("step_losses") == ranks[1].pop("step_losses") == pytest.approx([loss], rel=1e-6)
     for key, value in reference.items():
         torch.testing.assert_close(ranks[0][key], ranks[1][key], rtol=0, atol=0)
         torch.testing.assert_close(ranks[0][key], value, rtol=1e-5, atol=1e-6)
