@@ -8,12 +8,16 @@ And a run whose ``max_steps`` is off the grid (60 steps, every 20: fine; 50 step
 last steps: ``last.ckpt`` holds step 40, and ``pl-lowprec export`` of it exports the adapters of 10 steps before
 the end without a word. Hugging Face's ``Trainer`` saves at the end for the same reason (transformers#30160).
 
-``StepBoundaryCheckpoint`` saves only on a batch that stepped the optimizer, and saves the run's final step where a
-step- or time-based schedule would not (the latest ``save_top_k`` files without a monitor; ``last.ckpt`` where
-``save_last``; a monitored top-k is not ranked on a stale metric), inside the epoch, where it resumes exactly. It
-keeps Lightning's state key, so checkpoints resume across the two classes. ``pl-lowprec`` and the strategies turn
-Lightning's own ``ModelCheckpoint`` callbacks (that exact class: the same objects, arguments and state) into this
-one; its own name keeps ``--trainer.callbacks+=ModelCheckpoint`` meaning Lightning's on the command line.
+And where ``max_steps`` stops a run inside an epoch, Lightning saves (an epoch schedule: its default) at the epoch's
+end, in a state that counts the epoch as complete: a resumption skips the rest of the epoch's batches.
+
+``StepBoundaryCheckpoint`` saves only on a batch that stepped the optimizer, and saves the run's final step on its
+last batch, where it resumes exactly: off a step or time schedule's grid, and inside an epoch (the latest
+``save_top_k`` files without a monitor; ``last.ckpt`` where ``save_last``; a monitored top-k is not ranked on a
+stale metric, and a monitored epoch schedule is Lightning's). It keeps Lightning's state key, so checkpoints resume
+across the two classes. ``pl-lowprec`` and the strategies turn Lightning's own ``ModelCheckpoint`` callbacks (that
+exact class: the same objects, arguments and state) into this one; its own name keeps
+``--trainer.callbacks+=ModelCheckpoint`` meaning Lightning's on the command line.
 """
 
 from __future__ import annotations
@@ -52,22 +56,25 @@ class StepBoundaryCheckpoint(LightningModelCheckpoint):
         if trainer.global_step == self._global_step_at_batch_start:
             return  # a micro-batch of an accumulated step: its gradients would not be in the file
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        scheduled_by_steps = self._every_n_train_steps >= 1 or self._train_time_interval is not None
-        if (
-            scheduled_by_steps
-            and run_ends_after_this_batch(trainer)
-            and not self._should_skip_saving_checkpoint(trainer)
-        ):
-            candidates = self._monitor_candidates(trainer)
-            if self.monitor is None:  # the latest k; a monitored top-k would rank the end on a stale metric
-                self._save_topk_checkpoint(trainer, candidates)
-            self._save_last_checkpoint(trainer, candidates)
+        if run_ends_after_this_batch(trainer) and not self._should_skip_saving_checkpoint(trainer):
+            self._save_final_step(trainer)
+
+    def _save_final_step(self, trainer: pl.Trainer) -> None:
+        """The final step, where Lightning would not save it (a step or time schedule off its grid) or would save
+        it at the epoch's end although the run stopped inside the epoch (``max_steps``, ``max_time``): Lightning
+        then counts the epoch as complete, and a resumption starts the next one, skipping the rest of this one."""
+        by_steps = self._every_n_train_steps >= 1 or self._train_time_interval is not None
+        inside_epoch = not trainer.fit_loop.epoch_loop._num_ready_batches_reached()
+        if not by_steps and (self.monitor is not None or not inside_epoch):
+            return  # Lightning's own save at the epoch's end or validation: exact there, or ranked by its metric
+        candidates = self._monitor_candidates(trainer)
+        if self.monitor is None:  # the latest k; a monitored top-k would rank the end on a stale metric
+            self._save_topk_checkpoint(trainer, candidates)
+        self._save_last_checkpoint(trainer, candidates)
 
 
 def run_ends_after_this_batch(trainer: pl.Trainer) -> bool:
-    """``max_steps`` reached, the last epoch's last batch, or a stop already asked for (``max_time``). Saved here,
-    inside the epoch, a checkpoint resumes exactly; after fit, Lightning counts a stopped epoch as complete and a
-    resumption would start the next one."""
+    """``max_steps`` reached, the last epoch's last batch, or a stop already asked for (``max_time``)."""
     if trainer.should_stop or 0 <= trainer.max_steps <= trainer.global_step:
         return True
     last_epoch = trainer.max_epochs is not None and 0 <= trainer.max_epochs <= trainer.current_epoch + 1

@@ -38,10 +38,14 @@ class Regression(pl.LightningModule):
         return resumable_loader(TensorDataset(x, x.sum(1, keepdim=True)), 2, None, self.trainer)
 
 
-def fit(directory, checkpoint_class=StepBoundaryCheckpoint, ckpt_path=None, strategy="auto", **trainer_args):
-    """Train to ``max_steps`` (or ``max_epochs``), saving every 2 steps into ``directory``; the final weights."""
+def fit(
+    directory, checkpoint_class=StepBoundaryCheckpoint, ckpt_path=None, strategy="auto", schedule=None, **trainer_args
+):
+    """Train to ``max_steps`` (or ``max_epochs``), saving every 2 steps (or on ``schedule``'s arguments) into
+    ``directory``; the final weights."""
     model = Regression()
-    callback = checkpoint_class(dirpath=directory, every_n_train_steps=EVERY, save_last=True, save_top_k=-1)
+    schedule = {"every_n_train_steps": EVERY, "save_top_k": -1} if schedule is None else schedule
+    callback = checkpoint_class(dirpath=directory, save_last=True, **schedule)
     trainer = pl.Trainer(
         accelerator="cpu",
         strategy=strategy,
@@ -87,6 +91,21 @@ def test_the_final_step_resumes_to_the_uninterrupted_weights(tmp_path, first, th
     fit(tmp_path / "part", **first)
     assert saved(tmp_path / "part/last.ckpt")[0] == saved_step
     assert torch.equal(fit(tmp_path / "part", ckpt_path=tmp_path / "part/last.ckpt", **then), uninterrupted)
+
+
+@pytest.mark.parametrize(
+    ("checkpoint_class", "exact"),
+    [(LightningModelCheckpoint, False), (StepBoundaryCheckpoint, True)],
+    ids=["lightning", "pl_lowprec"],
+)
+def test_a_run_stopped_inside_an_epoch_resumes_the_rest_of_it(tmp_path, checkpoint_class, exact):
+    """Lightning's default schedule (at each epoch's end) saves a max_steps stop at step 3 of the 5-step epoch as a
+    complete epoch: resumed, the run starts the next epoch and never sees the rest of this one."""
+    uninterrupted = fit(tmp_path / "full", checkpoint_class, schedule={}, max_steps=8)
+    fit(tmp_path / "part", checkpoint_class, schedule={}, max_steps=3)
+    assert saved(tmp_path / "part/last.ckpt")[0] == 3
+    resumed = fit(tmp_path / "part", checkpoint_class, ckpt_path=tmp_path / "part/last.ckpt", schedule={}, max_steps=8)
+    assert torch.equal(resumed, uninterrupted) is exact
 
 
 @pytest.mark.parametrize(
