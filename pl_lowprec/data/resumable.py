@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 
@@ -48,9 +49,18 @@ class ResumableSampler(DistributedSampler):
 
 
 class ResumableDataLoader(DataLoader):
-    """A ``DataLoader`` over a ``ResumableSampler`` whose state is (epoch, batches consumed by training)."""
+    """A ``DataLoader`` over a ``ResumableSampler`` whose state is (epoch, batches consumed by training).
+
+    Each iterator draws its workers' base seed from the loader's own generator, seeded by (seed, epoch), not from
+    torch's global one: a ``DataLoader`` without a generator takes a draw from the global generator at every
+    epoch, and a resumed run, which opens its epoch at another moment, would draw other dropout masks after it."""
 
     consumed: Callable[[], int] | None = None
+
+    def __iter__(self) -> Any:
+        if self.generator is not None:
+            self.generator.manual_seed(self.sampler.seed + self.sampler.epoch)
+        return super().__iter__()
 
     def state_dict(self) -> dict[str, Any]:
         sampler = self.sampler
@@ -107,6 +117,7 @@ def resumable_loader(
         collate_fn=collate_fn,
         num_workers=num_workers,
         persistent_workers=num_workers > 0,
+        generator=torch.Generator(),
     )
     if trainer is not None:
         loader.consumed = lambda: consumed_train_batches(trainer)

@@ -198,7 +198,7 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
         return torch.load(path, map_location="cpu", weights_only=weights_only)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        self.warn_of_a_mid_step_checkpoint(checkpoint)
+        self.before_resuming(checkpoint)
         load_full_state_dict(
             self.lightning_module, checkpoint["state_dict"], self.transform_config.adapter_only, strict
         )

@@ -21,6 +21,8 @@ from pl_lowprec.callbacks.step_boundary_checkpoint import mid_step_resumption, u
 from pl_lowprec.memory.budget import check_memory_budget, first_training_batch, training_loader
 from pl_lowprec.strategies.auto_settings import choose_memory_settings, run_interconnect
 from pl_lowprec.strategies.garbage_collection import freeze_long_lived_objects, unfreeze
+from pl_lowprec.strategies.random_states import CHECKPOINT_KEY as RANDOM_STATES
+from pl_lowprec.strategies.random_states import every_ranks_random_states, own_random_states, set_random_states
 from pl_lowprec.strategies.step_clock import StepClock
 from pl_lowprec.strategies.trainer_checks import check_trainer_arguments, check_validation_interval
 from pl_lowprec.strategies.transform_args import TransformArguments
@@ -35,6 +37,7 @@ class TransformHooks(TransformArguments):
     prediction: Any = None  # the MemoryEstimate of the settings fit runs, where "auto" or memory_budget made one
     step_clock: StepClock | None = None  # the run's optimizer steps, where there is a prediction to set them beside
     _frozen: tuple[int, float] | None = None
+    _random_states_to_set: dict[str, Any] | None = None
 
     def setup(self, trainer: pl.Trainer) -> None:
         self.use_package_callbacks(trainer)
@@ -120,6 +123,9 @@ class TransformHooks(TransformArguments):
 
     def on_train_start(self) -> None:
         super().on_train_start()
+        if self._random_states_to_set is not None:  # resumed: as the uninterrupted run stood at this step
+            set_random_states(self._random_states_to_set)
+            self._random_states_to_set = None
         predicted = getattr(self.prediction, "step_time", None)  # nothing timed where nothing was predicted
         self.step_clock = StepClock(predicted) if predicted is not None else None
         self._frozen = freeze_long_lived_objects()
@@ -151,14 +157,23 @@ class TransformHooks(TransformArguments):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return self.transform.state_dict(self.lightning_module)
 
-    def warn_of_a_mid_step_checkpoint(self, checkpoint: Mapping[str, Any]) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        checkpoint[RANDOM_STATES] = every_ranks_random_states()  # every rank calls it, as it does this hook
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def before_resuming(self, checkpoint: Mapping[str, Any]) -> None:
+        """Where ``fit`` resumes from ``checkpoint``: a warning if it was saved inside an accumulated step, and this
+        rank's random states, set in ``on_train_start`` (``random_states.py``)."""
         trainer = self.lightning_module.trainer
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
         warning = mid_step_resumption(checkpoint, trainer.accumulate_grad_batches)
-        if warning and trainer.state.fn == TrainerFn.FITTING:
+        if warning:
             rank_zero_warn(warning)
+        self._random_states_to_set = own_random_states(dict(checkpoint), self.global_rank, self.world_size)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         self.check_before_loading(self.lightning_module.trainer)  # resuming: this runs before setup
-        self.warn_of_a_mid_step_checkpoint(checkpoint)
+        self.before_resuming(checkpoint)
         self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)
         self.transform.load_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)

@@ -31,28 +31,30 @@ class KillAt(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def model_and_data(spec: str) -> tuple[pl.LightningModule, pl.LightningDataModule, int]:
-    """TinyLlama on StdlibTextDataModule, or CausalLM on TextDataModule (a JSON spec) accumulating 2 batches."""
+def model_and_data(spec: str) -> tuple[pl.LightningModule, pl.LightningDataModule, int, float]:
+    """TinyLlama on StdlibTextDataModule, or CausalLM on TextDataModule (a JSON spec) accumulating 2 batches; the
+    LoRA dropout (the spec's ``lora_dropout``, else 0)."""
     if spec == "stdlib":  # 41 training windows of 32 bytes: 11 batches per epoch, so the run spans 3 epochs
         model = TinyLlama(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, max_len=64, warmup_steps=3)
-        return model, StdlibTextDataModule(seq_len=32, batch_size=4, max_bytes=1400), 1
+        return model, StdlibTextDataModule(seq_len=32, batch_size=4, max_bytes=1400), 1, 0.0
     from pl_lowprec.data import TextDataModule
     from pl_lowprec.models import CausalLM
 
     spec = json.loads(spec)
-    return CausalLM(spec["pretrained"], lr=1e-2, warmup_steps=3), TextDataModule(**spec["data"]), 2
+    model = CausalLM(spec["pretrained"], lr=1e-2, warmup_steps=3)
+    return model, TextDataModule(**spec["data"]), 2, spec.get("lora_dropout", 0.0)
 
 
 def main(mode: str, out: str, spec: str) -> None:
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
-    model, data, accumulate = model_and_data(spec)
+    model, data, accumulate, lora_dropout = model_and_data(spec)
     callbacks = [ModelCheckpoint(dirpath=f"{out}/ckpts", every_n_train_steps=EVERY, save_last=True)]
     if mode == "killed":
         callbacks.append(KillAt())
     trainer = pl.Trainer(
         accelerator="cpu",
-        strategy=LowPrecisionStrategy(lora={"r": 4, "lora_alpha": 8, "lora_dropout": 0.0}),
+        strategy=LowPrecisionStrategy(lora={"r": 4, "lora_alpha": 8, "lora_dropout": lora_dropout}),
         max_steps=MAX_STEPS,
         accumulate_grad_batches=accumulate,
         callbacks=callbacks,

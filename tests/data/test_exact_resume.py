@@ -44,9 +44,13 @@ def test_stdlib_text_resumes_exactly(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("suffix", "packing"), [(".jsonl", False), (".jsonl", True), (".parquet", True)])
-def test_text_datamodule_with_causal_lm_resumes_exactly(tmp_path, suffix, packing):
-    """From a .jsonl file, and from a Parquet file, whose samples stay in a memory-mapped Arrow table."""
+@pytest.mark.parametrize(
+    ("suffix", "packing", "lora_dropout"),
+    [(".jsonl", False, 0.0), (".jsonl", True, 0.0), (".parquet", True, 0.0), (".jsonl", False, 0.1)],
+)
+def test_text_datamodule_with_causal_lm_resumes_exactly(tmp_path, suffix, packing, lora_dropout):
+    """From a .jsonl file, and from a Parquet file, whose samples stay in a memory-mapped Arrow table; with LoRA
+    dropout, whose masks come from the random states the checkpoint keeps (``strategies/random_states.py``)."""
     from loading_helpers import save_pretrained_dir
 
     pretrained = save_pretrained_dir(tmp_path / "pretrained")
@@ -65,4 +69,5 @@ def test_text_datamodule_with_causal_lm_resumes_exactly(tmp_path, suffix, packin
         "val_fraction": 0.1,
         **({"packing": True, "seq_len": 48} if packing else {}),
     }
-    assert_resume_is_exact(tmp_path, json.dumps({"pretrained": str(pretrained), "data": data}))
+    spec = {"pretrained": str(pretrained), "data": data, "lora_dropout": lora_dropout}
+    assert_resume_is_exact(tmp_path, json.dumps(spec))

@@ -1,0 +1,63 @@
+"""Every rank's random generators in the checkpoint, set again as a resumed run starts training.
+
+Lightning saves none, so a resumed run draws other dropout masks (LoRA's ``lora_dropout``, a model's own dropout)
+than the uninterrupted run from its first step on, and ends with other adapters. Hugging Face's ``Trainer``
+saves each process's states for this (``rng_state_{rank}.pth``); here they travel in the one checkpoint file:
+every rank's states (torch, CUDA, NumPy, Python) gathered as the file is written, each rank taking its own back.
+They are set in ``on_train_start``, not as the checkpoint loads: in between, the strategy builds the model
+(LoRA's initialization draws), which the uninterrupted run did before its first step. Stored as tensors and
+plain numbers, so the file still loads with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np  # torchmetrics, which Lightning requires, requires it
+import torch
+import torch.distributed as dist
+
+CHECKPOINT_KEY = "pl_lowprec_random_states"  # a list: one entry per rank
+
+
+def random_states() -> dict[str, Any]:
+    """This process's generator states, as ``weights_only`` loads them (NumPy's key array as a tensor)."""
+    version, internal, gauss = random.getstate()
+    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    name, keys, position, has_gauss, cached = np.random.get_state()
+    states["numpy"] = [name, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached]
+    return states
+
+
+def set_random_states(states: dict[str, Any]) -> None:
+    """Set what ``random_states`` returned (a generator it did not hold is left as it is)."""
+    torch.set_rng_state(states["torch"])
+    version, internal, gauss = states["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    if "numpy" in states:
+        name, keys, position, has_gauss, cached = states["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, cached))
+
+
+def every_ranks_random_states() -> list[dict[str, Any]]:
+    """``random_states()`` of each rank, in rank order; every rank calls it (an all-gather where there are
+    several)."""
+    mine = random_states()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [mine]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return gathered
+
+
+def own_random_states(checkpoint: dict[str, Any], rank: int, world_size: int) -> dict[str, Any] | None:
+    """This rank's states in ``checkpoint``; ``None`` where it holds none, or another number of ranks'."""
+    saved = checkpoint.get(CHECKPOINT_KEY)
+    if not saved or len(saved) != world_size:
+        return None
+    return saved[rank]

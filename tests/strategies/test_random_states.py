@@ -1,0 +1,57 @@
+"""A resumed run draws the dropout masks of the uninterrupted run: the strategies keep every rank's random states
+in the checkpoint and set them as training starts; Lightning's own strategy is the reference that fails."""
+
+import os
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import warm_python
+from random_state_helpers import fit
+
+from pl_lowprec import LowPrecisionStrategy
+from pl_lowprec.strategies.random_states import CHECKPOINT_KEY, random_states, set_random_states
+
+STOPS = {  # (first run's max_steps, validation interval in batches), in an epoch of 5 steps
+    "off_grid": (3, None),
+    "on_grid_after_validation": (4, 4),
+    "at_the_epochs_end": (5, None),  # the next epoch's loader opens after the save, or after the resumption
+}
+
+
+@pytest.mark.parametrize("stop", STOPS)
+@pytest.mark.parametrize(("strategy", "exact"), [("auto", False), ("lowprec", True)], ids=["lightning", "pl_lowprec"])
+def test_a_resumed_run_ends_with_the_uninterrupted_runs_weights(tmp_path, stop, strategy, exact):
+    first_steps, validate_every = STOPS[stop]
+    make = (lambda: LowPrecisionStrategy()) if strategy == "lowprec" else (lambda: "auto")
+    uninterrupted = fit(tmp_path / "full", make(), validate_every=validate_every, max_steps=8)
+    fit(tmp_path / "run", make(), validate_every=validate_every, max_steps=first_steps)
+    last = tmp_path / "run/last.ckpt"
+    resumed = fit(tmp_path / "run", make(), ckpt_path=last, validate_every=validate_every, max_steps=8)
+    assert torch.equal(resumed, uninterrupted) is exact
+
+
+def test_the_states_load_with_weights_only_and_set_every_generator(tmp_path):
+    fit(tmp_path, LowPrecisionStrategy(), max_steps=1)
+    (states,) = torch.load(tmp_path / "last.ckpt", weights_only=True)[CHECKPOINT_KEY]  # one rank
+    saved = random_states()
+    draws = (torch.rand(3), random.random(), np.random.rand())
+    set_random_states(saved)
+    again = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(draws[0], again[0]) and draws[1:] == again[1:]
+    assert set(states) >= {"torch", "python", "numpy"}
+
+
+@pytest.mark.slow
+def test_each_ddp_rank_resumes_its_own_masks(tmp_path):
+    script = Path(__file__).parents[1] / "_scripts" / "random_states_ddp.py"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    for mode in ("full", "resumed"):
+        result = warm_python.run([sys.executable, str(script), mode, str(tmp_path / mode)], 300, env=env, ranks=2)
+        assert result.returncode == 0, result.stderr[-4000:]
+    for rank in (0, 1):
+        full, resumed = (torch.load(tmp_path / mode / f"weights{rank}.pt") for mode in ("full", "resumed"))
+        assert torch.equal(resumed, full), rank
