@@ -12,6 +12,7 @@ plain numbers, so the file still loads with ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np  # torchmetrics, which Lightning requires, requires it
@@ -55,7 +56,7 @@ def every_ranks_random_states() -> list[dict[str, Any]]:
     return gathered
 
 
-def own_random_states(checkpoint: dict[str, Any], rank: int, world_size: int) -> dict[str, Any] | None:
+def own_random_states(checkpoint: Mapping[str, Any], rank: int, world_size: int) -> dict[str, Any] | None:
     """This rank's states in ``checkpoint``; ``None`` where it holds none, or another number of ranks'."""
     saved = checkpoint.get(CHECKPOINT_KEY)
     if not saved or len(saved) != world_size:

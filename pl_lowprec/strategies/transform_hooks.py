@@ -170,7 +170,7 @@ class TransformHooks(TransformArguments):
         warning = mid_step_resumption(checkpoint, trainer.accumulate_grad_batches)
         if warning:
             rank_zero_warn(warning)
-        self._random_states_to_set = own_random_states(dict(checkpoint), self.global_rank, self.world_size)
+        self._random_states_to_set = own_random_states(checkpoint, self.global_rank, self.world_size)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         self.check_before_loading(self.lightning_module.trainer)  # resuming: this runs before setup
