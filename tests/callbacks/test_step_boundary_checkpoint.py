@@ -8,57 +8,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
-from torch.utils.data import TensorDataset
+from resume_helpers import ACCUMULATE, EVERY, Regression, fit
 
 from pl_lowprec import LowPrecisionStrategy
 from pl_lowprec.callbacks import StepBoundaryCheckpoint
 from pl_lowprec.callbacks.step_boundary_checkpoint import use_step_boundary_checkpoints
-from pl_lowprec.data.resumable import resumable_loader
-
-ACCUMULATE, EVERY = 2, 2
-
-
-class Regression(pl.LightningModule):
-    """A linear fit by SGD on a loader that resumes mid-epoch (20 samples, batches of 2: 5 steps an epoch)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layer = torch.nn.Linear(4, 1)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.layer(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    def train_dataloader(self):
-        x = torch.randn(20, 4, generator=torch.Generator().manual_seed(1))
-        return resumable_loader(TensorDataset(x, x.sum(1, keepdim=True)), 2, None, self.trainer)
-
-
-def fit(
-    directory, checkpoint_class=StepBoundaryCheckpoint, ckpt_path=None, strategy="auto", schedule=None, **trainer_args
-):
-    """Train to ``max_steps`` (or ``max_epochs``), saving every 2 steps (or on ``schedule``'s arguments) into
-    ``directory``; the final weights."""
-    model = Regression()
-    schedule = {"every_n_train_steps": EVERY, "save_top_k": -1} if schedule is None else schedule
-    callback = checkpoint_class(dirpath=directory, save_last=True, **schedule)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        strategy=strategy,
-        accumulate_grad_batches=ACCUMULATE,
-        callbacks=[callback],
-        limit_val_batches=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **trainer_args,
-    )
-    trainer.fit(model, ckpt_path=ckpt_path)
-    return model.layer.weight.detach().clone()
 
 
 def saved(path):

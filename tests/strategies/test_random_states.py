@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import warm_python
-from random_state_helpers import fit
+from resume_helpers import fit
 
 from pl_lowprec import LowPrecisionStrategy
 from pl_lowprec.strategies.random_states import CHECKPOINT_KEY, random_states, set_random_states
@@ -27,15 +27,17 @@ STOPS = {  # (first run's max_steps, validation interval in batches), in an epoc
 def test_a_resumed_run_ends_with_the_uninterrupted_runs_weights(tmp_path, stop, strategy, exact):
     first_steps, validate_every = STOPS[stop]
     make = (lambda: LowPrecisionStrategy()) if strategy == "lowprec" else (lambda: "auto")
-    uninterrupted = fit(tmp_path / "full", make(), validate_every=validate_every, max_steps=8)
-    fit(tmp_path / "run", make(), validate_every=validate_every, max_steps=first_steps)
+    uninterrupted = fit(tmp_path / "full", strategy=make(), dropout=0.5, validate_every=validate_every, max_steps=8)
+    fit(tmp_path / "run", strategy=make(), dropout=0.5, validate_every=validate_every, max_steps=first_steps)
     last = tmp_path / "run/last.ckpt"
-    resumed = fit(tmp_path / "run", make(), ckpt_path=last, validate_every=validate_every, max_steps=8)
+    resumed = fit(
+        tmp_path / "run", strategy=make(), dropout=0.5, ckpt_path=last, validate_every=validate_every, max_steps=8
+    )
     assert torch.equal(resumed, uninterrupted) is exact
 
 
 def test_the_states_load_with_weights_only_and_set_every_generator(tmp_path):
-    fit(tmp_path, LowPrecisionStrategy(), max_steps=1)
+    fit(tmp_path, strategy=LowPrecisionStrategy(), dropout=0.5, max_steps=1)
     (states,) = torch.load(tmp_path / "last.ckpt", weights_only=True)[CHECKPOINT_KEY]  # one rank
     saved = random_states()
     draws = (torch.rand(3), random.random(), np.random.rand())

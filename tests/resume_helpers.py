@@ -1,5 +1,6 @@
-"""A linear fit with dropout on its inputs, trained with accumulation on a loader that resumes mid-epoch: its
-weights after a resumed run equal the uninterrupted run's only where the resumed run draws the same masks."""
+"""A linear fit by SGD, with accumulation, on a loader that resumes mid-epoch, checkpointed every 2 steps: whether
+a resumed run ends with the uninterrupted run's weights. With dropout on its inputs, only where the resumed run
+also draws the same masks."""
 
 from __future__ import annotations
 
@@ -10,20 +11,22 @@ from torch.utils.data import DataLoader, TensorDataset
 from pl_lowprec.callbacks import StepBoundaryCheckpoint
 from pl_lowprec.data.resumable import resumable_loader
 
+ACCUMULATE, EVERY = 2, 2
+
 
 def _pairs(n: int, seed: int) -> TensorDataset:
     x = torch.randn(n, 4, generator=torch.Generator().manual_seed(seed))
     return TensorDataset(x, x.sum(1, keepdim=True))
 
 
-class DropoutRegression(pl.LightningModule):
+class Regression(pl.LightningModule):
     """20 samples in batches of 2: 10 batches, 5 steps an epoch accumulating 2; 4 validation samples."""
 
-    def __init__(self) -> None:
+    def __init__(self, dropout: float = 0.0) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.layer = torch.nn.Linear(4, 1)
-        self.dropout = torch.nn.Dropout(0.5)
+        self.dropout = torch.nn.Dropout(dropout) if dropout else torch.nn.Identity()
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -43,15 +46,28 @@ class DropoutRegression(pl.LightningModule):
         return DataLoader(_pairs(4, 2), batch_size=2)
 
 
-def fit(directory, strategy="auto", ckpt_path=None, validate_every=None, seed=123, **trainer_args) -> torch.Tensor:
-    """Train from ``seed`` (the masks' generator), saving every 2 steps and the final step; the final weights."""
-    model = DropoutRegression()
-    torch.manual_seed(seed)  # after the model's own seed for its weights
+def fit(
+    directory,
+    checkpoint_class=StepBoundaryCheckpoint,
+    ckpt_path=None,
+    strategy="auto",
+    schedule=None,
+    dropout=0.0,
+    seed=123,
+    validate_every=None,
+    **trainer_args,
+) -> torch.Tensor:
+    """Train to ``max_steps`` (or ``max_epochs``), the random generator from ``seed`` (after the weights' own),
+    saving every 2 steps (or on ``schedule``'s arguments) and ``last.ckpt`` into ``directory``; validating every
+    ``validate_every`` batches where given. The final weights."""
+    model = Regression(dropout)
+    torch.manual_seed(seed)
+    schedule = {"every_n_train_steps": EVERY, "save_top_k": -1} if schedule is None else schedule
     trainer = pl.Trainer(
         accelerator="cpu",
         strategy=strategy,
-        accumulate_grad_batches=2,
-        callbacks=[StepBoundaryCheckpoint(dirpath=directory, every_n_train_steps=2, save_last=True)],
+        accumulate_grad_batches=ACCUMULATE,
+        callbacks=[checkpoint_class(dirpath=directory, save_last=True, **schedule)],
         val_check_interval=validate_every,
         limit_val_batches=1.0 if validate_every else 0,
         num_sanity_val_steps=0,
