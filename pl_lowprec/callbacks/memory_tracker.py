@@ -30,7 +30,8 @@ class MemoryTracker(pl.Callback):
     """Tracks memory per stage; the result is in ``summary`` (bytes, as ints) and in ``memory_summary.json``.
 
     Args:
-        activation_sample_step: The optimizer step whose first micro-batch is measured for activation bytes.
+        activation_sample_step: The optimizer step whose first micro-batch is measured for activation bytes (and
+            whose gradients are counted); a run resumed after it measures its own first step instead.
         print_summary: Print the table at the end of each stage (rank zero).
     """
 
@@ -44,6 +45,7 @@ class MemoryTracker(pl.Callback):
         self._peak_is_per_stage = True
         self._sampling = ExitStack()
         self._counter: Any = None
+        self._sample_step = activation_sample_step  # this run's: a resumed run may start after the one asked for
 
     # -- stage boundaries -------------------------------------------------------------------------------
 
@@ -87,8 +89,11 @@ class MemoryTracker(pl.Callback):
 
     # -- the sampled training step ----------------------------------------------------------------------
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._sample_step = max(self.activation_sample_step, trainer.global_step)  # restored by now
+
     def _is_sample_step(self, trainer: pl.Trainer) -> bool:
-        return trainer.global_step == self.activation_sample_step and "activations" not in self._figures
+        return trainer.global_step == self._sample_step and "activations" not in self._figures
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
         if self._is_sample_step(trainer) and self._counter is None:
@@ -98,7 +103,7 @@ class MemoryTracker(pl.Callback):
         self._stop_sampling()
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if trainer.global_step == self.activation_sample_step:
+        if trainer.global_step == self._sample_step:
             self._figures["gradients"] = gradient_bytes(pl_module)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:

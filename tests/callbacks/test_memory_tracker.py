@@ -40,6 +40,25 @@ def test_breakdown_equals_independent_counts(tmp_path):
         assert "memory/fit/optimizer_state" in f.readline()
 
 
+def test_a_resumed_run_measures_its_own_first_step(tmp_path):
+    """Sampling step 0 by default: a run resumed at step 3 never reached it and left activations and gradients
+    out of its table."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(max_steps, ckpt_path=None):
+        torch.manual_seed(0)
+        tracker = MemoryTracker(print_summary=False)
+        checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+        trainer = quiet_trainer(max_steps=max_steps, callbacks=[tracker, checkpoint], enable_checkpointing=True)
+        trainer.fit(Classifier(make_mlp()), _loader(), ckpt_path=ckpt_path)
+        return tracker.summary["fit"]["bytes"]
+
+    first = fit(3)
+    resumed = fit(5, tmp_path / "last.ckpt")
+    assert resumed["activations"] == first["activations"] > 0
+    assert resumed["gradients"] == first["gradients"] > 0
+
+
 def test_figures_are_gathered_on_the_strategy_device(tmp_path, monkeypatch):
     # NCCL gathers only tensors on the GPU, gloo takes CPU ones too: on a CPU run the device of the gathered
     # tensor is checked against a stand-in root device, as it would be a CUDA device under NCCL.
