@@ -26,8 +26,8 @@ def random_states() -> dict[str, Any]:
     """This process's generator states, as ``weights_only`` loads them (NumPy's key array as a tensor)."""
     version, internal, gauss = random.getstate()
     states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss]}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # this rank's device: each rank draws on its own
+        states["cuda"] = torch.cuda.get_rng_state()
     name, keys, position, has_gauss, cached = np.random.get_state()
     states["numpy"] = [name, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached]
     return states
@@ -39,7 +39,7 @@ def set_random_states(states: dict[str, Any]) -> None:
     version, internal, gauss = states["python"]
     random.setstate((version, tuple(internal), gauss))
     if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+        torch.cuda.set_rng_state(states["cuda"])
     if "numpy" in states:
         name, keys, position, has_gauss, cached = states["numpy"]
         np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, cached))
