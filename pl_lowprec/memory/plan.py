@@ -104,7 +104,7 @@ class MemoryPlan:
         assumed = " (assumed: no GPU with known figures here; name one with --gpu)" if self.assumed else ""
         lines = [
             f"Budget {self.budget / gib:.2f} GiB, margin {self.margin:.0%}: a peak up to {self.limit / gib:.2f} GiB"
-            f" fits. Ranked by the predicted optimizer step on {device}{assumed}.",
+            f" fits. Ranked by the predicted optimizer step on {device}{assumed}.{self._ties()}",
             f"  {'fits':<5}{'peak GiB':>10}{'headroom GiB':>14}{'step s':>9}  settings",
         ]
         for c in self.candidates[:rows]:
@@ -117,6 +117,16 @@ class MemoryPlan:
         if len(self.candidates) > rows:
             lines.append(f"  ... and {len(self.candidates) - rows} more simulated, all ranked lower.")
         return "\n".join(lines)
+
+    def _ties(self) -> str:
+        """Why a slower row may stand above a faster one: the sentence on ties, where there are some."""
+        tied = len(tied_with_the_fastest(self.candidates))
+        if tied < 2:
+            return ""
+        return (
+            f" Steps within {TIED:.0%} of the fastest ({tied} here) are ties, as the timing varies that much: the"
+            " larger micro-batch first, then no checkpointing, then fewer changes."
+        )
 
     def nothing_fits(self) -> str:
         """One paragraph: the smallest peak found, what dominates it, and what to change."""
@@ -206,13 +216,19 @@ def plan_memory(
 TIED = 0.05  # predicted steps within 5% of the fastest are tied: a measured CPU's kernel times vary that much
 
 
+def tied_with_the_fastest(candidates: list[Candidate]) -> list[Candidate]:
+    """The fitting candidates whose predicted step is within ``TIED`` of the fastest fitting one's."""
+    fastest = min((c.step.seconds for c in candidates if c.fits), default=0.0)
+    return [c for c in candidates if c.fits and c.step.seconds <= fastest * (1 + TIED)]
+
+
 def _ranking(candidates: list[Candidate]) -> Callable[[Candidate], tuple]:
     """Fitting candidates first; those within ``TIED`` of the fastest, the larger micro-batch and fewer changes
     first (no checkpointing before some); then the rest, fastest first."""
-    fastest = min((c.step.seconds for c in candidates if c.fits), default=0.0)
+    tied_ones = {id(c) for c in tied_with_the_fastest(candidates)}
 
     def key(c: Candidate) -> tuple:
-        tied = c.fits and c.step.seconds <= fastest * (1 + TIED)
+        tied = id(c) in tied_ones
         checkpointed = c.settings.checkpointing != "none"
         return (
             not c.fits,
