@@ -1,4 +1,5 @@
-"""Put this package's callbacks where Lightning added its own defaults, never in place of a user's."""
+"""Put this package's callbacks in place of Lightning's own classes (its defaults, or the same classes a user
+named), never in place of a user's subclass."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from typing import Any
 
 
 def swap_default_callbacks(trainer: Any, swaps: Mapping[type, Callable[[Any], Any]]) -> None:
-    """Replace each callback whose exact type is a key of ``swaps`` (Lightning's default class: a user's subclass
-    is a different type) by ``swaps[type](callback)``, in the same place of ``trainer.callbacks``."""
+    """Replace each callback whose exact type is a key of ``swaps`` (Lightning's class: a user's subclass is a
+    different type) by ``swaps[type](callback)``, in the same place of ``trainer.callbacks``."""
     for index, callback in enumerate(trainer.callbacks):
         make = swaps.get(type(callback))
         if make is not None:

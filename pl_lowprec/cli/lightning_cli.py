@@ -30,9 +30,8 @@ import pl_lowprec.transforms.fp8
 import pl_lowprec.transforms.qat
 import pl_lowprec.transforms.quantization  # noqa: F401
 from pl_lowprec._imports import require_cli
-from pl_lowprec.callbacks.model_summary import use_true_size_model_summary
 from pl_lowprec.callbacks.progress import StepLimitedRichProgressBar, StepLimitedTQDMProgressBar
-from pl_lowprec.callbacks.step_boundary_checkpoint import use_step_boundary_checkpoints
+from pl_lowprec.callbacks.replacements import use_package_callbacks
 from pl_lowprec.callbacks.swap import swap_default_callbacks
 from pl_lowprec.cli.config_errors import (
     REFUSALS,
@@ -155,8 +154,7 @@ class LowPrecisionCLI(LightningCLI):
         trainer = super().instantiate_trainer(**kwargs)
         check_trainer_arguments(trainer)
         use_step_limited_progress_bar(trainer)
-        use_true_size_model_summary(trainer)
-        use_step_boundary_checkpoints(trainer)
+        use_package_callbacks(trainer)
         return trainer
 
     def _run_subcommand(self, subcommand: str) -> None:

@@ -16,8 +16,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from pl_lowprec.callbacks.model_summary import use_true_size_model_summary
-from pl_lowprec.callbacks.step_boundary_checkpoint import mid_step_resumption, use_step_boundary_checkpoints
+from pl_lowprec.callbacks.replacements import use_package_callbacks
+from pl_lowprec.callbacks.step_boundary_checkpoint import mid_step_resumption
 from pl_lowprec.memory.budget import check_memory_budget, first_training_batch, training_loader
 from pl_lowprec.strategies.auto_settings import choose_memory_settings, run_interconnect
 from pl_lowprec.strategies.garbage_collection import freeze_long_lived_objects, unfreeze
@@ -40,17 +40,10 @@ class TransformHooks(TransformArguments):
     _random_states_to_set: dict[str, Any] | None = None
 
     def setup(self, trainer: pl.Trainer) -> None:
-        self.use_package_callbacks(trainer)
+        use_package_callbacks(trainer)
         self.check_before_loading(trainer)
         self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)
         super().setup(trainer)
-
-    @staticmethod
-    def use_package_callbacks(trainer: pl.Trainer) -> None:
-        """In place of Lightning's own summary, which counts a 4-bit weight as half its parameters, and checkpoint,
-        which saves between accumulated micro-batches and can miss the final step."""
-        use_true_size_model_summary(trainer)
-        use_step_boundary_checkpoints(trainer)
 
     def check_before_loading(self, trainer: pl.Trainer) -> None:
         """Before the transform loads the model: in ``setup``, or earlier where ``fit`` resumes from a checkpoint
