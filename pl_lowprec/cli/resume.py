@@ -82,7 +82,10 @@ def resolve_ckpt_path(
     else:
         without, use = f"{subcommand} the model the config builds, untrained", "use"
         fix = f"Name the .ckpt to use, or leave out --ckpt_path to {without}."
-        missing = f"so {subcommand} has no trained weights to use. {fix.replace('the .ckpt', 'an existing .ckpt')}"
+        missing = (
+            f"so {subcommand} has no trained weights to use. Name an existing .ckpt, or leave out --ckpt_path to"
+            f" {without}."
+        )
     if ckpt_path == "last":
         earlier, pattern = earlier_runs_last(trainer)  # before Lightning's search picks this run's version
         found, searched = last_checkpoints(trainer)
