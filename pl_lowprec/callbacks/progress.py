@@ -7,8 +7,9 @@ Lightning's ``RichProgressBar`` labels the training bar ``Epoch {epoch}/{max_epo
 Both bars here (rich, and tqdm where ``rich`` is not installed) count batches, as Lightning's do. Lightning 2.6
 caps their total at the optimizer steps left, so with ``accumulate_grad_batches=2`` a 60-step run read ``120/60``
 (Lightning-AI/pytorch-lightning#20124, PR #21802); here the steps left are counted in batches, from the batch the
-epoch resumed at. They are otherwise Lightning's bars. ``pl-lowprec`` uses them in place of the defaults; pass one
-in ``callbacks`` to use it with a plain ``Trainer``.
+epoch resumed at. They are otherwise Lightning's bars. ``pl-lowprec`` and the strategies turn Lightning's own bars
+into them in place (``use_step_limited_progress_bars``), so the settings a user gave a bar are kept; pass one in
+``callbacks`` to use it with a plain ``Trainer`` and another strategy.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
+
+from pl_lowprec.callbacks.swap import swap_default_callbacks
 
 
 class _BatchesToMaxSteps(ProgressBar):
@@ -79,3 +82,21 @@ class StepLimitedTQDMProgressBar(_BatchesToMaxSteps, TQDMProgressBar):
         if self._train_progress_bar is not None:
             self.train_progress_bar.total = None if total == float("inf") else total
             self.train_progress_bar.refresh()
+
+
+def use_step_limited_progress_bars(trainer: pl.Trainer) -> None:
+    """Turn Lightning's own bars (its exact classes: its default, or one a user named with settings such as
+    ``refresh_rate``; a user's subclass is left as it is) into the step-limited ones, in place: the object keeps
+    its settings and the trainer it was set up with, so this may run after the callbacks' ``setup``."""
+
+    def in_place(step_limited: type[ProgressBar]) -> Any:
+        def change(bar: ProgressBar) -> ProgressBar:
+            bar.__class__ = step_limited
+            return bar
+
+        return change
+
+    swap_default_callbacks(
+        trainer,
+        {RichProgressBar: in_place(StepLimitedRichProgressBar), TQDMProgressBar: in_place(StepLimitedTQDMProgressBar)},
+    )

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
@@ -30,9 +29,7 @@ import pl_lowprec.transforms.fp8
 import pl_lowprec.transforms.qat
 import pl_lowprec.transforms.quantization  # noqa: F401
 from pl_lowprec._imports import require_cli
-from pl_lowprec.callbacks.progress import StepLimitedRichProgressBar, StepLimitedTQDMProgressBar
 from pl_lowprec.callbacks.replacements import use_package_callbacks
-from pl_lowprec.callbacks.swap import swap_default_callbacks
 from pl_lowprec.cli.config_errors import (
     REFUSALS,
     ClassRefusals,
@@ -153,7 +150,6 @@ class LowPrecisionCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         trainer = super().instantiate_trainer(**kwargs)
         check_trainer_arguments(trainer)
-        use_step_limited_progress_bar(trainer)
         use_package_callbacks(trainer)
         return trainer
 
@@ -189,17 +185,6 @@ def _help_tip(args: list[str] | None) -> str:
     argv = sys.argv[1:] if args is None else list(args)
     subcommand = next((a for a in argv if a in ("fit", "validate", "test", "predict")), "")
     return f"tip: `pl-lowprec {subcommand} --help`".replace("  ", " ") + " lists the options and their types."
-
-
-def use_step_limited_progress_bar(trainer: Any) -> None:
-    """Swap Lightning's default bar (rich, or tqdm without ``rich``; not a user's own) for the step-limited one."""
-    swap_default_callbacks(
-        trainer,
-        {
-            RichProgressBar: lambda _: StepLimitedRichProgressBar(),
-            TQDMProgressBar: lambda _: StepLimitedTQDMProgressBar(),
-        },
-    )
 
 
 def build_cli(

@@ -65,18 +65,42 @@ def test_resumed_epoch_counts_on_from_its_batch(tmp_path, bar_class):
     assert bar.final == (10, 10)  # batches 7-10 of the epoch, after the 6 before the checkpoint
 
 
-def test_the_cli_swaps_only_lightnings_default_bars():
+def test_lightnings_own_bars_become_step_limited_in_place_keeping_their_settings():
     from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
-    from pl_lowprec.cli.lightning_cli import use_step_limited_progress_bar
+    from pl_lowprec.callbacks.progress import use_step_limited_progress_bars
 
     class Own(TQDMProgressBar):
         pass
 
-    for default, ours in ((RichProgressBar, StepLimitedRichProgressBar), (TQDMProgressBar, StepLimitedTQDMProgressBar)):
-        trainer = pl.Trainer(accelerator="cpu", logger=False, callbacks=[default()])
-        use_step_limited_progress_bar(trainer)
-        assert type(trainer.progress_bar_callback) is ours
+    for named, ours in (
+        (RichProgressBar(refresh_rate=7, leave=True), StepLimitedRichProgressBar),
+        (TQDMProgressBar(refresh_rate=7, leave=True), StepLimitedTQDMProgressBar),
+    ):
+        trainer = pl.Trainer(accelerator="cpu", logger=False, callbacks=[named])
+        use_step_limited_progress_bars(trainer)
+        assert trainer.progress_bar_callback is named  # the same object: what Lightning set up stays
+        assert type(named) is ours
+        assert (named.refresh_rate, named._leave) == (7, True)
     trainer = pl.Trainer(accelerator="cpu", logger=False, callbacks=[Own()])
-    use_step_limited_progress_bar(trainer)
+    use_step_limited_progress_bars(trainer)
     assert type(trainer.progress_bar_callback) is Own
+
+
+def test_a_plain_trainer_on_the_package_strategy_labels_its_bar_by_max_steps():
+    """Lightning's own bar, on a plain ``Trainer``, read ``Epoch 0/-2`` under ``max_steps``."""
+    import pl_lowprec  # noqa: F401  (registers the strategy names)
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        strategy="lowprec",
+        max_steps=2,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(BoringModel())
+    bar = trainer.progress_bar_callback
+    assert type(bar) is StepLimitedRichProgressBar
+    assert bar._get_train_description(0).strip() == "Epoch 0 (max_steps=2)"
