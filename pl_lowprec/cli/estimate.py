@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from pl_lowprec._imports import import_matplotlib_pyplot
 from pl_lowprec.cli.rebuild import passed_on, rebuild_classes
@@ -24,6 +25,8 @@ from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
 from pl_lowprec.memory.fastest import COMPILED_CAVEAT, faster_settings_line
 from pl_lowprec.memory.plan import fresh_copies
 from pl_lowprec.memory.plot import plot_step
+
+SINGLE_DEVICE_NAMES = ("lowprec", "single_device")  # strategy names of one device, as a config may give them
 
 
 def precision_of(trainer: Any) -> str:
@@ -101,18 +104,32 @@ def _valid_devices(devices: Any) -> bool:
 
 
 def devices_of(trainer: Any) -> int:
-    """The ranks a sharded config runs on: ``devices`` (a count or a list) times ``num_nodes``; ``"auto"`` or
-    ``-1`` are refused, as the estimate is per rank of a known number."""
+    """The ranks the config runs on: ``devices`` (a count or a list) times ``num_nodes``. ``"auto"`` or ``-1``
+    resolve as Lightning resolves them on this machine: one rank for a single-device strategy or on a CPU, every
+    GPU here on CUDA. A CUDA config with DDP or FSDP, estimated on a machine without a GPU, is refused: the
+    estimate is per rank of a known number (FSDP shards over the ranks; DDP all-reduces across them)."""
     devices = getattr(trainer, "devices", None)
     count = len(devices) if isinstance(devices, (list, tuple)) else devices
     if isinstance(count, str) and count.isdigit():
         count = int(count)
     if not isinstance(count, int) or count < 1:
-        raise ValueError(
-            f"trainer.devices={devices!r}: a sharded (FSDP) estimate is per rank, so it needs the number of"
-            " devices. Set trainer.devices to a count (devices: 2) in the config or with --trainer.devices=2."
-        )
+        count = _automatic_devices(trainer, devices)
     return count * int(getattr(trainer, "num_nodes", None) or 1)
+
+
+def _automatic_devices(trainer: Any, devices: Any) -> int:
+    if isinstance(trainer.strategy, SingleDeviceStrategy) or str(trainer.strategy) in SINGLE_DEVICE_NAMES:
+        return 1
+    if device_of(trainer) == "cpu":
+        return 1  # Lightning runs one CPU process for devices="auto"
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    raise ValueError(
+        f"trainer.devices={devices!r} on CUDA, estimated on a machine without a GPU: a DDP or FSDP estimate is per"
+        " rank of a known number (FSDP shards the model over the ranks; DDP all-reduces the gradients across"
+        " them). Set trainer.devices to the count the run will use (devices: 2) in the config or with"
+        " --trainer.devices=2."
+    )
 
 
 def step_time_line(estimate: MemoryEstimate) -> str:

@@ -63,3 +63,31 @@ def test_plan_writes_the_configs_merged_and_runs_them(tmp_path, capsys, overlay)
     assert planned["trainer"]["strategy"]["init_args"]["quantization"] == "nf4-dq"  # the first file's
     assert planned["data"]["init_args"]["batch_size"] * planned["trainer"]["accumulate_grad_batches"] == 2
     assert table(capsys, "--config", str(out))  # the written file is a whole config
+
+
+def test_a_config_without_devices_is_estimated_as_lightning_resolves_auto(capsys):
+    """Lightning's default ``devices="auto"`` (the quick-start without its ``devices: 1``) was refused as if the
+    single-device config were sharded."""
+    assert table(capsys, "--config", QUICKSTART, "--trainer.devices=auto") == table(capsys, "--config", QUICKSTART)
+
+
+def test_the_ranks_of_a_config_resolve_auto_where_lightning_would_and_refuse_an_unknown_count(monkeypatch):
+    from types import SimpleNamespace
+
+    from pl_lowprec import LowPrecisionStrategy
+    from pl_lowprec.cli.estimate import devices_of
+
+    def ranks(strategy, devices, accelerator="cpu", num_nodes=1):
+        trainer = SimpleNamespace(strategy=strategy, devices=devices, accelerator=accelerator, num_nodes=num_nodes)
+        return devices_of(trainer)
+
+    assert ranks(LowPrecisionStrategy(), "auto", accelerator="cuda") == 1  # one device, whatever the machine
+    assert ranks("lowprec", -1, accelerator="cuda") == 1
+    assert ranks("lowprec_fsdp", "auto") == 1  # one CPU process, as Lightning runs devices="auto" on a CPU
+    assert (ranks("lowprec_ddp", [0, 1]), ranks("lowprec_ddp", "2"), ranks("lowprec_ddp", 2, num_nodes=2)) == (2, 2, 4)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 8)
+    assert ranks("lowprec_fsdp", "auto", accelerator="cuda") == 8  # every GPU there is
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"trainer.devices='auto' on CUDA, .* --trainer.devices=2"):
+        ranks("lowprec_ddp", "auto", accelerator="cuda")
