@@ -44,6 +44,7 @@ from pl_lowprec.cli.config_errors import (
     with_strategy_names,
 )
 from pl_lowprec.cli.resume import check_checkpoint, check_same_run, resolve_ckpt_path
+from pl_lowprec.cli.strategy_override import strategy_names_as_classes
 from pl_lowprec.strategies.trainer_checks import batches_started, check_trainer_arguments
 
 DEFAULT_ROOT_DIR = "runs"
@@ -120,8 +121,19 @@ class LowPrecisionCLI(LightningCLI):
             rank_zero_info(f"--ckpt_path last: {doing} {resolved}; this run logs to {self.trainer.log_dir}.")
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
+        from_argv = args is None
+        given = sys.argv[1:] if from_argv else args
+        if isinstance(given, list):
+            try:
+                passed = strategy_names_as_classes(given)
+            except ValueError as err:
+                refuse(str(err))
+            args = args if passed == given else passed
         try:
-            super().parse_arguments(parser, args)
+            with warnings.catch_warnings():
+                if from_argv and args is not None:  # sys.argv, with strategy names as class_path
+                    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+                super().parse_arguments(parser, args)
         except ArgumentError as err:
             if debugging():
                 raise

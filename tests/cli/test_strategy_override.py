@@ -1,0 +1,62 @@
+"""``--trainer.strategy=lowprec_ddp`` over a config keeps the config's strategy arguments; a name of Lightning's
+that would drop them is refused. Jsonargparse read the name as a plain string, which replaced the QLoRA strategy
+whole: the run trained the full model, unquantized, without a word."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pl_lowprec.cli import main
+from pl_lowprec.cli.config_errors import ConfigurationError
+from pl_lowprec.cli.strategy_override import strategy_names_as_classes
+
+QUICKSTART = str(Path(__file__).resolve().parents[2] / "configs/quickstart.yaml")
+
+
+def printed_strategy(capsys, *args: str) -> dict:
+    with pytest.raises(SystemExit) as printed:
+        main(["fit", f"--config={QUICKSTART}", *args, "--print_config"])
+    assert printed.value.code == 0
+    return yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]
+
+
+@pytest.mark.parametrize(
+    ("name", "class_path", "start_method"),
+    [
+        ("lowprec_ddp", "pl_lowprec.LowPrecisionDDPStrategy", "popen"),
+        ("lowprec_ddp_spawn", "pl_lowprec.LowPrecisionDDPStrategy", "spawn"),
+        ("lowprec_fsdp", "pl_lowprec.LowPrecisionFSDPStrategy", None),
+    ],
+)
+def test_a_strategy_name_over_a_config_keeps_its_arguments(capsys, name, class_path, start_method):
+    strategy = printed_strategy(capsys, f"--trainer.strategy={name}", "--trainer.devices=2")
+    assert strategy["class_path"] == class_path
+    arguments = strategy["init_args"]
+    assert arguments["quantization"] == "nf4-dq"  # the quick-start's, kept
+    assert (arguments["lora"]["r"], arguments["lora"]["lora_alpha"]) == (8, 16)
+    assert arguments.get("start_method") == start_method
+
+
+def test_the_name_as_two_arguments_and_other_arguments_pass_unchanged():
+    args = ["fit", "--config", "a.yaml", "--trainer.strategy", "lowprec", "--trainer.fast_dev_run"]
+    assert strategy_names_as_classes(args) == [
+        "fit",
+        "--config",
+        "a.yaml",
+        "--trainer.strategy.class_path=pl_lowprec.LowPrecisionStrategy",
+        "--trainer.fast_dev_run",
+    ]
+    plain = ["fit", "--trainer.strategy=ddp", "--trainer.devices", "2"]  # no config strategy to drop
+    assert strategy_names_as_classes(plain) == plain
+
+
+def test_a_lightning_name_over_this_packages_strategy_is_refused(capsys):
+    with pytest.raises(ConfigurationError):
+        main(["fit", f"--config={QUICKSTART}", "--trainer.strategy=ddp", "--trainer.devices=2"])
+    said = capsys.readouterr().err
+    assert said.startswith("error: --trainer.strategy=ddp replaces the config's strategy, LowPrecisionStrategy(")
+    assert "quantization='nf4-dq'" in said and "--trainer.strategy=lowprec_ddp" in said
+    assert said.count("\n") == 1  # one paragraph, no traceback
