@@ -7,6 +7,7 @@ the strategies' names (``strategy: lowprec_ddp``) are registered.
 
 from __future__ import annotations
 
+import re
 import sys
 import warnings
 from argparse import ArgumentError
@@ -160,7 +161,13 @@ class LowPrecisionCLI(LightningCLI):
             refuse(with_strategy_names(refusal.paragraph(key)))
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
-        trainer = super().instantiate_trainer(**kwargs)
+        try:
+            trainer = super().instantiate_trainer(**kwargs)
+        except (ValueError, MisconfigurationException) as err:
+            paragraph = precision_conflict_paragraph(err)
+            if paragraph is None:
+                raise
+            raise ValueError(paragraph) from err
         check_trainer_arguments(trainer)
         use_package_callbacks(trainer)
         return trainer
@@ -190,6 +197,24 @@ def missing_loop_paragraph(subcommand: str, err: BaseException) -> str | None:
         f"{text} For the loss and perplexity of held-out files, run `pl-lowprec validate` with --data.val_files"
         " FILE and --ckpt_path CKPT; for completions of a file of prompts, `pl-lowprec generate --ckpt_path CKPT"
         " --prompts FILE --out OUT.jsonl`."
+    )
+
+
+def precision_conflict_paragraph(err: BaseException) -> str | None:
+    """Lightning's refusal of ``precision=`` beside a precision plugin (``plugins=<...AMPPrecision object at 0x..>``.
+    Choose one.``), with how to change the plugin's precision or drop it; ``None`` for any other error."""
+    found = re.search(
+        r"Received both `precision=(?P<precision>[^`]+)` and `plugins=<(?P<plugin>[\w.]+) object", str(err)
+    )
+    if found is None:
+        return None
+    precision, plugin = found["precision"], found["plugin"].rpartition(".")[2]
+    return (
+        f"trainer.precision={precision} and the precision plugin {plugin} in trainer.plugins both set the precision,"
+        " and Lightning accepts only one. To change the plugin's, set its own"
+        f" (--trainer.plugins.init_args.precision={precision}, or init_args: {{precision: {precision}}} in the"
+        " config) and leave trainer.precision unset; for Lightning's own precision instead, drop the plugin"
+        " (--trainer.plugins=[])."
     )
 
 

@@ -54,6 +54,12 @@ QUICKSTART_CASES = {
         ("--model.init_args.hidden_size=130", "hidden_size=130"),
         (f"{STRATEGY}.compile=maybe", "compile='maybe' is not allowed: it takes a bool or a dict"),
         (f'{STRATEGY}.compile={{"modee":"max"}}', "compile={'modee': 'max'} has arguments torch.compile does not take"),
+        (  # was Lightning's "Received both `precision=bf16-mixed` and `plugins=<...AMPPrecision object at 0x..>`"
+            "--trainer.precision=bf16-mixed",
+            "trainer.precision=bf16-mixed and the precision plugin AMPPrecision in trainer.plugins",
+            "(--trainer.plugins.init_args.precision=bf16-mixed, ",
+        ),
+        ("--trainer.strategy=ddp", "replaces the config's strategy, LowPrecisionStrategy(", "=lowprec_ddp (or"),
     ],
     "literal": [
         (f"{STRATEGY}.quantization=nf5", "'nf5'", "Did you mean 'nf4'?"),
