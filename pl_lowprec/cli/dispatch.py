@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pl_lowprec.cli import estimate, export, generate, make_demo_model, plan
 from pl_lowprec.cli.config_errors import refusals
 from pl_lowprec.cli.lightning_cli import build_cli
+from pl_lowprec.cli.subcommands import LIGHTNING_SUBCOMMANDS, unknown_subcommand_paragraph
 
 SUBCOMMANDS: dict[str, Callable[[list[str]], None]] = {
     "export": export.main,
@@ -33,4 +34,7 @@ def main(args: list[str] | None = None) -> None:
         with refusals(f"pl-lowprec {argv[0]}"):
             subcommand(argv[1:])
         return
+    if not argv or not (argv[0].startswith("-") or argv[0] in LIGHTNING_SUBCOMMANDS):
+        with refusals("pl-lowprec"):
+            raise ValueError(unknown_subcommand_paragraph(argv[0] if argv else None))
     build_cli(args)

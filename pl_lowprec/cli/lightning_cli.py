@@ -46,6 +46,7 @@ from pl_lowprec.cli.config_errors import (
 )
 from pl_lowprec.cli.resume import check_checkpoint, check_same_run, resolve_ckpt_path
 from pl_lowprec.cli.strategy_override import strategy_names_as_classes
+from pl_lowprec.cli.subcommands import overview
 from pl_lowprec.strategies.trainer_checks import batches_started, check_trainer_arguments
 
 DEFAULT_ROOT_DIR = "runs"
@@ -239,9 +240,5 @@ def build_cli(
         args=args,
         run=run,
         save_config_kwargs={"overwrite": True},
-        parser_kwargs={
-            "description": "pl_lowprec on LightningCLI. Also: `pl-lowprec estimate --config X.yaml` predicts the"
-            " training memory of a config before running it; `pl-lowprec export` and `pl-lowprec generate` turn a"
-            " checkpoint into a peft adapter or merged model and into completions of a file of prompts."
-        },
+        parser_kwargs={"prog": "pl-lowprec", "description": overview()},
     )

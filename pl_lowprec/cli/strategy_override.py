@@ -5,12 +5,15 @@ string that replaces the config's ``class_path`` and ``init_args`` whole: ``pl-l
 --trainer.strategy=lowprec_ddp --trainer.devices=2`` trained the full model in full precision on DDP, without its
 quantization or LoRA, and said nothing. A change of ``class_path`` keeps the ``init_args`` the new class takes
 (jsonargparse's rule for ``--model=OtherClass``), so this package's names are passed on as that change. One of
-Lightning's names (``ddp``, ``fsdp``) over this package's strategy with arguments is refused: it would drop them.
+Lightning's names (``ddp``, ``fsdp``, ``auto``) over this package's strategy with arguments is refused: it would
+drop them.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from lightning.pytorch.strategies import StrategyRegistry
 
 from pl_lowprec.cli.arguments import config_values, options, read_config
 
@@ -42,6 +45,8 @@ def strategy_names_as_classes(cli_args: list[str]) -> list[str]:
 
 
 def _refuse_dropped_arguments(name: str, cli_args: list[str]) -> None:
+    if name != "auto" and name not in StrategyRegistry:
+        return  # not a strategy name at all: refused later, with the names that are
     strategy = _configured_strategy(cli_args)
     if not isinstance(strategy, dict) or not str(strategy.get("class_path", "")).startswith("pl_lowprec."):
         return

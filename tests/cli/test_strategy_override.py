@@ -60,3 +60,10 @@ def test_a_lightning_name_over_this_packages_strategy_is_refused(capsys):
     assert said.startswith("error: --trainer.strategy=ddp replaces the config's strategy, LowPrecisionStrategy(")
     assert "quantization='nf4-dq'" in said and "--trainer.strategy=lowprec_ddp" in said
     assert said.count("\n") == 1  # one paragraph, no traceback
+
+
+def test_auto_over_this_packages_strategy_is_refused_and_a_misspelling_left_to_the_name_check():
+    with pytest.raises(ValueError, match=r"--trainer.strategy=auto replaces the config's strategy"):
+        strategy_names_as_classes(["fit", f"--config={QUICKSTART}", "--trainer.strategy=auto"])
+    misspelled = ["fit", f"--config={QUICKSTART}", "--trainer.strategy=lowprec_fsdpp"]  # "Did you mean" later
+    assert strategy_names_as_classes(misspelled) == misspelled

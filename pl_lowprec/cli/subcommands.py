@@ -1,0 +1,40 @@
+"""The ``pl-lowprec`` subcommands, each in one line: the top-level help lists them all (LightningCLI's lists its own
+four), and an unknown or missing subcommand is refused with the list and the nearest name."""
+
+from __future__ import annotations
+
+from difflib import get_close_matches
+
+LIGHTNING_SUBCOMMANDS = {
+    "fit": "train from a config",
+    "validate": "the validation loss of a checkpoint",
+    "test": "a test loop, where the module and data have one",
+    "predict": "a predict loop, where the module and data have one",
+}
+OWN_SUBCOMMANDS = {
+    "estimate": "the peak memory and step time of a config, predicted before it runs",
+    "plan": "the fastest memory settings that fit a budget, written as a config",
+    "export": "a checkpoint as a peft adapter, a merged model or a GGUF file",
+    "generate": "completions of a file of prompts, from a checkpoint or an exported model",
+    "make-demo-model": "a small pretrained model and a fine-tuning task, made locally",
+}
+
+
+def overview() -> str:
+    """Every subcommand with its line, for ``pl-lowprec --help``."""
+    lines = [f"{name} ({summary})" for name, summary in {**LIGHTNING_SUBCOMMANDS, **OWN_SUBCOMMANDS}.items()]
+    return "Low-precision fine-tuning on LightningCLI. Subcommands: " + "; ".join(lines) + "."
+
+
+def unknown_subcommand_paragraph(given: str | None) -> str:
+    """The refusal of a missing (``None``) or unknown subcommand: the names, the nearest one, where the help is."""
+    names = [*LIGHTNING_SUBCOMMANDS, *OWN_SUBCOMMANDS]
+    if given is None:
+        start = "a subcommand is needed (pl-lowprec SUBCOMMAND ...)."
+    else:
+        near = get_close_matches(given, names, n=1)
+        start = f"{given!r} is not a subcommand{f'; did you mean {near[0]!r}?' if near else '.'}"
+    return (
+        f"{start} The subcommands: {', '.join(names)}. `pl-lowprec --help` says what each does;"
+        " `pl-lowprec SUBCOMMAND --help` lists its options."
+    )

@@ -1,0 +1,52 @@
+"""The top-level help and the refusal of a missing or unknown subcommand name every subcommand, the package's own
+too: LightningCLI's listed only fit, validate, test and predict ("invalid choice: 'estimat' (choose from 'fit',
+...)"), and the usage line of ``python -m pl_lowprec`` read ``__main__.py``."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from pl_lowprec.cli import main
+from pl_lowprec.cli.subcommands import LIGHTNING_SUBCOMMANDS, OWN_SUBCOMMANDS
+
+ALL = [*LIGHTNING_SUBCOMMANDS, *OWN_SUBCOMMANDS]
+
+
+def refused(capsys, args: list[str]) -> str:
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    assert exited.value.code == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err and err.count("\n") == 1, err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("given", "start"),
+    [
+        ([], "pl-lowprec: error: a subcommand is needed"),
+        (
+            ["estimat", "--config", "x.yaml"],
+            "pl-lowprec: error: 'estimat' is not a subcommand; did you mean 'estimate'?",
+        ),
+        (["fitt"], "pl-lowprec: error: 'fitt' is not a subcommand; did you mean 'fit'?"),
+        (["train.yaml"], "pl-lowprec: error: 'train.yaml' is not a subcommand. The subcommands:"),
+    ],
+)
+def test_a_missing_or_unknown_subcommand_is_refused_with_every_name(capsys, given, start):
+    said = refused(capsys, given)
+    assert said.startswith(start), said
+    assert f"The subcommands: {', '.join(ALL)}." in said
+
+
+def test_the_help_names_every_subcommand_under_the_console_scripts_name(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["__main__.py"])  # as python -m pl_lowprec runs it
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert text.startswith("usage: pl-lowprec ")
+    for name, summary in OWN_SUBCOMMANDS.items():
+        assert f"{name} ({summary})" in text
