@@ -48,6 +48,31 @@ def other_runs_last(root: str | Path, limit: int = 3) -> list[Path]:
     return found[:limit]
 
 
+def newest_checkpoints(root: str | Path, limit: int = 3) -> list[Path]:
+    """The newest ``.ckpt`` files under ``root``, of any name."""
+    found = sorted(Path(root).glob("**/*.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True)
+    return found[:limit]
+
+
+def checkpoints_there(trainer: Any, use: str) -> str:
+    """What ``--ckpt_path last`` could have meant: other runs' ``last*.ckpt``, else the newest checkpoints of any
+    name; and, where no ``ModelCheckpoint`` sets ``save_last``, that this config never writes a ``last.ckpt``."""
+    root = trainer.default_root_dir
+    others = other_runs_last(root)
+    listed = ", ".join(map(str, others or newest_checkpoints(root)))
+    what = "Other runs' last checkpoints" if others else f"The newest checkpoints under {root!s}"
+    hint = f" {what}: {listed}; pass one as --ckpt_path to {use} it." if listed else ""
+    savers = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
+    if savers and not any(cb.save_last for cb in savers):
+        hint += (
+            " No checkpoint callback of this config sets save_last (Lightning's default does not), so its runs write"
+            " no last.ckpt: for --ckpt_path last to find them, add one that does (trainer.callbacks: class_path"
+            " pl_lowprec.callbacks.StepBoundaryCheckpoint, init_args {save_last: true}, as the shipped"
+            " finetune-causal-lm.yaml has)."
+        )
+    return hint
+
+
 def earlier_runs_last(trainer: Any) -> tuple[list[str], str | None]:
     """The ``last*.ckpt`` of the earlier runs under an auto-numbered logger (CSV, TensorBoard), ``version_*`` beside
     this run's own, and the pattern searched.
@@ -95,10 +120,9 @@ def resolve_ckpt_path(
         if allow_fresh_start:
             return None
         where = f"in {', '.join(map(repr, searched))}" if searched else "(no ModelCheckpoint callback saves one)"
-        others = ", ".join(map(str, other_runs_last(trainer.default_root_dir)))
-        hint = f" Other runs' last checkpoints: {others}; pass one as --ckpt_path to {use} it." if others else ""
         raise FileNotFoundError(
-            f"--ckpt_path last found no last checkpoint {where}; Lightning would {without}.{hint} {fix}"
+            f"--ckpt_path last found no last checkpoint {where}; Lightning would {without}."
+            f"{checkpoints_there(trainer, use)} {fix}"
         )
     path = Path(ckpt_path)
     if not path.exists() and allow_fresh_start:

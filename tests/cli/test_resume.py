@@ -75,7 +75,21 @@ def test_last_that_finds_nothing_stops_and_names_where_it_looked(run, tmp_path, 
     message = refusal(capsys, [*args, f"--trainer.default_root_dir={tmp_path}", "--ckpt_path=last"])
     assert "found no last checkpoint in '" + str(tmp_path / "lightning_logs/version_0/checkpoints") + "'" in message
     assert "--allow_fresh_start true" in message
+    assert "save_last" not in message  # this config writes a last.ckpt
     assert not any(tmp_path.iterdir())  # nothing trained, nothing written
+
+
+def test_last_without_save_last_names_the_checkpoints_there_and_why_none_is_last(run, tmp_path, capsys):
+    """Lightning's default ModelCheckpoint writes ``epoch=E-step=S.ckpt`` and no last.ckpt, so ``last`` can never
+    find a run of such a config: the refusal names the files there and the setting."""
+    args, _, last = run
+    without_save_last = [a for a in args if "ModelCheckpoint" not in a and "save_last" not in a]
+    saved = tmp_path / "lightning_logs/version_0/checkpoints/epoch=0-step=2.ckpt"
+    saved.parent.mkdir(parents=True)
+    saved.write_bytes(last.read_bytes())
+    message = refusal(capsys, [*without_save_last, f"--trainer.default_root_dir={tmp_path}", "--ckpt_path=last"])
+    assert f"The newest checkpoints under {tmp_path}: {saved}; pass one as --ckpt_path to resume it." in message
+    assert "No checkpoint callback of this config sets save_last" in message
 
 
 def test_allow_fresh_start_trains_from_scratch_when_nothing_is_found(run, tmp_path):
