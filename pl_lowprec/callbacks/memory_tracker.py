@@ -40,6 +40,7 @@ class MemoryTracker(pl.Callback):
             raise ValueError(f"MemoryTracker(activation_sample_step={activation_sample_step!r}) must be >= 0.")
         self.activation_sample_step = activation_sample_step
         self.print_summary = print_summary
+        self._files: dict[Path, Path] = {}  # the file this tracker writes in each folder, its stages in one
         self.summary: dict[str, dict[str, Any]] = {}
         self._figures: dict[str, int] = {}
         self._peak_is_per_stage = True
@@ -163,7 +164,20 @@ class MemoryTracker(pl.Callback):
 
     def _write_json(self, folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / SUMMARY_FILE).write_text(json.dumps(self.summary, indent=2, sort_keys=True))
+        if folder not in self._files:
+            self._files[folder] = unused_summary_path(folder)
+        self._files[folder].write_text(json.dumps(self.summary, indent=2, sort_keys=True))
+
+
+def unused_summary_path(folder: Path) -> Path:
+    """``memory_summary.json``, or ``memory_summary-v1.json`` (``-v2``, ...) where an earlier run's is there: a
+    run without a logger writes into ``default_root_dir``, which the next run shares. Versioned as Lightning's
+    ``ModelCheckpoint`` versions a file name already taken."""
+    path, version = folder / SUMMARY_FILE, 0
+    while path.exists():
+        version += 1
+        path = folder / f"{Path(SUMMARY_FILE).stem}-v{version}.json"
+    return path
 
 
 def gather_from_ranks(values: torch.Tensor) -> torch.Tensor:

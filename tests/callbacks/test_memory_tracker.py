@@ -129,6 +129,18 @@ def test_one_entry_per_stage_with_its_own_peak_and_no_logger(tmp_path, capsys):
     assert "Memory, fit (cpu, 1 rank, max across ranks)" in printed and "Memory, validate" in printed
 
 
+def test_a_second_run_in_the_same_folder_keeps_the_first_runs_summary(tmp_path):
+    """Without a logger both runs write into ``default_root_dir``: the second took the first's file."""
+    written, first = [], None
+    for _ in range(2):
+        trainer = quiet_trainer(max_steps=1, callbacks=[MemoryTracker(print_summary=False)], default_root_dir=tmp_path)
+        trainer.fit(TinyGPT(dim=32, layers=1, heads=2, max_len=64), _gpt_loader())
+        written.append(sorted(p.name for p in tmp_path.glob("memory_summary*.json")))
+        first = first or (tmp_path / "memory_summary.json").read_bytes()
+    assert written == [["memory_summary.json"], ["memory_summary-v1.json", "memory_summary.json"]]
+    assert (tmp_path / "memory_summary.json").read_bytes() == first
+
+
 def test_table_shows_min_where_ranks_differ():
     entry = {
         "device": "cuda",
