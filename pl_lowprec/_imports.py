@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 from functools import lru_cache
 from types import ModuleType
@@ -126,11 +127,15 @@ NOISY_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes.backends.cpu.op
 def filter_import_noise() -> None:
     """Drop torchao's and bitsandbytes' import-time noise for good (idempotent). Called when ``pl_lowprec`` is
     imported, because transformers and peft import them whenever they are installed, long before this package's
-    own imports of them run."""
+    own imports of them run. Also Lightning 2.6's warning, on every fit, that torch deprecates ``LeafSpec``: it is
+    Lightning's own call (``lightning/pytorch/utilities/_pytree.py``), with nothing for the user to change."""
     for name in NOISY_LOGGERS:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _ImportNoise) for f in logger.filters):
             logger.addFilter(_ImportNoise(torch.cuda.is_available()))
+    warnings.filterwarnings(
+        "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
+    )
 
 
 @lru_cache

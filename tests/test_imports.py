@@ -177,3 +177,19 @@ cli = build_cli(["--config", {str(ROOT / "configs/quickstart.yaml")!r}, "--train
 assert type(cli.trainer.strategy).__name__ == "LowPrecisionStrategy", cli.trainer.strategy
 """
     assert "lowprec" in _registered_after(code)
+
+
+def test_a_plain_trainer_fit_shows_no_lightning_leafspec_deprecation():
+    """Lightning 2.6 warned on every fit that torch deprecates ``LeafSpec`` (its own call, nothing to change);
+    ``import pl_lowprec`` drops it for a plain ``Trainer`` too, not only under ``pl-lowprec``."""
+    code = """
+import pl_lowprec
+from lightning.pytorch import Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+Trainer(strategy="lowprec", accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False).fit(BoringModel())
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "max_steps=1` reached" in done.stderr + done.stdout  # it did fit
+    assert "LeafSpec" not in done.stderr

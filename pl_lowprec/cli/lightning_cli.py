@@ -229,8 +229,6 @@ def build_cli(
     args: list[str] | None = None, run: bool = True, cli_class: type[LowPrecisionCLI] = LowPrecisionCLI
 ) -> LowPrecisionCLI:
     """Parse ``args``, build the Trainer, model and data, and run the subcommand; return the LightningCLI."""
-    # Lightning 2.6 warns about torch's LeafSpec on every fit; it is Lightning's own and not actionable here.
-    warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
     require_cli()
     return cli_class(
         model_class=None,

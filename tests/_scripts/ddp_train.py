@@ -13,7 +13,6 @@ Run by tests/strategies/test_ddp.py; Lightning's DDP launcher re-runs this scrip
 import dataclasses
 import os
 import sys
-import warnings
 
 import lightning.pytorch as pl
 import torch
@@ -39,7 +38,6 @@ class SGDTinyGPT(TinyGPT):
 
 
 def main(mode: str, out: str, precision: str, variant: str = "gpt", accelerator: str = "cpu") -> None:
-    warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
     ids = torch.randint(0, 256, (GLOBAL_BATCH * STEPS, 33), generator=torch.Generator().manual_seed(0))
     data = [{"input_ids": row} for row in ids]
     ddp = mode == "ddp"
