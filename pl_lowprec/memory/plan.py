@@ -98,20 +98,22 @@ class MemoryPlan:
         return next((c for c in self.candidates if c.fits), None)
 
     def table(self, rows: int = 12) -> str:
-        """The ``rows`` best candidates (all that fit first), and how many more were simulated."""
-        gib = 2**30
+        """The ``rows`` best candidates (all that fit first), and how many more were simulated; in GiB, or in MiB
+        for a budget under 1 GiB (a small model's peaks read 0.000 GiB)."""
+        unit, scale = ("GiB", 2**30) if self.budget >= 2**30 else ("MiB", 2**20)
         device = self.candidates[0].step.device if self.candidates else self.time_on
         assumed = " (assumed: no GPU with known figures here; name one with --gpu)" if self.assumed else ""
         lines = [
-            f"Budget {self.budget / gib:.2f} GiB, margin {self.margin:.0%}: a peak up to {self.limit / gib:.2f} GiB"
-            f" fits. Ranked by the predicted optimizer step on {device}{assumed}.{self._ties()}",
-            f"  {'fits':<5}{'peak GiB':>10}{'headroom GiB':>14}{'step s':>9}  settings",
+            f"Budget {self.budget / scale:.2f} {unit}, margin {self.margin:.0%}: a peak up to"
+            f" {self.limit / scale:.2f} {unit} fits. Ranked by the predicted optimizer step on {device}{assumed}."
+            f"{self._ties()}",
+            f"  {'fits':<5}{f'peak {unit}':>10}{f'headroom {unit}':>14}{'step s':>9}  settings",
         ]
         for c in self.candidates[:rows]:
             mark = "*" if c is self.chosen else " "
-            headroom = (self.limit - c.peak) / gib
+            headroom = (self.limit - c.peak) / scale
             lines.append(
-                f"{mark} {'yes' if c.fits else 'no':<5}{c.peak / gib:>10.3f}{headroom:>14.3f}"
+                f"{mark} {'yes' if c.fits else 'no':<5}{c.peak / scale:>10.3f}{headroom:>14.3f}"
                 f"{c.step.seconds:>9.3f}  {c.settings.describe()}"
             )
         if len(self.candidates) > rows:

@@ -55,7 +55,14 @@ def test_estimate_of_several_configs_is_the_estimate_of_the_config_fit_merges(tm
 def test_plan_writes_the_configs_merged_and_runs_them(tmp_path, capsys, overlay):
     out = tmp_path / "plan.yaml"
     main(["plan", f"--config={QUICKSTART}", f"--config={overlay}", "--memory=64MiB", f"--out={out}"])
-    assert f"Wrote {out}" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"Wrote {out}" in printed
+    # a budget under 1 GiB in MiB: the quick-start's peaks of a few MiB read 0.004 GiB in a GiB table
+    assert "Budget 64.00 MiB, margin 10%: a peak up to 57.60 MiB fits." in printed
+    chosen = re.search(r"^\* yes +(?P<peak>[0-9.]+) +(?P<headroom>[0-9.]+) ", printed, re.MULTILINE)
+    assert 1.0 < float(chosen["peak"]) < 57.6 and float(chosen["headroom"]) == pytest.approx(
+        57.6 - float(chosen["peak"]), abs=0.002
+    )
     text = out.read_text()
     assert text.startswith(f"# Written by pl-lowprec plan from {QUICKSTART} + {overlay}:")
     planned = yaml.safe_load(text)
