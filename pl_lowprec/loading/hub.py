@@ -15,8 +15,16 @@ def resolve_pretrained(pretrained: str | Path, check_config: bool = True) -> Pat
             )
         return path
     if path.exists() or str(pretrained).startswith((".", "/", "~")) or str(pretrained).count("/") != 1:
+        what = "is a file" if path.exists() else f"does not exist (relative to {Path.cwd()})"
+        demo = (
+            " The shipped configs' demo model is made once by `pl-lowprec make-demo-model runs/demo` (about a minute,"
+            " nothing downloaded)."
+            if path.parts[-2:] == ("demo", "model")
+            else ""
+        )
         raise ValueError(
-            f"pretrained={str(pretrained)!r} is neither a model directory nor a hub id such as 'org/name'."
+            f"pretrained={str(pretrained)!r} is neither a model directory nor a hub id such as 'org/name': the path"
+            f" {what}. Name a Hugging Face model directory (config.json and *.safetensors) or a hub id.{demo}"
         )
     from huggingface_hub import snapshot_download
 

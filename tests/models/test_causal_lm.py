@@ -183,11 +183,15 @@ def test_hub_id_without_network_says_what_to_do(monkeypatch):
         CausalLM("meta-llama/Llama-3.2-1B")
 
 
-def test_bad_arguments(tmp_path):
+def test_bad_arguments(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no runs/demo/model here, whatever the checkout holds
     with pytest.raises(ValueError, match=r"has no config.json"):
         CausalLM(str(tmp_path))
-    with pytest.raises(ValueError, match=r"is neither a model directory nor a hub id"):
+    with pytest.raises(ValueError, match=r"is neither a model directory nor a hub id.*the path does not exist") as e:
         CausalLM(str(tmp_path / "nope"))
+    assert "make-demo-model" not in str(e.value)
+    with pytest.raises(ValueError, match=r"the path does not exist .* `pl-lowprec make-demo-model runs/demo`"):
+        CausalLM("runs/demo/model")  # the shipped configs' model, not made yet
     with pytest.raises(ValueError, match=r"loss_chunk_size=0\) must be a positive"):
         CausalLM("x/y", loss_chunk_size=0)
 
