@@ -1,4 +1,4 @@
-"""``pl-lowprec export``: a training checkpoint and its config to a peft adapter directory or a merged model.
+"""``pl-lowprec export``: a training checkpoint and its config to a peft adapter directory, a merged model or GGUF.
 
     pl-lowprec export --config configs/finetune-causal-lm.yaml --ckpt_path runs/.../last.ckpt --out runs/adapter
     pl-lowprec export --config ... --ckpt_path ... --out runs/merged --merged [--dtype float32]
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from pl_lowprec.cli.rebuild import config_files, rebuild, with_config
 from pl_lowprec.cli.resume import check_checkpoint
+from pl_lowprec.cli.subcommands import description, examples
 from pl_lowprec.export.gguf_export import check_gguf_request, check_gguf_sources, export_gguf
 from pl_lowprec.export.out_paths import check_out_dir
 from pl_lowprec.export.restore import restore, sources
@@ -23,7 +24,12 @@ from pl_lowprec.export.write import check_dtype, check_export, choose_format, ex
 
 
 def main(args: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="pl-lowprec export", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="pl-lowprec export",
+        description=description("export"),
+        epilog=examples(__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--ckpt_path", required=True, help="A Lightning checkpoint (adapter-only or full).")
     parser.add_argument("--out", required=True, help="The directory to write (must be empty, or --overwrite).")
     parser.add_argument("--merged", action="store_true", help="Merge into the original weights (default: adapter).")

@@ -17,6 +17,7 @@ from pathlib import Path
 from pl_lowprec._checks import float_in, int_at_least
 from pl_lowprec.cli.rebuild import config_files, rebuild, with_config
 from pl_lowprec.cli.resume import check_checkpoint
+from pl_lowprec.cli.subcommands import description, examples
 from pl_lowprec.export.generate import (
     Decoding,
     Generator,
@@ -47,7 +48,12 @@ def from_checkpoint(
 
 
 def main(args: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="pl-lowprec generate", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="pl-lowprec generate",
+        description=description("generate"),
+        epilog=examples(__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--ckpt_path", help="A training checkpoint (with --config, or its run's config.yaml).")
     source.add_argument("--model", help="An exported directory: merged model, or peft adapter.")

@@ -7,12 +7,12 @@ import json
 from pathlib import Path
 
 from pl_lowprec._checks import int_at_least
-from pl_lowprec.demo import pretrained
+from pl_lowprec.cli.subcommands import description
 from pl_lowprec.demo.pretrained import check_out_dir, make_demo_model
 
 
 def main(args: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="pl-lowprec make-demo-model", description=pretrained.__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="pl-lowprec make-demo-model", description=description("make-demo-model"))
     parser.add_argument("out_dir", help="Writes OUT_DIR/model (Hugging Face directory) and OUT_DIR/data.")
     parser.add_argument(
         "--steps", type=int_at_least(1), default=300, help="Pre-training steps (300: about a minute on 2 cores)."

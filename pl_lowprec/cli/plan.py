@@ -26,6 +26,7 @@ from pl_lowprec._checks import int_at_least
 from pl_lowprec.cli.arguments import options, read_config
 from pl_lowprec.cli.estimate import check_devices, device_of, devices_of, precision_of
 from pl_lowprec.cli.rebuild import config_files, passed_on, rebuild_classes
+from pl_lowprec.cli.subcommands import description
 from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.export.out_paths import refuse_inputs
 from pl_lowprec.memory.devices import GPUS, device_spec
@@ -54,7 +55,7 @@ MAX_SEQ_LEN = 1 << 20
 
 
 def main(args: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="pl-lowprec plan", description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog="pl-lowprec plan", description=description("plan"), allow_abbrev=False)
     parser.add_argument(
         "--config",
         action="append",

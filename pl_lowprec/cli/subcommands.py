@@ -20,6 +20,18 @@ OWN_SUBCOMMANDS = {
 }
 
 
+def description(name: str) -> str:
+    """A subcommand's line as its ``--help`` description."""
+    summary = OWN_SUBCOMMANDS[name]
+    return f"{summary[0].upper()}{summary[1:]}."
+
+
+def examples(docstring: str) -> str:
+    """A command module's docstring after its first line (examples, and the arguments passed on to the config), as
+    its ``--help`` epilog: plain text, its indentation kept."""
+    return "examples:\n" + docstring.split("\n\n", 1)[1].replace("``", "`").rstrip()
+
+
 def overview() -> str:
     """Every subcommand with its line, for ``pl-lowprec --help``."""
     lines = [f"{name} ({summary})" for name, summary in {**LIGHTNING_SUBCOMMANDS, **OWN_SUBCOMMANDS}.items()]

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from pl_lowprec.cli import main
-from pl_lowprec.cli.subcommands import LIGHTNING_SUBCOMMANDS, OWN_SUBCOMMANDS
+from pl_lowprec.cli.subcommands import LIGHTNING_SUBCOMMANDS, OWN_SUBCOMMANDS, description
 
 ALL = [*LIGHTNING_SUBCOMMANDS, *OWN_SUBCOMMANDS]
 
@@ -50,3 +50,20 @@ def test_the_help_names_every_subcommand_under_the_console_scripts_name(capsys, 
     assert text.startswith("usage: pl-lowprec ")
     for name, summary in OWN_SUBCOMMANDS.items():
         assert f"{name} ({summary})" in text
+
+
+@pytest.mark.parametrize("name", OWN_SUBCOMMANDS)
+def test_each_subcommands_help_opens_with_its_line(capsys, name):
+    with pytest.raises(SystemExit) as exited:
+        main([name, "--help"])
+    assert exited.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert text.startswith(f"usage: pl-lowprec {name} ") and f" {description(name)} " in text
+
+
+def test_export_and_generate_help_show_their_examples_and_the_config_arguments(capsys):
+    for name, said in (("export", "go to the config"), ("generate", "restored through its config")):
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        text = capsys.readouterr().out
+        assert f"examples:\n    pl-lowprec {name} --" in text and said in " ".join(text.split())
