@@ -48,6 +48,10 @@ def config_values(cli_args: list[str]) -> list[str]:
 def read_config(value: str) -> tuple[Any, str]:
     """A ``--config`` value's fields (a YAML file's, or the YAML given inline) and where they come from, in words."""
     path = Path(value)
-    if path.is_file():
+    try:
+        is_file = path.is_file()
+    except OSError:  # YAML given inline, longer than a file name may be
+        is_file = False
+    if is_file:
         return yaml.safe_load(path.read_text()), str(path)
     return yaml.safe_load(value), "the --config given inline"

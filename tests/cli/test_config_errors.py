@@ -59,7 +59,6 @@ QUICKSTART_CASES = {
             "trainer.precision=bf16-mixed and the precision plugin AMPPrecision in trainer.plugins",
             "(--trainer.plugins.init_args.precision=bf16-mixed, ",
         ),
-        ("--trainer.strategy=ddp", "replaces the strategy set before it, LowPrecisionStrategy(", "=lowprec_ddp (or"),
     ],
     "literal": [
         (f"{STRATEGY}.quantization=nf5", "'nf5'", "Did you mean 'nf4'?"),

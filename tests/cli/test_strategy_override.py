@@ -10,7 +10,6 @@ import pytest
 import yaml
 
 from pl_lowprec.cli import main
-from pl_lowprec.cli.config_errors import ConfigurationError
 from pl_lowprec.cli.strategy_override import strategy_names_as_classes
 
 QUICKSTART = str(Path(__file__).resolve().parents[2] / "configs/quickstart.yaml")
@@ -53,18 +52,22 @@ def test_the_name_as_two_arguments_and_other_arguments_pass_unchanged():
     assert strategy_names_as_classes(plain) == plain
 
 
-def test_a_lightning_name_over_this_packages_strategy_is_refused(capsys):
-    with pytest.raises(ConfigurationError):
-        main(["fit", f"--config={QUICKSTART}", "--trainer.strategy=ddp", "--trainer.devices=2"])
-    said = capsys.readouterr().err
-    assert said.startswith("error: --trainer.strategy=ddp replaces the strategy set before it, LowPrecisionStrategy(")
-    assert "quantization='nf4-dq'" in said and "--trainer.strategy=lowprec_ddp" in said
-    assert said.count("\n") == 1  # one paragraph, no traceback
+@pytest.mark.parametrize("name", ["ddp", "auto"])
+def test_a_lightning_name_over_this_packages_strategy_is_a_choice_said_in_a_warning(name):
+    """``strategy: auto`` runs a plain reference; ``ddp`` may be a slip for ``lowprec_ddp``: both run, told."""
+    args = ["fit", f"--config={QUICKSTART}", f"--trainer.strategy={name}"]
+    with pytest.warns(UserWarning) as warned:
+        assert strategy_names_as_classes(args) == args
+    said = str(warned[0].message)
+    assert said.startswith(f"--trainer.strategy={name} replaces the strategy set before it, LowPrecisionStrategy(")
+    assert "quantization='nf4-dq'" in said and "this run trains without them" in said
+    assert "--trainer.strategy=lowprec_ddp" in said
+    inline = yaml.safe_dump({"trainer": {"strategy": name, "plugins": []}})  # a long inline YAML, as tests give
+    with pytest.warns(UserWarning, match=rf"the --config given inline sets trainer.strategy: {name}, which replaces"):
+        strategy_names_as_classes(["fit", f"--config={QUICKSTART}", f"--config={inline * 20}"])
 
 
-def test_auto_over_this_packages_strategy_is_refused_and_a_misspelling_left_to_the_name_check():
-    with pytest.raises(ValueError, match=r"--trainer.strategy=auto replaces the strategy set before it"):
-        strategy_names_as_classes(["fit", f"--config={QUICKSTART}", "--trainer.strategy=auto"])
+def test_a_misspelled_name_is_left_to_the_name_check():
     misspelled = ["fit", f"--config={QUICKSTART}", "--trainer.strategy=lowprec_fsdpp"]  # "Did you mean" later
     assert strategy_names_as_classes(misspelled) == misspelled
 
