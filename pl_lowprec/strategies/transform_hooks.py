@@ -26,6 +26,7 @@ from pl_lowprec.strategies.random_states import every_ranks_random_states, own_r
 from pl_lowprec.strategies.step_clock import StepClock
 from pl_lowprec.strategies.trainer_checks import check_trainer_arguments, check_validation_interval
 from pl_lowprec.strategies.transform_args import TransformArguments
+from pl_lowprec.strategies.unresumable_data import warn_unresumable_data
 from pl_lowprec.transforms.weight_sources import teardown_with_meta
 
 
@@ -38,6 +39,7 @@ class TransformHooks(TransformArguments):
     step_clock: StepClock | None = None  # the run's optimizer steps, where there is a prediction to set them beside
     _frozen: tuple[int, float] | None = None
     _random_states_to_set: dict[str, Any] | None = None
+    _resumed = False  # fit resumes from a checkpoint: on_train_start checks the training loader can
 
     def setup(self, trainer: pl.Trainer) -> None:
         use_package_callbacks(trainer)
@@ -119,6 +121,9 @@ class TransformHooks(TransformArguments):
         if self._random_states_to_set is not None:  # resumed: as the uninterrupted run stood at this step
             set_random_states(self._random_states_to_set)
             self._random_states_to_set = None
+        if self._resumed:
+            warn_unresumable_data(self.lightning_module.trainer, rank_zero_warn)
+            self._resumed = False
         predicted = getattr(self.prediction, "step_time", None)  # nothing timed where nothing was predicted
         self.step_clock = StepClock(predicted) if predicted is not None else None
         self._frozen = freeze_long_lived_objects()
@@ -164,6 +169,7 @@ class TransformHooks(TransformArguments):
         if warning:
             rank_zero_warn(warning)
         self._random_states_to_set = own_random_states(checkpoint, self.global_rank, self.world_size)
+        self._resumed = True
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         self.check_before_loading(self.lightning_module.trainer)  # resuming: this runs before setup
