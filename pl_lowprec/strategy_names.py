@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from importlib import import_module
+from typing import Any
 
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
@@ -28,3 +29,12 @@ def register_strategy_names() -> None:
     for name in STRATEGY_NAMES:
         if name not in StrategyRegistry:
             StrategyRegistry.register(name, _factory(name), description="pl_lowprec (imported when built)")
+
+
+def registered_strategy(name: str) -> tuple[type, dict[str, Any]] | None:
+    """The class and arguments a registered strategy name builds, without building it (this package's names as
+    their classes, not the factories above); ``None`` for a name nobody registered."""
+    if name in STRATEGY_NAMES:
+        import_module("pl_lowprec.strategies")
+    entry = dict.get(StrategyRegistry, name)  # the registry's own ``get`` builds the strategy
+    return (entry["strategy"], dict(entry["init_params"])) if entry is not None else None

@@ -26,8 +26,7 @@ from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
 from pl_lowprec.memory.fastest import COMPILED_CAVEAT, faster_settings_line
 from pl_lowprec.memory.plan import fresh_copies
 from pl_lowprec.memory.plot import plot_step
-
-SINGLE_DEVICE_NAMES = ("lowprec", "single_device")  # strategy names of one device, as a config may give them
+from pl_lowprec.strategy_names import registered_strategy
 
 
 def precision_of(trainer: Any) -> str:
@@ -119,7 +118,9 @@ def devices_of(trainer: Any) -> int:
 
 
 def _automatic_devices(trainer: Any, devices: Any) -> int:
-    if isinstance(trainer.strategy, SingleDeviceStrategy) or str(trainer.strategy) in SINGLE_DEVICE_NAMES:
+    registered = registered_strategy(str(trainer.strategy))  # a name, as a config may give it
+    strategy_class = registered[0] if registered is not None else type(trainer.strategy)
+    if isinstance(strategy_class, type) and issubclass(strategy_class, SingleDeviceStrategy):
         return 1
     if device_of(trainer) == "cpu":
         return 1  # Lightning runs one CPU process for devices="auto"

@@ -17,16 +17,17 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from pl_lowprec.cli.arguments import options, read_config
+from pl_lowprec.strategy_names import STRATEGY_NAMES, registered_strategy
 
-CLASS_OF_NAME: dict[str, tuple[str, tuple[str, ...]]] = {
-    "lowprec": ("pl_lowprec.LowPrecisionStrategy", ()),
-    "lowprec_ddp": ("pl_lowprec.LowPrecisionDDPStrategy", ("--trainer.strategy.init_args.start_method=popen",)),
-    "lowprec_ddp_spawn": (
-        "pl_lowprec.LowPrecisionDDPStrategy",
-        ("--trainer.strategy.init_args.start_method=spawn",),
-    ),
-    "lowprec_fsdp": ("pl_lowprec.LowPrecisionFSDPStrategy", ()),
-}
+
+def class_change(name: str) -> tuple[str, dict[str, Any]] | None:
+    """This package's strategy ``name`` as the public class path and the arguments its registration gives
+    (``lowprec_ddp_spawn``: ``start_method='spawn'``); ``None`` for any other name."""
+    registered = registered_strategy(name) if name in STRATEGY_NAMES else None
+    if registered is None:
+        return None
+    strategy_class, arguments = registered
+    return f"pl_lowprec.{strategy_class.__name__}", arguments
 
 
 def strategy_names_as_classes(cli_args: list[str]) -> list[str]:
@@ -39,9 +40,10 @@ def strategy_names_as_classes(cli_args: list[str]) -> list[str]:
     for option in options(cli_args):
         if option.name == "--config":
             strategy = _after_config(strategy, option.value)
-        elif option.name == "--trainer.strategy" and option.value in CLASS_OF_NAME:
-            class_path, more = CLASS_OF_NAME[option.value]
-            passed += [f"--trainer.strategy.class_path={class_path}", *more]
+        elif option.name == "--trainer.strategy" and (change := class_change(option.value)) is not None:
+            class_path, arguments = change
+            passed += [f"--trainer.strategy.class_path={class_path}"]
+            passed += [f"--trainer.strategy.init_args.{key}={value}" for key, value in arguments.items()]
             continue
         elif option.name == "--trainer.strategy":
             _warn_dropped_arguments(strategy, option.value, f"--trainer.strategy={option.value}")
@@ -54,14 +56,17 @@ def _after_config(strategy: Any, config: str) -> Any:
     """The strategy once ``config`` is read: its own where it sets one, a change of class keeping the arguments
     before it; one of this package's names over arguments refused, one of Lightning's warned of."""
     given, where = _strategy_in(config)
-    if isinstance(given, str) and given in CLASS_OF_NAME:
+    change = class_change(given) if isinstance(given, str) else None
+    if change is not None:
         message = _dropped_arguments(strategy, given, f"{where} sets trainer.strategy: {given}, which")
         if message is not None:
-            class_path = CLASS_OF_NAME[given][0]
-            spawn = ", init_args: {start_method: spawn}" if given.endswith("_spawn") else ""
+            class_path, arguments = change
+            listed = ", ".join(f"{key}: {value}" for key, value in arguments.items())
+            init_args = f", init_args: {{{listed}}}" if listed else ""
             raise ValueError(
                 f"{message} To keep them, write it as a class, which keeps the arguments it takes: strategy:"
-                f" {{class_path: {class_path}{spawn}}}; to drop them, remove the strategy from the earlier config."
+                f" {{class_path: {class_path}{init_args}}}; to drop them, remove the strategy from the earlier"
+                " config."
             )
     elif isinstance(given, str):
         _warn_dropped_arguments(strategy, given, f"{where} sets trainer.strategy: {given}, which")
