@@ -20,7 +20,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
 
-from pl_lowprec.callbacks.swap import swap_default_callbacks
+from pl_lowprec.callbacks.swap import in_place, swap_default_callbacks
 
 
 class _BatchesToMaxSteps(ProgressBar):
@@ -86,16 +86,7 @@ class StepLimitedTQDMProgressBar(_BatchesToMaxSteps, TQDMProgressBar):
 
 def use_step_limited_progress_bars(trainer: pl.Trainer) -> None:
     """Turn Lightning's own bars (its exact classes: its default, or one a user named with settings such as
-    ``refresh_rate``; a user's subclass is left as it is) into the step-limited ones, in place: the object keeps
-    its settings and the trainer it was set up with, so this may run after the callbacks' ``setup``."""
-
-    def in_place(step_limited: type[ProgressBar]) -> Any:
-        def change(bar: ProgressBar) -> ProgressBar:
-            bar.__class__ = step_limited
-            return bar
-
-        return change
-
+    ``refresh_rate``; a user's subclass is left as it is) into the step-limited ones, in place."""
     swap_default_callbacks(
         trainer,
         {RichProgressBar: in_place(StepLimitedRichProgressBar), TQDMProgressBar: in_place(StepLimitedTQDMProgressBar)},

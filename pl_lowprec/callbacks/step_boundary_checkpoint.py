@@ -29,7 +29,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 
-from pl_lowprec.callbacks.swap import swap_default_callbacks
+from pl_lowprec.callbacks.swap import in_place, swap_default_callbacks
 
 
 class StepBoundaryCheckpoint(LightningModelCheckpoint):
@@ -84,12 +84,7 @@ def run_ends_after_this_batch(trainer: pl.Trainer) -> bool:
 def use_step_boundary_checkpoints(trainer: pl.Trainer) -> None:
     """Turn each of Lightning's own ``ModelCheckpoint`` callbacks (the exact class; a user's subclass is left as
     it is) into this package's, in place: the object a user holds stays the one the Trainer calls."""
-
-    def in_place(callback: LightningModelCheckpoint) -> LightningModelCheckpoint:
-        callback.__class__ = StepBoundaryCheckpoint
-        return callback
-
-    swap_default_callbacks(trainer, {LightningModelCheckpoint: in_place})
+    swap_default_callbacks(trainer, {LightningModelCheckpoint: in_place(StepBoundaryCheckpoint)})
 
 
 def mid_step_resumption(checkpoint: Mapping[str, Any], accumulate_grad_batches: int) -> str | None:

@@ -14,3 +14,14 @@ def swap_default_callbacks(trainer: Any, swaps: Mapping[type, Callable[[Any], An
         make = swaps.get(type(callback))
         if make is not None:
             trainer.callbacks[index] = make(callback)
+
+
+def in_place(new_class: type) -> Callable[[Any], Any]:
+    """A swap that changes a callback's class and keeps the object: its arguments, and what Lightning's ``setup``
+    already gave it, so the swap may come after the callbacks' ``setup`` (as the strategies' does)."""
+
+    def change(callback: Any) -> Any:
+        callback.__class__ = new_class
+        return callback
+
+    return change
