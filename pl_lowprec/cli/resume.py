@@ -42,15 +42,9 @@ def last_checkpoints(trainer: Any) -> tuple[list[str], list[str]]:
     return sorted(found), searched
 
 
-def other_runs_last(root: str | Path, limit: int = 3) -> list[Path]:
-    """The newest ``last*.ckpt`` files under ``root``: the runs a user may have meant."""
-    found = sorted(Path(root).glob("**/last*.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True)
-    return found[:limit]
-
-
-def newest_checkpoints(root: str | Path, limit: int = 3) -> list[Path]:
-    """The newest ``.ckpt`` files under ``root``, of any name."""
-    found = sorted(Path(root).glob("**/*.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True)
+def newest_checkpoints(root: str | Path, name: str = "*.ckpt", limit: int = 3) -> list[Path]:
+    """The newest files called ``name`` under ``root`` (``last*.ckpt``: the runs a user may have meant)."""
+    found = sorted(Path(root).glob(f"**/{name}"), key=lambda p: p.stat().st_mtime, reverse=True)
     return found[:limit]
 
 
@@ -58,7 +52,7 @@ def checkpoints_there(trainer: Any, use: str) -> str:
     """What ``--ckpt_path last`` could have meant: other runs' ``last*.ckpt``, else the newest checkpoints of any
     name; and, where no ``ModelCheckpoint`` sets ``save_last``, that this config never writes a ``last.ckpt``."""
     root = trainer.default_root_dir
-    others = other_runs_last(root)
+    others = newest_checkpoints(root, "last*.ckpt")
     listed = ", ".join(map(str, others or newest_checkpoints(root)))
     what = "Other runs' last checkpoints" if others else f"The newest checkpoints under {root!s}"
     hint = f" {what}: {listed}; pass one as --ckpt_path to {use} it." if listed else ""
