@@ -46,7 +46,7 @@ from pl_lowprec.cli.config_errors import (
 )
 from pl_lowprec.cli.resume import check_checkpoint, check_same_run, resolve_ckpt_path
 from pl_lowprec.cli.strategy_override import strategy_names_as_classes
-from pl_lowprec.cli.subcommands import overview
+from pl_lowprec.cli.subcommands import LIGHTNING_SUBCOMMANDS, overview
 from pl_lowprec.strategies.trainer_checks import batches_started, check_trainer_arguments
 
 DEFAULT_ROOT_DIR = "runs"
@@ -221,7 +221,7 @@ def precision_conflict_paragraph(err: BaseException) -> str | None:
 
 def _help_tip(args: list[str] | None) -> str:
     argv = sys.argv[1:] if args is None else list(args)
-    subcommand = next((a for a in argv if a in ("fit", "validate", "test", "predict")), "")
+    subcommand = next((a for a in argv if a in LIGHTNING_SUBCOMMANDS), "")
     return f"tip: `pl-lowprec {subcommand} --help`".replace("  ", " ") + " lists the options and their types."
 
 

@@ -122,7 +122,7 @@ class TransformHooks(TransformArguments):
             set_random_states(self._random_states_to_set)
             self._random_states_to_set = None
         if self._resumed:
-            warn_unresumable_data(self.lightning_module.trainer, rank_zero_warn)
+            warn_unresumable_data(self.lightning_module.trainer)
             self._resumed = False
         predicted = getattr(self.prediction, "step_time", None)  # nothing timed where nothing was predicted
         self.step_clock = StepClock(predicted) if predicted is not None else None

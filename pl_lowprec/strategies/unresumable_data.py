@@ -13,6 +13,7 @@ import warnings
 from typing import Any
 
 from lightning.fabric.utilities.types import _Stateful
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, RandomSampler
 
 LIGHTNINGS_WARNING = "You're resuming from a checkpoint that ended before the epoch ended"
@@ -43,12 +44,12 @@ def unresumable_data_paragraph(trainer: Any) -> str | None:
     )
 
 
-def warn_unresumable_data(trainer: Any, warn: Any) -> None:
-    """``warn`` the paragraph where it applies, in place of Lightning's general warning of the same case."""
+def warn_unresumable_data(trainer: Any) -> None:
+    """The paragraph as a warning (rank zero) where it applies, in place of Lightning's general one."""
     paragraph = unresumable_data_paragraph(trainer)
     if paragraph is not None:
         warnings.filterwarnings("ignore", message=LIGHTNINGS_WARNING)
-        warn(paragraph)
+        rank_zero_warn(paragraph)
 
 
 def _kind(loader: Any) -> str:
