@@ -30,7 +30,6 @@ from lightning.pytorch.strategies.strategy import _StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 
-from pl_lowprec.callbacks.replacements import use_package_callbacks
 from pl_lowprec.distributed.mesh import data_parallel_mesh, is_sharded
 from pl_lowprec.distributed.precision import check_precision
 from pl_lowprec.distributed.process_group_exit import destroy_process_group_at_exit
@@ -156,8 +155,7 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
 
     def setup(self, trainer: pl.Trainer) -> None:
         """Transform and shard (no ``configure_model`` needed), then the precision and the optimizers."""
-        use_package_callbacks(trainer)
-        self.check_before_loading(trainer)
+        self.before_transform(trainer)
         self.accelerator.setup(trainer)
         self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)
         if not is_sharded(self.lightning_module):  # one process: no fully_shard moved it to the device

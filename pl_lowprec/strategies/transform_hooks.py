@@ -42,10 +42,15 @@ class TransformHooks(TransformArguments):
     _resumed = False  # fit resumes from a checkpoint: on_train_start checks the training loader can
 
     def setup(self, trainer: pl.Trainer) -> None:
-        use_package_callbacks(trainer)
-        self.check_before_loading(trainer)
+        self.before_transform(trainer)
         self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)
         super().setup(trainer)
+
+    def before_transform(self, trainer: pl.Trainer) -> None:
+        """The start of every strategy's ``setup`` (the FSDP one has its own): this package's callbacks in place of
+        Lightning's, then the checks before anything loads."""
+        use_package_callbacks(trainer)
+        self.check_before_loading(trainer)
 
     def check_before_loading(self, trainer: pl.Trainer) -> None:
         """Before the transform loads the model: in ``setup``, or earlier where ``fit`` resumes from a checkpoint
