@@ -52,7 +52,8 @@ class TransformArguments:
             a sharded directory with ``model.safetensors.index.json``, or a Hugging Face model directory. Loaded
             tensor by tensor; layers to be quantized are quantized as they load.
         pretrained_prefix: Turns checkpoint keys into module keys: ``"model."`` prepends to every key (a Hugging
-            Face model held as ``self.model``); ``{"model.": "net.model."}`` rewrites a prefix.
+            Face model held as ``self.model``); ``{"model.": "net.model."}`` rewrites a prefix. Not given: the
+            keys as they are, or the one prefix under which every key and shape matches (said in one line).
         qat: Quantization-aware training (torchao): ``"int8-dynamic-int4-weight"``, ``"int4-weight-only"``,
             ``"int8-weight-only"``, or a ``QATConfig`` (group size, skipped modules). Converts to the real
             quantized form at the end of fit. Not with ``quantization``.

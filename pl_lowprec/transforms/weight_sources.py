@@ -5,6 +5,7 @@ that survives a module left there by a failed load."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -16,13 +17,14 @@ from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.loading import PretrainedWeights, empty_weights, has_meta_tensors, load_pretrained
 from pl_lowprec.transforms.quantization import QuantizationConfig
 
-_LOADED_FROM = "_pl_lowprec_loaded_from"
+_LOADED_FROM = "_pl_lowprec_loaded_from"  # the PretrainedWeights the module was filled from
 
 QuantizeLayer = Callable[[nn.Linear, QuantizationConfig, torch.dtype, torch.device], nn.Module]
 
 
 def weights_for(model: nn.Module, configured: PretrainedWeights | None) -> PretrainedWeights | None:
-    """The strategy's ``pretrained=``, else what the module names as its ``pretrained_weights``."""
+    """The strategy's ``pretrained=``, else what the module names as its ``pretrained_weights``; once loaded,
+    with the prefix its keys were read with (the one taken where none was given: ``loading/key_match.py``)."""
     own = getattr(model, "pretrained_weights", None)
     if own is not None and not isinstance(own, PretrainedWeights):
         raise TypeError(f"{type(model).__name__}.pretrained_weights must be a PretrainedWeights, got {own!r}.")
@@ -31,7 +33,9 @@ def weights_for(model: nn.Module, configured: PretrainedWeights | None) -> Pretr
             f"Two sources of pretrained weights: the strategy's pretrained={str(configured.path)!r} and"
             f" {type(model).__name__}.pretrained_weights={str(own.path)!r}. Name one."
         )
-    return configured or own
+    named = configured or own
+    loaded = getattr(model, _LOADED_FROM, None)
+    return loaded if named is not None and loaded is not None and loaded.path == named.path else named
 
 
 def fill_meta_model(
@@ -62,8 +66,10 @@ def fill_meta_model(
             " pretrained= (a safetensors file or model directory) to the strategy, or build it with weights."
         )
     place = sharding.placement() if sharding is not None else None
-    load_pretrained(model, weights.path, weights.prefix, quantization, compute_dtype, device, quantize_layer, place)
-    setattr(model, _LOADED_FROM, str(weights.path))
+    report = load_pretrained(
+        model, weights.path, weights.prefix, quantization, compute_dtype, device, quantize_layer, place
+    )
+    setattr(model, _LOADED_FROM, dataclasses.replace(weights, prefix=report.prefix))
 
 
 @contextmanager

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
 from lightning_helpers import quiet_trainer
 from loading_helpers import save_llama
-from qlora_helpers import ids_loader, tiny_llama
+from qlora_helpers import frozen_state, ids_loader, tiny_llama
 
 from pl_lowprec import LowPrecisionStrategy
 from pl_lowprec.loading import empty_weights, load_pretrained
@@ -51,12 +52,56 @@ def test_shape_mismatch_is_named(tmp_path):
     _fit_fails(directory, r"Shapes differ: model.model.embed_tokens.weight: checkpoint \[256, 32\], module \[256, 64\]")
 
 
-def test_wrong_prefix_suggests_the_right_one(tmp_path):
+def test_without_a_prefix_the_one_under_which_every_key_fits_is_taken_and_said(tmp_path, caplog):
+    """A module holding the Hugging Face model as self.model, pretrained_prefix not given: 'model.' is taken, the
+    weights are those an explicit pretrained_prefix='model.' loads, and export's merge reads with it too."""
+    from pl_lowprec.export.merged import merge_into_pretrained
+
     directory = save_llama(tmp_path / "ckpt")
-    _fit_fails(directory, r"try pretrained_prefix='model.'", pretrained_prefix=None)
+    models = {}
+    for prefix in (None, "model."):
+        strategy = LowPrecisionStrategy(pretrained=directory, pretrained_prefix=prefix, lora={"r": 4})
+        trainer = quiet_trainer(strategy=strategy, max_steps=1)
+        with trainer.init_module(empty_init=True):
+            models[prefix] = tiny_llama()
+        with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+            trainer.fit(models[prefix], ids_loader(batches=1))
+        assert strategy.transform.weights_for(models[prefix]).prefix == "model."
+    said = [r.getMessage() for r in caplog.records if "took pretrained_prefix=" in r.getMessage()]
+    assert said == [
+        f"pretrained={str(directory)!r}: took pretrained_prefix='model.', under which every key and shape of the"
+        " checkpoint matches TinyLlama's (name pretrained_prefix to choose another)."
+    ]
+    inferred, named = (frozen_state(models[p]) for p in (None, "model."))  # the base weights, as loaded
+    assert inferred.keys() == named.keys() and len(named) > 0
+    for key, value in named.items():
+        assert torch.equal(inferred[key], value), key
+    out = tmp_path / "merged"
+    out.mkdir()
+    weights = LowPrecisionStrategy(pretrained=directory).transform.weights_for(models[None])
+    assert merge_into_pretrained(models[None], weights, out)["merged"] > 0
+
+
+def test_a_prefix_is_taken_only_where_every_key_fits(tmp_path):
+    one_layer = save_llama(tmp_path / "ckpt", layers=1)
+    _fit_fails(
+        one_layer,
+        r"does not fit TinyLlama \(with pretrained_prefix='model.', the prefix its keys suggest\); nothing was"
+        r" loaded. Missing from the checkpoint: model.model.layers.1.self_attn.q_proj.weight",
+        pretrained_prefix=None,
+    )
+    causal_lm = save_llama(tmp_path / "two")
+    with pytest.raises(ValueError, match=r"\(with pretrained_prefix=\{'model.': ''\}, the prefix its keys suggest\)"):
+        load_pretrained(_meta_llama().model.model, causal_lm)  # a LlamaModel: lm_head.weight has no place
+
+
+def test_a_wrong_prefix_given_suggests_the_right_one(tmp_path):
+    directory = save_llama(tmp_path / "ckpt")
     model = _meta_llama()
-    with pytest.raises(ValueError, match=r"try pretrained_prefix=\{'model.': ''\}"):
-        load_pretrained(model.model, directory, prefix="model.")  # model.model.* for an inner LlamaForCausalLM
+    with pytest.raises(ValueError, match=r"\(with pretrained_prefix='model.'\).*as they are: leave out pretrained_"):
+        load_pretrained(model.model, directory, prefix="model.")  # the inner LlamaForCausalLM: the files' own keys
+    with pytest.raises(ValueError, match=r"\(with pretrained_prefix='net.'\).*try pretrained_prefix='model.'"):
+        load_pretrained(_meta_llama(), directory, prefix="net.")
 
 
 def test_path_that_does_not_exist():

@@ -1,0 +1,153 @@
+"""Which checkpoint key fills which module tensor, checked from the file headers before anything is read.
+
+A module that holds a Hugging Face model as ``self.model`` has every key of the checkpoint one prefix deeper
+(``model.model.layers.0...`` against ``model.layers.0...``). Where ``pretrained_prefix`` is not given and exactly
+one prefix makes every key and every shape match, it is taken and said in one line, as ``from_pretrained`` takes
+a model's ``base_model_prefix``; anything short of a full match is refused, naming every missing, unexpected and
+mis-shaped key and the prefix to try.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from pl_lowprec.loading.sources import CheckpointIndex, resolve_checkpoint
+
+Prefix = str | Mapping[str, str] | None
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One place a tensor lives in the module: ``owner._parameters[attr]`` or ``owner._buffers[attr]``."""
+
+    owner: str
+    attr: str
+    is_param: bool
+
+
+class CheckpointMismatch(ValueError):
+    """The checkpoint's keys or shapes are not the module's; ``suggested_prefix`` would map the one onto the
+    other where the keys differ by a prefix."""
+
+    def __init__(self, message: str, suggested_prefix: Prefix) -> None:
+        super().__init__(message)
+        self.suggested_prefix = suggested_prefix
+
+
+def slots(model: nn.Module) -> tuple[dict[str, Slot], list[list[str]]]:
+    """Every state-dict key (parameters, persistent buffers) and the groups of keys that share one tensor."""
+    found: dict[str, Slot] = {}
+    groups: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        tensors = [(a, t, True) for a, t in module._parameters.items()]
+        tensors += [(a, t, False) for a, t in module._buffers.items() if a not in module._non_persistent_buffers_set]
+        for attr, tensor, is_param in tensors:
+            if tensor is None:
+                continue
+            key = f"{name}.{attr}" if name else attr
+            found[key] = Slot(name, attr, is_param)
+            groups.setdefault(id(tensor), []).append(key)
+    return found, list(groups.values())
+
+
+def check_against(
+    model: nn.Module, index: CheckpointIndex, prefix: Prefix = None, inferred: bool = False
+) -> dict[str, str]:
+    """For each tensor group, the key to read it from; ``CheckpointMismatch`` naming every missing, unexpected and
+    mis-shaped key."""
+    module_slots, groups = slots(model)
+    state = dict(model.state_dict(keep_vars=True))
+    chosen: dict[str, str] = {}
+    missing: list[str] = []
+    for keys in groups:
+        present = [k for k in keys if k in index.tensors]
+        if present:
+            chosen[keys[0]] = present[0]
+        else:
+            missing.append(keys[0])
+    unexpected = [k for k in index.tensors if k not in module_slots]
+    mis_shaped = [
+        f"{k}: checkpoint {list(index.tensors[k].shape)}, module {list(state[k].shape)}"
+        for k in chosen.values()
+        if tuple(state[k].shape) != index.tensors[k].shape
+    ]
+    if missing or unexpected or mis_shaped:
+        file_keys = [info.key for info in index.tensors.values()]  # as the files name them, before any prefix
+        hint = suggest_prefix(list(module_slots), file_keys) if missing and unexpected else None
+        message = _mismatch_message(model, index, prefix, inferred, missing, unexpected, mis_shaped, hint)
+        raise CheckpointMismatch(message, hint)
+    return chosen
+
+
+def fitting_index(
+    model: nn.Module, source: str | Path, prefix: Prefix
+) -> tuple[CheckpointIndex, dict[str, str], Prefix]:
+    """The checkpoint's index under ``prefix``, the key each tensor group reads, and the prefix used: the one
+    given, or, where none was given, the one prefix under which every key and shape matches."""
+    index = resolve_checkpoint(source, prefix)
+    try:
+        return index, check_against(model, index, prefix), prefix
+    except CheckpointMismatch as mismatch:
+        guess = mismatch.suggested_prefix
+        if prefix is not None or not guess:
+            raise
+    index = resolve_checkpoint(source, guess)
+    chosen = check_against(model, index, guess, inferred=True)
+    rank_zero_info(
+        f"pretrained={str(index.source)!r}: took pretrained_prefix={guess!r}, under which every key and shape of"
+        f" the checkpoint matches {type(model).__name__}'s (name pretrained_prefix to choose another)."
+    )
+    return index, chosen, guess
+
+
+def _shown(keys: list[str], limit: int = 8) -> str:
+    return ", ".join(keys[:limit]) + (f", ... ({len(keys)} in all)" if len(keys) > limit else "")
+
+
+def _mismatch_message(model, index, prefix, inferred, missing, unexpected, mis_shaped, hint) -> str:
+    parts = [f"pretrained={str(index.source)!r} does not fit {type(model).__name__}"]
+    if prefix:
+        origin = ", the prefix its keys suggest" if inferred else ""
+        parts[0] += f" (with pretrained_prefix={prefix!r}{origin})"
+    parts[0] += "; nothing was loaded."
+    if missing:
+        parts.append(f"Missing from the checkpoint: {_shown(missing)}.")
+    if unexpected:
+        parts.append(f"In the checkpoint but not in the module: {_shown(unexpected)}.")
+    if mis_shaped:
+        parts.append(f"Shapes differ: {_shown(mis_shaped, 4)}.")
+    if hint == "" and prefix:
+        parts.append("The module's keys are the checkpoint's as they are: leave out pretrained_prefix.")
+    elif hint:
+        parts.append(f"The module's keys are the checkpoint's with another prefix: try pretrained_prefix={hint!r}.")
+    elif mis_shaped:
+        parts.append("Build the module with the checkpoint's config (sizes, vocabulary).")
+    return " ".join(parts)
+
+
+def suggest_prefix(module_keys: list[str], file_keys: list[str]) -> str | dict[str, str] | None:
+    """The prefix that makes most of the files' keys module keys, if there is one; ``""`` where most are already."""
+    module_set = set(module_keys)
+    if sum(k in module_set for k in file_keys) > len(file_keys) // 2:
+        return ""
+    candidates: dict[str | tuple[str, str], int] = {}
+    for fk in file_keys[:16]:
+        for mk in module_keys:
+            if mk.endswith("." + fk):
+                candidates[mk[: -len(fk)]] = candidates.get(mk[: -len(fk)], 0) + 1
+            elif fk.endswith("." + mk):
+                pair = (fk[: -len(mk)], "")
+                candidates[pair] = candidates.get(pair, 0) + 1
+    if not candidates:
+        return None
+    best = max(candidates, key=candidates.get)
+    if isinstance(best, tuple):
+        hits = sum(k.removeprefix(best[0]) in module_set for k in file_keys)
+        return {best[0]: ""} if hits > len(file_keys) // 2 else None
+    hits = sum(best + k in module_set for k in file_keys)
+    return best if hits > len(file_keys) // 2 else None
