@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningCLI, _get_module_type, _InstantiatorFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 # The package's classes, imported so that a config can name them by short name; strategies also registers the
@@ -44,6 +44,7 @@ from pl_lowprec.cli.config_errors import (
     refuse,
     with_strategy_names,
 )
+from pl_lowprec.cli.empty_model import EmptyWhenPretrained
 from pl_lowprec.cli.resume import check_checkpoint, check_same_run, resolve_ckpt_path
 from pl_lowprec.cli.strategy_override import strategy_names_as_classes
 from pl_lowprec.cli.subcommands import LIGHTNING_SUBCOMMANDS, overview
@@ -143,6 +144,10 @@ class LowPrecisionCLI(LightningCLI):
 
     def _add_instantiators(self) -> None:
         super()._add_instantiators()  # Lightning's, for the model and data (their hyperparameters)
+        model_type = _get_module_type(self._model_class)
+        lightnings = _InstantiatorFn(cli=self, key="model")
+        empty = EmptyWhenPretrained(lightnings, self._subcommand_config)  # pretrained= on the strategy fills it
+        self.parser.add_instantiator(empty, model_type, subclasses=self.subclass_mode_model, prepend=True)
         self.class_refusals = ClassRefusals()
         self.parser.add_instantiator(self.class_refusals, object)  # every other class
 

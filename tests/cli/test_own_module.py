@@ -1,0 +1,74 @@
+"""A LightningModule of the user's own, holding a Hugging Face model as ``self.model`` and building it in
+``__init__``, through ``pl-lowprec fit`` with ``pretrained=`` on the strategy, then ``export --merged``: the CLI
+builds it on the meta device (``cli/empty_model.py``) and the keys' ``model.`` prefix is taken (``key_match.py``)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import yaml
+from loading_helpers import save_llama
+from safetensors.torch import load_file
+
+from pl_lowprec.cli import main
+
+pytest.importorskip("bitsandbytes")
+pytest.importorskip("peft")
+
+OWN_MODULE = """
+import lightning as L
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+
+class MyLM(L.LightningModule):
+    def __init__(self, config_dir: str):
+        super().__init__()
+        self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir))
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+
+class Bytes(L.LightningDataModule):
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0)))
+"""
+
+
+def test_own_module_built_in_init_is_filled_from_the_strategys_pretrained_and_exports(tmp_path, monkeypatch, caplog):
+    pretrained = save_llama(tmp_path / "pretrained")
+    (tmp_path / "own_lm.py").write_text(OWN_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    config = {
+        "trainer": {
+            "max_steps": 2,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "strategy": {
+                "class_path": "pl_lowprec.LowPrecisionStrategy",
+                "init_args": {"quantization": "nf4", "lora": {"r": 4}, "pretrained": str(pretrained)},
+            },
+        },
+        "model": {"class_path": "own_lm.MyLM", "init_args": {"config_dir": str(pretrained)}},
+        "data": {"class_path": "own_lm.Bytes"},
+    }
+    (tmp_path / "own.yaml").write_text(yaml.safe_dump(config))
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+        main(["fit", "--config", "own.yaml"])
+    assert sum("took pretrained_prefix='model.'" in r.getMessage() for r in caplog.records) == 1
+    (checkpoint,) = tmp_path.glob("runs/lightning_logs/version_0/checkpoints/*.ckpt")
+    assert torch.load(checkpoint, weights_only=False)["global_step"] == 2
+
+    main(["export", "--ckpt_path", str(checkpoint), "--out", "merged", "--merged"])
+    original, merged = load_file(pretrained / "model.safetensors"), load_file(tmp_path / "merged/model.safetensors")
+    assert merged.keys() == original.keys()
+    assert torch.equal(merged["model.norm.weight"], original["model.norm.weight"])  # not adapted: as it was
+    changed = [k for k in original if not torch.equal(merged[k], original[k])]
+    assert changed and all(k.endswith("proj.weight") for k in changed)  # the LoRA deltas, merged in
