@@ -21,15 +21,18 @@ ShardPolicy = CheckpointPolicy
 
 
 def shard_units(model: nn.Module, policy: ShardPolicy | None) -> list[tuple[str, nn.Module]]:
-    """The blocks that each become one FSDP unit (``"auto"``, from ``activation_checkpointing="auto"``: the blocks
-    the model declares); ``ValueError`` listing the model's classes if none is named."""
-    policy = resolved_blocks(model, policy)
+    """The blocks that each become one FSDP unit; where none are named (``None``, or ``"auto"`` from
+    ``activation_checkpointing="auto"``), the blocks the model declares (Hugging Face's ``_no_split_modules``, its
+    decoder layer, as accelerate's FSDP wraps by default); ``ValueError`` listing the model's classes if it
+    declares none."""
+    policy = resolved_blocks(model, "auto" if policy is None else policy)
     if policy is None:
         classes = sorted({type(m).__name__ for m in model.modules()})
         raise ValueError(
-            f"strategy='lowprec_fsdp' needs to know which blocks of {type(model).__name__} to shard: pass"
-            " shard_modules= (or activation_checkpointing=, whose blocks are then the shard units), e.g. the"
-            f" decoder layer class. The model contains these classes: {', '.join(classes)}."
+            f"strategy='lowprec_fsdp' needs to know which blocks of {type(model).__name__} to shard, and it declares"
+            " none (no Hugging Face model with _no_split_modules in it): pass shard_modules= (or"
+            " activation_checkpointing=, whose blocks are then the shard units), e.g. the decoder layer class."
+            f" The model contains these classes: {', '.join(classes)}."
         )
     return select_modules(model, policy, argument="shard_modules")
 

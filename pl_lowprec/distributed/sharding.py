@@ -21,6 +21,7 @@ from pl_lowprec._imports import import_torchao_nf4
 from pl_lowprec.distributed.mesh import is_sharded
 from pl_lowprec.distributed.meta_init import Placement, initialize_meta_modules, keep_local_rows
 from pl_lowprec.distributed.shard import ShardPolicy, check_trainable_dtypes, shard_model, shard_units
+from pl_lowprec.transforms.checkpointing import declared_blocks
 from pl_lowprec.transforms.nf4 import (
     NF4Layout,
     check_layout,
@@ -66,7 +67,13 @@ class Sharding:
         """Everything that can be wrong with the model, before any weight is loaded or quantized."""
         if is_sharded(model):
             return
-        shard_units(model, self.units)
+        units = shard_units(model, self.units)
+        if self.units is None:
+            kinds = ", ".join(declared_blocks(model))
+            rank_zero_info(
+                f"FSDP2 shard units: the {len(units)} {kinds} blocks {type(model).__name__} declares (Hugging Face's"
+                " _no_split_modules); shard_modules= names others."
+            )
         if config is not None:
             scaler_sizes = check_layout(model, config, self.layout, self.world_size)
             if self.layout.is_auto and scaler_sizes:

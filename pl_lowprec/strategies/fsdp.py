@@ -58,8 +58,8 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
 
     Args:
         shard_modules: Blocks that each form a shard unit (classes, class names or a predicate); default: the
-            ``activation_checkpointing`` blocks (with ``"auto"``, the blocks the model declares, whatever is
-            checkpointed).
+            ``activation_checkpointing`` blocks, else (none named, or ``"auto"``) the blocks the model declares
+            (Hugging Face's ``_no_split_modules``: its decoder layers), whatever is checkpointed.
         reshard_after_forward: Free each unit's gathered weights after its forward (less memory, one more
             all-gather per unit in backward).
         cpu_offload: Keep sharded parameters, gradients and optimizer state in CPU memory (CUDA only).

@@ -426,7 +426,6 @@ def _scale_state(trainer) -> dict | None:
 def bad(world, out, precision) -> dict:
     cases = {
         "unknown_unit": {"shard_modules": "DecoderBlock"},
-        "no_unit": {"shard_modules": None},
         "block_split": {"shard_modules": "LlamaDecoderLayer", "nf4_scaler_block_size": 64},
         "cpu_offload": {"shard_modules": "LlamaDecoderLayer", "nf4_scaler_block_size": 32, "cpu_offload": True},
     }

@@ -81,8 +81,20 @@ def test_unknown_shard_unit_lists_the_model_classes():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     with pytest.raises(ValueError, match=r"shard_modules: 'Block' matches no module.*Linear, ReLU, Sequential"):
         shard_units(model, "Block")
-    with pytest.raises(ValueError, match=r"pass shard_modules=.*Linear, ReLU, Sequential"):
+    with pytest.raises(ValueError, match=r"it declares none .*: pass shard_modules=.*Linear, ReLU, Sequential"):
         shard_units(model, None)
+
+
+def test_without_shard_modules_the_units_are_the_blocks_the_model_declares():
+    """A Hugging Face model inside a module of the user's own: its _no_split_modules, as accelerate wraps."""
+    from loading_helpers import llama_config
+    from transformers import LlamaForCausalLM
+
+    holder = nn.Module()
+    holder.model = LlamaForCausalLM(llama_config(layers=3))
+    for policy in (None, "auto"):
+        units = shard_units(holder, policy)
+        assert [name for name, _ in units] == [f"model.model.layers.{i}" for i in range(3)]
 
 
 def test_the_root_runs_the_step_methods_the_module_defines():
