@@ -14,7 +14,8 @@ free it; its own time let the thread finish in the other 23: there it is a mitig
 ``python benchmarks/gloo_exit_race.py`` repeats it.
 
 Rank 0 also waits for the ranks it launched (Lightning's launcher starts them as its child processes) before it
-destroys its group: ``pl-lowprec fit`` returns when every rank is done, as under ``torchrun``.
+destroys its group: ``pl-lowprec fit`` returns when every rank is done, as under ``torchrun``, with rank 0's exit
+status, or a failed rank's where rank 0 ended well (``launched_ranks.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import subprocess
 from typing import Any
 
 import torch.distributed as dist
+
+from pl_lowprec.distributed.launched_ranks import exit_as_failed_ranks, mark_exiting, spare_leaving_rank_zero
 
 # How long rank 0 waits at exit for each rank it launched; a rank that is stuck is left to Lightning's launcher.
 LAUNCHED_RANKS_WAIT_S = 120.0
@@ -41,15 +44,19 @@ def destroy_process_group_at_exit(strategy: Any = None) -> None:
     global _registered
     launched = getattr(getattr(strategy, "launcher", None), "procs", ())
     _launched.extend(proc for proc in launched if proc not in _launched)
+    if launched:
+        spare_leaving_rank_zero()
     if not _registered:
         atexit.register(_destroy_default_process_group)
         _registered = True
 
 
 def _destroy_default_process_group() -> None:
+    mark_exiting()
     for proc in _launched:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=LAUNCHED_RANKS_WAIT_S)
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
         gc.collect()  # while the interpreter is whole: the group's last holders go, and its threads are joined
+    exit_as_failed_ranks(_launched)

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from pl_lowprec.callbacks.replacements import use_package_callbacks
 from pl_lowprec.callbacks.step_boundary_checkpoint import mid_step_resumption
+from pl_lowprec.distributed.launched_ranks import mark_failing
 from pl_lowprec.memory.budget import check_memory_budget, first_training_batch, training_loader
 from pl_lowprec.strategies.auto_settings import choose_memory_settings, run_interconnect
 from pl_lowprec.strategies.garbage_collection import freeze_long_lived_objects, unfreeze
@@ -45,6 +46,12 @@ class TransformHooks(TransformArguments):
         self.before_transform(trainer)
         self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)
         super().setup(trainer)
+
+    def on_exception(self, exception: BaseException) -> None:
+        """A failing rank 0 keeps its own exit status: Lightning's launcher would kill it when the other ranks fail
+        the same way first (``distributed/launched_ranks.py``)."""
+        mark_failing()
+        super().on_exception(exception)
 
     def before_transform(self, trainer: pl.Trainer) -> None:
         """The start of every strategy's ``setup`` (the FSDP one has its own): this package's callbacks in place of

@@ -30,6 +30,8 @@ def test_rank_zero_waits_for_the_ranks_it_launched_before_destroying_its_group(t
     registered, events = [], []
 
     class LaunchedRank:
+        returncode = 0
+
         def wait(self, timeout):
             events.append(("waited", timeout, dist.is_initialized()))
             return 0
