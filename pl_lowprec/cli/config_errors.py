@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from pl_lowprec._checks import CannotRunHere
 from pl_lowprec.strategy_names import STRATEGY_NAMES
@@ -52,8 +53,12 @@ def debugging() -> bool:
 
 
 def refuse(message: str, prog: str | None = None) -> NoReturn:
-    """Print ``error: <message>`` (``<prog>: error: ...``, as argparse words it) to stderr and exit with status 2."""
-    sys.stderr.write(f"{prog + ': ' if prog else ''}error: {message.strip()}\n")
+    """Print ``error: <message>`` (``<prog>: error: ...``, as argparse words it) to stderr and exit with status 2.
+    A rank other than 0 of a multi-process run says which it is (``[rank: 1] error: ...``), as Lightning's
+    messages do: every rank that refuses prints its paragraph."""
+    rank = getattr(rank_zero_only, "rank", 0)
+    where = f"[rank: {rank}] " if rank else ""
+    sys.stderr.write(f"{where}{prog + ': ' if prog else ''}error: {message.strip()}\n")
     sys.stderr.flush()
     raise ConfigurationError(message)
 

@@ -314,3 +314,16 @@ def test_jsonargparse_debug_shows_the_original_error(monkeypatch, tmp_path):
     args = ["fit", f"--config={QUICKSTART}", *FAST, f"--trainer.default_root_dir={tmp_path}"]
     with pytest.raises(ValueError, match="Union subtypes"):
         main([*args, f"{STRATEGY}.checkpoint_every_n=0"])
+
+
+def test_a_rank_other_than_zero_says_which_it_is(capsys, monkeypatch):
+    """Each rank of a multi-process run that refuses prints its paragraph; the second one names its rank."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    from pl_lowprec.cli.config_errors import ConfigurationError, refuse
+
+    for rank, start in ((0, "error: "), (1, "[rank: 1] error: ")):
+        monkeypatch.setattr(rank_zero_only, "rank", rank)
+        with pytest.raises(ConfigurationError):
+            refuse("shard_modules: 'Block' matches no module.")
+        assert capsys.readouterr().err == f"{start}shard_modules: 'Block' matches no module.\n"
