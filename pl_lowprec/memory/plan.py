@@ -139,7 +139,8 @@ class MemoryPlan:
         advice = {
             "weights": "quantize the base weights (allow_quantization / quantization: nf4-dq), or shard them over"
             " more devices (lowprec_fsdp with --devices N)",
-            "activations": "shorter sequences (data seq_len), or activation offloading on a GPU",
+            "activations": "shorter sequences (TextDataModule's seq_len, or the rows your data module makes), or"
+            " activation offloading on a GPU",
             "temporaries": "shorter sequences (a smaller micro-batch is already tried), or a smaller loss chunk"
             " (CausalLM loss_chunk_size) where the logits dominate",
             "optimizer_state": "the 8-bit optimizer or fewer trainable parameters (a smaller LoRA rank)",
