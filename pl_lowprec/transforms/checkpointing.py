@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pl_lowprec.memory.activations import note_checkpoint_inputs
+from pl_lowprec.transforms.checkpoint_cache import without_cache
 from pl_lowprec.transforms.selective_checkpointing import selective_contexts, traced_full_checkpoint_args
 
 CheckpointPolicy = type[nn.Module] | str | Iterable[type[nn.Module] | str] | Callable[[nn.Module, str], bool]
@@ -41,6 +42,7 @@ class CheckpointedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.forward(*args, **kwargs)
+        kwargs = without_cache(self.forward, kwargs)  # the recompute would write a KV cache a second time
         if not torch.compiler.is_compiling():  # a compiled block saves its inputs through autograd, counted there
             note_checkpoint_inputs([*args, *kwargs.values()])
         if self.impl == "non_reentrant":

@@ -123,3 +123,42 @@ def test_hugging_face_llama_decoder_layers():
     assert ckpt_bytes <= 0.5 * plain_bytes
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name])
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_a_model_called_with_its_kv_cache_trains_as_without_it(mode, caplog, monkeypatch):
+    """``model(input_ids=..., labels=...)`` as a module's training_step writes it: the config's use_cache=True makes a
+    DynamicCache, which a recompute wrote twice (selective checkpointing stopped at the first backward). Each
+    checkpointed layer runs without it, as transformers' gradient checkpointing does, and says so once."""
+    import logging
+
+    transformers = pytest.importorskip("transformers")
+    from pl_lowprec.transforms import checkpoint_cache
+
+    monkeypatch.setattr(checkpoint_cache, "_said", False)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=True,
+    )
+    torch.manual_seed(0)
+    plain = transformers.LlamaForCausalLM(config)
+    ckpt = copy.deepcopy(plain)
+    set_activation_checkpointing(ckpt, "LlamaDecoderLayer", mode=mode)
+    ids = _ids()
+    plain(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+        for _ in range(2):
+            ckpt.zero_grad()
+            out = ckpt(input_ids=ids, labels=ids)  # the config's use_cache=True
+            out.loss.backward()
+    assert out.past_key_values is None or out.past_key_values.get_seq_length() == 0  # no layer wrote it
+    for (name, expected), actual in zip(plain.named_parameters(), ckpt.parameters(), strict=True):
+        torch.testing.assert_close(actual.grad, expected.grad, msg=name)
+    said = [r.getMessage() for r in caplog.records if "with a KV cache" in r.getMessage()]
+    assert len(said) == 1 and "each checkpointed LlamaDecoderLayer runs without it" in said[0]
