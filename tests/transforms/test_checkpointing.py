@@ -16,6 +16,23 @@ def _gpt(layers=8):
     return TinyGPT(dim=32, layers=layers, heads=2, max_len=64)
 
 
+def _llama(layers, num_attention_heads=2, **kwargs):
+    """A seeded tiny Hugging Face Llama (2 key/value heads)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **kwargs,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
 def _ids():
     return torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(1))
 
@@ -97,18 +114,7 @@ def test_invalid_every_n(bad):
 
 
 def test_hugging_face_llama_decoder_layers():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    plain = transformers.LlamaForCausalLM(config)
+    plain = _llama(layers=4)
     ckpt = copy.deepcopy(plain)
     assert set_activation_checkpointing(ckpt, "LlamaDecoderLayer") == [f"model.layers.{i}" for i in range(4)]
     ids = _ids()
@@ -132,22 +138,10 @@ def test_a_model_called_with_its_kv_cache_trains_as_without_it(mode, caplog, mon
     checkpointed layer runs without it, as transformers' gradient checkpointing does, and says so once."""
     import logging
 
-    transformers = pytest.importorskip("transformers")
     from pl_lowprec.transforms import checkpoint_cache
 
     monkeypatch.setattr(checkpoint_cache, "_said", False)
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        use_cache=True,
-    )
-    torch.manual_seed(0)
-    plain = transformers.LlamaForCausalLM(config)
+    plain = _llama(layers=3, num_attention_heads=4, use_cache=True)  # GQA: 2 key/value heads
     ckpt = copy.deepcopy(plain)
     set_activation_checkpointing(ckpt, "LlamaDecoderLayer", mode=mode)
     ids = _ids()
