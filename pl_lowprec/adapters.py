@@ -24,7 +24,7 @@ from torch import nn
 
 from pl_lowprec._imports import import_peft
 from pl_lowprec.distributed.mesh import full_tensor
-from pl_lowprec.transforms.lora import ADAPTER_NAME, lora_layers
+from pl_lowprec.transforms.lora import ADAPTER_NAME, lora_layers, trained_copies
 from pl_lowprec.transforms.nf4 import dequantize_nf4, is_nf4
 from pl_lowprec.transforms.quantization import is_quantized
 
@@ -137,6 +137,9 @@ def export_adapter(
         for k, v in base.state_dict().items()
         if "lora_" in k and marker in k
     }
+    for name, wrapper in trained_copies(base).items():  # modules_to_save: peft saves them under their own names
+        own = wrapper.adapter_state_dict(ADAPTER_NAME, wrapper.state_dict())
+        tensors |= {f"base_model.model.{name}.{k}": full_tensor(v.detach()).cpu().contiguous() for k, v in own.items()}
     save_file(tensors, str(directory / "adapter_model.safetensors"))
     return directory
 

@@ -1,5 +1,6 @@
 """Adapter-only checkpoints: small, resume exactly into a freshly quantized base, export for peft."""
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning_helpers import quiet_trainer
@@ -136,3 +137,39 @@ def test_merged_dequantized_state_dict_loads_into_the_plain_model():
     with torch.no_grad():
         merged_logits = plain(input_ids=ids).logits.float()
     torch.testing.assert_close(merged_logits, _logits(trained, ids, bf16_autocast=False), atol=1e-4, rtol=1e-4)
+
+
+class _Classifier(pl.LightningModule):
+    """A module of the user's own: a Hugging Face sequence classifier, whose score head is new (random)."""
+
+    def __init__(self):
+        super().__init__()
+        from loading_helpers import llama_config
+        from transformers import LlamaForSequenceClassification
+
+        torch.manual_seed(3)
+        self.model = LlamaForSequenceClassification(llama_config(num_labels=2, pad_token_id=0))
+
+    def training_step(self, batch, batch_idx):
+        ids = batch["input_ids"].clamp(min=1)  # 0 is the padding token
+        return self.model(input_ids=ids, labels=(ids[:, 0] % 2)).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+
+def test_a_classifiers_new_head_trains_with_task_type_and_exports_with_the_adapters(tmp_path):
+    """lora task_type='SEQ_CLS' trains the score head whole, as peft's get_peft_model does (it stayed frozen at its
+    random init), and the exported adapter holds it: peft reloads the trained classifier exactly."""
+    trained = _Classifier()
+    head = trained.model.score.weight.detach().clone()
+    strategy = LowPrecisionStrategy(lora={"r": 4, "lora_alpha": 8, "task_type": "SEQ_CLS"})
+    quiet_trainer(strategy=strategy, max_steps=3).fit(trained, ids_loader(batches=3))
+    assert not torch.equal(trained.model.score.modules_to_save["default"].weight, head)
+
+    directory = export_adapter(trained, tmp_path / "adapter")
+    reloaded = peft.PeftModel.from_pretrained(_Classifier().model, str(directory))  # the same random base
+    ids = ids_loader(batches=1).dataset[0]["input_ids"][None].clamp(min=1)
+    trained.eval(), reloaded.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, trained.model(input_ids=ids).logits)

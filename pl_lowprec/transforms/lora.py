@@ -24,6 +24,9 @@ from pl_lowprec.transforms.dtypes import HALF_DTYPES
 from pl_lowprec.transforms.linear_filter import DEFAULT_SKIP, is_target_linear, linear_names
 
 ADAPTER_NAME = "default"
+# The heads a task's model adds, trained whole beside the adapters: what peft's task models
+# (PeftModelForSequenceClassification, ...ForTokenClassification, ...ForQuestionAnswering) add to modules_to_save.
+TASK_HEADS = {"SEQ_CLS": ("classifier", "score"), "TOKEN_CLS": ("classifier", "score"), "QUESTION_ANS": ("qa_outputs",)}
 
 
 def lora_config(lora: Any) -> Any:
@@ -39,7 +42,25 @@ def lora_config(lora: Any) -> Any:
     except TypeError as err:
         raise ValueError(f"lora={dict(lora)!r} is not a valid peft.LoraConfig: {err}.") from err
     check_lora_numbers(config)
-    return config
+    return with_task_heads(config)
+
+
+def with_task_heads(config: Any) -> Any:
+    """``config`` whose ``task_type`` names a task with a new head (``SEQ_CLS``, ``TOKEN_CLS``, ``QUESTION_ANS``)
+    with that head in ``modules_to_save``, as peft's ``get_peft_model`` does: ``inject_adapter_in_model`` ignores
+    ``task_type``, which left a classifier's freshly initialized head frozen."""
+    heads = TASK_HEADS.get(str(getattr(config.task_type, "value", config.task_type)), ())
+    saved = list(config.modules_to_save or ())
+    missing = [head for head in heads if head not in saved]
+    if not missing:
+        return config
+    return config.__class__(**{**config.to_dict(), "modules_to_save": saved + missing})
+
+
+def trained_copies(model: nn.Module) -> dict[str, nn.Module]:
+    """The modules trained whole beside the adapters (``modules_to_save``: peft's ``ModulesToSaveWrapper``)."""
+    peft = import_peft()
+    return {n: m for n, m in model.named_modules() if isinstance(m, peft.utils.other.ModulesToSaveWrapper)}
 
 
 def check_lora_numbers(config: Any) -> None:

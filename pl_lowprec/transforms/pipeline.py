@@ -71,7 +71,7 @@ from pl_lowprec.transforms.dtypes import compute_dtype_of
 from pl_lowprec.transforms.fp8 import check_fp8_device, convert_to_fp8
 from pl_lowprec.transforms.frozen_dtype import cast_frozen_weights
 from pl_lowprec.transforms.fused_lora_mlp import fuse_lora_mlps
-from pl_lowprec.transforms.lora import has_lora, inject_lora, prepare_for_kbit_training
+from pl_lowprec.transforms.lora import has_lora, inject_lora, prepare_for_kbit_training, trained_copies
 from pl_lowprec.transforms.offloading import OffloadActivations, check_offload_device
 from pl_lowprec.transforms.optimizers import import_optimizer_library, rebind_schedulers, swap_optimizer
 from pl_lowprec.transforms.qat import convert_qat, is_converted, prepare_qat
@@ -143,7 +143,9 @@ class ModelTransform:
             if added:
                 rank_zero_info(f"Upcast trainable and norm weights to fp32 for mixed precision (+{added} bytes).")
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            rank_zero_info(f"LoRA on {len(adapted)} layers; {trainable} trainable parameters.")
+            copies = sorted(trained_copies(model))
+            whole = f", with {', '.join(copies)} trained whole (modules_to_save)" if copies else ""
+            rank_zero_info(f"LoRA on {len(adapted)} layers{whole}; {trainable} trainable parameters.")
         if c.lora_in_compute_dtype(precision_plugin_is_mixed(precision_plugin)):
             saved = cast_frozen_weights(model, compute_dtype)
             if saved:
