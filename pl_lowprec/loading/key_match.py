@@ -10,13 +10,14 @@ mis-shaped key and the prefix to try.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from pl_lowprec.loading.sources import CheckpointIndex, resolve_checkpoint
+from pl_lowprec.transforms.linear_filter import DEFAULT_SKIP, matches_any
 
 Prefix = str | Mapping[str, str] | None
 
@@ -55,22 +56,43 @@ def slots(model: nn.Module) -> tuple[dict[str, Slot], list[list[str]]]:
     return found, list(groups.values())
 
 
+@dataclass(frozen=True)
+class KeyMatch:
+    """Where each tensor of the module comes from."""
+
+    chosen: dict[str, str]  # the first key of each tensor group: the checkpoint key it is read from
+    fresh: list[str] = field(default_factory=list)  # keys of a new head (modules_to_save) in no checkpoint
+    unused: list[str] = field(default_factory=list)  # the checkpoint's keys of a head the module does not have
+
+
+def is_under(name: str, modules: tuple[str, ...]) -> bool:
+    """Whether module ``name`` is one of ``modules`` (named in full or by its last parts, as peft matches)."""
+    return any(name == m or name.endswith("." + m) for m in modules)
+
+
 def check_against(
-    model: nn.Module, index: CheckpointIndex, prefix: Prefix = None, inferred: bool = False
-) -> dict[str, str]:
+    model: nn.Module, index: CheckpointIndex, prefix: Prefix = None, inferred: bool = False, new_heads: tuple = ()
+) -> KeyMatch:
     """For each tensor group, the key to read it from; ``CheckpointMismatch`` naming every missing, unexpected and
-    mis-shaped key."""
+    mis-shaped key. With ``new_heads`` (LoRA's ``modules_to_save``, a task's head), their keys may be missing
+    (they start from their own initialization) and the checkpoint's own head keys may go unused: a causal LM's
+    checkpoint loads into a classifier, as ``from_pretrained`` loads it."""
     module_slots, groups = slots(model)
     state = dict(model.state_dict(keep_vars=True))
     chosen: dict[str, str] = {}
     missing: list[str] = []
+    fresh: list[str] = []
     for keys in groups:
         present = [k for k in keys if k in index.tensors]
         if present:
             chosen[keys[0]] = present[0]
+        elif new_heads and is_under(module_slots[keys[0]].owner, new_heads):
+            fresh.append(keys[0])
         else:
             missing.append(keys[0])
     unexpected = [k for k in index.tensors if k not in module_slots]
+    unused = [k for k in unexpected if new_heads and _is_head_key(k)]
+    unexpected = [k for k in unexpected if k not in unused]
     mis_shaped = [
         f"{k}: checkpoint {list(index.tensors[k].shape)}, module {list(state[k].shape)}"
         for k in chosen.values()
@@ -81,28 +103,28 @@ def check_against(
         hint = suggest_prefix(list(module_slots), file_keys) if missing and unexpected else None
         message = _mismatch_message(model, index, prefix, inferred, missing, unexpected, mis_shaped, hint)
         raise CheckpointMismatch(message, hint)
-    return chosen
+    return KeyMatch(chosen, fresh, unused)
 
 
 def fitting_index(
-    model: nn.Module, source: str | Path, prefix: Prefix
-) -> tuple[CheckpointIndex, dict[str, str], Prefix]:
-    """The checkpoint's index under ``prefix``, the key each tensor group reads, and the prefix used: the one
-    given, or, where none was given, the one prefix under which every key and shape matches."""
+    model: nn.Module, source: str | Path, prefix: Prefix, new_heads: tuple = ()
+) -> tuple[CheckpointIndex, KeyMatch, Prefix]:
+    """The checkpoint's index under ``prefix``, where each tensor comes from, and the prefix used: the one given,
+    or, where none was given, the one prefix under which every key and shape matches."""
     index = resolve_checkpoint(source, prefix)
     try:
-        return index, check_against(model, index, prefix), prefix
+        return index, check_against(model, index, prefix, new_heads=new_heads), prefix
     except CheckpointMismatch as mismatch:
         guess = mismatch.suggested_prefix
         if prefix is not None or not guess:
             raise
     index = resolve_checkpoint(source, guess)
-    chosen = check_against(model, index, guess, inferred=True)
+    match = check_against(model, index, guess, inferred=True, new_heads=new_heads)
     rank_zero_info(
         f"pretrained={str(index.source)!r}: took pretrained_prefix={guess!r}, under which every key and shape of"
         f" the checkpoint matches {type(model).__name__}'s (name pretrained_prefix to choose another)."
     )
-    return index, chosen, guess
+    return index, match, guess
 
 
 def _shown(keys: list[str], limit: int = 8) -> str:
@@ -121,13 +143,28 @@ def _mismatch_message(model, index, prefix, inferred, missing, unexpected, mis_s
         parts.append(f"In the checkpoint but not in the module: {_shown(unexpected)}.")
     if mis_shaped:
         parts.append(f"Shapes differ: {_shown(mis_shaped, 4)}.")
-    if hint == "" and prefix:
+    if missing and all(map(_is_head_key, missing)) and all(map(_is_head_key, unexpected)):
+        heads = sorted({k.rpartition(".")[0] for k in missing})
+        last = sorted({h.rpartition(".")[2] for h in heads})
+        parts.append(
+            f"Only the heads differ: {', '.join(heads)} is a new head, which trains from its own initialization"
+            f" when LoRA names it: lora task_type 'SEQ_CLS' (a classifier's score or classifier), or"
+            f" modules_to_save={last}."
+        )
+    elif hint == prefix:
+        pass  # read with that prefix already
+    elif hint == "" and prefix:
         parts.append("The module's keys are the checkpoint's as they are: leave out pretrained_prefix.")
     elif hint:
         parts.append(f"The module's keys are the checkpoint's with another prefix: try pretrained_prefix={hint!r}.")
     elif mis_shaped:
         parts.append("Build the module with the checkpoint's config (sizes, vocabulary).")
     return " ".join(parts)
+
+
+def _is_head_key(key: str) -> bool:
+    """A key of an output head (``lm_head``, ``score``, ``classifier``, ``head``), which tasks do not share."""
+    return matches_any(key.rpartition(".")[0], DEFAULT_SKIP)
 
 
 def suggest_prefix(module_keys: list[str], file_keys: list[str]) -> str | dict[str, str] | None:

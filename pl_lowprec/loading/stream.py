@@ -53,6 +53,7 @@ def load_pretrained(
     device: torch.device | str = "cpu",
     quantize_layer: Callable[[nn.Linear, QuantizationConfig, torch.dtype, torch.device], nn.Module] = quantize_linear,
     place: Callable[[nn.Parameter], nn.Parameter] | None = None,
+    new_heads: tuple[str, ...] = (),
 ) -> LoadReport:
     """Fill every parameter and persistent buffer of ``model`` from ``source``, quantizing on the way.
 
@@ -60,9 +61,12 @@ def load_pretrained(
     ``quantize_model`` would replace becomes ``quantize_layer(linear, ...)`` (its bitsandbytes layer by default;
     torchao NF4 under FSDP) as soon as its weight is loaded. ``place`` turns each loaded parameter into what the
     module keeps (under FSDP: this rank's rows only), right after it is loaded, or after its layer is quantized.
+    ``new_heads`` (LoRA's ``modules_to_save``) may be absent from the checkpoint: they start from their module's
+    ``reset_parameters``, and a head of the checkpoint that the module lacks is left unread (``key_match.py``).
     """
     device = torch.device(device)
-    index, chosen, prefix = fitting_index(model, source, prefix)
+    index, match, prefix = fitting_index(model, source, prefix, new_heads)
+    chosen = match.chosen
     if quantization is not None and not quantization.is_4bit:
         check_int8_trains(import_bitsandbytes(), device)
     module_slots, groups = slots(model)
@@ -104,10 +108,42 @@ def load_pretrained(
         del owner
     if report.quantized:
         share_code_books(model)
+    _initialize_fresh(model, match.fresh, module_slots, device, place)
+    if match.fresh or match.unused:
+        unused = f"; of the checkpoint, {', '.join(match.unused)} not used" if match.unused else ""
+        rank_zero_info(
+            f"pretrained={str(index.source)!r}: {', '.join(match.fresh)} not in the checkpoint, a new head that trains"
+            f" whole (modules_to_save): initialized by its module's reset_parameters{unused}."
+        )
     assert_no_meta(model)
     mode = f"; quantized {len(report.quantized)} linear layers to {quantization.mode}" if quantization else ""
     rank_zero_info(f"Loaded {report.tensors} tensors ({report.bytes_read / 2**20:.1f} MiB) from {index.source}{mode}.")
     return report
+
+
+def _initialize_fresh(
+    model: nn.Module,
+    fresh: list[str],
+    module_slots: dict[str, Slot],
+    device: torch.device,
+    place: Callable[[nn.Parameter], nn.Parameter] | None,
+) -> None:
+    """The new heads' tensors, which no checkpoint holds, made real and initialized as their module does."""
+    for owner_name in sorted({module_slots[key].owner for key in fresh}):
+        owner = model.get_submodule(owner_name)
+        reset = getattr(owner, "reset_parameters", None)
+        if reset is None:
+            raise ValueError(
+                f"{owner_name} ({type(owner).__name__}) is a new head, in no checkpoint, and has no reset_parameters()"
+                " to initialize it: build it with weights, or leave it out of modules_to_save."
+            )
+        owner.to_empty(device=device, recurse=False)
+        with torch.no_grad():
+            reset()
+        if place is not None:
+            for attr, param in list(owner._parameters.items()):
+                if param is not None:
+                    owner._parameters[attr] = place(param)
 
 
 def _by_file(firsts: list[str], chosen: dict[str, str], index: CheckpointIndex) -> dict[Path, list[str]]:

@@ -46,9 +46,11 @@ def fill_meta_model(
     device: torch.device,
     quantize_layer: QuantizeLayer,
     sharding: Sharding | None,
+    new_heads: tuple[str, ...] = (),
 ) -> None:
-    """Fill a module built on the meta device from ``weights``, quantizing as it loads; once loaded, the module
-    is marked and later calls change nothing. A module with real parameters is left as it is."""
+    """Fill a module built on the meta device from ``weights``, quantizing as it loads (``new_heads``, which the
+    checkpoint may lack, initialized); once loaded, the module is marked and later calls change nothing. A module
+    with real parameters is left as it is."""
     if not has_meta_tensors(model):
         if weights is not None and getattr(model, _LOADED_FROM, None) is None:
             raise ValueError(
@@ -67,7 +69,7 @@ def fill_meta_model(
         )
     place = sharding.placement() if sharding is not None else None
     report = load_pretrained(
-        model, weights.path, weights.prefix, quantization, compute_dtype, device, quantize_layer, place
+        model, weights.path, weights.prefix, quantization, compute_dtype, device, quantize_layer, place, new_heads
     )
     setattr(model, _LOADED_FROM, dataclasses.replace(weights, prefix=report.prefix))
 

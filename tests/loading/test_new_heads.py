@@ -1,0 +1,71 @@
+"""pretrained= a causal LM's checkpoint into a classifier of the user's own, as from_pretrained loads it: the new
+head (LoRA task_type SEQ_CLS: modules_to_save) starts from its own initialization and trains; the checkpoint's
+lm_head is left unread. Without a new head named, the same load is refused, saying which heads differ."""
+
+from __future__ import annotations
+
+import logging
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning_helpers import quiet_trainer
+from loading_helpers import llama_config, save_llama
+from qlora_helpers import ids_loader
+from safetensors.torch import load_file
+
+from pl_lowprec import LowPrecisionStrategy
+
+pytest.importorskip("bitsandbytes")
+pytest.importorskip("peft")
+
+
+class Classifier(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        from transformers import LlamaForSequenceClassification
+
+        self.model = LlamaForSequenceClassification(llama_config(num_labels=2, pad_token_id=0))
+
+    def training_step(self, batch, batch_idx):
+        ids = batch["input_ids"].clamp(min=1)  # 0 is the padding token
+        return self.model(input_ids=ids, labels=ids[:, 0] % 2).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+
+def _fit(directory, lora):
+    trainer = quiet_trainer(
+        strategy=LowPrecisionStrategy(pretrained=directory, quantization="nf4", lora=lora), max_steps=2
+    )
+    with trainer.init_module(empty_init=True):
+        model = Classifier()
+    trainer.fit(model, ids_loader(batches=2))
+    return trainer, model
+
+
+def test_a_classifier_loads_a_causal_lm_checkpoint_and_trains_its_new_head(tmp_path, caplog):
+    directory = save_llama(tmp_path / "causal_lm")
+    torch.manual_seed(0)
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+        trainer, model = _fit(directory, {"r": 4, "task_type": "SEQ_CLS"})
+    assert trainer.global_step == 2
+    said = [r.getMessage() for r in caplog.records if "a new head that trains whole" in r.getMessage()]
+    assert said == [
+        f"pretrained={str(directory)!r}: model.score.weight not in the checkpoint, a new head that trains whole"
+        " (modules_to_save): initialized by its module's reset_parameters; of the checkpoint, model.lm_head.weight"
+        " not used."
+    ]
+    original = load_file(directory / "model.safetensors")
+    for key in ("model.norm.weight", "model.embed_tokens.weight"):  # the base, as the checkpoint holds it
+        torch.testing.assert_close(model.model.get_parameter(key).float(), original[key], rtol=0, atol=0)
+    score = model.model.score
+    assert torch.isfinite(score.original_module.weight).all()
+    assert not torch.equal(score.modules_to_save["default"].weight, score.original_module.weight)  # it trained
+
+
+def test_without_a_new_head_named_the_load_is_refused_naming_the_heads(tmp_path):
+    directory = save_llama(tmp_path / "causal_lm")
+    with pytest.raises(ValueError, match=r"Only the heads differ: model.score is a new head.*task_type 'SEQ_CLS'"):
+        _fit(directory, {"r": 4})
