@@ -4,7 +4,9 @@ A module that holds a Hugging Face model as ``self.model`` has every key of the 
 (``model.model.layers.0...`` against ``model.layers.0...``). Where ``pretrained_prefix`` is not given and exactly
 one prefix makes every key and every shape match, it is taken and said in one line, as ``from_pretrained`` takes
 a model's ``base_model_prefix``; anything short of a full match is refused, naming every missing, unexpected and
-mis-shaped key and the prefix to try.
+mis-shaped key and the prefix to try. The one exception is a task's new head that LoRA trains whole
+(``modules_to_save``, e.g. a classifier's ``score``): it may be missing, starting from its own initialization, and
+the checkpoint's own head (``lm_head``) then goes unread.
 """
 
 from __future__ import annotations
