@@ -18,6 +18,7 @@ from torch import nn
 from pl_lowprec.transforms.dtypes import HALF_DTYPES
 
 FULL_PRECISIONS = ("32-true", "32", "64-true", "64")
+_warned: set[str] = set()  # each warning once per process: plan and estimate run the transform per candidate
 
 
 def warn_half_trainable(model: nn.Module, precision: Any) -> list[str]:
@@ -28,11 +29,14 @@ def warn_half_trainable(model: nn.Module, precision: Any) -> list[str]:
     if half:
         dtype = str(model.get_parameter(half[0]).dtype).removeprefix("torch.")
         shown = ", ".join(half[:3]) + (f", ... ({len(half)} in all)" if len(half) > 3 else "")
-        rank_zero_warn(
+        message = (
             f"precision={str(precision)!r}, but {type(model).__name__} holds trainable weights in {dtype} ({shown}):"
             " they train with no fp32 copy, and an update under half a step of their precision is lost. The"
             " model's weights are half precision (transformers builds from_config in the config's dtype). Use"
             f" AMPPrecision('auto') or '{'bf16' if dtype == 'bfloat16' else '16'}-mixed' (trainable weights kept in"
             " fp32, the rest computing in half), or build the model in fp32 (dtype=torch.float32)."
         )
+        if message not in _warned:
+            _warned.add(message)
+            rank_zero_warn(message)
     return half

@@ -31,7 +31,10 @@ def _transformed(plugin):
     return model, said
 
 
-def test_bf16_trainable_weights_under_32_true_are_named_with_the_fix():
+def test_bf16_trainable_weights_under_32_true_are_named_with_the_fix(monkeypatch):
+    from pl_lowprec.transforms import half_trainable
+
+    monkeypatch.setattr(half_trainable, "_warned", set())
     model, said = _transformed(Precision())  # Lightning's default: "32-true"
     assert len(said) == 1
     assert said[0].startswith(
@@ -39,6 +42,7 @@ def test_bf16_trainable_weights_under_32_true_are_named_with_the_fix():
     )
     assert "Use AMPPrecision('auto') or 'bf16-mixed'" in said[0]
     assert model.score.modules_to_save["default"].weight.dtype == torch.bfloat16  # kept as it was: no silent change
+    assert _transformed(Precision())[1] == []  # once per process: plan and estimate transform every candidate
 
 
 def test_under_a_mixed_precision_they_train_in_fp32_and_nothing_is_said():
