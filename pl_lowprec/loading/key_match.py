@@ -122,9 +122,10 @@ def fitting_index(
             raise
     index = resolve_checkpoint(source, guess)
     match = check_against(model, index, guess, inferred=True, new_heads=new_heads)
+    heads = " but for the heads named next" if match.fresh or match.unused else ""
     rank_zero_info(
         f"pretrained={str(index.source)!r}: took pretrained_prefix={guess!r}, under which every key and shape of"
-        f" the checkpoint matches {type(model).__name__}'s (name pretrained_prefix to choose another)."
+        f" the checkpoint matches {type(model).__name__}'s{heads} (name pretrained_prefix to choose another)."
     )
     return index, match, guess
 

@@ -51,6 +51,8 @@ def test_a_classifier_loads_a_causal_lm_checkpoint_and_trains_its_new_head(tmp_p
     with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
         trainer, model = _fit(directory, {"r": 4, "task_type": "SEQ_CLS"})
     assert trainer.global_step == 2
+    took = [r.getMessage() for r in caplog.records if "took pretrained_prefix" in r.getMessage()]
+    assert len(took) == 1 and "matches Classifier's but for the heads named next (name" in took[0]
     said = [r.getMessage() for r in caplog.records if "a new head that trains whole" in r.getMessage()]
     assert said == [
         f"pretrained={str(directory)!r}: model.score.weight not in the checkpoint, a new head that trains whole"
