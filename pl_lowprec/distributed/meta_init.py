@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from pl_lowprec.distributed.mesh import is_local_rows, local_rows
-from pl_lowprec.loading.empty import assert_no_meta
+from pl_lowprec.loading.empty import assert_no_meta, place_own, reset_on
 from pl_lowprec.transforms.quantization import QuantizationConfig, will_quantize
 
 Placement = Callable[[nn.Parameter], nn.Parameter]
@@ -49,16 +49,13 @@ def initialize_meta_modules(
     check_initializable(model, owners)
     for name in owners:
         module = model.get_submodule(name)
-        module.to_empty(device=device, recurse=False)
-        with torch.no_grad():
-            module.reset_parameters()
+        reset_on(module, device)
         if config is not None and will_quantize(module, name, config):
             parent, _, child = name.rpartition(".")
             module = quantize_layer(module, config, compute_dtype, device)
             setattr(model.get_submodule(parent) if parent else model, child, module)
         if place is not None:
-            for attr, param in module.named_parameters(recurse=False):
-                module._parameters[attr] = place(param)
+            place_own(module, place)
     assert_no_meta(model)
     return owners
 

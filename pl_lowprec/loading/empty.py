@@ -8,7 +8,7 @@ memory and are filled by ``load_pretrained``; buffers are computed by the module
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -59,3 +59,17 @@ def assert_no_meta(module: nn.Module) -> None:
 
 def is_meta(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "meta"
+
+
+def reset_on(module: nn.Module, device: torch.device) -> None:
+    """Give a module's own meta parameters storage on ``device`` and set them as its ``reset_parameters()`` does:
+    a module that no checkpoint fills (FSDP2's initialization without ``pretrained=``, a new task head)."""
+    module.to_empty(device=device, recurse=False)
+    with torch.no_grad():
+        module.reset_parameters()
+
+
+def place_own(module: nn.Module, place: Callable[[nn.Parameter], nn.Parameter]) -> None:
+    """Replace each of a module's own parameters by what ``place`` keeps of it (under FSDP2, this rank's rows)."""
+    for attr, param in list(module.named_parameters(recurse=False)):
+        module._parameters[attr] = place(param)

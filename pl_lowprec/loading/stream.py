@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from pl_lowprec._imports import import_bitsandbytes
-from pl_lowprec.loading.empty import assert_no_meta
+from pl_lowprec.loading.empty import assert_no_meta, place_own, reset_on
 from pl_lowprec.loading.key_match import Prefix, Slot, fitting_index, slots
 from pl_lowprec.loading.sources import CheckpointIndex, open_safetensors
 from pl_lowprec.transforms.quantization import (
@@ -100,8 +100,7 @@ def load_pretrained(
             parent = model.get_submodule(parent_name) if parent_name else model
             layer = quantize_layer(owner, quantization, compute_dtype, device)
             if place is not None:
-                for attr, param in layer.named_parameters(recurse=False):
-                    layer._parameters[attr] = place(param)
+                place_own(layer, place)
             setattr(parent, child, layer)
             report.quantized.append(owner_name)
             del layer
@@ -131,19 +130,14 @@ def _initialize_fresh(
     """The new heads' tensors, which no checkpoint holds, made real and initialized as their module does."""
     for owner_name in sorted({module_slots[key].owner for key in fresh}):
         owner = model.get_submodule(owner_name)
-        reset = getattr(owner, "reset_parameters", None)
-        if reset is None:
+        if not callable(getattr(owner, "reset_parameters", None)):
             raise ValueError(
                 f"{owner_name} ({type(owner).__name__}) is a new head, in no checkpoint, and has no reset_parameters()"
                 " to initialize it: build it with weights, or leave it out of modules_to_save."
             )
-        owner.to_empty(device=device, recurse=False)
-        with torch.no_grad():
-            reset()
+        reset_on(owner, device)
         if place is not None:
-            for attr, param in list(owner._parameters.items()):
-                if param is not None:
-                    owner._parameters[attr] = place(param)
+            place_own(owner, place)
 
 
 def _by_file(firsts: list[str], chosen: dict[str, str], index: CheckpointIndex) -> dict[Path, list[str]]:

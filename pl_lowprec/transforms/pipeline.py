@@ -72,7 +72,7 @@ from pl_lowprec.transforms.fp8 import check_fp8_device, convert_to_fp8
 from pl_lowprec.transforms.frozen_dtype import cast_frozen_weights
 from pl_lowprec.transforms.fused_lora_mlp import fuse_lora_mlps
 from pl_lowprec.transforms.half_trainable import warn_half_trainable
-from pl_lowprec.transforms.lora import has_lora, inject_lora, lora_config, prepare_for_kbit_training, trained_copies
+from pl_lowprec.transforms.lora import has_lora, inject_lora, prepare_for_kbit_training, trained_copies
 from pl_lowprec.transforms.offloading import OffloadActivations, check_offload_device
 from pl_lowprec.transforms.optimizers import import_optimizer_library, rebind_schedulers, swap_optimizer
 from pl_lowprec.transforms.qat import convert_qat, is_converted, prepare_qat
@@ -217,7 +217,7 @@ class ModelTransform:
     def load_pretrained(self, model: nn.Module, compute_dtype: torch.dtype, device: torch.device) -> None:
         """Fill a module built on the meta device (``weight_sources.fill_meta_model``)."""
         weights = self.weights_for(model)
-        new_heads = tuple(lora_config(self.config.lora).modules_to_save or ()) if self.config.lora is not None else ()
+        new_heads = tuple(self.config.lora.modules_to_save or ()) if self.config.lora is not None else ()
         fill_meta_model(
             model,
             weights,
