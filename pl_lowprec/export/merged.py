@@ -7,8 +7,15 @@ adapted weight is merged in fp32 and rounded once to the output dtype, and every
 order, so ``AutoModelForCausalLM.from_pretrained`` loads the result as it loaded the original. The other files of
 the model directory (``config.json``, ``generation_config.json``, the tokenizer) are copied.
 
+Weights trained whole (a task's head in LoRA's ``modules_to_save``, biases under ``bias='all'``) are written as
+they trained, replacing the original tensor, or added where the checkpoint had none (a classifier's new
+``score``), as peft's ``merge_and_unload`` leaves them. A head the module does not have (a causal LM's
+``lm_head`` under a classifier) is left out, and ``config.json`` names the module's class (``architectures``)
+and its labels, so ``AutoModelForSequenceClassification.from_pretrained`` loads the result as the module was.
+
 Dtype: by default each tensor keeps the dtype it has in the pretrained files (a bf16 checkpoint stays bf16; a
-delta smaller than half a bf16 step of its weight is then rounded away, which ``dtype="float32"`` keeps).
+delta smaller than half a bf16 step of its weight is then rounded away, which ``dtype="float32"`` keeps); a new
+head takes the files' floating dtype.
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pl_lowprec.adapters import lora_deltas
+from pl_lowprec.adapters import find_base_model, lora_deltas
+from pl_lowprec.export.trained_whole import file_key_of, trained_whole, without_absent_modules
 from pl_lowprec.loading import PretrainedWeights, resolve_checkpoint
 from pl_lowprec.loading.sources import INDEX_NAME, open_safetensors
 from pl_lowprec.transforms.dtypes import to_dtype
@@ -31,12 +39,12 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 def merge_into_pretrained(
     module: nn.Module, weights: PretrainedWeights, out_dir: Path, dtype: str | None = None
 ) -> dict[str, int]:
-    """Write the merged model to ``out_dir`` (which must exist and be empty); return counts of merged/written."""
+    """Write the merged model to ``out_dir`` (which must exist and be empty); return how many tensors were
+    ``merged`` (LoRA), written ``whole`` as they trained, ``left_out`` (heads the module lacks), ``tensors`` in all."""
     from safetensors.torch import save_file
 
     cast = to_dtype(dtype) if dtype is not None else None
     source = Path(weights.path)
-    _check_only_lora_trains(module)
     deltas = {f"{name}.weight": delta.cpu() for name, delta in lora_deltas(module).items()}
     index = resolve_checkpoint(source, weights.prefix)
     absent = sorted(set(deltas) - set(index.tensors))
@@ -46,45 +54,71 @@ def merge_into_pretrained(
             f" {', '.join(absent[:6])}. A weight tied to another (tie_word_embeddings) has no key of its own:"
             " leave that layer out of target_modules, or export an adapter directory instead."
         )
+    whole = trained_whole(module)
+    new_keys = {file_key_of(key, weights.prefix, source): key for key in whole if key not in index.tensors}
+    kept = without_absent_modules(module, index.tensors)
     by_file: dict[Path, dict[str, str]] = {}
     for module_key, info in index.tensors.items():
-        by_file.setdefault(info.file, {})[info.key] = module_key
+        by_file.setdefault(info.file, {})[info.key] = module_key if module_key in kept else ""
     sizes: dict[str, int] = {}
-    merged = written = 0
-    for file, keys in by_file.items():
+    merged = written = replaced = 0
+    floating = torch.float32
+    for position, (file, keys) in enumerate(by_file.items()):
         tensors: dict[str, torch.Tensor] = {}
         with open_safetensors(file, device="cpu") as handle:
             metadata = handle.metadata()
             for file_key in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                module_key = keys.get(file_key, "")
+                if not module_key:
+                    continue  # a head the module does not have (a causal LM's lm_head under a classifier)
                 tensor = handle.get_tensor(file_key)
+                floating = tensor.dtype if tensor.is_floating_point() else floating
                 target = cast if cast is not None and tensor.is_floating_point() else tensor.dtype
-                module_key = keys[file_key]
                 if module_key in deltas:
                     tensor = tensor.float() + deltas[module_key]
                     merged += 1
+                elif module_key in whole:
+                    tensor = whole[module_key]
+                    replaced += 1
                 tensors[file_key] = tensor.to(target).contiguous()
-                sizes[file_key] = tensors[file_key].numel() * tensors[file_key].element_size()
-                written += 1
+        if position == len(by_file) - 1:  # new heads go into the last file, as save_pretrained puts the head last
+            tensors |= {k: whole[m].to(cast or floating).contiguous() for k, m in new_keys.items()}
+        sizes |= {k: t.numel() * t.element_size() for k, t in tensors.items()}
+        written += len(tensors)
         save_file(tensors, str(out_dir / file.name), metadata=metadata or {"format": "pt"})
         del tensors
     if source.is_dir():
         _copy_model_files(source, out_dir, dtype)
+        _name_the_module(module, out_dir)
         if (source / INDEX_NAME).is_file():
             index_json = json.loads((source / INDEX_NAME).read_text())
             index_json.setdefault("metadata", {})["total_size"] = sum(sizes.values())
+            last_file = list(by_file)[-1].name
+            weight_map = index_json.get("weight_map", {})
+            index_json["weight_map"] = {k: f for k, f in weight_map.items() if k in sizes} | dict.fromkeys(
+                new_keys, last_file
+            )
             (out_dir / INDEX_NAME).write_text(json.dumps(index_json, indent=2, sort_keys=True) + "\n")
-    return {"merged": merged, "tensors": written}
+    left_out = len(index.tensors) - len(kept)
+    return {"merged": merged, "tensors": written, "whole": replaced + len(new_keys), "left_out": left_out}
 
 
-def _check_only_lora_trains(module: nn.Module) -> None:
-    """A merge adds the LoRA deltas to the original weights; any other trained weight would be lost."""
-    others = [n for n, p in module.named_parameters() if p.requires_grad and "lora_" not in n]
-    if others:
-        raise ValueError(
-            f"Besides the LoRA adapters, {len(others)} weights were trained ({', '.join(others[:4])}), and a merge into"
-            " the original weights would drop them. Export an adapter directory, or train with LoRA only"
-            " (bias='none', no modules_to_save)."
-        )
+def _name_the_module(module: nn.Module, out_dir: Path) -> None:
+    """A causal LM's checkpoint merged into a classifier: ``config.json`` names the class and its labels."""
+    _, base = find_base_model(module)
+    config = out_dir / "config.json"
+    if not config.is_file() or not type(base).__module__.startswith("transformers.") or not hasattr(base, "config"):
+        return
+    fields = json.loads(config.read_text())
+    name = type(base).__name__
+    if fields.get("architectures") == [name]:
+        return
+    own = base.config.to_dict()
+    fields["architectures"] = [name]
+    for key in ("id2label", "label2id", "problem_type", "pad_token_id"):
+        if own.get(key) is not None:
+            fields[key] = own[key]
+    config.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
 
 
 def _copy_model_files(source: Path, out_dir: Path, dtype: str | None) -> None:

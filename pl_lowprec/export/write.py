@@ -135,6 +135,8 @@ def export(
         if not (out / "config.json").is_file():
             restored.hf_model.config.save_pretrained(str(out))
         what = f"merged model ({counts['merged']} of {counts['tensors']} tensors merged"
+        what += f", {counts['whole']} as they trained" if counts["whole"] else ""
+        what += f", {counts['left_out']} of a head the model lacks left out" if counts["left_out"] else ""
         what += f", {dtype})" if dtype else ", in the pretrained files' dtypes)"
     else:
         base_name = str(source.resolve()) if source is not None else None

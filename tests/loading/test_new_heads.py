@@ -4,6 +4,7 @@ lm_head is left unread. Without a new head named, the same load is refused, sayi
 
 from __future__ import annotations
 
+import json
 import logging
 
 import lightning.pytorch as pl
@@ -25,7 +26,7 @@ class Classifier(pl.LightningModule):
         super().__init__()
         from transformers import LlamaForSequenceClassification
 
-        self.model = LlamaForSequenceClassification(llama_config(num_labels=2, pad_token_id=0))
+        self.model = LlamaForSequenceClassification(llama_config(num_labels=3, pad_token_id=0))
 
     def training_step(self, batch, batch_idx):
         ids = batch["input_ids"].clamp(min=1)  # 0 is the padding token
@@ -35,9 +36,9 @@ class Classifier(pl.LightningModule):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
 
 
-def _fit(directory, lora):
+def _fit(directory, lora, quantization="nf4"):
     trainer = quiet_trainer(
-        strategy=LowPrecisionStrategy(pretrained=directory, quantization="nf4", lora=lora), max_steps=2
+        strategy=LowPrecisionStrategy(pretrained=directory, quantization=quantization, lora=lora), max_steps=2
     )
     with trainer.init_module(empty_init=True):
         model = Classifier()
@@ -71,3 +72,76 @@ def test_without_a_new_head_named_the_load_is_refused_naming_the_heads(tmp_path)
     directory = save_llama(tmp_path / "causal_lm")
     with pytest.raises(ValueError, match=r"Only the heads differ: model.score is a new head.*task_type 'SEQ_CLS'"):
         _fit(directory, {"r": 4})
+
+
+def test_a_merged_classifier_loads_with_transformers_and_computes_what_the_trained_module_computes(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from pl_lowprec.export.merged import merge_into_pretrained
+    from pl_lowprec.loading import PretrainedWeights
+
+    directory = save_llama(tmp_path / "causal_lm")  # untied: its lm_head.weight is a head the classifier lacks
+    torch.manual_seed(0)
+    _, model = _fit(directory, {"r": 4, "task_type": "SEQ_CLS"}, quantization=None)  # merged = what trained
+    out = tmp_path / "merged"
+    out.mkdir()
+    counts = merge_into_pretrained(model, PretrainedWeights(directory, prefix="model."), out)
+    assert counts["whole"] == 1 and counts["left_out"] == 1  # score.weight written, lm_head.weight left out
+    merged = AutoModelForSequenceClassification.from_pretrained(out)
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForSequenceClassification"]
+    assert merged.config.num_labels == 3 and merged.config.pad_token_id == 0  # the classifier's, not the LM's
+    assert "lm_head.weight" not in load_file(out / "model.safetensors")
+    ids = torch.randint(1, 256, (3, 12), generator=torch.Generator().manual_seed(1))
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, model.model(input_ids=ids).logits)
+
+
+class CausalLM(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        from transformers import LlamaForCausalLM
+
+        self.model = LlamaForCausalLM(llama_config())
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+
+def test_a_head_trained_whole_replaces_its_weight_in_the_merged_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from pl_lowprec.export.merged import merge_into_pretrained
+    from pl_lowprec.loading import PretrainedWeights
+
+    directory = save_llama(tmp_path / "causal_lm")
+    trainer = quiet_trainer(
+        strategy=LowPrecisionStrategy(pretrained=directory, lora={"r": 4, "modules_to_save": ["lm_head"]}), max_steps=2
+    )
+    with trainer.init_module(empty_init=True):
+        model = CausalLM()
+    trainer.fit(model, ids_loader(batches=2))
+    out = tmp_path / "merged"
+    out.mkdir()
+    counts = merge_into_pretrained(model, PretrainedWeights(directory, prefix="model."), out)
+    assert (counts["whole"], counts["left_out"]) == (1, 0)
+    trained = model.model.lm_head.modules_to_save["default"].weight
+    assert not torch.equal(trained, load_file(directory / "model.safetensors")["lm_head.weight"])  # it trained
+    torch.testing.assert_close(load_file(out / "model.safetensors")["lm_head.weight"], trained.detach())
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, model.model(input_ids=ids).logits)
+
+
+def test_a_weight_trained_outside_the_pretrained_model_is_refused_naming_it(tmp_path):
+    from pl_lowprec.export.trained_whole import file_key_of
+
+    assert file_key_of("model.score.weight", "model.", tmp_path) == "score.weight"
+    assert file_key_of("net.score.weight", {"": "net."}, tmp_path) == "score.weight"
+    with pytest.raises(ValueError, match=r"extra.weight trained whole .* under pretrained_prefix='model.' no checkp"):
+        file_key_of("extra.weight", "model.", tmp_path)
