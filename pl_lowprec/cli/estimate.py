@@ -21,6 +21,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from pl_lowprec._imports import import_matplotlib_pyplot
 from pl_lowprec.cli.rebuild import passed_on, rebuild_classes
 from pl_lowprec.cli.subcommands import description
+from pl_lowprec.loading.sources import shapes_only
 from pl_lowprec.memory.devices import GPUS, device_spec
 from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
 from pl_lowprec.memory.fastest import COMPILED_CAVEAT, faster_settings_line
@@ -146,6 +147,7 @@ def step_time_line(estimate: MemoryEstimate) -> str:
     return step.line() + per_rank
 
 
+@shapes_only()  # a pretrained= directory with only config.json: an estimate needs the shapes, not the weights
 def main(args: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="pl-lowprec estimate", description=description("estimate"), allow_abbrev=False

@@ -29,6 +29,7 @@ from pl_lowprec.cli.rebuild import config_files, passed_on, rebuild_classes
 from pl_lowprec.cli.subcommands import description
 from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.export.out_paths import refuse_inputs
+from pl_lowprec.loading.sources import shapes_only
 from pl_lowprec.memory.devices import GPUS, device_spec
 from pl_lowprec.memory.estimate import estimate_memory
 from pl_lowprec.memory.fake_step import batch_tensors
@@ -54,6 +55,7 @@ from pl_lowprec.transforms.config import TransformConfig
 MAX_SEQ_LEN = 1 << 20
 
 
+@shapes_only()  # a pretrained= directory with only config.json: a plan needs the shapes, not the weights
 def main(args: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="pl-lowprec plan", description=description("plan"), allow_abbrev=False)
     parser.add_argument(

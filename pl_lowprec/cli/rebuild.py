@@ -21,6 +21,7 @@ import yaml
 
 from pl_lowprec.cli.arguments import config_values, options, read_config
 from pl_lowprec.cli.lightning_cli import LowPrecisionCLI, build_cli
+from pl_lowprec.loading.sources import shapes_only
 
 KEPT_KEYS = ("seed_everything", "trainer", "model", "data")
 KEPT_TRAINER_KEYS = (
@@ -152,7 +153,7 @@ class _WithoutTrainer(LowPrecisionCLI):
     GPU is estimated on a machine without one, and a model larger than this machine allocates nothing."""
 
     def instantiate_classes(self) -> None:
-        with torch.device("meta"):
+        with torch.device("meta"), shapes_only():  # a strategy's pretrained= may be a directory of config.json
             super().instantiate_classes()
 
     def instantiate_trainer(self, **kwargs: Any) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,25 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
 PrefixMap = dict[str, str]
+
+_SHAPES_ONLY: ContextVar[bool] = ContextVar("shapes_only", default=False)
+
+
+@contextmanager
+def shapes_only() -> Iterator[None]:
+    """While a config is read for its estimate or plan: a directory with only ``config.json`` stands in for the
+    weights (the model is built from the config, nothing is loaded), as it does for ``CausalLM(pretrained=)``."""
+    token = _SHAPES_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _SHAPES_ONLY.reset(token)
+
+
+def config_only(source: str | Path) -> bool:
+    """A model directory with its ``config.json`` and no weights (a model's shapes, for an estimate)."""
+    path = Path(source).expanduser()
+    return path.is_dir() and (path / "config.json").is_file() and not any(path.glob("*.safetensors"))
 
 
 def prefix_map(prefix: str | Mapping[str, str] | None) -> PrefixMap:
@@ -153,4 +173,15 @@ class PretrainedWeights:
 
     def __post_init__(self) -> None:
         prefix_map(self.prefix)
-        checkpoint_files(self.path)
+        if _SHAPES_ONLY.get() and config_only(self.path):
+            return  # estimate/plan: the shapes are the config's, and no tensor is read
+        try:
+            checkpoint_files(self.path)
+        except FileNotFoundError as err:
+            if not config_only(self.path):
+                raise
+            raise FileNotFoundError(
+                f"pretrained={str(self.path)!r} has a config.json but no weights: that is enough for `pl-lowprec"
+                " estimate` and `pl-lowprec plan` (the model's shapes), but training needs the safetensors files"
+                f" (save_pretrained writes them). {err}"
+            ) from err

@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from pl_lowprec._checks import check_at_least
 from pl_lowprec.distributed.sharding import Sharding
+from pl_lowprec.loading.sources import shapes_only
 from pl_lowprec.memory.bnb_standin import FakeOptimizer8bit, is_standin
 from pl_lowprec.memory.collectives import Interconnect, count_ddp_all_reduce
 from pl_lowprec.memory.compiled_backward import LABEL as COMPILED_LABEL
@@ -184,6 +185,7 @@ def optimizer_state_bytes(trainable: list[nn.Parameter], optimizer: str) -> int:
     return total
 
 
+@shapes_only()  # a pretrained= directory with only config.json: its shapes are all an estimate needs
 def estimate_memory(
     build_model: Callable[[], nn.Module],
     example_batch: Any,

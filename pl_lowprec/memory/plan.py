@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from pl_lowprec.distributed.sharding import Sharding
+from pl_lowprec.loading.sources import shapes_only
 from pl_lowprec.memory.devices import device_spec
 from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory, timed_device
 from pl_lowprec.memory.fake_model import meta_copy
@@ -154,6 +155,7 @@ class MemoryPlan:
         )
 
 
+@shapes_only()  # a pretrained= directory with only config.json: its shapes are all an estimate needs
 def plan_memory(
     build_model: Callable[[], nn.Module],
     make_batch: Callable[[int], Any],

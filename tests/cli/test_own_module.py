@@ -72,3 +72,41 @@ def test_own_module_built_in_init_is_filled_from_the_strategys_pretrained_and_ex
     assert torch.equal(merged["model.norm.weight"], original["model.norm.weight"])  # not adapted: as it was
     changed = [k for k in original if not torch.equal(merged[k], original[k])]
     assert changed and all(k.endswith("proj.weight") for k in changed)  # the LoRA deltas, merged in
+
+
+def test_a_strategys_pretrained_with_only_config_json_is_estimated_and_refused_for_fit(tmp_path, monkeypatch, capsys):
+    """An 8B's config.json is all a laptop has before the download: ``estimate`` takes it, as it takes it from
+    ``CausalLM(pretrained=)``, with the figure the weights would give; ``fit`` says what is missing."""
+    from loading_helpers import llama_config
+
+    from pl_lowprec.cli.estimate import estimate_config
+
+    with_weights = save_llama(tmp_path / "with_weights")
+    shapes = tmp_path / "shapes"
+    llama_config().save_pretrained(shapes)
+    (tmp_path / "own_lm.py").write_text(OWN_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    peaks = {}
+    for source in (with_weights, shapes):
+        config = {
+            "trainer": {
+                "max_steps": 1,
+                "strategy": {
+                    "class_path": "pl_lowprec.LowPrecisionStrategy",
+                    "init_args": {"quantization": "nf4", "lora": {"r": 4}, "pretrained": str(source)},
+                },
+            },
+            "model": {"class_path": "own_lm.MyLM", "init_args": {"config_dir": str(source)}},
+            "data": {"class_path": "own_lm.Bytes"},
+        }
+        (tmp_path / f"{source.name}.yaml").write_text(yaml.safe_dump(config))
+        peaks[source.name] = estimate_config(["--config", f"{source.name}.yaml"]).peak
+    assert peaks["shapes"] == peaks["with_weights"] > 0
+    main(["plan", "--config", "shapes.yaml", "--memory", "2GiB", "--out", "planned.yaml"])
+    assert "Chosen: micro-batch 1 x 1" in capsys.readouterr().out
+    assert yaml.safe_load((tmp_path / "planned.yaml").read_text())["trainer"]["strategy"]["init_args"]["pretrained"]
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", "shapes.yaml"])
+    said = " ".join(capsys.readouterr().err.split())
+    assert f"pretrained={str(shapes)!r} has a config.json but no weights: that is enough for `pl-lowprec estimate`" in said
