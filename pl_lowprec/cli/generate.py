@@ -15,6 +15,7 @@ import math
 from pathlib import Path
 
 from pl_lowprec._checks import float_in, int_at_least
+from pl_lowprec.adapters import find_base_model
 from pl_lowprec.cli.rebuild import config_files, rebuild, with_config
 from pl_lowprec.cli.resume import check_checkpoint
 from pl_lowprec.cli.subcommands import description, examples
@@ -30,6 +31,7 @@ from pl_lowprec.export.generate import (
     wants_chat,
     write_completions,
 )
+from pl_lowprec.export.generates_text import check_module_generates
 from pl_lowprec.export.out_paths import prepare_out_file
 from pl_lowprec.export.restore import restore
 from pl_lowprec.loading.tokenizer import load_tokenizer
@@ -41,6 +43,8 @@ def from_checkpoint(
     """The trained module as it trained (quantized base, adapters), restored from its config. With ``chat``, a
     tokenizer known from the arguments or the config's data is checked for a template before the weights load."""
     run = rebuild(cli_args)
+    name, hf_model = find_base_model(run.model)  # a model built in __init__ is known before the weights load
+    check_module_generates(hf_model if name else None, type(run.model).__name__)
     source = tokenizer or getattr(run.datamodule, "tokenizer_dir", None)
     if chat and source:
         check_chat_template(load_tokenizer(source), source)

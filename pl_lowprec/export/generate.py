@@ -28,6 +28,7 @@ import torch
 
 from pl_lowprec._checks import check_at_least, check_fraction, check_positive
 from pl_lowprec._imports import import_peft
+from pl_lowprec.export.generates_text import check_directory_generates, check_module_generates
 from pl_lowprec.export.restore import Restored
 from pl_lowprec.export.write import pretrained_dir
 from pl_lowprec.loading.tokenizer import load_tokenizer
@@ -213,6 +214,7 @@ def from_restored(restored: Restored, tokenizer: str | None = None) -> Generator
             f"{type(restored.module).__name__} holds no Hugging Face model with generate(); pl-lowprec generate needs"
             " one (pl_lowprec.models.CausalLM, or a module with a PreTrainedModel attribute)."
         )
+    check_module_generates(model, type(restored.module).__name__)
     source = tokenizer or restored.tokenizer_dir or pretrained_dir(restored)
     if source is None:
         raise ValueError("No tokenizer: the config names no data tokenizer or model directory; pass --tokenizer DIR.")
@@ -238,6 +240,7 @@ def check_model_dir(path: Path) -> None:
             f"--model {str(path)!r} {what}: name a directory that `pl-lowprec export` wrote (a merged model or a peft"
             " adapter), or pass --ckpt_path with a training checkpoint instead."
         )
+    check_directory_generates(path)
 
 
 def from_directory(
