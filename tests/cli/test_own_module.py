@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 from loading_helpers import save_llama
+from own_module_helpers import write_own_config, write_own_module
 from safetensors.torch import load_file
 
 from pl_lowprec.cli import main
@@ -43,23 +44,9 @@ class Bytes(L.LightningDataModule):
 
 def test_own_module_built_in_init_is_filled_from_the_strategys_pretrained_and_exports(tmp_path, monkeypatch, caplog):
     pretrained = save_llama(tmp_path / "pretrained")
-    (tmp_path / "own_lm.py").write_text(OWN_MODULE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.chdir(tmp_path)
-    config = {
-        "trainer": {
-            "max_steps": 2,
-            "enable_progress_bar": False,
-            "enable_model_summary": False,
-            "strategy": {
-                "class_path": "pl_lowprec.LowPrecisionStrategy",
-                "init_args": {"quantization": "nf4", "lora": {"r": 4}, "pretrained": str(pretrained)},
-            },
-        },
-        "model": {"class_path": "own_lm.MyLM", "init_args": {"config_dir": str(pretrained)}},
-        "data": {"class_path": "own_lm.Bytes"},
-    }
-    (tmp_path / "own.yaml").write_text(yaml.safe_dump(config))
+    write_own_module(tmp_path, "own_lm", OWN_MODULE, monkeypatch)
+    strategy = {"quantization": "nf4", "lora": {"r": 4}}
+    write_own_config(tmp_path / "own.yaml", "own_lm.MyLM", "own_lm.Bytes", pretrained, strategy)
     with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
         main(["fit", "--config", "own.yaml"])
     assert sum("took pretrained_prefix='model.'" in r.getMessage() for r in caplog.records) == 1
@@ -84,24 +71,12 @@ def test_a_strategys_pretrained_with_only_config_json_is_estimated_and_refused_f
     with_weights = save_llama(tmp_path / "with_weights")
     shapes = tmp_path / "shapes"
     llama_config().save_pretrained(shapes)
-    (tmp_path / "own_lm.py").write_text(OWN_MODULE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.chdir(tmp_path)
+    write_own_module(tmp_path, "own_lm", OWN_MODULE, monkeypatch)
     peaks = {}
     for source in (with_weights, shapes):
-        config = {
-            "trainer": {
-                "max_steps": 1,
-                "strategy": {
-                    "class_path": "pl_lowprec.LowPrecisionStrategy",
-                    "init_args": {"quantization": "nf4", "lora": {"r": 4}, "pretrained": str(source)},
-                },
-            },
-            "model": {"class_path": "own_lm.MyLM", "init_args": {"config_dir": str(source)}},
-            "data": {"class_path": "own_lm.Bytes"},
-        }
-        (tmp_path / f"{source.name}.yaml").write_text(yaml.safe_dump(config))
-        peaks[source.name] = estimate_config(["--config", f"{source.name}.yaml"]).peak
+        config = tmp_path / f"{source.name}.yaml"
+        write_own_config(config, "own_lm.MyLM", "own_lm.Bytes", source, {"quantization": "nf4", "lora": {"r": 4}}, 1)
+        peaks[source.name] = estimate_config(["--config", str(config)]).peak
     assert peaks["shapes"] == peaks["with_weights"] > 0
     main(["plan", "--config", "shapes.yaml", "--memory", "2GiB", "--out", "planned.yaml"])
     assert "Chosen: micro-batch 1 x 1" in capsys.readouterr().out
@@ -109,4 +84,4 @@ def test_a_strategys_pretrained_with_only_config_json_is_estimated_and_refused_f
     with pytest.raises(SystemExit):
         main(["fit", "--config", "shapes.yaml"])
     said = " ".join(capsys.readouterr().err.split())
-    assert f"pretrained={str(shapes)!r} has a config.json but no weights: that is enough for `pl-lowprec estimate`" in said
+    assert f"pretrained={str(shapes)!r} has a config.json but no weights: that is enough for `pl-lowprec" in said

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import yaml
 from loading_helpers import save_llama
+from own_module_helpers import write_own_config, write_own_module
 
 from pl_lowprec.cli import main
 
@@ -45,23 +45,9 @@ class Ids(L.LightningDataModule):
 @pytest.fixture
 def trained(tmp_path, monkeypatch):
     pretrained = save_llama(tmp_path / "pretrained")
-    (tmp_path / "own_classifier.py").write_text(OWN_CLASSIFIER)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.chdir(tmp_path)
-    config = {
-        "trainer": {
-            "max_steps": 2,
-            "enable_progress_bar": False,
-            "enable_model_summary": False,
-            "strategy": {
-                "class_path": "pl_lowprec.LowPrecisionStrategy",
-                "init_args": {"lora": {"r": 4, "task_type": "SEQ_CLS"}, "pretrained": str(pretrained)},
-            },
-        },
-        "model": {"class_path": "own_classifier.MyClassifier", "init_args": {"config_dir": str(pretrained)}},
-        "data": {"class_path": "own_classifier.Ids"},
-    }
-    (tmp_path / "cls.yaml").write_text(yaml.safe_dump(config))
+    write_own_module(tmp_path, "own_classifier", OWN_CLASSIFIER, monkeypatch)
+    strategy = {"lora": {"r": 4, "task_type": "SEQ_CLS"}}
+    write_own_config(tmp_path / "cls.yaml", "own_classifier.MyClassifier", "own_classifier.Ids", pretrained, strategy)
     main(["fit", "--config", "cls.yaml"])
     (checkpoint,) = tmp_path.glob("runs/lightning_logs/version_0/checkpoints/*.ckpt")
     return checkpoint
