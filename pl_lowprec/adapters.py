@@ -74,18 +74,12 @@ def mismatch_summary(error: RuntimeError) -> str:
 
 
 def load_trainable_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-    """Load a checkpoint that may hold only the trainable weights; anything else missing is an error."""
+    """Load a checkpoint that may hold only the trainable weights; a trainable weight missing is an error. Keyed by
+    tensor, not by module: under ``bias='lora_only'`` a LoRA layer's base holds a trainable bias and its frozen
+    (quantized) weight, which the checkpoint leaves out."""
     result = module.load_state_dict(state_dict, strict=False)
-    modules = dict(module.named_modules())
-
-    def owner(key: str) -> nn.Module:
-        parts = key.split(".")
-        for end in range(len(parts) - 1, -1, -1):
-            if ".".join(parts[:end]) in modules:
-                return modules[".".join(parts[:end])]
-        return module
-
-    missing = [k for k in result.missing_keys if any(p.requires_grad for p in owner(k).parameters(recurse=False))]
+    trainable = {name for name, p in module.named_parameters() if p.requires_grad}
+    missing = [k for k in result.missing_keys if k in trainable]
     if strict and (result.unexpected_keys or missing):
         parts = [(result.unexpected_keys, "unexpected keys"), (missing, "missing trainable keys")]
         raise CheckpointMismatch(

@@ -173,3 +173,16 @@ def test_a_classifiers_new_head_trains_with_task_type_and_exports_with_the_adapt
     trained.eval(), reloaded.eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=ids).logits, trained.model(input_ids=ids).logits)
+
+
+def test_a_missing_trainable_tensor_is_refused_and_a_frozen_one_beside_it_is_not():
+    """Keyed by tensor: a layer whose bias trains (``bias='lora_only'``) and whose weight is frozen loads from a
+    checkpoint holding the bias alone; without the bias it is refused, naming it."""
+    from pl_lowprec.adapters import CheckpointMismatch, load_trainable_state_dict
+
+    layer = torch.nn.Linear(4, 4)
+    layer.weight.requires_grad_(False)
+    load_trainable_state_dict(layer, {"bias": torch.ones(4)})
+    assert torch.equal(layer.bias.detach(), torch.ones(4))
+    with pytest.raises(CheckpointMismatch, match=r"1 missing trainable keys \(e.g. bias\)"):
+        load_trainable_state_dict(layer, {})

@@ -85,3 +85,27 @@ def test_a_strategys_pretrained_with_only_config_json_is_estimated_and_refused_f
         main(["fit", "--config", "shapes.yaml"])
     said = " ".join(capsys.readouterr().err.split())
     assert f"pretrained={str(shapes)!r} has a config.json but no weights: that is enough for `pl-lowprec" in said
+
+
+def test_biases_trained_under_lora_only_resume_and_merge_as_they_trained(tmp_path, monkeypatch):
+    """``bias='lora_only'``: each LoRA layer's base holds a trainable bias beside its frozen nf4 weight. The
+    adapter-only checkpoint keeps the bias, resume and export load it (they asked for the frozen weight too), and
+    the merged model holds the trained bias."""
+    pretrained = save_llama(tmp_path / "pretrained", attention_bias=True)
+    write_own_module(tmp_path, "own_lm", OWN_MODULE, monkeypatch)
+    strategy = {"quantization": "nf4", "lora": {"r": 4, "bias": "lora_only"}}
+    write_own_config(tmp_path / "own.yaml", "own_lm.MyLM", "own_lm.Bytes", pretrained, strategy)
+    main(["fit", "--config", "own.yaml"])
+    (first,) = tmp_path.glob("runs/lightning_logs/version_0/checkpoints/*.ckpt")
+    main(["fit", "--config", "own.yaml", "--trainer.max_steps", "3", "--ckpt_path", str(first)])
+    (resumed,) = tmp_path.glob("runs/lightning_logs/version_1/checkpoints/*.ckpt")
+    state = torch.load(resumed, weights_only=False)
+    assert state["global_step"] == 3
+    key = "model.model.layers.0.self_attn.q_proj.base_layer.bias"
+    trained = state["state_dict"][key]
+
+    main(["export", "--ckpt_path", str(resumed), "--out", "merged", "--merged"])
+    original, merged = load_file(pretrained / "model.safetensors"), load_file(tmp_path / "merged/model.safetensors")
+    plain = "model.layers.0.self_attn.q_proj.bias"
+    assert not torch.equal(trained.float(), original[plain])  # it trained
+    torch.testing.assert_close(merged[plain], trained.to(original[plain].dtype), rtol=0, atol=0)
