@@ -135,19 +135,27 @@ def prepare_for_kbit_training(model: nn.Module, mixed_precision: bool) -> int:
 
     Frozen embeddings, the output head and other frozen weights keep their dtype: they are read in the
     compute dtype anyway, and upcasting them is what makes peft's preparation cost more than bf16 LoRA.
+    A rank's rows under FSDP2 (a DTensor) get a new parameter: ``param.data = ...`` would change the DTensor's
+    dtype but not its local rows', which FSDP2 gathers (bf16 gradients for an "fp32" bias, and its reduce-scatter
+    failing on mixed dtypes).
     """
     if not mixed_precision:
         return 0
-    upcast: dict[int, nn.Parameter] = {}
+    upcast: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str]]]] = {}
     for module in model.modules():
-        for param in module.parameters(recurse=False):
-            wanted = param.requires_grad or is_norm(module)
+        for attr, param in module._parameters.items():
+            wanted = param is not None and (param.requires_grad or is_norm(module))
             if wanted and param.dtype in HALF_DTYPES:
-                upcast[id(param)] = param
+                upcast.setdefault(id(param), (param, []))[1].append((module, attr))
     added = 0
-    for param in upcast.values():
+    for param, places in upcast.values():
         added += param.numel() * 2
-        param.data = param.data.float()
+        if hasattr(param, "placements"):  # a DTensor: its local rows must change too
+            fp32 = nn.Parameter(param.detach().float(), requires_grad=param.requires_grad)
+            for module, attr in places:
+                module._parameters[attr] = fp32
+        else:
+            param.data = param.data.float()
     return added
 
 

@@ -40,3 +40,29 @@ def test_no_upcast_without_mixed_precision():
     inject_lora(model, {"r": 4})
     assert prepare_for_kbit_training(model, mixed_precision=False) == 0
     assert model.model.norm.weight.dtype == torch.bfloat16
+
+
+def test_a_ranks_rows_upcast_for_mixed_precision_are_fp32_in_their_local_rows_too(tmp_path):
+    """FSDP2 gathers a DTensor's local rows: ``param.data = param.data.float()`` left them bf16 under an fp32
+    DTensor, so a bias trained under ``bias='lora_only'`` got bf16 gradients beside fp32 LoRA ones and FSDP2's
+    reduce-scatter failed; norms computed in bf16 while the log said fp32."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pl_lowprec.distributed.mesh import local_rows
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        linear, norm = torch.nn.Linear(8, 8).bfloat16(), torch.nn.LayerNorm(8).bfloat16()
+        linear.weight.requires_grad_(False)
+        for module, attr in ((linear, "bias"), (norm, "weight")):
+            param = getattr(module, attr)
+            setattr(module, attr, torch.nn.Parameter(local_rows(param.detach(), mesh), param.requires_grad))
+        model = torch.nn.Sequential(linear, norm)
+        assert prepare_for_kbit_training(model, mixed_precision=True) == 3 * 8 * 2  # bias, norm weight and bias
+        for param in (linear.bias, norm.weight):
+            assert param.dtype == torch.float32 and param.to_local().dtype == torch.float32
+        assert linear.bias.requires_grad and linear.weight.dtype == torch.bfloat16  # frozen: left as it was
+    finally:
+        dist.destroy_process_group()
