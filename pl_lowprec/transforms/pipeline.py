@@ -78,6 +78,7 @@ from pl_lowprec.transforms.optimizers import import_optimizer_library, rebind_sc
 from pl_lowprec.transforms.qat import convert_qat, is_converted, prepare_qat
 from pl_lowprec.transforms.quantization import QuantizationConfig, quantize_linear, quantize_model
 from pl_lowprec.transforms.trainable import without_lora_line
+from pl_lowprec.transforms.trainable_bias import keep_trainable_biases
 from pl_lowprec.transforms.weight_sources import fill_meta_model, meta_init_context, weights_for
 
 
@@ -143,6 +144,7 @@ class ModelTransform:
             added = prepare_for_kbit_training(model, mixed_precision=precision_plugin_is_mixed(precision_plugin))
             if added:
                 rank_zero_info(f"Upcast trainable and norm weights to fp32 for mixed precision (+{added} bytes).")
+            keep_trainable_biases(model)  # bitsandbytes would cast them to the compute dtype in place
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             copies = sorted(trained_copies(model))
             whole = f", with {', '.join(copies)} trained whole (modules_to_save)" if copies else ""
