@@ -18,6 +18,8 @@ DEVICE: cpu (gloo, default) | gpu (nccl) | gpu-offload (nccl, cpu_offload=True))
 - full: LoRA on an unquantized base with full (gathered) checkpoints: 4 steps, then a resume from step 2.
 - overflow: 16-mixed; after the backward of step 2, rank 1 (only) writes inf into its shard of one gradient.
 - bad: one Trainer per bad input; records each error message.
+- biases: pretrained's streamed load of a base with attention biases, LoRA bias='lora_only'; records the
+  trainable parameters' local dtypes and the trained biases.
 - compiled: train's first step with compile=True and checkpointed blocks (compiled after fully_shard); records
   the LoRA gradients of step 1 and whether each block was compiled.
 Writes OUT_DIR/rank{N}.pt. Run by tests/strategies/test_fsdp.py; Lightning's launcher re-runs it for rank 1.
@@ -171,9 +173,9 @@ def resume(world, out, precision) -> dict:
     return {"adapters": _adapters(model)}
 
 
-def pretrained(world, out, precision) -> dict:
+def _saved(base: torch.nn.Module, out: str) -> Path:
+    """``base`` written with ``save_pretrained`` where every rank reads it."""
     rank = int(os.environ.get("LOCAL_RANK", 0))
-    base = TinyLlama(**SIZES).model  # the base every other run starts from (init_seed=0)
     if torch.distributed.is_initialized():  # an earlier scenario started it: save_pretrained writes on rank 0 only
         directory = Path(out) / "base"
         if rank == 0:
@@ -182,6 +184,11 @@ def pretrained(world, out, precision) -> dict:
     else:
         directory = Path(out) / f"base{rank}"
         base.save_pretrained(directory)
+    return directory
+
+
+def pretrained(world, out, precision) -> dict:
+    directory = _saved(TinyLlama(**SIZES).model, out)  # the base every other run starts from (init_seed=0)
     strategy = LowPrecisionFSDPStrategy(
         quantization="nf4",
         lora=LORA,
@@ -205,6 +212,48 @@ def pretrained(world, out, precision) -> dict:
         "largest_nf4_layer": max(nf4_bytes(p) * world for p in weights),
         "initialized": initialized(world, out, precision),  # the same launch: one process group start less
     }
+
+
+class BiasedLlama(SGDTinyLlama):
+    """SGDTinyLlama with biases on its attention projections (as Qwen2's q/k/v), built from seed 0 in bf16, as
+    ``from_config`` builds a bf16 checkpoint's model."""
+
+    def __init__(self) -> None:
+        super().__init__(**SIZES)
+        from transformers import LlamaForCausalLM
+
+        self.model.config.attention_bias = True
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.model = LlamaForCausalLM(self.model.config).to(torch.bfloat16)
+
+
+def biases(world, out, precision) -> dict:
+    """``bias='lora_only'`` on a base with attention biases, streamed in (each rank keeps its rows): the biases
+    train beside the adapters, in their dtype."""
+    directory = _saved(BiasedLlama().model, out)
+    strategy = LowPrecisionFSDPStrategy(
+        quantization="nf4",
+        lora={**LORA, "bias": "lora_only"},
+        shard_modules="LlamaDecoderLayer",
+        nf4_scaler_block_size=32,
+        pretrained=directory,
+        pretrained_prefix="model.",
+    )
+    trainer = _trainer(world, out, precision, strategy=strategy)
+    with trainer.init_module(empty_init=True):
+        model = BiasedLlama()
+    torch.manual_seed(0)
+    trainer.fit(model, _loader(world))
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    local = {str(p.to_local().dtype if hasattr(p, "to_local") else p.dtype) for p in trainable.values()}
+    from safetensors.torch import load_file
+
+    original = load_file(directory / "model.safetensors")
+    trained = {n: full_tensor(p.detach()).cpu() for n, p in trainable.items() if n.endswith(".bias")}
+    file_keys = {n: n.removeprefix("model.").replace(".base_layer", "") for n in trained}
+    least_moved = min((t - original[file_keys[n]]).abs().max() for n, t in trained.items())
+    return {"local_dtypes": local, "biases": trained, "least_moved": least_moved}
 
 
 class PlainBlock(torch.nn.Module):
@@ -481,6 +530,7 @@ def main(world: str, out: str, precision: str, scenario_names: str) -> None:
         "options": options,
         "bad": bad,
         "compiled": compiled,
+        "biases": biases,
     }
     rank = int(os.environ.get("LOCAL_RANK", 0))
     for name in scenario_names.split(","):
