@@ -90,6 +90,7 @@ def merge_into_pretrained(
     if source.is_dir():
         _copy_model_files(source, out_dir, dtype)
         _name_the_module(module, out_dir)
+        _untie_a_trained_head(module, out_dir, set(new_keys))
         if (source / INDEX_NAME).is_file():
             index_json = json.loads((source / INDEX_NAME).read_text())
             index_json.setdefault("metadata", {})["total_size"] = sum(sizes.values())
@@ -119,6 +120,22 @@ def _name_the_module(module: nn.Module, out_dir: Path) -> None:
         if own.get(key) is not None:
             fields[key] = own[key]
     config.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
+
+
+def _untie_a_trained_head(module: nn.Module, out_dir: Path, new_keys: set[str]) -> None:
+    """An output head trained whole (``modules_to_save=["lm_head"]``) of a model whose config ties it to the
+    input embeddings: its own tensor is written, and ``tie_word_embeddings`` is set false, as the trained model
+    is untied (transformers would otherwise tie it back, or warn and untie)."""
+    config = out_dir / "config.json"
+    _, base = find_base_model(module)
+    heads = getattr(base, "get_output_embeddings", lambda: None)()
+    if not config.is_file() or heads is None:
+        return
+    names = [name for name, m in base.named_modules() if m is heads]
+    fields = json.loads(config.read_text())
+    if fields.get("tie_word_embeddings") and names and f"{names[0]}.weight" in new_keys:
+        fields["tie_word_embeddings"] = False
+        config.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
 
 
 def _copy_model_files(source: Path, out_dir: Path, dtype: str | None) -> None:

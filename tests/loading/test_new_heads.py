@@ -98,11 +98,11 @@ def test_a_merged_classifier_loads_with_transformers_and_computes_what_the_train
 
 
 class CausalLM(pl.LightningModule):
-    def __init__(self):
+    def __init__(self, tie: bool = False):
         super().__init__()
         from transformers import LlamaForCausalLM
 
-        self.model = LlamaForCausalLM(llama_config())
+        self.model = LlamaForCausalLM(llama_config(tie=tie))
 
     def training_step(self, batch, batch_idx):
         return self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
@@ -111,26 +111,32 @@ class CausalLM(pl.LightningModule):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
 
 
-def test_a_head_trained_whole_replaces_its_weight_in_the_merged_model(tmp_path):
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_head_trained_whole_replaces_its_weight_in_the_merged_model(tmp_path, tie):
+    """``modules_to_save=["lm_head"]``: its trained tensor replaces the checkpoint's, or, where the config ties it
+    to the embeddings (no lm_head key), is added and ``tie_word_embeddings`` set false: the trained model is
+    untied, and transformers would tie it back."""
     from transformers import AutoModelForCausalLM
 
     from pl_lowprec.export.merged import merge_into_pretrained
     from pl_lowprec.loading import PretrainedWeights
 
-    directory = save_llama(tmp_path / "causal_lm")
+    directory = save_llama(tmp_path / "causal_lm", tie=tie)
     trainer = quiet_trainer(
         strategy=LowPrecisionStrategy(pretrained=directory, lora={"r": 4, "modules_to_save": ["lm_head"]}), max_steps=2
     )
     with trainer.init_module(empty_init=True):
-        model = CausalLM()
+        model = CausalLM(tie=tie)
     trainer.fit(model, ids_loader(batches=2))
     out = tmp_path / "merged"
     out.mkdir()
     counts = merge_into_pretrained(model, PretrainedWeights(directory, prefix="model."), out)
     assert (counts["whole"], counts["left_out"]) == (1, 0)
     trained = model.model.lm_head.modules_to_save["default"].weight
-    assert not torch.equal(trained, load_file(directory / "model.safetensors")["lm_head.weight"])  # it trained
+    original = load_file(directory / "model.safetensors")
+    assert not torch.equal(trained, original["model.embed_tokens.weight" if tie else "lm_head.weight"])  # it trained
     torch.testing.assert_close(load_file(out / "model.safetensors")["lm_head.weight"], trained.detach())
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
     merged = AutoModelForCausalLM.from_pretrained(out)
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
     model.eval()
