@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pl_lowprec.transforms.dtypes import upcast_to_fp32
+
 _NAMES_SHOWN = 8
 
 
@@ -19,13 +21,14 @@ def half_trainable_parameters(module: nn.Module) -> list[str]:
 
 
 def upcast_parameters(module: nn.Module, names: list[str]) -> int:
-    """Cast the named parameters to fp32 in place (same ``Parameter`` objects); return the bytes added."""
+    """Cast the named parameters to fp32 in place (same ``Parameter`` objects, a DTensor's rows too); return the
+    bytes added."""
     wanted = set(names)
     added = 0
     for name, param in module.named_parameters():
         if name in wanted:
             added += param.numel() * 2
-            param.data = param.data.float()
+            upcast_to_fp32(param)
     return added
 
 

@@ -1,4 +1,5 @@
-"""The one precision -> dtype map, and dtype names as YAML writes them (``"bfloat16"``, ``"torch.float16"``)."""
+"""The one precision -> dtype map, dtype names as YAML writes them (``"bfloat16"``, ``"torch.float16"``), and
+the one way a parameter is upcast in place."""
 
 from __future__ import annotations
 
@@ -7,6 +8,16 @@ from typing import Any
 import torch
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)  # what mixed precision computes in
+
+
+def upcast_to_fp32(param: torch.nn.Parameter) -> None:
+    """``param`` in fp32, the same ``Parameter`` object (ties and references kept). A DTensor (a rank's rows under
+    FSDP2) is swapped whole: ``param.data = ...`` changes its dtype but not its local rows', which FSDP2 gathers."""
+    if hasattr(param, "placements"):
+        torch.utils.swap_tensors(param, torch.nn.Parameter(param.detach().float(), requires_grad=param.requires_grad))
+    else:
+        param.data = param.data.float()
+
 
 PRECISION_DTYPES: dict[str, torch.dtype] = {
     "16-mixed": torch.float16,

@@ -20,7 +20,7 @@ from torch import nn
 
 from pl_lowprec._checks import check_at_least, check_fraction, check_positive
 from pl_lowprec._imports import import_peft
-from pl_lowprec.transforms.dtypes import HALF_DTYPES
+from pl_lowprec.transforms.dtypes import HALF_DTYPES, upcast_to_fp32
 from pl_lowprec.transforms.linear_filter import DEFAULT_SKIP, is_target_linear, linear_names
 
 ADAPTER_NAME = "default"
@@ -135,27 +135,19 @@ def prepare_for_kbit_training(model: nn.Module, mixed_precision: bool) -> int:
 
     Frozen embeddings, the output head and other frozen weights keep their dtype: they are read in the
     compute dtype anyway, and upcasting them is what makes peft's preparation cost more than bf16 LoRA.
-    A rank's rows under FSDP2 (a DTensor) get a new parameter: ``param.data = ...`` would change the DTensor's
-    dtype but not its local rows', which FSDP2 gathers (bf16 gradients for an "fp32" bias, and its reduce-scatter
-    failing on mixed dtypes).
     """
     if not mixed_precision:
         return 0
-    upcast: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str]]]] = {}
+    upcast: dict[int, nn.Parameter] = {}
     for module in model.modules():
-        for attr, param in module._parameters.items():
-            wanted = param is not None and (param.requires_grad or is_norm(module))
+        for param in module.parameters(recurse=False):
+            wanted = param.requires_grad or is_norm(module)
             if wanted and param.dtype in HALF_DTYPES:
-                upcast.setdefault(id(param), (param, []))[1].append((module, attr))
+                upcast[id(param)] = param
     added = 0
-    for param, places in upcast.values():
+    for param in upcast.values():
         added += param.numel() * 2
-        if hasattr(param, "placements"):  # a DTensor: its local rows must change too
-            fp32 = nn.Parameter(param.detach().float(), requires_grad=param.requires_grad)
-            for module, attr in places:
-                module._parameters[attr] = fp32
-        else:
-            param.data = param.data.float()
+        upcast_to_fp32(param)  # a rank's rows too (under FSDP2 they stayed bf16: mixed gradient dtypes)
     return added
 
 
