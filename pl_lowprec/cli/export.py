@@ -14,9 +14,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pl_lowprec.adapters import find_base_model
 from pl_lowprec.cli.rebuild import config_files, rebuild, with_config
 from pl_lowprec.cli.resume import check_checkpoint
 from pl_lowprec.cli.subcommands import description, examples
+from pl_lowprec.export.generates_text import GGUF, check_module_generates
 from pl_lowprec.export.gguf_export import check_gguf_request, check_gguf_sources, export_gguf
 from pl_lowprec.export.out_paths import check_out_dir
 from pl_lowprec.export.restore import restore, sources
@@ -68,6 +70,8 @@ def main(args: list[str] | None = None) -> None:
         weights,
     )
     if export_format == "gguf":
+        name, hf_model = find_base_model(run.model)  # a classifier built in __init__: known before the weights load
+        check_module_generates(hf_model if name else None, type(run.model).__name__, GGUF)
         check_gguf_sources(weights, tokenizer_dir)
     restored = restore(checkpoint, run.trainer, run.model, run.datamodule)
     if export_format == "gguf":

@@ -1,7 +1,8 @@
 """``pl-lowprec generate`` completes prompts with a causal LM; a classifier (trained with LoRA task_type SEQ_CLS,
 or its merged or adapter export) scores text and writes none. transformers would load a merged classifier as a
 causal LM all the same (its ``score`` dropped, the base's ``lm_head`` in its place) and generate from the base
-model the fine-tune never changed, so each of these is refused before anything loads."""
+model the fine-tune never changed, so each of these is refused before anything loads, as is a GGUF export of it
+(llama.cpp would serve the base)."""
 
 from __future__ import annotations
 
@@ -13,19 +14,22 @@ from torch import nn
 TASKS_WITHOUT_TEXT = ("SEQ_CLS", "TOKEN_CLS", "QUESTION_ANS", "FEATURE_EXTRACTION")
 
 
-def _refusal(subject: str, load_with: str) -> ValueError:
+GENERATE = "pl-lowprec generate completes prompts with a causal LM (AutoModelForCausalLM)"
+GGUF = "a GGUF file holds a causal LM, for llama.cpp and Ollama to complete text with"
+
+
+def _refusal(subject: str, load_with: str, needs: str = GENERATE) -> ValueError:
     return ValueError(
-        f"{subject}, which scores text and has no generate(): pl-lowprec generate completes prompts with a causal LM"
-        f" (AutoModelForCausalLM). Load this one with {load_with} to run it on text, or generate from a model"
-        " trained as a causal LM."
+        f"{subject}, which scores text and has no generate(): {needs}. Load this one with {load_with} to run it on"
+        " text, or generate from a model trained as a causal LM."
     )
 
 
-def check_module_generates(model: nn.Module | None, holder: str) -> None:
+def check_module_generates(model: nn.Module | None, holder: str, needs: str = GENERATE) -> None:
     """The Hugging Face model a checkpoint's module holds can ``generate`` (``None``: not known yet)."""
     if model is not None and not callable(getattr(model, "generate", None)):
         kind = type(model).__name__
-        raise _refusal(f"{holder} holds a {kind}", f"{kind}.from_pretrained on its `pl-lowprec export --merged`")
+        raise _refusal(f"{holder} holds a {kind}", f"{kind}.from_pretrained on its `pl-lowprec export --merged`", needs)
 
 
 def check_directory_generates(path: Path) -> None:

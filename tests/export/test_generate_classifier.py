@@ -78,6 +78,12 @@ def test_a_classifier_exports_merged_and_generate_refuses_each_of_its_forms(trai
     err = " ".join(capsys.readouterr().err.split())
     assert "MyClassifier holds a LlamaForSequenceClassification, which scores text and has no generate()" in err
     assert "Traceback" not in err and not (tmp_path / "out.jsonl").exists()
+    monkeypatch.setattr("pl_lowprec.cli.export.restore", lambda *a: pytest.fail("restored before the refusal"))
+    with pytest.raises(SystemExit):
+        main(["export", "--ckpt_path", str(trained), "--out", "gguf", "--format", "gguf"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert "LlamaForSequenceClassification, which scores text and has no generate(): a GGUF file holds a causal" in err
+    assert not (tmp_path / "gguf").exists()
 
 
 def test_a_causal_lm_directory_still_generates_past_the_check(tmp_path):
