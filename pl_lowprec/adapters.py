@@ -24,7 +24,7 @@ from torch import nn
 
 from pl_lowprec._imports import import_peft
 from pl_lowprec.distributed.mesh import full_tensor
-from pl_lowprec.transforms.lora import ADAPTER_NAME, lora_layers, trained_copies
+from pl_lowprec.transforms.lora import ADAPTER_NAME, base_changing_init, lora_layers, trained_copies
 from pl_lowprec.transforms.nf4 import dequantize_nf4, is_nf4
 from pl_lowprec.transforms.quantization import is_quantized
 
@@ -112,6 +112,7 @@ def export_adapter(
     layers = {n.removeprefix(lead): m for n, m in lora_layers(module).items() if n.startswith(lead)}
     if not layers:
         raise ValueError(f"No LoRA layer found under {prefix or type(module).__name__!r}: nothing to export.")
+    check_adapter_fits_base(module)
     peft_config = getattr(module, "peft_config", {}).get(ADAPTER_NAME)
     if peft_config is None:
         raise ValueError("The module has LoRA layers but no peft_config: was it injected by pl_lowprec?")
@@ -138,9 +139,21 @@ def export_adapter(
     return directory
 
 
+def check_adapter_fits_base(model_or_lora_config: object) -> None:
+    """An adapter directory loads onto the original base: refused where LoRA's initialization rewrote the base."""
+    init = base_changing_init(model_or_lora_config)
+    if init is not None:
+        raise ValueError(
+            f"lora init_lora_weights={init!r} rewrote the base weights when the adapters were added (part of each"
+            " weight moved into A and B), so an adapter directory, which peft loads onto the original base, would"
+            " compute something else than the trained model. Export the merged model (--merged: the base as"
+            " trained plus the adapters), or train with init_lora_weights true or 'gaussian'."
+        )
+
+
 def merged_state_dict(module: nn.Module, base_model: str | None = None) -> dict[str, torch.Tensor]:
     """The plain model's state dict: quantized weights dequantized, LoRA deltas merged, no adapter keys."""
-    peft = import_peft()
+    import_peft()
     prefix, base = (base_model, module.get_submodule(base_model)) if base_model else find_base_model(module)
     lead = f"{prefix}." if prefix else ""
     adapted = {n.removeprefix(lead): m for n, m in lora_layers(module).items() if n.startswith(lead)}
@@ -159,7 +172,7 @@ def merged_state_dict(module: nn.Module, base_model: str | None = None) -> dict[
     deltas = lora_deltas(base)
     for name, layer in {**adapted, **quantized}.items():
         base_layer = layer.get_base_layer() if name in adapted else layer
-        weight = _dequantized(peft, base_layer)
+        weight = dequantized_weight(base_layer)
         if name in deltas:
             weight = weight + deltas[name]
         merged[f"{name}.weight"] = weight
@@ -188,7 +201,9 @@ def lora_deltas(module: nn.Module) -> dict[str, torch.Tensor]:
     return deltas
 
 
-def _dequantized(peft: object, layer: nn.Module) -> torch.Tensor:
+def dequantized_weight(layer: nn.Module) -> torch.Tensor:
+    """A linear layer's whole weight in fp32: bitsandbytes' and NF4 weights dequantized, FSDP2 shards gathered."""
+    peft = import_peft()
     if is_quantized(layer):
         state = getattr(layer, "state", None)
         return peft.utils.integrations.dequantize_bnb_weight(layer.weight, state=state).float()

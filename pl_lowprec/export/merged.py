@@ -13,6 +13,9 @@ they trained, replacing the original tensor, or added where the checkpoint had n
 ``lm_head`` under a classifier) is left out, and ``config.json`` names the module's class (``architectures``)
 and its labels, so ``AutoModelForSequenceClassification.from_pretrained`` loads the result as the module was.
 
+Where the adapters' initialization rewrote the base (``init_lora_weights`` PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA),
+the deltas go onto the base as trained (the residual), which the original files do not hold.
+
 Dtype: by default each tensor keeps the dtype it has in the pretrained files (a bf16 checkpoint stays bf16; a
 delta smaller than half a bf16 step of its weight is then rounded away, which ``dtype="float32"`` keeps); a new
 head takes the files' floating dtype.
@@ -27,11 +30,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pl_lowprec.adapters import find_base_model, lora_deltas
+from pl_lowprec.adapters import dequantized_weight, find_base_model, lora_deltas
 from pl_lowprec.export.trained_whole import file_key_of, trained_whole, without_absent_modules
 from pl_lowprec.loading import PretrainedWeights, resolve_checkpoint
 from pl_lowprec.loading.sources import INDEX_NAME, open_safetensors
 from pl_lowprec.transforms.dtypes import to_dtype
+from pl_lowprec.transforms.lora import base_changing_init, lora_layers
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
@@ -54,6 +58,7 @@ def merge_into_pretrained(
             f" {', '.join(absent[:6])}. A weight tied to another (tie_word_embeddings) has no key of its own:"
             " leave that layer out of target_modules, or export an adapter directory instead."
         )
+    residuals = residual_bases(module)
     whole = trained_whole(module)
     new_keys = {file_key_of(key, weights.prefix, source): key for key in whole if key not in index.tensors}
     kept = without_absent_modules(module, index.tensors)
@@ -75,7 +80,7 @@ def merge_into_pretrained(
                 floating = tensor.dtype if tensor.is_floating_point() else floating
                 target = cast if cast is not None and tensor.is_floating_point() else tensor.dtype
                 if module_key in deltas:
-                    tensor = tensor.float() + deltas[module_key]
+                    tensor = residuals.get(module_key, tensor).float() + deltas[module_key]
                     merged += 1
                 elif module_key in whole:
                     tensor = whole[module_key]
@@ -102,6 +107,19 @@ def merge_into_pretrained(
             (out_dir / INDEX_NAME).write_text(json.dumps(index_json, indent=2, sort_keys=True) + "\n")
     left_out = len(index.tensors) - len(kept)
     return {"merged": merged, "tensors": written, "whole": replaced + len(new_keys), "left_out": left_out}
+
+
+def residual_bases(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``{weight key: base weight as trained}`` where the adapters' initialization rewrote the base (PiSSA, OLoRA,
+    ...: the base holds the residual, A and B the rest): the merge adds the deltas to it, not to the original
+    file's weight, which would count the moved part twice. A quantized residual is dequantized: the merged model
+    then computes what the trained one did. Empty for every other initialization."""
+    if base_changing_init(module) is None:
+        return {}
+    return {
+        f"{name}.weight": dequantized_weight(layer.get_base_layer()).cpu()
+        for name, layer in lora_layers(module).items()
+    }
 
 
 def _name_the_module(module: nn.Module, out_dir: Path) -> None:

@@ -72,7 +72,13 @@ from pl_lowprec.transforms.fp8 import check_fp8_device, convert_to_fp8
 from pl_lowprec.transforms.frozen_dtype import cast_frozen_weights
 from pl_lowprec.transforms.fused_lora_mlp import fuse_lora_mlps
 from pl_lowprec.transforms.half_trainable import warn_half_trainable
-from pl_lowprec.transforms.lora import has_lora, inject_lora, prepare_for_kbit_training, trained_copies
+from pl_lowprec.transforms.lora import (
+    base_changing_init,
+    has_lora,
+    inject_lora,
+    prepare_for_kbit_training,
+    trained_copies,
+)
 from pl_lowprec.transforms.offloading import OffloadActivations, check_offload_device
 from pl_lowprec.transforms.optimizers import import_optimizer_library, rebind_schedulers, swap_optimizer
 from pl_lowprec.transforms.qat import convert_qat, is_converted, prepare_qat
@@ -148,7 +154,9 @@ class ModelTransform:
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             copies = sorted(trained_copies(model))
             whole = f", with {', '.join(copies)} trained whole (modules_to_save)" if copies else ""
-            rank_zero_info(f"LoRA on {len(adapted)} layers{whole}; {trainable} trainable parameters.")
+            rewrote = base_changing_init(c.lora)
+            moved = f" init_lora_weights={rewrote!r} rewrote the base weights: export --merged." if rewrote else ""
+            rank_zero_info(f"LoRA on {len(adapted)} layers{whole}; {trainable} trainable parameters.{moved}")
             warn_half_trainable(model, precision_plugin.precision)
         if c.lora_in_compute_dtype(precision_plugin_is_mixed(precision_plugin)):
             saved = cast_frozen_weights(model, compute_dtype)
