@@ -9,6 +9,29 @@ from typing import Any
 
 import yaml
 
+OWN_CAUSAL_LM = """
+import lightning as L
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+
+class MyLM(L.LightningModule):
+    def __init__(self, config_dir: str):
+        super().__init__()
+        self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir))
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+
+class Bytes(L.LightningDataModule):
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0)))
+"""
+
 
 def write_own_module(directory: Path, name: str, source: str, monkeypatch: Any) -> None:
     """``directory/name.py`` importable, and ``directory`` the working directory (the run's ``runs/`` go there)."""

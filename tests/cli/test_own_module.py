@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 from loading_helpers import save_llama
+from own_module_helpers import OWN_CAUSAL_LM as OWN_MODULE
 from own_module_helpers import write_own_config, write_own_module
 from safetensors.torch import load_file
 
@@ -17,29 +18,6 @@ from pl_lowprec.cli import main
 
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
-
-OWN_MODULE = """
-import lightning as L
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM
-
-
-class MyLM(L.LightningModule):
-    def __init__(self, config_dir: str):
-        super().__init__()
-        self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir))
-
-    def training_step(self, batch, batch_idx):
-        return self.model(input_ids=batch, labels=batch).loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3)
-
-
-class Bytes(L.LightningDataModule):
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0)))
-"""
 
 
 def test_own_module_built_in_init_is_filled_from_the_strategys_pretrained_and_exports(tmp_path, monkeypatch, caplog):

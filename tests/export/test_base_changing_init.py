@@ -12,6 +12,7 @@ import pytest
 import torch
 from lightning_helpers import quiet_trainer
 from loading_helpers import llama_config, save_llama
+from own_module_helpers import OWN_CAUSAL_LM as OWN_MODULE
 from own_module_helpers import write_own_config, write_own_module
 from qlora_helpers import ids_loader
 
@@ -20,29 +21,6 @@ from pl_lowprec.cli import main
 
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
-
-OWN_MODULE = """
-import lightning as L
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM
-
-
-class MyLM(L.LightningModule):
-    def __init__(self, config_dir: str):
-        super().__init__()
-        self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir))
-
-    def training_step(self, batch, batch_idx):
-        return self.model(input_ids=batch, labels=batch).loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
-
-
-class Bytes(L.LightningDataModule):
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0)))
-"""
 
 
 def _logits(model, ids):
