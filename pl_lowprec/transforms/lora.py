@@ -39,8 +39,15 @@ def lora_config(lora: Any) -> Any:
     fields = {"target_modules": "all-linear", **lora}
     try:
         config = peft.LoraConfig(**fields)
-    except TypeError as err:
-        raise ValueError(f"lora={dict(lora)!r} is not a valid peft.LoraConfig: {err}.") from err
+    except (TypeError, ValueError) as err:
+        hint = ""
+        if "target_modules" not in lora and "target_modules" in str(err):
+            hint = (
+                " target_modules was left at this package's default, 'all-linear' (a string): name the layers as a"
+                " list to combine them with that option, e.g. [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,"
+                " down_proj]."
+            )
+        raise ValueError(f"lora={dict(lora)!r} is not a valid peft.LoraConfig: {str(err).rstrip('.')}.{hint}") from err
     check_lora_numbers(config)
     return with_task_heads(config)
 
@@ -96,14 +103,40 @@ def resolve_targets(model: nn.Module, config: Any, skip: tuple[str, ...] = DEFAU
     return chosen
 
 
+def in_transformed_layers(config: Any, names: list[str]) -> list[str]:
+    """``names`` within peft's ``layers_to_transform`` (and ``layers_pattern``), as peft selects them; all where
+    none is given. Applied here because the injection names its targets exactly, by a regular expression, which
+    peft does not combine with layer indexes."""
+    if config.layers_to_transform is None or config.layers_to_transform == []:
+        return names
+    peft = import_peft()
+    probe = config.__class__(
+        **{
+            **config.to_dict(),
+            "target_modules": sorted({n.rpartition(".")[2] for n in names}),
+            "modules_to_save": None,
+            "exclude_modules": None,
+        }
+    )
+    kept = [n for n in names if peft.tuners.tuners_utils.check_target_module_exists(probe, n)]
+    if not kept:
+        raise ValueError(
+            f"LoRA layers_to_transform={config.layers_to_transform!r} (layers_pattern={config.layers_pattern!r}) keeps"
+            f" none of the {len(names)} target layers (e.g. {names[0]}): give indexes of the model's blocks, and"
+            " layers_pattern as the name of their list (e.g. 'layers')."
+        )
+    return kept
+
+
 def inject_lora(model: nn.Module, lora: Any, skip: tuple[str, ...] = DEFAULT_SKIP) -> list[str]:
     """Inject LoRA adapters (idempotent) and freeze everything else; return the adapted layer names."""
     peft = import_peft()
     config = lora_config(lora)
     if has_lora(model):
         return sorted(n for n, m in model.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer))
-    targets = resolve_targets(model, config, skip)
-    exact = config.__class__(**{**config.to_dict(), "target_modules": _exact_regex(targets)})
+    targets = in_transformed_layers(config, resolve_targets(model, config, skip))
+    layers = {"layers_to_transform": None, "layers_pattern": None}  # applied: peft takes them with name lists only
+    exact = config.__class__(**{**config.to_dict(), **layers, "target_modules": _exact_regex(targets)})
     # peft picks its bitsandbytes-aware LoRA layers only when the root model says it was loaded in 4/8 bit,
     # as transformers' models do; say so for the duration of the injection.
     kinds = {type(model.get_submodule(n)).__name__ for n in targets}

@@ -97,3 +97,23 @@ def test_int8_on_a_device_bitsandbytes_cannot_train_on():
     finally:
         _INT8_OK.clear()
     assert trainer.global_step == 0
+
+
+def test_layers_to_transform_with_the_default_targets_names_the_fix():
+    with pytest.raises(ValueError, match=r"left at this package's default, 'all-linear' \(a string\): name the layers"):
+        LowPrecisionStrategy(lora={"r": 4, "layers_to_transform": [1]})
+
+
+def test_layers_to_transform_adapts_only_those_blocks_and_exports_them():
+    """peft's ``layers_to_transform`` with named targets: LoRA on block 1 only, as ``get_peft_model`` picks it (the
+    injection names its targets by a regular expression, which peft does not combine with layer indexes)."""
+    from pl_lowprec.transforms.lora import inject_lora, lora_layers
+
+    model = tiny_llama()
+    inject_lora(model, {"r": 4, "target_modules": ["q_proj", "v_proj"], "layers_to_transform": [1]})
+    assert sorted(lora_layers(model)) == [
+        "model.model.layers.1.self_attn.q_proj",
+        "model.model.layers.1.self_attn.v_proj",
+    ]
+    with pytest.raises(ValueError, match=r"layers_to_transform=\[7\] .* keeps none of the 4 target layers"):
+        inject_lora(tiny_llama(), {"r": 4, "target_modules": ["q_proj", "v_proj"], "layers_to_transform": [7]})
