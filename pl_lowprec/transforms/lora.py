@@ -103,27 +103,21 @@ def resolve_targets(model: nn.Module, config: Any, skip: tuple[str, ...] = DEFAU
     return chosen
 
 
-def in_transformed_layers(config: Any, names: list[str]) -> list[str]:
-    """``names`` within peft's ``layers_to_transform`` (and ``layers_pattern``), as peft selects them; all where
-    none is given. Applied here because the injection names its targets exactly, by a regular expression, which
-    peft does not combine with layer indexes."""
-    if config.layers_to_transform is None or config.layers_to_transform == []:
+def peft_selected(config: Any, names: list[str]) -> list[str]:
+    """``names`` as peft selects them from ``exclude_modules``, ``modules_to_save`` (never adapted) and
+    ``layers_to_transform``/``layers_pattern``. Applied here because the injection names its targets exactly, by a
+    regular expression, which peft does not combine with layer indexes, and so the count said is the count adapted."""
+    if not (config.exclude_modules or config.modules_to_save or config.layers_to_transform not in (None, [])):
         return names
     peft = import_peft()
-    probe = config.__class__(
-        **{
-            **config.to_dict(),
-            "target_modules": sorted({n.rpartition(".")[2] for n in names}),
-            "modules_to_save": None,
-            "exclude_modules": None,
-        }
-    )
+    probe = config.__class__(**{**config.to_dict(), "target_modules": sorted({n.rpartition(".")[2] for n in names})})
     kept = [n for n in names if peft.tuners.tuners_utils.check_target_module_exists(probe, n)]
     if not kept:
         raise ValueError(
-            f"LoRA layers_to_transform={config.layers_to_transform!r} (layers_pattern={config.layers_pattern!r}) keeps"
-            f" none of the {len(names)} target layers (e.g. {names[0]}): give indexes of the model's blocks, and"
-            " layers_pattern as the name of their list (e.g. 'layers')."
+            f"LoRA exclude_modules={config.exclude_modules!r}, layers_to_transform={config.layers_to_transform!r}"
+            f" (layers_pattern={config.layers_pattern!r}) keep none of the {len(names)} target layers (e.g."
+            f" {names[0]}): give indexes of the model's blocks, and layers_pattern as the name of their list (e.g."
+            " 'layers')."
         )
     return kept
 
@@ -134,7 +128,7 @@ def inject_lora(model: nn.Module, lora: Any, skip: tuple[str, ...] = DEFAULT_SKI
     config = lora_config(lora)
     if has_lora(model):
         return sorted(n for n, m in model.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer))
-    targets = in_transformed_layers(config, resolve_targets(model, config, skip))
+    targets = peft_selected(config, resolve_targets(model, config, skip))
     layers = {"layers_to_transform": None, "layers_pattern": None}  # applied: peft takes them with name lists only
     exact = config.__class__(**{**config.to_dict(), **layers, "target_modules": _exact_regex(targets)})
     # peft picks its bitsandbytes-aware LoRA layers only when the root model says it was loaded in 4/8 bit,

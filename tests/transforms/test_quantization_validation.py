@@ -115,5 +115,14 @@ def test_layers_to_transform_adapts_only_those_blocks_and_exports_them():
         "model.model.layers.1.self_attn.q_proj",
         "model.model.layers.1.self_attn.v_proj",
     ]
-    with pytest.raises(ValueError, match=r"layers_to_transform=\[7\] .* keeps none of the 4 target layers"):
+    with pytest.raises(ValueError, match=r"layers_to_transform=\[7\] .* keep none of the 4 target layers"):
         inject_lora(tiny_llama(), {"r": 4, "target_modules": ["q_proj", "v_proj"], "layers_to_transform": [7]})
+
+
+def test_excluded_modules_are_left_out_of_the_targets_and_of_the_count():
+    from pl_lowprec.transforms.lora import inject_lora, lora_layers
+
+    model = tiny_llama()
+    targets = inject_lora(model, {"r": 4, "exclude_modules": ["down_proj"]})
+    assert sorted(targets) == sorted(lora_layers(model)) and len(targets) == 12  # 14 linear layers, 2 down_proj
+    assert not any(name.endswith("down_proj") for name in targets)
