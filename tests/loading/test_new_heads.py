@@ -74,13 +74,17 @@ def test_without_a_new_head_named_the_load_is_refused_naming_the_heads(tmp_path)
         _fit(directory, {"r": 4})
 
 
-def test_a_merged_classifier_loads_with_transformers_and_computes_what_the_trained_module_computes(tmp_path):
+@pytest.mark.parametrize("shard_size", [None, "40KB"])
+def test_a_merged_classifier_loads_with_transformers_and_computes_as_it_trained(tmp_path, shard_size):
+    """Also from a sharded checkpoint: the new head goes into the last shard, and into the index's weight_map,
+    which no longer names the head left out."""
     from transformers import AutoModelForSequenceClassification
 
     from pl_lowprec.export.merged import merge_into_pretrained
     from pl_lowprec.loading import PretrainedWeights
 
-    directory = save_llama(tmp_path / "causal_lm")  # untied: its lm_head.weight is a head the classifier lacks
+    # untied: its lm_head.weight is a head the classifier lacks
+    directory = save_llama(tmp_path / "causal_lm", max_shard_size=shard_size)
     torch.manual_seed(0)
     _, model = _fit(directory, {"r": 4, "task_type": "SEQ_CLS"}, quantization=None)  # merged = what trained
     out = tmp_path / "merged"
@@ -90,7 +94,13 @@ def test_a_merged_classifier_loads_with_transformers_and_computes_what_the_train
     merged = AutoModelForSequenceClassification.from_pretrained(out)
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForSequenceClassification"]
     assert merged.config.num_labels == 3 and merged.config.pad_token_id == 0  # the classifier's, not the LM's
-    assert "lm_head.weight" not in load_file(out / "model.safetensors")
+    if shard_size is None:
+        assert "lm_head.weight" not in load_file(out / "model.safetensors")
+    else:
+        weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+        last = sorted(set(weight_map.values()))[-1]
+        assert weight_map["score.weight"] == last and "lm_head.weight" not in weight_map
+        assert len(set(weight_map.values())) > 2 and "score.weight" in load_file(out / last)
     ids = torch.randint(1, 256, (3, 12), generator=torch.Generator().manual_seed(1))
     model.eval()
     with torch.no_grad():
