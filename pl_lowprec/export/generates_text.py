@@ -11,9 +11,7 @@ from pathlib import Path
 
 from torch import nn
 
-TASKS_WITHOUT_TEXT = ("SEQ_CLS", "TOKEN_CLS", "QUESTION_ANS", "FEATURE_EXTRACTION")
-
-
+TASKS_WITHOUT_TEXT = ("SEQ_CLS", "TOKEN_CLS", "QUESTION_ANS", "FEATURE_EXTRACTION")  # peft task types
 GENERATE = "pl-lowprec generate completes prompts with a causal LM (AutoModelForCausalLM)"
 GGUF = "a GGUF file holds a causal LM, for llama.cpp and Ollama to complete text with"
 
