@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import lightning.pytorch as pl
 import torch
 
 
@@ -21,6 +22,23 @@ def llama_config(hidden_size: int = 64, layers: int = 2, tie: bool = False, voca
         tie_word_embeddings=tie,
         **kwargs,
     )
+
+
+class LlamaModule(pl.LightningModule):
+    """A LightningModule of the user's own kind: a Hugging Face Llama (``llama_config(**config_kwargs)``) as
+    ``self.model``, its loss on ``input_ids``, AdamW on what trains."""
+
+    def __init__(self, **config_kwargs) -> None:
+        super().__init__()
+        from transformers import LlamaForCausalLM
+
+        self.model = LlamaForCausalLM(llama_config(**config_kwargs))
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
 
 
 def save_llama(

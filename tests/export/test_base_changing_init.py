@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import logging
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning_helpers import quiet_trainer
-from loading_helpers import llama_config, save_llama
+from loading_helpers import LlamaModule, save_llama
 from own_module_helpers import OWN_CAUSAL_LM as OWN_MODULE
 from own_module_helpers import write_own_config, write_own_module
 from qlora_helpers import ids_loader
@@ -65,20 +64,6 @@ def test_pissa_exports_merged_as_trained_and_refuses_an_adapter_directory(tmp_pa
     assert "Export the merged model (--merged" in said and not (tmp_path / "adapter").exists()
 
 
-class _CausalLM(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        from transformers import LlamaForCausalLM
-
-        self.model = LlamaForCausalLM(llama_config())
-
-    def training_step(self, batch, batch_idx):
-        return self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
-
-
 def test_olora_on_a_quantized_base_merges_into_its_dequantized_residual(tmp_path):
     """OLoRA re-quantizes the residual it leaves in the base: the merge dequantizes that residual, so the merged
     model computes what the trained one did."""
@@ -94,7 +79,7 @@ def test_olora_on_a_quantized_base_merges_into_its_dequantized_residual(tmp_path
         strategy=LowPrecisionStrategy(pretrained=directory, quantization="nf4", lora=lora), max_steps=2
     )
     with trainer.init_module(empty_init=True):
-        model = _CausalLM()
+        model = LlamaModule()
     trainer.fit(model, ids_loader(batches=2))
     out = tmp_path / "merged"
     out.mkdir()

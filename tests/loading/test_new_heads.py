@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning_helpers import quiet_trainer
-from loading_helpers import llama_config, save_llama
+from loading_helpers import LlamaModule, llama_config, save_llama
 from qlora_helpers import ids_loader
 from safetensors.torch import load_file
 
@@ -107,20 +107,6 @@ def test_a_merged_classifier_loads_with_transformers_and_computes_as_it_trained(
         torch.testing.assert_close(merged(input_ids=ids).logits, model.model(input_ids=ids).logits)
 
 
-class CausalLM(pl.LightningModule):
-    def __init__(self, tie: bool = False):
-        super().__init__()
-        from transformers import LlamaForCausalLM
-
-        self.model = LlamaForCausalLM(llama_config(tie=tie))
-
-    def training_step(self, batch, batch_idx):
-        return self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
-
-
 @pytest.mark.parametrize("tie", [False, True])
 def test_a_head_trained_whole_replaces_its_weight_in_the_merged_model(tmp_path, tie):
     """``modules_to_save=["lm_head"]``: its trained tensor replaces the checkpoint's, or, where the config ties it
@@ -136,7 +122,7 @@ def test_a_head_trained_whole_replaces_its_weight_in_the_merged_model(tmp_path, 
         strategy=LowPrecisionStrategy(pretrained=directory, lora={"r": 4, "modules_to_save": ["lm_head"]}), max_steps=2
     )
     with trainer.init_module(empty_init=True):
-        model = CausalLM(tie=tie)
+        model = LlamaModule(tie=tie)
     trainer.fit(model, ids_loader(batches=2))
     out = tmp_path / "merged"
     out.mkdir()

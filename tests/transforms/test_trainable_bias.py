@@ -3,11 +3,10 @@ precision: bitsandbytes cast it to bf16 in place on the first forward, silently.
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning_helpers import quiet_trainer
-from loading_helpers import llama_config, save_llama
+from loading_helpers import LlamaModule, save_llama
 from qlora_helpers import ids_loader
 
 from pl_lowprec import AMPPrecision, LowPrecisionStrategy
@@ -36,26 +35,12 @@ def test_a_bitsandbytes_layer_adds_its_trainable_bias_itself_and_computes_the_sa
     torch.testing.assert_close(layer.bias.grad, torch.full((64,), 3.0))
 
 
-class _CausalLM(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        from transformers import LlamaForCausalLM
-
-        self.model = LlamaForCausalLM(llama_config(attention_bias=True))
-
-    def training_step(self, batch, batch_idx):
-        return self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
-
-
 def test_biases_trained_under_qlora_and_bf16_mixed_stay_fp32_and_train(tmp_path):
     directory = save_llama(tmp_path / "pretrained", attention_bias=True)
     strategy = LowPrecisionStrategy(pretrained=directory, quantization="nf4", lora={"r": 4, "bias": "lora_only"})
     trainer = quiet_trainer(strategy=strategy, plugins=[AMPPrecision("bf16-mixed")], max_steps=2)
     with trainer.init_module(empty_init=True):
-        model = _CausalLM()
+        model = LlamaModule(attention_bias=True)
     trainer.fit(model, ids_loader(batches=2))
     biases = {n: p for n, p in model.named_parameters() if n.endswith("base_layer.bias")}
     assert len(biases) == 8 and all(p.requires_grad and p.dtype == torch.float32 for p in biases.values())
