@@ -95,6 +95,12 @@ def find_base_model(module: nn.Module) -> tuple[str, nn.Module]:
     return "", module
 
 
+def held_hf_model(module: nn.Module) -> nn.Module | None:
+    """The Hugging Face model ``module`` holds (``find_base_model``'s), or ``None`` where it holds none."""
+    name, model = find_base_model(module)
+    return model if name else None
+
+
 def export_adapter(
     module: nn.Module,
     directory: str | Path,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pl_lowprec.adapters import check_adapter_fits_base, find_base_model
+from pl_lowprec.adapters import check_adapter_fits_base, held_hf_model
 from pl_lowprec.cli.rebuild import config_files, rebuild, with_config
 from pl_lowprec.cli.resume import check_checkpoint
 from pl_lowprec.cli.subcommands import description, examples
@@ -72,8 +72,8 @@ def main(args: list[str] | None = None) -> None:
     if export_format == "adapter":  # the strategy's LoRA config says it before the weights load
         check_adapter_fits_base(getattr(getattr(run.trainer.strategy, "transform_config", None), "lora", None))
     if export_format == "gguf":
-        name, hf_model = find_base_model(run.model)  # a classifier built in __init__: known before the weights load
-        check_module_generates(hf_model if name else None, type(run.model).__name__, GGUF)
+        # a classifier built in __init__ is known before the weights load
+        check_module_generates(held_hf_model(run.model), type(run.model).__name__, GGUF)
         check_gguf_sources(weights, tokenizer_dir)
     restored = restore(checkpoint, run.trainer, run.model, run.datamodule)
     if export_format == "gguf":

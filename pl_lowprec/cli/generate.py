@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 
 from pl_lowprec._checks import float_in, int_at_least
-from pl_lowprec.adapters import find_base_model
+from pl_lowprec.adapters import held_hf_model
 from pl_lowprec.cli.rebuild import config_files, rebuild, with_config
 from pl_lowprec.cli.resume import check_checkpoint
 from pl_lowprec.cli.subcommands import description, examples
@@ -43,8 +43,8 @@ def from_checkpoint(
     """The trained module as it trained (quantized base, adapters), restored from its config. With ``chat``, a
     tokenizer known from the arguments or the config's data is checked for a template before the weights load."""
     run = rebuild(cli_args)
-    name, hf_model = find_base_model(run.model)  # a model built in __init__ is known before the weights load
-    check_module_generates(hf_model if name else None, type(run.model).__name__)
+    # a model built in __init__ is known before the weights load
+    check_module_generates(held_hf_model(run.model), type(run.model).__name__)
     source = tokenizer or getattr(run.datamodule, "tokenizer_dir", None)
     if chat and source:
         check_chat_template(load_tokenizer(source), source)

@@ -38,6 +38,7 @@ from pl_lowprec.transforms.dtypes import to_dtype
 from pl_lowprec.transforms.lora import base_changing_init, lora_layers
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+LABEL_FIELDS = ("id2label", "label2id", "problem_type", "pad_token_id")  # a classifier's, beside its class
 
 
 def merge_into_pretrained(
@@ -94,8 +95,7 @@ def merge_into_pretrained(
         del tensors
     if source.is_dir():
         _copy_model_files(source, out_dir, dtype)
-        _name_the_module(module, out_dir)
-        _untie_a_trained_head(module, out_dir, set(new_keys))
+        _describe_the_trained_model(module, out_dir, set(new_keys))
         if (source / INDEX_NAME).is_file():
             index_json = json.loads((source / INDEX_NAME).read_text())
             index_json.setdefault("metadata", {})["total_size"] = sum(sizes.values())
@@ -122,37 +122,26 @@ def residual_bases(module: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def _name_the_module(module: nn.Module, out_dir: Path) -> None:
-    """A causal LM's checkpoint merged into a classifier: ``config.json`` names the class and its labels."""
-    _, base = find_base_model(module)
-    config = out_dir / "config.json"
-    if not config.is_file() or not type(base).__module__.startswith("transformers.") or not hasattr(base, "config"):
+def _describe_the_trained_model(module: nn.Module, out_dir: Path, new_keys: set[str]) -> None:
+    """``config.json`` for the model as trained, where it differs from the pretrained one: a causal LM's checkpoint
+    merged into a classifier names the class (``architectures``) and its labels; an output head trained whole
+    (``modules_to_save=["lm_head"]``) under tied embeddings has its own tensor, so ``tie_word_embeddings`` is false
+    (transformers would otherwise tie it back, or warn and untie)."""
+    base, config = find_base_model(module)[1], out_dir / "config.json"  # the module itself, if it is the model
+    if not config.is_file():
         return
     fields = json.loads(config.read_text())
-    name = type(base).__name__
-    if fields.get("architectures") == [name]:
-        return
-    own = base.config.to_dict()
-    fields["architectures"] = [name]
-    for key in ("id2label", "label2id", "problem_type", "pad_token_id"):
-        if own.get(key) is not None:
-            fields[key] = own[key]
-    config.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
-
-
-def _untie_a_trained_head(module: nn.Module, out_dir: Path, new_keys: set[str]) -> None:
-    """An output head trained whole (``modules_to_save=["lm_head"]``) of a model whose config ties it to the
-    input embeddings: its own tensor is written, and ``tie_word_embeddings`` is set false, as the trained model
-    is untied (transformers would otherwise tie it back, or warn and untie)."""
-    config = out_dir / "config.json"
-    _, base = find_base_model(module)
+    before = dict(fields)
+    library_class = type(base).__module__.startswith("transformers.") and hasattr(base, "config")
+    if library_class and fields.get("architectures") != [type(base).__name__]:
+        own = base.config.to_dict()
+        fields["architectures"] = [type(base).__name__]
+        fields |= {key: own[key] for key in LABEL_FIELDS if own.get(key) is not None}
     heads = getattr(base, "get_output_embeddings", lambda: None)()
-    if not config.is_file() or heads is None:
-        return
-    names = [name for name, m in base.named_modules() if m is heads]
-    fields = json.loads(config.read_text())
+    names = [name for name, m in base.named_modules() if m is heads] if heads is not None else []
     if fields.get("tie_word_embeddings") and names and f"{names[0]}.weight" in new_keys:
         fields["tie_word_embeddings"] = False
+    if fields != before:
         config.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
 
 

@@ -20,7 +20,7 @@ import torch
 from lightning.pytorch.trainer.call import _call_configure_model
 from torch import nn
 
-from pl_lowprec.adapters import CheckpointMismatch, find_base_model
+from pl_lowprec.adapters import CheckpointMismatch, held_hf_model
 from pl_lowprec.loading import PretrainedWeights
 from pl_lowprec.memory.fastest import nothing_traded
 from pl_lowprec.transforms.lora import has_lora
@@ -41,8 +41,7 @@ class Restored:
     @property
     def hf_model(self) -> nn.Module | None:
         """The Hugging Face ``PreTrainedModel`` inside the module (what ``generate`` runs on), if there is one."""
-        name, model = find_base_model(self.module)
-        return model if name else None
+        return held_hf_model(self.module)
 
 
 def restore(checkpoint: str | Path, trainer: Any, module: nn.Module, datamodule: Any = None) -> Restored:
