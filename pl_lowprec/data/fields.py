@@ -2,7 +2,8 @@
 
 A record is read by its fields: ``text``; ``prompt`` + ``completion``; ``messages`` (a list of ``{role, content}``).
 ``fields`` names the user's columns for them, as renaming the columns by hand would: ``{"prompt": "question",
-"completion": "answer"}``. With a mapping, only the columns it names are read. ShareGPT chats (a ``conversations``
+"completion": "answer"}``. With a mapping, only the columns it names are read, and the chat template's ``tools``
+and ``chat_template_kwargs``. ShareGPT chats (a ``conversations``
 column of ``{from, value}`` turns, roles ``human``/``gpt``/``system``) are read as ``messages`` with the roles
 ``user``/``assistant``/``system``, as TRL's ``maybe_convert_to_chatml`` does; under another column name, map it with
 ``{"messages": COLUMN}``. A value that is absent (``None``, as Arrow tables hold for a field a record lacks) is read
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
+
+from pl_lowprec.data.chat import TEMPLATE_FIELDS
 
 FIELD_NAMES = ("text", "prompt", "completion", "messages")
 FORMATS = ({"text"}, {"prompt", "completion"}, {"messages"})
@@ -42,7 +45,8 @@ def check_fields(fields: dict[str, str] | None) -> dict[str, str] | None:
 def read_fields(record: dict[str, Any], fields: dict[str, str] | None) -> dict[str, Any]:
     """The record under the field names ``TextDataModule`` reads (see the module docstring)."""
     if fields is not None:
-        record = {name: record[column] for name, column in fields.items() if column in record}
+        extras = {name: record[name] for name in TEMPLATE_FIELDS if name in record}
+        record = {name: record[column] for name, column in fields.items() if column in record} | extras
     record = {key: value for key, value in record.items() if value is not None}
     if fields is None and "messages" not in record and SHAREGPT_COLUMN in record:
         record["messages"] = record.pop(SHAREGPT_COLUMN)

@@ -4,7 +4,8 @@ Formats, by the fields of each record (a ``.jsonl`` line, a row of a dataset; a 
 record; ``pl_lowprec.data.fields`` maps other column names to these):
 - ``text``: language modelling on every token; records are joined (each ends with EOS) and cut into blocks.
 - ``prompt`` + ``completion``: loss on the completion (and its EOS) only.
-- ``messages``: a chat rendered with the tokenizer's chat template; loss on the assistant turns only.
+- ``messages``, or ``prompt`` + ``completion`` as lists of turns: a chat rendered with the tokenizer's chat
+  template; loss on the assistant turns, or on the completion's (``pl_lowprec.data.chat``).
 """
 
 from __future__ import annotations
@@ -132,29 +133,6 @@ def encode_prompt_completion(tokenizer: Any, prompt: str, completion: str) -> Sa
     prompt_ids = tokenizer(prompt)["input_ids"]
     completion_ids = [*tokenizer(completion, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
     return Sample(prompt_ids + completion_ids, [IGNORE_INDEX] * len(prompt_ids) + completion_ids)
-
-
-def encode_messages(tokenizer: Any, messages: list[dict[str, str]]) -> Sample:
-    """Render with the chat template; a token is a target when it starts inside an assistant turn's text.
-
-    The spans come from rendering each prefix of the conversation (with the generation prompt before an
-    assistant turn), which works with any template whose rendering of a prefix is a prefix of the whole.
-    """
-    full = tokenizer.apply_chat_template(messages, tokenize=False)
-    spans = []
-    for i, message in enumerate(messages):
-        if message.get("role") != "assistant":
-            continue
-        start = len(tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True))
-        end = len(tokenizer.apply_chat_template(messages[: i + 1], tokenize=False))
-        spans.append((start, end))
-    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    ids = encoded["input_ids"]
-    labels = [
-        token if any(s <= begin < e for s, e in spans) else IGNORE_INDEX
-        for token, (begin, _) in zip(ids, encoded["offset_mapping"], strict=True)
-    ]
-    return Sample(ids, labels)
 
 
 def record_kind(record: dict[str, Any]) -> str | None:

@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset
 
 from pl_lowprec._checks import check_at_least
+from pl_lowprec.data.chat import ChatTemplate, ChatTemplateMismatch, turns_problem
 from pl_lowprec.data.collate import PackedCollate, PadCollate
 from pl_lowprec.data.dataset_files import open_dataset
 from pl_lowprec.data.fields import check_columns, check_fields, read_fields
@@ -31,7 +32,6 @@ from pl_lowprec.data.records import (
     FileReport,
     Sample,
     TextBlocks,
-    encode_messages,
     encode_prompt_completion,
     encode_text,
     read_records,
@@ -62,7 +62,8 @@ def check_tokenizer_with_model(trainer: Any, tokenizer: Any, source: str | None)
 
 
 class TextDataModule(pl.LightningDataModule):
-    """Causal-LM data from records with the fields ``text``, ``prompt``/``completion`` or ``messages``.
+    """Causal-LM data from records with the fields ``text``, ``prompt``/``completion`` (strings, or lists of chat
+    turns) or ``messages``; a chat record's ``tools`` and ``chat_template_kwargs`` go to the chat template.
 
     Args:
         train_files: For training: ``.txt``, ``.jsonl``, ``.parquet``, ``.csv``, ``.json`` or ``.arrow`` files,
@@ -224,7 +225,10 @@ class TextDataModule(pl.LightningDataModule):
         completed: list[Sample] = []
         for number, record in records:
             report.columns.update(record)
-            sample_or_reason = self._encode(read_fields(record, self.fields), report)
+            try:
+                sample_or_reason = self._encode(read_fields(record, self.fields), report)
+            except ChatTemplateMismatch as mismatch:
+                raise ValueError(f"{report.path}, {report.unit[:-1]} {number}: {mismatch}") from None
             if isinstance(sample_or_reason, str):
                 report.reject(sample_or_reason, number)
                 continue
@@ -260,29 +264,34 @@ class TextDataModule(pl.LightningDataModule):
             return encode_text(self.tokenizer, record["text"])
         if kind == "prompt_completion":
             prompt, completion = record.get("prompt"), record.get("completion")
-            if not isinstance(prompt, str) or not isinstance(completion, str):
-                return "records with 'prompt' and 'completion' not both strings"
-            if not completion.strip():
+            if isinstance(prompt, list) and isinstance(completion, list):
+                if turns_problem(prompt) or turns_problem(completion):
+                    return "records whose 'prompt' or 'completion' list is not of {role, content} turns"
+                sample = self._chat(record).encode_completion(prompt, completion)
+            elif not isinstance(prompt, str) or not isinstance(completion, str):
+                return "records with 'prompt' and 'completion' not both strings or both lists of turns"
+            elif not completion.strip():
                 return "records with an empty completion"
-            sample = encode_prompt_completion(self.tokenizer, prompt, completion)
+            else:
+                sample = encode_prompt_completion(self.tokenizer, prompt, completion)
         else:
-            messages = record["messages"]
-            if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages
-            ):
-                return "records whose 'messages' is not a list of {role, content}"
-            if self.tokenizer.chat_template is None:
-                raise ValueError(
-                    f"'messages' records need a chat template, and the tokenizer in {self.tokenizer_dir!r} has none."
-                    " Use a chat model's tokenizer or convert the records to prompt/completion."
-                )
-            sample = encode_messages(self.tokenizer, messages)
+            if turns_problem(record["messages"]):
+                return "records whose 'messages' is not a list of {role, content} turns"
+            sample = self._chat(record).encode_messages(record["messages"])
         report.count_targets(sample.labels, self.seq_len)
         sample = Sample(sample.input_ids[: self.seq_len], sample.labels[: self.seq_len])
         if all(label == IGNORE_INDEX for label in sample.labels[1:]):
             return f"records with no target tokens within seq_len={self.seq_len}"
         return sample
+
+    def _chat(self, record: dict[str, Any]) -> ChatTemplate:
+        if self.tokenizer.chat_template is None:
+            raise ValueError(
+                f"'messages' records and prompt/completion lists of turns need a chat template, and the tokenizer in"
+                f" {self.tokenizer_dir!r} has none. Use a chat model's tokenizer or convert the records to"
+                " prompt/completion strings."
+            )
+        return ChatTemplate.for_record(self.tokenizer, record)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """A batch on its device, before the step: the first packed ones check the module (``PackingGuard``).

@@ -36,6 +36,16 @@ CHATS = [
     }
     for i in range(10)
 ]
+TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+CALL = {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"x": 1}}}]}
+CONVERSATIONAL = [  # TRL's conversational prompt/completion; a table gives every turn every key, None where absent
+    *({"prompt": c["messages"][:-1], "completion": c["messages"][-1:]} for c in CHATS),
+    {
+        "prompt": [{"role": "user", "content": "1 + 1?"}],
+        "completion": [CALL, {"role": "tool", "content": "2"}, {"role": "assistant", "content": "2."}],
+        "tools": [TOOL],
+    },
+]
 FORMATS = ["parquet", "csv", "json", "json-array", "arrow", "arrow-ipc-file", "saved", "Dataset", "DatasetDict"]
 
 
@@ -147,6 +157,35 @@ def test_chats_in_every_format_give_the_samples_of_the_jsonl_file(fmt, pretraine
     assert _rows(_data(_write(fmt, CHATS, tmp_path / fmt), pretrained, seq_len=64).train_set) == expected
 
 
+@pytest.fixture(scope="module")
+def tool_tokenizer(pretrained, tmp_path_factory):
+    """The tokenizer with a template that tests ``is defined``, as Llama 3.1's does for ``tool_calls``: the None a
+    table holds where a turn lacks a key must render as the ``.jsonl`` file's absent key."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(pretrained)
+    tokenizer.chat_template = (
+        "{% if tools is not none %}<|tools|>{{ tools[0].function.name }}</s>\n{% endif %}{% for m in messages %}"
+        "<|{{ m.role }}|>\n{% if m.tool_calls is defined %}call {{ m.tool_calls[0].function.name }}"
+        "{% else %}{{ m.content }}{% endif %}</s>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+    directory = tmp_path_factory.mktemp("tool_tokenizer")
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "json", "saved", "Dataset"])
+def test_conversational_records_in_every_format_give_the_samples_of_the_jsonl_file(fmt, tool_tokenizer, tmp_path):
+    jsonl = _data(_write("jsonl", CONVERSATIONAL, tmp_path / "jsonl"), tool_tokenizer, seq_len=96, val_fraction=0)
+    expected = _rows(jsonl.train_set)
+    assert jsonl.reports[0].used == len(expected) == len(CONVERSATIONAL)
+    called = jsonl.tokenizer.decode(expected[-1]["input_ids"])
+    tool_call = "<|user|>\n1 + 1?</s>\n<|assistant|>\ncall add</s>\n<|tool|>\n2</s>\n<|assistant|>\n2.</s>\n"
+    assert called == "<|tools|>add</s>\n" + tool_call
+    data = _data(_write(fmt, CONVERSATIONAL, tmp_path / fmt), tool_tokenizer, seq_len=96, val_fraction=0)
+    assert _rows(data.train_set) == expected
+
+
 def test_packing_a_parquet_file_gives_the_rows_of_the_jsonl_file(pretrained, tmp_path, monkeypatch):
     monkeypatch.setattr(token_table, "MAP_BATCH_SIZE", 4)
     expected = _data(_write("jsonl", RECORDS, tmp_path / "j"), pretrained, packing=True)
@@ -248,7 +287,7 @@ def test_chat_records_need_a_chat_template(pretrained, tmp_path):
     for template in tmp_path.joinpath("plain").glob("chat_template.*"):
         template.unlink()
     data = TextDataModule(train_files=_write("parquet", CHATS, tmp_path), tokenizer=str(tmp_path / "plain"))
-    with pytest.raises(ValueError, match=r"'messages' records need a chat template, and the tokenizer in .* has none"):
+    with pytest.raises(ValueError, match=r"lists of turns need a chat template, and the tokenizer in .* has none"):
         data.setup("fit")
 
 

@@ -99,6 +99,8 @@ def test_bad_records_are_counted_with_their_lines(tmp_path, tokenizer_dir):
         {"messages": [{"role": "user", "content": "no answer"}]},  # 7
         {"prompt": "x " * 200, "completion": " cut away"},  # 8
         {"messages": "hi"},  # 9
+        {"prompt": [{"role": "user", "content": "a list"}], "completion": "and a string"},  # 10
+        {"prompt": [{"role": "user", "content": "q"}], "completion": [{"content": "no role"}]},  # 11
     ]
     path = _jsonl(tmp_path / "mixed.jsonl", records)
     data = _setup(train_files=path, tokenizer=str(tokenizer_dir), seq_len=32, max_truncated_fraction=1.0)
@@ -109,11 +111,12 @@ def test_bad_records_are_counted_with_their_lines(tmp_path, tokenizer_dir):
         "records without a 'text', 'prompt'/'completion' or 'messages' field": [3],
         "records with empty text": [4],
         "records with an empty completion": [5],
-        "records with 'prompt' and 'completion' not both strings": [6],
+        "records with 'prompt' and 'completion' not both strings or both lists of turns": [6, 10],
         "records with no target tokens within seq_len=32": [7, 8],
-        "records whose 'messages' is not a list of {role, content}": [9],
+        "records whose 'messages' is not a list of {role, content} turns": [9],
+        "records whose 'prompt' or 'completion' list is not of {role, content} turns": [11],
     }
-    assert "1 records used, 8 skipped" in report.describe()
+    assert "1 records used, 10 skipped" in report.describe()
 
 
 def test_a_file_with_no_usable_record_fails_with_path_and_lines(tmp_path, tokenizer_dir):

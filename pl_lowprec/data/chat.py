@@ -1,0 +1,138 @@
+"""Chat records rendered by the tokenizer's chat template, with the loss on the assistant's tokens only.
+
+Two record forms, as TRL publishes them: ``messages`` (loss on every assistant turn) and the conversational
+prompt/completion (``prompt`` and ``completion`` each a list of turns; loss on the completion). A record's
+``tools`` and ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``) go to the template, as TRL passes them.
+
+Which tokens are the assistant's is read from the template in one of two ways:
+- a template that marks the assistant's text with ``{% generation %}`` is asked for its marks (Hugging Face's
+  ``return_assistant_tokens_mask``, what TRL's ``assistant_only_loss`` reads);
+- any other template is rendered once per turn: the conversation up to an assistant turn with the generation
+  prompt, and up to its end. That is exact only when each rendering of a conversation's start begins the whole
+  conversation's rendering. A template that rewrites earlier turns (Qwen3's and DeepSeek-R1's drop their reasoning)
+  breaks it, and the loss would land on the wrong tokens, so such a record is refused (``ChatTemplateMismatch``)
+  with the fix, before any step.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from pl_lowprec.data.records import Sample
+from pl_lowprec.models.token_loss import IGNORE_INDEX
+
+GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")  # transformers' own test for the marks
+TEMPLATE_FIELDS = ("tools", "chat_template_kwargs")  # read beside any format's fields, under TRL's names
+SHOWN_CHARS = 40
+
+
+class ChatTemplateMismatch(ValueError):
+    """The template renders a conversation's start differently on its own than inside the whole conversation."""
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """The tokenizer's template with one record's ``tools`` and ``chat_template_kwargs``."""
+
+    tokenizer: Any
+    tools: list[Any] | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def for_record(cls, tokenizer: Any, record: dict[str, Any]) -> ChatTemplate:
+        tools = record.get("tools")
+        if isinstance(tools, str):  # datasets often store the schemas as one JSON string
+            tools = json.loads(tools)
+        kwargs = record.get("chat_template_kwargs") or {}
+        return cls(tokenizer, tools, {key: value for key, value in kwargs.items() if value is not None})
+
+    def render(self, turns: list[dict[str, Any]], generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(
+            turns, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt, **self.kwargs
+        )
+
+    def prompt_ids(self, turns: list[dict[str, Any]]) -> list[int]:
+        """The turns and the generation prompt as token ids, without extra special tokens (the template has them)."""
+        return self.tokenizer(self.render(turns, generation_prompt=True), add_special_tokens=False)["input_ids"]
+
+    def has_generation_marks(self) -> bool:
+        return bool(GENERATION_MARK.search(self.tokenizer.chat_template or ""))
+
+    def encode_messages(self, messages: list[dict[str, Any]]) -> Sample:
+        """Every assistant turn a target: by the template's ``{% generation %}`` marks where it has them, else by
+        the text each turn's prefix renders to."""
+        if self.has_generation_marks():
+            encoded = self.tokenizer.apply_chat_template(
+                messages,
+                tools=self.tools,
+                tokenize=True,
+                return_dict=True,
+                return_assistant_tokens_mask=True,
+                **self.kwargs,
+            )
+            ids = list(encoded["input_ids"])
+            mask = encoded["assistant_masks"]
+            return Sample(ids, [t if m else IGNORE_INDEX for t, m in zip(ids, mask, strict=True)])
+        full = self.render(messages)
+        spans = []
+        for i, message in enumerate(messages):
+            if message.get("role") != "assistant":
+                continue
+            start = self._prefix_of(full, messages[:i], generation_prompt=True)
+            end = self._prefix_of(full, messages[: i + 1], generation_prompt=False)
+            spans.append((start, end))
+        return self._encode_spans(full, spans)
+
+    def encode_completion(self, prompt: list[dict[str, Any]], completion: list[dict[str, Any]]) -> Sample:
+        """The completion's turns the target: the text after the prompt rendered with the generation prompt."""
+        full = self.render(prompt + completion)
+        start = self._prefix_of(full, prompt, generation_prompt=True)
+        return self._encode_spans(full, [(start, len(full))])
+
+    def _prefix_of(self, full: str, turns: list[dict[str, Any]], generation_prompt: bool) -> int:
+        """Where the rendering of ``turns`` ends in ``full``; refused when it is not the start of ``full``."""
+        part = self.render(turns, generation_prompt=generation_prompt)
+        if full.startswith(part):
+            return len(part)
+        differs = next((i for i, (a, b) in enumerate(zip(part, full, strict=False)) if a != b), len(full))
+        alone = part[max(0, differs - SHOWN_CHARS) : differs + SHOWN_CHARS]
+        within = full[max(0, differs - SHOWN_CHARS) : differs + SHOWN_CHARS]
+        what = (f"the first {len(turns)} turns" if len(turns) > 1 else "the first turn") + (
+            " with the generation prompt" if generation_prompt else ""
+        )
+        raise ChatTemplateMismatch(
+            f"the tokenizer's chat template renders {what} as {alone!r} on their own and as {within!r} at the same"
+            f" place in the whole conversation (character {differs}): the template rewrites earlier turns, as"
+            " Qwen3's and DeepSeek-R1's drop their reasoning. Which tokens are the assistant's cannot be read from"
+            " it, and the loss would fall on the wrong tokens. TextDataModule reads templates whose rendering of a"
+            " conversation's start begins the whole conversation's, and templates that mark the assistant's text"
+            " with {% generation %}...{% endgeneration %}. Fix: write each assistant turn as its own record,"
+            ' {"prompt": [the turns before it], "completion": [the turn]} (TRL\'s conversational prompt/completion),'
+            " or give --data.tokenizer a chat template with generation marks (its chat_template.jinja)."
+        )
+
+    def _encode_spans(self, full: str, spans: list[tuple[int, int]]) -> Sample:
+        """Tokens of ``full``; a token is a target when it starts inside one of the character ``spans``."""
+        encoded = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+        ids = encoded["input_ids"]
+        labels = [
+            token if any(s <= begin < e for s, e in spans) else IGNORE_INDEX
+            for token, (begin, _) in zip(ids, encoded["offset_mapping"], strict=True)
+        ]
+        return Sample(ids, labels)
+
+
+def turns_problem(turns: Any) -> str | None:
+    """Why ``turns`` is not a list of chat turns (``{role, content}``; an assistant's tool call may have
+    ``tool_calls`` and no content), or ``None``."""
+    if not isinstance(turns, list) or not turns:
+        return "not a non-empty list of turns"
+    for turn in turns:
+        if not isinstance(turn, dict) or not isinstance(turn.get("role"), str):
+            return "a turn without a string 'role'"
+        if not isinstance(turn.get("content"), str) and not turn.get("tool_calls"):
+            return "a turn without a string 'content' (or an assistant's 'tool_calls')"
+    return None

@@ -1,0 +1,134 @@
+"""Chat records as TRL publishes them: the conversational prompt/completion, templates that rewrite earlier turns
+(refused, or read by their ``{% generation %}`` marks), and a record's ``tools`` and ``chat_template_kwargs``."""
+
+import json
+
+import pytest
+from loading_helpers import save_tokenizer
+
+from pl_lowprec.data import TextDataModule
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+TURNS = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "hello"},
+    {"role": "assistant", "content": "<think>greet</think>hi"},
+    {"role": "user", "content": "name?"},
+    {"role": "assistant", "content": "<think>say it</think>pl"},
+]
+# As Qwen3's template does: an assistant turn before the last one loses its reasoning.
+DROPS_REASONING = (
+    "{% for m in messages %}<|{{ m.role }}|>\n"
+    "{% if m.role == 'assistant' and not loop.last %}{{ m.content.split('</think>')[-1] }}"
+    "{% else %}{{ m.content }}{% endif %}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+# The same, with the assistant's text marked for Hugging Face's return_assistant_tokens_mask.
+MARKED = (
+    "{% for m in messages %}<|{{ m.role }}|>\n"
+    "{% if m.role == 'assistant' %}{% generation %}"
+    "{{ m.content.split('</think>')[-1] if not loop.last else m.content }}</s>{% endgeneration %}"
+    "{% else %}{{ m.content }}</s>{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+# Renders the tools' names, a tool call, and a template argument (as Qwen3's honours enable_thinking).
+WITH_TOOLS = (
+    "{% if tools %}<|tools|>{% for t in tools %}{{ t.function.name }};{% endfor %}</s>\n{% endif %}"
+    "{% if persona is defined %}<|persona|>{{ persona }}</s>\n{% endif %}"
+    "{% for m in messages %}<|{{ m.role }}|>\n"
+    "{% if m.tool_calls %}call {{ m.tool_calls[0].function.name }}{% else %}{{ m.content }}{% endif %}</s>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+TOOL = {"type": "function", "function": {"name": "get_time", "description": "now", "parameters": {}}}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    return save_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def _with_template(tokenizer_dir, template, directory):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+def _setup(path, records, tokenizer, **kwargs):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    data = TextDataModule(train_files=path, tokenizer=tokenizer, val_fraction=0, **kwargs)
+    data.setup("fit")
+    return data
+
+
+def _targets(data, sample):
+    return data.tokenizer.decode([t for t in sample["labels"].tolist() if t != -100])
+
+
+def test_conversational_prompt_completion_takes_loss_on_the_completion(tmp_path, tokenizer_dir):
+    record = {"prompt": TURNS[:4], "completion": TURNS[4:]}
+    data = _setup(tmp_path / "pc.jsonl", [record], str(tokenizer_dir))
+    (sample,) = data.train_set
+    assert _targets(data, sample) == "<think>say it</think>pl</s>\n"  # the first answer is context, not a target
+    assert data.tokenizer.decode(sample["input_ids"]) == data.tokenizer.apply_chat_template(TURNS, tokenize=False)
+    single = _setup(tmp_path / "m.jsonl", [{"messages": TURNS[1:3]}], str(tokenizer_dir))
+    as_pc = _setup(tmp_path / "p.jsonl", [{"prompt": TURNS[1:2], "completion": TURNS[2:3]}], str(tokenizer_dir))
+    for key in ("input_ids", "labels"):  # one answer: the same sample as the messages record
+        assert single.train_set[0][key].tolist() == as_pc.train_set[0][key].tolist()
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_record(tmp_path, tokenizer_dir):
+    tokenizer = _with_template(tokenizer_dir, DROPS_REASONING, tmp_path / "qwen3_like")
+    records = [{"messages": TURNS[1:3]}, {"messages": TURNS}]  # one answer renders the same; two do not
+    with pytest.raises(ValueError) as refused:
+        _setup(tmp_path / "chat.jsonl", records, tokenizer)
+    message = str(refused.value)
+    assert message.startswith(f"{tmp_path / 'chat.jsonl'}, line 2: the tokenizer's chat template renders the first")
+    assert "<|assistant|>\\n<think>greet</think>hi</s>\\n' on their own and as '" in message
+    assert "<|assistant|>\\nhi</s>\\n<|user|>\\nname?" in message  # where they differ, both ways
+    assert "the loss would fall on the wrong tokens" in message
+    assert '{"prompt": [the turns before it], "completion": [the turn]}' in message
+    # The fix the message gives: each answer its own record, the earlier one as context, as the template renders it.
+    split = [{"prompt": TURNS[:2], "completion": TURNS[2:3]}, {"prompt": TURNS[:4], "completion": TURNS[4:]}]
+    data = _setup(tmp_path / "split.jsonl", split, tokenizer)
+    assert [_targets(data, s) for s in data.train_set] == [
+        "<think>greet</think>hi</s>\n",
+        "<think>say it</think>pl</s>\n",
+    ]
+    assert "<|assistant|>\nhi</s>\n<|user|>\nname?" in data.tokenizer.decode(data.train_set[1]["input_ids"])
+
+
+def test_generation_marks_choose_the_assistant_tokens(tmp_path, tokenizer_dir):
+    tokenizer = _with_template(tokenizer_dir, MARKED, tmp_path / "marked")
+    data = _setup(tmp_path / "chat.jsonl", [{"messages": TURNS}], tokenizer)
+    (sample,) = data.train_set
+    assert _targets(data, sample) == "hi</s><think>say it</think>pl</s>"  # marked; the rewritten first answer
+    expected = data.tokenizer.apply_chat_template(TURNS, return_dict=True, return_assistant_tokens_mask=True)
+    assert sample["input_ids"].tolist() == list(expected["input_ids"])
+    assert [label != -100 for label in sample["labels"].tolist()] == [bool(m) for m in expected["assistant_masks"]]
+
+
+def test_tools_and_template_arguments_reach_the_template(tmp_path, tokenizer_dir):
+    tokenizer = _with_template(tokenizer_dir, WITH_TOOLS, tmp_path / "tools")
+    call = {
+        "role": "assistant",
+        "tool_calls": [{"type": "function", "function": {"name": "get_time", "arguments": {}}}],
+    }
+    dialog = [{"role": "user", "content": "time?"}, call, {"role": "tool", "content": "noon"}]
+    records = [
+        {"dialog": [*dialog, {"role": "assistant", "content": "noon"}], "tools": [TOOL]},
+        {"dialog": [*dialog[:1], {"role": "assistant", "content": "ok"}], "tools": json.dumps([TOOL])},
+    ]
+    data = _setup(tmp_path / "tools.jsonl", records, tokenizer, fields={"messages": "dialog"})
+    first, second = (data.tokenizer.decode(s["input_ids"]) for s in data.train_set)
+    assert first.startswith("<|tools|>get_time;</s>\n<|user|>\ntime?") and second.startswith("<|tools|>get_time;")
+    assert _targets(data, data.train_set[0]) == "call get_time</s>\nnoon</s>\n"  # the tool's answer is no target
+    pc = {"prompt": dialog[:1], "completion": [{"role": "assistant", "content": "ok"}]}
+    data = _setup(tmp_path / "kwargs.jsonl", [pc | {"chat_template_kwargs": {"persona": "terse"}}], tokenizer)
+    (sample,) = data.train_set
+    assert data.tokenizer.decode(sample["input_ids"]).startswith("<|persona|>terse</s>\n<|user|>\ntime?")
+    assert _targets(data, sample) == "ok</s>\n"
