@@ -28,6 +28,7 @@ import torch
 
 from pl_lowprec._checks import check_at_least, check_fraction, check_positive
 from pl_lowprec._imports import import_peft
+from pl_lowprec.data.chat import ChatTemplate, turns_problem
 from pl_lowprec.export.generates_text import check_directory_generates, check_module_generates
 from pl_lowprec.export.restore import Restored
 from pl_lowprec.export.write import pretrained_dir
@@ -132,21 +133,38 @@ def _record(path: Path, number: int, line: str) -> dict[str, Any]:
         record = json.loads(line)
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}:{number}: not valid JSON ({err.msg}).") from err
+    if isinstance(record, dict) and isinstance(record.get("prompt"), list):
+        record = _conversational_as_messages(record)
     if isinstance(record, dict) and "messages" in record:
-        messages = record["messages"]
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages
-        ):
-            raise ValueError(f"{path}:{number}: 'messages' must be a list of {{role, content}}; got {line[:80]!r}.")
+        problem = turns_problem(record["messages"])
+        if problem:
+            raise ValueError(
+                f"{path}:{number}: 'messages' (or a 'prompt' list) must be a list of {{role, content}} turns, and it"
+                f" holds {problem}; got {line[:80]!r}."
+            )
         if not chat_turns(record):
             raise ValueError(f"{path}:{number}: 'messages' holds no turn before its last assistant turn.")
         return record
     if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
         raise ValueError(
-            f"{path}:{number}: each record needs a string 'prompt' or a 'messages' list; got {line[:80]!r}."
+            f"{path}:{number}: each record needs a 'prompt' (a string or a list of turns) or a 'messages' list;"
+            f" got {line[:80]!r}."
         )
     return record
+
+
+def _conversational_as_messages(record: dict[str, Any]) -> dict[str, Any]:
+    """TRL's conversational prompt/completion as a chat record: the prompt's turns, then the completion's one
+    assistant turn (the reference); a completion of several turns (a tool call and its answer) is no reference."""
+    turns = list(record.pop("prompt"))
+    completion = record.pop("completion", None)
+    if isinstance(completion, list) and len(completion) == 1 and _is_assistant_turn(completion[0]):
+        turns += completion
+    return record | {"messages": turns}
+
+
+def _is_assistant_turn(turn: Any) -> bool:
+    return isinstance(turn, dict) and turn.get("role") == "assistant"
 
 
 def chat_turns(record: dict[str, Any]) -> list[dict[str, str]]:
@@ -158,7 +176,7 @@ def chat_turns(record: dict[str, Any]) -> list[dict[str, str]]:
 def reference(record: dict[str, Any]) -> str | None:
     """The expected completion: a chat record's last assistant turn, else a plain record's ``completion``."""
     if "messages" in record and record["messages"] and record["messages"][-1]["role"] == "assistant":
-        return record["messages"][-1]["content"]
+        return record["messages"][-1].get("content")
     completion = record.get("completion")
     return completion if isinstance(completion, str) else None
 
@@ -183,8 +201,7 @@ def prompt_ids(tokenizer: Any, record: dict[str, Any]) -> list[int]:
     generation prompt; a plain prompt tokenized with the tokenizer's defaults."""
     if "messages" not in record:
         return tokenizer(record["prompt"])["input_ids"]
-    text = tokenizer.apply_chat_template(chat_turns(record), tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ChatTemplate.for_record(tokenizer, record).prompt_ids(chat_turns(record))
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:

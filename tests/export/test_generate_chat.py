@@ -113,8 +113,42 @@ def test_bad_messages_records_are_named(tmp_path):
 
     bad = tmp_path / "p.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "ok"}]}\n{"messages": [{"role": "user"}]}\n')
-    with pytest.raises(ValueError, match=r"p.jsonl:2: 'messages' must be a list of \{role, content\}"):
+    with pytest.raises(ValueError, match=r"p.jsonl:2: 'messages' .* must be a list of \{role, content\} turns"):
         read_prompts(bad)
     bad.write_text('{"messages": [{"role": "assistant", "content": "only an answer"}]}\n')
     with pytest.raises(ValueError, match=r"p.jsonl:1: 'messages' holds no turn before its last assistant turn"):
         read_prompts(bad)
+
+
+def test_conversational_prompt_records_are_chats_with_their_completion_as_reference(chat_model, tmp_path):
+    records = [
+        {"prompt": CHATS[0][:1], "completion": CHATS[0][1:]},  # TRL's conversational prompt/completion
+        {"prompt": CHATS[2]},  # and its prompt-only form
+    ]
+    prompts = tmp_path / "val.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "out.jsonl"
+    main(["generate", f"--model={chat_model}", f"--prompts={prompts}", f"--out={out}", "--max_new_tokens=6"])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["messages"] for r in rows] == [CHATS[0][:1], CHATS[2]]
+    assert [r.get("reference") for r in rows] == ["return a + b", None]
+    assert [r["completion"] for r in rows] == transformers_completions(chat_model, [CHATS[0][:1], CHATS[2]])
+
+
+def test_a_records_tools_and_template_arguments_reach_the_prompt(chat_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    from pl_lowprec.export.generate import prompt_ids, read_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    tokenizer.chat_template = (
+        "{% if tools %}<|tools|>{{ tools[0].function.name }}</s>\n{% endif %}{% for m in messages %}<|{{ m.role }}|>\n"
+        "{{ m.content }}</s>\n{% endfor %}<|assistant|>\n{% if brief is defined and brief %}<|brief|>{% endif %}"
+    )
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {}}}
+    prompts = tmp_path / "p.jsonl"
+    record = {"prompt": CHATS[0][:1], "tools": [tool], "chat_template_kwargs": {"brief": True}}
+    prompts.write_text(json.dumps(record) + "\n")
+    (read,) = read_prompts(prompts)
+    text = "<|tools|>get_time</s>\n<|user|>\ndef add(a, b):</s>\n<|assistant|>\n<|brief|>"
+    assert prompt_ids(tokenizer, read) == tokenizer(text, add_special_tokens=False)["input_ids"]
