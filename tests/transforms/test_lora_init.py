@@ -1,0 +1,43 @@
+"""``init_lora_weights`` the strategy would not run as peft means it, refused when the strategy is built: the
+data-driven inits peft leaves to its caller (EVA and LoRA-GA otherwise train plain LoRA under their names), LoftQ,
+and the inits that compute from a base weight bitsandbytes has already packed."""
+
+from __future__ import annotations
+
+import pytest
+
+from pl_lowprec import LowPrecisionStrategy
+
+pytest.importorskip("peft")
+
+
+@pytest.mark.parametrize(
+    ("init", "quantization", "says"),
+    [
+        ("eva", None, "peft's initialize_lora_eva_weights"),
+        ("lora_ga", None, "peft's preprocess_loraga"),
+        ("corda", None, "peft's preprocess_corda"),
+        ("loftq", None, "LoftQ quantizes each full-precision weight itself, on a CUDA device"),
+        ("eva", "nf4", "plain LoRA under EVA's name"),
+        ("pissa", "nf4", "quantization='nf4' has packed the weights"),
+        ("pissa_niter_4", "int8", "quantization='int8' has packed the weights"),
+        ("mica", "nf4-dq", "PiSSA's and MiCA's SVD"),
+        ("orthogonal", "fp4", "orthogonal gives A and B that dtype"),
+    ],
+)
+def test_an_init_the_strategy_would_not_run_is_refused_when_built(init, quantization, says):
+    lora = {"r": 4, "init_lora_weights": init} | ({"loftq_config": {"loftq_bits": 4}} if init == "loftq" else {})
+    with pytest.raises(ValueError) as refused:
+        LowPrecisionStrategy(lora=lora, quantization=quantization)
+    message = str(refused.value)
+    assert message.startswith(f"lora: init_lora_weights={init!r}") and says in message
+    assert "Allowed" in message and "Fix: one of those" in message
+
+
+@pytest.mark.parametrize(
+    ("init", "quantization"),
+    [("olora", "nf4"), ("gaussian", "int8"), ("pissa", None), ("pissa_niter_4", None), ("mica", None)],
+)
+def test_the_inits_it_runs_are_taken(init, quantization):
+    strategy = LowPrecisionStrategy(lora={"r": 4, "init_lora_weights": init}, quantization=quantization)
+    assert strategy.transform_config.lora.init_lora_weights == init
