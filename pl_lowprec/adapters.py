@@ -4,8 +4,9 @@
   weights; loading checks that exactly the frozen weights are missing, so a wrong checkpoint still fails, with
   ``CheckpointMismatch``: one paragraph (``mismatch_summary`` shortens torch's line per tensor).
 - ``export_adapter``: a peft adapter directory (``adapter_config.json``, ``adapter_model.safetensors``) that
-  ``peft.PeftModel.from_pretrained(base_model, directory)`` loads.
-- ``lora_deltas``: each LoRA layer's weight delta (``scale * B @ A``, peft's ``get_delta_weight``) in fp32.
+  ``peft.PeftModel.from_pretrained(base_model, directory)`` loads, with the heads and biases that trained whole.
+- ``lora_deltas``: each LoRA layer's weight delta (``scale * B @ A``, peft's ``get_delta_weight``) in fp32, and
+  ``lora_bias_deltas`` its bias delta where ``lora_bias=True`` gave B a bias (``scale * B.bias``, peft's merge).
 - ``merged_state_dict``: base weights dequantized, LoRA deltas merged in, keys of the plain model. To merge into
   the original full-precision weights instead, see ``pl_lowprec.export.merged``.
 
@@ -138,6 +139,12 @@ def export_adapter(
         for k, v in base.state_dict().items()
         if "lora_" in k and marker in k
     }
+    copies = tuple(f"{name}." for name in trained_copies(base))
+    tensors |= {  # biases that trained (bias='lora_only' or 'all'), under the names peft saves them by
+        f"base_model.model.{k}": full_tensor(v.detach()).cpu().contiguous()
+        for k, v in base.named_parameters()
+        if v.requires_grad and k.endswith(".bias") and "lora_" not in k and not k.startswith(copies)
+    }
     for name, wrapper in trained_copies(base).items():  # modules_to_save: peft saves them under their own names
         own = wrapper.adapter_state_dict(ADAPTER_NAME, wrapper.state_dict())
         tensors |= {f"base_model.model.{name}.{k}": full_tensor(v.detach()).cpu().contiguous() for k, v in own.items()}
@@ -175,7 +182,8 @@ def merged_state_dict(module: nn.Module, base_model: str | None = None) -> dict[
         for k, v in base.state_dict().items()
         if not any(k.startswith(f"{n}.") for n in replaced)
     }
-    deltas = lora_deltas(base)
+    deltas, bias_deltas = lora_deltas(base), lora_bias_deltas(base)
+    check_biases_to_merge_into([n for n in bias_deltas if adapted[n].get_base_layer().bias is None])
     for name, layer in {**adapted, **quantized}.items():
         base_layer = layer.get_base_layer() if name in adapted else layer
         weight = dequantized_weight(base_layer)
@@ -183,7 +191,7 @@ def merged_state_dict(module: nn.Module, base_model: str | None = None) -> dict[
             weight = weight + deltas[name]
         merged[f"{name}.weight"] = weight
         if base_layer.bias is not None:
-            merged[f"{name}.bias"] = full_tensor(base_layer.bias.detach()).float()
+            merged[f"{name}.bias"] = full_tensor(base_layer.bias.detach()).float() + bias_deltas.get(name, 0)
     return merged
 
 
@@ -205,6 +213,29 @@ def lora_deltas(module: nn.Module) -> dict[str, torch.Tensor]:
             delta = full_tensor(layer.get_delta_weight(adapter)).float()
             deltas[name] = deltas[name] + delta if name in deltas else delta
     return deltas
+
+
+def lora_bias_deltas(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``{layer name: delta}``: what merging adds to each LoRA layer's bias where ``lora_bias=True`` gave B a
+    bias (``scaling * B.bias``, as peft's ``merge`` adds it), fp32."""
+    deltas: dict[str, torch.Tensor] = {}
+    for name, layer in lora_layers(module).items():
+        for adapter in layer.active_adapters:
+            if adapter in layer.lora_A and layer.lora_bias.get(adapter, False):
+                delta = full_tensor(layer.lora_B[adapter].bias.detach()).float() * layer.scaling[adapter]
+                deltas[name] = deltas[name] + delta if name in deltas else delta
+    return deltas
+
+
+def check_biases_to_merge_into(names: list[str]) -> None:
+    """Refuse a merge where ``lora_bias=True`` trained a bias on layers (``names``) whose base has none."""
+    if names:
+        raise ValueError(
+            f"lora_bias=True trained a bias beside B on {len(names)} layers whose base layer has no bias (e.g."
+            f" {', '.join(names[:3])}): a merged model has nowhere to hold it (peft's merge cannot either), and"
+            " merging without it would drop part of what trained. Export the adapter directory instead (drop"
+            " --merged: peft loads it with the biases), or train without lora_bias."
+        )
 
 
 def dequantized_weight(layer: nn.Module) -> torch.Tensor:

@@ -13,6 +13,9 @@ they trained, replacing the original tensor, or added where the checkpoint had n
 ``lm_head`` under a classifier) is left out, and ``config.json`` names the module's class (``architectures``)
 and its labels, so ``AutoModelForSequenceClassification.from_pretrained`` loads the result as the module was.
 
+B's bias (``lora_bias=True``) is added, scaled, to the layer's bias as trained, as peft's merge adds it; a layer
+without a bias has nowhere to hold it, and the merge is refused.
+
 Where the adapters' initialization rewrote the base (``init_lora_weights`` PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA),
 the deltas go onto the base as trained (the residual), which the original files do not hold.
 
@@ -30,7 +33,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pl_lowprec.adapters import dequantized_weight, find_base_model, lora_deltas
+from pl_lowprec.adapters import (
+    check_biases_to_merge_into,
+    dequantized_weight,
+    find_base_model,
+    lora_bias_deltas,
+    lora_deltas,
+)
 from pl_lowprec.export.trained_whole import file_key_of, trained_whole, without_absent_modules
 from pl_lowprec.loading import PretrainedWeights, resolve_checkpoint
 from pl_lowprec.loading.sources import INDEX_NAME, open_safetensors
@@ -51,7 +60,10 @@ def merge_into_pretrained(
     cast = to_dtype(dtype) if dtype is not None else None
     source = Path(weights.path)
     deltas = {f"{name}.weight": delta.cpu() for name, delta in lora_deltas(module).items()}
+    bias_deltas = {f"{name}.bias": delta.cpu() for name, delta in lora_bias_deltas(module).items()}
     index = resolve_checkpoint(source, weights.prefix)
+    check_biases_to_merge_into([key.removesuffix(".bias") for key in bias_deltas if key not in index.tensors])
+    deltas |= bias_deltas
     absent = sorted(set(deltas) - set(index.tensors))
     if absent:
         raise ValueError(
@@ -80,8 +92,9 @@ def merge_into_pretrained(
                 tensor = handle.get_tensor(file_key)
                 floating = tensor.dtype if tensor.is_floating_point() else floating
                 target = cast if cast is not None and tensor.is_floating_point() else tensor.dtype
-                if module_key in deltas:
-                    tensor = residuals.get(module_key, tensor).float() + deltas[module_key]
+                if module_key in deltas:  # onto the base as trained: a residual, or a bias trained whole
+                    base = whole.get(module_key, residuals.get(module_key, tensor))
+                    tensor = base.float() + deltas[module_key]
                     merged += 1
                 elif module_key in whole:
                     tensor = whole[module_key]
