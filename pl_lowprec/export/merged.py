@@ -40,7 +40,7 @@ from pl_lowprec.adapters import (
     lora_bias_deltas,
     lora_deltas,
 )
-from pl_lowprec.export.trained_whole import file_key_of, trained_whole, without_absent_modules
+from pl_lowprec.export.trained_whole import file_key_of, trained_whole, untied_heads, without_absent_modules
 from pl_lowprec.loading import PretrainedWeights, resolve_checkpoint
 from pl_lowprec.loading.sources import INDEX_NAME, open_safetensors
 from pl_lowprec.transforms.dtypes import to_dtype
@@ -72,7 +72,8 @@ def merge_into_pretrained(
             " leave that layer out of target_modules, or export an adapter directory instead."
         )
     residuals = residual_bases(module)
-    whole = trained_whole(module)
+    untied = {key: weight for key, weight in untied_heads(module).items() if key not in index.tensors}  # tied: no key
+    whole = untied | trained_whole(module)
     new_keys = {file_key_of(key, weights.prefix, source): key for key in whole if key not in index.tensors}
     kept = without_absent_modules(module, index.tensors)
     by_file: dict[Path, dict[str, str]] = {}
@@ -138,8 +139,9 @@ def residual_bases(module: nn.Module) -> dict[str, torch.Tensor]:
 def _describe_the_trained_model(module: nn.Module, out_dir: Path, new_keys: set[str]) -> None:
     """``config.json`` for the model as trained, where it differs from the pretrained one: a causal LM's checkpoint
     merged into a classifier names the class (``architectures``) and its labels; an output head trained whole
-    (``modules_to_save=["lm_head"]``) under tied embeddings has its own tensor, so ``tie_word_embeddings`` is false
-    (transformers would otherwise tie it back, or warn and untie)."""
+    (``modules_to_save=["lm_head"]``) under tied embeddings, or left with the original rows where the input
+    embeddings trained whole, has its own tensor, so ``tie_word_embeddings`` is false (transformers would otherwise
+    tie it back, or warn and untie)."""
     base, config = find_base_model(module)[1], out_dir / "config.json"  # the module itself, if it is the model
     if not config.is_file():
         return

@@ -1,6 +1,7 @@
 """Weights a fine-tune trained as they are, not through LoRA: a task's head in ``modules_to_save`` (a classifier's
 ``score``), biases under ``bias='all'``. A merged export writes them as they trained, under the keys the plain
-model has, which peft's wrappers hide (``score.modules_to_save.default.weight``, ``q_proj.base_layer.bias``)."""
+model has, which peft's wrappers hide (``score.modules_to_save.default.weight``, ``q_proj.base_layer.bias``),
+and the output head that training untied from a trained copy of the input embeddings."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from torch import nn
 
 from pl_lowprec.distributed.mesh import full_tensor
 from pl_lowprec.loading.sources import TensorInfo, map_key, prefix_map
-from pl_lowprec.transforms.lora import ADAPTER_NAME
+from pl_lowprec.transforms.lora import ADAPTER_NAME, left_tied_to_originals
 
 
 def plain_key(name: str) -> str:
@@ -26,6 +27,16 @@ def trained_whole(module: nn.Module) -> dict[str, torch.Tensor]:
         plain_key(name): full_tensor(param.detach()).cpu()
         for name, param in module.named_parameters()
         if param.requires_grad and "lora_" not in name
+    }
+
+
+def untied_heads(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``{plain key: weight}`` of each module that training untied from a trained copy (a tied ``lm_head`` under a
+    trained ``embed_tokens``, which keeps the original rows): a merged model that tied them again would run the
+    trained rows in both places, so each is written as its own tensor."""
+    return {
+        plain_key(f"{name}.weight"): full_tensor(module.get_submodule(name).weight.detach()).cpu()
+        for name in left_tied_to_originals(module)
     }
 
 

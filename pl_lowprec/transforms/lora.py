@@ -70,6 +70,24 @@ def trained_copies(model: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if isinstance(m, peft.utils.other.ModulesToSaveWrapper)}
 
 
+def left_tied_to_originals(model: nn.Module) -> dict[str, str]:
+    """``{module name: trained copy's name}`` for each module whose weight is tied to one that ``modules_to_save``
+    trains a copy of (a tied ``lm_head`` under a trained ``embed_tokens``): it keeps the original rows, as peft
+    leaves it, so the two are no longer tied."""
+    originals = {
+        id(wrapper.original_module.weight): name
+        for name, wrapper in trained_copies(model).items()
+        if isinstance(getattr(wrapper.original_module, "weight", None), nn.Parameter)
+    }
+    return {
+        name: originals[id(module.weight)]
+        for name, module in model.named_modules()
+        if isinstance(getattr(module, "weight", None), nn.Parameter)
+        and id(module.weight) in originals
+        and not name.startswith(originals[id(module.weight)])
+    }
+
+
 def check_lora_numbers(config: Any) -> None:
     """Rank, alpha and dropout checked when the strategy is built; peft checks ``r`` only while injecting."""
     check_at_least("LoraConfig", 1, "The adapter rank: 8 or 16 is usual; higher learns more.", r=config.r)

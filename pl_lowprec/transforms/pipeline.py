@@ -76,6 +76,7 @@ from pl_lowprec.transforms.lora import (
     base_changing_init,
     has_lora,
     inject_lora,
+    left_tied_to_originals,
     prepare_for_kbit_training,
     trained_copies,
 )
@@ -153,7 +154,11 @@ class ModelTransform:
             keep_trainable_biases(model)  # bitsandbytes would cast them to the compute dtype in place
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             copies = sorted(trained_copies(model))
-            whole = f", with {', '.join(copies)} trained whole (modules_to_save)" if copies else ""
+            untied = "".join(
+                f"; {name}, tied to {copy}, keeps the original rows: peft trains a copy"
+                for name, copy in left_tied_to_originals(model).items()
+            )
+            whole = f", with {', '.join(copies)} trained whole (modules_to_save{untied})" if copies else ""
             rewrote = base_changing_init(c.lora)
             moved = f" init_lora_weights={rewrote!r} rewrote the base weights: export --merged." if rewrote else ""
             rank_zero_info(f"LoRA on {len(adapted)} layers{whole}; {trainable} trainable parameters.{moved}")

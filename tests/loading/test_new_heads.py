@@ -140,6 +140,40 @@ def test_a_head_trained_whole_replaces_its_weight_in_the_merged_model(tmp_path, 
         torch.testing.assert_close(merged(input_ids=ids).logits, model.model(input_ids=ids).logits)
 
 
+def test_embeddings_trained_whole_untie_the_head_which_the_merged_model_keeps_apart(tmp_path, caplog):
+    """``modules_to_save=["embed_tokens"]`` under tied embeddings: peft trains a copy, and the tied head keeps the
+    original rows. The LoRA line says so, and the merged model holds that head as its own tensor with
+    ``tie_word_embeddings`` false (tied again, it ran the trained rows as the head too)."""
+    from transformers import AutoModelForCausalLM
+
+    from pl_lowprec.export.merged import merge_into_pretrained
+    from pl_lowprec.loading import PretrainedWeights
+
+    directory = save_llama(tmp_path / "causal_lm", tie=True)
+    strategy = LowPrecisionStrategy(pretrained=directory, lora={"r": 4, "modules_to_save": ["embed_tokens"]})
+    trainer = quiet_trainer(strategy=strategy, max_steps=2)
+    with trainer.init_module(empty_init=True):
+        model = LlamaModule(tie=True)
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+        trainer.fit(model, ids_loader(batches=2))
+    untied = "model.lm_head, tied to model.model.embed_tokens, keeps the original rows: peft trains a copy"
+    assert any(untied in r.getMessage() for r in caplog.records)
+    out = tmp_path / "merged"
+    out.mkdir()
+    counts = merge_into_pretrained(model, PretrainedWeights(directory, prefix="model."), out)
+    assert counts["whole"] == 2  # the trained embeddings, and the head apart from them
+    original = load_file(directory / "model.safetensors")["model.embed_tokens.weight"]
+    written = load_file(out / "model.safetensors")
+    assert not torch.equal(written["model.embed_tokens.weight"], original)
+    assert torch.equal(written["lm_head.weight"], original)
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, model.model(input_ids=ids).logits)
+
+
 def test_a_weight_trained_outside_the_pretrained_model_is_refused_naming_it(tmp_path):
     from pl_lowprec.export.trained_whole import file_key_of
 
