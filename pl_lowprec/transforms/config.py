@@ -26,7 +26,7 @@ from pl_lowprec.transforms.compiling import CompileArg, check_compile_combinatio
 from pl_lowprec.transforms.fp8 import FP8Config, FP8Recipe
 from pl_lowprec.transforms.linear_filter import DEFAULT_SKIP
 from pl_lowprec.transforms.lora import lora_config
-from pl_lowprec.transforms.lora_init import check_lora_init
+from pl_lowprec.transforms.lora_options import check_lora_options
 from pl_lowprec.transforms.memory_saving import ALL_PATHS, AUTO, MemorySavingArg, memory_saving_paths
 from pl_lowprec.transforms.optimizers import OptimizerName, validate_optimizer_name
 from pl_lowprec.transforms.qat import QATConfig, QATScheme
@@ -83,7 +83,7 @@ class TransformConfig:
             validate_optimizer_name(self.optimizer)
         if self.lora is not None:
             object.__setattr__(self, "lora", lora_config(self.lora))
-            check_lora_init(self.lora, self.quantization.mode if self.quantization is not None else None)
+            check_lora_options(self.lora, self.quantization.mode if self.quantization is not None else None)
         if isinstance(self.qat, str):
             object.__setattr__(self, "qat", QATConfig.from_scheme(self.qat))
         if isinstance(self.fp8, str):

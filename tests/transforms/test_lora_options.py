@@ -1,6 +1,7 @@
-"""``init_lora_weights`` the strategy would not run as peft means it, refused when the strategy is built: the
+"""LoRA options the strategy would not run as peft means them, refused when the strategy is built: the
 data-driven inits peft leaves to its caller (EVA and LoRA-GA otherwise train plain LoRA under their names), LoftQ,
-and the inits that compute from a base weight bitsandbytes has already packed."""
+the inits that compute from a base weight bitsandbytes has already packed, and the options only peft's
+get_peft_model or PeftModel applies."""
 
 from __future__ import annotations
 
@@ -41,3 +42,22 @@ def test_an_init_the_strategy_would_not_run_is_refused_when_built(init, quantiza
 def test_the_inits_it_runs_are_taken(init, quantization):
     strategy = LowPrecisionStrategy(lora={"r": 4, "init_lora_weights": init}, quantization=quantization)
     assert strategy.transform_config.lora.init_lora_weights == init
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("trainable_token_indices", [1, 2], "modules_to_save: [embed_tokens] trains the whole input embedding"),
+        ("layer_replication", [[0, 1]], "replicate the layers in your model before training"),
+        ("ensure_weight_tying", True, "a head tied to a module trained whole keeps the original rows"),
+        ("alora_invocation_tokens", [5, 6], "aLoRA needs peft's PeftModel"),
+        ("target_parameters", ["mlp.experts.gate_up_proj"], "name the linear layers in target_modules"),
+    ],
+)
+def test_an_option_only_peft_model_applies_is_refused_when_built(field, value, says):
+    """The strategy injects LoRA into the module (peft's inject_adapter_in_model): these were ignored in silence
+    (layer_replication, ensure_weight_tying, aLoRA) or failed with a traceback inside peft."""
+    with pytest.raises(ValueError) as refused:
+        LowPrecisionStrategy(lora={"r": 4, field: value, "modules_to_save": ["embed_tokens"]})
+    message = str(refused.value)
+    assert message.startswith(f"lora: {field}={value!r} ") and says in message

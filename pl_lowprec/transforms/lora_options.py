@@ -1,4 +1,10 @@
-"""The peft ``init_lora_weights`` the strategy runs as peft means them, checked when the strategy is built.
+"""The ``LoraConfig`` options the strategy runs as peft means them; the others are refused when it is built.
+
+The strategy adds LoRA with peft's ``inject_adapter_in_model`` into the user's module, not with ``get_peft_model``
+and its ``PeftModel``. Options that only those apply would be ignored in silence (``layer_replication``,
+``ensure_weight_tying``, aLoRA's ``alora_invocation_tokens``, which ``PeftModel.forward`` reads) or fail inside peft
+(``trainable_token_indices``, which looks for ``get_input_embeddings`` on the module). ``target_parameters`` is not
+resolved: the strategy names LoRA's targets as linear layers.
 
 Some inits are left by peft to its caller, and peft's fallbacks without them are silent or late:
 - Data-driven inits need a pass over training batches that the caller runs: EVA after the adapters are added
@@ -27,9 +33,47 @@ NOT_RUN = {
     " dequantized values, for a model saved and loaded again in 4-bit; the strategy quantizes the weights as they"
     " stream in",
 }
+PEFT_MODEL_ONLY = (
+    "is applied by peft's get_peft_model or PeftModel, not by the injection of LoRA into your module (peft's"
+    " inject_adapter_in_model) that the strategy runs, where it would be ignored or fail inside peft."
+)
+NOT_INJECTED = {  # field: (why, fix)
+    "trainable_token_indices": (
+        PEFT_MODEL_ONLY,
+        "modules_to_save: [embed_tokens] trains the whole input embedding, and a merged export writes it as trained.",
+    ),
+    "layer_replication": (
+        PEFT_MODEL_ONLY,
+        "replicate the layers in your model before training (its config's num_hidden_layers and weights).",
+    ),
+    "ensure_weight_tying": (
+        PEFT_MODEL_ONLY,
+        "leave it out: a head tied to a module trained whole keeps the original rows, which the LoRA line names and"
+        " a merged export writes as its own tensor; or add the head to modules_to_save too.",
+    ),
+    "alora_invocation_tokens": (
+        PEFT_MODEL_ONLY,
+        "leave it out to train plain LoRA on every token; aLoRA needs peft's PeftModel, whose forward finds the"
+        " invocation tokens.",
+    ),
+    "target_parameters": (
+        "is not run by the strategy, which resolves LoRA's targets to linear layers by name (target_modules).",
+        "name the linear layers in target_modules; LoRA on bare parameters (MoE experts) is not injected.",
+    ),
+}
 FLOAT_BASE = ("pissa", "mica", "orthogonal")  # pissa_niter_N too
 ALLOWED = "True (peft's default), 'gaussian', 'pissa', 'pissa_niter_N', 'olora', 'orthogonal', 'mica' or False"
 ON_QUANTIZED = "True (peft's default: A random, B zero), 'gaussian', 'olora' or False"
+
+
+def check_lora_options(config: Any, quantization_mode: str | None) -> None:
+    """Refuse an option the strategy would not run as peft means it, naming the fix."""
+    for field, reasons in NOT_INJECTED.items():
+        value = getattr(config, field, None)
+        if value:
+            why, fix = reasons
+            raise ValueError(f"lora: {field}={value!r} {why} Fix: {fix}")
+    check_lora_init(config, quantization_mode)
 
 
 def check_lora_init(config: Any, quantization_mode: str | None) -> None:
