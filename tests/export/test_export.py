@@ -235,7 +235,7 @@ def test_generate_reads_txt_prompts_and_names_bad_records(tmp_path):
     assert read_prompts(txt) == [{"prompt": "first"}, {"prompt": "second"}]
     bad = tmp_path / "p.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
-    with pytest.raises(ValueError, match=r"p.jsonl:2: each record needs a string 'prompt'"):
+    with pytest.raises(ValueError, match=r"p.jsonl:2: each record needs a 'prompt' \(a string or a list of turns\)"):
         read_prompts(bad)
     with pytest.raises(ValueError, match=r"give a .txt file"):
         read_prompts(tmp_path / "p.csv") if (tmp_path / "p.csv").write_text("x") else None
