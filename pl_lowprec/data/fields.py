@@ -1,13 +1,16 @@
-"""The user's column names mapped to the fields ``TextDataModule`` reads, and ShareGPT chats read as ``messages``.
+"""The user's column names mapped to the fields ``TextDataModule`` reads; ShareGPT and alpaca records as ``messages``.
 
 A record is read by its fields: ``text``; ``prompt`` + ``completion``; ``messages`` (a list of ``{role, content}``).
 ``fields`` names the user's columns for them, as renaming the columns by hand would: ``{"prompt": "question",
-"completion": "answer"}``. With a mapping, only the columns it names are read, and the chat template's ``tools``
-and ``chat_template_kwargs``. ShareGPT chats (a ``conversations``
-column of ``{from, value}`` turns, roles ``human``/``gpt``/``system``) are read as ``messages`` with the roles
-``user``/``assistant``/``system``, as TRL's ``maybe_convert_to_chatml`` does; under another column name, map it with
-``{"messages": COLUMN}``. A value that is absent (``None``, as Arrow tables hold for a field a record lacks) is read
-as a missing field, so a ``.jsonl`` file and its Parquet copy give the same records.
+"completion": "answer"}``. With a mapping, only the columns it names are read, and the chat template's ``tools`` and
+``chat_template_kwargs``. ShareGPT chats (a ``conversations`` column of ``{from, value}`` turns, roles
+``human``/``gpt``/``system``) are read as ``messages`` with the roles ``user``/``assistant``/``system``, as TRL's
+``maybe_convert_to_chatml`` does; under another column name, map it with ``{"messages": COLUMN}``. Alpaca records
+(``instruction``, ``output``, optionally ``input``, ``system`` and ``history``, the format of Stanford Alpaca and of
+LLaMA-Factory's datasets) are read as ``messages`` as LLaMA-Factory reads them: the instruction and its input
+joined by a newline as the user's turn, the output as the answer, the history's pairs before them. A value that is
+absent (``None``, as Arrow tables hold for a field a record lacks) is read as a missing field, so a ``.jsonl`` file
+and its Parquet copy give the same records.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pl_lowprec.data.chat import TEMPLATE_FIELDS
 FIELD_NAMES = ("text", "prompt", "completion", "messages")
 FORMATS = ({"text"}, {"prompt", "completion"}, {"messages"})
 SHAREGPT_COLUMN = "conversations"
+ALPACA_COLUMNS = ("instruction", "output")  # and optionally input, system, history (LLaMA-Factory's alpaca format)
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 EXAMPLE = (
     "fields={'prompt': 'question', 'completion': 'answer'} (--data.fields '{prompt: question, completion: answer}')"
@@ -50,9 +54,26 @@ def read_fields(record: dict[str, Any], fields: dict[str, str] | None) -> dict[s
     record = {key: value for key, value in record.items() if value is not None}
     if fields is None and "messages" not in record and SHAREGPT_COLUMN in record:
         record["messages"] = record.pop(SHAREGPT_COLUMN)
+    if fields is None and not {"messages", "prompt", "completion"} & record.keys() and is_alpaca(record):
+        record["messages"] = alpaca_turns(record)
     if isinstance(record.get("messages"), list):
         record["messages"] = [chat_turn(turn) for turn in record["messages"]]
     return record
+
+
+def is_alpaca(record: dict[str, Any]) -> bool:
+    return all(isinstance(record.get(column), str) for column in ALPACA_COLUMNS)
+
+
+def alpaca_turns(record: dict[str, Any]) -> list[Any]:
+    """An alpaca record as LLaMA-Factory reads it: ``system``, the ``history`` pairs, then one user turn of the
+    ``instruction`` and its ``input`` (joined by a newline) answered by the ``output``."""
+    turns: list[Any] = [{"role": "system", "content": record["system"]}] if record.get("system") else []
+    for pair in record.get("history") or []:
+        question, answer = pair if isinstance(pair, (list, tuple)) and len(pair) == 2 else (None, None)
+        turns += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    query = "\n".join(part for part in (record["instruction"], record.get("input")) if isinstance(part, str) and part)
+    return [*turns, {"role": "user", "content": query}, {"role": "assistant", "content": record["output"]}]
 
 
 def chat_turn(turn: Any) -> Any:
@@ -76,8 +97,9 @@ def check_columns(columns: Iterable[str], fields: dict[str, str] | None, source:
                 f" {columns}. Map each field to one of them."
             )
         return
-    if not set(columns) & {*FIELD_NAMES, SHAREGPT_COLUMN}:
+    if not set(columns) & {*FIELD_NAMES, SHAREGPT_COLUMN, *ALPACA_COLUMNS}:
         raise ValueError(
             f"{source} has the columns {columns}, none of which TextDataModule reads (text; prompt and completion;"
-            f" messages; ShareGPT's conversations). Name yours with a field mapping, e.g. {EXAMPLE}."
+            f" messages; ShareGPT's conversations; alpaca's instruction and output). Name yours with a field mapping,"
+            f" e.g. {EXAMPLE}."
         )

@@ -3,12 +3,12 @@
     pl-lowprec generate --ckpt_path runs/.../last.ckpt --prompts val.jsonl --out completions.jsonl
     pl-lowprec generate --model runs/merged --prompts prompts.txt --out completions.jsonl --do_sample
 
-Prompts: a ``.txt`` file (one prompt per non-empty line) or a ``.jsonl`` file of records with a ``prompt`` or
-``messages``. A ``messages`` record is rendered with the tokenizer's chat template and its generation prompt, as
-``TextDataModule`` renders it for training (a trailing assistant turn is left out and becomes the reference);
-``chat=True`` (``--chat``) wraps each plain prompt as one user turn. Each output line is ``{"prompt",
-"completion"}`` (``{"messages", "completion"}`` for a chat record), plus ``"reference"`` when the input record
-had a ``completion`` or a last assistant turn.
+Prompts: a ``.txt`` file (one prompt per non-empty line) or a ``.jsonl`` file of records with a ``prompt`` (a
+string, or TRL's list of turns) or ``messages``, or alpaca records (their ``output`` the reference). A ``messages``
+record is rendered with the tokenizer's chat template and its generation prompt, as ``TextDataModule`` renders it
+for training (a trailing assistant turn is left out and becomes the reference); ``chat=True`` (``--chat``) wraps
+each plain prompt as one user turn. Each output line is ``{"prompt", "completion"}`` (``{"messages", "completion"}``
+for a chat record), plus ``"reference"`` when the input record had a ``completion`` or a last assistant turn.
 Decoding is transformers' ``generate``: greedy by default, sampling with ``--do_sample``; it stops at EOS or
 after ``--max_new_tokens``. A checkpoint is restored through its config as ``pl-lowprec export`` does (quantized
 base and adapters, as trained, under the precision plugin's autocast); ``--model`` takes a merged directory or a
@@ -29,6 +29,7 @@ import torch
 from pl_lowprec._checks import check_at_least, check_fraction, check_positive
 from pl_lowprec._imports import import_peft
 from pl_lowprec.data.chat import ChatTemplate, turns_problem
+from pl_lowprec.data.fields import alpaca_turns, is_alpaca
 from pl_lowprec.export.generates_text import check_directory_generates, check_module_generates
 from pl_lowprec.export.restore import Restored
 from pl_lowprec.export.write import pretrained_dir
@@ -135,6 +136,8 @@ def _record(path: Path, number: int, line: str) -> dict[str, Any]:
         raise ValueError(f"{path}:{number}: not valid JSON ({err.msg}).") from err
     if isinstance(record, dict) and isinstance(record.get("prompt"), list):
         record = _conversational_as_messages(record)
+    if isinstance(record, dict) and not {"prompt", "messages"} & record.keys() and is_alpaca(record):
+        record = {"messages": alpaca_turns(record)}  # its output is the reference
     if isinstance(record, dict) and "messages" in record:
         problem = turns_problem(record["messages"])
         if problem:

@@ -132,3 +132,27 @@ def test_tools_and_template_arguments_reach_the_template(tmp_path, tokenizer_dir
     (sample,) = data.train_set
     assert data.tokenizer.decode(sample["input_ids"]).startswith("<|persona|>terse</s>\n<|user|>\ntime?")
     assert _targets(data, sample) == "ok</s>\n"
+
+
+def test_alpaca_records_are_read_as_llama_factory_reads_them(tmp_path, tokenizer_dir):
+    alpaca = [
+        {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5", "text": "a pre-rendered copy"},
+        {"instruction": "Greet.", "input": "", "output": "hi", "system": "Be brief.", "history": [["name?", "pl"]]},
+    ]
+    as_chats = [
+        {"messages": [{"role": "user", "content": "Add the numbers.\n2 and 3"}, {"role": "assistant", "content": "5"}]},
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "name?"},
+                {"role": "assistant", "content": "pl"},
+                {"role": "user", "content": "Greet."},
+                {"role": "assistant", "content": "hi"},
+            ]
+        },
+    ]
+    data = _setup(tmp_path / "alpaca.jsonl", alpaca, str(tokenizer_dir))
+    chats = _setup(tmp_path / "chats.jsonl", as_chats, str(tokenizer_dir))
+    for read, expected in zip(data.train_set, chats.train_set, strict=True):
+        assert {k: v.tolist() for k, v in read.items()} == {k: v.tolist() for k, v in expected.items()}
+    assert [_targets(data, s) for s in data.train_set] == ["5</s>\n", "pl</s>\nhi</s>\n"]  # not the text column

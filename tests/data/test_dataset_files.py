@@ -46,6 +46,9 @@ CONVERSATIONAL = [  # TRL's conversational prompt/completion; a table gives ever
         "tools": [TOOL],
     },
 ]
+ALPACA = [  # a table gives every record input, system and history, None where absent
+    {"instruction": f"Double {i}.", "output": f"{2 * i}", **({"input": "in words"} if i % 2 else {})} for i in range(6)
+] + [{"instruction": "Greet.", "output": "hi", "system": "Be brief.", "history": [["name?", "pl"]]}]
 FORMATS = ["parquet", "csv", "json", "json-array", "arrow", "arrow-ipc-file", "saved", "Dataset", "DatasetDict"]
 
 
@@ -184,6 +187,14 @@ def test_conversational_records_in_every_format_give_the_samples_of_the_jsonl_fi
     assert called == "<|tools|>add</s>\n" + tool_call
     data = _data(_write(fmt, CONVERSATIONAL, tmp_path / fmt), tool_tokenizer, seq_len=96, val_fraction=0)
     assert _rows(data.train_set) == expected
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "Dataset"])
+def test_alpaca_records_in_a_table_give_the_samples_of_the_jsonl_file(fmt, pretrained, tmp_path):
+    jsonl = _data(_write("jsonl", ALPACA, tmp_path / "jsonl"), pretrained, seq_len=64, val_fraction=0)
+    assert jsonl.reports[0].used == len(ALPACA)
+    data = _data(_write(fmt, ALPACA, tmp_path / fmt), pretrained, seq_len=64, val_fraction=0)
+    assert _rows(data.train_set) == _rows(jsonl.train_set)
 
 
 def test_packing_a_parquet_file_gives_the_rows_of_the_jsonl_file(pretrained, tmp_path, monkeypatch):

@@ -152,3 +152,12 @@ def test_a_records_tools_and_template_arguments_reach_the_prompt(chat_model, tmp
     (read,) = read_prompts(prompts)
     text = "<|tools|>get_time</s>\n<|user|>\ndef add(a, b):</s>\n<|assistant|>\n<|brief|>"
     assert prompt_ids(tokenizer, read) == tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_alpaca_records_are_chats_with_their_output_as_reference(tmp_path):
+    from pl_lowprec.export.generate import read_prompts, reference
+
+    prompts = tmp_path / "alpaca.jsonl"
+    prompts.write_text(json.dumps({"instruction": "Add.", "input": "2 and 3", "output": "5"}) + "\n")
+    (record,) = read_prompts(prompts)
+    assert record["messages"][:-1] == [{"role": "user", "content": "Add.\n2 and 3"}] and reference(record) == "5"
