@@ -86,6 +86,14 @@ def chat_turn(turn: Any) -> Any:
     return turn
 
 
+def unread_columns(columns: Iterable[str], fields: dict[str, str] | None) -> list[str]:
+    """The columns a mapping leaves unread (an alpaca ``input`` beside ``{prompt: instruction, completion:
+    output}`` would be lost in silence): named in the log."""
+    if fields is None:
+        return []
+    return sorted(set(columns) - set(fields.values()) - set(TEMPLATE_FIELDS))
+
+
 def check_columns(columns: Iterable[str], fields: dict[str, str] | None, source: str) -> None:
     """A mapping that names a column ``source`` lacks, or a table with no column to read, is refused."""
     columns = sorted(columns)

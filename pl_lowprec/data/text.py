@@ -25,7 +25,7 @@ from pl_lowprec._checks import check_at_least
 from pl_lowprec.data.chat import ChatTemplate, ChatTemplateMismatch, turns_problem
 from pl_lowprec.data.collate import PackedCollate, PadCollate
 from pl_lowprec.data.dataset_files import open_dataset
-from pl_lowprec.data.fields import check_columns, check_fields, read_fields
+from pl_lowprec.data.fields import check_columns, check_fields, read_fields, unread_columns
 from pl_lowprec.data.packing import PackedRows, padding_fraction
 from pl_lowprec.data.packing_guard import PackingGuard
 from pl_lowprec.data.records import (
@@ -189,6 +189,9 @@ class TextDataModule(pl.LightningDataModule):
                 parts.append(self._dataset_samples(dataset, report))
             self.reports.append(report)
             rank_zero_info(report.describe())
+            unread = unread_columns(report.columns, self.fields)
+            if unread:
+                rank_zero_info(f"{report.path}: fields={self.fields} leaves the columns {unread} unread.")
             if source.kind == "native" and self.fields is not None:  # a dataset's columns are checked before
                 check_columns(report.columns, self.fields, str(report.path))
             if report.used == 0:

@@ -3,6 +3,7 @@ as .jsonl; field mappings and ShareGPT chats equal the renamed records; the chec
 in a memory-mapped Arrow table."""
 
 import json
+import logging
 import shutil
 
 import pytest
@@ -222,12 +223,15 @@ def test_workers_read_the_memory_mapped_rows(pretrained, tmp_path):
     assert batches[0] == batches[1] and len(batches[0]) == 7
 
 
-def test_a_field_mapping_equals_the_renamed_file(pretrained, tmp_path):
+def test_a_field_mapping_equals_the_renamed_file(pretrained, tmp_path, caplog):
     renamed = [{"question": r["prompt"], "answer": r["completion"], "id": i} for i, r in enumerate(RECORDS[:14])]
     expected = _batches(_data(_write("jsonl", RECORDS[:14], tmp_path / "pc"), pretrained))
     fields = {"prompt": "question", "completion": "answer"}
     for fmt in ("parquet", "jsonl", "Dataset"):
-        assert _batches(_data(_write(fmt, renamed, tmp_path / fmt), pretrained, fields=fields)) == expected
+        with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+            assert _batches(_data(_write(fmt, renamed, tmp_path / fmt), pretrained, fields=fields)) == expected
+        assert f"fields={fields} leaves the columns ['id'] unread." in caplog.text  # named, not lost in silence
+        caplog.clear()
     text = [{"content": r["text"], "prompt": "ignored: not named by the mapping"} for r in RECORDS[14:20]]
     expected = _rows(_data(_write("jsonl", RECORDS[14:20], tmp_path / "text"), pretrained).train_set)
     data = _data(_write("parquet", text, tmp_path / "content"), pretrained, fields={"text": "content"})
