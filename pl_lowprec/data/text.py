@@ -24,6 +24,7 @@ from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset
 from pl_lowprec._checks import check_at_least
 from pl_lowprec.data.chat import ChatTemplate, ChatTemplateMismatch, turns_problem
 from pl_lowprec.data.collate import PackedCollate, PadCollate
+from pl_lowprec.data.context_length import check_seq_len_with_model
 from pl_lowprec.data.dataset_files import open_dataset
 from pl_lowprec.data.fields import check_columns, check_fields, read_fields, unread_columns
 from pl_lowprec.data.packing import PackedRows, padding_fraction
@@ -151,6 +152,7 @@ class TextDataModule(pl.LightningDataModule):
             return
         self.tokenizer = load_tokenizer(self.tokenizer_dir)
         check_tokenizer_with_model(self.trainer, self.tokenizer, self.tokenizer_dir)  # before any record is read
+        check_seq_len_with_model(self.trainer, self.seq_len)
         train = self._samples(self.train_sources, self.train_splits, "train_files")
         if self.val_sources is not None:
             self.train_set, self.val_set = train, self._samples(self.val_sources, self.val_splits, "val_files")
