@@ -25,6 +25,7 @@ from torch import nn
 
 from pl_lowprec._imports import import_peft
 from pl_lowprec.distributed.mesh import full_tensor
+from pl_lowprec.transforms.conv1d import conv1d_weights, to_checkpoint_layout
 from pl_lowprec.transforms.lora import ADAPTER_NAME, base_changing_init, lora_layers, trained_copies
 from pl_lowprec.transforms.nf4 import dequantize_nf4, is_nf4
 from pl_lowprec.transforms.quantization import is_quantized
@@ -124,10 +125,13 @@ def export_adapter(
     if peft_config is None:
         raise ValueError("The module has LoRA layers but no peft_config: was it injected by pl_lowprec?")
     names = sorted(layers)
+    converted = conv1d_weights(module)
     exported = peft_config.__class__(
         **{**peft_config.to_dict(), "target_modules": "(?:" + "|".join(re.escape(n) for n in names) + ")"}
     )
     exported.inference_mode = True
+    if any(f"{lead}{name}.weight" in converted for name in names):
+        exported.fan_in_fan_out = True  # the base's layers are GPT-2's Conv1D, as peft expects them
     if base_model_name_or_path is not None:
         exported.base_model_name_or_path = base_model_name_or_path
     directory = Path(directory)
@@ -192,7 +196,8 @@ def merged_state_dict(module: nn.Module, base_model: str | None = None) -> dict[
         merged[f"{name}.weight"] = weight
         if base_layer.bias is not None:
             merged[f"{name}.bias"] = full_tensor(base_layer.bias.detach()).float() + bias_deltas.get(name, 0)
-    return merged
+    converted = {key.removeprefix(lead) for key in conv1d_weights(module) if key.startswith(lead)}
+    return {key: to_checkpoint_layout(tensor, key, frozenset(converted)) for key, tensor in merged.items()}
 
 
 def lora_deltas(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -43,6 +43,7 @@ from pl_lowprec.adapters import (
 from pl_lowprec.export.trained_whole import file_key_of, trained_whole, untied_heads, without_absent_modules
 from pl_lowprec.loading import PretrainedWeights, resolve_checkpoint
 from pl_lowprec.loading.sources import INDEX_NAME, open_safetensors
+from pl_lowprec.transforms.conv1d import conv1d_weights
 from pl_lowprec.transforms.dtypes import to_dtype
 from pl_lowprec.transforms.lora import base_changing_init, lora_layers
 
@@ -71,7 +72,7 @@ def merge_into_pretrained(
             f" {', '.join(absent[:6])}. A weight tied to another (tie_word_embeddings) has no key of its own:"
             " leave that layer out of target_modules, or export an adapter directory instead."
         )
-    residuals = residual_bases(module)
+    residuals, converted = residual_bases(module), conv1d_weights(module)
     untied = {key: weight for key, weight in untied_heads(module).items() if key not in index.tensors}  # tied: no key
     whole = untied | trained_whole(module)
     new_keys = {file_key_of(key, weights.prefix, source): key for key in whole if key not in index.tensors}
@@ -93,13 +94,13 @@ def merge_into_pretrained(
                 tensor = handle.get_tensor(file_key)
                 floating = tensor.dtype if tensor.is_floating_point() else floating
                 target = cast if cast is not None and tensor.is_floating_point() else tensor.dtype
+                flip = module_key in converted  # a GPT-2 Conv1D's weight: the file holds it transposed
                 if module_key in deltas:  # onto the base as trained: a residual, or a bias trained whole
-                    base = whole.get(module_key, residuals.get(module_key, tensor))
+                    base = whole.get(module_key, residuals.get(module_key, tensor.T if flip else tensor))
                     tensor = base.float() + deltas[module_key]
-                    merged += 1
+                    tensor, merged = (tensor.T if flip else tensor), merged + 1
                 elif module_key in whole:
-                    tensor = whole[module_key]
-                    replaced += 1
+                    tensor, replaced = (whole[module_key].T if flip else whole[module_key]), replaced + 1
                 tensors[file_key] = tensor.to(target).contiguous()
         if position == len(by_file) - 1:  # new heads go into the last file, as save_pretrained puts the head last
             tensors |= {k: whole[m].to(cast or floating).contiguous() for k, m in new_keys.items()}

@@ -15,10 +15,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from pl_lowprec.loading.sources import CheckpointIndex, resolve_checkpoint
+from pl_lowprec.transforms.conv1d import stored_transposed
 from pl_lowprec.transforms.linear_filter import DEFAULT_SKIP, matches_any
 
 Prefix = str | Mapping[str, str] | None
@@ -95,10 +97,11 @@ def check_against(
     unexpected = [k for k in index.tensors if k not in module_slots]
     unused = [k for k in unexpected if new_heads and _is_head_key(k)]
     unexpected = [k for k in unexpected if k not in unused]
+    shapes = {k: _checkpoint_shape(model, module_slots[k], state[k]) for k in chosen.values()}
     mis_shaped = [
-        f"{k}: checkpoint {list(index.tensors[k].shape)}, module {list(state[k].shape)}"
+        f"{k}: checkpoint {list(index.tensors[k].shape)}, module {list(shapes[k])}"
         for k in chosen.values()
-        if tuple(state[k].shape) != index.tensors[k].shape
+        if shapes[k] != index.tensors[k].shape
     ]
     if missing or unexpected or mis_shaped:
         file_keys = [info.key for info in index.tensors.values()]  # as the files name them, before any prefix
@@ -106,6 +109,12 @@ def check_against(
         message = _mismatch_message(model, index, prefix, inferred, missing, unexpected, mis_shaped, hint)
         raise CheckpointMismatch(message, hint)
     return KeyMatch(chosen, fresh, unused)
+
+
+def _checkpoint_shape(model: nn.Module, slot: Slot, tensor: torch.Tensor) -> tuple[int, ...]:
+    """The shape a checkpoint holds the tensor in: transposed for a weight of a converted Conv1D."""
+    owner = model.get_submodule(slot.owner) if slot.owner else model
+    return tuple(tensor.shape)[::-1] if stored_transposed(owner, slot.attr) else tuple(tensor.shape)
 
 
 def fitting_index(

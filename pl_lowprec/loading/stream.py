@@ -26,6 +26,7 @@ from pl_lowprec._imports import import_bitsandbytes
 from pl_lowprec.loading.empty import assert_no_meta, place_own, reset_on
 from pl_lowprec.loading.key_match import Prefix, Slot, fitting_index, slots
 from pl_lowprec.loading.sources import CheckpointIndex, open_safetensors
+from pl_lowprec.transforms.conv1d import stored_transposed
 from pl_lowprec.transforms.quantization import (
     QuantizationConfig,
     check_int8_trains,
@@ -86,6 +87,8 @@ def load_pretrained(
                     declared = _current(model, module_slots[first])
                     loaded = handle.get_tensor(index.tensors[chosen[first]].key)
                     report.bytes_read += loaded.numel() * loaded.element_size()
+                    if stored_transposed(owner, module_slots[first].attr):  # a Conv1D's [in, out] weight
+                        loaded = loaded.T.contiguous()
                     tensor = loaded.to(device=device, dtype=declared.dtype)
                     del loaded
                     is_param = module_slots[first].is_param

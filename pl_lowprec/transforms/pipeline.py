@@ -67,6 +67,7 @@ from pl_lowprec.transforms.checkpointing import (
 from pl_lowprec.transforms.checks import refuse_fitting_converted
 from pl_lowprec.transforms.compiling import CompileClock, check_compiler, compile_model
 from pl_lowprec.transforms.config import TransformConfig
+from pl_lowprec.transforms.conv1d import linear_from_conv1d
 from pl_lowprec.transforms.dtypes import compute_dtype_of
 from pl_lowprec.transforms.fp8 import check_fp8_device, convert_to_fp8
 from pl_lowprec.transforms.frozen_dtype import cast_frozen_weights
@@ -128,6 +129,12 @@ class ModelTransform:
             refuse_fitting_converted(model)
             return  # converted to its quantized form at the end of fit: the model is final
         compute_dtype = compute_dtype_of(precision_plugin)
+        converted = linear_from_conv1d(model)  # GPT-2's Conv1D: a linear layer to quantization, LoRA and FSDP2
+        if converted:
+            rank_zero_info(
+                f"{len(converted)} Conv1D layers (GPT-2's transposed linear layers) taken as nn.Linear: their weights"
+                " are transposed as they load and written back in Conv1D's layout by the exports."
+            )
         if self.sharding is not None:
             self.sharding.check(model, c.quantization)
         streamed = has_meta_tensors(model)  # pretrained= quantizes as it loads
