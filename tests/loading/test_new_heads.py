@@ -107,12 +107,21 @@ def test_a_merged_classifier_loads_with_transformers_and_computes_as_it_trained(
         torch.testing.assert_close(merged(input_ids=ids).logits, model.model(input_ids=ids).logits)
 
 
+def _assert_merged_computes_as_trained(out, model):
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, model.model(input_ids=ids).logits)
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_a_head_trained_whole_replaces_its_weight_in_the_merged_model(tmp_path, tie):
     """``modules_to_save=["lm_head"]``: its trained tensor replaces the checkpoint's, or, where the config ties it
     to the embeddings (no lm_head key), is added and ``tie_word_embeddings`` set false: the trained model is
     untied, and transformers would tie it back."""
-    from transformers import AutoModelForCausalLM
 
     from pl_lowprec.export.merged import merge_into_pretrained
     from pl_lowprec.loading import PretrainedWeights
@@ -133,18 +142,13 @@ def test_a_head_trained_whole_replaces_its_weight_in_the_merged_model(tmp_path, 
     assert not torch.equal(trained, original["model.embed_tokens.weight" if tie else "lm_head.weight"])  # it trained
     torch.testing.assert_close(load_file(out / "model.safetensors")["lm_head.weight"], trained.detach())
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
-    merged = AutoModelForCausalLM.from_pretrained(out)
-    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
-    model.eval()
-    with torch.no_grad():
-        torch.testing.assert_close(merged(input_ids=ids).logits, model.model(input_ids=ids).logits)
+    _assert_merged_computes_as_trained(out, model)
 
 
 def test_embeddings_trained_whole_untie_the_head_which_the_merged_model_keeps_apart(tmp_path, caplog):
     """``modules_to_save=["embed_tokens"]`` under tied embeddings: peft trains a copy, and the tied head keeps the
     original rows. The LoRA line says so, and the merged model holds that head as its own tensor with
     ``tie_word_embeddings`` false (tied again, it ran the trained rows as the head too)."""
-    from transformers import AutoModelForCausalLM
 
     from pl_lowprec.export.merged import merge_into_pretrained
     from pl_lowprec.loading import PretrainedWeights
@@ -167,11 +171,7 @@ def test_embeddings_trained_whole_untie_the_head_which_the_merged_model_keeps_ap
     assert not torch.equal(written["model.embed_tokens.weight"], original)
     assert torch.equal(written["lm_head.weight"], original)
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
-    merged = AutoModelForCausalLM.from_pretrained(out)
-    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
-    model.eval()
-    with torch.no_grad():
-        torch.testing.assert_close(merged(input_ids=ids).logits, model.model(input_ids=ids).logits)
+    _assert_merged_computes_as_trained(out, model)
 
 
 def test_a_weight_trained_outside_the_pretrained_model_is_refused_naming_it(tmp_path):
