@@ -234,7 +234,8 @@ class TextDataModule(pl.LightningDataModule):
             try:
                 sample_or_reason = self._encode(read_fields(record, self.fields), report)
             except ChatTemplateMismatch as mismatch:
-                raise ValueError(f"{report.path}, {report.unit[:-1]} {number}: {mismatch}") from None
+                where = f"line {number}" if report.unit == "lines" else f"row {number}"
+                raise ValueError(f"{report.path}, {where}: {mismatch}") from None
             if isinstance(sample_or_reason, str):
                 report.reject(sample_or_reason, number)
                 continue

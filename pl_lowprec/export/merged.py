@@ -16,7 +16,7 @@ and its labels, so ``AutoModelForSequenceClassification.from_pretrained`` loads 
 B's bias (``lora_bias=True``) is added, scaled, to the layer's bias as trained, as peft's merge adds it; a layer
 without a bias has nowhere to hold it, and the merge is refused.
 
-Where the adapters' initialization rewrote the base (``init_lora_weights`` PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA),
+Where the adapters' initialization rewrote the base (``init_lora_weights`` PiSSA, OLoRA),
 the deltas go onto the base as trained (the residual), which the original files do not hold.
 
 Dtype: by default each tensor keeps the dtype it has in the pretrained files (a bf16 checkpoint stays bf16; a

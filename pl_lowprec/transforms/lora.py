@@ -84,8 +84,13 @@ def left_tied_to_originals(model: nn.Module) -> dict[str, str]:
         for name, module in model.named_modules()
         if isinstance(getattr(module, "weight", None), nn.Parameter)
         and id(module.weight) in originals
-        and not name.startswith(originals[id(module.weight)])
+        and not is_within(name, originals[id(module.weight)])
     }
+
+
+def is_within(name: str, module_name: str) -> bool:
+    """Whether module ``name`` is ``module_name`` or inside it."""
+    return name == module_name or name.startswith(f"{module_name}.")
 
 
 def check_lora_numbers(config: Any) -> None:
