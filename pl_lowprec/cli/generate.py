@@ -11,6 +11,7 @@ A checkpoint is restored through its config as ``pl-lowprec export`` does (``pl_
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 
@@ -35,6 +36,17 @@ from pl_lowprec.export.generates_text import check_module_generates
 from pl_lowprec.export.out_paths import prepare_out_file
 from pl_lowprec.export.restore import restore
 from pl_lowprec.loading.tokenizer import load_tokenizer
+
+
+def json_object(text: str) -> dict:
+    """An argparse type: a JSON object (``{"enable_thinking": false}``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({err.msg}); give an object") from err
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object: give '{{\"name\": value}}'")
+    return value
 
 
 def from_checkpoint(
@@ -77,6 +89,12 @@ def main(args: list[str] | None = None) -> None:
     parser.add_argument("--top_p", type=float_in(0, 1), default=1.0, help="With --do_sample (1.0: no filter).")
     parser.add_argument("--top_k", type=int_at_least(0), default=50, help="With --do_sample (0: no filter).")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--chat_template_kwargs",
+        type=json_object,
+        help="The chat template's arguments for every chat prompt, as JSON: '{\"enable_thinking\": false}'"
+        " (default: the run's data chat_template_kwargs); a record's own take precedence.",
+    )
     parsed, cli_args = parser.parse_known_args(args)
     decoding = Decoding(
         parsed.max_new_tokens, parsed.do_sample, parsed.temperature, parsed.top_p, parsed.top_k, parsed.seed
@@ -103,6 +121,8 @@ def main(args: list[str] | None = None) -> None:
         generator = from_directory(parsed.model, parsed.base, parsed.device, tokenizer)
     if chat:
         check_chat_template(generator.tokenizer, parsed.tokenizer)
+    if parsed.chat_template_kwargs is not None:
+        generator.template_kwargs = parsed.chat_template_kwargs
     completions = generator.complete_records(records, decoding, parsed.batch_size)
     write_completions(records, completions, Path(parsed.out))
     print(f"Wrote {len(completions)} completions to {parsed.out}.")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,12 +43,16 @@ class ChatTemplate:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def for_record(cls, tokenizer: Any, record: dict[str, Any]) -> ChatTemplate:
+    def for_record(
+        cls, tokenizer: Any, record: dict[str, Any], defaults: Mapping[str, Any] | None = None
+    ) -> ChatTemplate:
+        """The template with the record's ``tools`` and its ``chat_template_kwargs`` over ``defaults`` (the data
+        module's or ``generate``'s ``chat_template_kwargs``)."""
         tools = record.get("tools")
         if isinstance(tools, str):  # datasets often store the schemas as one JSON string
             tools = json.loads(tools)
-        kwargs = record.get("chat_template_kwargs") or {}
-        return cls(tokenizer, tools, {key: value for key, value in kwargs.items() if value is not None})
+        own = {key: value for key, value in (record.get("chat_template_kwargs") or {}).items() if value is not None}
+        return cls(tokenizer, tools, {**(defaults or {}), **own})
 
     def render(self, turns: list[dict[str, Any]], generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(

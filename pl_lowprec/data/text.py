@@ -93,6 +93,8 @@ class TextDataModule(pl.LightningDataModule):
             ``output``, ``system``, ``history``), as LLaMA-Factory reads them.
         train_split: The split of a ``DatasetDict`` (hub id, saved or in Python) in ``train_files`` to train on.
         val_split: The split of a ``DatasetDict`` in ``val_files``; ``None``: ``validation``, else ``test``.
+        chat_template_kwargs: Arguments of the chat template for every chat record (``{"enable_thinking":
+            false}`` for Qwen3); a record's own ``chat_template_kwargs`` take precedence.
     """
 
     def __init__(
@@ -110,6 +112,7 @@ class TextDataModule(pl.LightningDataModule):
         fields: dict[str, str] | None = None,
         train_split: str = "train",
         val_split: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if seq_len < 2:
@@ -122,6 +125,13 @@ class TextDataModule(pl.LightningDataModule):
         if not 0 <= max_truncated_fraction <= 1:
             raise ValueError(f"TextDataModule(max_truncated_fraction={max_truncated_fraction}) must be in [0, 1].")
         self.fields = check_fields(fields)
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError(
+                f"TextDataModule(chat_template_kwargs={chat_template_kwargs!r}) must map the chat template's argument"
+                " names to values, e.g. {'enable_thinking': False} (--data.chat_template_kwargs '{enable_thinking:"
+                " false}')."
+            )
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         # saved in checkpoints (a resumption with other data is refused, resume.py); a dataset object is described
         objects = {"train_files": train_files, "val_files": val_files}
         objects = {name: value for name, value in objects.items() if value is not None and is_dataset_object(value)}
@@ -298,7 +308,7 @@ class TextDataModule(pl.LightningDataModule):
                 f" {self.tokenizer_dir!r} has none. Use a chat model's tokenizer or convert the records to"
                 " prompt/completion strings."
             )
-        return ChatTemplate.for_record(self.tokenizer, record)
+        return ChatTemplate.for_record(self.tokenizer, record, self.chat_template_kwargs)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """A batch on its device, before the step: the first packed ones check the module (``PackingGuard``).

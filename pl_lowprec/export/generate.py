@@ -69,6 +69,7 @@ class Generator:
     model: Any
     tokenizer: Any
     context: Callable[[], AbstractContextManager] = field(default=nullcontext)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # the chat template's, under a record's own
 
     def complete(self, prompts: list[str], decoding: Decoding, batch_size: int = 8) -> list[str]:
         """The completion of each prompt text (tokenized as the tokenizer does by default, BOS included)."""
@@ -76,7 +77,8 @@ class Generator:
 
     def complete_records(self, records: list[dict[str, Any]], decoding: Decoding, batch_size: int = 8) -> list[str]:
         """The completion of each record of ``read_prompts``: a chat record through the chat template."""
-        return self.complete_ids([prompt_ids(self.tokenizer, r) for r in records], decoding, batch_size)
+        ids = [prompt_ids(self.tokenizer, r, self.template_kwargs) for r in records]
+        return self.complete_ids(ids, decoding, batch_size)
 
     @torch.no_grad()
     def complete_ids(self, prompts: list[list[int]], decoding: Decoding, batch_size: int = 8) -> list[str]:
@@ -199,12 +201,12 @@ def check_chat_template(tokenizer: Any, source: str | Path | None) -> None:
         )
 
 
-def prompt_ids(tokenizer: Any, record: dict[str, Any]) -> list[int]:
+def prompt_ids(tokenizer: Any, record: dict[str, Any], template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """A chat record rendered as ``TextDataModule`` renders it (template, no extra special tokens) plus the
     generation prompt; a plain prompt tokenized with the tokenizer's defaults."""
     if "messages" not in record:
         return tokenizer(record["prompt"])["input_ids"]
-    return ChatTemplate.for_record(tokenizer, record).prompt_ids(chat_turns(record))
+    return ChatTemplate.for_record(tokenizer, record, template_kwargs).prompt_ids(chat_turns(record))
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
@@ -238,7 +240,8 @@ def from_restored(restored: Restored, tokenizer: str | None = None) -> Generator
     source = tokenizer or restored.tokenizer_dir or pretrained_dir(restored)
     if source is None:
         raise ValueError("No tokenizer: the config names no data tokenizer or model directory; pass --tokenizer DIR.")
-    return Generator(model, load_tokenizer(source), restored.trainer.precision_plugin.forward_context)
+    context = restored.trainer.precision_plugin.forward_context
+    return Generator(model, load_tokenizer(source), context, dict(restored.chat_template_kwargs))
 
 
 def directory_tokenizer(directory: str | Path, base: str | None = None) -> str | Path:

@@ -12,7 +12,7 @@ checkpointing and the memory-saving paths save nothing. The run itself is rebuil
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ class Restored:
     weights: PretrainedWeights | None
     checkpoint: Path
     tokenizer_dir: str | None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # the data's, for generate's chat prompts
 
     @property
     def hf_model(self) -> nn.Module | None:
@@ -72,7 +73,8 @@ def restore(checkpoint: str | Path, trainer: Any, module: nn.Module, datamodule:
     module = trainer.precision_plugin.convert_module(module)
     module.to(device).eval()
     tokenizer = getattr(datamodule, "tokenizer_dir", None) if datamodule is not None else None
-    return Restored(module, trainer, transform, transform.weights_for(module), checkpoint, tokenizer)
+    template_kwargs = dict(getattr(datamodule, "chat_template_kwargs", None) or {})
+    return Restored(module, trainer, transform, transform.weights_for(module), checkpoint, tokenizer, template_kwargs)
 
 
 def strategy_transform(trainer: Any) -> ModelTransform:

@@ -156,3 +156,14 @@ def test_alpaca_records_are_read_as_llama_factory_reads_them(tmp_path, tokenizer
     for read, expected in zip(data.train_set, chats.train_set, strict=True):
         assert {k: v.tolist() for k, v in read.items()} == {k: v.tolist() for k, v in expected.items()}
     assert [_targets(data, s) for s in data.train_set] == ["5</s>\n", "pl</s>\nhi</s>\n"]  # not the text column
+
+
+def test_the_data_modules_template_arguments_apply_to_every_record_under_its_own(tmp_path, tokenizer_dir):
+    tokenizer = _with_template(tokenizer_dir, WITH_TOOLS, tmp_path / "tools")
+    turns = [{"role": "user", "content": "time?"}, {"role": "assistant", "content": "noon"}]
+    records = [{"messages": turns}, {"messages": turns, "chat_template_kwargs": {"persona": "chatty"}}]
+    data = _setup(tmp_path / "chat.jsonl", records, tokenizer, chat_template_kwargs={"persona": "terse"})
+    rendered = [data.tokenizer.decode(s["input_ids"]) for s in data.train_set]
+    assert rendered[0].startswith("<|persona|>terse</s>") and rendered[1].startswith("<|persona|>chatty</s>")
+    with pytest.raises(ValueError, match=r"chat_template_kwargs='enable_thinking'\) must map the chat template's"):
+        TextDataModule(train_files=tmp_path / "chat.jsonl", tokenizer=tokenizer, chat_template_kwargs="enable_thinking")

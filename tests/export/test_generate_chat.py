@@ -161,3 +161,34 @@ def test_alpaca_records_are_chats_with_their_output_as_reference(tmp_path):
     prompts.write_text(json.dumps({"instruction": "Add.", "input": "2 and 3", "output": "5"}) + "\n")
     (record,) = read_prompts(prompts)
     assert record["messages"][:-1] == [{"role": "user", "content": "Add.\n2 and 3"}] and reference(record) == "5"
+
+
+def test_generates_template_arguments_apply_under_a_records_own(chat_model, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    from pl_lowprec.export.generate import prompt_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}<|{{ mode | default('none') }}|>"
+    turns = [{"role": "user", "content": "x = 1"}]
+    for record, expected in (
+        ({"messages": turns}, "x = 1<|fast|>"),
+        ({"messages": turns, "chat_template_kwargs": {"mode": "slow"}}, "x = 1<|slow|>"),
+    ):
+        assert (
+            prompt_ids(tokenizer, record, {"mode": "fast"})
+            == tokenizer(expected, add_special_tokens=False)["input_ids"]
+        )
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("x = 1\n")
+    with pytest.raises(SystemExit) as exited:
+        main(
+            [
+                "generate",
+                f"--model={chat_model}",
+                f"--prompts={prompts}",
+                f"--out={tmp_path / 'o.jsonl'}",
+                "--chat_template_kwargs=[1]",
+            ]
+        )
+    assert exited.value.code == 2 and "'[1]' is not a JSON object" in capsys.readouterr().err
