@@ -109,8 +109,8 @@ def merge_into_pretrained(
         save_file(tensors, str(out_dir / file.name), metadata=metadata or {"format": "pt"})
         del tensors
     if source.is_dir():
-        _copy_model_files(source, out_dir, dtype)
-        _describe_the_trained_model(module, out_dir, set(new_keys))
+        _copy_model_files(source, out_dir)
+        _describe_the_trained_model(module, out_dir, set(new_keys), dtype)
         if (source / INDEX_NAME).is_file():
             index_json = json.loads((source / INDEX_NAME).read_text())
             index_json.setdefault("metadata", {})["total_size"] = sum(sizes.values())
@@ -137,8 +137,9 @@ def residual_bases(module: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def _describe_the_trained_model(module: nn.Module, out_dir: Path, new_keys: set[str]) -> None:
-    """``config.json`` for the model as trained, where it differs from the pretrained one: a causal LM's checkpoint
+def _describe_the_trained_model(module: nn.Module, out_dir: Path, new_keys: set[str], dtype: str | None) -> None:
+    """``config.json`` for the model as written, where it differs from the pretrained one: the ``dtype`` of
+    ``--dtype``; a causal LM's checkpoint
     merged into a classifier names the class (``architectures``) and its labels; an output head trained whole
     (``modules_to_save=["lm_head"]``) under tied embeddings, or left with the original rows where the input
     embeddings trained whole, has its own tensor, so ``tie_word_embeddings`` is false (transformers would otherwise
@@ -157,18 +158,15 @@ def _describe_the_trained_model(module: nn.Module, out_dir: Path, new_keys: set[
     names = [name for name, m in base.named_modules() if m is heads] if heads is not None else []
     if fields.get("tie_word_embeddings") and names and f"{names[0]}.weight" in new_keys:
         fields["tie_word_embeddings"] = False
+    if dtype is not None:  # the dtype the weights were written in
+        key = "dtype" if "dtype" in fields or "torch_dtype" not in fields else "torch_dtype"
+        fields[key] = str(to_dtype(dtype)).removeprefix("torch.")
     if fields != before:
         config.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
 
 
-def _copy_model_files(source: Path, out_dir: Path, dtype: str | None) -> None:
+def _copy_model_files(source: Path, out_dir: Path) -> None:
     """Everything of the model directory but its weights (config, generation config, tokenizer, templates)."""
     for path in sorted(source.iterdir()):
         if path.is_file() and path.suffix not in WEIGHT_SUFFIXES and path.name != INDEX_NAME:
             shutil.copy(path, out_dir / path.name)
-    config = out_dir / "config.json"
-    if dtype is not None and config.is_file():
-        fields = json.loads(config.read_text())
-        key = "dtype" if "dtype" in fields or "torch_dtype" not in fields else "torch_dtype"
-        fields[key] = str(to_dtype(dtype)).removeprefix("torch.")
-        config.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
