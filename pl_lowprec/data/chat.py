@@ -64,7 +64,9 @@ class ChatTemplate:
         return self.tokenizer(self.render(turns, generation_prompt=True), add_special_tokens=False)["input_ids"]
 
     def has_generation_marks(self) -> bool:
-        return bool(GENERATION_MARK.search(self.tokenizer.chat_template or ""))
+        """Whether the template this record renders with (a tokenizer may hold several by name: ``tool_use`` is
+        taken where a record has tools) marks the assistant's text."""
+        return bool(GENERATION_MARK.search(self.tokenizer.get_chat_template(None, self.tools)))
 
     def encode_messages(self, messages: list[dict[str, Any]]) -> Sample:
         """Every assistant turn a target: by the template's ``{% generation %}`` marks where it has them, else by
@@ -86,7 +88,7 @@ class ChatTemplate:
         for i, message in enumerate(messages):
             if message.get("role") != "assistant":
                 continue
-            start = self._prefix_of(full, messages[:i], generation_prompt=True)
+            start = self._prefix_of(full, messages[:i], generation_prompt=True) if i else 0  # nothing before it
             end = self._prefix_of(full, messages[: i + 1], generation_prompt=False)
             spans.append((start, end))
         return self._encode_spans(full, spans)

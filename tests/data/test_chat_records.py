@@ -167,3 +167,19 @@ def test_the_data_modules_template_arguments_apply_to_every_record_under_its_own
     assert rendered[0].startswith("<|persona|>terse</s>") and rendered[1].startswith("<|persona|>chatty</s>")
     with pytest.raises(ValueError, match=r"chat_template_kwargs='enable_thinking'\) must map the chat template's"):
         TextDataModule(train_files=tmp_path / "chat.jsonl", tokenizer=tokenizer, chat_template_kwargs="enable_thinking")
+
+
+def test_a_tokenizer_with_named_templates_renders_with_the_one_a_record_takes(tmp_path, tokenizer_dir):
+    """transformers keeps several templates by name (``default``, ``tool_use``) and takes ``tool_use`` where the
+    record has tools: its generation marks are read from that one."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.chat_template = {"default": tokenizer.chat_template, "tool_use": MARKED}
+    tokenizer.save_pretrained(tmp_path / "named")
+    records = [{"messages": TURNS[1:3]}, {"messages": TURNS, "tools": [TOOL]}]
+    data = _setup(tmp_path / "chat.jsonl", records, str(tmp_path / "named"))
+    assert [_targets(data, s) for s in data.train_set] == [
+        "<think>greet</think>hi</s>\n",  # the default template: prefixes
+        "hi</s><think>say it</think>pl</s>",  # tool_use: its marks (the prefixes would be refused: it rewrites)
+    ]
