@@ -17,7 +17,7 @@ shards), and every rank gets the whole result.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -26,7 +26,7 @@ from torch import nn
 from pl_lowprec._imports import import_peft
 from pl_lowprec.distributed.mesh import full_tensor
 from pl_lowprec.transforms.conv1d import conv1d_weights, to_checkpoint_layout
-from pl_lowprec.transforms.lora import ADAPTER_NAME, base_changing_init, lora_layers, trained_copies
+from pl_lowprec.transforms.lora import ADAPTER_NAME, base_changing_init, is_within, lora_layers, trained_copies
 from pl_lowprec.transforms.nf4 import dequantize_nf4, is_nf4
 from pl_lowprec.transforms.quantization import is_quantized
 
@@ -143,13 +143,13 @@ def export_adapter(
         for k, v in base.state_dict().items()
         if "lora_" in k and marker in k
     }
-    copies = tuple(f"{name}." for name in trained_copies(base))
+    copies = trained_copies(base)
     tensors |= {  # biases that trained (bias='lora_only' or 'all'), under the names peft saves them by
         f"base_model.model.{k}": full_tensor(v.detach()).cpu().contiguous()
         for k, v in base.named_parameters()
-        if v.requires_grad and k.endswith(".bias") and "lora_" not in k and not k.startswith(copies)
+        if v.requires_grad and k.endswith(".bias") and "lora_" not in k and not any(is_within(k, c) for c in copies)
     }
-    for name, wrapper in trained_copies(base).items():  # modules_to_save: peft saves them under their own names
+    for name, wrapper in copies.items():  # modules_to_save: peft saves them under their own names
         own = wrapper.adapter_state_dict(ADAPTER_NAME, wrapper.state_dict())
         tensors |= {f"base_model.model.{name}.{k}": full_tensor(v.detach()).cpu().contiguous() for k, v in own.items()}
     save_file(tensors, str(directory / "adapter_model.safetensors"))
@@ -178,7 +178,7 @@ def merged_state_dict(module: nn.Module, base_model: str | None = None) -> dict[
         n: m
         for n, m in base.named_modules()
         if (is_quantized(m) or (isinstance(m, nn.Linear) and is_nf4(m.weight)))
-        and not any(n == a or n.startswith(f"{a}.") for a in adapted)
+        and not any(is_within(n, a) for a in adapted)
     }
     replaced = [*adapted, *quantized]
     merged = {
@@ -205,29 +205,39 @@ def lora_deltas(module: nn.Module) -> dict[str, torch.Tensor]:
 
     peft's ``get_delta_weight`` applies the scaling (``lora_alpha / r``, or rsLoRA's) and ``fan_in_fan_out``. DoRA
     rescales the merged weight's columns, which no delta expresses: it is refused."""
-    deltas: dict[str, torch.Tensor] = {}
-    for name, layer in lora_layers(module).items():
-        for adapter in layer.active_adapters:
-            if adapter not in layer.lora_A:
-                continue
-            if layer.use_dora.get(adapter, False):
-                raise ValueError(
-                    f"{name} uses DoRA (use_dora=True), whose merge rescales the weight instead of adding a delta;"
-                    " export it as an adapter directory, or merge it with peft's merge_and_unload."
-                )
-            delta = full_tensor(layer.get_delta_weight(adapter)).float()
-            deltas[name] = deltas[name] + delta if name in deltas else delta
-    return deltas
+
+    def weight_delta(name: str, layer: nn.Module, adapter: str) -> torch.Tensor:
+        if layer.use_dora.get(adapter, False):
+            raise ValueError(
+                f"{name} uses DoRA (use_dora=True), whose merge rescales the weight instead of adding a delta;"
+                " export it as an adapter directory, or merge it with peft's merge_and_unload."
+            )
+        return full_tensor(layer.get_delta_weight(adapter)).float()
+
+    return _summed_over_adapters(module, weight_delta)
 
 
 def lora_bias_deltas(module: nn.Module) -> dict[str, torch.Tensor]:
     """``{layer name: delta}``: what merging adds to each LoRA layer's bias where ``lora_bias=True`` gave B a
     bias (``scaling * B.bias``, as peft's ``merge`` adds it), fp32."""
+
+    def bias_delta(name: str, layer: nn.Module, adapter: str) -> torch.Tensor | None:
+        if not layer.lora_bias.get(adapter, False):
+            return None
+        return full_tensor(layer.lora_B[adapter].bias.detach()).float() * layer.scaling[adapter]
+
+    return _summed_over_adapters(module, bias_delta)
+
+
+def _summed_over_adapters(
+    module: nn.Module, delta_of: Callable[[str, nn.Module, str], torch.Tensor | None]
+) -> dict[str, torch.Tensor]:
+    """``{layer name: the sum of delta_of(name, layer, adapter)}`` over each LoRA layer's active adapters."""
     deltas: dict[str, torch.Tensor] = {}
     for name, layer in lora_layers(module).items():
         for adapter in layer.active_adapters:
-            if adapter in layer.lora_A and layer.lora_bias.get(adapter, False):
-                delta = full_tensor(layer.lora_B[adapter].bias.detach()).float() * layer.scaling[adapter]
+            delta = delta_of(name, layer, adapter) if adapter in layer.lora_A else None
+            if delta is not None:
                 deltas[name] = deltas[name] + delta if name in deltas else delta
     return deltas
 

@@ -12,14 +12,16 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from pl_lowprec.adapters import held_hf_model
+
 
 def model_config(module: Any) -> Any:
-    """The Hugging Face config of the model a module holds (its own ``config``, as ``CausalLM`` has), or ``None``."""
+    """The Hugging Face config of the model a module holds: its own ``config`` (``CausalLM`` has it before its model
+    is built), else its ``PreTrainedModel``'s; ``None`` where it holds none."""
     own = getattr(module, "config", None)
     if hasattr(own, "max_position_embeddings"):
         return own
-    modules = module.modules() if hasattr(module, "modules") else ()
-    return next((m.config for m in modules if hasattr(getattr(m, "config", None), "max_position_embeddings")), None)
+    return getattr(held_hf_model(module), "config", None)
 
 
 def check_seq_len_with_model(trainer: Any, seq_len: int) -> None:
