@@ -28,11 +28,15 @@ import time
 import traceback
 from pathlib import Path
 
+import torch
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 _PRELOAD = ["torch", "lightning.pytorch", "transformers", "peft", "pl_lowprec"]
 _CONTEXT = multiprocessing.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(_PRELOAD)
+# On a GPU machine importing peft initialises CUDA (run 6 on an H200: torch.cuda.is_initialized() turned True at
+# its import, with bitsandbytes installed), and a child forked after that cannot use CUDA: there each child
+# imports what it needs itself.
+_CONTEXT.set_forkserver_preload([] if torch.cuda.is_available() else _PRELOAD)
 
 
 def _exit_status(code: object) -> int:

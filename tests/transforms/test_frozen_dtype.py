@@ -180,11 +180,11 @@ def test_a_ranks_rows_streamed_in_under_fsdp2_are_cast_too(tmp_path):
 )
 def test_rows_in_cpu_memory_are_checked_over_the_meshs_own_device(tmp_path, backend, mesh_device):
     """Under ``cpu_offload=True`` a rank's rows stay in CPU memory while the mesh and its process group are
-    CUDA's: the overflow is reduced on the mesh's device (NCCL takes no CPU tensors), and the refusal is the same."""
+    CUDA's: the overflow is reduced on the mesh's device (NCCL takes no CPU tensors), and the refusal is the same.
+    The rows are FSDP2's own, sharded with its CPU offload policy where the mesh is CUDA's."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-
-    from pl_lowprec.distributed.mesh import local_rows
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     dist.init_process_group(backend, init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
@@ -194,9 +194,11 @@ def test_rows_in_cpu_memory_are_checked_over_the_meshs_own_device(tmp_path, back
         large = torch.nn.Embedding(4, 8)
         with torch.no_grad():
             large.weight[1, 2] = 1e6
-        rows = local_rows(large.weight.detach(), mesh)
-        assert rows.to_local().device.type == "cpu"
-        large.weight = torch.nn.Parameter(rows, requires_grad=False)
+        large.weight.requires_grad_(False)
+        offload = CPUOffloadPolicy() if mesh_device == "cuda" else OffloadPolicy()
+        fully_shard(large, mesh=mesh, offload_policy=offload)
+        assert large.weight.device_mesh.device_type == mesh_device
+        assert large.weight.to_local().device.type == "cpu"
         with pytest.raises(ValueError, match=r"frozen weight 0\.weight holds values up to 1e\+06"):
             cast_frozen_weights(torch.nn.Sequential(large), torch.float16)
     finally:
