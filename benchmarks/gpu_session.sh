@@ -25,8 +25,8 @@
 # Settings: MODELS_FIRST (1b) with CONTENDERS_FIRST and FIRST_CAP_S (300), MODELS_SECOND (8b; empty: none) with
 # CONTENDERS_SECOND (hf,compile) and SECOND_CAP_S (190), MORE_STAGES="8b:hf,auto,unsloth:170:230
 # qwen-0.5b:saving,compile:100:90" (model:contenders:per-contender-timeout:cap; a later call),
-# FIRST_TESTS (cuda-marked tests to run before the benchmark; none by default), REST_TESTS=0 (no tests after),
-# PROFILE=1 (each contender profiles one more step: gpu_peers.py --profile-step), KEEP_MODELS=.gpu_models (the
+# FIRST_TESTS (cuda-marked tests to run before the benchmark; none by default) with FIRST_TESTS_CAP_S (110),
+# REST_TESTS=0 (no tests after), PROFILE=1 (each contender profiles one more step: gpu_peers.py --profile-step), KEEP_MODELS=.gpu_models (the
 # checkpoints stay on the machine for a later call), INSTALL=0 (install nothing).
 # CPU check of the script: INSTALL=0 MODELS_FIRST=tiny MODELS_SECOND= CONTENDERS_FIRST=hf,saving REST_TESTS=0 \
 #   bash benchmarks/gpu_session.sh
@@ -53,7 +53,8 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/de
 FIRST_TESTS=${FIRST_TESTS:-none}
 if [ "$FIRST_TESTS" != none ]; then
   # shellcheck disable=SC2086
-  timeout $(( $(left) < 110 ? $(left) : 110 )) python3 -m pytest -q -p no:cacheprovider -m cuda $FIRST_TESTS \
+  first_cap=${FIRST_TESTS_CAP_S:-110}
+  timeout $(( $(left) < first_cap ? $(left) : first_cap )) python3 -m pytest -q -p no:cacheprovider -m cuda $FIRST_TESTS \
     > "$OUT/cuda_tests_first.log" 2>&1
   tail -3 "$OUT/cuda_tests_first.log"; echo "first cuda tests done at $(( $(date +%s) - t0 )) s"
 fi

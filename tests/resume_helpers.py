@@ -64,7 +64,7 @@ def fit(
     torch.manual_seed(seed)
     schedule = {"every_n_train_steps": EVERY, "save_top_k": -1} if schedule is None else schedule
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator=trainer_args.pop("accelerator", "cpu"),
         strategy=strategy,
         accumulate_grad_batches=ACCUMULATE,
         callbacks=[checkpoint_class(dirpath=directory, save_last=True, **schedule)],
@@ -77,4 +77,4 @@ def fit(
         **trainer_args,
     )
     trainer.fit(model, ckpt_path=ckpt_path)
-    return model.layer.weight.detach().clone()
+    return model.layer.weight.detach().cpu().clone()

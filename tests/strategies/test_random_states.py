@@ -36,6 +36,27 @@ def test_a_resumed_run_ends_with_the_uninterrupted_runs_weights(tmp_path, stop, 
     assert torch.equal(resumed, uninterrupted) is exact
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize(("strategy", "exact"), [("auto", False), ("lowprec", True)], ids=["lightning", "pl_lowprec"])
+def test_a_resumed_run_on_a_gpu_draws_the_cuda_generators_masks(tmp_path, strategy, exact):
+    """On a GPU the dropout masks come from the CUDA generator, a state apart from the CPU's."""
+    make = (lambda: LowPrecisionStrategy()) if strategy == "lowprec" else (lambda: "auto")
+    uninterrupted = fit(tmp_path / "full", strategy=make(), accelerator="gpu", dropout=0.5, max_steps=8)
+    fit(tmp_path / "run", strategy=make(), accelerator="gpu", dropout=0.5, max_steps=3)
+    resumed = fit(
+        tmp_path / "run",
+        strategy=make(),
+        accelerator="gpu",
+        dropout=0.5,
+        ckpt_path=tmp_path / "run/last.ckpt",
+        max_steps=8,
+    )
+    assert torch.equal(resumed, uninterrupted) is exact
+    if exact:  # the CUDA generator's state travelled in the checkpoint
+        (states,) = torch.load(tmp_path / "run/last.ckpt", weights_only=True)[CHECKPOINT_KEY]
+        assert "cuda" in states
+
+
 def test_the_states_load_with_weights_only_and_set_every_generator(tmp_path):
     fit(tmp_path, strategy=LowPrecisionStrategy(), dropout=0.5, max_steps=1)
     (states,) = torch.load(tmp_path / "last.ckpt", weights_only=True)[CHECKPOINT_KEY]  # one rank

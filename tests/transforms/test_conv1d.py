@@ -63,8 +63,11 @@ def test_the_converted_model_computes_what_gpt2_does():
     assert linear_from_conv1d(converted) == []  # idempotent
 
 
-@pytest.mark.parametrize("quantization", [None, "nf4"])
-def test_gpt2_trains_and_exports_in_conv1ds_layout(quantization, tmp_path):
+@pytest.mark.parametrize(
+    ("quantization", "accelerator"),
+    [(None, "cpu"), ("nf4", "cpu"), pytest.param("nf4", "gpu", marks=pytest.mark.cuda)],  # bitsandbytes' CUDA kernels
+)
+def test_gpt2_trains_and_exports_in_conv1ds_layout(quantization, accelerator, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from pl_lowprec.adapters import export_adapter, merged_state_dict
@@ -74,10 +77,11 @@ def test_gpt2_trains_and_exports_in_conv1ds_layout(quantization, tmp_path):
     directory = tmp_path / "gpt2"
     gpt2(seed=1).save_pretrained(directory)
     strategy = LowPrecisionStrategy(pretrained=directory, quantization=quantization, lora={"r": 4})
-    trainer = quiet_trainer(strategy=strategy, max_steps=3)
+    trainer = quiet_trainer(accelerator=accelerator, strategy=strategy, max_steps=3)
     with trainer.init_module(empty_init=True):
         module = GPT2Module()
     trainer.fit(module, ids_loader(batches=3))
+    module.cpu()  # Lightning's teardown moves it back; the exports and references below run on the CPU
     c_attn = module.model.transformer.h[0].attn.c_attn
     assert c_attn.lora_A["default"].weight.requires_grad  # LoRA on the converted layer (all-linear found it)
     original = AutoModelForCausalLM.from_pretrained(directory)
