@@ -215,7 +215,8 @@ class CausalLM(pl.LightningModule):
         return self.token_mean.scaled(self.trainer, loss_sum, tokens)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        step_loss = self.token_mean.normalize_gradients(self.trainer, self.parameters())
+        stepped = (param for group in optimizer.param_groups for param in group["params"])  # not every module's
+        step_loss = self.token_mean.normalize_gradients(self.trainer, stepped)
         if step_loss is not None:  # the loss the step optimized: every micro-batch and rank, per target token
             self.log("train/step_loss", step_loss, prog_bar=True)
 

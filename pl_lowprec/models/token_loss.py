@@ -79,7 +79,7 @@ class TokenMeanLoss:
         loss, tokens = trainer.strategy.reduce(torch.stack([self.loss, self.tokens]), reduce_op="sum")
         factor = (self.scale / tokens.clamp(min=1.0)).item()
         self.scale = self.tokens = self.loss = None
-        for param in parameters:
-            if param.grad is not None:
-                param.grad.mul_(factor)
+        grads = [param.grad for param in parameters if param.grad is not None]
+        if grads:  # one call for every gradient, as clip_grad_norm_ scales them: not a kernel launch each
+            torch._foreach_mul_(grads, factor)
         return (loss / tokens.clamp(min=1.0)).float()
