@@ -44,6 +44,7 @@ from pl_lowprec.strategies.fsdp_checkpoints import (
 )
 from pl_lowprec.strategies.transform_hooks import TransformHooks
 from pl_lowprec.transforms.config import TransformConfig
+from pl_lowprec.transforms.lora_options import check_lora_init_on_rows
 from pl_lowprec.transforms.nf4 import NF4Layout, ScalerBlockSize
 from pl_lowprec.transforms.optimizers import BITSANDBYTES_OPTIMIZERS
 
@@ -146,6 +147,7 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
                 " stay in CPU memory while the GPU computes. Run 2 or more processes (Trainer(devices=2)), or on"
                 " one GPU use LowPrecisionStrategy, with activation_offloading=True to move activations instead."
             )
+        check_lora_init_on_rows(self.transform_config.lora, self.world_size)
         self._device_mesh = data_parallel_mesh(self.root_device.type, self.world_size)
         self.sharding.mesh = self._device_mesh
 

@@ -97,3 +97,19 @@ def check_lora_init(config: Any, quantization_mode: str | None) -> None:
             f" with quantization: {ON_QUANTIZED}. Fix: one of those, or quantization: null to run {init!r} on the"
             " weights in the compute dtype."
         )
+
+
+FROM_WHOLE_WEIGHT = ("pissa", "olora", "mica")  # an SVD or QR of each base weight as LoRA is added
+
+
+def check_lora_init_on_rows(config: Any, world_size: int) -> None:
+    """Under FSDP2 on several ranks each rank holds only its rows of every weight when LoRA is added; an init that
+    decomposes the whole weight cannot run on them (a segmentation fault in sharding before this check)."""
+    init = getattr(config, "init_lora_weights", None)
+    if world_size > 1 and isinstance(init, str) and init.lower().startswith(FROM_WHOLE_WEIGHT):
+        raise ValueError(
+            f"lora: init_lora_weights={init!r} decomposes each whole base weight (PiSSA's and MiCA's SVD, OLoRA's"
+            f" QR) when LoRA is added, and under lowprec_fsdp on {world_size} ranks each rank holds only its rows"
+            " of every weight by then. Fix: strategy lowprec_ddp or one device, which hold whole weights, or"
+            " init_lora_weights true (peft's default) or 'gaussian' under lowprec_fsdp."
+        )

@@ -488,6 +488,12 @@ def bad(world, out, precision) -> dict:
         except ValueError as err:
             errors[name] = str(err)
             errors[f"{name}_steps"] = model.trainer.global_step if model._trainer else 0
+    strategy = LowPrecisionFSDPStrategy(lora={**LORA, "init_lora_weights": "olora"}, shard_modules="LlamaDecoderLayer")
+    try:  # OLoRA's QR of each whole weight, on a rank's rows
+        _trainer(world, out, precision, strategy=strategy).fit(SGDTinyLlama(**SIZES), _loader(world))
+        errors["whole_weight_init"] = None
+    except ValueError as err:
+        errors["whole_weight_init"] = str(err)
     with empty_weights():  # on meta, no pretrained=: LlamaRMSNorm has no reset_parameters to initialize it
         model = SGDTinyLlama(**SIZES)
     strategy = LowPrecisionFSDPStrategy(lora=LORA, shard_modules="LlamaDecoderLayer")

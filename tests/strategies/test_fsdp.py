@@ -243,6 +243,9 @@ def test_bad_inputs_fail_before_the_first_step(two_process):
         assert all(rank[f"{case}_steps"] == 0 for case in ("unknown_unit", "block_split", "cpu_offload"))
         assert "have no reset_parameters(): model.model.layers.0.input_layernorm (LlamaRMSNorm)" in rank["no_reset"]
         assert "Pass pretrained=" in rank["no_reset"]
+        said = rank["whole_weight_init"]
+        assert "init_lora_weights='olora' decomposes each whole base weight" in said and "on 2 ranks" in said
+        assert "Fix: strategy lowprec_ddp or one device" in said
 
 
 @pytest.mark.cuda
