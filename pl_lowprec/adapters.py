@@ -26,6 +26,12 @@ from torch import nn
 from pl_lowprec._imports import import_peft
 from pl_lowprec.distributed.mesh import full_tensor
 from pl_lowprec.transforms.conv1d import conv1d_weights, to_checkpoint_layout
+from pl_lowprec.transforms.initial_adapters import (
+    check_convertible,
+    converted_config,
+    convertible_init,
+    with_initial_adapters,
+)
 from pl_lowprec.transforms.lora import ADAPTER_NAME, base_changing_init, is_within, lora_layers, trained_copies
 from pl_lowprec.transforms.nf4 import dequantize_nf4, is_nf4
 from pl_lowprec.transforms.quantization import is_quantized
@@ -126,6 +132,10 @@ def export_adapter(
         raise ValueError("The module has LoRA layers but no peft_config: was it injected by pl_lowprec?")
     names = sorted(layers)
     converted = conv1d_weights(module)
+    initialised = convertible_init(module) is not None  # PiSSA, OLoRA: a LoRA of twice the rank, as peft converts
+    if initialised:
+        check_convertible(peft_config, layers)
+        peft_config = converted_config(peft_config)
     exported = peft_config.__class__(
         **{**peft_config.to_dict(), "target_modules": "(?:" + "|".join(re.escape(n) for n in names) + ")"}
     )
@@ -143,6 +153,11 @@ def export_adapter(
         for k, v in base.state_dict().items()
         if "lora_" in k and marker in k
     }
+    if initialised:
+        tensors = {
+            k: with_initial_adapters(k, v, layers[k.removeprefix("base_model.model.").split(".lora_")[0]]).contiguous()
+            for k, v in tensors.items()
+        }
     copies = trained_copies(base)
     tensors |= {  # biases that trained (bias='lora_only' or 'all'), under the names peft saves them by
         f"base_model.model.{k}": full_tensor(v.detach()).cpu().contiguous()
@@ -157,14 +172,16 @@ def export_adapter(
 
 
 def check_adapter_fits_base(model_or_lora_config: object) -> None:
-    """An adapter directory loads onto the original base: refused where LoRA's initialization rewrote the base."""
+    """An adapter directory loads onto the original base: refused where LoRA's initialization rewrote the base and
+    no conversion to a plain LoRA is kept (PiSSA's and OLoRA's is: ``initial_adapters``)."""
     init = base_changing_init(model_or_lora_config)
-    if init is not None:
+    if init is not None and convertible_init(model_or_lora_config) is None:
         raise ValueError(
             f"lora init_lora_weights={init!r} rewrote the base weights when the adapters were added (part of each"
             " weight moved into A and B), so an adapter directory, which peft loads onto the original base, would"
             " compute something else than the trained model. Export the merged model (--merged: the base as"
-            " trained plus the adapters), or train with init_lora_weights true or 'gaussian'."
+            " trained plus the adapters), or train with init_lora_weights true, 'gaussian', 'pissa' or 'olora'"
+            " (their adapters are converted for the original base)."
         )
 
 

@@ -73,8 +73,8 @@ from pl_lowprec.transforms.fp8 import check_fp8_device, convert_to_fp8
 from pl_lowprec.transforms.frozen_dtype import cast_frozen_weights
 from pl_lowprec.transforms.fused_lora_mlp import fuse_lora_mlps
 from pl_lowprec.transforms.half_trainable import warn_half_trainable
+from pl_lowprec.transforms.initial_adapters import keep_initial_adapters, rewrote_the_base_line
 from pl_lowprec.transforms.lora import (
-    base_changing_init,
     has_lora,
     inject_lora,
     left_tied_to_originals,
@@ -159,6 +159,7 @@ class ModelTransform:
             if added:
                 rank_zero_info(f"Upcast trainable and norm weights to fp32 for mixed precision (+{added} bytes).")
             keep_trainable_biases(model)  # bitsandbytes would cast them to the compute dtype in place
+            keep_initial_adapters(model)  # PiSSA's, OLoRA's A0 and B0: their adapter export for the original base
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             copies = sorted(trained_copies(model))
             untied = "".join(
@@ -166,8 +167,7 @@ class ModelTransform:
                 for name, copy in left_tied_to_originals(model).items()
             )
             whole = f", with {', '.join(copies)} trained whole (modules_to_save{untied})" if copies else ""
-            rewrote = base_changing_init(c.lora)
-            moved = f" init_lora_weights={rewrote!r} rewrote the base weights: export --merged." if rewrote else ""
+            moved = rewrote_the_base_line(c.lora)
             rank_zero_info(f"LoRA on {len(adapted)} layers{whole}; {trainable} trainable parameters.{moved}")
             warn_half_trainable(model, precision_plugin.precision)
         if c.lora_in_compute_dtype(precision_plugin_is_mixed(precision_plugin)):
