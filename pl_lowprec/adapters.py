@@ -148,16 +148,13 @@ def export_adapter(
     directory.mkdir(parents=True, exist_ok=True)
     exported.save_pretrained(str(directory))
     marker = f".{ADAPTER_NAME}."
-    tensors = {
-        f"base_model.model.{k}".replace(marker, "."): full_tensor(v.detach()).cpu().contiguous()
-        for k, v in base.state_dict().items()
-        if "lora_" in k and marker in k
-    }
-    if initialised:
-        tensors = {
-            k: with_initial_adapters(k, v, layers[k.removeprefix("base_model.model.").split(".lora_")[0]]).contiguous()
-            for k, v in tensors.items()
-        }
+    tensors: dict[str, torch.Tensor] = {}
+    for k, v in base.state_dict().items():
+        if "lora_" in k and marker in k:
+            tensor = full_tensor(v.detach()).cpu()
+            if initialised:  # the layer's name is the key up to its LoRA part
+                tensor = with_initial_adapters(k, tensor, layers[k.split(".lora_")[0]])
+            tensors[f"base_model.model.{k}".replace(marker, ".")] = tensor.contiguous()
     copies = trained_copies(base)
     tensors |= {  # biases that trained (bias='lora_only' or 'all'), under the names peft saves them by
         f"base_model.model.{k}": full_tensor(v.detach()).cpu().contiguous()

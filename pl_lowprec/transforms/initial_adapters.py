@@ -30,20 +30,16 @@ def convertible_init(model_or_config: Any) -> str | None:
     return init if init is not None and init.lower().startswith(CONVERTIBLE_INITS) else None
 
 
-def keep_initial_adapters(model: nn.Module) -> int:
-    """Keep each LoRA layer's A0 and B0 in CPU memory where PiSSA or OLoRA initialised them; the bytes kept."""
+def keep_initial_adapters(model: nn.Module) -> None:
+    """Keep each LoRA layer's A0 and B0 in CPU memory where PiSSA or OLoRA initialised them."""
     if convertible_init(model) is None:
-        return 0
-    kept = 0
+        return
     for layer in lora_layers(model).values():
         if ADAPTER_NAME not in getattr(layer, "lora_A", {}) or INITIAL in layer.__dict__:
             continue
         a, b = (full_tensor(m[ADAPTER_NAME].weight.detach()) for m in (layer.lora_A, layer.lora_B))
-        if a.is_meta or b.is_meta:  # nothing initialised yet
-            continue
-        layer.__dict__[INITIAL] = (a.cpu().clone(), b.cpu().clone())
-        kept += (a.numel() * a.element_size()) + (b.numel() * b.element_size())
-    return kept
+        if not (a.is_meta or b.is_meta):  # meta: nothing initialised yet
+            layer.__dict__[INITIAL] = (a.cpu().clone(), b.cpu().clone())
 
 
 def initial_adapters(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
