@@ -43,7 +43,7 @@ REENTRANT = "pl_lowprec, checkpoint_impl='reentrant' (as peft's recipe)"
 AUTO = "pl_lowprec, the shipped automatic settings (memory_saving, activation_checkpointing, loss chunks: auto)"
 AUTO_ARGS = ["--strategy-arg", "memory_saving=auto", "--strategy-arg", "activation_checkpointing=auto"]
 SHAPE = {"hidden": 768, "layers": 8, "intermediate": 2048, "heads": 12, "vocab": 32000}
-TARGET = {"peak_memory_ratio": 0.8, "step_time_ratio": 1.0}
+TARGET = {"peak_memory_ratio": 0.8, "step_time_ratio": 0.8}  # issue 28: CPU step and peak <= 0.8x
 MiB = 2**20
 
 
