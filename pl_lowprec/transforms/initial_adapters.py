@@ -18,16 +18,15 @@ import torch
 from torch import nn
 
 from pl_lowprec.distributed.mesh import full_tensor
-from pl_lowprec.transforms.lora import ADAPTER_NAME, base_changing_init, lora_layers
+from pl_lowprec.transforms.lora import ADAPTER_NAME, base_changing_init, lora_init_among, lora_layers
 
-CONVERTIBLE_INITS = ("pissa", "olora")  # the base-changing initializations the strategy runs (others are refused)
+CONVERTIBLE_INITS = ("pissa", "olora")  # of lora.BASE_CHANGING_INITS, those the strategy runs (the others are refused)
 INITIAL = "_pl_lowprec_initial_lora"  # a plain attribute: in no state dict, never moved to a device
 
 
 def convertible_init(model_or_config: Any) -> str | None:
     """``init_lora_weights`` where it rewrote the base and the adapter export converts it (PiSSA, OLoRA)."""
-    init = base_changing_init(model_or_config)
-    return init if init is not None and init.lower().startswith(CONVERTIBLE_INITS) else None
+    return lora_init_among(model_or_config, CONVERTIBLE_INITS)
 
 
 def keep_initial_adapters(model: nn.Module) -> None:

@@ -204,13 +204,19 @@ def prepare_for_kbit_training(model: nn.Module, mixed_precision: bool) -> int:
 BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")  # peft moves part of the base into A, B
 
 
-def base_changing_init(model_or_config: Any) -> str | None:
-    """The adapters' ``init_lora_weights`` (of a model's LoRA, or of a ``LoraConfig``) where it rewrites the base
-    weight as LoRA is added (PiSSA's principal components move into A and B, the base keeps the residual), else
-    ``None``: their A and B then mean nothing on the original base."""
+def lora_init_among(model_or_config: Any, names: tuple[str, ...]) -> str | None:
+    """The adapters' ``init_lora_weights`` (of a model's LoRA, a ``LoraConfig``, or ``None``) where it is one of
+    ``names`` (``"pissa"`` also names ``"pissa_niter_4"``), else ``None``."""
     config = getattr(model_or_config, "peft_config", {}).get(ADAPTER_NAME, model_or_config)
     init = getattr(config, "init_lora_weights", None)
-    return init if isinstance(init, str) and init.lower().startswith(BASE_CHANGING_INITS) else None
+    return init if isinstance(init, str) and init.lower().startswith(names) else None
+
+
+def base_changing_init(model_or_config: Any) -> str | None:
+    """The adapters' ``init_lora_weights`` where it rewrites the base weight as LoRA is added (PiSSA's principal
+    components move into A and B, the base keeps the residual), else ``None``: their A and B then mean nothing on
+    the original base."""
+    return lora_init_among(model_or_config, BASE_CHANGING_INITS)
 
 
 def lora_layers(model: nn.Module) -> dict[str, nn.Module]:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pl_lowprec.transforms.lora import lora_init_among
+
 NOT_RUN = {
     "eva": "EVA sets A from the SVD of layer inputs over training batches (peft's initialize_lora_eva_weights, run"
     " by the caller after the adapters are added); without it peft leaves A at its default init: plain LoRA under"
@@ -62,6 +64,7 @@ NOT_INJECTED = {  # field: (why, fix)
     ),
 }
 FLOAT_BASE = ("pissa", "mica", "orthogonal")  # pissa_niter_N too
+FROM_WHOLE_WEIGHT = ("pissa", "olora", "mica")  # an SVD or QR of each base weight as LoRA is added
 ALLOWED = "True (peft's default), 'gaussian', 'pissa', 'pissa_niter_N', 'olora', 'orthogonal', 'mica' or False"
 ON_QUANTIZED = "True (peft's default: A random, B zero), 'gaussian', 'olora' or False"
 
@@ -99,14 +102,11 @@ def check_lora_init(config: Any, quantization_mode: str | None) -> None:
         )
 
 
-FROM_WHOLE_WEIGHT = ("pissa", "olora", "mica")  # an SVD or QR of each base weight as LoRA is added
-
-
 def check_lora_init_on_rows(config: Any, world_size: int) -> None:
     """Under FSDP2 on several ranks each rank holds only its rows of every weight when LoRA is added; an init that
     decomposes the whole weight cannot run on them (a segmentation fault in sharding before this check)."""
-    init = getattr(config, "init_lora_weights", None)
-    if world_size > 1 and isinstance(init, str) and init.lower().startswith(FROM_WHOLE_WEIGHT):
+    init = lora_init_among(config, FROM_WHOLE_WEIGHT)
+    if world_size > 1 and init is not None:
         raise ValueError(
             f"lora: init_lora_weights={init!r} decomposes each whole base weight (PiSSA's and MiCA's SVD, OLoRA's"
             f" QR) when LoRA is added, and under lowprec_fsdp on {world_size} ranks each rank holds only its rows"
