@@ -223,9 +223,10 @@ def fsdp_measure_and_predict(**sizes: int) -> dict:
     return {"config": FSDP_NAME, "predicted": estimate.peak, "peak_phase": estimate.peak_phase, "estimate_s": seconds}
 
 
-def run_one_process(name: str, **sizes: int) -> dict:
-    """``measure_and_predict`` in a fresh process (the profiler's base must not see earlier runs)."""
-    done = subprocess.run(
+def run_one_process(name: str, run: Callable = subprocess.run, **sizes: int) -> dict:
+    """``measure_and_predict`` in a fresh process (the profiler's base must not see earlier runs); ``run`` as for
+    ``measure_in_fresh_process``."""
+    done = run(
         [sys.executable, __file__, "--one", name, "--sizes", json.dumps(sizes)],
         capture_output=True,
         text=True,

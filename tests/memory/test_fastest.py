@@ -6,6 +6,7 @@ import functools
 import math
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,8 @@ from qlora_helpers import tiny_llama
 
 from pl_lowprec import estimate_memory
 from pl_lowprec.cli.estimate import main as estimate_main
-from pl_lowprec.memory.fastest import MARGIN, faster_settings_line, fastest_fitting
+from pl_lowprec.memory.estimate import MemoryEstimate
+from pl_lowprec.memory.fastest import MARGIN, faster_settings_line, fastest_fitting, ladder, search_ladder
 from pl_lowprec.transforms.config import TransformConfig
 
 pytest.importorskip("peft")
@@ -57,14 +59,26 @@ def test_smaller_budgets_turn_the_savings_on_in_order_and_each_choice_fits(every
         "activation checkpointing on every 2nd block, fused LoRA MLP, norms recomputed row-wise",
         "activation checkpointing on every block, fused LoRA MLP, norms recomputed row-wise",
     ]
+    # Which rung each budget chooses: the search over the estimates simulated above (each simulated step is
+    # deterministic), then one budget searched end to end, and each rung's config estimated on its own.
+    auto = TransformConfig(lora=LORA, **AUTO)
+    order, blocks = ladder(build, "bf16-mixed", torch.device("cpu"), auto)
     for index, peak in enumerate(peaks):
         for budget in (peak, (peak + peaks[index - 1]) // 2) if index else (peak,):
-            search = _search(budget, **AUTO)
+            search = search_ladder(order, blocks, auto, budget, _replaying(every_candidate))
             assert len(search.tried) == index + 1 and search.fits, (budget, index)  # the first that fits
-            estimate = estimate_memory(build, BATCH, precision="bf16-mixed", config=search.config)
-            assert estimate.peak == search.estimate.peak <= budget  # the chosen config's own estimate fits
-    config = _search(peaks[-1], **AUTO).config
+            assert search.config == every_candidate[index][1]
+    for _, config, simulated_estimate in every_candidate:  # the chosen config's own estimate fits
+        assert estimate_memory(build, BATCH, precision="bf16-mixed", config=config).peak == simulated_estimate.peak
+    between = _search((peaks[2] + peaks[1]) // 2, **AUTO)
+    assert len(between.tried) == 3 and between.fits and between.estimate.peak == peaks[2]
+    config = every_candidate[-1][1]
     assert config.activation_checkpointing == ["LlamaDecoderLayer"] and config.checkpoint_every_n == 1
+
+
+def _replaying(tried: list) -> Callable[..., MemoryEstimate]:
+    """``search_ladder``'s ``simulate``, answering from the steps ``tried`` simulated for the same configs."""
+    return lambda config: next(estimate for _, candidate, estimate in tried if candidate == config)
 
 
 def test_explicit_settings_are_kept_and_only_the_auto_ones_vary():

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 from model_shapes import SMOLLM2_135M
 
 from pl_lowprec import estimate_memory
@@ -25,7 +26,7 @@ def _measured_and_predicted(name: str) -> dict:
         from peak_memory import run_one_process  # a fresh process: the profiler's base must see only this run
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    return run_one_process(name, **TINY)
+    return run_one_process(name, warm_python.run, **TINY)
 
 
 @pytest.mark.parametrize("name", ["qlora fp32 ckpt", "fsdp qlora fp32 ckpt, 2 ranks (per rank)"])
