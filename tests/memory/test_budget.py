@@ -3,10 +3,12 @@ what the plan would change), and leaves a run that fits exactly as it would have
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 from lightning.pytorch.callbacks import Callback
 from lightning_helpers import quiet_trainer
 from qlora_helpers import tiny_llama
@@ -143,16 +145,20 @@ def test_meta_copy_copies_no_weight():
 
 
 def test_under_lowprec_fsdp_on_two_ranks_the_budget_is_per_rank(tmp_path):
-    """The user's command on the shipped FSDP config (2 gloo ranks): each rank predicts its own shard's peak inside
-    the running process group, and the run goes on. The config's "auto" settings are chosen for the budget, which
-    the choice's line says."""
+    """``pl-lowprec fit`` of the shipped FSDP config on 2 gloo ranks, started as torchrun starts them (Lightning's
+    own launcher runs the same config in test_configs.py): each rank predicts its own shard's peak inside the
+    running process group, and the run goes on. The config's "auto" settings are chosen for the budget, which the
+    choice's line says."""
     command = [
-        *("pl-lowprec", "fit", "--config", str(ROOT / "configs" / "fsdp-qlora.yaml")),
+        *(sys.executable, str(ROOT / "pl_lowprec" / "__main__.py"), "fit"),
+        *("--config", str(ROOT / "configs" / "fsdp-qlora.yaml")),
         *("--trainer.max_steps", "1", "--trainer.limit_val_batches", "0", "--trainer.logger", "false"),
         *("--trainer.enable_checkpointing", "false", "--trainer.default_root_dir", str(tmp_path)),
         *("--trainer.strategy.init_args.memory_budget", "1GiB"),
     ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    ranks = warm_python.WarmRanks(command, 2, cwd=tmp_path)
+    stdout, stderr = ranks.communicate(timeout=600)
+    done = subprocess.CompletedProcess(command, ranks.returncode, stdout, stderr)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Memory settings for 1.00 GiB (memory_budget=1.00 GiB): no activation checkpointing" in done.stderr
     choice = r"; predicted peak [\d.]+ [KMG]iB per rank, [\d.]+ s per step on this CPU .*; the fastest settings"
