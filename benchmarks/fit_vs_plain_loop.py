@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from common import describe_machine, machine_info, markdown_table, quiet_trainer, section, write_json
+from cpu_step_prediction import HOST_FLOOR, QUICKSTART
 from cpu_step_prediction import _tiny as quickstart_shaped
 from lightning.pytorch.loggers import CSVLogger
 
@@ -35,15 +36,15 @@ from pl_lowprec.demo import StdlibTextDataModule, TinyLlama
 
 warnings.filterwarnings("ignore")
 
-WORKLOADS = {  # hidden, MLP, sequence length, batch
-    "quickstart (TinyLlama 128, 2 layers, 8 x 128)": (128, 352, 128, 8),
-    "host floor (TinyLlama 64, 2 layers, 1 x 16)": (64, 176, 16, 1),
+WORKLOADS = {  # cpu_step_prediction's shapes: hidden, MLP, heads, sequence length, batch
+    "quickstart (TinyLlama 128, 2 layers, 8 x 128)": QUICKSTART,
+    "host floor (TinyLlama 64, 2 layers, 1 x 16)": HOST_FLOOR,
 }
 
 
-def _fit(hidden: int, mlp: int, seq_len: int, batch: int, steps: int, log_dir: str) -> tuple[Any, Any, Any]:
+def _fit(shape: tuple[int, ...], steps: int, log_dir: str) -> tuple[Any, Any, Any]:
     torch.manual_seed(0)
-    model, data, settings = quickstart_shaped(hidden, mlp, 4, seq_len, batch)  # cpu_step_prediction's quickstart
+    model, data, settings = quickstart_shaped(*shape)  # cpu_step_prediction's quickstart
     strategy = LowPrecisionStrategy(activation_checkpointing="auto", memory_saving="auto", **settings)
     trainer = quiet_trainer(
         accelerator="cpu",
@@ -88,7 +89,7 @@ def main() -> None:
         fits, plains, predictions = [], [], []
         for _ in range(args.rounds):
             with tempfile.TemporaryDirectory() as log_dir:
-                trainer, model, data = _fit(*shape, args.steps, log_dir)
+                trainer, model, data = _fit(shape, args.steps, log_dir)
                 predicted = trainer.strategy.prediction.step_time
                 fits.append(trainer.strategy.step_clock.median)
                 plains.append(_plain_loop_median(trainer, model, data, args.steps))

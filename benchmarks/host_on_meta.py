@@ -15,6 +15,7 @@ import statistics
 import time
 
 import torch
+from common import describe_machine, machine_info, markdown_table, write_json
 
 WORKLOADS = [(64, 2, 1, 16), (128, 2, 8, 128), (64, 16, 1, 16), (256, 16, 2, 64)]  # hidden, layers, rows, seq
 
@@ -55,22 +56,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=15)
     args = parser.parse_args(argv)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print("| hidden, layers, batch | CPU step ms | meta step ms | meta / CPU |")
-    print("|---|---|---|---|")
-    rows = []
+    info = machine_info()
+    print(describe_machine(info))
+    rows, table = [], []
     for hidden, layers, batch, seq in WORKLOADS:
         seconds = {}
         for device in ("cpu", "meta"):
             ids = torch.randint(0, 512, (batch, seq), device=device)
             seconds[device] = step_seconds(build(hidden, layers, device), ids, args.steps)
-        rows.append({"hidden": hidden, "layers": layers, "batch": (batch, seq), **seconds})
-        ratio = seconds["meta"] / seconds["cpu"]
-        print(
-            f"| {hidden}, {layers}, {batch} x {seq} | {seconds['cpu'] * 1e3:.2f} | {seconds['meta'] * 1e3:.2f}"
-            f" | {ratio:.2f} |",
-            flush=True,
-        )
+        rows.append({"hidden": hidden, "layers": layers, "batch": [batch, seq], **seconds})
+        label = f"{hidden}, {layers}, {batch} x {seq}"
+        table.append([label, seconds["cpu"] * 1e3, seconds["meta"] * 1e3, seconds["meta"] / seconds["cpu"]])
+    print(markdown_table(["hidden, layers, batch", "CPU step ms", "meta step ms", "meta / CPU"], table))
+    write_json("host_on_meta", {"machine": info, "steps": args.steps, "results": rows})
     return rows
 
 

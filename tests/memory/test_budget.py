@@ -2,7 +2,6 @@
 what the plan would change), and leaves a run that fits exactly as it would have been."""
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -156,9 +155,7 @@ def test_under_lowprec_fsdp_on_two_ranks_the_budget_is_per_rank(tmp_path):
         *("--trainer.enable_checkpointing", "false", "--trainer.default_root_dir", str(tmp_path)),
         *("--trainer.strategy.init_args.memory_budget", "1GiB"),
     ]
-    ranks = warm_python.WarmRanks(command, 2, cwd=tmp_path)
-    stdout, stderr = ranks.communicate(timeout=600)
-    done = subprocess.CompletedProcess(command, ranks.returncode, stdout, stderr)
+    done = warm_python.run(command, timeout=600, cwd=tmp_path, ranks=2)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Memory settings for 1.00 GiB (memory_budget=1.00 GiB): no activation checkpointing" in done.stderr
     choice = r"; predicted peak [\d.]+ [KMG]iB per rank, [\d.]+ s per step on this CPU .*; the fastest settings"
