@@ -3,9 +3,12 @@
     pl-lowprec generate --ckpt_path runs/.../last.ckpt --prompts val.jsonl --out completions.jsonl
     pl-lowprec generate --model runs/merged --prompts prompts.txt --out completions.jsonl --do_sample
     pl-lowprec generate --model runs/chat --prompts questions.txt --out answers.jsonl --chat
+    pl-lowprec generate --model runs/merged --prompts data/test.parquet --fields '{prompt: question}' --out a.jsonl
 
-A checkpoint is restored through its config as ``pl-lowprec export`` does (``pl_lowprec.cli.rebuild``); see
-``pl_lowprec.export.generate`` for the prompt files, the decoding and the output lines.
+A checkpoint is restored through its config as ``pl-lowprec export`` does (``pl_lowprec.cli.rebuild``), and its
+run's data ``fields`` and ``val_split`` read the prompts unless ``--fields`` and ``--split`` say otherwise; see
+``pl_lowprec.export.prompt_files`` for the prompts and ``pl_lowprec.export.generate`` for the decoding and the output
+lines.
 """
 
 from __future__ import annotations
@@ -13,13 +16,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
+
+import yaml
 
 from pl_lowprec._checks import float_in, int_at_least
 from pl_lowprec.adapters import held_hf_model
+from pl_lowprec.cli.lightning_cli import LowPrecisionCLI
 from pl_lowprec.cli.rebuild import config_files, rebuild, with_config
 from pl_lowprec.cli.resume import check_checkpoint
 from pl_lowprec.cli.subcommands import description, examples
+from pl_lowprec.data.text import VAL_SPLITS
 from pl_lowprec.export.generate import (
     Decoding,
     Generator,
@@ -28,33 +36,68 @@ from pl_lowprec.export.generate import (
     directory_tokenizer,
     from_directory,
     from_restored,
-    read_prompts,
     wants_chat,
     write_completions,
 )
 from pl_lowprec.export.generates_text import check_module_generates
 from pl_lowprec.export.out_paths import prepare_out_file
+from pl_lowprec.export.prompt_files import (
+    check_prompt_fields,
+    prompt_fields_of_run,
+    prompt_sources,
+    read_prompts,
+)
 from pl_lowprec.export.restore import restore
 from pl_lowprec.loading.tokenizer import load_tokenizer
 
 
-def json_object(text: str) -> dict:
-    """An argparse type: a JSON object (``{"enable_thinking": false}``)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({err.msg}); give an object") from err
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object: give '{{\"name\": value}}'")
-    return value
+def mapping(example: str) -> Callable[[str], dict]:
+    """An argparse type: a mapping in JSON (``'{"enable_thinking": false}'``), else in YAML (``'{prompt:
+    question}'``, as LightningCLI's overrides read); JSON first, where PyYAML would read ``1e-5`` as a string. A
+    refusal shows ``example``."""
+
+    def parse(text: str) -> dict:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = None
+        try:
+            value = yaml.safe_load(text) if value is None else value
+        except yaml.YAMLError as err:
+            raise argparse.ArgumentTypeError(f"{text!r} is not YAML or JSON ({str(err).splitlines()[0]})") from err
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a mapping: give {example}")
+        return value
+
+    return parse
 
 
 def from_checkpoint(
     checkpoint: str | Path, cli_args: list[str], tokenizer: str | None = None, chat: bool = False
 ) -> Generator:
-    """The trained module as it trained (quantized base, adapters), restored from its config. With ``chat``, a
-    tokenizer known from the arguments or the config's data is checked for a template before the weights load."""
-    run = rebuild(cli_args)
+    """The trained module as it trained (quantized base, adapters), restored from its config."""
+    return from_run(checkpoint, rebuild(cli_args), tokenizer, chat)
+
+
+def run_prompt_settings(
+    run: LowPrecisionCLI, fields: dict[str, str] | None, split: str | None
+) -> tuple[dict[str, str] | None, tuple[str, ...]]:
+    """``--fields`` and ``--split``, else the run's data module's: its held-out file's columns are read as it
+    trained on them. Said in one line where the run's fields apply."""
+    data = run.datamodule
+    if fields is None:
+        fields = prompt_fields_of_run(getattr(data, "fields", None))
+        if fields is not None:
+            print(f"Reading --prompts with the run's data fields {fields} (--fields to read other columns).")
+    splits = (split,) if split else tuple(getattr(data, "val_splits", VAL_SPLITS))
+    return fields, splits
+
+
+def from_run(
+    checkpoint: str | Path, run: LowPrecisionCLI, tokenizer: str | None = None, chat: bool = False
+) -> Generator:
+    """``from_checkpoint`` of a run already rebuilt. With ``chat``, a tokenizer known from the arguments or the
+    config's data is checked for a template before the weights load."""
     # a model built in __init__ is known before the weights load
     check_module_generates(held_hf_model(run.model), type(run.model).__name__)
     source = tokenizer or getattr(run.datamodule, "tokenizer_dir", None)
@@ -74,7 +117,20 @@ def main(args: list[str] | None = None) -> None:
     source.add_argument("--ckpt_path", help="A training checkpoint (with --config, or its run's config.yaml).")
     source.add_argument("--model", help="An exported directory: merged model, or peft adapter.")
     parser.add_argument(
-        "--prompts", required=True, help=".txt (a prompt per line) or .jsonl with 'prompt' or 'messages'."
+        "--prompts",
+        required=True,
+        help=".txt (a prompt per line); or records as the training data reads them: .jsonl, .parquet, .csv, .json,"
+        " .arrow, a saved dataset or a hub id, with 'prompt' (and 'completion', the reference), 'messages',"
+        " ShareGPT or alpaca fields.",
+    )
+    parser.add_argument(
+        "--fields",
+        type=mapping("'{prompt: question, completion: answer}'"),
+        help="Your column names: '{prompt: question, completion: answer}' or '{messages: chat}' (default with"
+        " --ckpt_path: the run's data fields).",
+    )
+    parser.add_argument(
+        "--split", help="The split of a dataset dict (default: the run's val_split; else validation, else test)."
     )
     parser.add_argument("--chat", action="store_true", help="Send each plain prompt as a user turn (chat template).")
     parser.add_argument("--out", required=True, help="The .jsonl file to write (a new one, or --overwrite).")
@@ -91,7 +147,7 @@ def main(args: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--chat_template_kwargs",
-        type=json_object,
+        type=mapping("'{\"enable_thinking\": false}'"),
         help="The chat template's arguments for every chat prompt, as JSON: '{\"enable_thinking\": false}'"
         " (default: the run's data chat_template_kwargs); a record's own take precedence.",
     )
@@ -99,21 +155,27 @@ def main(args: list[str] | None = None) -> None:
     decoding = Decoding(
         parsed.max_new_tokens, parsed.do_sample, parsed.temperature, parsed.top_p, parsed.top_k, parsed.seed
     )
-    records = read_prompts(Path(parsed.prompts), parsed.chat)
-    chat = wants_chat(records)
+    fields = check_prompt_fields(parsed.fields)
+    sources = prompt_sources(parsed.prompts)  # it exists and is read: before anything else loads
     inputs = {"prompts file": Path(parsed.prompts), "tokenizer": parsed.tokenizer and Path(parsed.tokenizer)}
     if parsed.ckpt_path is not None:
         check_checkpoint(Path(parsed.ckpt_path))
         cli_args = with_config(Path(parsed.ckpt_path), cli_args, parser)
         inputs |= {"checkpoint": Path(parsed.ckpt_path), **config_files(cli_args)}
         prepare_out_file(Path(parsed.out), parsed.overwrite, inputs)
-        generator = from_checkpoint(parsed.ckpt_path, cli_args, parsed.tokenizer, chat)
+        run = rebuild(cli_args)
+        records = read_prompts(sources, parsed.chat, *run_prompt_settings(run, fields, parsed.split))
+        chat = wants_chat(records)
+        generator = from_run(parsed.ckpt_path, run, parsed.tokenizer, chat)
     else:
         if cli_args:
             parser.error(f"unrecognized arguments: {' '.join(cli_args)} (config overrides go with --ckpt_path)")
         inputs |= {"model directory": Path(parsed.model), "base model": parsed.base and Path(parsed.base)}
         check_model_dir(Path(parsed.model))
         prepare_out_file(Path(parsed.out), parsed.overwrite, inputs)
+        splits = (parsed.split,) if parsed.split else VAL_SPLITS
+        records = read_prompts(sources, parsed.chat, fields, splits)
+        chat = wants_chat(records)
         source = parsed.tokenizer or directory_tokenizer(parsed.model, parsed.base)
         tokenizer = load_tokenizer(source)
         if chat:

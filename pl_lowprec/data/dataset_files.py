@@ -24,8 +24,11 @@ from pl_lowprec.data.sources import Source
 BUILDERS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".arrow": "arrow"}
 
 
-def open_dataset(source: Source, splits: tuple[str, ...], argument: str) -> tuple[Any, str]:
-    """``source`` as a ``datasets.Dataset`` (the first of ``splits`` it has, if it has splits) and its label."""
+def open_dataset(
+    source: Source, splits: tuple[str, ...], argument: str, split_option: str | None = None
+) -> tuple[Any, str]:
+    """``source`` as a ``datasets.Dataset`` (the first of ``splits`` it has, if it has splits) and its label.
+    ``split_option`` is how the caller's user names a split (``--split NAME``); by default the data module's."""
     datasets = import_datasets()
     if source.kind == "object":
         found = source.dataset
@@ -40,9 +43,10 @@ def open_dataset(source: Source, splits: tuple[str, ...], argument: str) -> tupl
     split = next((name for name in splits if name in found), None)
     if split is None:
         split_argument = argument.replace("_files", "_split")
+        option = split_option or f"{split_argument}=NAME (--data.{split_argument} NAME)"
         raise ValueError(
             f"{source.label} has the splits {list(found)}, and none of {list(splits)}. Name the split to read:"
-            f" {split_argument}=NAME (--data.{split_argument} NAME)."
+            f" {option}."
         )
     others = [name for name in found if name != split]
     if others:

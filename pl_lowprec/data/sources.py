@@ -190,8 +190,10 @@ def check_one_split(path: Path, files: Sequence[Path], argument: str) -> None:
     first = next(iter(splits.values()))[0]
     named = SPLIT_NAME.fullmatch(first.stem)
     pattern = first.parent / f"{named.group(1)}*{first.suffix}" if named else first.parent
+    training = argument.endswith("_files")  # a data module's; else a command's (pl-lowprec generate --prompts)
+    why = "would train on the held-out ones" if training else "would mix them"
     raise ValueError(
         f"{argument}: directory {str(path)!r} holds the files of several splits ({counts} files); reading them all"
-        f" would train on the held-out ones. Name one split's files, e.g. {argument}={str(pattern)!r}, and"
-        " another's as val_files."
+        f" {why}. Name one split's files, e.g. {argument}={str(pattern)!r}"
+        + (", and another's as val_files." if training else ".")
     )

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from pl_lowprec.cli.generate import from_checkpoint
 from pl_lowprec.cli.lightning_cli import build_cli
-from pl_lowprec.export.generate import Decoding, Generator, from_directory, read_prompts
+from pl_lowprec.export.generate import Decoding, Generator, from_directory
+from pl_lowprec.export.prompt_files import read_prompts
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "finetune-causal-lm.yaml"
 

@@ -3,8 +3,9 @@
     pl-lowprec generate --ckpt_path runs/.../last.ckpt --prompts val.jsonl --out completions.jsonl
     pl-lowprec generate --model runs/merged --prompts prompts.txt --out completions.jsonl --do_sample
 
-Prompts: a ``.txt`` file (one prompt per non-empty line) or a ``.jsonl`` file of records with a ``prompt`` (a
-string, or TRL's list of turns) or ``messages``, or alpaca records (their ``output`` the reference). A ``messages``
+Prompts (``pl_lowprec.export.prompt_files``): a ``.txt`` file (one prompt per non-empty line), or records as
+``TextDataModule`` reads them (``.jsonl``, Parquet, CSV, JSON, Arrow, saved datasets; ``fields`` for other column
+names) with a ``prompt`` (a string, or TRL's list of turns), ``messages``, ShareGPT or alpaca turns. A ``messages``
 record is rendered with the tokenizer's chat template and its generation prompt, as ``TextDataModule`` renders it
 for training (a trailing assistant turn is left out and becomes the reference); ``chat=True`` (``--chat``) wraps
 each plain prompt as one user turn. Each output line is ``{"prompt", "completion"}`` (``{"messages", "completion"}``
@@ -18,7 +19,7 @@ peft adapter directory (its base from ``adapter_config.json``, or ``--base``).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,9 +29,9 @@ import torch
 
 from pl_lowprec._checks import check_at_least, check_fraction, check_positive
 from pl_lowprec._imports import import_peft
-from pl_lowprec.data.chat import ChatTemplate, turns_problem
-from pl_lowprec.data.fields import alpaca_turns, is_alpaca
+from pl_lowprec.data.chat import ChatTemplate
 from pl_lowprec.export.generates_text import check_directory_generates, check_module_generates
+from pl_lowprec.export.prompt_files import chat_turns
 from pl_lowprec.export.restore import Restored
 from pl_lowprec.export.write import pretrained_dir
 from pl_lowprec.loading.tokenizer import load_tokenizer
@@ -111,73 +112,6 @@ class Generator:
         return completions
 
 
-def read_prompts(path: Path, chat: bool = False) -> list[dict[str, Any]]:
-    """Records with a ``prompt`` or ``messages``: one per non-empty line of a ``.txt``, or each line of a
-    ``.jsonl``. With ``chat``, a plain prompt also gets ``messages``: the prompt as one user turn."""
-    if not path.is_file():
-        raise FileNotFoundError(f"--prompts {str(path)!r} does not exist.")
-    if path.suffix == ".txt":
-        records = [{"prompt": line} for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    elif path.suffix == ".jsonl":
-        records = [_record(path, number, line) for number, line in _lines(path)]
-    else:
-        raise ValueError(f"--prompts {str(path)!r}: give a .txt file (a prompt per line) or a .jsonl file.")
-    if not records:
-        raise ValueError(f"--prompts {str(path)!r} holds no prompt.")
-    if chat:
-        records = [
-            r if "messages" in r else r | {"messages": [{"role": "user", "content": r["prompt"]}]} for r in records
-        ]
-    return records
-
-
-def _record(path: Path, number: int, line: str) -> dict[str, Any]:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}:{number}: not valid JSON ({err.msg}).") from err
-    if isinstance(record, dict) and isinstance(record.get("prompt"), list):
-        record = _conversational_as_messages(record)
-    if isinstance(record, dict) and not {"prompt", "messages"} & record.keys() and is_alpaca(record):
-        record = {"messages": alpaca_turns(record)}  # its output is the reference
-    if isinstance(record, dict) and "messages" in record:
-        problem = turns_problem(record["messages"])
-        if problem:
-            raise ValueError(
-                f"{path}:{number}: 'messages' (or a 'prompt' list) must be a list of {{role, content}} turns, and it"
-                f" holds {problem}; got {line[:80]!r}."
-            )
-        if not chat_turns(record):
-            raise ValueError(f"{path}:{number}: 'messages' holds no turn before its last assistant turn.")
-        return record
-    if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-        raise ValueError(
-            f"{path}:{number}: each record needs a 'prompt' (a string or a list of turns) or a 'messages' list;"
-            f" got {line[:80]!r}."
-        )
-    return record
-
-
-def _conversational_as_messages(record: dict[str, Any]) -> dict[str, Any]:
-    """TRL's conversational prompt/completion as a chat record: the prompt's turns, then the completion's one
-    assistant turn (the reference); a completion of several turns (a tool call and its answer) is no reference."""
-    turns = list(record.pop("prompt"))
-    completion = record.pop("completion", None)
-    if isinstance(completion, list) and len(completion) == 1 and _is_assistant_turn(completion[0]):
-        turns += completion
-    return record | {"messages": turns}
-
-
-def _is_assistant_turn(turn: Any) -> bool:
-    return isinstance(turn, dict) and turn.get("role") == "assistant"
-
-
-def chat_turns(record: dict[str, Any]) -> list[dict[str, str]]:
-    """The turns the model answers: ``messages`` without a trailing assistant turn (that is the reference)."""
-    messages = record["messages"]
-    return messages[:-1] if messages and messages[-1]["role"] == "assistant" else messages
-
-
 def reference(record: dict[str, Any]) -> str | None:
     """The expected completion: a chat record's last assistant turn, else a plain record's ``completion``."""
     if "messages" in record and record["messages"] and record["messages"][-1]["role"] == "assistant":
@@ -207,13 +141,6 @@ def prompt_ids(tokenizer: Any, record: dict[str, Any], template_kwargs: dict[str
     if "messages" not in record:
         return tokenizer(record["prompt"])["input_ids"]
     return ChatTemplate.for_record(tokenizer, record, template_kwargs).prompt_ids(chat_turns(record))
-
-
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if line.strip():
-                yield number, line
 
 
 def write_completions(records: list[dict[str, Any]], completions: list[str], out: Path) -> None:

@@ -251,6 +251,8 @@ SUBCOMMAND_CASES = [
     (["generate", *["--model=M", "--prompts=P", "--out=O"], "--top_p=1.5"], "--top_p: 1.5 is not in (0, 1]"),
     (["generate", *["--model=M", "--prompts=P", "--out=O"], "--top_p=0"], "--top_p: 0 is not in (0, 1]"),
     (["generate", *["--model=M", "--prompts=P", "--out=O"], "--top_k=-1"], "--top_k: -1 is too small"),
+    (["generate", *["--model=M", "--prompts=P", "--out=O"], "--fields=question"], "--fields: 'question' is not a"),
+    (["generate", *["--model=M", "--prompts=P", "--out=O"], "--fields={a: [b"], "'{a: [b' is not YAML or JSON"),
 ]
 
 

@@ -80,6 +80,7 @@ def nothing_loads(monkeypatch):
 
     monkeypatch.setattr("pl_lowprec.cli.export.restore", loads)
     monkeypatch.setattr("pl_lowprec.cli.generate.from_checkpoint", loads)
+    monkeypatch.setattr("pl_lowprec.cli.generate.from_run", loads)
     monkeypatch.setattr("pl_lowprec.cli.generate.from_directory", loads)
     monkeypatch.setattr("pl_lowprec.cli.generate.load_tokenizer", loads)
 
@@ -138,7 +139,8 @@ def test_every_generate_refusal_is_one_paragraph_before_the_model_loads(run, tmp
         "fields.jsonl": '{"text": "no prompt"}\n',
         "number.jsonl": '{"prompt": 1}\n',
         "turns.jsonl": '{"messages": [{"role": "user"}]}\n',
-        "prompts.csv": "prompt\nx\n",
+        "prompts.tsv": "prompt\nx\n",
+        "columns.csv": "question\nx\n",
         "ok.txt": "def f():\n",
     }
     for name, content in prompts.items():
@@ -154,7 +156,10 @@ def test_every_generate_refusal_is_one_paragraph_before_the_model_loads(run, tmp
         ([ckpt, f"--prompts={tmp_path / 'fields.jsonl'}", new], "fields.jsonl:1: each record needs a 'prompt' (a"),
         ([ckpt, f"--prompts={tmp_path / 'number.jsonl'}", new], "number.jsonl:1: each record needs a 'prompt'"),
         ([ckpt, f"--prompts={tmp_path / 'turns.jsonl'}", new], "must be a list of {role, content} turns"),
-        ([ckpt, f"--prompts={tmp_path / 'prompts.csv'}", new], "give a .txt file (a prompt per line)"),
+        ([ckpt, f"--prompts={tmp_path / 'prompts.tsv'}", new], "prompts.tsv' is not a file this module reads"),
+        ([ckpt, f"--prompts={tmp_path / 'columns.csv'}", new], "the columns ['question'], none of which holds"),
+        ([ckpt, f"--prompts={tmp_path / 'columns.csv'}", "--fields={prompt: answer}", new], "names the column(s)"),
+        ([ckpt, ok, "--fields={text: question}", new], "--fields {'text': 'question'}: ['text'] is not a format"),
         ([ckpt, f"--prompts={tmp_path / 'missing.txt'}", new], "missing.txt' does not exist"),
         ([f"--ckpt_path={tmp_path / 'missing.ckpt'}", ok, new], "missing.ckpt' does not exist"),
         ([ckpt, ok, f"--out={tmp_path / 'done.jsonl'}"], "done.jsonl' exists: pass --overwrite"),

@@ -190,18 +190,28 @@ def test_generate_from_the_checkpoint_the_merged_model_and_the_adapter_agree(pre
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     main(["export", f"--ckpt_path={checkpoint}", f"--out={tmp_path / 'merged'}", "--merged", "--dtype=float32", *args])
     main(["export", f"--ckpt_path={checkpoint}", f"--out={tmp_path / 'adapter'}", *args])
+    # the same prompts as a Parquet table in the user's own columns, which the run's data fields name
+    from pyarrow import parquet
+    from pyarrow import table as arrow_table
+
+    table = tmp_path / "prompts.parquet"
+    columns = {"question": [r["prompt"] for r in rows], "answer": [r["completion"] for r in rows]}
+    parquet.write_table(arrow_table(columns), table)
+    own_columns = [f"--data.train_files={table}", "--data.fields={prompt: question, completion: answer}"]
     outputs = {}
     for name, source in {
-        "checkpoint": [f"--ckpt_path={checkpoint}", *args],
-        "merged": [f"--model={tmp_path / 'merged'}"],
-        "adapter": [f"--model={tmp_path / 'adapter'}"],
-        "one_by_one": [f"--model={tmp_path / 'merged'}", "--batch_size=1"],
+        "checkpoint": [f"--ckpt_path={checkpoint}", *args, f"--prompts={prompts}"],
+        "merged": [f"--model={tmp_path / 'merged'}", f"--prompts={prompts}"],
+        "adapter": [f"--model={tmp_path / 'adapter'}", f"--prompts={prompts}"],
+        "one_by_one": [f"--model={tmp_path / 'merged'}", "--batch_size=1", f"--prompts={prompts}"],
+        "own_columns": [f"--ckpt_path={checkpoint}", *args, *own_columns, f"--prompts={table}"],
     }.items():
         out = tmp_path / f"{name}.jsonl"
-        main(["generate", *source, f"--prompts={prompts}", f"--out={out}", "--max_new_tokens=6"])
+        main(["generate", *source, f"--out={out}", "--max_new_tokens=6"])
         outputs[name] = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt"] for r in outputs["merged"]] == [r["prompt"] for r in rows]
     assert [r["reference"] for r in outputs["merged"]] == [r["completion"] for r in rows]
+    assert outputs["own_columns"] == outputs["checkpoint"]  # read by the run's fields: prompts and references too
     completions = {name: [r["completion"] for r in rows_] for name, rows_ in outputs.items()}
     assert completions["checkpoint"] == completions["merged"] == completions["one_by_one"]  # left padding is exact
     # peft's unmerged forward rounds differently (logits equal to 2e-5, tested above), and this random tiny model
@@ -228,7 +238,8 @@ def test_restoring_a_config_with_auto_settings_takes_the_fastest_side(qlora_run)
 
 
 def test_generate_reads_txt_prompts_and_names_bad_records(tmp_path):
-    from pl_lowprec.export.generate import Decoding, read_prompts
+    from pl_lowprec.export.generate import Decoding
+    from pl_lowprec.export.prompt_files import read_prompts
 
     txt = tmp_path / "p.txt"
     txt.write_text("first\n\nsecond\n")
@@ -237,8 +248,8 @@ def test_generate_reads_txt_prompts_and_names_bad_records(tmp_path):
     bad.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
     with pytest.raises(ValueError, match=r"p.jsonl:2: each record needs a 'prompt' \(a string or a list of turns\)"):
         read_prompts(bad)
-    with pytest.raises(ValueError, match=r"give a .txt file"):
-        read_prompts(tmp_path / "p.csv") if (tmp_path / "p.csv").write_text("x") else None
+    with pytest.raises(ValueError, match=r"p.tsv' is not a file this module reads \('.tsv'\)"):
+        read_prompts(tmp_path / "p.tsv") if (tmp_path / "p.tsv").write_text("x") else None
     with pytest.raises(ValueError, match=r"Decoding\(max_new_tokens=0\) must be an integer >= 1"):
         Decoding(max_new_tokens=0)
     assert Decoding().kwargs() == {"max_new_tokens": 64, "do_sample": False}

@@ -109,7 +109,7 @@ def test_chat_without_a_template_is_refused_before_the_model_loads(chat_model, t
 
 
 def test_bad_messages_records_are_named(tmp_path):
-    from pl_lowprec.export.generate import read_prompts
+    from pl_lowprec.export.prompt_files import read_prompts
 
     bad = tmp_path / "p.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "ok"}]}\n{"messages": [{"role": "user"}]}\n')
@@ -138,7 +138,8 @@ def test_conversational_prompt_records_are_chats_with_their_completion_as_refere
 def test_a_records_tools_and_template_arguments_reach_the_prompt(chat_model, tmp_path):
     from transformers import AutoTokenizer
 
-    from pl_lowprec.export.generate import prompt_ids, read_prompts
+    from pl_lowprec.export.generate import prompt_ids
+    from pl_lowprec.export.prompt_files import read_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(chat_model)
     tokenizer.chat_template = (
@@ -155,7 +156,8 @@ def test_a_records_tools_and_template_arguments_reach_the_prompt(chat_model, tmp
 
 
 def test_alpaca_records_are_chats_with_their_output_as_reference(tmp_path):
-    from pl_lowprec.export.generate import read_prompts, reference
+    from pl_lowprec.export.generate import reference
+    from pl_lowprec.export.prompt_files import read_prompts
 
     prompts = tmp_path / "alpaca.jsonl"
     prompts.write_text(json.dumps({"instruction": "Add.", "input": "2 and 3", "output": "5"}) + "\n")
@@ -191,4 +193,4 @@ def test_generates_template_arguments_apply_under_a_records_own(chat_model, tmp_
                 "--chat_template_kwargs=[1]",
             ]
         )
-    assert exited.value.code == 2 and "'[1]' is not a JSON object" in capsys.readouterr().err
+    assert exited.value.code == 2 and "'[1]' is not a mapping: give '{\"enable_thinking" in capsys.readouterr().err
