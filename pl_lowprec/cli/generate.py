@@ -132,6 +132,7 @@ def main(args: list[str] | None = None) -> None:
     parser.add_argument(
         "--split", help="The split of a dataset dict (default: the run's val_split; else validation, else test)."
     )
+    parser.add_argument("--limit", type=int_at_least(1), help="Complete only the first N prompts.")
     parser.add_argument("--chat", action="store_true", help="Send each plain prompt as a user turn (chat template).")
     parser.add_argument("--out", required=True, help="The .jsonl file to write (a new one, or --overwrite).")
     parser.add_argument("--overwrite", action="store_true", help="Replace an existing --out (never a file read).")
@@ -164,7 +165,8 @@ def main(args: list[str] | None = None) -> None:
         inputs |= {"checkpoint": Path(parsed.ckpt_path), **config_files(cli_args)}
         prepare_out_file(Path(parsed.out), parsed.overwrite, inputs)
         run = rebuild(cli_args)
-        records = read_prompts(sources, parsed.chat, *run_prompt_settings(run, fields, parsed.split))
+        fields, splits = run_prompt_settings(run, fields, parsed.split)
+        records = read_prompts(sources, parsed.chat, fields, splits, parsed.limit)
         chat = wants_chat(records)
         generator = from_run(parsed.ckpt_path, run, parsed.tokenizer, chat)
     else:
@@ -174,7 +176,7 @@ def main(args: list[str] | None = None) -> None:
         check_model_dir(Path(parsed.model))
         prepare_out_file(Path(parsed.out), parsed.overwrite, inputs)
         splits = (parsed.split,) if parsed.split else VAL_SPLITS
-        records = read_prompts(sources, parsed.chat, fields, splits)
+        records = read_prompts(sources, parsed.chat, fields, splits, parsed.limit)
         chat = wants_chat(records)
         source = parsed.tokenizer or directory_tokenizer(parsed.model, parsed.base)
         tokenizer = load_tokenizer(source)

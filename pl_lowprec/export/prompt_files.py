@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -59,13 +60,18 @@ def read_prompts(
     chat: bool = False,
     fields: dict[str, str] | None = None,
     splits: tuple[str, ...] = VAL_SPLITS,
+    limit: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Records with a ``prompt`` or ``messages``, in the order of the sources and their lines or rows. With
-    ``chat``, a plain prompt also gets ``messages``: the prompt as one user turn."""
+    """Records with a ``prompt`` or ``messages``, in the order of the sources and their lines or rows; the first
+    ``limit`` of them (the rest is not read: a look at a large test split). With ``chat``, a plain prompt also gets
+    ``messages``: the prompt as one user turn."""
     sources = prompts if isinstance(prompts, list) else prompt_sources(prompts)
     records: list[dict[str, Any]] = []
     for source in sources:
-        found = list(_source_records(source, fields, splits))
+        left = None if limit is None else limit - len(records)
+        if left == 0:
+            break
+        found = list(islice(_source_records(source, fields, splits), left))
         if not found:
             raise ValueError(f"{OPTION} {source.label!r} holds no prompt.")
         records += found

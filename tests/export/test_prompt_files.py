@@ -3,6 +3,7 @@ Parquet, CSV, Arrow or a saved DatasetDict, in the user's own column names (``fi
 prompt with the columns it found and the fix."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +25,12 @@ def _datasets_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
 
 
+def jsonl_of(directory: Path, records: list[dict]) -> Path:
+    path = directory / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
 def _renamed(records: list[dict]) -> datasets.Dataset:
     """The records under the user's column names, None where a record lacks one (as Arrow holds it)."""
     return datasets.Dataset.from_dict({column: [r.get(field) for r in records] for field, column in FIELDS.items()})
@@ -31,8 +38,7 @@ def _renamed(records: list[dict]) -> datasets.Dataset:
 
 @pytest.mark.parametrize("fmt", ["parquet", "csv", "json", "arrow", "saved"])
 def test_a_table_in_its_own_columns_reads_as_the_jsonl_of_the_same_records(tmp_path, fmt):
-    jsonl = tmp_path / "prompts.jsonl"
-    jsonl.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    jsonl = jsonl_of(tmp_path, RECORDS)
     table = _renamed(RECORDS)
     if fmt == "saved":  # a DatasetDict: its validation split, not its train split
         path = tmp_path / "saved"
@@ -66,6 +72,8 @@ def test_a_split_a_mapping_or_a_column_that_is_not_there_is_named_with_the_fix(t
     datasets.DatasetDict({"train": _renamed(RECORDS), "test": _renamed(RECORDS[:1])}).save_to_disk(saved)
     assert len(read_prompts(saved, fields=FIELDS)) == 1  # no validation split: test
     assert len(read_prompts(saved, fields=FIELDS, splits=("train",))) == 3
+    first_two = read_prompts(jsonl_of(tmp_path, RECORDS[:2]))
+    assert read_prompts(saved, fields=FIELDS, splits=("train",), limit=2) == first_two
     with pytest.raises(ValueError, match=r"has the splits \['train', 'test'\], and none of \['dev'\]. .*--split NAME"):
         read_prompts(saved, fields=FIELDS, splits=("dev",))
     with pytest.raises(ValueError, match=r"fields=\{'prompt': 'q'\} names the column\(s\) \['q'\], which it does not"):
