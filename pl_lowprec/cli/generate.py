@@ -79,13 +79,12 @@ def from_checkpoint(
     return from_run(checkpoint, rebuild(cli_args), tokenizer, chat)
 
 
-def run_prompt_settings(
-    run: LowPrecisionCLI, fields: dict[str, str] | None, split: str | None
+def prompt_settings(
+    data: object | None, fields: dict[str, str] | None, split: str | None
 ) -> tuple[dict[str, str] | None, tuple[str, ...]]:
-    """``--fields`` and ``--split``, else the run's data module's: its held-out file's columns are read as it
-    trained on them. Said in one line where the run's fields apply."""
-    data = run.datamodule
-    if fields is None:
+    """``--fields`` and ``--split``, else those of the run's data module (``data``, from a checkpoint): its
+    held-out file's columns are read as it trained on them. Said in one line where the run's fields apply."""
+    if fields is None and data is not None:
         fields = prompt_fields_of_run(getattr(data, "fields", None))
         if fields is not None:
             print(f"Reading --prompts with the run's data fields {fields} (--fields to read other columns).")
@@ -165,8 +164,8 @@ def main(args: list[str] | None = None) -> None:
         inputs |= {"checkpoint": Path(parsed.ckpt_path), **config_files(cli_args)}
         prepare_out_file(Path(parsed.out), parsed.overwrite, inputs)
         run = rebuild(cli_args)
-        fields, splits = run_prompt_settings(run, fields, parsed.split)
-        records = read_prompts(sources, parsed.chat, fields, splits, parsed.limit)
+        settings = prompt_settings(run.datamodule, fields, parsed.split)
+        records = read_prompts(sources, parsed.chat, *settings, parsed.limit)
         chat = wants_chat(records)
         generator = from_run(parsed.ckpt_path, run, parsed.tokenizer, chat)
     else:
@@ -175,8 +174,8 @@ def main(args: list[str] | None = None) -> None:
         inputs |= {"model directory": Path(parsed.model), "base model": parsed.base and Path(parsed.base)}
         check_model_dir(Path(parsed.model))
         prepare_out_file(Path(parsed.out), parsed.overwrite, inputs)
-        splits = (parsed.split,) if parsed.split else VAL_SPLITS
-        records = read_prompts(sources, parsed.chat, fields, splits, parsed.limit)
+        settings = prompt_settings(None, fields, parsed.split)
+        records = read_prompts(sources, parsed.chat, *settings, parsed.limit)
         chat = wants_chat(records)
         source = parsed.tokenizer or directory_tokenizer(parsed.model, parsed.base)
         tokenizer = load_tokenizer(source)

@@ -102,14 +102,14 @@ def _source_records(source: Source, fields: dict[str, str] | None, splits: tuple
 
 def _check_prompt_columns(columns: list[str], fields: dict[str, str] | None, label: str) -> None:
     """A table whose columns hold no prompt, or lack a column ``fields`` names, is refused before its rows."""
-    if fields is not None or PROMPT_COLUMNS & set(columns):
+    if fields is not None:
         check_columns(columns, fields, label)
-        return
-    raise ValueError(
-        f"{label} has the columns {sorted(columns)}, none of which holds prompts (prompt, with completion as the"
-        f" reference; messages; ShareGPT's conversations; alpaca's instruction and output). Name yours with"
-        f" {FIELDS_EXAMPLE}."
-    )
+    elif not PROMPT_COLUMNS & set(columns):
+        raise ValueError(
+            f"{label} has the columns {sorted(columns)}, none of which holds prompts (prompt, with completion as"
+            f" the reference; messages; ShareGPT's conversations; alpaca's instruction and output). Name yours with"
+            f" {FIELDS_EXAMPLE}."
+        )
 
 
 def prompt_record(record: Any, fields: dict[str, str] | None, where: str, shown: str) -> dict[str, Any]:
