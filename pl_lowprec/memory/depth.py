@@ -87,4 +87,5 @@ def extrapolated(simulate: Callable[[], SimulatedStep], blocks: nn.ModuleList) -
         host_peak=_line(two.host_peak, three.host_peak, depth),
         extrapolated=True,
         ops=OpProfile.line(two.ops, three.ops, depth),
+        repeated_micro_batches=three.repeated_micro_batches,
     )

@@ -86,6 +86,7 @@ class MemoryEstimate:
     seconds: float = 0.0
     samples: list[tuple[str, dict[str, int]]] = field(default_factory=list, repr=False)
     extrapolated: bool = False
+    repeated_micro_batches: int = 0  # of the accumulation window, counted as the last simulated one (accumulation.py)
     ops: OpProfile = field(default_factory=OpProfile, repr=False)
     time_on: str | None = None
     interconnect: Interconnect | None = None  # the run's own, measured (``collectives.measure_interconnect``)
@@ -114,6 +115,7 @@ class MemoryEstimate:
         self.peak, self.peak_phase, self.peak_split = step.peak, step.peak_phase, dict(step.peak_split)
         self.timeline, self.samples, self.host_peak = list(step.timeline), list(step.samples), step.host_peak
         self.extrapolated, self.ops = step.extrapolated, step.ops
+        self.repeated_micro_batches = step.repeated_micro_batches
 
     def add_to_backward_peak(self, extra: int, label: str) -> None:
         """``extra`` bytes held at the backward peak that the simulated step did not run (``compiled_backward.py``):
@@ -146,6 +148,11 @@ class MemoryEstimate:
         ]
         if self.extrapolated:
             lines.append("  (blocks identical: simulated with 2 and 3 of them, extrapolated to the real depth)")
+        if self.repeated_micro_batches:
+            lines.append(
+                f"  (the last {self.repeated_micro_batches} micro-batches of the window counted as the one before:"
+                " two in a row ran alike)"
+            )
         if self.device == "cuda":
             lines.append("  CUDA allocations rounded to 512 B; reserved memory adds the allocator's fragmentation.")
         if self.host_peak:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from pl_lowprec.memory.accumulation import AfterMicroBatch, after_micro_batch, count_repeats, ran_alike
 from pl_lowprec.memory.activations import count_saved_tensors
 from pl_lowprec.memory.fake_model import eager_attention_masks, fake_tensors
 from pl_lowprec.memory.op_counts import OpCounter, OpProfile
@@ -99,12 +100,18 @@ def run_step(
     accumulate_grad_batches: int = 1,
     step_context: AbstractContextManager | None = None,
     first_forward: AbstractContextManager | None = None,
-) -> None:
+) -> int:
     """One optimizer step: ``accumulate_grad_batches`` forwards and backwards, then the optimizer step.
     ``step_context`` wraps each ``training_step`` (activation offloading, as the strategy does);
-    ``first_forward`` the first one only."""
+    ``first_forward`` the first one only. Once two micro-batches in a row ran alike, the rest are counted, not run
+    (``accumulation.py``): returns how many were."""
     model.train()
+    records: list[AfterMicroBatch] = []
     for index in range(accumulate_grad_batches):
+        if len(records) == 3 and ran_alike(*records):
+            repeats = accumulate_grad_batches - index
+            count_repeats(tracker, records[-2], records[-1], repeats)
+            break
         with (
             tracker.phase("forward"),
             first_forward if index == 0 and first_forward is not None else nullcontext(),
@@ -119,11 +126,16 @@ def run_step(
         with tracker.phase("backward"):
             loss.backward()
         del loss
+        if getattr(tracker, "counter", None) is not None and accumulate_grad_batches > 3:  # a real step runs all
+            records = [*records[-2:], after_micro_batch(tracker)]
+    else:
+        repeats = 0
     with tracker.phase("optimizer step"):
         if hasattr(model, "on_before_optimizer_step"):
             model.on_before_optimizer_step(optimizer)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return repeats
 
 
 PHASES = ("forward", "backward", "optimizer step")
@@ -145,6 +157,7 @@ class SimulatedStep:
     host_peak: int = 0
     extrapolated: bool = False  # from 2 and 3 identical blocks (depth.py)
     ops: OpProfile = field(default_factory=OpProfile)  # the kernels of the step, for its time (step_time.py)
+    repeated_micro_batches: int = 0  # counted as the last simulated one, not run (accumulation.py)
 
 
 def simulate_step(
@@ -186,7 +199,7 @@ def simulate_step(
         with tracker:
             tracker.reset()
             step_args = (autocast_dtype, trainer.accumulate_grad_batches, offload, count_first_forward())
-            run_step(model, batch, optimizer, tracker, *step_args)
+            repeated = run_step(model, batch, optimizer, tracker, *step_args)
         tracker.remove_hooks()
     timeline = [tracker.timeline[0][:2]]
     timeline += [(f"{name} peak", tracker.phase_peaks[name][0]) for name in PHASES if name in tracker.phase_peaks]
@@ -200,6 +213,7 @@ def simulate_step(
         saved[0].offloaded_nbytes,
         tracker.host_peak,
         ops=counter.profile,
+        repeated_micro_batches=repeated,
     )
 
 

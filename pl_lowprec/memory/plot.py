@@ -30,6 +30,8 @@ def plot_step(estimate: Any, path: str | Path) -> Path:
             axes.axvline(index, color="grey", linewidth=0.6)
             axes.text(index, 0, f" {estimate.samples[index][0]}", rotation=90, va="bottom", fontsize=7)
     shape = " (the step's shape drawn at 3 blocks; figures for all)" if estimate.extrapolated else ""
+    repeated = estimate.repeated_micro_batches
+    shape += f" ({repeated} more micro-batches as the last drawn)" if repeated else ""
     axes.set_title(f"Predicted peak {estimate.peak / mib:,.1f} MiB during the {estimate.peak_phase}{shape}")
     axes.set_xlabel("allocating op in the step")
     axes.set_ylabel("MiB live")
