@@ -113,15 +113,19 @@ def test_the_circle_finder_finds_one_through_a_package_init():
     assert find_circle({"a": {"a.b"}, "a.b": {"c"}, "c": {"a.d"}, "a.d": set()}) is None
 
 
-def _registered_after(code: str) -> dict[str, list[str]]:
-    """Lightning's strategy names added by ``code`` in a fresh interpreter."""
+def _fresh(code: str) -> tuple[list[str], str]:
+    """Lightning's strategy names added by ``code`` in a fresh interpreter, and what it wrote to stderr."""
     script = (
         "import json\nfrom lightning.pytorch.strategies import StrategyRegistry\nbefore = set(StrategyRegistry)\n"
         f"{code}\nprint(json.dumps(sorted(set(StrategyRegistry) - before)))"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    return json.loads(done.stdout.splitlines()[-1]), done.stdout + done.stderr
+
+
+def _registered_after(code: str) -> list[str]:
+    return _fresh(code)[0]
 
 
 NAMES = ["lowprec", "lowprec_ddp", "lowprec_ddp_spawn", "lowprec_fsdp"]
@@ -129,12 +133,15 @@ NAMES = ["lowprec", "lowprec_ddp", "lowprec_ddp_spawn", "lowprec_fsdp"]
 
 def test_import_pl_lowprec_registers_every_strategy_name_without_importing_the_strategies():
     """``import pl_lowprec`` is enough for ``Trainer(strategy="lowprec_ddp")``; the names map to factories, so the
-    strategies (and what they import) load only when one is built."""
+    strategies (and what they import) load only when one is built. A plain ``Trainer`` then fits without
+    Lightning 2.6's warning that torch deprecates ``LeafSpec`` (its own call, nothing to change): ``import
+    pl_lowprec`` drops it, not only ``pl-lowprec``."""
     code = """
 import sys
 import pl_lowprec
 assert "pl_lowprec.strategies" not in sys.modules, "import pl_lowprec imported the strategies"
 from lightning.pytorch import Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
 for name, devices, cls, start in [("lowprec", 1, "LowPrecisionStrategy", None),
                                   ("lowprec_ddp", 2, "LowPrecisionDDPStrategy", "popen"),
                                   ("lowprec_ddp_spawn", 2, "LowPrecisionDDPStrategy", "spawn"),
@@ -142,30 +149,31 @@ for name, devices, cls, start in [("lowprec", 1, "LowPrecisionStrategy", None),
     strategy = Trainer(strategy=name, accelerator="cpu", devices=devices, logger=False).strategy
     assert type(strategy).__name__ == cls, (name, strategy)
     assert getattr(strategy, "_start_method", None) == start, (name, strategy._start_method)
+Trainer(strategy="lowprec", accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False).fit(BoringModel())
 """
-    assert _registered_after(code) == NAMES
+    registered, printed = _fresh(code)
+    assert registered == NAMES
+    assert "max_steps=1` reached" in printed  # it did fit
+    assert "LeafSpec" not in printed
     assert _registered_after("import pl_lowprec.memory.estimate") == NAMES  # any part of the package
 
 
-def test_the_factory_names_are_the_names_the_strategies_register():
+def test_importing_the_strategies_registers_their_names_and_only_the_factories_names():
     """Building by name hands over to the class's own entry; no class registers a name the factories miss."""
     code = """
-import json
 from lightning.pytorch.strategies import StrategyRegistry
 import pl_lowprec.strategies
 own = sorted(n for n, e in StrategyRegistry.items()
              if getattr(e["strategy"], "__module__", "").startswith("pl_lowprec.strategies."))
-print(json.dumps(own))
+print("OWN", json.dumps(own))
 """
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    registered, printed = _fresh(code)
+    assert registered == NAMES
     from pl_lowprec.strategy_names import STRATEGY_NAMES
 
-    assert json.loads(done.stdout.splitlines()[-1]) == sorted(STRATEGY_NAMES) == NAMES
-
-
-def test_importing_the_strategies_registers_their_names():
-    assert _registered_after("import pl_lowprec.strategies") == NAMES
+    own = json.loads(next(line for line in printed.splitlines() if line.startswith("OWN "))[4:])
+    assert own == sorted(STRATEGY_NAMES) == NAMES
     assert _registered_after("from pl_lowprec import LowPrecisionStrategy") == NAMES
 
 
@@ -177,19 +185,3 @@ cli = build_cli(["--config", {str(ROOT / "configs/quickstart.yaml")!r}, "--train
 assert type(cli.trainer.strategy).__name__ == "LowPrecisionStrategy", cli.trainer.strategy
 """
     assert "lowprec" in _registered_after(code)
-
-
-def test_a_plain_trainer_fit_shows_no_lightning_leafspec_deprecation():
-    """Lightning 2.6 warned on every fit that torch deprecates ``LeafSpec`` (its own call, nothing to change);
-    ``import pl_lowprec`` drops it for a plain ``Trainer`` too, not only under ``pl-lowprec``."""
-    code = """
-import pl_lowprec
-from lightning.pytorch import Trainer
-from lightning.pytorch.demos.boring_classes import BoringModel
-Trainer(strategy="lowprec", accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False).fit(BoringModel())
-"""
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "max_steps=1` reached" in done.stderr + done.stdout  # it did fit
-    assert "LeafSpec" not in done.stderr

@@ -52,14 +52,14 @@ def _build():
 
 
 def test_the_chosen_settings_measure_within_the_budget():
-    unconstrained = _measure(LORA, batch_size=8)
-    batch = {"input_ids": torch.randint(0, 256, (8, 64))}
+    unconstrained = _measure(LORA, batch_size=4)  # 4 rows: 3 micro-batch sizes to try
+    batch = {"input_ids": torch.randint(0, 256, (4, 64))}
     config = TransformConfig(**LORA)
     estimates, measured_peaks = {}, {}  # the same candidates for every budget: simulated and measured once
     for fraction in (0.5, 0.7, 0.9):
         budget = int(unconstrained * fraction)
         plan = plan_memory(
-            _build, lambda rows: resized(batch, rows), budget, 8, config=config, block_names=BLOCKS, cache=estimates
+            _build, lambda rows: resized(batch, rows), budget, 4, config=config, block_names=BLOCKS, cache=estimates
         )
         chosen = plan.chosen
         assert chosen is not None, plan.table()
@@ -70,7 +70,7 @@ def test_the_chosen_settings_measure_within_the_budget():
             )
         measured = measured_peaks[chosen.settings]
         assert measured <= budget, (fraction, measured, budget, plan.table())
-        assert chosen.settings.micro_batch * chosen.settings.accumulate == 8  # the global batch is kept
+        assert chosen.settings.micro_batch * chosen.settings.accumulate == 4  # the global batch is kept
 
 
 def test_nothing_fits_names_the_smallest_peak_and_what_dominates():
@@ -112,17 +112,17 @@ def _fit(micro_batch: int, accumulate: int, arguments: dict) -> list[float]:
 
 
 def test_a_plan_that_changes_memory_settings_only_keeps_the_losses():
-    data = StdlibTextDataModule(seq_len=64, batch_size=8, max_bytes=200_000)
+    data = StdlibTextDataModule(seq_len=64, batch_size=4, max_bytes=200_000)
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
     config = TransformConfig(**LORA)
     full_batch = estimate_memory(_build, batch, config=config)
     plan = plan_memory(
-        _build, lambda rows: resized(batch, rows), int(full_batch.peak * 0.6), 8, config=config, block_names=BLOCKS
+        _build, lambda rows: resized(batch, rows), int(full_batch.peak * 0.6), 4, config=config, block_names=BLOCKS
     )
     chosen = plan.chosen.settings
-    assert (chosen.micro_batch, chosen.checkpointing) != (8, "none")  # memory settings did change
-    original = _fit(8, 1, dict(LORA))
+    assert (chosen.micro_batch, chosen.checkpointing) != (4, "none")  # memory settings did change
+    original = _fit(4, 1, dict(LORA))
     planned = _fit(chosen.micro_batch, chosen.accumulate, _as_arguments(config, chosen))
     assert len(original) == len(planned) == 10
     torch.testing.assert_close(torch.tensor(planned), torch.tensor(original), rtol=1e-5, atol=1e-6)
@@ -160,7 +160,7 @@ def _write_config(tmp_path: Path, batch_size: int = 8, strategy: dict | None = N
 
 
 def test_cli_writes_a_config_that_fit_runs_and_never_overwrites(tmp_path, capsys):
-    source = _write_config(tmp_path)
+    source = _write_config(tmp_path, batch_size=4)
     out = tmp_path / "plan.yaml"
     cli(
         [
@@ -176,10 +176,10 @@ def test_cli_writes_a_config_that_fit_runs_and_never_overwrites(tmp_path, capsys
         ]
     )
     printed = capsys.readouterr().out
-    assert "Chosen: micro-batch 8 x 1, checkpointing none" in printed  # everything fits: nothing to change
+    assert "Chosen: micro-batch 4 x 1, checkpointing none" in printed  # everything fits: nothing to change
     planned = yaml.safe_load(out.read_text())
     assert planned["data"]["init_args"]["max_bytes"] == 150_000  # an override without init_args lands inside it
-    assert planned["data"]["init_args"]["batch_size"] * planned["trainer"]["accumulate_grad_batches"] == 8
+    assert planned["data"]["init_args"]["batch_size"] * planned["trainer"]["accumulate_grad_batches"] == 4
     cli(["fit", "--config", str(out)])
     assert (tmp_path / "run").is_dir()
     with pytest.raises(SystemExit) as refused:
@@ -251,7 +251,7 @@ def test_cli_on_several_devices_switches_to_sharding_when_only_it_fits(tmp_path,
     """Nothing fits unsharded, the same 2 devices sharded do: the sharded candidate is chosen and written with the
     FSDP2 strategy, and the written config's own per-rank estimate is the figure the plan chose by. A full
     fine-tune of short rows, so that weights, gradients and AdamW state (what sharding halves) dominate."""
-    source = _write_config(tmp_path, batch_size=1, strategy={}, hidden_size=256, num_layers=4)
+    source = _write_config(tmp_path, batch_size=1, strategy={}, hidden_size=256, num_layers=2)
     common = ["plan", "--config", str(source), "--devices", "2", "--margin", "0", "--data.max_bytes", "60000"]
     common += ["--data.seq_len", "16"]
     with pytest.raises(SystemExit):
