@@ -4,7 +4,8 @@ The loop is the one Lightning's automatic optimization runs, written out: for ea
 ``training_step`` (under the precision's autocast) and ``backward``; then ``on_before_optimizer_step``, the
 optimizer step and ``zero_grad(set_to_none=True)``. No Trainer is built: the module sees a ``DryRunTrainer``
 that answers what training steps ask (accumulation, world size, a reduce that returns its input), and
-``self.log`` does nothing.
+``self.log`` does nothing. Once two micro-batches in a row ran alike, the rest of the window is counted, not run
+(``accumulation.py``).
 """
 
 from __future__ import annotations
