@@ -10,18 +10,17 @@ by category after each, and the peak unmoved by the second); else every micro-ba
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
+
+from pl_lowprec.memory.op_counts import OpProfile
 
 
 @dataclass(frozen=True)
 class AfterMicroBatch:
     """What the step's record holds after one micro-batch: its kernels so far and the bytes live."""
 
-    counts: Counter
-    collectives: Counter
-    allocated_fresh: int
+    ops: OpProfile
     live: tuple[tuple[str, int], ...]
     host: int
     peak: int
@@ -29,35 +28,27 @@ class AfterMicroBatch:
 
 def after_micro_batch(tracker: Any) -> AfterMicroBatch:
     """The record of ``tracker`` (a ``StepTracker``, its ``counter`` an ``OpCounter``) now."""
-    profile = tracker.counter.profile
     return AfterMicroBatch(
-        Counter(profile.counts),
-        Counter(profile.collectives),
-        profile.allocated_fresh,
-        tuple(sorted(tracker.current.items())),
-        tracker.host_total,
-        tracker.peak,
+        tracker.counter.profile.copy(), tuple(sorted(tracker.current.items())), tracker.host_total, tracker.peak
+    )
+
+
+def _kernels_between(first: OpProfile, second: OpProfile) -> tuple:
+    """The kernels, collectives and fresh allocation bytes recorded from ``first`` to ``second``."""
+    return (
+        second.counts - first.counts,
+        second.collectives - first.collectives,
+        second.allocated_fresh - first.allocated_fresh,
     )
 
 
 def ran_alike(before: AfterMicroBatch, middle: AfterMicroBatch, after: AfterMicroBatch) -> bool:
     """Whether the micro-batch from ``middle`` to ``after`` ran as the one from ``before`` to ``middle``: the same
     kernels, ending at the same live bytes, without raising the peak. The next one then starts where it started."""
-    return (
-        after.counts - middle.counts == middle.counts - before.counts
-        and after.collectives - middle.collectives == middle.collectives - before.collectives
-        and after.allocated_fresh - middle.allocated_fresh == middle.allocated_fresh - before.allocated_fresh
-        and after.live == middle.live
-        and after.host == middle.host
-        and after.peak == middle.peak
-    )
+    same_kernels = _kernels_between(middle.ops, after.ops) == _kernels_between(before.ops, middle.ops)
+    return same_kernels and (after.live, after.host, after.peak) == (middle.live, middle.host, middle.peak)
 
 
 def count_repeats(tracker: Any, middle: AfterMicroBatch, after: AfterMicroBatch, repeats: int) -> None:
     """Add ``repeats`` more of the micro-batch from ``middle`` to ``after`` to ``tracker``'s kernels."""
-    profile = tracker.counter.profile
-    for key, calls in (after.counts - middle.counts).items():
-        profile.counts[key] += repeats * calls
-    for key, calls in (after.collectives - middle.collectives).items():
-        profile.collectives[key] += repeats * calls
-    profile.allocated_fresh += repeats * (after.allocated_fresh - middle.allocated_fresh)
+    tracker.counter.profile = OpProfile.line(middle.ops, after.ops, repeats + 1)

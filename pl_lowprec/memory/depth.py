@@ -86,6 +86,6 @@ def extrapolated(simulate: Callable[[], SimulatedStep], blocks: nn.ModuleList) -
         offloaded_bytes=_line(two.offloaded_bytes, three.offloaded_bytes, depth),
         host_peak=_line(two.host_peak, three.host_peak, depth),
         extrapolated=True,
-        ops=OpProfile.line(two.ops, three.ops, depth),
+        ops=OpProfile.line(two.ops, three.ops, depth - 2),
         repeated_micro_batches=three.repeated_micro_batches,
     )

@@ -39,7 +39,7 @@ from __future__ import annotations
 import sys
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -127,22 +127,27 @@ class OpProfile:
         return sum(key[2] * n for key, n in self.counts.items())
 
     @classmethod
-    def line(cls, two: OpProfile, three: OpProfile, depth: int) -> OpProfile:
-        """The profile at ``depth`` blocks from those at 2 and 3: each block adds the same kernels."""
-        keys = set(two.counts) | set(three.counts)
-        counts = {k: two.counts[k] + (depth - 2) * (three.counts[k] - two.counts[k]) for k in keys}
+    def line(cls, first: OpProfile, second: OpProfile, steps: int) -> OpProfile:
+        """The profile ``steps`` along the line from ``first`` to ``second`` (``first + steps x (second - first)``):
+        each step adds the same kernels, a block more (``depth.py``) or a micro-batch more (``accumulation.py``)."""
+        keys = dict.fromkeys([*first.counts, *second.counts])  # in the order recorded: sums add up the same
+        counts = {k: first.counts[k] + steps * (second.counts[k] - first.counts[k]) for k in keys}
         kept = Counter({k: n for k, n in counts.items() if n > 0})
-        fresh = {k: n for k, n in {**two.fresh, **three.fresh}.items() if k in kept}
-        allocated = max(0, two.allocated_fresh + (depth - 2) * (three.allocated_fresh - two.allocated_fresh))
-        links = set(two.collectives) | set(three.collectives)
-        collectives = {k: two.collectives[k] + (depth - 2) * (three.collectives[k] - two.collectives[k]) for k in links}
+        fresh = {k: n for k, n in {**first.fresh, **second.fresh}.items() if k in kept}
+        allocated = max(0, first.allocated_fresh + steps * (second.allocated_fresh - first.allocated_fresh))
+        links = dict.fromkeys([*first.collectives, *second.collectives])
+        collectives = {k: first.collectives[k] + steps * (second.collectives[k] - first.collectives[k]) for k in links}
         return cls(
             kept,
             fresh=fresh,
             allocated_fresh=allocated,
             collectives=Counter({k: n for k, n in collectives.items() if n > 0}),
-            ranks=three.ranks,
+            ranks=second.ranks,
         )
+
+    def copy(self) -> OpProfile:
+        """A profile that later records do not change."""
+        return replace(self, counts=Counter(self.counts), fresh=dict(self.fresh), collectives=Counter(self.collectives))
 
 
 class OpCounter:

@@ -34,7 +34,7 @@ def test_the_depth_line_keeps_each_kernels_fresh_bytes_and_extrapolates_the_allo
     key = ("", 0, 10, False, "kernel aten.mul")
     two = OpProfile(Counter({key: 2}), fresh={key: 40 * MiB}, allocated_fresh=100 * MiB)
     three = OpProfile(Counter({key: 3}), fresh={key: 40 * MiB}, allocated_fresh=150 * MiB)
-    line = OpProfile.line(two, three, 10)
+    line = OpProfile.line(two, three, 10 - 2)  # 8 blocks past the 2nd: the profile at 10
     assert line.counts[key] == 10 and line.fresh == {key: 40 * MiB}
     assert line.allocated_fresh == 500 * MiB
 
