@@ -42,7 +42,10 @@ def main(args: list[str] | None = None) -> None:
         help="adapter (the default), merged (as --merged), or gguf: the merged model for llama.cpp and Ollama.",
     )
     parser.add_argument(
-        "--gguf_type", default=None, help="With --format gguf: auto (the default: bf16 or f16), bf16, f16, q8_0, q4_0."
+        "--gguf_type",
+        default=None,
+        help="With --format gguf: auto (the default: bf16 or f16), bf16, f16, q8_0, q6_k, q5_k_m, q4_k_m"
+        " (llama-quantize's mixes; q4_k_m is Ollama's default), q4_0.",
     )
     parser.add_argument(
         "--overwrite",

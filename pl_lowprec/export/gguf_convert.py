@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import groupby
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from pl_lowprec.export.gguf_arch import (
     llama3_rope_factors,
     permute_qk,
 )
-from pl_lowprec.export.gguf_types import encode, file_type, stored_as, tensor_type
+from pl_lowprec.export.gguf_types import K_MIXES, encode, file_type, k_mix_types, stored_as, tensor_type
 from pl_lowprec.export.gguf_vocab import add_vocabulary
 from pl_lowprec.loading.sources import INDEX_NAME, open_safetensors
 
@@ -99,7 +99,20 @@ def plan(gguf: Any, model_dir: Path, config: Any, arch: Architecture, gguf_type:
                 planned.append(
                     Planned(gguf_name, shape, tensor_type(gguf, gguf_type, gguf_name, shape, output), file, key)
                 )
+    if gguf_type in K_MIXES:
+        tensors = [(item.gguf_name, item.shape) for item in planned]
+        types = k_mix_types(gguf, gguf_type, tensors, config.num_hidden_layers, seventy_b(config, arch))
+        planned = [replace(item, qtype=qtype) for item, qtype in zip(planned, types, strict=True)]
     return planned
+
+
+def seventy_b(config: Any, arch: Architecture) -> bool:
+    """Whether llama.cpp takes this model for a 70B (``LLM_TYPE_70B``: 80 layers, and grouped KV heads for llama),
+    whose ``attn_v`` its k-quant mixes write with more bits."""
+    if config.num_hidden_layers != 80:
+        return False
+    heads = config.num_attention_heads
+    return arch.gguf_arch == "QWEN2" or (getattr(config, "num_key_value_heads", None) or heads) != heads
 
 
 def tensor_values(planned: list[Planned], config: Any, arch: Architecture) -> Iterator[np.ndarray]:

@@ -218,6 +218,29 @@ def test_modelfile_has_the_template_and_stop_tokens(exported):
     assert (exported / "gguf" / "Modelfile").read_text() == DEMO_MODELFILE
 
 
+def test_q4_k_m_export_from_the_users_checkpoint(trained, tmp_path, capsys):
+    """``pl-lowprec export --format gguf --gguf_type q4_k_m`` from the fit's checkpoint: hidden 64 splits into no
+    256-value super-block, so every matrix takes llama-quantize's fallback (Q5_0; Q8_0 for the output matrix and
+    where Q4_K_M gives more bits), the summary and header say so, and the Modelfile names the file."""
+    from pl_lowprec.cli import main
+
+    checkpoint, args, _ = trained
+    out = tmp_path / "gguf"
+    main(["export", f"--ckpt_path={checkpoint}", f"--out={out}", "--format=gguf", "--gguf_type=q4_k_m", *args])
+    printed = " ".join(capsys.readouterr().out.split())
+    assert f"Wrote {out / 'model-q4_k_m.gguf'} (llama," in printed
+    assert "21 tensors: 5 F32, 13 Q5_0, 3 Q8_0;" in printed, printed
+    assert sorted(p.name for p in out.iterdir()) == ["Modelfile", "model-q4_k_m.gguf"]
+    assert (out / "Modelfile").read_text().startswith("FROM ./model-q4_k_m.gguf\n")
+    fields, tensors = metadata(out / "model-q4_k_m.gguf")
+    assert fields["general.file_type"] == int(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    assert (
+        tensors["output.weight"].tensor_type.name == "Q8_0" and tensors["token_embd.weight"].tensor_type.name == "Q5_0"
+    )
+    assert tensors["blk.1.ffn_down.weight"].tensor_type.name == "Q8_0"  # use_more_bits(1, 2)
+    assert tensors["blk.0.ffn_down.weight"].tensor_type.name == "Q5_0"
+
+
 def test_refusals_come_before_anything_loads_and_name_the_fix(trained, pretrained, tmp_path, monkeypatch, capsys):
     import pl_lowprec.cli.export as cli_export
     import pl_lowprec.export.gguf_export as gguf_export

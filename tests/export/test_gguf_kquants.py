@@ -1,0 +1,168 @@
+"""``--gguf_type q4_k_m`` / ``q5_k_m`` / ``q6_k``: llama-quantize's k-quant mixes, written without llama.cpp.
+
+The reference is llama.cpp itself, which CI does not have: the digests below are of ggml's own bytes
+(``ggml_quantize_chunk``, no importance matrix) for ``kquant_values.fixed_values()``, recorded from llama.cpp
+0c1e570 (the vendored source of llama-cpp-python 0.3.36, built here); the per-tensor types are the ones its
+``llama-quantize`` wrote for the same shapes. ``benchmarks/gguf_kquants.py`` repeats both against a build.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+from gguf_helpers import convert, held_out_ids, logits, metadata
+from gguf_helpers import shrunk_model as shrunk
+from kquant_values import fixed_values
+from loading_helpers import save_tokenizer
+from model_shapes import LLAMA31_8B, QWEN25_05B
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("transformers")
+
+from pl_lowprec.export.gguf_kquants import quantize_k  # noqa: E402
+from pl_lowprec.export.gguf_types import k_mix_types  # noqa: E402
+
+GGML_DIGESTS = {
+    "Q4_K": "5d2033e62a419e1bb22eab7ab8345356b91467acbe1676581c667826dd5f8d1c",
+    "Q5_K": "39433354f91141c91fbe93c62903ea1b1aeff9d72416baab1f8afba15c31acbb",
+    "Q6_K": "643b2d6bfc034e1fe667595f6205f09722d77fd7842f7bfc1c557c8529552a52",
+}
+
+
+@pytest.mark.parametrize("kind", list(GGML_DIGESTS))
+def test_k_quant_bytes_are_ggmls(kind):
+    values = fixed_values()
+    assert hashlib.sha256(values.tobytes()).hexdigest()[:16] == "1d6f1e6a40384343"  # the inputs ggml quantized
+    assert hashlib.sha256(quantize_k(values, kind).tobytes()).hexdigest() == GGML_DIGESTS[kind]
+
+
+# The largest error in a 256-value super-block, of its largest magnitude, at 1.5x the measured (Q4_K 0.114, Q5_K
+# 0.050, Q6_K 0.018: 16, 32 and 64 levels over sub-blocks of 32 or 16, each with its own 6- or 8-bit scale).
+WORST_ERROR = {"Q4_K": 0.17, "Q5_K": 0.075, "Q6_K": 0.027}
+
+
+@pytest.mark.parametrize("kind", list(GGML_DIGESTS))
+def test_k_quant_blocks_read_back_within_their_levels(kind):
+    """The gguf package's own dequantizer reads the blocks back. Constant rows to 1e-3, zero rows exactly; values
+    of 1e-13 (rows 176-183) read back as zeros, as ggml writes them: their scale is below float16's smallest."""
+    values = fixed_values()
+    back = gguf.quants.dequantize(quantize_k(values, kind), getattr(gguf.GGMLQuantizationType, kind))
+    assert back.shape == values.shape
+    blocks, read = values[:176].reshape(-1, 256), back[:176].reshape(-1, 256)
+    worst = (np.abs(read - blocks).max(axis=1) / np.abs(blocks).max(axis=1)).max()
+    assert worst <= WORST_ERROR[kind], worst
+    assert not back[176:184].any() and np.abs(values[176:184]).max() < 1e-12
+    np.testing.assert_allclose(back[184:188], values[184:188], rtol=1e-3)
+    assert np.array_equal(back[188:], values[188:])
+
+
+def test_rows_that_do_not_split_into_super_blocks_are_refused():
+    with pytest.raises(ValueError, match="Q4_K needs rows of a multiple of 256 values, not 576"):
+        quantize_k(np.zeros((2, 576), dtype=np.float32), "Q4_K")
+
+
+def llama_tensors(layers: int, hidden: int, tied: bool) -> list[tuple[str, tuple[int, ...]]]:
+    """The GGUF tensors of a Llama in the order this export writes them (safetensors' sorted keys: blk.10 before
+    blk.2), which is not the order llama-quantize counts layers in."""
+    names = [] if tied else [("output.weight", (352, hidden))]
+    names.append(("token_embd.weight", (352, hidden)))
+    for layer in sorted(range(layers), key=str):
+        for kind, shape in (
+            ("attn_norm", (hidden,)),
+            ("ffn_down", (hidden, 2 * hidden)),
+            ("ffn_gate", (2 * hidden, hidden)),
+            ("ffn_up", (2 * hidden, hidden)),
+            ("ffn_norm", (hidden,)),
+            ("attn_k", (hidden // 4, hidden)),
+            ("attn_output", (hidden, hidden)),
+            ("attn_q", (hidden, hidden)),
+            ("attn_v", (hidden // 4, hidden)),
+        ):
+            names.append((f"blk.{layer}.{kind}.weight", shape))
+    return [("output_norm.weight", (hidden,)), *names]
+
+
+def types_by_name(gguf_type, tensors, layers, seventy_b=False) -> dict[str, str]:
+    types = k_mix_types(gguf, gguf_type, tensors, layers, seventy_b)
+    return {name: kind.name for (name, _), kind in zip(tensors, types, strict=True)}
+
+
+# As llama-quantize 0c1e570 chose them for these shapes (benchmarks/gguf_kquants.py: every tensor the same type)
+MORE_BITS_16 = {0, 1, 4, 7, 10, 13, 14, 15}  # use_more_bits(i, 16): the first and last eighth, every third between
+
+
+@pytest.mark.parametrize("gguf_type", ["q4_k_m", "q5_k_m"])
+def test_mix_gives_attn_v_and_ffn_down_more_bits_in_llama_quantizes_layers(gguf_type):
+    base = {"q4_k_m": "Q4_K", "q5_k_m": "Q5_K"}[gguf_type]
+    types = types_by_name(gguf_type, llama_tensors(16, 256, tied=False), 16)
+    for layer in range(16):
+        for kind in ("attn_v", "ffn_down"):
+            assert types[f"blk.{layer}.{kind}.weight"] == ("Q6_K" if layer in MORE_BITS_16 else base), (layer, kind)
+        for kind in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"):
+            assert types[f"blk.{layer}.{kind}.weight"] == base
+        assert types[f"blk.{layer}.attn_norm.weight"] == "F32"
+    assert types["output.weight"] == "Q6_K" and types["token_embd.weight"] == base
+
+
+def test_mix_of_a_70b_writes_attn_v_at_q5_k_and_q6_k_everywhere_for_q6_k():
+    tensors = llama_tensors(80, 256, tied=False)
+    q4 = types_by_name("q4_k_m", tensors, 80, seventy_b=True)
+    assert {q4[f"blk.{i}.attn_v.weight"] for i in range(80)} == {"Q5_K", "Q6_K"}
+    assert q4["blk.20.attn_v.weight"] == "Q5_K" and q4["blk.20.ffn_down.weight"] == "Q4_K"
+    q6 = types_by_name("q6_k", tensors, 80, seventy_b=True)
+    assert {kind for name, kind in q6.items() if not name.endswith("norm.weight")} == {"Q6_K"}
+
+
+def test_mix_falls_back_where_rows_do_not_split_into_256_values():
+    """SmolLM2's hidden 576: Q4_K becomes Q5_0, Q6_K Q8_0, the tied embedding (the output matrix) Q8_0; a row of
+    100 values splits into neither, and is F16."""
+    tensors = llama_tensors(4, 576, tied=True)
+    types = types_by_name("q4_k_m", tensors, 4)
+    assert types["token_embd.weight"] == "Q8_0"
+    assert types["blk.0.attn_q.weight"] == "Q5_0" and types["blk.3.ffn_down.weight"] == "Q8_0"  # more bits
+    assert types["blk.1.ffn_down.weight"] == "Q5_0"  # use_more_bits(1, 4) is false; (2, 4) and (3, 4) true
+    assert types_by_name("q5_k_m", tensors, 4)["blk.1.ffn_down.weight"] == "Q5_1"
+    odd = types_by_name("q4_k_m", [("blk.0.attn_q.weight", (8, 100))], 1)
+    assert odd == {"blk.0.attn_q.weight": "F16"}
+
+
+@pytest.mark.parametrize("name", ["llama3.1", "qwen2.5"])
+def test_each_mix_reads_back_closer_than_the_next_smaller_one(tmp_path, name):
+    """Through the export's converter: Llama-3.1-8B's shapes (hidden 256: k-quant blocks, an untied output at
+    Q6_K) and Qwen2.5's (hidden 224: the 32-value fallbacks, biases, tied). transformers reads each file back;
+    the logits' RMS error, of the model's, falls with each step up in size: q4_0 > q4_k_m > q5_k_m > q6_k > q8_0
+    (measured: 0.21, 0.16, 0.086, 0.043, 0.014 for Llama's shapes; Qwen's q6_k equals its q8_0, every matrix
+    falling back to Q8_0). The header says Q4_K_M."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shapes = {"llama3.1": (LLAMA31_8B, 8, 320), "qwen2.5": (QWEN25_05B, 16, 352)}
+    tokenizer = save_tokenizer(tmp_path / "tokenizer")
+    model_dir = shrunk(tmp_path / name, tokenizer, *shapes[name], bos_token_id=0, eos_token_id=1)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    extra = {"config": AutoConfig.from_pretrained(model_dir)} if name == "llama3.1" else {}
+    ids = held_out_ids()
+    expected = logits(reference, ids)
+    errors, written = {}, {}
+    for gguf_type in ("q4_0", "q4_k_m", "q5_k_m", "q6_k", "q8_0"):
+        written[gguf_type] = convert(model_dir, gguf_type)
+        read = AutoModelForCausalLM.from_pretrained(
+            model_dir.with_name(f"{name}-gguf"), gguf_file=f"model-{gguf_type}.gguf", dtype=torch.float32, **extra
+        )
+        errors[gguf_type] = float((logits(read, ids) - expected).pow(2).mean().sqrt() / expected.pow(2).mean().sqrt())
+    sizes = list(errors.values())
+    if name == "qwen2.5":
+        assert errors.pop("q6_k") == errors["q8_0"]
+        sizes = list(errors.values())
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes), errors
+    assert (
+        dict(written["q4_k_m"]["types"])
+        == {
+            "llama3.1": {"F32": 6, "Q4_K": 13, "Q6_K": 3},  # output, layer 1's attn_v and ffn_down; rope_freqs F32
+            "qwen2.5": {"F32": 11, "Q5_0": 12, "Q8_0": 3},  # the tied embedding, layer 1's attn_v and ffn_down
+        }[name]
+    )
+    fields, _ = metadata(model_dir.with_name(f"{name}-gguf") / "model-q4_k_m.gguf")
+    assert fields["general.file_type"] == int(gguf.LlamaFileType.MOSTLY_Q4_K_M)
