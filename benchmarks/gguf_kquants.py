@@ -118,9 +118,11 @@ def against_llama_quantize(binaries: Path, root: Path) -> list[tuple]:
         ("SmolLM2-135M", SMOLLM2_135M, 64, 4),  # 9/3 heads, tied; hidden 576: rows that do not split into 256
         ("Qwen2.5-0.5B", QWEN25_05B, 64, 4),  # 14/2 heads, qkv biases, tied; hidden 896
     ]
-    seventy = ROOT.parent / "shared" / "model-shapes" / "llama-3.1-70b.json"
-    if seventy.is_file():  # 80 layers with grouped KV heads: llama.cpp's LLM_TYPE_70B, whose attn_v gets Q5_K
-        models.append(("Llama-3.1-70B", json.loads(seventy.read_text()), 4, 80))
+    shapes = ROOT.parent / "shared" / "model-shapes"
+    if (shapes / "llama-3.2-1b.json").is_file():  # tied with rows of 256: the embedding is the output, at Q6_K
+        models.append(("Llama-3.2-1B", json.loads((shapes / "llama-3.2-1b.json").read_text()), 8, 16))
+    if (shapes / "llama-3.1-70b.json").is_file():  # 80 layers, grouped KV heads: LLM_TYPE_70B, attn_v at Q5_K
+        models.append(("Llama-3.1-70B", json.loads((shapes / "llama-3.1-70b.json").read_text()), 4, 80))
     for name, shape, head_dim, layers in models:
         directory = model_dir(root, name, shape, head_dim, layers, tokenizer)
         bf16 = root / f"{directory.name}-bf16.gguf"

@@ -106,6 +106,12 @@ def plan(gguf: Any, model_dir: Path, config: Any, arch: Architecture, gguf_type:
     return planned
 
 
+def k_fallbacks(planned: list[Planned]) -> dict[int, int]:
+    """Row width -> how many quantized matrices have rows of it that do not split into 256-value super-blocks."""
+    widths = Counter(item.shape[-1] for item in planned if item.qtype.name not in ("F32", "F16", "BF16"))
+    return {width: count for width, count in sorted(widths.items()) if width % 256}
+
+
 def seventy_b(config: Any, arch: Architecture) -> bool:
     """Whether llama.cpp takes this model for a 70B (``LLM_TYPE_70B``: 80 layers, and grouped KV heads for llama),
     whose ``attn_v`` its k-quant mixes write with more bits."""
@@ -156,6 +162,7 @@ def convert_to_gguf(model_dir: Path, out_file: Path, gguf_type: str, name: str) 
         "architecture": arch.gguf_arch.lower(),
         "tensors": len(planned),
         "types": Counter(item.qtype.name for item in planned),
+        "k_fallbacks": k_fallbacks(planned) if gguf_type in K_MIXES else {},
         "parameters": parameters,
         "vocab": vocab,
         "config": config,

@@ -102,6 +102,13 @@ def summary(
         )
     else:
         template_note = "no TEMPLATE: the tokenizer has no chat template (plain completion)"
+    fallback_note = ""
+    if written.get("k_fallbacks"):
+        rows = ", ".join(f"{count} with rows of {width}" for width, count in written["k_fallbacks"].items())
+        fallback_note = (
+            f" Matrices whose rows do not split into 256-value k-quant super-blocks ({rows}) are written in"
+            " llama-quantize's fallback types (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0), as it writes them."
+        )
     window = getattr(config, "sliding_window", None)
     window_note = ""
     if window and getattr(config, "use_sliding_window", True) and window < config.max_position_embeddings:
@@ -114,6 +121,6 @@ def summary(
         f" {written['tensors']} tensors: {types}; tokenizer {tokenizer_note(vocab)}, {specials}, add_bos"
         f" {bool(vocab['add_special'].get('bos'))}; chat template"
         f" {'included' if vocab['chat_template'] else 'none'}) and {modelfile_path} ({template_note}; stop"
-        f" {', '.join(repr(s) for s in stops)}) from {source}.{window_note} Run it with: ollama create NAME -f"
-        f" {modelfile_path}, or llama-cli -m {gguf_file}."
+        f" {', '.join(repr(s) for s in stops)}) from {source}.{fallback_note}{window_note} Run it with: ollama create"
+        f" NAME -f {modelfile_path}, or llama-cli -m {gguf_file}."
     )

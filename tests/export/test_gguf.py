@@ -230,6 +230,10 @@ def test_q4_k_m_export_from_the_users_checkpoint(trained, tmp_path, capsys):
     printed = " ".join(capsys.readouterr().out.split())
     assert f"Wrote {out / 'model-q4_k_m.gguf'} (llama," in printed
     assert "21 tensors: 5 F32, 13 Q5_0, 3 Q8_0;" in printed, printed
+    assert (
+        "Matrices whose rows do not split into 256-value k-quant super-blocks (14 with rows of 64, 2 with rows of 192)"
+        " are written in llama-quantize's fallback types (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0)"
+    ) in printed, printed
     assert sorted(p.name for p in out.iterdir()) == ["Modelfile", "model-q4_k_m.gguf"]
     assert (out / "Modelfile").read_text().startswith("FROM ./model-q4_k_m.gguf\n")
     fields, tensors = metadata(out / "model-q4_k_m.gguf")

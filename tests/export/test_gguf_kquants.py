@@ -105,6 +105,8 @@ def test_mix_gives_attn_v_and_ffn_down_more_bits_in_llama_quantizes_layers(gguf_
             assert types[f"blk.{layer}.{kind}.weight"] == base
         assert types[f"blk.{layer}.attn_norm.weight"] == "F32"
     assert types["output.weight"] == "Q6_K" and types["token_embd.weight"] == base
+    tied = types_by_name(gguf_type, llama_tensors(16, 256, tied=True), 16)  # Llama-3.2-1B: the embedding is the output
+    assert tied["token_embd.weight"] == "Q6_K" and "output.weight" not in tied
 
 
 def test_mix_of_a_70b_writes_attn_v_at_q5_k_and_q6_k_everywhere_for_q6_k():
