@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -74,30 +73,6 @@ def against_ggml(library: Path) -> list[tuple[str, str, int, int, float, float]]
     return rows
 
 
-def model_dir(root: Path, name: str, shape: dict, head_dim: int, layers: int, tokenizer: Path) -> Path:
-    """A bf16 model directory with a real config's heads, tying and biases, ``layers`` layers, heads of
-    ``head_dim``, random weights and the demo tokenizer (352 embedding rows, padded as Qwen pads)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    fields = {k: v for k, v in shape.items() if k not in ("architectures", "torch_dtype")}
-    hidden = fields["num_attention_heads"] * head_dim
-    fields.update(num_hidden_layers=layers, vocab_size=352, hidden_size=hidden, intermediate_size=2 * hidden)
-    fields.update(bos_token_id=0, eos_token_id=1)
-    if "head_dim" in fields:
-        fields["head_dim"] = head_dim
-    if "max_window_layers" in fields:
-        fields["max_window_layers"] = layers
-    directory = root / name
-    directory.mkdir(parents=True)
-    (directory / "config.json").write_text(json.dumps(fields))
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory)).to(torch.bfloat16)
-    model.save_pretrained(directory)
-    for path in tokenizer.iterdir():
-        shutil.copy(path, directory / path.name)
-    return directory
-
-
 def tensors(path: Path) -> dict[str, tuple[str, bytes]]:
     import gguf
 
@@ -106,6 +81,7 @@ def tensors(path: Path) -> dict[str, tuple[str, bytes]]:
 
 
 def against_llama_quantize(binaries: Path, root: Path) -> list[tuple]:
+    from gguf_helpers import shrunk_model
     from loading_helpers import save_tokenizer
     from model_shapes import LLAMA31_8B, QWEN25_05B, SMOLLM2_135M
 
@@ -124,7 +100,9 @@ def against_llama_quantize(binaries: Path, root: Path) -> list[tuple]:
     if (shapes / "llama-3.1-70b.json").is_file():  # 80 layers, grouped KV heads: LLM_TYPE_70B, attn_v at Q5_K
         models.append(("Llama-3.1-70B", json.loads((shapes / "llama-3.1-70b.json").read_text()), 4, 80))
     for name, shape, head_dim, layers in models:
-        directory = model_dir(root, name, shape, head_dim, layers, tokenizer)
+        fields = {k: v for k, v in shape.items() if k not in ("architectures", "torch_dtype")}
+        # 352 embedding rows: the demo tokenizer's 320 padded as Qwen pads
+        directory = shrunk_model(root / name, tokenizer, fields, head_dim, 352, layers, bos_token_id=0, eos_token_id=1)
         bf16 = root / f"{directory.name}-bf16.gguf"
         convert_to_gguf(directory, bf16, "bf16", directory.name)
         for gguf_type, ftype in MIXES.items():

@@ -28,18 +28,20 @@ def refusal_line(capsys, args: list[str]) -> str:
     return errors[0]
 
 
-def shrunk_model(directory: Path, tokenizer_dir: Path, shape: dict, head_dim: int, rows: int, **overrides) -> Path:
-    """A bf16 model directory with a real config's quirks (heads, tying, biases, rope), 2 layers and heads of
-    ``head_dim``, ``rows`` embedding rows, random weights, and the tokenizer of ``tokenizer_dir``."""
+def shrunk_model(
+    directory: Path, tokenizer_dir: Path, shape: dict, head_dim: int, rows: int, layers: int = 2, **overrides
+) -> Path:
+    """A bf16 model directory with a real config's quirks (heads, tying, biases, rope), ``layers`` layers and heads
+    of ``head_dim``, ``rows`` embedding rows, random weights, and the tokenizer of ``tokenizer_dir``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = dict(shape, num_hidden_layers=2, vocab_size=rows, **overrides)
+    fields = dict(shape, num_hidden_layers=layers, vocab_size=rows, **overrides)
     hidden = fields["num_attention_heads"] * head_dim
     fields.update(hidden_size=hidden, intermediate_size=2 * hidden)
     if "head_dim" in fields:
         fields["head_dim"] = head_dim
     if "max_window_layers" in fields:
-        fields["max_window_layers"] = 2
+        fields["max_window_layers"] = layers
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(fields))
     torch.manual_seed(0)

@@ -28,7 +28,7 @@ from pl_lowprec.export.gguf_arch import (
     llama3_rope_factors,
     permute_qk,
 )
-from pl_lowprec.export.gguf_types import K_MIXES, encode, file_type, k_mix_types, stored_as, tensor_type
+from pl_lowprec.export.gguf_types import K_MIXES, encode, file_type, stored_as, tensor_types
 from pl_lowprec.export.gguf_vocab import add_vocabulary
 from pl_lowprec.loading.sources import INDEX_NAME, open_safetensors
 
@@ -76,11 +76,11 @@ def plan(gguf: Any, model_dir: Path, config: Any, arch: Architecture, gguf_type:
     """Every tensor the file will hold, from the safetensors headers (nothing is loaded)."""
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.gguf_arch), config.num_hidden_layers)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    planned: list[Planned] = []
+    planned: list[Planned] = []  # typed below, once every tensor is known (a k-quant mix counts layers)
     factors = llama3_rope_factors(config)
     if factors is not None:
         name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
-        planned.append(Planned(name, factors.shape, gguf.GGMLQuantizationType.F32))
+        planned.append(Planned(name, factors.shape, None))
     for file in safetensors_files(model_dir):
         with open_safetensors(file) as handle:
             for key in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
@@ -93,17 +93,11 @@ def plan(gguf: Any, model_dir: Path, config: Any, arch: Architecture, gguf_type:
                         f"{file.name} holds {key!r}, which llama.cpp's {arch.gguf_arch.lower()} has no tensor for: the"
                         f" GGUF could not compute what this {arch.model_type} model computes. Export --format merged."
                     )
-                gguf_name = f"{gguf_base}.{suffix}"
                 shape = tuple(handle.get_slice(key).get_shape())
-                output = gguf_name == "output.weight" or (tied and gguf_name == "token_embd.weight")
-                planned.append(
-                    Planned(gguf_name, shape, tensor_type(gguf, gguf_type, gguf_name, shape, output), file, key)
-                )
-    if gguf_type in K_MIXES:
-        tensors = [(item.gguf_name, item.shape) for item in planned]
-        types = k_mix_types(gguf, gguf_type, tensors, config.num_hidden_layers, seventy_b(config, arch))
-        planned = [replace(item, qtype=qtype) for item, qtype in zip(planned, types, strict=True)]
-    return planned
+                planned.append(Planned(f"{gguf_base}.{suffix}", shape, None, file, key))
+    tensors = [(item.gguf_name, item.shape) for item in planned]
+    types = tensor_types(gguf, gguf_type, tensors, config.num_hidden_layers, seventy_b(config, arch))
+    return [replace(item, qtype=qtype) for item, qtype in zip(planned, types, strict=True)]
 
 
 def k_fallbacks(planned: list[Planned]) -> dict[int, int]:

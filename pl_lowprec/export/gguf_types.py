@@ -57,7 +57,23 @@ def _is_matrix(name: str, shape: tuple[int, ...]) -> bool:
     return len(shape) >= 2 and name.endswith(".weight") and not name.endswith("_norm.weight")
 
 
-def tensor_type(gguf: Any, gguf_type: str, name: str, shape: tuple[int, ...], output_matrix: bool) -> Any:
+def tensor_types(
+    gguf: Any, gguf_type: str, tensors: Sequence[tuple[str, tuple[int, ...]]], layers: int, seventy_b: bool
+) -> list[Any]:
+    """The GGML type of each of ``tensors`` (GGUF name and shape): a k-quant mix as ``llama-quantize`` chooses it,
+    or one type for every matrix, as llama.cpp's converter writes it."""
+    if gguf_type in K_MIXES:
+        return k_mix_types(gguf, gguf_type, tensors, layers, seventy_b)
+    tied = not any(name == "output.weight" for name, _ in tensors)
+    return [single_type(gguf, gguf_type, name, shape, _is_output(name, tied)) for name, shape in tensors]
+
+
+def _is_output(name: str, tied: bool) -> bool:
+    """The matrix that makes the logits: ``output.weight``, or the embedding where the file has none."""
+    return name == "output.weight" or (tied and name == "token_embd.weight")
+
+
+def single_type(gguf: Any, gguf_type: str, name: str, shape: tuple[int, ...], output_matrix: bool) -> Any:
     """The GGML type of one tensor of a single-type file (``name`` is its GGUF name); ``output_matrix`` for the
     one that makes logits."""
     kinds = gguf.GGMLQuantizationType
@@ -81,7 +97,7 @@ def k_mix_types(
     """The type of each of ``tensors`` (GGUF name and shape) in ``llama-quantize``'s mix."""
     kinds = gguf.GGMLQuantizationType
     default = GGUF_TYPES[gguf_type][0]
-    tied = not any(name == "output.weight" for name, _ in tensors)
+    tied = not any(name == "output.weight" for name, _ in tensors)  # llama.cpp's has_tied_embeddings
     values_heads = sum("attn_v.weight" in name for name, _ in tensors)
     value_index = down_index = 0
     chosen = [kinds.F32] * len(tensors)
@@ -90,7 +106,7 @@ def k_mix_types(
         if not _is_matrix(name, shape):
             continue
         wanted = default
-        if name == "output.weight" or (tied and name == "token_embd.weight"):
+        if _is_output(name, tied):
             wanted = "Q8_0" if shape[-1] % gguf.GGML_QUANT_SIZES[getattr(kinds, default)][0] else "Q6_K"
         elif "attn_v.weight" in name:
             if gguf_type in MORE_BITS and use_more_bits(value_index, values_heads):
