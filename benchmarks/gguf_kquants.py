@@ -1,4 +1,4 @@
-"""``--gguf_type q4_k_m`` (and q5_k_m, q6_k) against llama.cpp's own ``llama-quantize``, byte for byte.
+"""``--gguf_type q4_k_m`` (and every other k-quant mix) against llama.cpp's own ``llama-quantize``, byte for byte.
 
 Needs a llama.cpp build (not installed by the project; ``pip download --no-binary :all: llama-cpp-python`` holds
 its source under ``vendor/llama.cpp``, built with cmake): ``--llama_cpp DIR`` is its ``build/bin`` folder with
@@ -6,6 +6,7 @@ its source under ``vendor/llama.cpp``, built with cmake): ``--llama_cpp DIR`` is
 
 1. The quantizers alone: random tensors of several kinds through ``pl_lowprec.export.gguf_kquants.quantize_k``
    and through ggml's ``ggml_quantize_chunk`` (ctypes, no importance matrix): how many super-blocks differ.
+   The 32-value types the ``gguf`` package writes (Q8_0, and the fallbacks Q4_0, Q5_0, Q5_1) the same way.
 2. Whole files: a bf16 model directory (random weights, real shapes shrunk in depth) exported with
    ``--gguf_type bf16`` and requantized by ``llama-quantize ... Q4_K_M``, against the direct ``--gguf_type q4_k_m``
    export: each tensor's type and bytes, and the metadata.
@@ -30,8 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-GGML_TYPES = {"Q4_K": (12, 144), "Q5_K": (13, 176), "Q6_K": (14, 210)}
-MIXES = {"q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M", "q6_k": "Q6_K"}
+GGML_TYPES = {"Q2_K": (10, 84), "Q3_K": (11, 110), "Q4_K": (12, 144), "Q5_K": (13, 176), "Q6_K": (14, 210)}
 
 
 def random_cases(rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -73,6 +73,34 @@ def against_ggml(library: Path) -> list[tuple[str, str, int, int, float, float]]
     return rows
 
 
+def gguf_package_against_ggml(library: Path) -> list[tuple[str, int, int, int]]:
+    """The 32-value types the export writes with the ``gguf`` package (Q8_0, and the fallbacks Q4_0, Q5_0, Q5_1)
+    against ggml, on the same tensors: (type, blocks, blocks whose bytes differ, blocks whose values differ)."""
+    import gguf
+
+    lib = ctypes.CDLL(str(library))
+    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3
+    lib.ggml_quantize_chunk.argtypes += [ctypes.c_void_p]
+    rows = []
+    for kind, code in (("Q8_0", 8), ("Q4_0", 2), ("Q5_0", 6), ("Q5_1", 7)):
+        qtype = getattr(gguf.GGMLQuantizationType, kind)
+        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        blocks = differ = values_differ = 0
+        for x in random_cases(np.random.default_rng(0)).values():
+            reference = np.zeros((x.shape[0], x.shape[1] // block * block_bytes), dtype=np.uint8)
+            lib.ggml_quantize_init(code)
+            lib.ggml_quantize_chunk(code, x.ctypes.data, reference.ctypes.data, 0, x.shape[0], x.shape[1], None)
+            theirs = gguf.quants.quantize(x, qtype)
+            same_bytes = (theirs.reshape(-1, block_bytes) == reference.reshape(-1, block_bytes)).all(axis=1)
+            read = [gguf.quants.dequantize(q, qtype).reshape(-1, block) for q in (theirs, reference)]
+            blocks += same_bytes.size
+            differ += int((~same_bytes).sum())
+            values_differ += int((read[0] != read[1]).any(axis=1).sum())
+        rows.append((kind, blocks, differ, values_differ))
+    return rows
+
+
 def tensors(path: Path) -> dict[str, tuple[str, bytes]]:
     import gguf
 
@@ -86,6 +114,7 @@ def against_llama_quantize(binaries: Path, root: Path) -> list[tuple]:
     from model_shapes import LLAMA31_8B, QWEN25_05B, SMOLLM2_135M
 
     from pl_lowprec.export.gguf_convert import convert_to_gguf
+    from pl_lowprec.export.gguf_types import LLAMA_QUANTIZE
 
     tokenizer = save_tokenizer(root / "tokenizer")
     rows = []
@@ -105,7 +134,8 @@ def against_llama_quantize(binaries: Path, root: Path) -> list[tuple]:
         directory = shrunk_model(root / name, tokenizer, fields, head_dim, 352, layers, bos_token_id=0, eos_token_id=1)
         bf16 = root / f"{directory.name}-bf16.gguf"
         convert_to_gguf(directory, bf16, "bf16", directory.name)
-        for gguf_type, ftype in MIXES.items():
+        for gguf_type in LLAMA_QUANTIZE:
+            ftype = gguf_type.upper()  # llama-quantize's name of the mix
             ours = root / f"{directory.name}-{gguf_type}.gguf"
             start = time.perf_counter()
             convert_to_gguf(directory, ours, gguf_type, directory.name)
@@ -132,6 +162,11 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for name, kind, differ, blocks, ours_s, ggml_s in against_ggml(args.llama_cpp / "libggml-base.so"):
         print(f"| {name} | {kind} | {differ} | {blocks} | {ours_s:.3f} | {ggml_s:.3f} |")
+    print()
+    print("| type (the gguf package's quantizer) | blocks | bytes differing from ggml | values read back differing |")
+    print("|---|---|---|---|")
+    for kind, blocks, differ, values_differ in gguf_package_against_ggml(args.llama_cpp / "libggml-base.so"):
+        print(f"| {kind} | {blocks} | {differ} | {values_differ} |")
     print()
     header = "| model shape | layers | --gguf_type | tensors | same type as llama-quantize | same bytes | types |"
     print(f"{header} export s |")

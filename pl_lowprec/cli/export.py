@@ -44,8 +44,9 @@ def main(args: list[str] | None = None) -> None:
     parser.add_argument(
         "--gguf_type",
         default=None,
-        help="With --format gguf: auto (the default: bf16 or f16), bf16, f16, q8_0, q6_k, q5_k_m, q4_k_m"
-        " (llama-quantize's mixes; q4_k_m is Ollama's default), q4_0.",
+        help="With --format gguf: auto (the default: bf16 or f16), bf16, f16, q8_0, q4_0, or one of"
+        " llama-quantize's k-quant mixes, largest first: q6_k, q5_k_m, q5_k_s, q4_k_m (Ollama's default), q4_k_s,"
+        " q3_k_l, q3_k_m, q3_k_s, q2_k.",
     )
     parser.add_argument(
         "--overwrite",

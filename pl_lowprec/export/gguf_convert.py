@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from itertools import groupby
 from pathlib import Path
@@ -28,7 +28,7 @@ from pl_lowprec.export.gguf_arch import (
     llama3_rope_factors,
     permute_qk,
 )
-from pl_lowprec.export.gguf_types import K_MIXES, encode, file_type, stored_as, tensor_types
+from pl_lowprec.export.gguf_types import LLAMA_QUANTIZE, MixModel, encode, file_type, stored_as, tensor_types
 from pl_lowprec.export.gguf_vocab import add_vocabulary
 from pl_lowprec.loading.sources import INDEX_NAME, open_safetensors
 
@@ -74,45 +74,65 @@ def auto_type(model_dir: Path) -> str:
 
 def plan(gguf: Any, model_dir: Path, config: Any, arch: Architecture, gguf_type: str) -> list[Planned]:
     """Every tensor the file will hold, from the safetensors headers (nothing is loaded)."""
+
+    def headers() -> Iterator[tuple[Path, str, tuple[int, ...]]]:
+        for file in safetensors_files(model_dir):
+            with open_safetensors(file) as handle:
+                for key in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                    yield file, key, tuple(handle.get_slice(key).get_shape())
+
+    return plan_tensors(gguf, headers(), config, arch, gguf_type)
+
+
+def plan_tensors(
+    gguf: Any,
+    sources: Iterable[tuple[Path | None, str, tuple[int, ...]]],
+    config: Any,
+    arch: Architecture,
+    gguf_type: str,
+) -> list[Planned]:
+    """Every tensor the file will hold, from each checkpoint tensor's (file, key, shape): its GGUF name, and its
+    type, chosen once every tensor is known (a k-quant mix counts layers)."""
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.gguf_arch), config.num_hidden_layers)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    planned: list[Planned] = []  # typed below, once every tensor is known (a k-quant mix counts layers)
+    planned: list[Planned] = []
     factors = llama3_rope_factors(config)
     if factors is not None:
         name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
         planned.append(Planned(name, factors.shape, None))
-    for file in safetensors_files(model_dir):
-        with open_safetensors(file) as handle:
-            for key in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                if key.endswith(SKIPPED_SUFFIXES) or (tied and key == "lm_head.weight"):
-                    continue
-                base, _, suffix = key.rpartition(".")
-                gguf_base = names.get_name(base)
-                if gguf_base is None:
-                    raise ValueError(
-                        f"{file.name} holds {key!r}, which llama.cpp's {arch.gguf_arch.lower()} has no tensor for: the"
-                        f" GGUF could not compute what this {arch.model_type} model computes. Export --format merged."
-                    )
-                shape = tuple(handle.get_slice(key).get_shape())
-                planned.append(Planned(f"{gguf_base}.{suffix}", shape, None, file, key))
+    for file, key, shape in sources:
+        if key.endswith(SKIPPED_SUFFIXES) or (tied and key == "lm_head.weight"):
+            continue
+        base, _, suffix = key.rpartition(".")
+        gguf_base = names.get_name(base)
+        if gguf_base is None:
+            raise ValueError(
+                f"{file.name if file else 'The model'} holds {key!r}, which llama.cpp's {arch.gguf_arch.lower()} has"
+                f" no tensor for: the GGUF could not compute what this {arch.model_type} model computes. Export"
+                " --format merged."
+            )
+        planned.append(Planned(f"{gguf_base}.{suffix}", shape, None, file, key))
     tensors = [(item.gguf_name, item.shape) for item in planned]
-    types = tensor_types(gguf, gguf_type, tensors, config.num_hidden_layers, seventy_b(config, arch))
+    types = tensor_types(gguf, gguf_type, tensors, mix_model(config, arch))
     return [replace(item, qtype=qtype) for item, qtype in zip(planned, types, strict=True)]
 
 
-def k_fallbacks(planned: list[Planned]) -> dict[int, int]:
-    """Row width -> how many quantized matrices have rows of it that do not split into 256-value super-blocks."""
-    widths = Counter(item.shape[-1] for item in planned if item.qtype.name not in ("F32", "F16", "BF16"))
-    return {width: count for width, count in sorted(widths.items()) if width % 256}
+def k_fallbacks(planned: list[Planned]) -> dict[str, Any]:
+    """The matrices whose rows do not split into 256-value super-blocks (so a k-quant mix writes each in its
+    type's fallback, or F16): ``rows`` (row width -> how many) and the ``types`` they were written in."""
+    odd = [item for item in planned if item.qtype.name != "F32" and item.shape[-1] % 256]
+    widths = Counter(item.shape[-1] for item in odd)
+    return {"rows": dict(sorted(widths.items())), "types": sorted({item.qtype.name for item in odd})}
 
 
-def seventy_b(config: Any, arch: Architecture) -> bool:
-    """Whether llama.cpp takes this model for a 70B (``LLM_TYPE_70B``: 80 layers, and grouped KV heads for llama),
-    whose ``attn_v`` its k-quant mixes write with more bits."""
-    if config.num_hidden_layers != 80:
-        return False
+def mix_model(config: Any, arch: Architecture) -> MixModel:
+    """What ``llama-quantize`` reads from the model for its mixes: the layers, the query heads per KV head, and
+    whether it takes the model for a 70B (``LLM_TYPE_70B``: 80 layers, and grouped KV heads for llama)."""
     heads = config.num_attention_heads
-    return arch.gguf_arch == "QWEN2" or (getattr(config, "num_key_value_heads", None) or heads) != heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    layers = config.num_hidden_layers
+    seventy_b = layers == 80 and (arch.gguf_arch == "QWEN2" or kv_heads != heads)
+    return MixModel(layers, heads // kv_heads, seventy_b)
 
 
 def tensor_values(planned: list[Planned], config: Any, arch: Architecture) -> Iterator[np.ndarray]:
@@ -156,7 +176,7 @@ def convert_to_gguf(model_dir: Path, out_file: Path, gguf_type: str, name: str) 
         "architecture": arch.gguf_arch.lower(),
         "tensors": len(planned),
         "types": Counter(item.qtype.name for item in planned),
-        "k_fallbacks": k_fallbacks(planned) if gguf_type in K_MIXES else {},
+        "k_fallbacks": k_fallbacks(planned) if gguf_type in LLAMA_QUANTIZE else {"rows": {}, "types": []},
         "parameters": parameters,
         "vocab": vocab,
         "config": config,

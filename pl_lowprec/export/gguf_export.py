@@ -17,7 +17,7 @@ from typing import Any
 from pl_lowprec._imports import gguf_missing, import_gguf
 from pl_lowprec.export.gguf_arch import architecture
 from pl_lowprec.export.gguf_convert import auto_type, convert_to_gguf, model_config
-from pl_lowprec.export.gguf_types import check_gguf_type
+from pl_lowprec.export.gguf_types import FALLBACK, check_gguf_type
 from pl_lowprec.export.gguf_vocab import check_tokenizer
 from pl_lowprec.export.modelfile import chat_parts, modelfile, verified_template
 from pl_lowprec.export.out_paths import prepare_out_dir
@@ -25,6 +25,18 @@ from pl_lowprec.export.restore import Restored
 from pl_lowprec.export.write import check_merged, export, pretrained_dir, read_paths
 from pl_lowprec.loading import PretrainedWeights
 from pl_lowprec.loading.tokenizer import load_tokenizer
+
+
+def fallback_pairs(written_types: list[str]) -> str:
+    """llama-quantize's fallbacks that gave ``written_types``, in words: ``Q4_K -> Q5_0, Q6_K -> Q8_0``."""
+    pairs = []
+    for target in written_types:
+        sources = [kind for kind, fallback in FALLBACK.items() if fallback == target]
+        if target == "F16":
+            pairs.append("F16 where a row does not split into 32 values either")
+        elif sources:
+            pairs.append(f"{' or '.join(sources)} -> {target}")
+    return ", ".join(pairs)
 
 
 def check_gguf_request(gguf_type: str, dtype: str | None) -> None:
@@ -103,11 +115,11 @@ def summary(
     else:
         template_note = "no TEMPLATE: the tokenizer has no chat template (plain completion)"
     fallback_note = ""
-    if written.get("k_fallbacks"):
-        rows = ", ".join(f"{count} with rows of {width}" for width, count in written["k_fallbacks"].items())
+    if written["k_fallbacks"]["rows"]:
+        rows = ", ".join(f"{count} with rows of {width}" for width, count in written["k_fallbacks"]["rows"].items())
         fallback_note = (
             f" Matrices whose rows do not split into 256-value k-quant super-blocks ({rows}) are written in"
-            " llama-quantize's fallback types (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0), as it writes them."
+            f" llama-quantize's fallback types ({fallback_pairs(written['k_fallbacks']['types'])}), as it writes them."
         )
     window = getattr(config, "sliding_window", None)
     window_note = ""

@@ -1,9 +1,9 @@
-"""llama.cpp's k-quants Q4_K, Q5_K and Q6_K, written as ``llama-quantize`` writes them without an importance matrix.
+"""llama.cpp's k-quants Q2_K to Q6_K, written as ``llama-quantize`` writes them without an importance matrix.
 
 The ``gguf`` package reads these types but cannot write them (its ``quantize`` raises for them), and Q4_K_M,
 Ollama's default, is made of them. This is a numpy port of ggml's reference quantizers (``ggml-quants.c``:
-``quantize_row_q4_K_ref``, ``quantize_row_q5_K_ref``, ``quantize_row_q6_K_ref`` and their ``make_qkx2_quants``
-and ``make_qx_quants``), which ``llama-quantize`` runs when it is given no imatrix. ggml builds them in its base
+``quantize_row_q2_K_ref`` to ``quantize_row_q6_K_ref`` and their ``make_qkx2_quants``, ``make_q3_quants`` and
+``make_qx_quants``), which ``llama-quantize`` runs when it is given no imatrix. ggml builds them in its base
 library without ``-march=native`` (no fused multiply-add), so every float32 operation here is done in the same
 order as there: sums run one term after another (a block's values down the first axis, added row by row),
 ``nearest_int`` is a round half to even, and the search over candidate scales goes step by step, as in C. The
@@ -14,6 +14,7 @@ blocks are independent, so each step runs on all of a chunk's blocks at once, an
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -34,8 +35,10 @@ def _sequential_sum(values: np.ndarray) -> np.ndarray:
 
 
 def _nearest_int(values: np.ndarray) -> np.ndarray:
-    """ggml's ``nearest_int``: round half to even (it adds 1.5 * 2^23 and reads the mantissa)."""
-    return np.rint(values).astype(np.int32)
+    """ggml's ``nearest_int``: it adds 1.5 * 2^23 and reads the mantissa, a round half to even for magnitudes
+    below 2^22 (and, as in C, a wrapped value beyond them)."""
+    shifted = (np.asarray(values, dtype=F32) + F32(12582912)).view(np.int32)
+    return (shifted & 0x7FFFFF) - 0x400000
 
 
 def _fp16(values: np.ndarray) -> np.ndarray:
@@ -45,10 +48,15 @@ def _fp16(values: np.ndarray) -> np.ndarray:
 
 
 def make_qkx2_quants(
-    x: np.ndarray, weights: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int
+    x: np.ndarray, weights: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool = False
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Levels 0..nmax, a scale and a min for each column of ``x`` [32, blocks]: the weighted least-squares fit of
-    ``scale * level - min`` over ``nstep + 1`` candidate scales. Returns (levels, scale, the_min)."""
+    """Levels 0..nmax, a scale and a min for each column of ``x`` [n, blocks]: the weighted least-squares fit of
+    ``scale * level - min`` over ``nstep + 1`` candidate scales, each judged by its weighted squared error (or
+    absolute error, ``use_mad``). Returns (levels, scale, the_min)."""
+
+    def error(diff: np.ndarray) -> np.ndarray:
+        return _sequential_sum(weights * (np.abs(diff) if use_mad else diff * diff))
+
     low = np.minimum(x.min(axis=0), F32(0))
     high = x.max(axis=0)
     sum_w = _sequential_sum(weights)
@@ -57,8 +65,7 @@ def make_qkx2_quants(
     iscale = F32(nmax) / np.where(flat, F32(1), high - low)
     scale = F32(1) / iscale
     levels = np.clip(_nearest_int(iscale * (x - low)), 0, nmax)
-    diff = scale * levels.astype(F32) + low - x
-    best_error = _sequential_sum(weights * (diff * diff))
+    best_error = error(scale * levels.astype(F32) + low - x)
     for step in range(nstep + 1):
         iscale = (F32(rmin) + F32(rdelta) * F32(step) + F32(nmax)) / np.where(flat, F32(1), high - low)
         ell = np.subtract(x, low)
@@ -76,14 +83,44 @@ def make_qkx2_quants(
         positive = this_min > 0
         this_min = np.where(positive, F32(0), this_min)
         this_scale = np.where(positive, sum_xl / np.where(sum_l2 == 0, F32(1), sum_l2), this_scale)
-        diff = this_scale * ell + this_min - x
-        error = _sequential_sum(weights * (diff * diff))
-        better = solvable & (error < best_error) & ~flat
+        this_error = error(this_scale * ell + this_min - x)
+        better = solvable & (this_error < best_error) & ~flat
         np.copyto(levels, ell.astype(np.int32), where=better)
-        best_error = np.where(better, error, best_error)
+        best_error = np.where(better, this_error, best_error)
         scale = np.where(better, this_scale, scale)
         low = np.where(better, this_min, low)
     return np.where(flat, 0, levels), np.where(flat, F32(0), scale), -low
+
+
+def make_q3_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """Levels 0..2*nmax-1 and a signed scale for each column of ``x`` [16, blocks] (``make_q3_quants`` with
+    do_rmse): start from the scale that maps the largest magnitude to -nmax, then up to 5 passes that move one
+    level at a time, in order, where that raises the x²-weighted fit (a pass that moves none leaves every later
+    pass the same, so all 5 run here)."""
+    biggest = np.abs(x).argmax(axis=0)
+    peak = np.take_along_axis(x, biggest[None], axis=0)[0]
+    zero = np.abs(peak) < EPS
+    iscale = F32(-nmax) / np.where(zero, F32(1), peak)
+    levels = np.clip(_nearest_int(iscale * x), -nmax, nmax - 1).astype(F32)
+    weights = x * x
+    weighted_x = weights * x
+    sumlx = _sequential_sum(weighted_x * levels)
+    suml2 = _sequential_sum(weights * levels * levels)
+    for _ in range(5):
+        for i in range(x.shape[0]):
+            level = levels[i]
+            slx = sumlx - weighted_x[i] * level
+            sl2 = suml2 - weights[i] * level * level
+            positive = slx > 0
+            new = np.clip(_nearest_int(x[i] * sl2 / np.where(positive, slx, F32(1))), -nmax, nmax - 1).astype(F32)
+            slx = slx + weighted_x[i] * new
+            sl2 = sl2 + weights[i] * new * new
+            better = positive & (new != level) & (sl2 > 0) & (slx * slx * suml2 > sumlx * sumlx * sl2)
+            levels[i] = np.where(better, new, level)
+            sumlx = np.where(better, slx, sumlx)
+            suml2 = np.where(better, sl2, suml2)
+    scale = np.where(suml2 > 0, sumlx / np.where(suml2 > 0, suml2, F32(1)), F32(0))
+    return np.where(zero, 0, levels.astype(np.int32) + nmax), np.where(zero, F32(0), scale)
 
 
 def make_qx_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
@@ -148,6 +185,73 @@ def _scale_min_k(x: np.ndarray, nmax: int, rmin: float, nstep: int) -> tuple[np.
     return np.concatenate([header, _pack_scale_min(ls, lm)], axis=-1), levels
 
 
+def _signed_sub_blocks(
+    x: np.ndarray, quants: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]], nmax: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q3_K's and Q6_K's first step for super-blocks ``x`` [n, 256]: each sub-block of 16 fitted by ``quants``
+    (levels [n, 16, 16], signed scales [n, 16]), and each super-block's scale of largest magnitude, signed (the
+    first of equals, as C's strict ``>`` keeps it)."""
+    blocks = x.shape[0]
+    levels, scales = quants(np.ascontiguousarray(x.reshape(blocks * 16, 16).T), nmax)
+    levels, scales = levels.T.reshape(blocks, 16, 16), scales.reshape(blocks, 16)
+    biggest = np.abs(scales).argmax(axis=-1)
+    return levels, scales, np.take_along_axis(scales, biggest[:, None], axis=-1)[:, 0]
+
+
+def _pack_2bit(levels: np.ndarray) -> np.ndarray:
+    """The 64 bytes of 256 two-bit levels [n, 256] (Q2_K, and Q3_K's low bits): per run of 128, byte l holds
+    levels l, l+32, l+64 and l+96."""
+    quarters = levels.astype(np.uint8).reshape(-1, 2, 4, 32)
+    packed = quarters[:, :, 0] | (quarters[:, :, 1] << 2) | (quarters[:, :, 2] << 4) | (quarters[:, :, 3] << 6)
+    return packed.reshape(-1, 64)
+
+
+def _q2_k(x: np.ndarray) -> np.ndarray:
+    blocks = x.shape[0]
+    sub = np.ascontiguousarray(x.reshape(blocks * 16, 16).T)  # [16, sub-blocks]
+    levels, scales, mins = make_qkx2_quants(sub, np.abs(sub), 3, -0.5, 0.1, 15, use_mad=True)
+    scales, mins, levels = scales.reshape(blocks, 16), mins.reshape(blocks, 16), levels.T.reshape(blocks, 16, 16)
+    max_scale = np.maximum(scales.max(axis=-1), F32(0))
+    max_min = np.maximum(mins.max(axis=-1), F32(0))
+    inv_scale = F32(15) / np.where(max_scale > 0, max_scale, F32(1))
+    inv_min = F32(15) / np.where(max_min > 0, max_min, F32(1))
+    packed = np.where(max_scale[:, None] > 0, _nearest_int(inv_scale[:, None] * scales), 0) & 0xFF
+    packed |= np.where(max_min[:, None] > 0, _nearest_int(inv_min[:, None] * mins) << 4, 0) & 0xFF
+    d16, d = _fp16(np.where(max_scale > 0, max_scale / F32(15), F32(0)))
+    dmin16, dmin = _fp16(np.where(max_min > 0, max_min / F32(15), F32(0)))
+    step = d[:, None] * (packed & 0xF).astype(F32)
+    offset = dmin[:, None] * (packed >> 4).astype(F32)
+    nonzero = step != 0
+    safe = np.where(nonzero, step, F32(1))
+    requantized = np.clip(_nearest_int((x.reshape(blocks, 16, 16) + offset[..., None]) / safe[..., None]), 0, 3)
+    levels = np.where(nonzero[..., None], requantized, levels).reshape(blocks, QK_K)
+    tail = np.concatenate([d16[:, None].view(np.uint8), dmin16[:, None].view(np.uint8)], axis=-1)
+    return np.concatenate([packed.astype(np.uint8), _pack_2bit(levels), tail], axis=-1)
+
+
+def _q3_k(x: np.ndarray) -> np.ndarray:
+    blocks = x.shape[0]
+    levels, scales, max_scale = _signed_sub_blocks(x, make_q3_quants, 4)
+    scaled = max_scale != 0
+    iscale = F32(-32) / np.where(scaled, max_scale, F32(1))
+    small = np.where(scaled[:, None], np.clip(_nearest_int(iscale[:, None] * scales), -32, 31) + 32, 0)
+    packed = np.zeros((blocks, 12), dtype=np.uint8)  # low nibbles of 0-7 then 8-15 in bytes 0-7; high bits 8-11
+    packed[:, :8] = (small[:, :8] & 0xF) | ((small[:, 8:] & 0xF) << 4)
+    for quarter in range(4):
+        packed[:, 8:] |= ((small[:, 4 * quarter : 4 * quarter + 4] >> 4) << (2 * quarter)).astype(np.uint8)
+    d16, d = _fp16(np.where(scaled, F32(1) / iscale, F32(0)))
+    step = d[:, None] * (small - 32).astype(F32)
+    nonzero = step != 0
+    safe = np.where(nonzero, step, F32(1))
+    requantized = np.clip(_nearest_int(x.reshape(blocks, 16, 16) / safe[..., None]), -4, 3) + 4
+    levels = np.where(nonzero[..., None], requantized, levels).reshape(blocks, 8, 32)
+    hmask = np.zeros((blocks, 32), dtype=np.uint8)  # bit b of byte m: the high bit of level 32 * b + m
+    for bit in range(8):
+        hmask |= (levels[:, bit] > 3).astype(np.uint8) << bit
+    low = _pack_2bit((levels & 3).reshape(blocks, QK_K))
+    return np.concatenate([hmask, low, packed, d16[:, None].view(np.uint8)], axis=-1)
+
+
 def _q4_k(x: np.ndarray) -> np.ndarray:
     header, levels = _scale_min_k(x, 15, -1.0, 20)
     halves = levels.reshape(-1, 4, 2, 32)  # 4 runs of 64: the first 32 in the low nibbles, the next in the high
@@ -169,10 +273,7 @@ def _q5_k(x: np.ndarray) -> np.ndarray:
 
 def _q6_k(x: np.ndarray) -> np.ndarray:
     blocks = x.shape[0]
-    levels, scales = make_qx_quants(np.ascontiguousarray(x.reshape(blocks * 16, 16).T), 32)
-    levels, scales = levels.T.reshape(blocks, 16, 16), scales.reshape(blocks, 16)
-    biggest = np.abs(scales).argmax(axis=-1)
-    max_scale = np.take_along_axis(scales, biggest[:, None], axis=-1)[:, 0]
+    levels, scales, max_scale = _signed_sub_blocks(x, make_qx_quants, 32)
     zero = np.abs(max_scale) < EPS
     iscale = F32(-128) / np.where(zero, F32(1), max_scale)
     d16, d = _fp16(F32(1) / iscale)
@@ -192,11 +293,17 @@ def _q6_k(x: np.ndarray) -> np.ndarray:
     return packed
 
 
-QUANTIZERS = {"Q4_K": (_q4_k, 144), "Q5_K": (_q5_k, 176), "Q6_K": (_q6_k, 210)}
+QUANTIZERS = {
+    "Q2_K": (_q2_k, 84),
+    "Q3_K": (_q3_k, 110),
+    "Q4_K": (_q4_k, 144),
+    "Q5_K": (_q5_k, 176),
+    "Q6_K": (_q6_k, 210),
+}
 
 
 def quantize_k(values: np.ndarray, kind: str) -> np.ndarray:
-    """``values`` [..., n] (n a multiple of 256) as the bytes of ``kind`` (Q4_K, Q5_K or Q6_K), [..., n / 256 *
+    """``values`` [..., n] (n a multiple of 256) as the bytes of ``kind`` (Q2_K to Q6_K), [..., n / 256 *
     block bytes], as ``gguf.quants.quantize`` returns the types it writes."""
     quantizer, block_bytes = QUANTIZERS[kind]
     if values.shape[-1] % QK_K:

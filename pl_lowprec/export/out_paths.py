@@ -13,13 +13,15 @@ import re
 import shutil
 from pathlib import Path
 
+from pl_lowprec.export.gguf_types import GGUF_TYPES
+
 # What save_pretrained writes for a model, an adapter or a tokenizer (and nothing a run or a user keeps).
 EXPORT_FILE = re.compile(
     r"(model|adapter_model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?"
     r"|config\.json|generation_config\.json|adapter_config\.json|README\.md"
     r"|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|added_tokens\.json"
     r"|vocab\.json|merges\.txt|tokenizer\.model|chat_template\.(jinja|json)"
-    r"|model-(bf16|f16|q8_0|q6_k|q5_k_m|q4_k_m|q4_0)\.gguf|Modelfile"
+    rf"|model-({'|'.join(GGUF_TYPES)})\.gguf|Modelfile"
 )
 # The merged model a GGUF export converts from, left behind only if the export was killed before it finished.
 EXPORT_DIR = re.compile(r"\.merged-[\w-]+")

@@ -158,7 +158,7 @@ def test_f16_q8_0_and_q4_0_read_back_within_their_rounding(tmp_path, tokenizer_d
             if block_bound is None:
                 assert error.max() <= weight.abs().max() * 2**-11, name
                 continue
-            tied_output = name == "model.embed_tokens.weight" and gguf_type == "q4_0"  # kept at Q8_0
+            tied_output = name == "model.embed_tokens.weight" and gguf_type == "q4_0"  # Q6_K: rows of 224, so Q8_0
             levels, fraction = q8_0 if tied_output else block_bound
             step = weight.reshape(weight.shape[0], -1, 32).abs().amax(-1, keepdim=True) / levels
             assert (error.reshape(step.shape[0], -1, 32) <= step * fraction + 1e-7).all(), (gguf_type, name)
@@ -232,7 +232,7 @@ def test_q4_k_m_export_from_the_users_checkpoint(trained, tmp_path, capsys):
     assert "21 tensors: 5 F32, 13 Q5_0, 3 Q8_0;" in printed, printed
     assert (
         "Matrices whose rows do not split into 256-value k-quant super-blocks (14 with rows of 64, 2 with rows of 192)"
-        " are written in llama-quantize's fallback types (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0)"
+        " are written in llama-quantize's fallback types (Q4_K -> Q5_0, Q6_K -> Q8_0), as it writes them."
     ) in printed, printed
     assert sorted(p.name for p in out.iterdir()) == ["Modelfile", "model-q4_k_m.gguf"]
     assert (out / "Modelfile").read_text().startswith("FROM ./model-q4_k_m.gguf\n")
@@ -243,6 +243,26 @@ def test_q4_k_m_export_from_the_users_checkpoint(trained, tmp_path, capsys):
     )
     assert tensors["blk.1.ffn_down.weight"].tensor_type.name == "Q8_0"  # use_more_bits(1, 2)
     assert tensors["blk.0.ffn_down.weight"].tensor_type.name == "Q5_0"
+
+
+def test_q3_k_m_export_names_each_fallback_it_took(trained, tmp_path, capsys):
+    """Q3_K_M mixes four k-quant types (Q3_K; Q4_K for attn_output and ffn_down; Q5_K for the first two attn_v;
+    Q6_K for the output), and on rows of 64 each becomes its own fallback, named in the summary."""
+    from pl_lowprec.cli import main
+
+    checkpoint, args, _ = trained
+    out = tmp_path / "gguf"
+    main(["export", f"--ckpt_path={checkpoint}", f"--out={out}", "--format=gguf", "--gguf_type=q3_k_m", *args])
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "21 tensors: 5 F32, 9 Q4_0, 4 Q5_0, 2 Q5_1, 1 Q8_0;" in printed, printed
+    assert (
+        "fallback types (Q2_K or Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0), as it writes them." in printed
+    )
+    fields, tensors = metadata(out / "model-q3_k_m.gguf")
+    assert fields["general.file_type"] == int(gguf.LlamaFileType.MOSTLY_Q3_K_M)
+    assert tensors["blk.1.attn_v.weight"].tensor_type.name == "Q5_1"  # Q5_K in the first two layers
+    assert tensors["blk.1.attn_output.weight"].tensor_type.name == "Q5_0"  # Q4_K
+    assert tensors["blk.1.attn_q.weight"].tensor_type.name == "Q4_0"  # Q3_K
 
 
 def test_refusals_come_before_anything_loads_and_name_the_fix(trained, pretrained, tmp_path, monkeypatch, capsys):
@@ -257,7 +277,13 @@ def test_refusals_come_before_anything_loads_and_name_the_fix(trained, pretraine
     out = tmp_path / "gguf"
     base = ["export", f"--ckpt_path={checkpoint}", f"--out={out}", *args]
     cases = [
-        (["--format=gguf", "--gguf_type=q5_k"], r"--gguf_type 'q5_k' is not one this export writes: choose bf16"),
+        (["--format=gguf", "--gguf_type=q5_k"], r"--gguf_type 'q5_k' is not one this export writes\. It writes bf16"),
+        (
+            ["--format=gguf", "--gguf_type=IQ4_XS"],
+            r"IQ4_XS is one of llama.cpp's importance-matrix types .* run"
+            r" llama-quantize --imatrix on the file; or choose q2_k or q3_k_s, which need none\.",
+        ),
+        (["--format=gguf", "--gguf_type=Q4_K_M"], r"--gguf_type is written in lower case.*: --gguf_type q4_k_m\.$"),
         (["--format=gguf", "--dtype=float32"], r"--dtype float32 sets the dtype of a --format merged export"),
         (["--format=gguf", "--merged"], r"--merged asks for a merged model directory and --format gguf"),
         (["--gguf_type=q8_0"], r"--gguf_type q8_0 applies to --format gguf, and this export is --format adapter"),

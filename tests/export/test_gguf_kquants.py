@@ -1,4 +1,4 @@
-"""``--gguf_type q4_k_m`` / ``q5_k_m`` / ``q6_k``: llama-quantize's k-quant mixes, written without llama.cpp.
+"""``--gguf_type q4_k_m`` and the other k-quant mixes (q6_k to q2_k) as llama-quantize writes them, without llama.cpp.
 
 The reference is llama.cpp itself, which CI does not have: the digests below are of ggml's own bytes
 (``ggml_quantize_chunk``, no importance matrix) for ``kquant_values.fixed_values()``, recorded from llama.cpp
@@ -9,6 +9,7 @@ The reference is llama.cpp itself, which CI does not have: the digests below are
 from __future__ import annotations
 
 import hashlib
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -17,15 +18,17 @@ from gguf_helpers import convert, held_out_ids, logits, metadata
 from gguf_helpers import shrunk_model as shrunk
 from kquant_values import fixed_values
 from loading_helpers import save_tokenizer
-from model_shapes import LLAMA31_8B, QWEN25_05B
+from model_shapes import LLAMA31_8B, QWEN25_05B, SMOLLM2_135M
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
 from pl_lowprec.export.gguf_kquants import quantize_k  # noqa: E402
-from pl_lowprec.export.gguf_types import k_mix_types  # noqa: E402
+from pl_lowprec.export.gguf_types import MixModel, k_mix_types  # noqa: E402
 
 GGML_DIGESTS = {
+    "Q2_K": "a0b92d445e5cf1325801405fad4bec11c43e0acc34bcb570f07376147760c7ca",
+    "Q3_K": "fcb431d5b93616dfa70183f7131f03f863fe9cf2a576733f51e46726ed29bf3e",
     "Q4_K": "5d2033e62a419e1bb22eab7ab8345356b91467acbe1676581c667826dd5f8d1c",
     "Q5_K": "39433354f91141c91fbe93c62903ea1b1aeff9d72416baab1f8afba15c31acbb",
     "Q6_K": "643b2d6bfc034e1fe667595f6205f09722d77fd7842f7bfc1c557c8529552a52",
@@ -39,9 +42,9 @@ def test_k_quant_bytes_are_ggmls(kind):
     assert hashlib.sha256(quantize_k(values, kind).tobytes()).hexdigest() == GGML_DIGESTS[kind]
 
 
-# The largest error in a 256-value super-block, of its largest magnitude, at 1.5x the measured (Q4_K 0.114, Q5_K
-# 0.050, Q6_K 0.018: 16, 32 and 64 levels over sub-blocks of 32 or 16, each with its own 6- or 8-bit scale).
-WORST_ERROR = {"Q4_K": 0.17, "Q5_K": 0.075, "Q6_K": 0.027}
+# The largest error in a 256-value super-block, of its largest magnitude, at 1.5x the measured (Q2_K 0.53, Q3_K
+# 0.24, Q4_K 0.114, Q5_K 0.050, Q6_K 0.018: 4 to 64 levels over sub-blocks of 16 or 32, each with its own scale).
+WORST_ERROR = {"Q2_K": 0.8, "Q3_K": 0.36, "Q4_K": 0.17, "Q5_K": 0.075, "Q6_K": 0.027}
 
 
 @pytest.mark.parametrize("kind", list(GGML_DIGESTS))
@@ -85,48 +88,98 @@ def llama_tensors(layers: int, hidden: int, tied: bool) -> list[tuple[str, tuple
     return [("output_norm.weight", (hidden,)), *names]
 
 
-def types_by_name(gguf_type, tensors, layers, seventy_b=False) -> dict[str, str]:
-    types = k_mix_types(gguf, gguf_type, tensors, layers, seventy_b)
+def types_by_name(gguf_type, tensors, layers, gqa=4, seventy_b=False) -> dict[str, str]:
+    types = k_mix_types(gguf, gguf_type, tensors, MixModel(layers, gqa, seventy_b))
     return {name: kind.name for (name, _), kind in zip(tensors, types, strict=True)}
 
 
-# As llama-quantize 0c1e570 chose them for these shapes (benchmarks/gguf_kquants.py: every tensor the same type)
-MORE_BITS_16 = {0, 1, 4, 7, 10, 13, 14, 15}  # use_more_bits(i, 16): the first and last eighth, every third between
+# As llama-quantize 0c1e570 chose them for Llama-3.1-8B's shapes cut to 16 layers (GQA 32/8, untied output;
+# benchmarks/gguf_kquants.py: every tensor the same type and bytes): per layer 0-15, the digit d of Q{d}_K.
+MIX_16 = {  # mix: attn_v, ffn_down, attn_output, every other block matrix and the embedding
+    "q6_k": ("6" * 16, "6" * 16, "6" * 16, "6"),
+    "q5_k_m": ("6655655655655666", "6655655655655666", "5" * 16, "5"),  # use_more_bits: 0, 1, 4, 7, 10, 13-15
+    "q5_k_s": ("5" * 16, "5" * 16, "5" * 16, "5"),
+    "q4_k_m": ("6644644644644666", "6644644644644666", "4" * 16, "4"),
+    "q4_k_s": ("5555" + "4" * 12, "55" + "4" * 14, "4" * 16, "4"),  # attn_v 0-3, ffn_down the first eighth
+    "q3_k_l": ("5" * 16, "5" * 16, "5" * 16, "3"),
+    "q3_k_m": ("55" + "4" * 14, "5" + "4" * 15, "4" * 16, "3"),  # attn_v 0-1, ffn_down the first sixteenth
+    "q3_k_s": ("3" * 16, "3" * 16, "3" * 16, "3"),
+    "q2_k": ("4" * 16, "3" * 16, "3" * 16, "2"),  # attn_v at Q4_K with 4 query heads per KV head or more
+}
 
 
-@pytest.mark.parametrize("gguf_type", ["q4_k_m", "q5_k_m"])
-def test_mix_gives_attn_v_and_ffn_down_more_bits_in_llama_quantizes_layers(gguf_type):
-    base = {"q4_k_m": "Q4_K", "q5_k_m": "Q5_K"}[gguf_type]
+@pytest.mark.parametrize("gguf_type", list(MIX_16))
+def test_each_mix_gives_each_layer_the_types_llama_quantize_gives_it(gguf_type):
+    values, down, output, other = MIX_16[gguf_type]
     types = types_by_name(gguf_type, llama_tensors(16, 256, tied=False), 16)
     for layer in range(16):
-        for kind in ("attn_v", "ffn_down"):
-            assert types[f"blk.{layer}.{kind}.weight"] == ("Q6_K" if layer in MORE_BITS_16 else base), (layer, kind)
-        for kind in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"):
-            assert types[f"blk.{layer}.{kind}.weight"] == base
+        for kind, digits in (("attn_v", values), ("ffn_down", down), ("attn_output", output)):
+            assert types[f"blk.{layer}.{kind}.weight"] == f"Q{digits[layer]}_K", (layer, kind)
+        for kind in ("attn_q", "attn_k", "ffn_gate", "ffn_up"):
+            assert types[f"blk.{layer}.{kind}.weight"] == f"Q{other}_K", (layer, kind)
         assert types[f"blk.{layer}.attn_norm.weight"] == "F32"
-    assert types["output.weight"] == "Q6_K" and types["token_embd.weight"] == base
+    assert types["output.weight"] == "Q6_K" and types["token_embd.weight"] == f"Q{other}_K"
     tied = types_by_name(gguf_type, llama_tensors(16, 256, tied=True), 16)  # Llama-3.2-1B: the embedding is the output
     assert tied["token_embd.weight"] == "Q6_K" and "output.weight" not in tied
 
 
-def test_mix_of_a_70b_writes_attn_v_at_q5_k_and_q6_k_everywhere_for_q6_k():
+def test_q4_0_is_llama_quantizes_every_matrix_q4_0_but_the_output_at_q6_k():
+    types = types_by_name("q4_0", llama_tensors(16, 256, tied=False), 16)
+    assert types.pop("output.weight") == "Q6_K"
+    assert {kind for name, kind in types.items() if not name.endswith("norm.weight")} == {"Q4_0"}
+    tied = types_by_name("q4_0", llama_tensors(2, 256, tied=True), 2)
+    assert tied["token_embd.weight"] == "Q6_K"
+    narrow = types_by_name("q4_0", llama_tensors(2, 224, tied=True), 2)  # Qwen2.5's shapes: rows of 224
+    assert narrow["token_embd.weight"] == "Q8_0" and narrow["blk.0.attn_q.weight"] == "Q4_0"
+
+
+def test_q2_k_keeps_attn_v_at_q3_k_with_fewer_than_4_query_heads_per_kv_head():
+    """SmolLM2's 9/3 heads: n_gqa 3."""
+    types = types_by_name("q2_k", llama_tensors(4, 256, tied=True), 4, gqa=3)
+    assert {types[f"blk.{i}.attn_v.weight"] for i in range(4)} == {"Q3_K"}
+    assert types_by_name("q2_k", llama_tensors(4, 256, tied=True), 4, gqa=4)["blk.0.attn_v.weight"] == "Q4_K"
+
+
+def test_the_mix_reads_layers_query_heads_per_kv_head_and_70b_from_the_config():
+    from types import SimpleNamespace
+
+    from pl_lowprec.export.gguf_arch import ARCHITECTURES
+    from pl_lowprec.export.gguf_convert import mix_model
+
+    def read(config, **changes):
+        return mix_model(SimpleNamespace(**{**config, **changes}), ARCHITECTURES[config["model_type"]])
+
+    assert read(LLAMA31_8B) == MixModel(32, 4, False)
+    assert read(SMOLLM2_135M) == MixModel(30, 3, False)
+    assert read(QWEN25_05B) == MixModel(24, 7, False)
+    assert read(LLAMA31_8B, num_hidden_layers=80, num_attention_heads=64) == MixModel(80, 8, True)  # 70B's
+    assert read(LLAMA31_8B, num_hidden_layers=80, num_key_value_heads=32) == MixModel(80, 1, False)  # LLaMA 65B
+    assert read(QWEN25_05B, num_hidden_layers=80) == MixModel(80, 7, True)  # Qwen2 is 70B at 80 layers
+
+
+def test_mix_of_a_70b_raises_attn_v_from_q3_k_or_q4_k_to_q5_k_and_q6_k_stays_q6_k():
     tensors = llama_tensors(80, 256, tied=False)
     q4 = types_by_name("q4_k_m", tensors, 80, seventy_b=True)
     assert {q4[f"blk.{i}.attn_v.weight"] for i in range(80)} == {"Q5_K", "Q6_K"}
     assert q4["blk.20.attn_v.weight"] == "Q5_K" and q4["blk.20.ffn_down.weight"] == "Q4_K"
     q6 = types_by_name("q6_k", tensors, 80, seventy_b=True)
     assert {kind for name, kind in q6.items() if not name.endswith("norm.weight")} == {"Q6_K"}
+    for gguf_type in ("q3_k_s", "q3_k_m", "q2_k"):  # Q3_K and Q4_K become Q5_K
+        types = types_by_name(gguf_type, tensors, 80, seventy_b=True)
+        assert {types[f"blk.{i}.attn_v.weight"] for i in range(80)} == {"Q5_K"}, gguf_type
 
 
 def test_mix_falls_back_where_rows_do_not_split_into_256_values():
-    """SmolLM2's hidden 576: Q4_K becomes Q5_0, Q6_K Q8_0, the tied embedding (the output matrix) Q8_0; a row of
-    100 values splits into neither, and is F16."""
+    """SmolLM2's hidden 576: Q4_K becomes Q5_0, Q6_K Q8_0, Q3_K Q4_0, the tied embedding (the output matrix) Q8_0;
+    a row of 100 values splits into neither, and is F16."""
     tensors = llama_tensors(4, 576, tied=True)
     types = types_by_name("q4_k_m", tensors, 4)
     assert types["token_embd.weight"] == "Q8_0"
     assert types["blk.0.attn_q.weight"] == "Q5_0" and types["blk.3.ffn_down.weight"] == "Q8_0"  # more bits
     assert types["blk.1.ffn_down.weight"] == "Q5_0"  # use_more_bits(1, 4) is false; (2, 4) and (3, 4) true
     assert types_by_name("q5_k_m", tensors, 4)["blk.1.ffn_down.weight"] == "Q5_1"
+    q3 = types_by_name("q3_k_m", tensors, 4)  # Q3_K and Q2_K fall back to Q4_0, Q5_K to Q5_1
+    assert q3["blk.1.attn_q.weight"] == "Q4_0" and q3["blk.0.attn_v.weight"] == "Q5_1"
     odd = types_by_name("q4_k_m", [("blk.0.attn_q.weight", (8, 100))], 1)
     assert odd == {"blk.0.attn_q.weight": "F16"}
 
@@ -168,3 +221,31 @@ def test_each_mix_reads_back_closer_than_the_next_smaller_one(tmp_path, name):
     )
     fields, _ = metadata(model_dir.with_name(f"{name}-gguf") / "model-q4_k_m.gguf")
     assert fields["general.file_type"] == int(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+
+
+def test_every_mix_of_fewer_bits_reads_back_further_from_the_model(tmp_path):
+    """All nine mixes on Llama-3.1-8B's shapes (hidden 256, 2 layers) read back by transformers: each family of
+    fewer bits is further from the model than every mix of the next (q2_k > q3_k_* > q4_k_* > q5_k_* > q6_k >
+    q8_0), and within Q3_K the larger mixes are closer (s > m > l). Measured: q2_k 0.44; q3_k_s 0.35, _m 0.23,
+    _l 0.22; q4_k_s 0.15, _m 0.16 (with 2 layers, Q4_K_S's Q5_K attn_v in both outweighs Q4_K_M's Q6_K in one);
+    q5_k_s 0.091, _m 0.086; q6_k 0.043; q8_0 0.014."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = save_tokenizer(tmp_path / "tokenizer")
+    model_dir = shrunk(tmp_path / "llama3.1", tokenizer, LLAMA31_8B, 8, 320, bos_token_id=0, eos_token_id=1)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = held_out_ids()
+    expected = logits(reference, ids)
+    errors = {}
+    for gguf_type in (*MIX_16, "q8_0"):
+        convert(model_dir, gguf_type)
+        read = AutoModelForCausalLM.from_pretrained(
+            model_dir.with_name("llama3.1-gguf"),
+            gguf_file=f"model-{gguf_type}.gguf",
+            dtype=torch.float32,
+            config=AutoConfig.from_pretrained(model_dir),
+        )
+        errors[gguf_type] = float((logits(read, ids) - expected).pow(2).mean().sqrt() / expected.pow(2).mean().sqrt())
+    families = [[errors[t] for t in errors if t.startswith(f"q{bits}_")] for bits in (2, 3, 4, 5, 6, 8)]
+    assert all(min(fewer) > max(more) for fewer, more in pairwise(families)), errors
+    assert errors["q3_k_s"] > errors["q3_k_m"] > errors["q3_k_l"], errors
