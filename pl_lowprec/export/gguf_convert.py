@@ -146,6 +146,14 @@ def tensor_values(planned: list[Planned], config: Any, arch: Architecture) -> It
                 yield permute_qk(item.key, handle.get_tensor(item.key).float().numpy(), config, arch)
 
 
+def writing_progress(out_file: Path, total: int) -> Any:
+    """A bar of the bytes written, with the tensor being quantized, on stderr where it is a terminal (a k-quant
+    export of an 8B model runs for minutes, as llama.cpp's converter and llama-quantize show theirs)."""
+    from tqdm import tqdm  # a dependency of the gguf package
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc=f"Writing {out_file.name}", disable=None, leave=False)
+
+
 def convert_to_gguf(model_dir: Path, out_file: Path, gguf_type: str, name: str) -> dict[str, Any]:
     """Write ``model_dir`` (config, safetensors, tokenizer) to ``out_file``; return what was written."""
     gguf = import_gguf()
@@ -161,15 +169,20 @@ def convert_to_gguf(model_dir: Path, out_file: Path, gguf_type: str, name: str) 
     add_hyperparameters(writer, gguf, config, arch, file_type(gguf, gguf_type))
     vocab = add_vocabulary(writer, gguf, model_dir, config.vocab_size)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    sizes = []
     for item in planned:
         shape, dtype, nbytes = stored_as(gguf, item.shape, item.qtype)
         writer.add_tensor_info(item.gguf_name, shape, dtype, nbytes, raw_dtype=item.qtype)
+        sizes.append(nbytes)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     try:
-        for item, values in zip(planned, tensor_values(planned, config, arch), strict=True):
-            writer.write_tensor_data(encode(gguf, values, item.qtype))
+        with writing_progress(out_file, sum(sizes)) as progress:
+            for item, nbytes, values in zip(planned, sizes, tensor_values(planned, config, arch), strict=True):
+                progress.set_postfix_str(f"{item.gguf_name} {item.qtype.name}")
+                writer.write_tensor_data(encode(gguf, values, item.qtype))
+                progress.update(nbytes)
     finally:
         writer.close()
     return {

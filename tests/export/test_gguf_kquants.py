@@ -249,3 +249,24 @@ def test_every_mix_of_fewer_bits_reads_back_further_from_the_model(tmp_path):
     families = [[errors[t] for t in errors if t.startswith(f"q{bits}_")] for bits in (2, 3, 4, 5, 6, 8)]
     assert all(min(fewer) > max(more) for fewer, more in pairwise(families)), errors
     assert errors["q3_k_s"] > errors["q3_k_m"] > errors["q3_k_l"], errors
+
+
+def test_a_terminal_sees_the_bytes_written_and_the_tensor_being_quantized(tmp_path, capsys, monkeypatch):
+    """An 8B k-quant export runs for minutes: on a terminal, a bar of the file's bytes names each tensor and its
+    type as it is quantized, and reaches the file's tensor bytes; off a terminal (CI logs, pipes) nothing."""
+    import sys
+
+    tokenizer = save_tokenizer(tmp_path / "tokenizer")
+    model_dir = shrunk(tmp_path / "llama", tokenizer, LLAMA31_8B, 8, 320, bos_token_id=0, eos_token_id=1)
+    capsys.readouterr()  # save_pretrained's own bar
+    convert(model_dir, "q4_k_m")
+    assert "model-q4_k_m.gguf" not in capsys.readouterr().err
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    convert(model_dir, "q4_k_m")
+    bar = capsys.readouterr().err.replace("\r", "\n")
+    assert "Writing model-q4_k_m.gguf" in bar and "blk.1.ffn_down.weight Q6_K" in bar, bar
+    from tqdm import tqdm
+
+    written = gguf.GGUFReader(model_dir.with_name("llama-gguf") / "model-q4_k_m.gguf").tensors
+    total = tqdm.format_sizeof(sum(int(tensor.n_bytes) for tensor in written))  # the tensors' bytes, as "783k"
+    assert f"/{total} [" in bar and f"{written[-1].name} {written[-1].tensor_type.name}" in bar, bar
