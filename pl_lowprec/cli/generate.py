@@ -36,6 +36,7 @@ from pl_lowprec.export.generate import (
     directory_tokenizer,
     from_directory,
     from_restored,
+    model_tokenizer,
     wants_chat,
     write_completions,
 )
@@ -114,7 +115,11 @@ def main(args: list[str] | None = None) -> None:
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--ckpt_path", help="A training checkpoint (with --config, or its run's config.yaml).")
-    source.add_argument("--model", help="An exported directory: merged model, or peft adapter.")
+    source.add_argument(
+        "--model",
+        help="An exported directory (merged model, or peft adapter), or a .gguf file (read by transformers,"
+        " dequantized: what a quantized export keeps of the fine-tune).",
+    )
     parser.add_argument(
         "--prompts",
         required=True,
@@ -178,7 +183,7 @@ def main(args: list[str] | None = None) -> None:
         records = read_prompts(sources, parsed.chat, *settings, parsed.limit)
         chat = wants_chat(records)
         source = parsed.tokenizer or directory_tokenizer(parsed.model, parsed.base)
-        tokenizer = load_tokenizer(source)
+        tokenizer = model_tokenizer(source)
         if chat:
             check_chat_template(tokenizer, source)  # before the model loads
         generator = from_directory(parsed.model, parsed.base, parsed.device, tokenizer)
@@ -187,5 +192,4 @@ def main(args: list[str] | None = None) -> None:
     if parsed.chat_template_kwargs is not None:
         generator.template_kwargs = parsed.chat_template_kwargs
     completions = generator.complete_records(records, decoding, parsed.batch_size)
-    write_completions(records, completions, Path(parsed.out))
-    print(f"Wrote {len(completions)} completions to {parsed.out}.")
+    print(write_completions(records, completions, Path(parsed.out)))

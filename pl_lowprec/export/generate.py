@@ -12,8 +12,8 @@ each plain prompt as one user turn. Each output line is ``{"prompt", "completion
 for a chat record), plus ``"reference"`` when the input record had a ``completion`` or a last assistant turn.
 Decoding is transformers' ``generate``: greedy by default, sampling with ``--do_sample``; it stops at EOS or
 after ``--max_new_tokens``. A checkpoint is restored through its config as ``pl-lowprec export`` does (quantized
-base and adapters, as trained, under the precision plugin's autocast); ``--model`` takes a merged directory or a
-peft adapter directory (its base from ``adapter_config.json``, or ``--base``).
+base and adapters, as trained, under the precision plugin's autocast); ``--model`` takes a merged directory, a
+peft adapter directory (its base from ``adapter_config.json``, or ``--base``) or a GGUF file (``gguf_read``).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from pl_lowprec._checks import check_at_least, check_fraction, check_positive
 from pl_lowprec._imports import import_peft
 from pl_lowprec.data.chat import ChatTemplate
 from pl_lowprec.export.generates_text import check_directory_generates, check_module_generates
+from pl_lowprec.export.gguf_read import check_gguf_file, gguf_model, gguf_tokenizer, is_gguf
 from pl_lowprec.export.prompt_files import chat_turns
 from pl_lowprec.export.restore import Restored
 from pl_lowprec.export.write import pretrained_dir
@@ -143,8 +144,11 @@ def prompt_ids(tokenizer: Any, record: dict[str, Any], template_kwargs: dict[str
     return ChatTemplate.for_record(tokenizer, record, template_kwargs).prompt_ids(chat_turns(record))
 
 
-def write_completions(records: list[dict[str, Any]], completions: list[str], out: Path) -> None:
+def write_completions(records: list[dict[str, Any]], completions: list[str], out: Path) -> str:
+    """Write the rows; return the summary line, with how many completions equal their reference, where the
+    prompts had one (a quick check of a fine-tune, and of what a quantized export keeps of it)."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    references = equal = 0
     with out.open("w", encoding="utf-8") as handle:
         for record, completion in zip(records, completions, strict=True):
             row = {"prompt": record["prompt"]} if "prompt" in record else {"messages": chat_turns(record)}
@@ -152,7 +156,11 @@ def write_completions(records: list[dict[str, Any]], completions: list[str], out
             expected = reference(record)
             if expected is not None:
                 row["reference"] = expected
+                references += 1
+                equal += completion == expected
             handle.write(json.dumps(row) + "\n")
+    same = f" ({equal} of {references} equal to their reference)" if references else ""
+    return f"Wrote {len(completions)} completions to {out}{same}."
 
 
 def from_restored(restored: Restored, tokenizer: str | None = None) -> Generator:
@@ -172,8 +180,11 @@ def from_restored(restored: Restored, tokenizer: str | None = None) -> Generator
 
 
 def directory_tokenizer(directory: str | Path, base: str | None = None) -> str | Path:
-    """Where ``from_directory`` takes the tokenizer: the directory if it holds one, else the (adapter's) base."""
+    """Where ``from_directory`` takes the tokenizer: the directory if it holds one, else the (adapter's) base; a
+    GGUF file's own."""
     path = Path(directory)
+    if is_gguf(path):
+        return path
     if (path / "tokenizer_config.json").is_file():
         return path
     adapter_config = path / "adapter_config.json"
@@ -182,8 +193,16 @@ def directory_tokenizer(directory: str | Path, base: str | None = None) -> str |
     return base or path
 
 
+def model_tokenizer(source: str | Path) -> Any:
+    """The tokenizer of ``directory_tokenizer``'s answer (or ``--tokenizer``): a directory's, or a GGUF file's."""
+    return gguf_tokenizer(Path(source)) if is_gguf(source) else load_tokenizer(source)
+
+
 def check_model_dir(path: Path) -> None:
-    """``--model``: a directory that an export wrote (a merged model or a peft adapter)."""
+    """``--model``: a directory that an export wrote (a merged model or a peft adapter), or a GGUF file."""
+    if is_gguf(path):
+        check_gguf_file(path)
+        return
     if not path.is_dir():
         what = "does not exist" if not path.exists() else "is a file"
         raise FileNotFoundError(
@@ -196,8 +215,8 @@ def check_model_dir(path: Path) -> None:
 def from_directory(
     directory: str | Path, base: str | None = None, device: str = "auto", tokenizer: Any = None
 ) -> Generator:
-    """A merged model directory, or a peft adapter directory on its base model; ``tokenizer`` if given, else
-    the one of ``directory_tokenizer``."""
+    """A merged model directory, a peft adapter directory on its base model, or a GGUF file; ``tokenizer`` if
+    given, else the one of ``directory_tokenizer``."""
     from transformers import AutoModelForCausalLM  # optional (pl_lowprec[hf]), needed only here
 
     path = Path(directory)
@@ -206,7 +225,9 @@ def from_directory(
         "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
     )
     adapter_config = path / "adapter_config.json"
-    if adapter_config.is_file():
+    if is_gguf(path):
+        model = gguf_model(path)
+    elif adapter_config.is_file():
         peft = import_peft()
         base = base or json.loads(adapter_config.read_text()).get("base_model_name_or_path")
         if not base:
@@ -217,5 +238,5 @@ def from_directory(
     else:
         raise ValueError(f"--model {str(path)!r} holds neither config.json (a merged model) nor adapter_config.json.")
     if tokenizer is None:
-        tokenizer = load_tokenizer(directory_tokenizer(path, base))
+        tokenizer = model_tokenizer(directory_tokenizer(path, base))
     return Generator(model.to(target), tokenizer)

@@ -265,6 +265,34 @@ def test_q3_k_m_export_names_each_fallback_it_took(trained, tmp_path, capsys):
     assert tensors["blk.1.attn_q.weight"].tensor_type.name == "Q4_0"  # Q3_K
 
 
+def test_generate_reads_a_gguf_export_as_it_reads_the_merged_one(exported, tmp_path, capsys, monkeypatch):
+    """``pl-lowprec generate --model model-bf16.gguf``: transformers reads the file (the tokenizer from its
+    metadata); its bf16 weights are the merged export's, so every completion is the same, and so is the count of
+    completions equal to their reference on the summary line. A missing file, or no gguf package, is refused."""
+    import pl_lowprec.export.gguf_read as gguf_read
+    from pl_lowprec.cli import main
+
+    prompts = tmp_path / "held_out.jsonl"
+    rows = [{"prompt": f"def g{i}(x):\n    return", "completion": f" x + {i}"} for i in range(8)]
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    lines, completions = {}, {}
+    for name, model in (("merged", exported / "merged"), ("gguf", exported / "gguf" / "model-bf16.gguf")):
+        out = tmp_path / f"{name}.jsonl"
+        main(["generate", f"--model={model}", f"--prompts={prompts}", f"--out={out}", "--max_new_tokens=6"])
+        lines[name] = capsys.readouterr().out.strip().splitlines()[-1].replace(str(out), "OUT")
+        completions[name] = [json.loads(line)["completion"] for line in out.read_text().splitlines()]
+    assert completions["gguf"] == completions["merged"] and len(set(completions["merged"])) > 1
+    assert lines["gguf"] == lines["merged"], lines
+    equal = sum(got == row["completion"] for got, row in zip(completions["gguf"], rows, strict=True))
+    assert lines["gguf"] == f"Wrote 8 completions to OUT ({equal} of 8 equal to their reference)."
+    base = ["generate", f"--prompts={prompts}", f"--out={tmp_path / 'x.jsonl'}"]
+    line = refusal_line(capsys, [*base, f"--model={tmp_path / 'model-q4_k_m.gguf'}"])
+    assert "model-q4_k_m.gguf' does not exist: name a .gguf file that `pl-lowprec export --format gguf` wrote" in line
+    monkeypatch.setattr(gguf_read, "gguf_missing", lambda: "gguf>=0.19 is not installed. Install it with: X")
+    line = refusal_line(capsys, [*base, f"--model={exported / 'gguf' / 'model-bf16.gguf'}"])
+    assert "is a GGUF file, which transformers reads with gguf>=0.19 is not installed. Install it with: X" in line
+
+
 def test_refusals_come_before_anything_loads_and_name_the_fix(trained, pretrained, tmp_path, monkeypatch, capsys):
     import pl_lowprec.cli.export as cli_export
     import pl_lowprec.export.gguf_export as gguf_export
