@@ -46,7 +46,7 @@ def main(args: list[str] | None = None) -> None:
         default=None,
         help="With --format gguf: auto (the default: bf16 or f16), bf16, f16, q8_0, q4_0, or one of"
         " llama-quantize's k-quant mixes, largest first: q6_k, q5_k_m, q5_k_s, q4_k_m (Ollama's default), q4_k_s,"
-        " q3_k_l, q3_k_m, q3_k_s, q2_k.",
+        " q3_k_l, q3_k_m, q3_k_s, q2_k. Several, comma-separated (q4_k_m,q8_0): a file each from one merge.",
     )
     parser.add_argument(
         "--overwrite",
@@ -56,7 +56,7 @@ def main(args: list[str] | None = None) -> None:
     parsed, cli_args = parser.parse_known_args(args)
     export_format = choose_format(parsed.format, parsed.merged, parsed.gguf_type)
     if export_format == "gguf":  # merged weights too, written in --gguf_type: no --dtype
-        check_gguf_request(parsed.gguf_type or "auto", parsed.dtype)
+        check_gguf_request(parsed.gguf_type, parsed.dtype)
     check_dtype(parsed.dtype, export_format == "merged")
     checkpoint = Path(parsed.ckpt_path)
     check_checkpoint(checkpoint)
@@ -81,6 +81,6 @@ def main(args: list[str] | None = None) -> None:
         check_gguf_sources(weights, tokenizer_dir)
     restored = restore(checkpoint, run.trainer, run.model, run.datamodule)
     if export_format == "gguf":
-        print(export_gguf(restored, out, parsed.gguf_type or "auto", parsed.overwrite, inputs))
+        print(export_gguf(restored, out, parsed.gguf_type, parsed.overwrite, inputs))
         return
     print(export(restored, out, export_format == "merged", parsed.dtype, parsed.overwrite, inputs))

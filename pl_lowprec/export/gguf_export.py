@@ -39,14 +39,22 @@ def fallback_pairs(written_types: list[str]) -> str:
     return ", ".join(pairs)
 
 
-def check_gguf_request(gguf_type: str, dtype: str | None) -> None:
-    """The arguments alone: a type this export writes, no ``--dtype``, and the ``gguf`` package installed."""
-    if gguf_type != "auto":
-        check_gguf_type(gguf_type)
+def requested_types(gguf_type: str | None) -> list[str]:
+    """``--gguf_type q4_k_m,q8_0``: the types in the order given (``auto`` where none is), each checked."""
+    requested = [part.strip() for part in (gguf_type or "auto").split(",") if part.strip()]
+    for name in requested:
+        if name != "auto":
+            check_gguf_type(name)
+    return requested or ["auto"]
+
+
+def check_gguf_request(gguf_type: str | None, dtype: str | None) -> None:
+    """The arguments alone: types this export writes, no ``--dtype``, and the ``gguf`` package installed."""
+    requested = requested_types(gguf_type)
     if dtype is not None:
         raise ValueError(
             f"--dtype {dtype} sets the dtype of a --format merged export; a GGUF's tensors are written in"
-            f" --gguf_type ({gguf_type}, norms and biases in F32). Leave out --dtype."
+            f" --gguf_type ({','.join(requested)}, norms and biases in F32). Leave out --dtype."
         )
     missing = gguf_missing()
     if missing is not None:
@@ -64,20 +72,25 @@ def check_gguf_sources(weights: PretrainedWeights | None, tokenizer_dir: str | N
     check_tokenizer(load_tokenizer(tokenizer_dir or directory), tokenizer_dir or directory, config.vocab_size)
 
 
-def export_gguf(restored: Restored, out: Path, gguf_type: str, overwrite: bool, inputs: dict | None = None) -> str:
-    """Write ``out/model-<type>.gguf`` and ``out/Modelfile``; return the summary the command prints. ``gguf_type``
-    ``auto`` is the merged weights' 16-bit type (bf16 or f16; f16 from float32, as llama.cpp's converter picks)."""
-    if gguf_type != "auto":
-        check_gguf_type(gguf_type)
+def export_gguf(
+    restored: Restored, out: Path, gguf_type: str | None, overwrite: bool, inputs: dict | None = None
+) -> str:
+    """Write ``out/model-<type>.gguf`` for each of ``--gguf_type``'s types (``q4_k_m,q8_0``: one merge, a file
+    each) and ``out/Modelfile`` (for the first); return the summary the command prints. ``auto`` is the merged
+    weights' 16-bit type (bf16 or f16; f16 from float32, as llama.cpp's converter picks)."""
+    requested = requested_types(gguf_type)
     import_gguf()
     check_merged(restored)
     prepare_out_dir(out, overwrite, read_paths(restored.checkpoint, restored.weights, restored.tokenizer_dir, inputs))
+    files: list[tuple[Path, dict[str, Any]]] = []
     with tempfile.TemporaryDirectory(dir=out, prefix=".merged-") as merged:
         export(restored, Path(merged), merged=True, dtype=None, overwrite=False, inputs=inputs)
-        gguf_type = auto_type(Path(merged)) if gguf_type == "auto" else gguf_type
-        gguf_file = out / f"model-{gguf_type}.gguf"
-        written = convert_to_gguf(Path(merged), gguf_file, gguf_type, name=out.resolve().name)
+        resolved = [auto_type(Path(merged)) if name == "auto" else name for name in requested]
+        for name in dict.fromkeys(resolved):  # each once (auto may resolve to a type also asked for)
+            gguf_file = out / f"model-{name}.gguf"
+            files.append((gguf_file, convert_to_gguf(Path(merged), gguf_file, name, name=out.resolve().name)))
         tokenizer = load_tokenizer(merged)
+    (gguf_file, written), others = files[0], files[1:]
     vocab = written["vocab"]
     parts = chat_parts(tokenizer, add_bos=bool(vocab["add_special"].get("bos")))
     template = verified_template(tokenizer, parts)
@@ -85,7 +98,33 @@ def export_gguf(restored: Restored, out: Path, gguf_type: str, overwrite: bool, 
     (out / "Modelfile").write_text(modelfile(gguf_file.name, template, stops), encoding="utf-8")
     base = pretrained_dir(restored)
     source = f"{restored.checkpoint}" + (f" merged into {base}" if base is not None else "")
-    return summary(written, gguf_file, out / "Modelfile", template, stops, source)
+    first = summary(written, gguf_file, out / "Modelfile", template, stops, source)
+    return "\n".join([first, *(also_wrote(other, file, out / "Modelfile") for file, other in others)])
+
+
+def also_wrote(written: dict[str, Any], gguf_file: Path, modelfile_path: Path) -> str:
+    """The line of each further type: the same weights and tokenizer in another type."""
+    return (
+        f"Also wrote {gguf_file} ({gguf_file.stat().st_size / 2**20:,.1f} MiB, {written['tensors']} tensors:"
+        f" {types_note(written)}; the same weights, tokenizer and chat template).{fallback_note(written)} Run it"
+        f" with: llama-cli -m {gguf_file}, or ollama create NAME -f {modelfile_path} with its FROM line set to"
+        f" ./{gguf_file.name}."
+    )
+
+
+def types_note(written: dict[str, Any]) -> str:
+    return ", ".join(f"{count} {name}" for name, count in sorted(written["types"].items()))
+
+
+def fallback_note(written: dict[str, Any]) -> str:
+    """The sentence on a k-quant mix's fallbacks, where the file took any."""
+    if not written["k_fallbacks"]["rows"]:
+        return ""
+    rows = ", ".join(f"{count} with rows of {width}" for width, count in written["k_fallbacks"]["rows"].items())
+    return (
+        f" Matrices whose rows do not split into 256-value k-quant super-blocks ({rows}) are written in"
+        f" llama-quantize's fallback types ({fallback_pairs(written['k_fallbacks']['types'])}), as it writes them."
+    )
 
 
 def tokenizer_note(vocab: dict[str, Any]) -> str:
@@ -103,7 +142,7 @@ def summary(
 ) -> str:
     """One paragraph: what the file holds, what the Modelfile holds, where it came from, how to run it."""
     vocab, config = written["vocab"], written["config"]
-    types = ", ".join(f"{count} {name}" for name, count in sorted(written["types"].items()))
+    types = types_note(written)
     specials = ", ".join(f"{kind} {index}" for kind, index in sorted(vocab["special_ids"].items()))
     if template is not None:
         template_note = "TEMPLATE converted from the chat template and checked on 5 conversations"
@@ -114,13 +153,6 @@ def summary(
         )
     else:
         template_note = "no TEMPLATE: the tokenizer has no chat template (plain completion)"
-    fallback_note = ""
-    if written["k_fallbacks"]["rows"]:
-        rows = ", ".join(f"{count} with rows of {width}" for width, count in written["k_fallbacks"]["rows"].items())
-        fallback_note = (
-            f" Matrices whose rows do not split into 256-value k-quant super-blocks ({rows}) are written in"
-            f" llama-quantize's fallback types ({fallback_pairs(written['k_fallbacks']['types'])}), as it writes them."
-        )
     window = getattr(config, "sliding_window", None)
     window_note = ""
     if window and getattr(config, "use_sliding_window", True) and window < config.max_position_embeddings:
@@ -133,6 +165,6 @@ def summary(
         f" {written['tensors']} tensors: {types}; tokenizer {tokenizer_note(vocab)}, {specials}, add_bos"
         f" {bool(vocab['add_special'].get('bos'))}; chat template"
         f" {'included' if vocab['chat_template'] else 'none'}) and {modelfile_path} ({template_note}; stop"
-        f" {', '.join(repr(s) for s in stops)}) from {source}.{fallback_note}{window_note} Run it with: ollama create"
-        f" NAME -f {modelfile_path}, or llama-cli -m {gguf_file}."
+        f" {', '.join(repr(s) for s in stops)}) from {source}.{fallback_note(written)}{window_note} Run it with:"
+        f" ollama create NAME -f {modelfile_path}, or llama-cli -m {gguf_file}."
     )

@@ -245,15 +245,24 @@ def test_q4_k_m_export_from_the_users_checkpoint(trained, tmp_path, capsys):
     assert tensors["blk.0.ffn_down.weight"].tensor_type.name == "Q5_0"
 
 
-def test_q3_k_m_export_names_each_fallback_it_took(trained, tmp_path, capsys):
-    """Q3_K_M mixes four k-quant types (Q3_K; Q4_K for attn_output and ffn_down; Q5_K for the first two attn_v;
-    Q6_K for the output), and on rows of 64 each becomes its own fallback, named in the summary."""
+def test_several_types_from_one_merge_and_q3_k_m_names_each_fallback_it_took(trained, tmp_path, capsys):
+    """``--gguf_type q3_k_m,q8_0,q3_k_m``: a file for each type (once each), the Modelfile for the first. Q3_K_M
+    mixes four k-quant types (Q3_K; Q4_K for attn_output and ffn_down; Q5_K for the first two attn_v; Q6_K for
+    the output), and on rows of 64 each becomes its own fallback, named in the summary."""
     from pl_lowprec.cli import main
 
     checkpoint, args, _ = trained
     out = tmp_path / "gguf"
-    main(["export", f"--ckpt_path={checkpoint}", f"--out={out}", "--format=gguf", "--gguf_type=q3_k_m", *args])
-    printed = " ".join(capsys.readouterr().out.split())
+    types = "--gguf_type=q3_k_m,q8_0,q3_k_m"
+    main(["export", f"--ckpt_path={checkpoint}", f"--out={out}", "--format=gguf", types, *args])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert sorted(p.name for p in out.iterdir()) == ["Modelfile", "model-q3_k_m.gguf", "model-q8_0.gguf"]
+    assert (out / "Modelfile").read_text().startswith("FROM ./model-q3_k_m.gguf\n")
+    assert lines[-1].startswith(f"Also wrote {out / 'model-q8_0.gguf'} (") and "16 Q8_0;" in lines[-1], lines
+    assert lines[-1].endswith(f"ollama create NAME -f {out / 'Modelfile'} with its FROM line set to ./model-q8_0.gguf.")
+    _, q8_tensors = metadata(out / "model-q8_0.gguf")
+    assert {t.tensor_type.name for t in q8_tensors.values()} == {"F32", "Q8_0"}
+    printed = " ".join(lines[-2].split())
     assert "21 tensors: 5 F32, 9 Q4_0, 4 Q5_0, 2 Q5_1, 1 Q8_0;" in printed, printed
     assert (
         "fallback types (Q2_K or Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0), as it writes them." in printed
@@ -306,6 +315,7 @@ def test_refusals_come_before_anything_loads_and_name_the_fix(trained, pretraine
     base = ["export", f"--ckpt_path={checkpoint}", f"--out={out}", *args]
     cases = [
         (["--format=gguf", "--gguf_type=q5_k"], r"--gguf_type 'q5_k' is not one this export writes\. It writes bf16"),
+        (["--format=gguf", "--gguf_type=q4_k_m,q5_k"], r"--gguf_type 'q5_k' is not one this export writes"),
         (
             ["--format=gguf", "--gguf_type=IQ4_XS"],
             r"IQ4_XS is one of llama.cpp's importance-matrix types .* run"
