@@ -1,8 +1,10 @@
-"""``pl-lowprec export``: a training checkpoint and its config to a peft adapter directory, a merged model or GGUF.
+"""``pl-lowprec export``: a training checkpoint and its config to a peft adapter directory, a merged model or GGUF;
+or a model directory to GGUF.
 
     pl-lowprec export --config configs/finetune-causal-lm.yaml --ckpt_path runs/.../last.ckpt --out runs/adapter
     pl-lowprec export --config ... --ckpt_path ... --out runs/merged --merged [--dtype float32]
     pl-lowprec export --config ... --ckpt_path ... --out runs/gguf --format gguf [--gguf_type q8_0]
+    pl-lowprec export --model runs/merged --out runs/gguf --format gguf --gguf_type q4_k_m
 
 Arguments the export does not know (``--model.pretrained DIR``, ``--trainer.accelerator cpu``) go to the config,
 as for ``pl-lowprec fit``. Without ``--config``, the ``config.yaml`` LightningCLI saved next to the run's
@@ -19,7 +21,7 @@ from pl_lowprec.cli.rebuild import config_files, rebuild, with_config
 from pl_lowprec.cli.resume import check_checkpoint
 from pl_lowprec.cli.subcommands import description, examples
 from pl_lowprec.export.generates_text import GGUF, check_module_generates
-from pl_lowprec.export.gguf_export import check_gguf_request, check_gguf_sources, export_gguf
+from pl_lowprec.export.gguf_export import check_gguf_request, check_gguf_sources, convert_model_dir, export_gguf
 from pl_lowprec.export.out_paths import check_out_dir
 from pl_lowprec.export.restore import restore, sources
 from pl_lowprec.export.write import check_dtype, check_export, choose_format, export, read_paths
@@ -32,7 +34,13 @@ def main(args: list[str] | None = None) -> None:
         epilog=examples(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--ckpt_path", required=True, help="A Lightning checkpoint (adapter-only or full).")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--ckpt_path", help="A Lightning checkpoint (adapter-only or full).")
+    source.add_argument(
+        "--model",
+        help="With --format gguf: a Hugging Face model directory to convert as it is (a --merged export, or any"
+        " Llama, Mistral or Qwen2 model with its tokenizer), instead of a checkpoint.",
+    )
     parser.add_argument("--out", required=True, help="The directory to write (must be empty, or --overwrite).")
     parser.add_argument("--merged", action="store_true", help="Merge into the original weights (default: adapter).")
     parser.add_argument("--dtype", default=None, help="Merged weights' dtype (default: the pretrained files').")
@@ -58,6 +66,16 @@ def main(args: list[str] | None = None) -> None:
     if export_format == "gguf":  # merged weights too, written in --gguf_type: no --dtype
         check_gguf_request(parsed.gguf_type, parsed.dtype)
     check_dtype(parsed.dtype, export_format == "merged")
+    if parsed.model is not None:
+        if export_format != "gguf":
+            parser.error(
+                f"--model converts a model directory to GGUF (--format gguf), and this export is --format"
+                f" {export_format}: a peft adapter or a merged model comes from a training checkpoint (--ckpt_path)."
+            )
+        if cli_args:
+            parser.error(f"unrecognized arguments: {' '.join(cli_args)} (config overrides go with --ckpt_path)")
+        print(convert_model_dir(Path(parsed.model), Path(parsed.out), parsed.gguf_type, parsed.overwrite))
+        return
     checkpoint = Path(parsed.ckpt_path)
     check_checkpoint(checkpoint)
     cli_args = with_config(checkpoint, cli_args, parser)

@@ -82,22 +82,59 @@ def export_gguf(
     import_gguf()
     check_merged(restored)
     prepare_out_dir(out, overwrite, read_paths(restored.checkpoint, restored.weights, restored.tokenizer_dir, inputs))
-    files: list[tuple[Path, dict[str, Any]]] = []
+    base = pretrained_dir(restored)
+    source = f"{restored.checkpoint}" + (f" merged into {base}" if base is not None else "")
     with tempfile.TemporaryDirectory(dir=out, prefix=".merged-") as merged:
         export(restored, Path(merged), merged=True, dtype=None, overwrite=False, inputs=inputs)
-        resolved = [auto_type(Path(merged)) if name == "auto" else name for name in requested]
-        for name in dict.fromkeys(resolved):  # each once (auto may resolve to a type also asked for)
-            gguf_file = out / f"model-{name}.gguf"
-            files.append((gguf_file, convert_to_gguf(Path(merged), gguf_file, name, name=out.resolve().name)))
-        tokenizer = load_tokenizer(merged)
+        return write_ggufs(Path(merged), out, requested, source)
+
+
+def check_model_for_gguf(model_dir: Path) -> None:
+    """``export --model DIR``: a Hugging Face model directory in full precision, with its tokenizer, of an
+    architecture llama.cpp computes as transformers does (checked before anything is written)."""
+    if not (model_dir / "config.json").is_file():
+        adapter = (model_dir / "adapter_config.json").is_file()
+        why = "is a peft adapter" if adapter else "holds no config.json" if model_dir.is_dir() else "is not a directory"
+        raise ValueError(
+            f"--model {str(model_dir)!r} {why}: --model converts a model directory (config.json, safetensors and"
+            " the tokenizer; a `pl-lowprec export --merged` output is one) to GGUF. For a training checkpoint pass"
+            " --ckpt_path instead, which merges the adapters first."
+        )
+    config = model_config(model_dir)
+    if getattr(config, "quantization_config", None):
+        raise ValueError(
+            f"--model {str(model_dir)!r} holds quantized weights (config.json has a quantization_config); GGUF is"
+            " written from full-precision weights: convert the unquantized model, or a `pl-lowprec export --merged`"
+            " of the checkpoint."
+        )
+    architecture(config)
+    check_tokenizer(load_tokenizer(model_dir), model_dir, config.vocab_size)
+
+
+def convert_model_dir(model_dir: Path, out: Path, gguf_type: str | None, overwrite: bool) -> str:
+    """``export --model DIR --format gguf``: a model directory as it is (no checkpoint, nothing merged)."""
+    requested = requested_types(gguf_type)
+    import_gguf()
+    check_model_for_gguf(model_dir)
+    prepare_out_dir(out, overwrite, {"model directory": model_dir})
+    return write_ggufs(model_dir, out, requested, str(model_dir))
+
+
+def write_ggufs(model_dir: Path, out: Path, requested: list[str], source: str) -> str:
+    """Each requested type of ``model_dir`` as ``out/model-<type>.gguf``, the ``Modelfile`` for the first, and the
+    summary: a paragraph for the first file, a line for each other."""
+    resolved = [auto_type(model_dir) if name == "auto" else name for name in requested]
+    files = []
+    for name in dict.fromkeys(resolved):  # each once (auto may resolve to a type also asked for)
+        gguf_file = out / f"model-{name}.gguf"
+        files.append((gguf_file, convert_to_gguf(model_dir, gguf_file, name, name=out.resolve().name)))
+    tokenizer = load_tokenizer(model_dir)
     (gguf_file, written), others = files[0], files[1:]
     vocab = written["vocab"]
     parts = chat_parts(tokenizer, add_bos=bool(vocab["add_special"].get("bos")))
     template = verified_template(tokenizer, parts)
     stops = parts.stops(tokenizer.eos_token) if parts is not None else [tokenizer.eos_token]
     (out / "Modelfile").write_text(modelfile(gguf_file.name, template, stops), encoding="utf-8")
-    base = pretrained_dir(restored)
-    source = f"{restored.checkpoint}" + (f" merged into {base}" if base is not None else "")
     first = summary(written, gguf_file, out / "Modelfile", template, stops, source)
     return "\n".join([first, *(also_wrote(other, file, out / "Modelfile") for file, other in others)])
 

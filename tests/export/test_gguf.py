@@ -302,6 +302,39 @@ def test_generate_reads_a_gguf_export_as_it_reads_the_merged_one(exported, tmp_p
     assert "is a GGUF file, which transformers reads with gguf>=0.19 is not installed. Install it with: X" in line
 
 
+def test_a_model_directory_converts_to_the_file_its_checkpoint_exports(exported, tmp_path, capsys):
+    """``export --model runs/merged --format gguf``: the merged export converted as it is (no checkpoint) holds the
+    tensors the checkpoint's own GGUF export holds, byte for byte, and its Modelfile; a directory it cannot
+    convert is refused with the fix, before anything is written."""
+    from pl_lowprec.cli import main
+
+    out = tmp_path / "from_model"
+    main(["export", f"--model={exported / 'merged'}", f"--out={out}", "--format=gguf"])
+    assert f"Wrote {out / 'model-bf16.gguf'} (llama," in capsys.readouterr().out
+    _, converted = metadata(out / "model-bf16.gguf")
+    _, from_checkpoint = metadata(exported / "gguf" / "model-bf16.gguf")
+    assert list(converted) == list(from_checkpoint)
+    for name, tensor in from_checkpoint.items():
+        assert np.array_equal(np.asarray(converted[name].data), np.asarray(tensor.data)), name
+    assert (out / "Modelfile").read_text() == DEMO_MODELFILE
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    quantized = tmp_path / "quantized"
+    shutil.copytree(exported / "merged", quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": {"load_in_4bit": True}}))
+    base = ["export", f"--out={tmp_path / 'refused'}"]
+    cases = [
+        ([f"--model={adapter}", "--format=gguf"], "is a peft adapter: --model converts a model directory"),
+        ([f"--model={quantized}", "--format=gguf"], "holds quantized weights (config.json has a quantization_config)"),
+        ([f"--model={exported / 'merged'}", "--merged"], "--model converts a model directory to GGUF (--format gguf)"),
+    ]
+    for extra, message in cases:
+        assert message in refusal_line(capsys, [*base, *extra])
+    assert not (tmp_path / "refused").exists()
+
+
 def test_refusals_come_before_anything_loads_and_name_the_fix(trained, pretrained, tmp_path, monkeypatch, capsys):
     import pl_lowprec.cli.export as cli_export
     import pl_lowprec.export.gguf_export as gguf_export
