@@ -39,7 +39,7 @@ def main(args: list[str] | None = None) -> None:
     source.add_argument(
         "--model",
         help="With --format gguf: a Hugging Face model directory to convert as it is (a --merged export, or any"
-        " Llama, Mistral or Qwen2 model with its tokenizer), instead of a checkpoint.",
+        " Llama, Mistral or Qwen2 model with its tokenizer) or a hub id, instead of a checkpoint.",
     )
     parser.add_argument("--out", required=True, help="The directory to write (must be empty, or --overwrite).")
     parser.add_argument("--merged", action="store_true", help="Merge into the original weights (default: adapter).")
@@ -74,7 +74,7 @@ def main(args: list[str] | None = None) -> None:
             )
         if cli_args:
             parser.error(f"unrecognized arguments: {' '.join(cli_args)} (config overrides go with --ckpt_path)")
-        print(convert_model_dir(Path(parsed.model), Path(parsed.out), parsed.gguf_type, parsed.overwrite))
+        print(convert_model_dir(parsed.model, Path(parsed.out), parsed.gguf_type, parsed.overwrite))
         return
     checkpoint = Path(parsed.ckpt_path)
     check_checkpoint(checkpoint)

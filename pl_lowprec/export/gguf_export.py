@@ -24,6 +24,7 @@ from pl_lowprec.export.out_paths import prepare_out_dir
 from pl_lowprec.export.restore import Restored
 from pl_lowprec.export.write import check_merged, export, pretrained_dir, read_paths
 from pl_lowprec.loading import PretrainedWeights
+from pl_lowprec.loading.hub import resolve_pretrained
 from pl_lowprec.loading.tokenizer import load_tokenizer
 
 
@@ -111,13 +112,19 @@ def check_model_for_gguf(model_dir: Path) -> None:
     check_tokenizer(load_tokenizer(model_dir), model_dir, config.vocab_size)
 
 
-def convert_model_dir(model_dir: Path, out: Path, gguf_type: str | None, overwrite: bool) -> str:
-    """``export --model DIR --format gguf``: a model directory as it is (no checkpoint, nothing merged)."""
+def convert_model_dir(model: str, out: Path, gguf_type: str | None, overwrite: bool) -> str:
+    """``export --model DIR --format gguf``: a model directory as it is (no checkpoint, nothing merged), or a hub
+    id such as ``Qwen/Qwen2.5-0.5B-Instruct``, downloaded where there is network."""
     requested = requested_types(gguf_type)
     import_gguf()
+    local = Path(model).expanduser()
+    try:
+        model_dir = local if local.exists() else resolve_pretrained(model, check_config=False)
+    except ValueError as err:  # its advice, worded for this option
+        raise ValueError(str(err).replace("pretrained=", "--model ")) from err
     check_model_for_gguf(model_dir)
     prepare_out_dir(out, overwrite, {"model directory": model_dir})
-    return write_ggufs(model_dir, out, requested, str(model_dir))
+    return write_ggufs(model_dir, out, requested, model)
 
 
 def write_ggufs(model_dir: Path, out: Path, requested: list[str], source: str) -> str:

@@ -302,10 +302,11 @@ def test_generate_reads_a_gguf_export_as_it_reads_the_merged_one(exported, tmp_p
     assert "is a GGUF file, which transformers reads with gguf>=0.19 is not installed. Install it with: X" in line
 
 
-def test_a_model_directory_converts_to_the_file_its_checkpoint_exports(exported, tmp_path, capsys):
+def test_a_model_directory_converts_to_the_file_its_checkpoint_exports(exported, tmp_path, capsys, monkeypatch):
     """``export --model runs/merged --format gguf``: the merged export converted as it is (no checkpoint) holds the
-    tensors the checkpoint's own GGUF export holds, byte for byte, and its Modelfile; a directory it cannot
-    convert is refused with the fix, before anything is written."""
+    tensors the checkpoint's own GGUF export holds, byte for byte, and its Modelfile; a hub id is downloaded
+    (here: a stand-in download), or refused with the fix offline; a directory it cannot convert is refused with
+    the fix, before anything is written."""
     from pl_lowprec.cli import main
 
     out = tmp_path / "from_model"
@@ -317,6 +318,20 @@ def test_a_model_directory_converts_to_the_file_its_checkpoint_exports(exported,
     for name, tensor in from_checkpoint.items():
         assert np.array_equal(np.asarray(converted[name].data), np.asarray(tensor.data)), name
     assert (out / "Modelfile").read_text() == DEMO_MODELFILE
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, **kwargs: str(exported / "merged"))
+    main(["export", "--model=org/finetune", f"--out={tmp_path / 'from_hub'}", "--format=gguf", "--gguf_type=q8_0"])
+    assert "from org/finetune." in capsys.readouterr().out
+    assert (tmp_path / "from_hub" / "model-q8_0.gguf").is_file()
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    line = refusal_line(capsys, ["export", "--model=org/finetune", f"--out={tmp_path / 'x'}", "--format=gguf"])
+    assert "--model 'org/finetune' is not a local directory, and downloading it from the Hugging Face Hub" in line
+    assert "(`huggingface-cli download org/finetune --local-dir DIR`) and pass --model DIR." in line
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text("{}")
