@@ -28,7 +28,7 @@ from pl_lowprec.export.gguf_arch import (
     llama3_rope_factors,
     permute_qk,
 )
-from pl_lowprec.export.gguf_types import LLAMA_QUANTIZE, MixModel, encode, file_type, stored_as, tensor_types
+from pl_lowprec.export.gguf_types import K_MIXES, MixModel, encode, file_type, stored_as, tensor_types
 from pl_lowprec.export.gguf_vocab import add_vocabulary
 from pl_lowprec.loading.sources import INDEX_NAME, open_safetensors
 
@@ -189,7 +189,7 @@ def convert_to_gguf(model_dir: Path, out_file: Path, gguf_type: str, name: str) 
         "architecture": arch.gguf_arch.lower(),
         "tensors": len(planned),
         "types": Counter(item.qtype.name for item in planned),
-        "k_fallbacks": k_fallbacks(planned) if gguf_type in LLAMA_QUANTIZE else {"rows": {}, "types": []},
+        "k_fallbacks": k_fallbacks(planned) if gguf_type in K_MIXES else {"rows": {}, "types": []},
         "parameters": parameters,
         "vocab": vocab,
         "config": config,

@@ -34,6 +34,8 @@ from model_shapes import LLAMA31_8B, MISTRAL_7B_V03, QWEN25_05B, SMOLLM2_135M
 pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
+from pl_lowprec.export.gguf_export import fallback_note  # noqa: E402
+
 # name -> (real config, shrunk head_dim, embedding rows: 320 is the demo tokenizer's size, 352 pads it as Qwen does)
 SHAPES = {
     "smollm2": (SMOLLM2_135M, 32, 320),
@@ -164,6 +166,7 @@ def test_f16_q8_0_and_q4_0_read_back_within_their_rounding(tmp_path, tokenizer_d
             assert (error.reshape(step.shape[0], -1, 32) <= step * fraction + 1e-7).all(), (gguf_type, name)
         expected = {"f16": {"F16": 15}, "q8_0": {"Q8_0": 15}, "q4_0": {"Q4_0": 14, "Q8_0": 1}}[gguf_type]
         assert written["types"] == {"F32": 11, **expected}
+        assert fallback_note(written) == ""  # Q4_0's blocks are 32 values: rows of 224 fall back from nothing
 
 
 # --- the user's path: pl-lowprec fit, then export --format gguf -------------------------------------------------
