@@ -68,9 +68,14 @@ def check_gguf_sources(weights: PretrainedWeights | None, tokenizer_dir: str | N
     if weights is None or not (Path(weights.path) / "config.json").is_file():
         return  # check_export and check_merged refuse these with their own message
     directory = Path(weights.path)
-    config = model_config(directory)
+    check_convertible(model_config(directory), tokenizer_dir or directory)
+
+
+def check_convertible(config: Any, tokenizer_source: str | Path) -> None:
+    """An architecture llama.cpp computes as transformers does, and a tokenizer it splits as the one the model
+    learned (both commands check it before anything loads or is written)."""
     architecture(config)
-    check_tokenizer(load_tokenizer(tokenizer_dir or directory), tokenizer_dir or directory, config.vocab_size)
+    check_tokenizer(load_tokenizer(tokenizer_source), tokenizer_source, config.vocab_size)
 
 
 def export_gguf(
@@ -108,8 +113,7 @@ def check_model_for_gguf(model_dir: Path) -> None:
             " written from full-precision weights: convert the unquantized model, or a `pl-lowprec export --merged`"
             " of the checkpoint."
         )
-    architecture(config)
-    check_tokenizer(load_tokenizer(model_dir), model_dir, config.vocab_size)
+    check_convertible(config, model_dir)
 
 
 def convert_model_dir(model: str, out: Path, gguf_type: str | None, overwrite: bool) -> str:
