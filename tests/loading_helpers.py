@@ -102,3 +102,25 @@ def write_prompt_completion(path: Path, n: int = 40) -> Path:
     rows = [{"prompt": f"def f{i}(x):\n    return", "completion": f" x + {i}"} for i in range(n)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def stand_in_hub(monkeypatch, cache: Path, repos: dict[str, Path]) -> None:
+    """``huggingface_hub.snapshot_download`` for ``repos`` (hub id -> directory), with no network: it copies the
+    files that ``allow_patterns`` selects into ``cache``, as the real download keeps only those; any other id fails
+    as it would offline."""
+    import shutil
+
+    import huggingface_hub
+    from huggingface_hub.utils import filter_repo_objects
+
+    def download(repo_id: str, allow_patterns=None, **kwargs) -> str:
+        if repo_id not in repos:
+            raise ConnectionError(f"no network: {repo_id} is not in the stand-in hub")
+        source, target = repos[repo_id], cache / repo_id
+        names = [p.relative_to(source).as_posix() for p in source.rglob("*") if p.is_file()]
+        for name in filter_repo_objects(names, allow_patterns=allow_patterns):
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(source / name, target / name)
+        return str(target)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)

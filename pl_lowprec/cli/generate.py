@@ -4,6 +4,7 @@
     pl-lowprec generate --model runs/merged --prompts prompts.txt --out completions.jsonl --do_sample
     pl-lowprec generate --model runs/chat --prompts questions.txt --out answers.jsonl --chat
     pl-lowprec generate --model runs/merged --prompts data/test.parquet --fields '{prompt: question}' --out a.jsonl
+    pl-lowprec generate --model Qwen/Qwen2.5-0.5B-Instruct --prompts val.jsonl --out before.jsonl
 
 A checkpoint is restored through its config as ``pl-lowprec export`` does (``pl_lowprec.cli.rebuild``), and its
 run's data ``fields`` and ``val_split`` read the prompts unless ``--fields`` and ``--split`` say otherwise; see
@@ -31,11 +32,13 @@ from pl_lowprec.data.text import VAL_SPLITS
 from pl_lowprec.export.generate import (
     Decoding,
     Generator,
+    adapter_base,
     check_chat_template,
     check_model_dir,
     directory_tokenizer,
     from_directory,
     from_restored,
+    model_location,
     model_tokenizer,
     wants_chat,
     write_completions,
@@ -117,8 +120,9 @@ def main(args: list[str] | None = None) -> None:
     source.add_argument("--ckpt_path", help="A training checkpoint (with --config, or its run's config.yaml).")
     source.add_argument(
         "--model",
-        help="An exported directory (merged model, or peft adapter), or a .gguf file (read by transformers,"
-        " dequantized: what a quantized export keeps of the fine-tune).",
+        help="An exported directory (merged model, or peft adapter), a hub id of either (downloaded: the base model's"
+        " completions before fine-tuning), or a .gguf file (read by transformers, dequantized: what a quantized"
+        " export keeps of the fine-tune).",
     )
     parser.add_argument(
         "--prompts",
@@ -177,16 +181,18 @@ def main(args: list[str] | None = None) -> None:
         if cli_args:
             parser.error(f"unrecognized arguments: {' '.join(cli_args)} (config overrides go with --ckpt_path)")
         inputs |= {"model directory": Path(parsed.model), "base model": parsed.base and Path(parsed.base)}
-        check_model_dir(Path(parsed.model))
-        prepare_out_file(Path(parsed.out), parsed.overwrite, inputs)
+        prepare_out_file(Path(parsed.out), parsed.overwrite, inputs)  # before a hub id downloads
+        model = model_location(parsed.model)
+        check_model_dir(model)
+        base = adapter_base(model, parsed.base)
         settings = prompt_settings(None, fields, parsed.split)
         records = read_prompts(sources, parsed.chat, *settings, parsed.limit)
         chat = wants_chat(records)
-        source = parsed.tokenizer or directory_tokenizer(parsed.model, parsed.base)
+        source = parsed.tokenizer or directory_tokenizer(model, base)
         tokenizer = model_tokenizer(source)
         if chat:
             check_chat_template(tokenizer, source)  # before the model loads
-        generator = from_directory(parsed.model, parsed.base, parsed.device, tokenizer)
+        generator = from_directory(model, base, parsed.device, tokenizer)
     if chat:
         check_chat_template(generator.tokenizer, parsed.tokenizer)
     if parsed.chat_template_kwargs is not None:

@@ -13,7 +13,8 @@ for a chat record), plus ``"reference"`` when the input record had a ``completio
 Decoding is transformers' ``generate``: greedy by default, sampling with ``--do_sample``; it stops at EOS or
 after ``--max_new_tokens``. A checkpoint is restored through its config as ``pl-lowprec export`` does (quantized
 base and adapters, as trained, under the precision plugin's autocast); ``--model`` takes a merged directory, a
-peft adapter directory (its base from ``adapter_config.json``, or ``--base``) or a GGUF file (``gguf_read``).
+peft adapter directory (its base from ``adapter_config.json``, or ``--base``), a hub id of either (downloaded) or a
+GGUF file (``gguf_read``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pl_lowprec.export.gguf_read import check_gguf_file, gguf_model, gguf_tokeni
 from pl_lowprec.export.prompt_files import chat_turns
 from pl_lowprec.export.restore import Restored
 from pl_lowprec.export.write import pretrained_dir
+from pl_lowprec.loading.hub import is_hub_id, local_or_downloaded, resolve_pretrained
 from pl_lowprec.loading.tokenizer import load_tokenizer
 
 
@@ -179,7 +181,7 @@ def from_restored(restored: Restored, tokenizer: str | None = None) -> Generator
     return Generator(model, load_tokenizer(source), context, dict(restored.chat_template_kwargs))
 
 
-def directory_tokenizer(directory: str | Path, base: str | None = None) -> str | Path:
+def directory_tokenizer(directory: str | Path, base: str | Path | None = None) -> str | Path:
     """Where ``from_directory`` takes the tokenizer: the directory if it holds one, else the (adapter's) base; a
     GGUF file's own."""
     path = Path(directory)
@@ -198,6 +200,31 @@ def model_tokenizer(source: str | Path) -> Any:
     return gguf_tokenizer(Path(source)) if is_gguf(source) else load_tokenizer(source)
 
 
+def model_location(model: str) -> Path:
+    """``--model``: a local directory or GGUF file as it is; a hub id (``org/name``: a model or a peft adapter)
+    downloaded where there is network, as ``CausalLM(pretrained=...)`` downloads it."""
+    return local_or_downloaded(model) if is_hub_id(model) and not is_gguf(model) else Path(model)
+
+
+def adapter_base(directory: Path, base: str | Path | None = None) -> Path | None:
+    """A peft adapter directory's base model: ``base`` (``--base``) or its ``adapter_config.json``'s, a directory
+    or a hub id downloaded; None for anything else. Checked before any weights load."""
+    adapter_config = directory / "adapter_config.json"
+    if is_gguf(directory) or not adapter_config.is_file():
+        return None
+    named = base or json.loads(adapter_config.read_text()).get("base_model_name_or_path")
+    if not named:
+        raise ValueError(f"{adapter_config} names no base_model_name_or_path: pass --base MODEL_DIR.")
+    try:
+        return resolve_pretrained(named)
+    except ValueError as err:  # its advice, worded for --base
+        if base is not None:
+            raise ValueError(str(err).replace("pretrained=", "--base ")) from err
+        said = str(err).replace("pass pretrained=", "pass --base ").replace("pretrained=", "")
+        said += "" if "--base" in said else " Or pass the base model as --base DIR."
+        raise ValueError(f"The adapter's base model, {adapter_config}'s base_model_name_or_path: {said}") from err
+
+
 def check_model_dir(path: Path) -> None:
     """``--model``: a directory that an export wrote (a merged model or a peft adapter), or a GGUF file."""
     if is_gguf(path):
@@ -213,10 +240,10 @@ def check_model_dir(path: Path) -> None:
 
 
 def from_directory(
-    directory: str | Path, base: str | None = None, device: str = "auto", tokenizer: Any = None
+    directory: str | Path, base: str | Path | None = None, device: str = "auto", tokenizer: Any = None
 ) -> Generator:
-    """A merged model directory, a peft adapter directory on its base model, or a GGUF file; ``tokenizer`` if
-    given, else the one of ``directory_tokenizer``."""
+    """A merged model directory, a peft adapter directory on its base model (``adapter_base``), or a GGUF file;
+    ``tokenizer`` if given, else the one of ``directory_tokenizer``."""
     from transformers import AutoModelForCausalLM  # optional (pl_lowprec[hf]), needed only here
 
     path = Path(directory)
@@ -224,19 +251,16 @@ def from_directory(
     target = torch.device(
         "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
     )
-    adapter_config = path / "adapter_config.json"
+    base_dir = adapter_base(path, base)
     if is_gguf(path):
         model = gguf_model(path)
-    elif adapter_config.is_file():
+    elif base_dir is not None:
         peft = import_peft()
-        base = base or json.loads(adapter_config.read_text()).get("base_model_name_or_path")
-        if not base:
-            raise ValueError(f"{adapter_config} names no base_model_name_or_path: pass --base MODEL_DIR.")
-        model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(path))
+        model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base_dir)), str(path))
     elif (path / "config.json").is_file():
         model = AutoModelForCausalLM.from_pretrained(str(path))
     else:
         raise ValueError(f"--model {str(path)!r} holds neither config.json (a merged model) nor adapter_config.json.")
     if tokenizer is None:
-        tokenizer = model_tokenizer(directory_tokenizer(path, base))
+        tokenizer = model_tokenizer(directory_tokenizer(path, base_dir and str(base_dir)))
     return Generator(model.to(target), tokenizer)

@@ -24,7 +24,7 @@ from pl_lowprec.export.out_paths import prepare_out_dir
 from pl_lowprec.export.restore import Restored
 from pl_lowprec.export.write import check_merged, export, pretrained_dir, read_paths
 from pl_lowprec.loading import PretrainedWeights
-from pl_lowprec.loading.hub import resolve_pretrained
+from pl_lowprec.loading.hub import local_or_downloaded
 from pl_lowprec.loading.tokenizer import load_tokenizer
 
 
@@ -121,11 +121,7 @@ def convert_model_dir(model: str, out: Path, gguf_type: str | None, overwrite: b
     id such as ``Qwen/Qwen2.5-0.5B-Instruct``, downloaded where there is network."""
     requested = requested_types(gguf_type)
     import_gguf()
-    local = Path(model).expanduser()
-    try:
-        model_dir = local if local.exists() else resolve_pretrained(model, check_config=False)
-    except ValueError as err:  # its advice, worded for this option
-        raise ValueError(str(err).replace("pretrained=", "--model ")) from err
+    model_dir = local_or_downloaded(model)
     check_model_for_gguf(model_dir)
     prepare_out_dir(out, overwrite, {"model directory": model_dir})
     return write_ggufs(model_dir, out, requested, model)

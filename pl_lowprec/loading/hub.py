@@ -4,6 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# What a model repository needs here: config and tokenizer files, weights, and the chat template, which
+# transformers >= 4.43 saves beside the tokenizer as chat_template.jinja (tokenizer_config.json no longer holds it).
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+
+
+def is_hub_id(name: str | Path) -> bool:
+    """``org/name`` that is no local path: nothing there, and no local directory ``org`` (``runs/merged`` with a
+    ``runs/`` here is a local path mistyped, not a repository)."""
+    path = Path(name).expanduser()
+    text = str(name)
+    if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
+        return False
+    return not path.parent.is_dir()
+
 
 def resolve_pretrained(pretrained: str | Path, check_config: bool = True) -> Path:
     """A local model directory as is; a hub id downloaded (config, tokenizer, safetensors) where there is network."""
@@ -14,7 +28,7 @@ def resolve_pretrained(pretrained: str | Path, check_config: bool = True) -> Pat
                 f"pretrained={str(pretrained)!r} has no config.json: it is not a Hugging Face model directory."
             )
         return path
-    if path.exists() or str(pretrained).startswith((".", "/", "~")) or str(pretrained).count("/") != 1:
+    if not is_hub_id(pretrained):
         what = "is a file" if path.exists() else f"does not exist (relative to {Path.cwd()})"
         demo = (
             " The shipped configs' demo model is made once by `pl-lowprec make-demo-model runs/demo` (about a minute,"
@@ -29,10 +43,21 @@ def resolve_pretrained(pretrained: str | Path, check_config: bool = True) -> Pat
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(str(pretrained), allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+        return Path(snapshot_download(str(pretrained), allow_patterns=HUB_FILES))
     except Exception as err:  # offline, unknown repo, gated model: every one needs the same advice
         raise ValueError(
             f"pretrained={str(pretrained)!r} is not a local directory, and downloading it from the Hugging Face Hub"
             f" failed ({type(err).__name__}: {str(err)[:200]}). Download it on a machine with network access"
             f" (`huggingface-cli download {pretrained} --local-dir DIR`) and pass pretrained=DIR."
         ) from err
+
+
+def local_or_downloaded(model: str, option: str = "--model") -> Path:
+    """A command's model option: a local path as it is, else a hub id downloaded; the advice worded for the option."""
+    local = Path(model).expanduser()
+    if local.exists():
+        return local
+    try:
+        return resolve_pretrained(model, check_config=False)
+    except ValueError as err:
+        raise ValueError(str(err).replace("pretrained=", f"{option} ")) from err

@@ -3,6 +3,7 @@ weights; both load with transformers/peft and compute what the trained module co
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -253,3 +254,56 @@ def test_generate_reads_txt_prompts_and_names_bad_records(tmp_path):
     with pytest.raises(ValueError, match=r"Decoding\(max_new_tokens=0\) must be an integer >= 1"):
         Decoding(max_new_tokens=0)
     assert Decoding().kwargs() == {"max_new_tokens": 64, "do_sample": False}
+
+
+def test_generate_takes_hub_ids_of_a_model_an_adapter_and_its_base(pretrained, lora_run, tmp_path, monkeypatch, capsys):
+    """``generate --model org/name``: a merged model and a peft adapter on the hub (a stand-in download that takes
+    only the files asked for, as the real one) complete as their local directories do. The adapter's base, a hub
+    id in its adapter_config.json, is downloaded too; the chat template, which transformers saves beside the
+    tokenizer as chat_template.jinja, comes with the model. Offline, each refusal names the command that fixes it."""
+    from gguf_helpers import refusal_line
+    from loading_helpers import stand_in_hub
+
+    _, checkpoint, args = lora_run
+    merged, adapter = tmp_path / "merged", tmp_path / "adapter"
+    main(["export", f"--ckpt_path={checkpoint}", f"--out={merged}", "--merged", "--dtype=float32", *args])
+    main(["export", f"--ckpt_path={checkpoint}", f"--out={adapter}", *args])
+    assert (merged / "chat_template.jinja").is_file() and "chat_template" not in (
+        merged / "tokenizer_config.json"
+    ).read_text()
+    prompts = tmp_path / "questions.txt"
+    prompts.write_text("def f(x): what does it return?\nimport os\n")
+    capsys.readouterr()
+
+    def completions(model: str | Path, name: str) -> list[str]:
+        out = tmp_path / f"{name}.jsonl"
+        main(["generate", f"--model={model}", f"--prompts={prompts}", "--chat", f"--out={out}", "--max_new_tokens=5"])
+        return [json.loads(line)["completion"] for line in out.read_text().splitlines()]
+
+    local = {"merged": completions(merged, "merged"), "adapter": completions(adapter, "adapter")}
+    adapter_config = adapter / "adapter_config.json"
+    adapter_config.write_text(
+        json.dumps({**json.loads(adapter_config.read_text()), "base_model_name_or_path": "org/base"})
+    )
+    stand_in_hub(monkeypatch, tmp_path / "cache", {"me/merged": merged, "me/adapter": adapter, "org/base": pretrained})
+    assert completions("me/merged", "hub_merged") == local["merged"]
+    assert completions("me/adapter", "hub_adapter") == local["adapter"]
+    assert all(local["merged"])
+
+    base = ["generate", f"--prompts={prompts}", f"--out={tmp_path / 'refused.jsonl'}"]
+    line = refusal_line(capsys, [*base, "--model=me/missing"])
+    assert "--model 'me/missing' is not a local directory, and downloading it from the Hugging Face Hub failed" in line
+    assert "(`huggingface-cli download me/missing --local-dir DIR`) and pass --model DIR." in line
+    adapter_config.write_text(
+        json.dumps({**json.loads(adapter_config.read_text()), "base_model_name_or_path": "org/gone"})
+    )
+    line = refusal_line(capsys, [*base, f"--model={adapter}"])
+    assert f"The adapter's base model, {adapter_config}'s base_model_name_or_path: 'org/gone' is not a local" in line
+    assert "(`huggingface-cli download org/gone --local-dir DIR`) and pass --base DIR." in line
+    line = refusal_line(capsys, [*base, f"--model={adapter}", "--base=org/gone"])
+    assert "--base 'org/gone' is not a local directory" in line and "and pass --base DIR." in line
+    (tmp_path / "runs").mkdir()
+    monkeypatch.chdir(tmp_path)  # runs/ is here: runs/merged is a local path mistyped, not a hub id
+    line = refusal_line(capsys, [*base, "--model=runs/merged"])
+    assert "--model 'runs/merged' does not exist: name a directory that `pl-lowprec export` wrote" in line
+    assert not (tmp_path / "refused.jsonl").exists()

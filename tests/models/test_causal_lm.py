@@ -192,6 +192,9 @@ def test_bad_arguments(tmp_path, monkeypatch):
     assert "make-demo-model" not in str(e.value)
     with pytest.raises(ValueError, match=r"the path does not exist .* `pl-lowprec make-demo-model runs/demo`"):
         CausalLM("runs/demo/model")  # the shipped configs' model, not made yet
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(ValueError, match=r"'runs/merged' is neither a model directory nor a hub id.*does not exist"):
+        CausalLM("runs/merged")  # a local path mistyped (runs/ is here), not a repository to download
     with pytest.raises(ValueError, match=r"loss_chunk_size=0\) must be a positive"):
         CausalLM("x/y", loss_chunk_size=0)
 
