@@ -7,6 +7,8 @@ from pathlib import Path
 # What a model repository needs here: config and tokenizer files, weights, and the chat template, which
 # transformers >= 4.43 saves beside the tokenizer as chat_template.jinja (tokenizer_config.json no longer holds it).
 HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+# huggingface_hub's own command line (``hf``; ``huggingface-cli`` is gone since huggingface_hub 1.0).
+DOWNLOAD_COMMAND = "hf download"
 
 
 def is_hub_id(name: str | Path) -> bool:
@@ -48,7 +50,7 @@ def resolve_pretrained(pretrained: str | Path, check_config: bool = True) -> Pat
         raise ValueError(
             f"pretrained={str(pretrained)!r} is not a local directory, and downloading it from the Hugging Face Hub"
             f" failed ({type(err).__name__}: {str(err)[:200]}). Download it on a machine with network access"
-            f" (`huggingface-cli download {pretrained} --local-dir DIR`) and pass pretrained=DIR."
+            f" (`{DOWNLOAD_COMMAND} {pretrained} --local-dir DIR`) and pass pretrained=DIR."
         ) from err
 
 

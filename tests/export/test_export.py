@@ -293,13 +293,13 @@ def test_generate_takes_hub_ids_of_a_model_an_adapter_and_its_base(pretrained, l
     base = ["generate", f"--prompts={prompts}", f"--out={tmp_path / 'refused.jsonl'}"]
     line = refusal_line(capsys, [*base, "--model=me/missing"])
     assert "--model 'me/missing' is not a local directory, and downloading it from the Hugging Face Hub failed" in line
-    assert "(`huggingface-cli download me/missing --local-dir DIR`) and pass --model DIR." in line
+    assert "(`hf download me/missing --local-dir DIR`) and pass --model DIR." in line
     adapter_config.write_text(
         json.dumps({**json.loads(adapter_config.read_text()), "base_model_name_or_path": "org/gone"})
     )
     line = refusal_line(capsys, [*base, f"--model={adapter}"])
     assert f"The adapter's base model, {adapter_config}'s base_model_name_or_path: 'org/gone' is not a local" in line
-    assert "(`huggingface-cli download org/gone --local-dir DIR`) and pass --base DIR." in line
+    assert "(`hf download org/gone --local-dir DIR`) and pass --base DIR." in line
     line = refusal_line(capsys, [*base, f"--model={adapter}", "--base=org/gone"])
     assert "--base 'org/gone' is not a local directory" in line and "and pass --base DIR." in line
     (tmp_path / "runs").mkdir()

@@ -334,7 +334,7 @@ def test_a_model_directory_converts_to_the_file_its_checkpoint_exports(exported,
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     line = refusal_line(capsys, ["export", "--model=org/finetune", f"--out={tmp_path / 'x'}", "--format=gguf"])
     assert "--model 'org/finetune' is not a local directory, and downloading it from the Hugging Face Hub" in line
-    assert "(`huggingface-cli download org/finetune --local-dir DIR`) and pass --model DIR." in line
+    assert "(`hf download org/finetune --local-dir DIR`) and pass --model DIR." in line
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text("{}")

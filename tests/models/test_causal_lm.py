@@ -178,9 +178,21 @@ def test_hub_id_without_network_says_what_to_do(monkeypatch):
     with pytest.raises(
         ValueError,
         match=r"'meta-llama/Llama-3.2-1B' is not a local directory.*ConnectionError: no"
-        r" network.*huggingface-cli download meta-llama/Llama-3.2-1B --local-dir DIR",
+        r" network.*hf download meta-llama/Llama-3.2-1B --local-dir DIR",
     ):
         CausalLM("meta-llama/Llama-3.2-1B")
+
+
+def test_the_download_command_named_is_the_installed_huggingface_hubs():
+    """The refusal's fix is a command the user has: huggingface_hub >= 1.0 installs ``hf`` and no longer
+    ``huggingface-cli``, which the advice named before."""
+    from importlib.metadata import entry_points
+
+    from pl_lowprec.loading.hub import DOWNLOAD_COMMAND
+
+    scripts = {e.name: e.value for e in entry_points(group="console_scripts")}
+    program = DOWNLOAD_COMMAND.split()[0]
+    assert scripts.get(program, "").startswith("huggingface_hub."), (program, sorted(scripts))
 
 
 def test_bad_arguments(tmp_path, monkeypatch):
