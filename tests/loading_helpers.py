@@ -116,7 +116,8 @@ def stand_in_hub(monkeypatch, cache: Path, repos: dict[str, Path]) -> None:
     def download(repo_id: str, allow_patterns=None, **kwargs) -> str:
         if repo_id not in repos:
             raise ConnectionError(f"no network: {repo_id} is not in the stand-in hub")
-        source, target = repos[repo_id], cache / repo_id
+        source = repos[repo_id]
+        target = cache / f"models--{repo_id.replace('/', '--')}" / "snapshots" / "0123abc"  # huggingface_hub's layout
         names = [p.relative_to(source).as_posix() for p in source.rglob("*") if p.is_file()]
         for name in filter_repo_objects(names, allow_patterns=allow_patterns):
             (target / name).parent.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,7 @@ or a model directory to GGUF.
     pl-lowprec export --config ... --ckpt_path ... --out runs/merged --merged [--dtype float32]
     pl-lowprec export --config ... --ckpt_path ... --out runs/gguf --format gguf [--gguf_type q8_0]
     pl-lowprec export --model runs/merged --out runs/gguf --format gguf --gguf_type q4_k_m
+    pl-lowprec export --ckpt_path runs/.../last.ckpt --out runs/adapter --push_to_hub me/my-adapter --private
 
 Arguments the export does not know (``--model.pretrained DIR``, ``--trainer.accelerator cpu``) go to the config,
 as for ``pl-lowprec fit``. Without ``--config``, the ``config.yaml`` LightningCLI saved next to the run's
@@ -22,6 +23,7 @@ from pl_lowprec.cli.resume import check_checkpoint
 from pl_lowprec.cli.subcommands import description, examples
 from pl_lowprec.export.generates_text import GGUF, check_module_generates
 from pl_lowprec.export.gguf_export import check_gguf_request, check_gguf_sources, convert_model_dir, export_gguf
+from pl_lowprec.export.hub_push import check_push, push
 from pl_lowprec.export.out_paths import check_out_dir
 from pl_lowprec.export.restore import restore, sources
 from pl_lowprec.export.write import check_dtype, check_export, choose_format, export, read_paths
@@ -61,7 +63,19 @@ def main(args: list[str] | None = None) -> None:
         action="store_true",
         help="Replace a previous export in --out (never a file read).",
     )
+    parser.add_argument(
+        "--push_to_hub",
+        metavar="USER/NAME",
+        help="Upload --out to this Hugging Face Hub model repository once written, with a model card (needs a"
+        " token: hf auth login).",
+    )
+    parser.add_argument(
+        "--private",
+        action="store_true",
+        help="With --push_to_hub: a new repository is private (an existing one keeps its visibility).",
+    )
     parsed, cli_args = parser.parse_known_args(args)
+    check_push(parsed.push_to_hub, parsed.private)
     export_format = choose_format(parsed.format, parsed.merged, parsed.gguf_type)
     if export_format == "gguf":  # merged weights too, written in --gguf_type: no --dtype
         check_gguf_request(parsed.gguf_type, parsed.dtype)
@@ -75,6 +89,7 @@ def main(args: list[str] | None = None) -> None:
         if cli_args:
             parser.error(f"unrecognized arguments: {' '.join(cli_args)} (config overrides go with --ckpt_path)")
         print(convert_model_dir(parsed.model, Path(parsed.out), parsed.gguf_type, parsed.overwrite))
+        pushed(parsed, parsed.model)
         return
     checkpoint = Path(parsed.ckpt_path)
     check_checkpoint(checkpoint)
@@ -100,5 +115,12 @@ def main(args: list[str] | None = None) -> None:
     restored = restore(checkpoint, run.trainer, run.model, run.datamodule)
     if export_format == "gguf":
         print(export_gguf(restored, out, parsed.gguf_type, parsed.overwrite, inputs))
-        return
-    print(export(restored, out, export_format == "merged", parsed.dtype, parsed.overwrite, inputs))
+    else:
+        print(export(restored, out, export_format == "merged", parsed.dtype, parsed.overwrite, inputs))
+    pushed(parsed, weights.path if weights is not None else None)
+
+
+def pushed(parsed: argparse.Namespace, pretrained: str | Path | None) -> None:
+    """With ``--push_to_hub``: the written ``--out`` uploaded, and the line that says where."""
+    if parsed.push_to_hub is not None:
+        print(push(Path(parsed.out), parsed.push_to_hub, parsed.private, pretrained))

@@ -10,6 +10,7 @@ from pl_lowprec.export.merged import merge_into_pretrained
 from pl_lowprec.export.out_paths import check_out_dir, prepare_out_dir
 from pl_lowprec.export.restore import Restored
 from pl_lowprec.loading import PretrainedWeights
+from pl_lowprec.loading.hub import hub_id_of
 from pl_lowprec.loading.tokenizer import load_tokenizer
 from pl_lowprec.transforms.dtypes import to_dtype
 
@@ -139,7 +140,8 @@ def export(
         what += f", {counts['left_out']} of a head the model lacks left out" if counts["left_out"] else ""
         what += f", {dtype})" if dtype else ", in the pretrained files' dtypes)"
     else:
-        base_name = str(source.resolve()) if source is not None else None
+        # a hub id's download is recorded as the id, as peft records a base loaded by its id
+        base_name = (hub_id_of(source) or str(source.resolve())) if source is not None else None
         export_adapter(restored.module, out, base_model_name_or_path=base_name)
         what = "peft adapter directory"
     tokenizer = save_tokenizer(restored, out)

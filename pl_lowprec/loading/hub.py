@@ -63,3 +63,16 @@ def local_or_downloaded(model: str, option: str = "--model") -> Path:
         return resolve_pretrained(model, check_config=False)
     except ValueError as err:
         raise ValueError(str(err).replace("pretrained=", f"{option} ")) from err
+
+
+def hub_id_of(directory: str | Path | None) -> str | None:
+    """The hub id of a snapshot in the Hugging Face cache (``.../models--org--name/snapshots/REV``), which is where
+    a hub id's download lies; None for any other directory. The id is what others can load: the snapshot path is
+    this machine's."""
+    if directory is None:
+        return None
+    path = Path(directory).resolve()
+    folder = path.parent.parent.name
+    if path.parent.name != "snapshots" or not folder.startswith("models--"):
+        return None
+    return folder.removeprefix("models--").replace("--", "/")  # hub ids never hold "--"

@@ -4,6 +4,7 @@ weights; both load with transformers/peft and compute what the trained module co
 import json
 import re
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -307,3 +308,87 @@ def test_generate_takes_hub_ids_of_a_model_an_adapter_and_its_base(pretrained, l
     line = refusal_line(capsys, [*base, "--model=runs/merged"])
     assert "--model 'runs/merged' does not exist: name a directory that `pl-lowprec export` wrote" in line
     assert not (tmp_path / "refused.jsonl").exists()
+
+
+class StandInHubApi:
+    """``huggingface_hub.HfApi`` with no network: ``create_repo`` and ``upload_folder`` record their arguments and
+    copy the folder to ``remote/<repo_id>``; ``fail`` makes the upload raise as a lost connection does."""
+
+    calls: ClassVar[list] = []
+    remote: Path
+    fail = False
+
+    def create_repo(self, repo_id, **kwargs):
+        self.calls.append(("create_repo", repo_id, kwargs))
+
+    def upload_folder(self, *, repo_id, folder_path, **kwargs):
+        import shutil
+        from types import SimpleNamespace
+
+        if self.fail:
+            raise ConnectionError("no network")
+        self.calls.append(("upload_folder", repo_id, Path(folder_path)))
+        shutil.copytree(folder_path, self.remote / repo_id, dirs_exist_ok=True)
+        return SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/0123abc")
+
+
+def test_an_export_pushed_to_the_hub_loads_from_its_id(pretrained, data, tmp_path, monkeypatch, capsys):
+    """``export --push_to_hub me/adapter --private`` after fine-tuning ``model.pretrained: org/base`` (a hub id,
+    downloaded by a stand-in): the adapter records its base as the id (not this machine's cache path), the model
+    card names it, and the pushed repository completes as the local directory does. A missing token, a bad id and
+    ``--private`` alone are refused before anything is written; a failed upload keeps the export and names
+    ``hf upload``."""
+    import huggingface_hub
+    from gguf_helpers import refusal_line
+    from loading_helpers import stand_in_hub
+
+    repos = {"org/base": pretrained}
+    stand_in_hub(monkeypatch, tmp_path / "cache", repos)
+    StandInHubApi.calls, StandInHubApi.remote = [], tmp_path / "remote"
+    monkeypatch.setattr(huggingface_hub, "HfApi", StandInHubApi)
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_stand_in")
+    _, checkpoint, args = fit("org/base", data, tmp_path / "run", quantization="null", lr=0.005)
+    out = tmp_path / "adapter"
+    capsys.readouterr()
+    main(["export", f"--ckpt_path={checkpoint}", f"--out={out}", *args, "--push_to_hub=me/adapter", "--private"])
+    said = capsys.readouterr().out
+    assert "Uploaded " + str(out) + " to https://huggingface.co/me/adapter (base_model: org/base)" in said
+    assert StandInHubApi.calls == [
+        ("create_repo", "me/adapter", {"private": True, "exist_ok": True}),
+        ("upload_folder", "me/adapter", out),
+    ]
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == "org/base"
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\n") and "base_model: org/base\n" in card and "library_name: peft\n" in card
+    assert "AutoPeftModelForCausalLM.from_pretrained('me/adapter')" in card
+
+    repos["me/adapter"] = tmp_path / "remote" / "me" / "adapter"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def f(x):\nimport os\n")
+    completions = {}
+    for name, model in {"local": out, "hub": "me/adapter"}.items():
+        main(["generate", f"--model={model}", f"--prompts={prompts}", f"--out={tmp_path / name}.jsonl"])
+        completions[name] = (tmp_path / f"{name}.jsonl").read_text()
+    assert completions["hub"] == completions["local"]
+
+    merged = tmp_path / "merged"
+    main(["export", f"--ckpt_path={checkpoint}", f"--out={merged}", "--merged", *args, "--push_to_hub=me/merged"])
+    assert StandInHubApi.calls[-2] == ("create_repo", "me/merged", {"private": None, "exist_ok": True})
+    card = (merged / "README.md").read_text()
+    assert "base_model: org/base\n" in card and "library_name: transformers\n" in card
+
+    base = ["export", f"--ckpt_path={checkpoint}", f"--out={tmp_path / 'refused'}", *args]
+    line = refusal_line(capsys, [*base, "--push_to_hub=me/adapter/v2"])
+    assert "--push_to_hub 'me/adapter/v2' is not a model repository id: name it as 'user/name'" in line
+    line = refusal_line(capsys, [*base, "--private"])
+    assert "--private makes the --push_to_hub repository private: pass --push_to_hub USER/NAME too." in line
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+    line = refusal_line(capsys, [*base, "--push_to_hub=me/adapter"])
+    assert "needs a Hugging Face token with write access, and none is set here: run `hf auth login`" in line
+    assert not (tmp_path / "refused").exists()
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_stand_in")
+    StandInHubApi.fail = True
+    line = refusal_line(capsys, [*base, "--push_to_hub=me/adapter"])
+    assert f"The export in '{tmp_path / 'refused'}' is complete, but uploading it to 'me/adapter' failed" in line
+    assert "(ConnectionError: no network). Upload the directory once that is fixed: `hf upload me/adapter" in line
+    assert (tmp_path / "refused" / "adapter_model.safetensors").is_file()
