@@ -100,6 +100,6 @@ def push(directory: Path, repo_id: str, private: bool, pretrained: str | Path | 
         line += (
             f". Its adapter_config.json names the base as {local!r}, a directory of this machine: others load it onto"
             f" their copy of that model, PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE),"
-            f" {repo_id!r}) (fine-tune from a hub id, model.pretrained: org/name, and the id is recorded)."
+            f" {repo_id!r}). A run fine-tuned from a hub id (model.pretrained: org/name) records the id instead."
         )
     return line
