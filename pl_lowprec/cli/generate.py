@@ -38,6 +38,7 @@ from pl_lowprec.export.generate import (
     directory_tokenizer,
     from_directory,
     from_restored,
+    generation_device,
     model_location,
     model_tokenizer,
     wants_chat,
@@ -181,6 +182,7 @@ def main(args: list[str] | None = None) -> None:
         if cli_args:
             parser.error(f"unrecognized arguments: {' '.join(cli_args)} (config overrides go with --ckpt_path)")
         inputs |= {"model directory": Path(parsed.model), "base model": parsed.base and Path(parsed.base)}
+        device = generation_device(parsed.device)
         prepare_out_file(Path(parsed.out), parsed.overwrite, inputs)  # before a hub id downloads
         model = model_location(parsed.model)
         check_model_dir(model)
@@ -192,7 +194,7 @@ def main(args: list[str] | None = None) -> None:
         tokenizer = model_tokenizer(source)
         if chat:
             check_chat_template(tokenizer, source)  # before the model loads
-        generator = from_directory(model, base, parsed.device, tokenizer)
+        generator = from_directory(model, base, device, tokenizer)
     if chat:
         check_chat_template(generator.tokenizer, parsed.tokenizer)
     if parsed.chat_template_kwargs is not None:

@@ -200,6 +200,23 @@ def model_tokenizer(source: str | Path) -> Any:
     return gguf_tokenizer(Path(source)) if is_gguf(source) else load_tokenizer(source)
 
 
+def generation_device(device: str | torch.device = "auto") -> torch.device:
+    """``--device``: ``auto`` (cuda if available, else cpu), or a device this machine has; ``ValueError`` naming
+    the choices otherwise, before anything loads."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        chosen = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"--device {str(device)!r} is not a device: give auto, cpu, cuda or cuda:N.") from err
+    if chosen.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (chosen.index or 0) >= count:
+            has = f"{count} CUDA GPU(s)" if count else "no CUDA GPU"
+            raise ValueError(f"--device {str(device)!r}: this machine has {has}. Use --device auto or cpu.")
+    return chosen
+
+
 def model_location(model: str) -> Path:
     """``--model``: a local directory or GGUF file as it is; a hub id (``org/name``: a model or a peft adapter)
     downloaded where there is network, as ``CausalLM(pretrained=...)`` downloads it."""
@@ -240,7 +257,7 @@ def check_model_dir(path: Path) -> None:
 
 
 def from_directory(
-    directory: str | Path, base: str | Path | None = None, device: str = "auto", tokenizer: Any = None
+    directory: str | Path, base: str | Path | None = None, device: str | torch.device = "auto", tokenizer: Any = None
 ) -> Generator:
     """A merged model directory, a peft adapter directory on its base model (``adapter_base``), or a GGUF file;
     ``tokenizer`` if given, else the one of ``directory_tokenizer``."""
@@ -248,9 +265,7 @@ def from_directory(
 
     path = Path(directory)
     check_model_dir(path)
-    target = torch.device(
-        "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
-    )
+    target = generation_device(device)
     base_dir = adapter_base(path, base)
     if is_gguf(path):
         model = gguf_model(path)

@@ -167,6 +167,8 @@ def test_every_generate_refusal_is_one_paragraph_before_the_model_loads(run, tmp
         ([ckpt, ok, f"--out={tmp_path / 'ok.txt'}", "--overwrite"], "is the prompts file this command reads"),
         ([f"--model={tmp_path / 'no_model'}", ok, new], "--model '" + str(tmp_path / "no_model") + "' does not exist"),
         ([f"--model={tmp_path / 'ok.txt'}", ok, new], "ok.txt' is a file"),
+        ([f"--model={tmp_path / 'a_dir'}", ok, new, "--device=gpu"], "--device 'gpu' is not a device: give auto,"),
+        ([f"--model={tmp_path / 'a_dir'}", ok, new, "--device=cuda:7"], "--device 'cuda:7': this machine has"),
     ]
     before = snapshot(tmp) | snapshot(tmp_path)
     for args, said in cases:
