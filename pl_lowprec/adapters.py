@@ -16,6 +16,7 @@ shards), and every rank gets the whole result.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -107,6 +108,15 @@ def held_hf_model(module: nn.Module) -> nn.Module | None:
     """The Hugging Face model ``module`` holds (``find_base_model``'s), or ``None`` where it holds none."""
     name, model = find_base_model(module)
     return model if name else None
+
+
+def recorded_base(directory: str | Path) -> str | None:
+    """The base model an adapter directory names (``adapter_config.json``'s ``base_model_name_or_path``, which
+    ``export_adapter`` writes); None where there is no adapter config or it names none."""
+    adapter_config = Path(directory) / "adapter_config.json"
+    if not adapter_config.is_file():
+        return None
+    return json.loads(adapter_config.read_text()).get("base_model_name_or_path") or None
 
 
 def export_adapter(

@@ -30,6 +30,7 @@ import torch
 
 from pl_lowprec._checks import check_at_least, check_fraction, check_positive
 from pl_lowprec._imports import import_peft
+from pl_lowprec.adapters import recorded_base
 from pl_lowprec.data.chat import ChatTemplate
 from pl_lowprec.export.generates_text import check_directory_generates, check_module_generates
 from pl_lowprec.export.gguf_read import check_gguf_file, gguf_model, gguf_tokenizer, is_gguf
@@ -189,10 +190,7 @@ def directory_tokenizer(directory: str | Path, base: str | Path | None = None) -
         return path
     if (path / "tokenizer_config.json").is_file():
         return path
-    adapter_config = path / "adapter_config.json"
-    if base is None and adapter_config.is_file():
-        base = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
-    return base or path
+    return base or recorded_base(path) or path
 
 
 def model_tokenizer(source: str | Path) -> Any:
@@ -229,7 +227,7 @@ def adapter_base(directory: Path, base: str | Path | None = None) -> Path | None
     adapter_config = directory / "adapter_config.json"
     if is_gguf(directory) or not adapter_config.is_file():
         return None
-    named = base or json.loads(adapter_config.read_text()).get("base_model_name_or_path")
+    named = base or recorded_base(directory)
     if not named:
         raise ValueError(f"{adapter_config} names no base_model_name_or_path: pass --base MODEL_DIR.")
     try:

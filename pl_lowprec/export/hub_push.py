@@ -7,9 +7,9 @@ disk, so a failed upload loses nothing and its refusal names ``hf upload`` with 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from pl_lowprec.adapters import recorded_base
 from pl_lowprec.loading.hub import DOWNLOAD_COMMAND, hub_id_of, is_hub_id
 
 UPLOAD_COMMAND = "hf upload"  # huggingface_hub's command line, as hub.DOWNLOAD_COMMAND
@@ -41,9 +41,7 @@ def check_push(repo_id: str | None, private: bool) -> None:
 def base_model_id(directory: Path, pretrained: str | Path | None = None) -> str | None:
     """The hub id of the model a fine-tune came from, where there is one: the adapter's recorded base, or the
     pretrained weights' (a hub id, or its download in the Hugging Face cache)."""
-    adapter_config = directory / "adapter_config.json"
-    if adapter_config.is_file():
-        pretrained = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
+    pretrained = recorded_base(directory) if (directory / "adapter_config.json").is_file() else pretrained
     if pretrained is None:
         return None
     if is_hub_id(pretrained):
@@ -94,9 +92,8 @@ def push(directory: Path, repo_id: str, private: bool, pretrained: str | Path | 
         ) from err
     base = f" (base_model: {base_model})" if base_model else ""
     line = f"Uploaded {directory} to https://huggingface.co/{repo_id}{base}: {commit.commit_url}"
-    adapter_config = directory / "adapter_config.json"
-    if base_model is None and adapter_config.is_file():
-        local = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
+    local = recorded_base(directory)
+    if base_model is None and local is not None:
         line += (
             f". Its adapter_config.json names the base as {local!r}, a directory of this machine: others load it onto"
             f" their copy of that model, PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE),"
