@@ -111,7 +111,8 @@ def main(args: list[str] | None = None) -> None:
     sharding = strategy.transform_sharding(config) if hasattr(strategy, "transform_sharding") else None
     if options.maximize:
         shards = (sharding, devices)
-        _maximize(options, build, batch, rows, budget, precision, device, config, blocks, cli_args, run, shards)
+        shape = (rows, accumulate)
+        _maximize(options, build, batch, shape, budget, precision, device, config, blocks, cli_args, run, shards)
         return
     plan = plan_memory(
         build,
@@ -157,7 +158,7 @@ def main(args: list[str] | None = None) -> None:
         f" {chosen.step.seconds:.3f} s on {chosen.step.device}."
     )
     if out is not None:
-        write_plan(cli_args, out, chosen.settings, blocks, config, devices, run, strategy=switch_to)
+        write_plan(cli_args, out, chosen.settings, blocks, config, devices, run, strategy=switch_to, rows=rows)
         print(f"Wrote {out}: pl-lowprec fit --config {out}")
 
 
@@ -217,14 +218,21 @@ def _eight_bit(sharding: Any) -> str:
     return "torchao_adamw8bit" if sharding is not None else "adamw8bit"
 
 
-def _maximize(options, build, batch, rows, budget, precision, device, config, blocks, cli_args, run, shards) -> None:
+def _maximize(options, build, batch, shape, budget, precision, device, config, blocks, cli_args, run, shards) -> None:
     """The longest sequence (or largest micro-batch) that fits, with the most memory-saving settings allowed;
-    ``shards``: the config's FSDP2 sharding (or ``None``) and the number of ranks."""
+    ``shape``: the config's micro-batch rows and accumulation; ``shards``: the config's FSDP2 sharding (or
+    ``None``) and the number of ranks.
+
+    ``seq_len`` keeps the global batch: it is searched at micro-batch 1 with the accumulation that makes up the
+    config's rows per device, and written so. It stops at the model's ``max_position_embeddings`` (positions past
+    it were never trained). ``batch_size`` changes the global batch by its nature, and says by how much."""
     sharding, world_size = shards
+    rows, accumulate = shape
     limit = int(budget * (1 - options.margin))
+    longest = options.maximize == "seq_len"
     saving = Settings(
-        micro_batch=1 if options.maximize == "seq_len" else rows,
-        accumulate=1,
+        micro_batch=1 if longest else rows,
+        accumulate=rows * accumulate if longest else accumulate,
         checkpointing="every block" if (config.activation_checkpointing or blocks) else "none",
         optimizer=_eight_bit(sharding) if config.optimizer in (None, "adamw") else config.optimizer,
         activation_offloading=device == "cuda",
@@ -234,7 +242,7 @@ def _maximize(options, build, batch, rows, budget, precision, device, config, bl
     seq_len = next(t.shape[1] for t in batch_tensors(batch) if t.dim() >= 2)
 
     def fits(value: int) -> bool:
-        micro, length = (saving.micro_batch, value) if options.maximize == "seq_len" else (value, seq_len)
+        micro, length = (saving.micro_batch, value) if longest else (value, seq_len)
         with quiet_setup_logs():
             estimate = estimate_memory(
                 build,
@@ -242,33 +250,53 @@ def _maximize(options, build, batch, rows, budget, precision, device, config, bl
                 precision=precision,
                 device=device,
                 config=transform,
+                accumulate_grad_batches=saving.accumulate,
                 sharding=sharding,
                 world_size=world_size,
             )
         return estimate.peak <= limit
 
-    start = seq_len if options.maximize == "seq_len" else 1
-    ceiling = MAX_SEQ_LEN if options.maximize == "seq_len" else 4096
-    low, high = doubling_bound(fits, min(start, 16), ceiling) if fits(min(start, 16)) else (None, None)
+    positions = trained_positions(configured(build))
+    ceiling = (positions or MAX_SEQ_LEN) if longest else MAX_BATCH_SIZE
+    start = min(seq_len if longest else 1, 16, ceiling)
+    up_to = f"the model's max_position_embeddings, {positions}" if longest and positions else f"{ceiling}"
+    print(f"Searching the largest {options.maximize} up to {up_to}, with {saving.describe()}.", flush=True)
+    low, high = doubling_bound(fits, start, ceiling) if fits(start) else (None, None)
     best = None if low is None else largest_fitting(fits, low, high)
     if best is None:
         print(
-            f"Nothing fits in {limit / 2**30:.2f} GiB even at {options.maximize}={min(start, 16)} with"
+            f"Nothing fits in {format_bytes(limit)} even at {options.maximize}={start} with"
             f" {saving.describe()}: the weights and optimizer state alone are too large; quantize"
             " (--allow_quantization), shard over more devices, or plan for a larger device.",
             file=sys.stderr,
         )
         raise SystemExit(1)
-    print(f"Largest {options.maximize} that fits in {limit / 2**30:.2f} GiB with {saving.describe()}: {best}")
+    capped = " (the model's max_position_embeddings)" if longest and best == positions else ""
+    print(f"Largest {options.maximize} that fits in {format_bytes(limit)} with {saving.describe()}: {best}{capped}")
+    if not longest:
+        before, after = rows * accumulate * world_size, best * accumulate * world_size
+        print(
+            f"The global batch becomes {after} rows a step"
+            f" (the config's: {before}): the learning rate may need to follow."
+        )
     if options.out:
-        if options.maximize == "seq_len":
-            saving = dataclasses.replace(saving, micro_batch=rows)
-        else:
-            saving = dataclasses.replace(saving, micro_batch=best)
-        extra = {"data.init_args.seq_len": best} if options.maximize == "seq_len" else {}
-        devices = options.devices or 1
-        write_plan(cli_args, Path(options.out), saving, blocks, config, devices, run, extra)
+        written = saving if longest else dataclasses.replace(saving, micro_batch=best)
+        extra = {"data.init_args.seq_len": best} if longest else {}
+        write_plan(cli_args, Path(options.out), written, blocks, config, world_size, run, extra, rows=rows)
         print(f"Wrote {options.out}: pl-lowprec fit --config {options.out}")
+
+
+MAX_BATCH_SIZE = 4096
+
+
+def trained_positions(model: Any) -> int | None:
+    """The longest sequence the model was trained for: ``max_position_embeddings`` of the first Hugging Face
+    config among its modules (``None`` where none says)."""
+    for module in model.modules():
+        positions = getattr(getattr(module, "config", None), "max_position_embeddings", None)
+        if isinstance(positions, int) and positions > 0:
+            return positions
+    return None
 
 
 def write_plan(
@@ -281,10 +309,12 @@ def write_plan(
     run: Any,
     extra: dict[str, Any] | None = None,
     strategy: dict[str, Any] | None = None,
+    rows: int | None = None,
 ) -> None:
     """The ``--config`` files merged with the command line's overrides (``cli_args``, in order) and only the searched
     settings changed. ``strategy``: switch to ``lowprec_fsdp`` with these arguments, keeping the model arguments
-    (``TransformArguments``)."""
+    (``TransformArguments``). ``rows``: the config's micro-batch, from which the Trainer's counts of batches are
+    rescaled (``rescaled_batch_counts``)."""
     fields = merged_fields(cli_args)
     node = fields.setdefault("trainer", {}).get("strategy")
     if not isinstance(node, dict):
@@ -311,9 +341,31 @@ def write_plan(
         changes["trainer.devices"] = devices
     for key, value in changes.items():
         _set(fields, key, value)
+    for line in rescaled_batch_counts(fields["trainer"], rows or settings.micro_batch, settings.micro_batch):
+        print(line)
     sources = " + ".join(str(path) for path in config_files(cli_args).values())
     header = f"# Written by pl-lowprec plan from {sources}: {settings.describe()}.\n"
     out.write_text(header + yaml.safe_dump(fields, sort_keys=False))
+
+
+BATCH_COUNTS = ("val_check_interval", "limit_train_batches", "limit_val_batches", "limit_test_batches")
+
+
+def rescaled_batch_counts(trainer: dict[str, Any], before: int, after: int) -> list[str]:
+    """The Trainer's whole-number counts of batches (``BATCH_COUNTS``; a float is a fraction and stays) rescaled
+    in place from micro-batches of ``before`` rows to ``after``, so that validation comes after as many rows, at
+    the same optimizer step, and as many rows are validated; a line for each count changed."""
+    lines = []
+    for key in BATCH_COUNTS:
+        count = trainer.get(key)
+        if before == after or isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            continue
+        trainer[key] = max(1, round(count * before / after))
+        exact = "" if count * before % after == 0 else f" (rounded from {count * before / after:g})"
+        lines.append(
+            f"trainer.{key}: {count} -> {trainer[key]}{exact}, as the micro-batch goes from {before} to {after} rows."
+        )
+    return lines
 
 
 def _block_names(build: Callable[[], Any], config: TransformConfig) -> list[str] | None:

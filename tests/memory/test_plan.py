@@ -195,26 +195,76 @@ def test_cli_nothing_fits_exits_1_with_the_paragraph(tmp_path, capsys):
     assert "Nothing fits in 0.90 MiB (budget 1.00 MiB less the 10% margin)" in capsys.readouterr().err
 
 
-def test_cli_maximize_seq_len_finds_the_longest_that_fits(tmp_path, capsys):
-    source = _write_config(tmp_path)
-    cli(["plan", "--config", str(source), "--memory", "24MiB", "--maximize", "seq_len", "--margin", "0"])
+def test_cli_maximize_seq_len_finds_the_longest_that_fits_and_writes_it_with_the_global_batch(tmp_path, capsys):
+    """The longest sequence is searched at micro-batch 1 with the accumulation that keeps the config's 8 rows a
+    step, and written so: the written config's own estimate fits, where the config's micro-batch of 8 at that
+    length would not. The Trainer's batch counts follow the micro-batch, so validation comes after as many rows."""
+    source = _write_config(tmp_path, max_len=4096)
+    fields = yaml.safe_load(source.read_text())
+    fields["trainer"].update(val_check_interval=3, limit_val_batches=2)
+    source.write_text(yaml.safe_dump(fields))
+    out = tmp_path / "longest.yaml"
+    args = ["plan", "--config", str(source), "--memory", "24MiB", "--maximize", "seq_len", "--margin", "0"]
+    cli([*args, "--out", str(out)])
     printed = capsys.readouterr().out
-    best = int(printed.rsplit(": ", 1)[1])
+    best = int(next(x for x in printed.splitlines() if x.startswith("Largest seq_len")).rsplit(": ", 1)[1])
     assert best >= 64
     from pl_lowprec.cli.estimate import estimate_config
 
-    def peak(seq_len: int) -> int:
+    def peak(seq_len: int, config: Path = source) -> int:
         return estimate_config(
             [
-                "--config", str(source),
+                "--config", str(config),
                 "--data.init_args.seq_len", str(seq_len),
                 "--data.init_args.batch_size", "1",
+                "--trainer.accumulate_grad_batches", "8",
                 "--trainer.strategy.init_args.activation_checkpointing", "[LlamaDecoderLayer]",
                 "--trainer.strategy.init_args.optimizer", "adamw8bit",
             ]
         ).peak  # fmt: skip
 
     assert peak(best) <= 24 * 2**20 < peak(best + 1)
+    planned = yaml.safe_load(out.read_text())
+    assert planned["data"]["init_args"]["seq_len"] == best
+    assert planned["data"]["init_args"]["batch_size"] == 1
+    assert planned["trainer"]["accumulate_grad_batches"] == 8  # 8 rows a step, as the config has
+    assert planned["trainer"]["val_check_interval"] == 24 and planned["trainer"]["limit_val_batches"] == 16
+    assert "trainer.val_check_interval: 3 -> 24, as the micro-batch goes from 8 to 1 rows." in printed
+    assert estimate_config(["--config", str(out)]).peak <= 24 * 2**20
+
+
+def test_cli_maximize_seq_len_stops_at_the_models_positions(tmp_path, capsys):
+    source = _write_config(tmp_path, max_len=128)
+    cli(["plan", "--config", str(source), "--memory", "4GiB", "--maximize", "seq_len"])
+    printed = capsys.readouterr().out
+    assert "Searching the largest seq_len up to the model's max_position_embeddings, 128," in printed
+    assert printed.rstrip().endswith(": 128 (the model's max_position_embeddings)")
+
+
+def test_cli_maximize_batch_size_says_the_global_batch_changes(tmp_path, capsys):
+    source = _write_config(tmp_path, batch_size=2)
+    cli(["plan", "--config", str(source), "--memory", "24MiB", "--maximize", "batch_size", "--margin", "0"])
+    printed = capsys.readouterr().out
+    best = int(next(x for x in printed.splitlines() if x.startswith("Largest batch_size")).rsplit(": ", 1)[1])
+    assert best > 2
+    assert f"The global batch becomes {best} rows a step (the config's: 2)" in printed
+
+
+@pytest.mark.parametrize(
+    ("counts", "rescaled", "said"),
+    [
+        ({"val_check_interval": 20, "limit_train_batches": 0.5}, {"val_check_interval": 5}, "interval: 20 -> 5, as"),
+        ({"val_check_interval": 3, "limit_val_batches": 1}, {"val_check_interval": 1}, "3 -> 1 (rounded from 0.75)"),
+        ({"val_check_interval": 1.0, "limit_val_batches": 0}, {}, None),
+    ],
+)  # fmt: skip
+def test_the_trainers_batch_counts_follow_the_micro_batch(counts, rescaled, said):
+    from pl_lowprec.cli.plan import rescaled_batch_counts
+
+    trainer = dict(counts)
+    lines = rescaled_batch_counts(trainer, 8, 32)
+    assert trainer == {**counts, **rescaled}
+    assert (said is None and not lines) or any(said in line for line in lines)
 
 
 @pytest.mark.parametrize(("text", "expected"), [("24GiB", 24 * 2**30), ("80GB", 80 * 10**9), ("1.5 MiB", 1572864)])
