@@ -95,7 +95,8 @@ def main(args: list[str] | None = None) -> None:
     check_checkpoint(checkpoint)
     cli_args = with_config(checkpoint, cli_args, parser)
     inputs, out = config_files(cli_args), Path(parsed.out)
-    check_out_dir(out, parsed.overwrite, read_paths(checkpoint, None, None, inputs))  # before the config is read
+    early = read_paths(checkpoint, None, None, inputs)
+    check_out_dir(out, parsed.overwrite, early, pretrained_known=False)  # before the config is read
     run = rebuild(cli_args)  # the classes, nothing loaded: the rest is checked before the slow restore
     weights, tokenizer_dir = sources(run.trainer, run.model, run.datamodule)
     check_export(

@@ -4,11 +4,14 @@ A command reads a checkpoint, a config, a pretrained directory, a tokenizer, a p
 one of them, hold one of them, or (for an existing path) lie inside one, even with ``--overwrite``. Otherwise an
 existing ``--out`` needs ``--overwrite``, and an export directory is only emptied when every file in it is one an
 export writes (or the temporary merged directory of a GGUF export that was killed): a directory that also holds a
-``.ckpt``, data or anything else is not a previous export.
+``.ckpt``, data or anything else is not a previous export. A merged export also copies the pretrained directory's
+other files (LICENSE, .gitattributes, ...): a file byte for byte the same as the pretrained one of its name is
+one the export writes again, so nothing is lost.
 """
 
 from __future__ import annotations
 
+import filecmp
 import re
 import shutil
 from pathlib import Path
@@ -44,16 +47,22 @@ def refuse_inputs(out: Path, inputs: dict[str, Path | None]) -> None:
             )
 
 
-def check_out_dir(out: Path, overwrite: bool, inputs: dict[str, Path | None]) -> None:
+def check_out_dir(out: Path, overwrite: bool, inputs: dict[str, Path | None], pretrained_known: bool = True) -> None:
     """``ValueError`` naming everything that stops ``prepare_out_dir`` at once, before anything is loaded or
-    written: ``out`` is an input, a file, or a non-empty directory without ``overwrite`` or that no export wrote."""
+    written: ``out`` is an input, a file, or a non-empty directory without ``overwrite`` or that no export wrote.
+    ``pretrained_known=False`` (before the config is read): files that may be copies of the pretrained directory's
+    are judged later, by the call that knows it (``inputs["pretrained weights"]``)."""
     refuse_inputs(out, inputs)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {str(out)!r} is a file; name a directory.")
     if not out.is_dir() or not any(out.iterdir()):
         return
-    foreign = sorted(c.name for c in out.iterdir() if not written_by_export(c))
+    source = inputs.get("pretrained weights")
+    copies_from = Path(source) if source is not None and Path(source).is_dir() else None
+    foreign = sorted(c.name for c in out.iterdir() if not written_by_export(c, copies_from))
     shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+    if foreign and not pretrained_known:
+        return  # what to say (--overwrite or not a previous export) waits on the pretrained directory's files
     if foreign:
         flag = "--overwrite will not empty it" if overwrite else "--overwrite would not empty it either"
         raise ValueError(
@@ -67,13 +76,17 @@ def check_out_dir(out: Path, overwrite: bool, inputs: dict[str, Path | None]) ->
         )
 
 
-def written_by_export(path: Path) -> bool:
-    """A file an export writes, or the merged directory a killed GGUF export left (holding only such files)."""
+def written_by_export(path: Path, copies_from: Path | None = None) -> bool:
+    """A file an export writes (or copies unchanged from the pretrained directory ``copies_from``), or the merged
+    directory a killed GGUF export left (holding only such files)."""
     if path.is_dir():
         return bool(EXPORT_DIR.fullmatch(path.name)) and all(
-            c.is_file() and EXPORT_FILE.fullmatch(c.name) for c in path.iterdir()
+            c.is_file() and written_by_export(c, copies_from) for c in path.iterdir()
         )
-    return bool(EXPORT_FILE.fullmatch(path.name))
+    if EXPORT_FILE.fullmatch(path.name):
+        return True
+    copied = copies_from / path.name if copies_from is not None else None
+    return copied is not None and copied.is_file() and filecmp.cmp(path, copied, shallow=False)
 
 
 def prepare_out_dir(out: Path, overwrite: bool, inputs: dict[str, Path | None]) -> None:

@@ -22,11 +22,13 @@ ALPHA, RANK = 16, 8
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
-    """A bf16 model directory with a tokenizer, as from the hub."""
+    """A bf16 model directory with a tokenizer and the files a hub repository carries beside them."""
     from transformers import AutoTokenizer
 
     directory = save_tokenizer(tmp_path_factory.mktemp("pretrained"))
     vocab = len(AutoTokenizer.from_pretrained(directory))
+    (directory / "LICENSE").write_text("The model's license, which a merged export carries along.\n")
+    (directory / ".gitattributes").write_text("*.safetensors filter=lfs diff=lfs merge=lfs -text\n")
     return save_llama(directory, hidden_size=32, layers=1, vocab_size=vocab, dtype=torch.bfloat16)
 
 
@@ -120,6 +122,10 @@ def test_nf4_merged_export_is_the_original_weights_plus_scale_b_a(pretrained, ql
     config = json.loads((tmp_path / "merged" / "config.json").read_text())
     assert config == json.loads((pretrained / "config.json").read_text())
     assert (tmp_path / "merged" / "tokenizer.json").is_file()
+    assert (tmp_path / "merged" / "LICENSE").read_bytes() == (pretrained / "LICENSE").read_bytes()
+    (tmp_path / "merged" / "model.safetensors").write_bytes(b"an earlier export")
+    main(["export", f"--ckpt_path={checkpoint}", f"--out={tmp_path / 'merged'}", "--merged", "--overwrite", *args])
+    assert load_file(tmp_path / "merged" / "model.safetensors").keys() == merged.keys()  # the same export, again
 
 
 def test_adapter_export_on_the_original_base_equals_the_merged_export(pretrained, qlora_run, tmp_path):

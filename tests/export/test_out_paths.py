@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pl_lowprec.cli import main
-from pl_lowprec.export.out_paths import prepare_out_dir, prepare_out_file
+from pl_lowprec.export.out_paths import check_out_dir, prepare_out_dir, prepare_out_file
 
 
 @pytest.fixture
@@ -72,6 +72,30 @@ def test_overwrite_replaces_a_previous_export_and_nothing_else(tmp_path):
     with pytest.raises(ValueError, match=r"lies inside the pretrained weights"):
         prepare_out_file(pretrained / "model.safetensors", overwrite=True, inputs={"pretrained weights": pretrained})
     assert (pretrained / "model.safetensors").read_text() == "weights"
+
+
+def test_overwrite_replaces_the_pretrained_files_a_merged_export_copied_and_only_those(tmp_path):
+    """A merged export copies the pretrained directory's other files (LICENSE, .gitattributes): byte for byte
+    the same, they are written again, so --overwrite replaces them; changed, they are someone's and stop it."""
+    pretrained = tmp_path / "pretrained"
+    pretrained.mkdir()
+    for name, text in (("model.safetensors", "weights"), ("LICENSE", "license"), (".gitattributes", "lfs")):
+        (pretrained / name).write_text(text)
+    inputs = {"pretrained weights": pretrained}
+    previous = tmp_path / "merged"
+    previous.mkdir()
+    for name, text in (("model.safetensors", "merged"), ("config.json", "{}"), ("LICENSE", "license")):
+        (previous / name).write_text(text)
+    (previous / ".gitattributes").write_text("lfs, edited")
+    before = snapshot(previous)
+    with pytest.raises(ValueError, match=r"holds .gitattributes, which no export writes"):
+        prepare_out_dir(previous, overwrite=True, inputs=inputs)
+    assert snapshot(previous) == before
+    for overwrite in (True, False):  # judged once the pretrained directory is known
+        check_out_dir(previous, overwrite=overwrite, inputs={}, pretrained_known=False)
+    (previous / ".gitattributes").write_text("lfs")
+    prepare_out_dir(previous, overwrite=True, inputs=inputs)
+    assert list(previous.iterdir()) == []
 
 
 def test_overwrite_replaces_a_previous_gguf_export_even_one_killed_mid_merge(tmp_path):
