@@ -94,7 +94,8 @@ class LowPrecisionCLI(LightningCLI):
         if section.get("model") is None:
             super()._parse_ckpt_path()
             return
-        changed = check_same_run(Path(ckpt_path), section, section.get("allow_changed_hparams", False))
+        allowed = section.get("allow_changed_hparams", False)
+        changed = check_same_run(Path(ckpt_path), section, allowed, resuming=subcommand == "fit")
         for line in changed:
             rank_zero_info(
                 f"--allow_changed_hparams: {line}; the module gets the config's value (the optimizer and"
@@ -118,7 +119,8 @@ class LowPrecisionCLI(LightningCLI):
             )
             section["ckpt_path"] = None
         elif requested == "last" and resolved is not None:
-            check_same_run(Path(resolved), self.config[self.subcommand], section.get("allow_changed_hparams", False))
+            allowed = section.get("allow_changed_hparams", False)
+            check_same_run(Path(resolved), self.config[self.subcommand], allowed, resuming=self.subcommand == "fit")
             section["ckpt_path"] = resolved  # Lightning's "last" searches only this run's new directory
             doing = "resuming" if self.subcommand == "fit" else f"{self.subcommand} uses"
             rank_zero_info(f"--ckpt_path last: {doing} {resolved}; this run logs to {self.trainer.log_dir}.")
@@ -200,9 +202,10 @@ def missing_loop_paragraph(subcommand: str, err: BaseException) -> str | None:
     if subcommand not in ("test", "predict") or not isinstance(err, MisconfigurationException) or not missing:
         return None
     return (
-        f"{text} For the loss and perplexity of held-out files, run `pl-lowprec validate` with --data.val_files"
-        " FILE and --ckpt_path CKPT; for completions of a file of prompts, `pl-lowprec generate --ckpt_path CKPT"
-        " --prompts FILE --out OUT.jsonl`."
+        f"{text} For the loss and perplexity of held-out files, run the same command as `pl-lowprec validate`"
+        " (the same --config and --ckpt_path; add --data.val_files FILE to score other files than the config's);"
+        " for completions of a file of prompts, `pl-lowprec generate --ckpt_path CKPT --prompts FILE --out"
+        " OUT.jsonl`."
     )
 
 

@@ -162,11 +162,13 @@ def hparam_differences(saved: dict[str, Any], configured: Any, key: str) -> list
     return differences
 
 
-def check_same_run(checkpoint: Path, config: Any, allow_changed_hparams: bool) -> list[str]:
-    """The model and data arguments saved in ``checkpoint`` against ``config``'s; an error when they differ."""
+def check_same_run(checkpoint: Path, config: Any, allow_changed_hparams: bool, resuming: bool = True) -> list[str]:
+    """The model and data arguments saved in ``checkpoint`` against ``config``'s; an error when they differ.
+    ``resuming=False`` (validate, test, predict): only the model's, since scoring other data is the point."""
     saved = torch.load(checkpoint, weights_only=True, map_location="cpu", mmap=True)
     differences = hparam_differences(saved.get("hyper_parameters", {}), config.get("model"), "model")
-    differences += hparam_differences(saved.get("datamodule_hyper_parameters", {}), config.get("data"), "data")
+    if resuming:
+        differences += hparam_differences(saved.get("datamodule_hyper_parameters", {}), config.get("data"), "data")
     if differences and not allow_changed_hparams:
         raise ValueError(
             f"--ckpt_path {str(checkpoint)!r} was trained with other arguments than this config sets: "

@@ -132,8 +132,13 @@ def test_test_and_predict_on_causal_lm_name_the_commands_that_score_and_complete
     args, _, last = run
     message = refusal(capsys, [subcommand, *args[1:], f"--trainer.default_root_dir={tmp_path}", f"--ckpt_path={last}"])
     assert f"{subcommand} stopped before its first step: " in message and missing in message
-    assert "`pl-lowprec validate` with --data.val_files FILE" in message and "pl-lowprec generate" in message
-    assert "PL_LOWPREC_DEBUG" not in message
+    assert "run the same command as `pl-lowprec validate` (the same --config and --ckpt_path;" in message
+    assert "pl-lowprec generate" in message and "PL_LOWPREC_DEBUG" not in message
+    if subcommand == "test":  # the advice, followed, scores the checkpoint
+        data = next(a for a in args if a.startswith("--data.train_files=")).split("=", 1)[1]
+        scored = [f"--data.val_files={data}", "--trainer.limit_val_batches=1", f"--ckpt_path={last}"]
+        cli = build_cli(["validate", *args[1:], f"--trainer.default_root_dir={tmp_path}", *scored])
+        assert "val/loss" in cli.trainer.callback_metrics  # other files than it trained on: no refusal
 
 
 def test_another_runs_checkpoint_is_refused_naming_what_differs(run, tmp_path, capsys):
