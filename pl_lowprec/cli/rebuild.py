@@ -21,6 +21,7 @@ import yaml
 
 from pl_lowprec.cli.arguments import config_values, options, read_config
 from pl_lowprec.cli.lightning_cli import LowPrecisionCLI, build_cli
+from pl_lowprec.cli.run_paths import run_relative_overrides
 from pl_lowprec.loading.sources import shapes_only
 
 KEPT_KEYS = ("seed_everything", "trainer", "model", "data")
@@ -108,13 +109,17 @@ def without_run_keys(cli_args: list[str]) -> list[str]:
 
 
 def with_config(checkpoint: Path, cli_args: list[str], parser: argparse.ArgumentParser) -> list[str]:
-    """``cli_args``, with the run's saved ``config.yaml`` in front when no ``--config`` is given."""
+    """``cli_args``, with the run's saved ``config.yaml`` in front when no ``--config`` is given (its relative paths
+    taken from where the run started, ``run_relative_overrides``; the command line's own overrides still win)."""
     if config_values(cli_args):
         return cli_args
     found = default_config(checkpoint)
     if found is None:
         parser.error(f"no --config given and no config.yaml in {checkpoint.parent.parent}: pass --config X.yaml.")
-    return ["--config", str(found), *cli_args]
+    moved, said = run_relative_overrides(found)
+    if said:
+        print(said)
+    return ["--config", str(found), *moved, *cli_args]
 
 
 def passed_on(
