@@ -43,6 +43,7 @@ from pl_lowprec.memory.plan import (
     resized,
     searched_config,
     settings_config,
+    weights_advice,
 )
 from pl_lowprec.memory.quiet import quiet_setup_logs
 from pl_lowprec.memory.sizes import format_bytes, parse_bytes
@@ -264,10 +265,11 @@ def _maximize(options, build, batch, shape, budget, precision, device, config, b
     low, high = doubling_bound(fits, start, ceiling) if fits(start) else (None, None)
     best = None if low is None else largest_fitting(fits, low, high)
     if best is None:
+        mode = saving.quantization or (config.quantization.mode if config.quantization is not None else None)
         print(
             f"Nothing fits in {format_bytes(limit)} even at {options.maximize}={start} with"
-            f" {saving.describe()}: the weights and optimizer state alone are too large; quantize"
-            " (--allow_quantization), shard over more devices, or plan for a larger device.",
+            f" {saving.describe()}: the weights and optimizer state alone are too large. For the weights,"
+            f" {weights_advice(mode)}; or plan for a larger device.",
             file=sys.stderr,
         )
         raise SystemExit(1)

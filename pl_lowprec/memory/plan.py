@@ -88,6 +88,7 @@ class MemoryPlan:
     candidates: list[Candidate] = field(default_factory=list)
     time_on: str = "cpu"
     assumed: bool = False
+    quantization: str | None = None  # the config's mode: what the advice on weights may still offer
 
     @property
     def limit(self) -> int:
@@ -138,8 +139,7 @@ class MemoryPlan:
         top = sorted(split.items(), key=lambda kv: -kv[1])[:3]
         parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in top)
         advice = {
-            "weights": "quantize the base weights (allow_quantization / quantization: nf4-dq), or shard them over"
-            " more devices (lowprec_fsdp with --devices N)",
+            "weights": weights_advice(smallest.settings.quantization or self.quantization),
             "activations": "shorter sequences (TextDataModule's seq_len, or the rows your data module makes), or"
             " activation offloading on a GPU",
             "temporaries": "shorter sequences (a smaller micro-batch is already tried), or a smaller loss chunk"
@@ -153,6 +153,16 @@ class MemoryPlan:
             f" {format_bytes(smallest.peak)} ({smallest.settings.describe()}), of which {parts}. The largest"
             f" part is {top[0][0].replace('_', ' ')}: {advice}."
         )
+
+
+def weights_advice(quantization: str | None) -> str:
+    """What still shrinks the weights: 4-bit where they are not 4-bit yet, else sharding or a smaller model."""
+    shard = "shard them over more devices (lowprec_fsdp with --devices N)"
+    if quantization is None:
+        return f"quantize the base weights (--allow_quantization, or quantization: nf4-dq), or {shard}"
+    if quantization == "int8":
+        return f"4-bit base weights (quantization: nf4-dq) take half of int8's, or {shard}"
+    return f"the base weights are 4-bit already (quantization: {quantization}): {shard}, or take a smaller model"
 
 
 @shapes_only()  # a pretrained= directory with only config.json: its shapes are all an estimate needs
@@ -190,7 +200,8 @@ def plan_memory(
     config = searched_config(config or TransformConfig())
     device = torch.device(device)
     timed = timed_device(time_on, device, precision)
-    plan = MemoryPlan(budget, margin, time_on=timed or ASSUMED_GPU, assumed=timed is None)
+    mode = config.quantization.mode if config.quantization is not None else None
+    plan = MemoryPlan(budget, margin, time_on=timed or ASSUMED_GPU, assumed=timed is None, quantization=mode)
     spec = device_spec(plan.time_on)
     sharded = sharding is not None
     for group in candidate_groups(config, global_batch, devices, device, allow_quantization, block_names, sharded):

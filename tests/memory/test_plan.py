@@ -86,6 +86,32 @@ def test_nothing_fits_names_the_smallest_peak_and_what_dominates():
     assert "shorter sequences" in message  # for activations: what to change
 
 
+@pytest.mark.parametrize(
+    ("config_mode", "searched", "advice"),
+    [
+        (None, None, "quantize the base weights (--allow_quantization, or quantization: nf4-dq)"),
+        (None, "nf4-dq", "the base weights are 4-bit already (quantization: nf4-dq): shard them"),
+        ("nf4-dq", None, "the base weights are 4-bit already (quantization: nf4-dq): shard them"),
+        ("int8", None, "4-bit base weights (quantization: nf4-dq) take half of int8's"),
+    ],
+)
+def test_nothing_fits_offers_quantization_only_where_the_weights_are_not_4bit(config_mode, searched, advice):
+    """Weights dominate the smallest peak: 4-bit is offered to a config that does not quantize, never to one that
+    already does (nor where the plan itself tried it)."""
+    from types import SimpleNamespace
+
+    from pl_lowprec.memory.plan import Candidate
+    from pl_lowprec.memory.step_time import StepTime
+
+    estimate = SimpleNamespace(peak=3 * 2**20, peak_split={"weights": 2 * 2**20, "activations": 2**20})
+    step = StepTime("cpu", 1.0, 1.0, 0.0, 0.0, 1, 1, 1)
+    smallest = Candidate(Settings(1, 8, "every block", quantization=searched), estimate, False, step)
+    plan = MemoryPlan(2**20, 0.1, [smallest], quantization=config_mode)
+    message = plan.nothing_fits()
+    assert f"The largest part is weights: {advice}" in message
+    assert ("quantize the base weights" in message) == (config_mode is None and searched is None)
+
+
 class StepLosses(Callback):
     """The loss of each optimizer step: Lightning hands each micro-batch's loss divided by the accumulation."""
 
