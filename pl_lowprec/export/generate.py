@@ -249,9 +249,24 @@ def check_model_dir(path: Path) -> None:
         what = "does not exist" if not path.exists() else "is a file"
         raise FileNotFoundError(
             f"--model {str(path)!r} {what}: name a directory that `pl-lowprec export` wrote (a merged model or a peft"
-            " adapter), or pass --ckpt_path with a training checkpoint instead."
+            f" adapter), or pass --ckpt_path with a training checkpoint instead.{gguf_files_beside(path)}"
+        )
+    if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
+        raise FileNotFoundError(
+            f"--model {str(path)!r} holds neither config.json (a merged model) nor adapter_config.json (a peft"
+            f" adapter).{gguf_files_beside(path / 'config.json')}"
         )
     check_directory_generates(path)
+
+
+def gguf_files_beside(path: Path) -> str:
+    """For a ``--model`` that is not a model: the GGUF files of its directory (a GGUF export, whose Modelfile is
+    Ollama's), each a ``--model`` that generate reads."""
+    found = sorted(path.parent.glob("*.gguf")) if path.parent.is_dir() else []
+    if not found:
+        return ""
+    named = " or ".join(f"--model {str(f)!r}" for f in found[:4])
+    return f" Its directory is a GGUF export: pass the .gguf file itself, {named}."
 
 
 def from_directory(
@@ -270,10 +285,8 @@ def from_directory(
     elif base_dir is not None:
         peft = import_peft()
         model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base_dir)), str(path))
-    elif (path / "config.json").is_file():
+    else:  # check_model_dir: config.json is there
         model = AutoModelForCausalLM.from_pretrained(str(path))
-    else:
-        raise ValueError(f"--model {str(path)!r} holds neither config.json (a merged model) nor adapter_config.json.")
     if tokenizer is None:
         tokenizer = model_tokenizer(directory_tokenizer(path, base_dir and str(base_dir)))
     return Generator(model.to(target), tokenizer)

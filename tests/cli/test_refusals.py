@@ -147,6 +147,11 @@ def test_every_generate_refusal_is_one_paragraph_before_the_model_loads(run, tmp
         (tmp_path / name).write_text(content)
     (tmp_path / "done.jsonl").write_text('{"completion": "kept"}\n')
     (tmp_path / "a_dir").mkdir()
+    ggufs = tmp_path / "ggufs"  # what `export --format gguf` writes
+    ggufs.mkdir()
+    (ggufs / "model-q4_k_m.gguf").write_bytes(b"GGUF")
+    (ggufs / "Modelfile").write_text("FROM ./model-q4_k_m.gguf\n")
+    the_file = f"pass the .gguf file itself, --model '{ggufs / 'model-q4_k_m.gguf'}'."
     ok, new = f"--prompts={tmp_path / 'ok.txt'}", f"--out={tmp_path / 'new.jsonl'}"
     ckpt = f"--ckpt_path={checkpoint}"
     cases = [
@@ -167,6 +172,15 @@ def test_every_generate_refusal_is_one_paragraph_before_the_model_loads(run, tmp
         ([ckpt, ok, f"--out={tmp_path / 'ok.txt'}", "--overwrite"], "is the prompts file this command reads"),
         ([f"--model={tmp_path / 'no_model'}", ok, new], "--model '" + str(tmp_path / "no_model") + "' does not exist"),
         ([f"--model={tmp_path / 'ok.txt'}", ok, new], "ok.txt' is a file"),
+        ([f"--model={tmp_path / 'a_dir'}", ok, new], "a_dir' holds neither config.json (a merged model) nor"),
+        (
+            [f"--model={ggufs}", ok, new],
+            f"nor adapter_config.json (a peft adapter). Its directory is a GGUF export: {the_file}",
+        ),
+        (
+            [f"--model={ggufs / 'Modelfile'}", ok, new],
+            f"training checkpoint instead. Its directory is a GGUF export: {the_file}",
+        ),
         ([f"--model={tmp_path / 'a_dir'}", ok, new, "--device=gpu"], "--device 'gpu' is not a device: give auto,"),
         ([f"--model={tmp_path / 'a_dir'}", ok, new, "--device=cuda:7"], "--device 'cuda:7': this machine has"),
     ]
@@ -277,11 +291,14 @@ def test_from_a_shell_a_generate_refusal_is_one_line_and_no_traceback(tmp_path):
     """(memory_budget=: its setup lines once, not once per candidate, is tests/memory/test_budget.py's.)"""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "ok"}\n{bad json\n')
-    result = _shell("generate", f"--model={tmp_path}", f"--prompts={prompts}", f"--out={tmp_path / 'out.jsonl'}")
+    (tmp_path / "merged").mkdir()
+    (tmp_path / "merged/config.json").write_text("{}")
+    model = f"--model={tmp_path / 'merged'}"
+    result = _shell("generate", model, f"--prompts={prompts}", f"--out={tmp_path / 'out.jsonl'}")
     assert _error_lines(result) == [
         f"pl-lowprec generate: error: {prompts}:2: not valid JSON (Expecting property name enclosed in double quotes)."
     ]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged", "prompts.jsonl"]
 
 
 def test_a_tokenizer_template_in_chat_template_jinja_is_found(run, tmp_path):
