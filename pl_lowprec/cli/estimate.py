@@ -19,6 +19,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from pl_lowprec._imports import import_matplotlib_pyplot
+from pl_lowprec.cli.own_options import check_own_options
 from pl_lowprec.cli.rebuild import passed_on, rebuild_classes
 from pl_lowprec.cli.subcommands import description
 from pl_lowprec.loading.sources import shapes_only
@@ -161,7 +162,8 @@ def main(args: list[str] | None = None) -> None:
     parser.add_argument("--plot", metavar="FILE.png", help="draw the step as stacked categories (needs matplotlib)")
     parser.add_argument("--gpu", help=f"predict the step time on this GPU ({', '.join(GPUS)}); default: here")
     args = sys.argv[1:] if args is None else list(args)
-    options, _ = parser.parse_known_args(args)
+    options, unknown = parser.parse_known_args(args)
+    check_own_options(parser, unknown)
     if options.plot:
         import_matplotlib_pyplot()  # a missing matplotlib fails before the estimate runs
     if options.gpu:

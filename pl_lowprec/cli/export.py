@@ -18,6 +18,7 @@ import argparse
 from pathlib import Path
 
 from pl_lowprec.adapters import check_adapter_fits_base, held_hf_model
+from pl_lowprec.cli.own_options import check_own_options
 from pl_lowprec.cli.rebuild import config_files, rebuild, with_config
 from pl_lowprec.cli.resume import check_checkpoint
 from pl_lowprec.cli.subcommands import description, examples
@@ -75,6 +76,7 @@ def main(args: list[str] | None = None) -> None:
         help="With --push_to_hub: a new repository is private (an existing one keeps its visibility).",
     )
     parsed, cli_args = parser.parse_known_args(args)
+    check_own_options(parser, cli_args, takes_overrides=parsed.model is None)
     check_push(parsed.push_to_hub, parsed.private)
     export_format = choose_format(parsed.format, parsed.merged, parsed.gguf_type)
     if export_format == "gguf":  # merged weights too, written in --gguf_type: no --dtype
@@ -86,8 +88,6 @@ def main(args: list[str] | None = None) -> None:
                 f"--model converts a model directory to GGUF (--format gguf), and this export is --format"
                 f" {export_format}: a peft adapter or a merged model comes from a training checkpoint (--ckpt_path)."
             )
-        if cli_args:
-            parser.error(f"unrecognized arguments: {' '.join(cli_args)} (config overrides go with --ckpt_path)")
         print(convert_model_dir(parsed.model, Path(parsed.out), parsed.gguf_type, parsed.overwrite))
         pushed(parsed, parsed.model)
         return

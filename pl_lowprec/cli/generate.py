@@ -25,6 +25,7 @@ import yaml
 from pl_lowprec._checks import float_in, int_at_least
 from pl_lowprec.adapters import held_hf_model
 from pl_lowprec.cli.lightning_cli import LowPrecisionCLI
+from pl_lowprec.cli.own_options import check_own_options
 from pl_lowprec.cli.rebuild import config_files, rebuild, with_config
 from pl_lowprec.cli.resume import check_checkpoint
 from pl_lowprec.cli.subcommands import description, examples
@@ -162,6 +163,7 @@ def main(args: list[str] | None = None) -> None:
         " (default: the run's data chat_template_kwargs); a record's own take precedence.",
     )
     parsed, cli_args = parser.parse_known_args(args)
+    check_own_options(parser, cli_args, takes_overrides=parsed.ckpt_path is not None)
     decoding = Decoding(
         parsed.max_new_tokens, parsed.do_sample, parsed.temperature, parsed.top_p, parsed.top_k, parsed.seed
     )
@@ -179,8 +181,6 @@ def main(args: list[str] | None = None) -> None:
         chat = wants_chat(records)
         generator = from_run(parsed.ckpt_path, run, parsed.tokenizer, chat)
     else:
-        if cli_args:
-            parser.error(f"unrecognized arguments: {' '.join(cli_args)} (config overrides go with --ckpt_path)")
         inputs |= {"model directory": Path(parsed.model), "base model": parsed.base and Path(parsed.base)}
         device = generation_device(parsed.device)
         prepare_out_file(Path(parsed.out), parsed.overwrite, inputs)  # before a hub id downloads

@@ -25,6 +25,7 @@ import yaml
 from pl_lowprec._checks import int_at_least
 from pl_lowprec.cli.arguments import options, read_config
 from pl_lowprec.cli.estimate import check_devices, device_of, devices_of, precision_of
+from pl_lowprec.cli.own_options import check_own_options
 from pl_lowprec.cli.rebuild import config_files, passed_on, rebuild_classes
 from pl_lowprec.cli.subcommands import description
 from pl_lowprec.distributed.sharding import Sharding
@@ -76,7 +77,8 @@ def main(args: list[str] | None = None) -> None:
     parser.add_argument("--allow_quantization", action="store_true", help="also try nf4-dq base weights")
     parser.add_argument("--gpu", help=f"rank by the predicted step time on this GPU ({', '.join(GPUS)})")
     args = sys.argv[1:] if args is None else list(args)
-    options, _ = parser.parse_known_args(args)
+    options, unknown = parser.parse_known_args(args)
+    check_own_options(parser, unknown)
     cli_args = passed_on(parser, args)  # the --config files and overrides, in order
     budget = parse_bytes(options.memory, "--memory")
     if not 0 <= options.margin < 1:

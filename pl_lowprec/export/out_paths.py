@@ -50,8 +50,8 @@ def refuse_inputs(out: Path, inputs: dict[str, Path | None]) -> None:
 def check_out_dir(out: Path, overwrite: bool, inputs: dict[str, Path | None], pretrained_known: bool = True) -> None:
     """``ValueError`` naming everything that stops ``prepare_out_dir`` at once, before anything is loaded or
     written: ``out`` is an input, a file, or a non-empty directory without ``overwrite`` or that no export wrote.
-    ``pretrained_known=False`` (before the config is read): files that may be copies of the pretrained directory's
-    are judged later, by the call that knows it (``inputs["pretrained weights"]``)."""
+    ``pretrained_known=False`` (before the config is read): other files beside an export's may be its copies of the
+    pretrained directory's, and are judged later, by the call that knows it (``inputs["pretrained weights"]``)."""
     refuse_inputs(out, inputs)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {str(out)!r} is a file; name a directory.")
@@ -61,8 +61,8 @@ def check_out_dir(out: Path, overwrite: bool, inputs: dict[str, Path | None], pr
     copies_from = Path(source) if source is not None and Path(source).is_dir() else None
     foreign = sorted(c.name for c in out.iterdir() if not written_by_export(c, copies_from))
     shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-    if foreign and not pretrained_known:
-        return  # what to say (--overwrite or not a previous export) waits on the pretrained directory's files
+    if foreign and not pretrained_known and len(foreign) < len(list(out.iterdir())):
+        return  # beside an export's files they may be its copies: judged once the pretrained directory is known
     if foreign:
         flag = "--overwrite will not empty it" if overwrite else "--overwrite would not empty it either"
         raise ValueError(

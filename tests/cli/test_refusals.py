@@ -114,6 +114,8 @@ def _export_cases(tmp: Path, pretrained: Path, checkpoint: Path) -> list[tuple[l
         ([ckpt, out, "--dtype=float16"], ["--dtype applies to --merged exports"]),
         ([ckpt, f"--out={pretrained}", "--merged", "--overwrite"], ["is the pretrained weights this command reads"]),
         ([ckpt, f"--out={checkpoint.parent}", "--overwrite"], ["holds the checkpoint this command reads"]),
+        ([ckpt, out, "--gguf-type=q8_0"], ["--gguf-type is not an option of pl-lowprec export: did you mean --gguf_"]),
+        ([ckpt, out, "--overwirte"], ["--overwirte is not an option of pl-lowprec export: did you mean --overwrite?"]),
     ]
 
 
@@ -182,6 +184,9 @@ def test_every_generate_refusal_is_one_paragraph_before_the_model_loads(run, tmp
             f"training checkpoint instead. Its directory is a GGUF export: {the_file}",
         ),
         ([f"--model={tmp_path / 'a_dir'}", ok, new, "--device=gpu"], "--device 'gpu' is not a device: give auto,"),
+        ([ckpt, ok, new, "--max-new-tokens=5"], "--max-new-tokens is not an option of pl-lowprec generate: did you"),
+        ([f"--model={ggufs}", ok, new, "--max-new-tokens", "5"], "did you mean --max_new_tokens? Its options are"),
+        ([f"--model={ggufs}", ok, new, "--data.seq_len=4"], "does not know --data.seq_len=4: config overrides"),
         ([f"--model={tmp_path / 'a_dir'}", ok, new, "--device=cuda:7"], "--device 'cuda:7': this machine has"),
     ]
     before = snapshot(tmp) | snapshot(tmp_path)
@@ -212,6 +217,11 @@ def test_estimate_and_plan_refusals_are_one_paragraph(run, tmp_path, capsys, mon
             "is the config (2 of 2) this command reads",
         ),
         (["plan", f"--config={own}", "--memory=1GiB", f"--out={own}", "--overwrite"], "is the config this command"),
+        (  # an own option mistyped is named, not handed to the config parser as an override
+            ["plan", f"--config={config}", "--memory=1GiB", "--allow-quantization"],
+            "--allow-quantization is not an option of pl-lowprec plan: did you mean --allow_quantization?",
+        ),
+        (["estimate", f"--config={config}", "--plto=x.png"], "--plto is not an option of pl-lowprec estimate: did"),
     ]
     before = snapshot(tmp) | snapshot(tmp_path)
     for args, said in cases:

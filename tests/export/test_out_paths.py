@@ -93,6 +93,11 @@ def test_overwrite_replaces_the_pretrained_files_a_merged_export_copied_and_only
     assert snapshot(previous) == before
     for overwrite in (True, False):  # judged once the pretrained directory is known
         check_out_dir(previous, overwrite=overwrite, inputs={}, pretrained_known=False)
+    data = tmp_path / "data"  # no export's file at all: no export's copies either, said at once
+    data.mkdir()
+    (data / "LICENSE").write_text("license")
+    with pytest.raises(ValueError, match=r"holds LICENSE, which no export writes"):
+        check_out_dir(data, overwrite=True, inputs={}, pretrained_known=False)
     (previous / ".gitattributes").write_text("lfs")
     prepare_out_dir(previous, overwrite=True, inputs=inputs)
     assert list(previous.iterdir()) == []
