@@ -45,8 +45,17 @@ def config_values(cli_args: list[str]) -> list[str]:
     return [option.value for option in options(cli_args) if option.name == "--config"]
 
 
+SOURCE_MARK = "# pl-lowprec: from "  # first line of YAML made from a file: where it came from
+
+
+def inline_from(fields: Any, source: str) -> str:
+    """``fields`` as inline YAML for ``--config``, remembering the file they came from (``read_config`` says it)."""
+    return f"{SOURCE_MARK}{source}\n{yaml.safe_dump(fields)}"
+
+
 def read_config(value: str) -> tuple[Any, str]:
-    """A ``--config`` value's fields (a YAML file's, or the YAML given inline) and where they come from, in words."""
+    """A ``--config`` value's fields (a YAML file's, or the YAML given inline) and where they come from, in words:
+    the file's path, also for YAML that ``inline_from`` made of a file."""
     path = Path(value)
     try:
         is_file = path.is_file()
@@ -54,4 +63,6 @@ def read_config(value: str) -> tuple[Any, str]:
         is_file = False
     if is_file:
         return yaml.safe_load(path.read_text()), str(path)
-    return yaml.safe_load(value), "the --config given inline"
+    first, _, _ = value.partition("\n")
+    source = first.removeprefix(SOURCE_MARK) if first.startswith(SOURCE_MARK) else "the --config given inline"
+    return yaml.safe_load(value), source

@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
-from pl_lowprec.cli.arguments import config_values, options, read_config
+from pl_lowprec.cli.arguments import config_values, inline_from, options, read_config
 from pl_lowprec.cli.lightning_cli import LowPrecisionCLI, build_cli
 from pl_lowprec.cli.run_paths import run_relative_overrides
 from pl_lowprec.loading.sources import shapes_only
@@ -102,7 +101,7 @@ def without_run_keys(cli_args: list[str]) -> list[str]:
         if isinstance(fields, dict):
             fields = rebuild_config(fields)
             check_importable(fields, source)
-            out += ["--config", yaml.safe_dump(fields)]
+            out += ["--config", inline_from(fields, source)]
         else:
             out += ["--config", option.value]
     return out

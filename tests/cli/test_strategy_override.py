@@ -86,6 +86,9 @@ def test_a_second_config_naming_a_strategy_is_refused_and_one_naming_its_class_k
     assert "strategy: {class_path: pl_lowprec.LowPrecisionDDPStrategy, init_args: {start_method: spawn}}" in str(
         e.value
     )
+    with pytest.raises(SystemExit):  # estimate and plan read the files as inline YAML: still named by their path
+        main(["estimate", f"--config={QUICKSTART}", f"--config={by_name}"])
+    assert f"error: {by_name} sets trainer.strategy: lowprec_ddp_spawn, which replaces" in capsys.readouterr().err
     strategy = printed_strategy(capsys, f"--config={by_class}")
     assert strategy["class_path"] == "pl_lowprec.LowPrecisionDDPStrategy"
     assert strategy["init_args"]["quantization"] == "nf4-dq"
