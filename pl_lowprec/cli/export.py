@@ -106,6 +106,7 @@ def main(args: list[str] | None = None) -> None:
         parsed.overwrite,
         read_paths(checkpoint, weights, tokenizer_dir, inputs),
         weights,
+        "--merged" if parsed.merged else f"--format {export_format}",
     )
     if export_format == "adapter":  # the strategy's LoRA config says it before the weights load
         check_adapter_fits_base(getattr(getattr(run.trainer.strategy, "transform_config", None), "lora", None))

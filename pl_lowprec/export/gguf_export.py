@@ -86,7 +86,7 @@ def export_gguf(
     weights' 16-bit type (bf16 or f16; f16 from float32, as llama.cpp's converter picks)."""
     requested = requested_types(gguf_type)
     import_gguf()
-    check_merged(restored)
+    check_merged(restored, "--format gguf")
     prepare_out_dir(out, overwrite, read_paths(restored.checkpoint, restored.weights, restored.tokenizer_dir, inputs))
     base = pretrained_dir(restored)
     source = f"{restored.checkpoint}" + (f" merged into {base}" if base is not None else "")

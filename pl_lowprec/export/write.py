@@ -85,13 +85,15 @@ def check_dtype(dtype: str | None, merged: bool) -> None:
         )
 
 
-def check_merge_base(weights: PretrainedWeights | None) -> None:
-    """A merge (``--merged``, ``--format gguf``) adds the adapters to the original weights: the config names them."""
+def check_merge_base(weights: PretrainedWeights | None, asked: str = "--merged") -> None:
+    """A merge (``--merged``, ``--format gguf``: ``asked``, as the command line said it) adds the adapters to the
+    original weights: the config names them."""
     if weights is None:
+        what = "A GGUF export merges" if "gguf" in asked else "A merged export adds"
         raise ValueError(
-            "A merged export adds the adapters to the original pretrained weights, and this config names none"
+            f"{what} the adapters into the original pretrained weights, and this config names none"
             " (CausalLM(pretrained=...) or the strategy's pretrained=): its base was built from a config with"
-            " random or seeded weights. Export the adapter directory instead (leave out --merged)."
+            f" random or seeded weights. Export the adapter directory instead (leave out {asked})."
         )
 
 
@@ -102,18 +104,20 @@ def check_export(
     overwrite: bool,
     read: dict[str, Path | None],
     weights: PretrainedWeights | None,
+    asked: str = "--merged",
 ) -> None:
-    """Every refusal of an export that is known before the model loads (``pl-lowprec export`` checks them then)."""
+    """Every refusal of an export that is known before the model loads (``pl-lowprec export`` checks them then);
+    ``asked``: the merge as the command line asked for it."""
     check_dtype(dtype, merged)
     if merged:
-        check_merge_base(weights)
+        check_merge_base(weights, asked)
     check_out_dir(out, overwrite, read)
 
 
-def check_merged(restored: Restored) -> None:
+def check_merged(restored: Restored, asked: str = "--merged") -> None:
     """A merge needs the original weights, and a config to go with them; the config's source is known only once
     the module is restored (its Hugging Face model). Refused before anything is written."""
-    check_merge_base(restored.weights)
+    check_merge_base(restored.weights, asked)
     if pretrained_dir(restored) is None and restored.hf_model is None:
         raise ValueError(
             f"pretrained={str(restored.weights.path)!r} is a single file and the module holds no Hugging Face"

@@ -48,6 +48,13 @@ def test_quickstart_runs_through_python_dash_m(tmp_path):
     # the default root dir keeps logs and the saved config out of the working directory
     assert (tmp_path / "runs/lightning_logs/version_0/config.yaml").exists()
     assert not (tmp_path / "config.yaml").exists() and not (tmp_path / "lightning_logs").exists()
+    # its model is built from a config, with no original weights to merge into: the refusal names the flag given
+    (checkpoint,) = (tmp_path / "runs/lightning_logs/version_0/checkpoints").glob("*.ckpt")
+    export = [sys.executable, "-m", "pl_lowprec", "export", f"--ckpt_path={checkpoint}", "--out=gguf"]
+    refused = subprocess.run([*export, "--format=gguf"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "A GGUF export merges the adapters into the original pretrained weights" in refused.stderr
+    assert refused.stderr.rstrip().endswith("Export the adapter directory instead (leave out --format gguf).")
 
 
 def test_step_limited_run_gets_a_sensible_progress_label(tmp_path):
