@@ -57,8 +57,10 @@ def test_every_config_starts_with_its_command_and_is_covered():
         "ddp.yaml",
         "fsdp-qlora.yaml",
     }
+    listed = (Path(__file__).resolve().parents[1] / "docs/cli-and-configs.md").read_text()
     for config in CONFIGS:
         assert config.read_text().splitlines()[0] == f"# Run: pl-lowprec fit --config configs/{config.name}"
+        assert f"| `{config.name}` |" in listed, f"docs/cli-and-configs.md's table of configs lacks {config.name}"
 
 
 # What each strategy setting must have done, as the bitsandbytes class a user would see on this device.

@@ -47,7 +47,7 @@ from pl_lowprec.cli.config_errors import (
 from pl_lowprec.cli.empty_model import EmptyWhenPretrained
 from pl_lowprec.cli.resume import check_checkpoint, check_same_run, resolve_ckpt_path
 from pl_lowprec.cli.strategy_override import strategy_names_as_classes
-from pl_lowprec.cli.subcommands import LIGHTNING_SUBCOMMANDS, overview
+from pl_lowprec.cli.subcommands import LIGHTNING_SUBCOMMANDS, overview, usage
 from pl_lowprec.strategies.trainer_checks import batches_started, check_trainer_arguments
 
 DEFAULT_ROOT_DIR = "runs"
@@ -60,6 +60,10 @@ class LowPrecisionCLI(LightningCLI):
     def init_parser(self, **kwargs: Any) -> Any:
         kwargs.setdefault("exit_on_error", False)  # parse_arguments words the error, not jsonargparse's dump
         return super().init_parser(**kwargs)
+
+    def _add_subcommands(self, parser: Any, **kwargs: Any) -> None:
+        super()._add_subcommands(parser, **kwargs)
+        parser.usage = usage()  # after the subcommands took their prog from the default usage: every subcommand
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.set_defaults({"trainer.default_root_dir": DEFAULT_ROOT_DIR})

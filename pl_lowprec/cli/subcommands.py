@@ -32,6 +32,11 @@ def examples(docstring: str) -> str:
     return "examples:\n" + docstring.split("\n\n", 1)[1].replace("``", "`").rstrip()
 
 
+def usage() -> str:
+    """``pl-lowprec --help``'s usage line with every subcommand (LightningCLI's names its own four)."""
+    return f"pl-lowprec [-h] [-c CONFIG] {{{','.join({**LIGHTNING_SUBCOMMANDS, **OWN_SUBCOMMANDS})}}} ..."
+
+
 def overview() -> str:
     """Every subcommand with its line, for ``pl-lowprec --help``."""
     lines = [f"{name} ({summary})" for name, summary in {**LIGHTNING_SUBCOMMANDS, **OWN_SUBCOMMANDS}.items()]

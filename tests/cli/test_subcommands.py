@@ -47,7 +47,7 @@ def test_the_help_names_every_subcommand_under_the_console_scripts_name(capsys, 
         main(["--help"])
     assert exited.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert text.startswith("usage: pl-lowprec ")
+    assert text.startswith(f"usage: pl-lowprec [-h] [-c CONFIG] {{{','.join(ALL)}}} ...")
     for name, summary in OWN_SUBCOMMANDS.items():
         assert f"{name} ({summary})" in text
 
