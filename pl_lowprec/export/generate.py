@@ -59,6 +59,14 @@ class Decoding:
             "Decoding", "1.0 samples from the model's distribution; lower is greedier.", temperature=self.temperature
         )
         check_fraction("Decoding", low_open=True, hint="1.0 keeps every token.", top_p=self.top_p)
+        defaults = {name: f.default for name, f in self.__dataclass_fields__.items()}
+        sampling = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k") if getattr(self, k) != defaults[k]}
+        if sampling and not self.do_sample:  # transformers' generate would decode greedily, ignoring them
+            given = ", ".join(f"{k}={v}" for k, v in sampling.items())
+            raise ValueError(
+                f"{given} {'sets' if len(sampling) == 1 else 'set'} sampling, and do_sample is off: greedy decoding"
+                " would ignore it. Add --do_sample (do_sample=True) to sample, or leave it out for greedy completions."
+            )
 
     def kwargs(self) -> dict[str, Any]:
         chosen: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "do_sample": self.do_sample}
