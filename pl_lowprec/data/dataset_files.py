@@ -18,6 +18,7 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from pl_lowprec._error_text import briefly
 from pl_lowprec._imports import import_datasets
 from pl_lowprec.data.sources import Source
 
@@ -67,8 +68,7 @@ def read_file(datasets: Any, path: Path) -> Any:
         return datasets.load_dataset(builder, data_files=str(path), split="train", **options)
     except Exception as err:  # a malformed file: every kind of error needs the same message
         raise ValueError(
-            f"{path}: it could not be read as a {builder} file by Hugging Face datasets ({type(err).__name__}:"
-            f" {str(err)[:300]})."
+            f"{path}: it could not be read as a {builder} file by Hugging Face datasets ({briefly(err, 300)})."
         ) from err
 
 
@@ -88,6 +88,6 @@ def load_hub_dataset(datasets: Any, hub_id: str, argument: str) -> Any:
     except Exception as err:  # offline, unknown or gated repository: every one needs the same advice
         raise ValueError(
             f"{argument}: {hub_id!r} is not a local file or directory, and loading it from the Hugging Face Hub"
-            f" failed ({type(err).__name__}: {str(err)[:200]}). On a machine with network access, run"
+            f" failed ({briefly(err, 200)}). On a machine with network access, run"
             f" `datasets.load_dataset({hub_id!r}).save_to_disk(DIR)` and pass DIR."
         ) from err

@@ -87,7 +87,8 @@ def check_gguf_type(gguf_type: str) -> None:
     else:
         why = f"--gguf_type {gguf_type!r} is not one this export writes"
     raise ValueError(
-        f"{why}. It writes {', '.join(GGUF_TYPES)} (bf16 keeps a bf16 model exactly; q8_0 is about half its size;"
+        f"{why}. It writes auto (the default: the merged weights' 16-bit type), {', '.join(GGUF_TYPES)} (bf16 keeps"
+        " a bf16 model exactly; q8_0 is about half its size;"
         f" q4_k_m, Ollama's default, about 30%; each k-quant mix as llama-quantize writes it): {instead}."
     )
 

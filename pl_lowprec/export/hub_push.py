@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pl_lowprec._error_text import briefly
 from pl_lowprec.adapters import recorded_base
 from pl_lowprec.loading.hub import DOWNLOAD_COMMAND, hub_id_of, is_hub_id
 
@@ -87,7 +88,7 @@ def push(directory: Path, repo_id: str, private: bool, pretrained: str | Path | 
     except Exception as err:  # network, permissions, quota: the export is on disk either way
         raise ValueError(
             f"The export in {str(directory)!r} is complete, but uploading it to {repo_id!r} failed"
-            f" ({type(err).__name__}: {str(err)[:300]}). Upload the directory once that is fixed:"
+            f" ({briefly(err, 300)}). Upload the directory once that is fixed:"
             f" `{UPLOAD_COMMAND} {repo_id} {directory}`."
         ) from err
     base = f" (base_model: {base_model})" if base_model else ""

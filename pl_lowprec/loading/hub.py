@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pl_lowprec._error_text import briefly
+
 # What a model repository needs here: config and tokenizer files, weights, and the chat template, which
 # transformers >= 4.43 saves beside the tokenizer as chat_template.jinja (tokenizer_config.json no longer holds it).
 HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
@@ -49,7 +51,7 @@ def resolve_pretrained(pretrained: str | Path, check_config: bool = True) -> Pat
     except Exception as err:  # offline, unknown repo, gated model: every one needs the same advice
         raise ValueError(
             f"pretrained={str(pretrained)!r} is not a local directory, and downloading it from the Hugging Face Hub"
-            f" failed ({type(err).__name__}: {str(err)[:200]}). Download it on a machine with network access"
+            f" failed ({briefly(err, 200)}). Download it on a machine with network access"
             f" (`{DOWNLOAD_COMMAND} {pretrained} --local-dir DIR`) and pass pretrained=DIR."
         ) from err
 

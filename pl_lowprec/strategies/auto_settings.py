@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from pl_lowprec._error_text import briefly
 from pl_lowprec.memory.collectives import Interconnect, measure_interconnect
 from pl_lowprec.memory.fastest import MARGIN, Search, fastest_fitting
 from pl_lowprec.memory.plan import fresh_copies
@@ -55,7 +56,7 @@ def choose_memory_settings(
         )
     except Exception as err:  # the real run meets it again where it has its own handling (a refusal, a traceback)
         rank_zero_warn(
-            f"Memory settings: the simulated step failed ({type(err).__name__}: {str(err).splitlines()[0][:300]}), so"
+            f"Memory settings: the simulated step failed ({briefly(err, 300)}), so"
             " the 'auto' settings stay on their memory-saving side. Set memory_saving and activation_checkpointing"
             " explicitly to run without the simulation."
         )

@@ -365,7 +365,10 @@ def test_refusals_come_before_anything_loads_and_name_the_fix(trained, pretraine
     out = tmp_path / "gguf"
     base = ["export", f"--ckpt_path={checkpoint}", f"--out={out}", *args]
     cases = [
-        (["--format=gguf", "--gguf_type=q5_k"], r"--gguf_type 'q5_k' is not one this export writes\. It writes bf16"),
+        (
+            ["--format=gguf", "--gguf_type=q5_k"],
+            r"--gguf_type 'q5_k' is not one this export writes\. It writes auto \(the default",
+        ),
         (["--format=gguf", "--gguf_type=q4_k_m,q5_k"], r"--gguf_type 'q5_k' is not one this export writes"),
         (
             ["--format=gguf", "--gguf_type=IQ4_XS"],

@@ -155,3 +155,21 @@ def test_ddp_strategy_takes_the_same_arguments(tmp_path):
     directory = save_llama(tmp_path / "ckpt")
     strategy = LowPrecisionDDPStrategy(pretrained=directory, pretrained_prefix="model.")
     assert strategy.transform.weights.prefix == "model."
+
+
+def test_an_offline_hub_id_names_the_library_error_briefly_cut_at_a_word(monkeypatch):
+    """The hub's connection errors run to pages; the refusal keeps their first words, whole, on one line."""
+    import huggingface_hub
+
+    from pl_lowprec.loading.hub import resolve_pretrained
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Cannot reach huggingface.co: [Errno -2] Name or service not known\n" + "detail " * 100)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(ValueError) as refused:
+        resolve_pretrained("org/model")
+    said = str(refused.value)
+    assert "failed (ConnectionError: Cannot reach huggingface.co: [Errno -2] Name or service not known detail" in said
+    assert "detail ...). Download it on a machine with network access (`hf download org/model" in said
+    assert "\n" not in said

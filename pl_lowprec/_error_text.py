@@ -1,0 +1,11 @@
+"""Another library's error inside one of ours: its type and first words, cut where a word ends."""
+
+from __future__ import annotations
+
+import textwrap
+
+
+def briefly(err: BaseException, width: int = 200) -> str:
+    """``"ConnectError: [Errno -2] Name or service ..."``: the message on one line, at most ``width`` characters,
+    cut at a word (a network error's message runs to pages; cut mid-word it reads as a typo)."""
+    return f"{type(err).__name__}: {textwrap.shorten(str(err), width, placeholder=' ...')}"
