@@ -23,7 +23,11 @@ def check_checkpoint(path: Path, argument: str = "--ckpt_path") -> None:
     """A clear error for a missing path or a file that is no ``torch.save`` archive."""
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "does not exist"
-        raise FileNotFoundError(f"{argument} {str(path)!r} {what}: name a Lightning checkpoint file (.ckpt).")
+        near = path if path.is_dir() else path.parent
+        found = [*near.glob("*.ckpt"), *near.glob("checkpoints/*.ckpt")] if near.is_dir() else []
+        found = sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)[:3]  # not **: near may be a home
+        there = f" The newest there: {', '.join(map(str, found))}." if found else ""
+        raise FileNotFoundError(f"{argument} {str(path)!r} {what}: name a Lightning checkpoint file (.ckpt).{there}")
     if not zipfile.is_zipfile(path):
         raise ValueError(
             f"{argument} {str(path)!r} is not a Lightning checkpoint (not a torch.save archive; {path.stat().st_size}"

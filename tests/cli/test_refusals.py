@@ -100,6 +100,11 @@ def _export_cases(tmp: Path, pretrained: Path, checkpoint: Path) -> list[tuple[l
     ckpt = f"--ckpt_path={checkpoint}"
     return [
         ([f"--ckpt_path={tmp / 'missing.ckpt'}", out], ["missing.ckpt' does not exist"]),
+        (  # a misspelled name beside the run's checkpoints: they are listed
+            [f"--ckpt_path={checkpoint.parent / 'lats.ckpt'}", out],
+            ["lats.ckpt' does not exist: name a Lightning checkpoint file (.ckpt). The newest there:", str(checkpoint)],
+        ),
+        ([f"--ckpt_path={checkpoint.parents[1]}", out], ["' is a directory: name a", "there: ", str(checkpoint)]),
         ([f"--ckpt_path={empty}", out], ["empty.ckpt' is not a Lightning checkpoint", "0 bytes"]),
         ([f"--ckpt_path={text}", out], ["notes.ckpt' is not a Lightning checkpoint"]),
         (  # both problems at once: non-empty, and --overwrite would not empty it either
