@@ -23,7 +23,9 @@ def main(args: list[str] | None = None) -> None:
         check_out_dir(Path(parsed.out_dir), parsed.overwrite)
     except ValueError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
-    model_dir = make_demo_model(parsed.out_dir, steps=parsed.steps, overwrite=parsed.overwrite)
+    model_dir = make_demo_model(
+        parsed.out_dir, steps=parsed.steps, overwrite=parsed.overwrite, progress=lambda line: print(line, flush=True)
+    )
     summary = json.loads((model_dir / "pretraining.json").read_text())
     print(
         f"Wrote {model_dir} ({summary['parameters']:,} parameters; loss {summary['first_loss']:.2f} ->"

@@ -20,6 +20,7 @@ import math
 import shutil
 import sysconfig
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -112,9 +113,11 @@ def make_demo_model(
     max_bytes: int = 2_000_000,
     seed: int = 0,
     overwrite: bool = False,
+    progress: Callable[[str], None] | None = None,
 ) -> Path:
     """Train and save the tokenizer and model to ``out_dir/model`` and the task to ``out_dir/data``; an earlier
-    demo there is replaced only with ``overwrite``, anything else never."""
+    demo there is replaced only with ``overwrite``, anything else never. ``progress`` gets a line at the start and
+    at each tenth of the steps (``pl-lowprec make-demo-model`` prints them: it runs for a minute or more)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     check_at_least("make_demo_model", 1, steps=steps, hidden_size=hidden_size, num_layers=num_layers)
@@ -150,8 +153,11 @@ def make_demo_model(
     )
     g = torch.Generator().manual_seed(seed)
     started, losses = time.perf_counter(), []
+    say = progress or (lambda line: None)
+    parameters = sum(p.numel() for p in model.parameters())
+    say(f"Pre-training a {num_layers}-layer Llama ({parameters:,} parameters) for {steps} steps on Python's sources.")
     model.train()
-    for _ in range(steps):
+    for step in range(steps):
         batch = blocks[torch.randint(0, len(blocks), (batch_size,), generator=g)]
         loss = model(input_ids=batch, labels=batch, use_cache=False).loss
         loss.backward()
@@ -160,6 +166,8 @@ def make_demo_model(
         sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
+        if (step + 1) % max(1, steps // 10) == 0 or step + 1 == steps:
+            say(f"step {step + 1}/{steps}: loss {losses[-1]:.2f} ({time.perf_counter() - started:.0f} s)")
     if model_dir.is_dir():
         shutil.rmtree(model_dir)  # an earlier demo (check_out_dir): no stale file of it stays beside the new one
     model.save_pretrained(model_dir)
@@ -167,7 +175,7 @@ def make_demo_model(
     write_task(out / "data")
     summary = {
         "steps": steps,
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": parameters,
         "first_loss": losses[0] if losses else None,
         "last_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
         "seconds": round(time.perf_counter() - started, 1),

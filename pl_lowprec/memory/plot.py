@@ -25,10 +25,10 @@ def plot_step(estimate: Any, path: str | Path) -> Path:
     steps = range(len(estimate.samples))
     figure, axes = plt.subplots(figsize=(10, 4.5))
     axes.stackplot(steps, *series.values(), labels=[name.replace("_", " ") for name in STACK])
-    for index in range(1, len(estimate.samples)):
-        if estimate.samples[index][0] != estimate.samples[index - 1][0]:
+    for index, phase in phase_starts(estimate.samples):
+        if index:
             axes.axvline(index, color="grey", linewidth=0.6)
-            axes.text(index, 0, f" {estimate.samples[index][0]}", rotation=90, va="bottom", fontsize=7)
+        axes.text(index, 0, f" {phase}", rotation=90, va="bottom", fontsize=7)
     shape = " (the step's shape drawn at 3 blocks; figures for all)" if estimate.extrapolated else ""
     repeated = estimate.repeated_micro_batches
     shape += f" ({repeated} more micro-batches as the last drawn)" if repeated else ""
@@ -41,3 +41,8 @@ def plot_step(estimate: Any, path: str | Path) -> Path:
     figure.savefig(path)
     plt.close(figure)
     return path
+
+
+def phase_starts(samples: list[tuple[str, Any]]) -> list[tuple[int, str]]:
+    """``(sample index, phase)`` where each phase begins, the first (forward) included."""
+    return [(i, name) for i, (name, _) in enumerate(samples) if i == 0 or samples[i - 1][0] != name]

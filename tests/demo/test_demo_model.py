@@ -1,5 +1,7 @@
 """make-demo-model writes a really pretrained Hugging Face directory; the fine-tuning config runs on it."""
 
+import contextlib
+import io
 import json
 import math
 
@@ -12,11 +14,24 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 
+PRINTED: dict[str, list[str]] = {}
+
+
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
-    main(["make-demo-model", str(out), "--steps", "150"])  # enough to learn the task in 40 steps
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        main(["make-demo-model", str(out), "--steps", "150"])  # enough to learn the task in 40 steps
+    PRINTED["lines"] = printed.getvalue().splitlines()
     return out
+
+
+def test_it_says_its_progress_while_it_pretrains(demo):
+    """A minute or more on 2 cores: a line at the start and at each tenth of the steps, then the summary."""
+    first, *steps, last = PRINTED["lines"]
+    assert first.startswith("Pre-training a 2-layer Llama (") and first.endswith("for 150 steps on Python's sources.")
+    assert [line.split(":")[0] for line in steps] == [f"step {n}/150" for n in range(15, 151, 15)]
+    assert last.startswith(f"Wrote {demo / 'model'} (")
 
 
 def test_the_model_loads_as_any_hub_model_and_was_trained(demo):

@@ -11,7 +11,7 @@ from pl_lowprec import estimate_memory
 from pl_lowprec.cli import estimate as cli_estimate
 from pl_lowprec.cli.estimate import main
 from pl_lowprec.demo import TinyLlama
-from pl_lowprec.memory.plot import plot_step
+from pl_lowprec.memory.plot import phase_starts, plot_step
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,3 +47,5 @@ def test_the_plot_is_drawn_from_the_simulated_step(tmp_path):
     estimate = estimate_memory(build, {"input_ids": torch.zeros(2, 64, dtype=torch.long)}, lora={"r": 4})
     path = plot_step(estimate, tmp_path / "step.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    starts = phase_starts(estimate.samples)  # every phase labelled where it begins, the first one too
+    assert starts[0] == (0, "forward") and [name for _, name in starts][1:3] == ["backward", "optimizer step"]
