@@ -28,6 +28,7 @@ from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
 from pl_lowprec.memory.fastest import COMPILED_CAVEAT, faster_settings_line
 from pl_lowprec.memory.plan import fresh_copies
 from pl_lowprec.memory.plot import plot_step
+from pl_lowprec.memory.sizing_batch import sizing_batch
 from pl_lowprec.strategy_names import registered_strategy
 
 
@@ -54,9 +55,9 @@ def estimate_config(cli_args: list[str], time_on: str | None = None) -> MemoryEs
     return estimate_memory(**estimate_arguments(cli_args), time_on=time_on)
 
 
-def estimate_arguments(cli_args: list[str]) -> dict[str, Any]:
+def estimate_arguments(cli_args: list[str], said: list[str] | None = None) -> dict[str, Any]:
     """``estimate_memory``'s arguments for ``--config X.yaml`` (and overrides), as ``pl-lowprec fit`` would build
-    the run."""
+    the run; the batch's shape in words is appended to ``said`` (``sizing_batch``)."""
     run = rebuild_classes(cli_args)
     trainer = run.config_init.trainer
     check_devices(trainer)
@@ -66,7 +67,9 @@ def estimate_arguments(cli_args: list[str]) -> dict[str, Any]:
             " batch from it. Add the data section that `pl-lowprec fit` runs with."
         )
     run.datamodule.setup("fit")
-    batch = next(iter(run.datamodule.train_dataloader()))
+    batch, shape = sizing_batch(next(iter(run.datamodule.train_dataloader())), run.datamodule)
+    if said is not None:
+        said.append(f"Batch: {shape}.")
     strategy = trainer.strategy
     config = getattr(strategy, "transform_config", None)  # None: not this package's strategy
     sharding = strategy.transform_sharding(config) if hasattr(strategy, "transform_sharding") else None
@@ -168,8 +171,10 @@ def main(args: list[str] | None = None) -> None:
         import_matplotlib_pyplot()  # a missing matplotlib fails before the estimate runs
     if options.gpu:
         device_spec(options.gpu)  # an unknown GPU is refused (``dispatch``'s refusals) before the estimate runs
-    arguments = estimate_arguments(passed_on(parser, args))
+    said: list[str] = []
+    arguments = estimate_arguments(passed_on(parser, args), said)
     estimate = estimate_memory(**arguments, time_on=options.gpu)
+    print(*said, sep="\n")
     print(estimate.table())
     print(step_time_line(estimate))
     config = arguments["config"]

@@ -48,6 +48,7 @@ from pl_lowprec.memory.plan import (
 )
 from pl_lowprec.memory.quiet import quiet_setup_logs
 from pl_lowprec.memory.sizes import format_bytes, parse_bytes
+from pl_lowprec.memory.sizing_batch import sizing_batch
 from pl_lowprec.memory.step_time import StepTime, duration
 from pl_lowprec.strategies.fsdp import check_fsdp_arguments
 from pl_lowprec.strategies.transform_args import TransformArguments
@@ -103,7 +104,8 @@ def main(args: list[str] | None = None) -> None:
             " takes the batch shape from the data.\n",
         )
     run.datamodule.setup("fit")
-    batch = next(iter(run.datamodule.train_dataloader()))
+    batch, shape = sizing_batch(next(iter(run.datamodule.train_dataloader())), run.datamodule)
+    print(f"Batch: {shape}.")
     rows = next(t.shape[0] for t in batch_tensors(batch))
     accumulate = int(getattr(trainer, "accumulate_grad_batches", None) or 1)
     devices = options.devices or devices_of(trainer)

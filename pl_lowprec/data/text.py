@@ -322,6 +322,16 @@ class TextDataModule(pl.LightningDataModule):
             return module.on_after_batch_transfer(batch, dataloader_idx)
         return batch
 
+    def longest_train_row(self) -> int:
+        """The longest row a training batch can hold (each is padded to its longest): what memory is sized for
+        (``memory.sizing_batch``). Packed, a later epoch packs anew: up to ``seq_len`` where the samples fill it."""
+        if self.train_set is None:
+            raise RuntimeError("TextDataModule.longest_train_row() needs setup('fit') first.")
+        if isinstance(self.train_set, PackedRows):
+            packed = min(self.seq_len, sum(self.train_set.lengths))
+            return max([packed, *self.train_set.ready_lengths])
+        return max(row_lengths(self.train_set), default=0)
+
     def train_dataloader(self) -> DataLoader:
         return resumable_loader(
             self.train_set,

@@ -79,6 +79,10 @@ class StdlibTextDataModule(pl.LightningDataModule):
     def _loader(self, dataset: TensorDataset, shuffle: bool) -> DataLoader:
         return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, collate_fn=_collate)
 
+    def longest_train_row(self) -> int:
+        """Every row is a window of ``seq_len`` bytes (what memory is sized for: ``memory.sizing_batch``)."""
+        return self.seq_len
+
     def train_dataloader(self) -> DataLoader:
         """Shuffled by (seed 0, epoch) and resumable mid-epoch: a run killed and resumed from its last checkpoint
         trains on the batches an uninterrupted run would."""

@@ -20,6 +20,7 @@ from pl_lowprec.callbacks.replacements import use_package_callbacks
 from pl_lowprec.callbacks.step_boundary_checkpoint import mid_step_resumption
 from pl_lowprec.distributed.launched_ranks import mark_failing
 from pl_lowprec.memory.budget import check_memory_budget, first_training_batch, training_loader
+from pl_lowprec.memory.sizing_batch import sizing_batch
 from pl_lowprec.strategies.auto_settings import choose_memory_settings, run_interconnect
 from pl_lowprec.strategies.garbage_collection import freeze_long_lived_objects, unfreeze
 from pl_lowprec.strategies.random_states import CHECKPOINT_KEY as RANDOM_STATES
@@ -81,6 +82,8 @@ class TransformHooks(TransformArguments):
         if hasattr(plugin, "resolve"):  # AMPPrecision("auto") chooses for the device
             plugin.resolve(self.root_device)
         batch = first_training_batch(loader())  # one draw serves the choice and the budget's check
+        batch, shape = sizing_batch(batch, trainer.datamodule)  # the longest batch the data makes, where it says
+        rank_zero_info(f"Memory is sized for batches of {shape}.")
         links = run_interconnect(self)  # every rank, before a rank can fail alone
         search = None
         if config.chooses_automatically:

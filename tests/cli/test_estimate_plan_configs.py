@@ -45,6 +45,8 @@ def test_estimate_of_several_configs_is_the_estimate_of_the_config_fit_merges(tm
     assert both == table(capsys, "--config", QUICKSTART, *overrides)
     alone = table(capsys, "--config", QUICKSTART)
     assert alone != both  # the overlay counts: a smaller batch, a smaller rank
+    assert alone.startswith("Batch: 8 rows x 128 positions, the longest batch the training data makes.\n")
+    assert both.startswith("Batch: 2 rows x 128 positions,")
     assert int(re.search(r"(\d[\d,]*) trainable", alone)[1].replace(",", "")) > int(
         re.search(r"(\d[\d,]*) trainable", both)[1].replace(",", "")
     )
