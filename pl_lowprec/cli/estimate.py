@@ -24,7 +24,7 @@ from pl_lowprec.cli.rebuild import passed_on, rebuild_classes
 from pl_lowprec.cli.subcommands import description
 from pl_lowprec.loading.sources import shapes_only
 from pl_lowprec.memory.devices import GPUS, device_spec
-from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
+from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory, resolved_precision
 from pl_lowprec.memory.fastest import COMPILED_CAVEAT, faster_settings_line
 from pl_lowprec.memory.plan import fresh_copies
 from pl_lowprec.memory.plot import plot_step
@@ -32,17 +32,23 @@ from pl_lowprec.memory.sizing_batch import sizing_batch
 from pl_lowprec.strategy_names import registered_strategy
 
 
-def precision_of(trainer: Any) -> str:
-    """The config's precision: a precision plugin's request (``AMPPrecision``'s ``"auto"`` included), else the
-    trainer's ``precision``, else ``"32-true"``."""
+def precision_of(trainer: Any, gpu: str | None = None) -> str:
+    """The config's precision: a precision plugin's request, else the trainer's ``precision``, else ``"32-true"``.
+    ``AMPPrecision``'s ``"auto"`` stays (``estimate_memory`` chooses it for the device), or with ``gpu`` is chosen
+    for that GPU (``resolved_precision``)."""
+    requested = str(getattr(trainer, "precision", None) or "32-true")
     for plugin in getattr(trainer, "plugins", None) or []:
         if isinstance(plugin, Precision):
-            return str(getattr(plugin, "requested_precision", plugin.precision))
-    return str(getattr(trainer, "precision", None) or "32-true")
+            requested = str(getattr(plugin, "requested_precision", plugin.precision))
+            break
+    return resolved_precision(requested, device_of(trainer, gpu), gpu) if gpu is not None else requested
 
 
-def device_of(trainer: Any) -> str:
-    """The device type a config's ``trainer.accelerator`` runs on, as Lightning would pick it here."""
+def device_of(trainer: Any, gpu: str | None = None) -> str:
+    """The device type a config's ``trainer.accelerator`` runs on, as Lightning would pick it here; ``cuda`` for
+    the run on a named ``gpu`` (``--gpu``)."""
+    if gpu is not None and gpu.lower() != "cpu":
+        return "cuda"
     accelerator = str(getattr(trainer, "accelerator", None) or "auto")
     if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
         return "cuda"
@@ -55,9 +61,10 @@ def estimate_config(cli_args: list[str], time_on: str | None = None) -> MemoryEs
     return estimate_memory(**estimate_arguments(cli_args), time_on=time_on)
 
 
-def estimate_arguments(cli_args: list[str], said: list[str] | None = None) -> dict[str, Any]:
+def estimate_arguments(cli_args: list[str], said: list[str] | None = None, gpu: str | None = None) -> dict[str, Any]:
     """``estimate_memory``'s arguments for ``--config X.yaml`` (and overrides), as ``pl-lowprec fit`` would build
-    the run; the batch's shape in words is appended to ``said`` (``sizing_batch``)."""
+    the run; the batch's shape in words is appended to ``said`` (``sizing_batch``). ``gpu`` (``--gpu``): the run
+    on that GPU, CUDA memory and ``precision: auto`` as ``AMPPrecision`` chooses it there."""
     run = rebuild_classes(cli_args)
     trainer = run.config_init.trainer
     check_devices(trainer)
@@ -68,16 +75,19 @@ def estimate_arguments(cli_args: list[str], said: list[str] | None = None) -> di
         )
     run.datamodule.setup("fit")
     batch, shape = sizing_batch(next(iter(run.datamodule.train_dataloader())), run.datamodule)
+    precision = precision_of(trainer, gpu)
     if said is not None:
         said.append(f"Batch: {shape}.")
+        if gpu is not None and precision_of(trainer) == "auto":
+            said.append(f"Precision: {precision}, as AMPPrecision('auto') chooses it on the {gpu}.")
     strategy = trainer.strategy
     config = getattr(strategy, "transform_config", None)  # None: not this package's strategy
     sharding = strategy.transform_sharding(config) if hasattr(strategy, "transform_sharding") else None
     return {
         "build_model": fresh_copies(run.model),  # a meta copy each call: each estimate transforms its own
         "example_batch": batch,
-        "precision": precision_of(trainer),
-        "device": device_of(trainer),
+        "precision": precision,
+        "device": device_of(trainer, gpu),
         "config": config,
         "accumulate_grad_batches": int(getattr(trainer, "accumulate_grad_batches", None) or 1),
         "sharding": sharding,
@@ -172,7 +182,7 @@ def main(args: list[str] | None = None) -> None:
     if options.gpu:
         device_spec(options.gpu)  # an unknown GPU is refused (``dispatch``'s refusals) before the estimate runs
     said: list[str] = []
-    arguments = estimate_arguments(passed_on(parser, args), said)
+    arguments = estimate_arguments(passed_on(parser, args), said, options.gpu)
     estimate = estimate_memory(**arguments, time_on=options.gpu)
     print(*said, sep="\n")
     print(estimate.table())

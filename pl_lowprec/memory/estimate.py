@@ -236,8 +236,7 @@ def estimate_memory(
     config = _transform_config(config, transform_args)
     check_at_least("estimate_memory", 1, accumulate_grad_batches=accumulate_grad_batches)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if precision == "auto":
-        precision = choose_precision(device).precision
+    precision = resolved_precision(precision, device, time_on)
     started = time.perf_counter()
     check_at_least("estimate_memory", 1, world_size=world_size)
     time_on = timed_device(time_on, device, precision)
@@ -263,6 +262,16 @@ def estimate_memory(
     estimate.world_size, estimate.time_on, estimate.ops.ranks = world_size, time_on, world_size
     estimate.seconds = time.perf_counter() - started
     return estimate
+
+
+def resolved_precision(precision: str, device: str | torch.device, gpu: str | None = None) -> str:
+    """``precision``, with ``"auto"`` as ``AMPPrecision("auto")`` chooses it: on the GPU named by ``gpu`` (bf16
+    where it computes bf16, else fp16 with loss scaling, as on a T4), else on ``device`` here."""
+    if precision != "auto":
+        return precision
+    if gpu is not None and gpu.lower() != "cpu":
+        return "bf16-mixed" if "bf16" in device_spec(gpu).flops else "16-mixed"
+    return choose_precision(device).precision
 
 
 def timed_device(time_on: str | None, device: torch.device, precision: str) -> str | None:

@@ -14,6 +14,7 @@ from pl_lowprec.cli.dispatch import main as pl_lowprec_cli
 from pl_lowprec.cli.estimate import main as estimate_cli
 from pl_lowprec.demo import TinyLlama
 from pl_lowprec.memory.devices import GPUS, DeviceSpec, device_spec, local_cpu
+from pl_lowprec.memory.estimate import resolved_precision
 from pl_lowprec.memory.op_counts import ATTENTION, MATMUL, CountingMode, OpProfile, family
 from pl_lowprec.memory.plan import Settings, plan_memory, resized
 from pl_lowprec.memory.step_time import predict_step_time
@@ -281,6 +282,20 @@ def test_estimate_prints_the_step_time_line(capsys):
     estimate_cli(["--config", str(ROOT / "configs/quickstart.yaml"), "--gpu", "h100"])
     lines = capsys.readouterr().out.splitlines()
     assert any(line.startswith("Predicted step time on H100 (SXM, 80 GB): ") for line in lines), lines[-3:]
+    assert "Precision: bf16-mixed, as AMPPrecision('auto') chooses it on the h100." in lines
+
+
+def test_estimate_on_a_named_gpu_is_the_run_on_that_gpu(capsys):
+    """``precision: auto`` is chosen as on the GPU named, not on this machine: fp16 with loss scaling on a T4,
+    which computes no bf16 (it was resolved on this CPU, bf16 here, and the T4 then refused it); the memory is
+    CUDA's, not this CPU's."""
+    estimate_cli(["--config", str(ROOT / "configs/quickstart.yaml"), "--gpu", "T4"])
+    out = capsys.readouterr().out
+    assert "Precision: 16-mixed, as AMPPrecision('auto') chooses it on the T4." in out
+    assert "(cuda; estimated in " in out and "CUDA allocations rounded to 512 B" in out
+    assert "Predicted step time on T4 (16 GB): " in out
+    assert resolved_precision("auto", "cpu", "A100") == "bf16-mixed"
+    assert resolved_precision("32-true", "cpu", "T4") == "32-true"  # only auto is chosen
 
 
 def test_estimate_refuses_an_unknown_gpu_in_one_paragraph_before_estimating(capsys, monkeypatch):
