@@ -14,6 +14,7 @@ lay them out) is refused: reading it all would train on the held-out split.
 
 from __future__ import annotations
 
+import difflib
 import glob
 import re
 from collections import Counter
@@ -111,10 +112,19 @@ def path_sources(item: str | Path, argument: str) -> list[Source]:
         if path.suffix in DATASETS_SUFFIXES:
             import_datasets()  # a missing extra fails now, with its install command
         return [Source(str(path), "native" if path.suffix in NATIVE_SUFFIXES else "file", path)]
-    if not path.exists() and HUB_ID.fullmatch(text) and path.suffix not in (*READ_SUFFIXES, *UNREAD_DATA_SUFFIXES):
+    local = path.parent.is_dir() and str(path.parent) != "."  # data/pc.parqet, with data/ here: a local path
+    if (
+        not path.exists()
+        and not local
+        and HUB_ID.fullmatch(text)
+        and path.suffix not in (*READ_SUFFIXES, *UNREAD_DATA_SUFFIXES)
+    ):
         import_datasets()
         return [Source(f"hub dataset {text!r}", "hub", hub_id=text)]
     what = "does not exist" if not path.exists() else f"is not a file this module reads ({path.suffix!r})"
+    if not path.exists() and path.parent.is_dir():
+        near = difflib.get_close_matches(path.name, [p.name for p in path.parent.iterdir()], n=1, cutoff=0.7)
+        what += f" (did you mean {str(path.parent / near[0])!r}?)" if near else ""
     held_out = " Or leave val_files out (None; --data.val_files null) to hold out val_fraction of the training samples."
     raise ValueError(
         f"{argument}: {text!r} {what}. Give {READ} files, directories of them, a directory written by"

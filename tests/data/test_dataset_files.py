@@ -378,6 +378,16 @@ def test_a_hub_id_is_loaded_with_load_dataset_and_offline_says_what_to_do(pretra
         _data("org/instructions", pretrained)
 
 
+def test_a_mistyped_local_path_is_no_hub_id_and_names_the_file_meant(pretrained, tmp_path, monkeypatch):
+    """``data/pc.parqet`` where ``data/`` is here: a local file misspelled, not a dataset to look for on the Hub."""
+    (tmp_path / "data").mkdir()
+    _table(RECORDS).to_parquet(tmp_path / "data/pc.parquet")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("the Hub was asked"))
+    with pytest.raises(ValueError, match=r"'data/pc.parqet' does not exist \(did you mean 'data/pc.parquet'\?\)"):
+        TextDataModule(train_files="data/pc.parqet", tokenizer=str(pretrained))
+
+
 def test_a_dataset_object_is_described_not_saved_in_the_hyperparameters(pretrained):
     table = _table(RECORDS)
     data = TextDataModule(train_files=table, tokenizer=str(pretrained), val_files=[table])
