@@ -200,12 +200,14 @@ class TextDataModule(pl.LightningDataModule):
                 report = FileReport(label, unit="row indices")
                 parts.append(self._dataset_samples(dataset, report))
             self.reports.append(report)
+            # a dataset's columns are checked before it is read; a file's once read: before its line, which would
+            # count every record as unusable where a mapping names a column it lacks, or no column is known
+            if source.kind == "native" and (self.fields is not None or (report.used == 0 and report.columns)):
+                check_columns(report.columns, self.fields, str(report.path))
             rank_zero_info(report.describe())
             unread = unread_columns(report.columns, self.fields)
             if unread:
                 rank_zero_info(f"{report.path}: fields={self.fields} leaves the columns {unread} unread.")
-            if source.kind == "native" and self.fields is not None:  # a dataset's columns are checked before
-                check_columns(report.columns, self.fields, str(report.path))
             if report.used == 0:
                 raise ValueError(f"No usable record in {report.describe()}.")
             self._check_truncation(report)

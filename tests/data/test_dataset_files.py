@@ -252,20 +252,27 @@ def test_sharegpt_conversations_read_as_messages(pretrained, tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
-def test_a_mapping_naming_a_missing_column_is_refused_with_the_columns(fmt, pretrained, tmp_path):
+def test_a_mapping_naming_a_missing_column_is_refused_with_the_columns(fmt, pretrained, tmp_path, caplog):
     path = _write(fmt, [{"question": "q", "answer_text": "a"}], tmp_path)
-    with pytest.raises(ValueError) as error:
+    with caplog.at_level(logging.INFO), pytest.raises(ValueError) as error:
         _data(path, pretrained, fields={"prompt": "question", "completion": "answer"})
+    assert "skipped" not in caplog.text  # the refusal alone, not a line counting every record unusable first
     assert f"{path}: fields={{'prompt': 'question', 'completion': 'answer'}} names the column(s) ['answer']" in str(
         error.value
     )
     assert "its columns are ['answer_text', 'question']" in str(error.value)
 
 
-def test_a_table_with_no_column_to_read_is_refused_with_a_mapping_example(pretrained, tmp_path):
-    path = _write("parquet", [{"question": "q", "answer": "a"}], tmp_path)
-    with pytest.raises(ValueError, match=r"has the columns \['answer', 'question'\], none of which .*fields="):
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_a_table_with_no_column_to_read_is_refused_with_a_mapping_example(fmt, pretrained, tmp_path, caplog):
+    """The same for the most common format, .jsonl, whose records were only counted as unusable."""
+    path = _write(fmt, [{"question": "q", "answer": "a"}], tmp_path)
+    with (
+        caplog.at_level(logging.INFO),
+        pytest.raises(ValueError, match=r"has the columns \['answer', 'question'\], none of which .*fields="),
+    ):
         _data(path, pretrained)
+    assert "skipped" not in caplog.text  # no line counting every record as unusable before the refusal
 
 
 @pytest.mark.parametrize(
