@@ -26,7 +26,14 @@ from pl_lowprec.data.chat import ChatTemplate, ChatTemplateMismatch, turns_probl
 from pl_lowprec.data.collate import PackedCollate, PadCollate
 from pl_lowprec.data.context_length import check_seq_len_with_model
 from pl_lowprec.data.dataset_files import open_dataset
-from pl_lowprec.data.fields import check_columns, check_fields, read_fields, unread_columns
+from pl_lowprec.data.fields import (
+    ALPACA_COLUMNS,
+    SHAREGPT_COLUMN,
+    check_columns,
+    check_fields,
+    read_fields,
+    unread_columns,
+)
 from pl_lowprec.data.packing import PackedRows, padding_fraction
 from pl_lowprec.data.packing_guard import PackingGuard
 from pl_lowprec.data.records import (
@@ -248,6 +255,9 @@ class TextDataModule(pl.LightningDataModule):
             except ChatTemplateMismatch as mismatch:
                 where = f"line {number}" if report.unit == "lines" else f"row {number}"
                 raise ValueError(f"{report.path}, {where}: {mismatch}") from None
+            except NoChatTemplate:
+                where = f"line {number}" if report.unit == "lines" else f"row {number}"
+                raise ValueError(f"{report.path}, {where}: {self._no_template(record)}") from None
             if isinstance(sample_or_reason, str):
                 report.reject(sample_or_reason, number)
                 continue
@@ -305,12 +315,25 @@ class TextDataModule(pl.LightningDataModule):
 
     def _chat(self, record: dict[str, Any]) -> ChatTemplate:
         if self.tokenizer.chat_template is None:
-            raise ValueError(
-                f"'messages' records and prompt/completion lists of turns need a chat template, and the tokenizer in"
-                f" {self.tokenizer_dir!r} has none. Use a chat model's tokenizer or convert the records to"
-                " prompt/completion strings."
-            )
+            raise NoChatTemplate
         return ChatTemplate.for_record(self.tokenizer, record, self.chat_template_kwargs)
+
+    def _no_template(self, record: dict[str, Any]) -> str:
+        """Why a chat record cannot be read with this tokenizer, in the record's own terms, and the two fixes."""
+        if self.fields is None and all(column in record for column in ALPACA_COLUMNS):
+            what, strings = "alpaca records (instruction, output) are read as chat turns, which need", ALPACA_STRINGS
+        elif self.fields is None and SHAREGPT_COLUMN in record:
+            what, strings = "ShareGPT records (conversations) are chat turns, which need", None
+        elif "messages" in read_fields(record, self.fields):
+            what, strings = "'messages' records are chat turns, which need", None
+        else:
+            what, strings = "prompt/completion lists of turns need", None
+        instead = f"; records without an input read as prompt/completion strings with --data.fields '{strings}'"
+        instead = instead if strings else ""
+        return (
+            f"{what} a chat template, and the tokenizer in {self.tokenizer_dir!r} has none. Use a chat model's"
+            f" tokenizer (--data.tokenizer){instead}."
+        )
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """A batch on its device, before the step: the first packed ones check the module (``PackingGuard``).
@@ -354,6 +377,13 @@ class TextDataModule(pl.LightningDataModule):
         pad = self.tokenizer.pad_token_id
         pad = self.tokenizer.eos_token_id if pad is None else pad
         return PackedCollate(pad) if self.packing else PadCollate(pad)
+
+
+class NoChatTemplate(ValueError):
+    """A chat record, and a tokenizer without a chat template (``_no_template`` words it for the record)."""
+
+
+ALPACA_STRINGS = "{prompt: instruction, completion: output}"  # an input would be left out: not offered for those
 
 
 def subset(samples: Sequence[Row], indices: list[int]) -> Sequence[Row]:

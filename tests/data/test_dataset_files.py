@@ -4,6 +4,7 @@ in a memory-mapped Arrow table."""
 
 import json
 import logging
+import re
 import shutil
 
 import pytest
@@ -300,7 +301,19 @@ def test_truncation_is_reported_and_refused_as_for_jsonl(pretrained, tmp_path):
     assert "seq_len=48 cuts 5 samples" in messages["parquet"]
 
 
-def test_chat_records_need_a_chat_template(pretrained, tmp_path):
+SHAREGPT = [{"conversations": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."}]}]
+
+
+@pytest.mark.parametrize(
+    ("fmt", "records", "said"),
+    [
+        ("parquet", CHATS, r", row 0: 'messages' records are chat turns, which need a chat template"),
+        ("jsonl", ALPACA, r", line 1: alpaca records \(instruction, output\) are read as chat turns, which need"),
+        ("jsonl", SHAREGPT, r", line 1: ShareGPT records \(conversations\) are chat turns, which need"),
+    ],
+)
+def test_chat_records_need_a_chat_template(fmt, records, said, pretrained, tmp_path):
+    """The refusal names the file, the record and its format (alpaca and ShareGPT users never wrote 'messages')."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(pretrained)
@@ -308,8 +321,9 @@ def test_chat_records_need_a_chat_template(pretrained, tmp_path):
     tokenizer.save_pretrained(tmp_path / "plain")
     for template in tmp_path.joinpath("plain").glob("chat_template.*"):
         template.unlink()
-    data = TextDataModule(train_files=_write("parquet", CHATS, tmp_path), tokenizer=str(tmp_path / "plain"))
-    with pytest.raises(ValueError, match=r"lists of turns need a chat template, and the tokenizer in .* has none"):
+    path = _write(fmt, records, tmp_path)
+    data = TextDataModule(train_files=path, tokenizer=str(tmp_path / "plain"))
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}{said}.* has none. Use a chat model's tokenizer"):
         data.setup("fit")
 
 
