@@ -173,3 +173,12 @@ def test_an_offline_hub_id_names_the_library_error_briefly_cut_at_a_word(monkeyp
     assert "failed (ConnectionError: Cannot reach huggingface.co: [Errno -2] Name or service not known detail" in said
     assert "detail ...). Download it on a machine with network access (`hf download org/model" in said
     assert "\n" not in said
+
+
+def test_a_directory_without_tokenizer_files_is_named_as_such(tmp_path):
+    """Only config.json (the shapes a meta-device estimate reads): not transformers' 'install sentencepiece'."""
+    from pl_lowprec.loading.tokenizer import load_tokenizer
+
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ValueError, match=r"holds no tokenizer file \(tokenizer.json, tokenizer_config.json, .*it is"):
+        load_tokenizer(tmp_path)
