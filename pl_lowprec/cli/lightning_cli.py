@@ -44,6 +44,7 @@ from pl_lowprec.cli.config_errors import (
     refuse,
     with_strategy_names,
 )
+from pl_lowprec.cli.deferred_optimizer import defer_configure_optimizers
 from pl_lowprec.cli.empty_model import EmptyWhenPretrained
 from pl_lowprec.cli.resume import check_checkpoint, check_same_run, resolve_ckpt_path
 from pl_lowprec.cli.strategy_override import strategy_names_as_classes
@@ -60,6 +61,9 @@ class LowPrecisionCLI(LightningCLI):
     def init_parser(self, **kwargs: Any) -> Any:
         kwargs.setdefault("exit_on_error", False)  # parse_arguments words the error, not jsonargparse's dump
         return super().init_parser(**kwargs)
+
+    def _add_configure_optimizers_method_to_model(self, subcommand: str | None) -> None:
+        defer_configure_optimizers(self, subcommand)  # built from the parameters that train, once transformed
 
     def _add_subcommands(self, parser: Any, **kwargs: Any) -> None:
         super()._add_subcommands(parser, **kwargs)
