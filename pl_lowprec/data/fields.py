@@ -15,6 +15,7 @@ and its Parquet copy give the same records.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from typing import Any
 
@@ -54,11 +55,23 @@ def read_fields(record: dict[str, Any], fields: dict[str, str] | None) -> dict[s
     record = {key: value for key, value in record.items() if value is not None}
     if fields is None and "messages" not in record and SHAREGPT_COLUMN in record:
         record["messages"] = record.pop(SHAREGPT_COLUMN)
+    if isinstance(record.get("messages"), str):  # a CSV cell, or a table that stores the turns as JSON text
+        record["messages"] = json_list(record["messages"])
     if fields is None and not {"messages", "prompt", "completion"} & record.keys() and is_alpaca(record):
         record["messages"] = alpaca_turns(record)
     if isinstance(record.get("messages"), list):
         record["messages"] = [chat_turn(turn) for turn in record["messages"]]
     return record
+
+
+def json_list(text: str) -> Any:
+    """``text`` as the JSON list it holds; the text itself where it holds none (counted as no list of turns)."""
+    if not text.lstrip().startswith("["):
+        return text
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def is_alpaca(record: dict[str, Any]) -> bool:

@@ -162,6 +162,16 @@ def test_chats_in_every_format_give_the_samples_of_the_jsonl_file(fmt, pretraine
     assert _rows(_data(_write(fmt, CHATS, tmp_path / fmt), pretrained, seq_len=64).train_set) == expected
 
 
+def test_chats_stored_as_json_text_in_a_csv_give_the_samples_of_the_jsonl_file(pretrained, tmp_path):
+    """A CSV cell holds text: the turns stored as JSON text are read as the list they are."""
+    expected = _rows(_data(_write("jsonl", CHATS, tmp_path / "jsonl"), pretrained, seq_len=64).train_set)
+    as_text = [{"messages": json.dumps(record["messages"])} for record in CHATS]
+    assert _rows(_data(_write("csv", as_text, tmp_path / "csv"), pretrained, seq_len=64).train_set) == expected
+    not_json = [{"messages": "[not JSON"}, *as_text]
+    data = _data(_write("csv", not_json, tmp_path / "bad"), pretrained, seq_len=64)
+    assert data.reports[0].bad == {"records whose 'messages' is not a list of {role, content} turns": 1}
+
+
 @pytest.fixture(scope="module")
 def tool_tokenizer(pretrained, tmp_path_factory):
     """The tokenizer with a template that tests ``is defined``, as Llama 3.1's does for ``tool_calls``: the None a
