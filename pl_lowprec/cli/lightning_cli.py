@@ -46,6 +46,7 @@ from pl_lowprec.cli.config_errors import (
 )
 from pl_lowprec.cli.deferred_optimizer import defer_configure_optimizers
 from pl_lowprec.cli.empty_model import EmptyWhenPretrained
+from pl_lowprec.cli.own_options import meant_config_key
 from pl_lowprec.cli.resume import check_checkpoint, check_same_run, resolve_ckpt_path
 from pl_lowprec.cli.strategy_override import strategy_names_as_classes
 from pl_lowprec.cli.subcommands import LIGHTNING_SUBCOMMANDS, overview, usage
@@ -150,7 +151,11 @@ class LowPrecisionCLI(LightningCLI):
         except ArgumentError as err:
             if debugging():
                 raise
-            refuse(f"{parse_error_paragraph(str(err))}\n{_help_tip(args)}")
+            paragraph, meant = parse_error_paragraph(str(err)), meant_config_key(str(err))
+            if meant is not None:
+                where = paragraph.split(":", 1)[0] if not meant.startswith("--") else ""
+                paragraph = f"{paragraph.rstrip('.')}: did you mean {f'--{where}.{meant}' if where else meant}?"
+            refuse(f"{paragraph}\n{_help_tip(args)}")
 
     def _add_instantiators(self) -> None:
         super()._add_instantiators()  # Lightning's, for the model and data (their hyperparameters)

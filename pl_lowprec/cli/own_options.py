@@ -1,15 +1,21 @@
-"""A subcommand's own option, mistyped, named before it reaches the config parser.
+"""A mistyped option, named with the one meant.
 
 ``export``, ``generate``, ``estimate`` and ``plan`` pass what they do not know to LightningCLI as config overrides
 (``--model.pretrained DIR``). A mistyped option of their own (``--max-new-tokens`` for ``--max_new_tokens``)
 would reach it too, and come back as jsonargparse's "unrecognized arguments" with ``pl-lowprec --help``; here it
-is one line naming the option meant.
+is one line naming the option meant (``check_own_options``). A mistyped config key (``--trainer.max-steps``,
+``--model.pretrainedd``) gets the key meant added to jsonargparse's refusal (``meant_config_key``).
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import importlib
+import inspect
+import re
+
+from lightning.pytorch import Trainer
 
 from pl_lowprec.cli.arguments import options
 
@@ -50,3 +56,39 @@ def check_own_options(parser: argparse.ArgumentParser, unknown: list[str], takes
             f" go with --ckpt_path, which rebuilds the run from its config; `{parser.prog} --help` lists the"
             " options."
         )
+
+
+_UNRECOGNIZED = re.compile(r"unrecognized arguments: --(?P<section>\w+)\.(?P<key>[\w.-]+)")
+_NOT_ACCEPTED = re.compile(r"class_path '(?P<path>[\w.]+)'[:;]\s+Option '(?P<key>[\w-]+)' is not accepted")
+
+
+def meant_config_key(message: str) -> str | None:
+    """For jsonargparse's refusal of an unknown key, the key meant: ``--trainer.max_steps`` for
+    ``--trainer.max-steps``, ``pretrained`` for the class option ``pretrainedd``; ``None`` for anything else."""
+    found = _UNRECOGNIZED.search(message)
+    if found is not None and found["section"] == "trainer" and "." not in found["key"]:
+        meant = meant_option(f"--{found['key']}", [f"--{name}" for name in _arguments(Trainer)])
+        return f"--trainer.{meant[2:]}" if meant else None
+    found = _NOT_ACCEPTED.search(message)
+    if found is None:
+        return None
+    module, _, name = found["path"].rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+    meant = meant_option(f"--{found['key']}", [f"--{argument}" for argument in _arguments(cls)])
+    return meant[2:] if meant else None
+
+
+def _arguments(cls: type) -> list[str]:
+    """The keyword arguments of ``cls``, those of its bases included where it passes ``**kwargs`` on."""
+    names: list[str] = []
+    for klass in inspect.getmro(cls):
+        if "__init__" not in vars(klass):
+            continue
+        parameters = inspect.signature(klass.__init__).parameters
+        names += [n for n, p in parameters.items() if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if not any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
+            break
+    return names

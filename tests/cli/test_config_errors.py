@@ -38,6 +38,15 @@ AMP = "--trainer.plugins.init_args"
 # Union dump; literal: an unknown value of a Literal option; numeric: a number outside its range; crash: a
 # value that used to fail inside a step or deep in torch/peft.
 QUICKSTART_CASES = {
+    "typo": [  # a config key mistyped: the key meant, as the package's own subcommands name theirs
+        ("--trainer.max-steps=2", "unrecognized arguments: --trainer.max-steps=2: did you mean --trainer.max_steps?"),
+        ("--data.batch-size=4", "Option 'batch-size' is not accepted: did you mean --data.batch_size?"),
+        (
+            f"{STRATEGY}.quantisation=nf4",
+            "'quantisation' is not accepted: did you mean --trainer.strategy.quantization?",
+        ),
+        ("--model.hiden_size=64", "Option 'hiden_size' is not accepted: did you mean --model.hidden_size?"),
+    ],
     "readability": [
         (f"{STRATEGY}.checkpoint_every_n=0", "checkpoint_every_n=0"),
         (f"{AMP}.init_scale=0", "init_scale=0.0"),
