@@ -71,7 +71,10 @@ class FileReport:
             self.first_lines[reason].append(line)
 
     def describe(self) -> str:
-        reasons = "; ".join(f"{n} {reason} ({self.unit} {self.first_lines[reason]})" for reason, n in self.bad.items())
+        reasons = "; ".join(
+            f"{n} {_singular(reason) if n == 1 else reason} ({self.unit} {self.first_lines[reason]})"
+            for reason, n in self.bad.items()
+        )
         truncation = (
             f"; {self.truncated} truncated, losing {self.lost_target_tokens} of {self.target_tokens} target tokens"
             f" ({self.lost_share():.1%})"
@@ -79,10 +82,15 @@ class FileReport:
             else ""
         )
         return (
-            f"{self.path}: {self.used} records used, {sum(self.bad.values())} skipped"
+            f"{self.path}: {self.used} record{'' if self.used == 1 else 's'} used, {sum(self.bad.values())} skipped"
             + (f": {reasons}" if reasons else "")
             + truncation
         )
+
+
+def _singular(reason: str) -> str:
+    """``records with an empty completion`` of one record: ``record with an empty completion``."""
+    return "record" + reason.removeprefix("records") if reason.startswith("records ") else reason
 
 
 class TextBlocks:

@@ -116,7 +116,9 @@ def test_bad_records_are_counted_with_their_lines(tmp_path, tokenizer_dir):
         "records whose 'messages' is not a list of {role, content} turns": [9],
         "records whose 'prompt' or 'completion' list is not of {role, content} turns": [11],
     }
-    assert "1 records used, 10 skipped" in report.describe()
+    said = report.describe()  # one record, in the singular
+    assert "1 record used, 10 skipped: 1 invalid JSON (lines [2]); 1 record without a 'text'" in said
+    assert "; 2 records with no target tokens within seq_len=32 (lines [7, 8])" in said
 
 
 def test_a_file_with_no_usable_record_fails_with_path_and_lines(tmp_path, tokenizer_dir):
