@@ -60,6 +60,13 @@ from pl_lowprec.transforms.dtypes import dtype_of_precision
 MatmulPrecision = Literal["highest", "high", "medium"]
 
 
+# Other names of the two mixed precisions (Lightning's legacy "16" and "bf16", torch's dtype names).
+MIXED_SPELLINGS = {
+    **dict.fromkeys(("16", "fp16", "float16", "half"), "16-mixed"),
+    **dict.fromkeys(("bf16", "bfloat16"), "bf16-mixed"),
+}
+
+
 class AMPPrecision(MixedPrecision):
     """Automatic mixed precision (fp16 or bf16) with an honest, configurable loss scaler.
 
@@ -108,9 +115,11 @@ class AMPPrecision(MixedPrecision):
         scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         if precision not in get_args(AMPPrecisionInput):
+            meant = MIXED_SPELLINGS.get(str(precision).lower())
+            said = f" Did you mean {meant!r}?" if meant else ""
             raise ValueError(
-                f"AMPPrecision(precision={precision!r}) is not supported. Allowed: 'auto' (the fast choice for the"
-                " device), '16-mixed' (fp16 autocast with loss scaling) or 'bf16-mixed'. For fp32 or pure half"
+                f"AMPPrecision(precision={precision!r}) is not supported.{said} Allowed: 'auto' (the fast choice for"
+                " the device), '16-mixed' (fp16 autocast with loss scaling) or 'bf16-mixed'. For fp32 or pure half"
                 " precision use Lightning's Trainer(precision='32-true' | 'bf16-true' | '16-true') without this"
                 " plugin."
             )

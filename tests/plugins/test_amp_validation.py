@@ -15,10 +15,14 @@ def _loader():
     return torch.utils.data.DataLoader(make_classification_data(n=32), batch_size=8)
 
 
-@pytest.mark.parametrize("bad", ["fp16", "16", "32-true", "bf16-true"])
-def test_unknown_precision_lists_allowed(bad):
-    with pytest.raises(ValueError, match=rf"precision='{bad}'.*'16-mixed'.*'bf16-mixed'"):
+@pytest.mark.parametrize(
+    ("bad", "meant"), [("fp16", "16-mixed"), ("16", "16-mixed"), ("bf16", "bf16-mixed"), ("32-true", None)]
+)
+def test_unknown_precision_lists_allowed_and_names_the_one_meant(bad, meant):
+    """Lightning's Trainer takes "16" and "bf16" (legacy names of the mixed precisions): the plugin names them."""
+    with pytest.raises(ValueError, match=rf"precision='{bad}'.*'16-mixed'.*'bf16-mixed'") as refused:
         AMPPrecision(bad)
+    assert (f"Did you mean '{meant}'?" in str(refused.value)) if meant else "Did you mean" not in str(refused.value)
 
 
 @pytest.mark.parametrize(
