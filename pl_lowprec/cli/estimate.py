@@ -74,10 +74,12 @@ def estimate_arguments(cli_args: list[str], said: list[str] | None = None, gpu: 
             " batch from it. Add the data section that `pl-lowprec fit` runs with."
         )
     run.datamodule.setup("fit")
+    tokenizer_line = checked_tokenizer(run.model, run.datamodule)
     batch, shape = sizing_batch(next(iter(run.datamodule.train_dataloader())), run.datamodule)
     precision = precision_of(trainer, gpu)
     if said is not None:
         said.append(f"Batch: {shape}.")
+        said += [tokenizer_line] if tokenizer_line else []
         if gpu is not None and precision_of(trainer) == "auto":
             said.append(f"Precision: {precision}, as AMPPrecision('auto') chooses it on the {gpu}.")
     strategy = trainer.strategy
@@ -93,6 +95,25 @@ def estimate_arguments(cli_args: list[str], said: list[str] | None = None, gpu: 
         "sharding": sharding,
         "world_size": devices_of(trainer),  # sharded: the memory per rank; else DDP's all-reduce in the step time
     }
+
+
+def checked_tokenizer(model: Any, datamodule: Any) -> str | None:
+    """The module's own check of the data's tokenizer, as ``fit`` runs it (``CausalLM.check_data_tokenizer``:
+    another model's tokenizer is refused where the model directory holds its own); and, where the tokenizer has
+    less than half the model's vocabulary (a shapes-only directory with some other tokenizer), a line saying the
+    batch lengths follow it. ``None`` where there is nothing to say."""
+    tokenizer = getattr(datamodule, "tokenizer", None)
+    check = getattr(model, "check_data_tokenizer", None)
+    if tokenizer is None or not callable(check):
+        return None
+    check(tokenizer, getattr(datamodule, "tokenizer_dir", None))
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if not isinstance(vocab, int) or len(tokenizer) * 2 >= vocab:
+        return None
+    return (
+        f"Tokenizer: {len(tokenizer):,} tokens for a model of vocab_size {vocab:,}, so not the model's own: the"
+        " batch lengths, and the estimate, follow the tokenizer given (--data.tokenizer)."
+    )
 
 
 def check_devices(trainer: Any) -> None:

@@ -100,3 +100,32 @@ def test_the_ranks_of_a_config_resolve_auto_where_lightning_would_and_refuse_an_
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(ValueError, match=r"trainer.devices='auto' on CUDA, .* --trainer.devices=2"):
         ranks("lowprec_ddp", "auto", accelerator="cuda")
+
+
+def test_estimate_checks_the_data_tokenizer_as_fit_does_and_says_when_it_is_not_the_models(tmp_path, capsys):
+    """A shapes-only directory (config.json) with some other tokenizer: the batch lengths follow that tokenizer,
+    which the estimate says; another model's tokenizer beside a model that has its own is refused, as in fit."""
+    import json
+
+    from loading_helpers import save_pretrained_dir, save_tokenizer, write_prompt_completion
+    from model_shapes import SMOLLM2_135M
+
+    shapes = tmp_path / "smollm2"
+    shapes.mkdir()
+    (shapes / "config.json").write_text(json.dumps({**SMOLLM2_135M, "num_hidden_layers": 2}))
+    tokenizer, data = save_tokenizer(tmp_path / "tokenizer"), write_prompt_completion(tmp_path / "pc.jsonl")
+    finetune = [f"--config={Path(QUICKSTART).parent / 'finetune-causal-lm.yaml'}", f"--data.train_files={data}"]
+    finetune += ["--data.val_files=null", "--trainer.val_check_interval=1.0"]
+    said = table(capsys, *finetune, f"--model.pretrained={shapes}", f"--data.tokenizer={tokenizer}")
+    assert "Tokenizer: 320 tokens for a model of vocab_size 49,152, so not the model's own" in said
+
+    own = save_pretrained_dir(tmp_path / "own")  # its own tokenizer: nothing to say
+    assert "Tokenizer:" not in table(capsys, *finetune, f"--model.pretrained={own}", f"--data.tokenizer={own}")
+    from pl_lowprec.demo.stdlib_text import stdlib_bytes
+    from pl_lowprec.demo.tokenizer import train_tokenizer
+
+    other = tmp_path / "other"  # as large, other merges: the ids name other tokens
+    train_tokenizer([stdlib_bytes(100_000).decode("utf-8", "replace")[::-1]], 320).save_pretrained(other)
+    with pytest.raises(SystemExit):
+        main(["estimate", *finetune, f"--model.pretrained={own}", f"--data.tokenizer={other}"])
+    assert "is not the tokenizer saved with the model" in capsys.readouterr().err
