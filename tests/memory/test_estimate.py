@@ -93,7 +93,8 @@ def test_a_billion_parameter_model_is_estimated_without_allocating_it():
 def test_cli_prints_the_table(capsys):
     cli(["estimate", "--config", str(ROOT / "configs/quickstart.yaml")])  # `python -m pl_lowprec`: test_quickstart
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("Estimated training memory (")
+    assert lines[0] == "Batch: 8 rows x 128 positions, the longest batch the training data makes."
+    assert lines[1].startswith("Estimated training memory (")
     for component in ("params_quantized_4bit", "gradients", "optimizer_state", "activations", "total"):
         assert any(line.split()[:1] == [component] for line in lines), component
 

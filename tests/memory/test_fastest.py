@@ -141,7 +141,7 @@ def test_the_cli_estimate_reports_the_memory_saving_side_and_the_faster_settings
     estimate_main(["--config", str(_QUICKSTART), "--trainer.max_steps", "1"])
     out = capsys.readouterr().out
     lines = out.splitlines()
-    assert lines[0].startswith("Estimated training memory (")
+    assert lines[0].startswith("Batch: ") and lines[1].startswith("Estimated training memory (")
     line = lines[-1]
     found = re.fullmatch(
         r"On a device with at least ([0-9.]+) GiB free, fit would take the fastest settings \((.*)\): predicted peak"
