@@ -47,7 +47,7 @@ from pl_lowprec.cli.config_errors import (
 from pl_lowprec.cli.deferred_optimizer import defer_configure_optimizers
 from pl_lowprec.cli.empty_model import EmptyWhenPretrained
 from pl_lowprec.cli.own_options import meant_config_key
-from pl_lowprec.cli.resume import check_checkpoint, check_same_run, resolve_ckpt_path
+from pl_lowprec.cli.resume import check_checkpoint, check_same_run, finished_run_line, resolve_ckpt_path
 from pl_lowprec.cli.strategy_override import strategy_names_as_classes
 from pl_lowprec.cli.subcommands import LIGHTNING_SUBCOMMANDS, overview, usage
 from pl_lowprec.strategies.trainer_checks import batches_started, check_trainer_arguments
@@ -133,6 +133,10 @@ class LowPrecisionCLI(LightningCLI):
             section["ckpt_path"] = resolved  # Lightning's "last" searches only this run's new directory
             doing = "resuming" if self.subcommand == "fit" else f"{self.subcommand} uses"
             rank_zero_info(f"--ckpt_path last: {doing} {resolved}; this run logs to {self.trainer.log_dir}.")
+        if self.subcommand == "fit" and section.get("ckpt_path") is not None:
+            line = finished_run_line(Path(section["ckpt_path"]), self.trainer.max_steps)
+            if line is not None:
+                rank_zero_info(line)
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
         from_argv = args is None

@@ -182,3 +182,18 @@ def check_same_run(checkpoint: Path, config: Any, allow_changed_hparams: bool, r
             " the optimizer state (learning rate included) still comes from the checkpoint."
         )
     return differences
+
+
+def finished_run_line(checkpoint: Path, max_steps: int) -> str | None:
+    """Where ``checkpoint`` is at ``max_steps`` already, a line saying that ``fit`` has nothing to train (Lightning
+    restores it and stops at once, which reads like a failed resume); ``None`` otherwise. Not a refusal: a job that
+    resumes itself (``--ckpt_path last``) may start again after it finished."""
+    if max_steps is None or max_steps < 0:
+        return None
+    step = torch.load(checkpoint, weights_only=True, map_location="cpu", mmap=True).get("global_step")
+    if not isinstance(step, int) or step < max_steps:
+        return None
+    return (
+        f"--ckpt_path {str(checkpoint)!r} is at step {step}, and trainer.max_steps is {max_steps}: this run is"
+        f" finished, so fit stops at once. To train on, raise it (--trainer.max_steps {max_steps * 2})."
+    )

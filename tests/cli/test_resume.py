@@ -160,3 +160,20 @@ def test_the_same_run_resumes_where_it_stopped(run, tmp_path):
     assert cli.trainer.global_step == 3
     saved = torch.load(last, weights_only=True)
     assert saved["datamodule_hyper_parameters"]["batch_size"] == 4  # what the check compares against
+
+
+def test_a_finished_run_resumed_with_the_same_max_steps_says_it_has_nothing_to_train(run, tmp_path, caplog):
+    """Lightning restores it and stops at once, which reads like a failed resume; not a refusal, since a job that
+    resumes itself may start again after it finished."""
+    args, _, last = run
+    with caplog.at_level("INFO"):
+        cli = build_cli(
+            [*args, f"--trainer.default_root_dir={tmp_path}", f"--ckpt_path={last}", "--trainer.max_steps=2"]
+        )
+    assert cli.trainer.global_step == 2
+    assert f"--ckpt_path '{last}' is at step 2, and trainer.max_steps is 2: this run is finished" in caplog.text
+    assert "raise it (--trainer.max_steps 4)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        build_cli([*args, f"--trainer.default_root_dir={tmp_path}", f"--ckpt_path={last}", "--trainer.max_steps=3"])
+    assert "this run is finished" not in caplog.text
