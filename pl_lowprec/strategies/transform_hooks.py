@@ -147,7 +147,7 @@ class TransformHooks(TransformArguments):
             rank_zero_info(
                 f"Froze the {frozen:,} Python objects alive before the first step (gc.freeze, after one full"
                 f" collection: {seconds:.1f} s): Python's full garbage collections skip them and no longer stall a"
-                " step (strategies/garbage_collection.py)."
+                " step."
             )
 
     def on_validation_start(self) -> None:
