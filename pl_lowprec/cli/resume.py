@@ -10,6 +10,7 @@ user says so: ``--allow_fresh_start true`` (nothing found: start from scratch) a
 from __future__ import annotations
 
 import zipfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,7 @@ def check_checkpoint(path: Path, argument: str = "--ckpt_path") -> None:
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "does not exist"
         near = path if path.is_dir() else path.parent
-        found = [*near.glob("*.ckpt"), *near.glob("checkpoints/*.ckpt")] if near.is_dir() else []
-        found = sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)[:3]  # not **: near may be a home
+        found = newest([*near.glob("*.ckpt"), *near.glob("checkpoints/*.ckpt")]) if near.is_dir() else []  # not **
         there = f" The newest there: {', '.join(map(str, found))}." if found else ""
         raise FileNotFoundError(f"{argument} {str(path)!r} {what}: name a Lightning checkpoint file (.ckpt).{there}")
     if not zipfile.is_zipfile(path):
@@ -48,8 +48,12 @@ def last_checkpoints(trainer: Any) -> tuple[list[str], list[str]]:
 
 def newest_checkpoints(root: str | Path, name: str = "*.ckpt", limit: int = 3) -> list[Path]:
     """The newest files called ``name`` under ``root`` (``last*.ckpt``: the runs a user may have meant)."""
-    found = sorted(Path(root).glob(f"**/{name}"), key=lambda p: p.stat().st_mtime, reverse=True)
-    return found[:limit]
+    return newest(Path(root).glob(f"**/{name}"), limit)
+
+
+def newest(paths: Iterable[Path], limit: int = 3) -> list[Path]:
+    """The ``limit`` most recently written of ``paths``."""
+    return sorted(paths, key=lambda p: p.stat().st_mtime, reverse=True)[:limit]
 
 
 def checkpoints_there(trainer: Any, use: str) -> str:

@@ -252,12 +252,10 @@ class TextDataModule(pl.LightningDataModule):
             report.columns.update(record)
             try:
                 sample_or_reason = self._encode(read_fields(record, self.fields), report)
-            except ChatTemplateMismatch as mismatch:
+            except (ChatTemplateMismatch, NoChatTemplate) as problem:
                 where = f"line {number}" if report.unit == "lines" else f"row {number}"
-                raise ValueError(f"{report.path}, {where}: {mismatch}") from None
-            except NoChatTemplate:
-                where = f"line {number}" if report.unit == "lines" else f"row {number}"
-                raise ValueError(f"{report.path}, {where}: {self._no_template(record)}") from None
+                said = self._no_template(record) if isinstance(problem, NoChatTemplate) else problem
+                raise ValueError(f"{report.path}, {where}: {said}") from None
             if isinstance(sample_or_reason, str):
                 report.reject(sample_or_reason, number)
                 continue
