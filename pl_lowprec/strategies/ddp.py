@@ -16,8 +16,8 @@ from pl_lowprec.strategies.transform_hooks import TransformHooks
 class LowPrecisionDDPStrategy(TransformHooks, DDPStrategy):
     """DDP that transforms the model once per fit (see ``pl_lowprec.transforms.pipeline``).
 
-    Takes the model arguments (``quantization``, ``lora``, ... see ``TransformArguments``) and every argument
-    of ``DDPStrategy`` (``process_group_backend``, ``find_unused_parameters``, ...).
+    Takes the model arguments below and every argument of ``DDPStrategy`` (``process_group_backend``,
+    ``find_unused_parameters``, ...).
     """
 
     strategy_name = "lowprec_ddp"

@@ -52,7 +52,7 @@ from pl_lowprec.transforms.optimizers import BITSANDBYTES_OPTIMIZERS
 class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
     """FSDP2 across every rank, with the model transform (see ``pl_lowprec.transforms.pipeline``).
 
-    Takes the model arguments (``quantization``, ``lora``, ... see ``TransformArguments``), with these limits:
+    Takes the model arguments (listed after its own below), with these limits:
     ``quantization`` is ``"nf4"`` or ``"nf4-dq"`` (torchao NF4, both double-quantize) and needs
     ``adapter_only_checkpoint=True``; ``optimizer`` is ``"torchao_adamw8bit"`` (bitsandbytes' kernels do not
     take DTensors); ``qat`` needs ``convert_on_fit_end=False``.
@@ -72,7 +72,6 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
         tensor_parallel_size: Must be 1: this strategy shards data-parallel only.
         process_group_backend: ``"gloo"`` (CPU), ``"nccl"`` (CUDA); ``None`` picks it for the device.
         timeout: Process-group timeout.
-        **kwargs: The model arguments (see ``TransformArguments``).
     """
 
     strategy_name = "lowprec_fsdp"

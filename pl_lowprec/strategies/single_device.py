@@ -16,8 +16,7 @@ class LowPrecisionStrategy(TransformHooks, SingleDeviceStrategy):
 
     Args:
         device: The device; ``None`` takes the Trainer's (``accelerator``/``devices``).
-        **kwargs: The model arguments (``quantization``, ``lora``, ... see ``TransformArguments``) and
-            ``SingleDeviceStrategy``'s (``accelerator``, ``checkpoint_io``, ``precision_plugin``).
+        **kwargs: ``SingleDeviceStrategy``'s arguments (``accelerator``, ``checkpoint_io``, ``precision_plugin``).
     """
 
     strategy_name = "lowprec"

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.memory.sizes import parse_bytes
-from pl_lowprec.strategies.signature import forwarded_signature
+from pl_lowprec.strategies.signature import forwarded_signature, with_shared_arguments
 from pl_lowprec.transforms.checkpointing import CheckpointImpl, CheckpointMode, CheckpointPolicy
 from pl_lowprec.transforms.config import TransformConfig
 from pl_lowprec.transforms.fp8 import FP8Config, FP8Recipe
@@ -72,7 +72,8 @@ class TransformArguments:
             ``loss_chunk_size: auto``). ``"auto"``: before loading, ``fit`` takes the fastest settings whose
             predicted peak fits the device (free CUDA memory, or available host memory, less 10%; or
             ``memory_budget``), turning on the paths, then checkpointing, in that order, and says in one line what
-            it chose. Settings given explicitly are kept.
+            it chose. Settings given explicitly are kept. The shipped configs use ``"auto"``; the default stays
+            ``True`` so that a run built in Python does what ``estimate_memory`` predicts for it.
         memory_budget: Device memory the run may use (``"24GiB"``, ``"80GB"``, bytes): before any weight loads,
             ``fit`` predicts the step's peak (``estimate_memory``, per rank under ``lowprec_fsdp``) and stops when
             it is above, naming the settings ``pl-lowprec plan`` would choose. Keep a margin inside it for the
@@ -85,9 +86,11 @@ class TransformArguments:
     ARGUMENTS_SET_HERE: tuple[str, ...] = ()  # what a strategy passes to its Lightning base itself
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Every strategy (and a user's subclass) shows its whole signature, these arguments included."""
+        """Every strategy (and a user's subclass) shows its whole signature and, in ``help()``, the docs of
+        these arguments."""
         super().__init_subclass__(**kwargs)
         cls.__signature__ = forwarded_signature(cls, cls.ARGUMENTS_SET_HERE)
+        cls.__doc__ = with_shared_arguments(cls.__dict__.get("__doc__"), TransformArguments.__doc__ or "")
 
     def __init__(
         self,

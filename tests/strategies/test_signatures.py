@@ -68,11 +68,55 @@ def test_a_users_subclass_gets_its_own_whole_signature():
     assert MyStrategy(note="x", lora={"r": 4}).note == "x"
 
 
-def test_help_shows_the_shared_arguments():
-    text = inspect.getdoc(LowPrecisionFSDPStrategy) or ""
-    assert "TransformArguments" in text  # where they are documented, once
+def _documented_arguments(docstring: str) -> dict[str, str]:
+    """``{argument: its first line of help}`` from a Google-style ``Args:`` section."""
+    section = inspect.cleandoc(docstring).partition("Args:\n")[2]
+    entries = (
+        line.strip() for line in section.splitlines() if line.startswith("    ") and not line.startswith("     ")
+    )
+    return dict(entry.split(": ", 1) for entry in entries if ": " in entry)
+
+
+@pytest.mark.parametrize("strategy", [LowPrecisionStrategy, LowPrecisionDDPStrategy, LowPrecisionFSDPStrategy])
+def test_help_documents_the_shared_arguments_beside_the_strategys_own(strategy):
     import pydoc
 
-    page = pydoc.render_doc(LowPrecisionFSDPStrategy, renderer=pydoc.plaintext)
+    page = pydoc.render_doc(strategy, renderer=pydoc.plaintext)
     assert "quantization: 'QuantMode | QuantizationConfig | None' = None" in page
+    documented = _documented_arguments(strategy.__doc__)
+    shared = _documented_arguments(TransformArguments.__doc__)
+    assert set(SHARED) <= set(shared)  # documented once, on TransformArguments
+    assert {name: documented.get(name) for name in shared} == shared
+    own = [p for p in inspect.signature(vars(strategy).get("__init__", object.__init__)).parameters]
+    own = [name for name in own if name not in ("self", "args", "kwargs")]
+    assert list(documented)[: len(own)] == own  # the strategy's own first, then the shared ones
+    assert documented.get("**kwargs", "").count("quantization") == 0  # not "the model arguments, see elsewhere"
+
+
+def test_a_users_subclass_documents_the_shared_arguments_once():
+    class Documented(LowPrecisionStrategy):
+        """Mine.
+
+        Args:
+            note: A note.
+        """
+
+        def __init__(self, note: str = "", **kwargs):
+            super().__init__(**kwargs)
+
+    class Undocumented(LowPrecisionStrategy):
+        pass
+
+    class Again(Documented):
+        """Mine.
+
+        Args:
+            note: A note.
+            quantization: Set by me.
+        """
+
+    documented = _documented_arguments(Documented.__doc__)
+    assert list(documented)[:2] == ["note", "activation_checkpointing"] and "memory_budget" in documented
+    assert Undocumented.__doc__ is None  # help() shows LowPrecisionStrategy's
+    assert _documented_arguments(Again.__doc__)["quantization"] == "Set by me."
     assert issubclass(LowPrecisionStrategy, SingleDeviceStrategy)
