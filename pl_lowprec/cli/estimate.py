@@ -1,5 +1,12 @@
 """``pl-lowprec estimate --config X.yaml``: the memory estimate of a training config, before running it.
 
+    pl-lowprec estimate --config configs/finetune-causal-lm.yaml
+    pl-lowprec estimate --config configs/finetune-causal-lm.yaml --gpu T4 --plot step.png
+    pl-lowprec estimate --config my.yaml --model.pretrained runs/demo/model --data.seq_len 1024
+
+Arguments the estimate does not know (``--model.pretrained DIR``, ``--data.seq_len 1024``,
+``--trainer.strategy.quantization nf4-dq``) go to the config, as for ``pl-lowprec fit``, whose ``--help`` lists them.
+
 The config is read by the parser ``pl-lowprec fit`` uses (``pl_lowprec.cli.rebuild``), so the same classes, short
 names, defaults and refusals apply, and several ``--config`` files and overrides merge as they do for ``fit``.
 No Trainer is built, so a config for a GPU is estimated on any machine; the model is built on the meta device
@@ -21,7 +28,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from pl_lowprec._imports import import_matplotlib_pyplot
 from pl_lowprec.cli.own_options import check_own_options
 from pl_lowprec.cli.rebuild import passed_on, rebuild_classes
-from pl_lowprec.cli.subcommands import description
+from pl_lowprec.cli.subcommands import description, examples
 from pl_lowprec.loading.sources import shapes_only
 from pl_lowprec.memory.devices import GPUS, device_spec
 from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory, resolved_precision
@@ -185,7 +192,11 @@ def step_time_line(estimate: MemoryEstimate) -> str:
 @shapes_only()  # a pretrained= directory with only config.json: an estimate needs the shapes, not the weights
 def main(args: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="pl-lowprec estimate", description=description("estimate"), allow_abbrev=False
+        prog="pl-lowprec estimate",
+        description=description("estimate"),
+        epilog=examples(__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     parser.add_argument(
         "--config",

@@ -1,5 +1,12 @@
 """``pl-lowprec plan --config X.yaml --memory 24GiB``: the fastest memory settings that fit, as a config to run.
 
+    pl-lowprec plan --config configs/finetune-causal-lm.yaml --memory 16GiB --gpu T4
+    pl-lowprec plan --config configs/finetune-causal-lm.yaml --memory 24GiB --out runs/plan.yaml
+    pl-lowprec plan --config my.yaml --memory 80GB --maximize seq_len --out runs/long.yaml --data.batch_size 4
+
+Arguments the plan does not know (``--model.pretrained DIR``, ``--data.batch_size 4``, ``--trainer.devices 2``)
+go to the config, as for ``pl-lowprec fit``, whose ``--help`` lists them; the written config keeps them.
+
 The config is read as ``pl-lowprec estimate`` reads it (``rebuild_classes``: no Trainer, the model on the meta
 device; several ``--config`` files and overrides merge as for ``fit``). Every candidate of
 ``pl_lowprec.memory.plan`` is simulated; the table ranked by predicted step time (on the config's device, or
@@ -27,7 +34,7 @@ from pl_lowprec.cli.arguments import options, read_config
 from pl_lowprec.cli.estimate import check_devices, device_of, devices_of, precision_of
 from pl_lowprec.cli.own_options import check_own_options
 from pl_lowprec.cli.rebuild import config_files, passed_on, rebuild_classes
-from pl_lowprec.cli.subcommands import description
+from pl_lowprec.cli.subcommands import description, examples
 from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.export.out_paths import refuse_inputs
 from pl_lowprec.loading.sources import shapes_only
@@ -60,7 +67,13 @@ MAX_SEQ_LEN = 1 << 20
 
 @shapes_only()  # a pretrained= directory with only config.json: a plan needs the shapes, not the weights
 def main(args: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="pl-lowprec plan", description=description("plan"), allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        prog="pl-lowprec plan",
+        description=description("plan"),
+        epilog=examples(__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
     parser.add_argument(
         "--config",
         action="append",

@@ -160,7 +160,8 @@ class MemoryEstimate:
         lines.append("  Over the step:")
         lines += [f"    {name:<24}{value / 2**20:>12.2f} MiB" for name, value in self.timeline]
         lines.append("  At the peak:")
-        lines += [f"    {k:<24}{v / 2**20:>12.2f} MiB" for k, v in self.peak_split.items() if v]
+        largest_first = sorted(self.peak_split.items(), key=lambda item: (-item[1], item[0]))
+        lines += [f"    {k:<24}{v / 2**20:>12.2f} MiB" for k, v in largest_first if v]
         lines.append("  Components (what the memory is for; their total is not the peak):")
         lines.append(f"    {'component':<26}{'MiB':>12}{'bytes':>16}")
         lines += [f"    {k:<26}{v / 2**20:>12.2f}{v:>16d}" for k, v in self.as_dict().items() if k != "peak"]

@@ -36,7 +36,7 @@ from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
 from pl_lowprec.memory.fake_step import DryRunTrainer, attached
 from pl_lowprec.memory.quiet import quiet_setup_logs
-from pl_lowprec.memory.sizes import format_bytes
+from pl_lowprec.memory.sizes import format_bytes, format_bytes_at_least
 from pl_lowprec.plugins.precision_choice import choose_precision
 from pl_lowprec.transforms.checkpointing import declared_blocks
 from pl_lowprec.transforms.config import TransformConfig
@@ -290,9 +290,9 @@ def faster_settings_line(
     )
     search = search_ladder(order, blocks, config, sys.maxsize, simulate)
     peak = search.estimate.peak
-    free = math.ceil(peak / (1 - MARGIN) / 2**30 * 100) / 100
+    free = format_bytes_at_least(math.ceil(peak / (1 - MARGIN)))
     return (
-        f"On a device with at least {free:.2f} GiB free, fit would take the fastest settings"
+        f"On a device with at least {free} free, fit would take the fastest settings"
         f" ({search.settings.describe()}): predicted peak {format_bytes(peak)}. Above: the memory-saving settings"
         " ('auto' where the device is not known)."
     )

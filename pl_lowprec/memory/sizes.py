@@ -3,6 +3,7 @@ as the package prints them."""
 
 from __future__ import annotations
 
+import math
 import re
 
 UNITS = {
@@ -40,14 +41,24 @@ def _message(value: object, argument: str) -> str:
     )
 
 
-def format_bytes(nbytes: int) -> str:
-    """Bytes as a person reads them: GiB from 1 GiB up, else MiB while two decimals show a figure (0.01 MiB up),
-    then KiB, then bytes: a budget of 1 KiB is "1.00 KiB", not "0.00 MiB"."""
-    size = abs(nbytes)
+def _unit(size: int) -> tuple[int, str]:
+    """GiB from 1 GiB up, else MiB while two decimals show a figure (0.01 MiB up), then KiB, then bytes."""
     if size >= 2**30:
-        return f"{nbytes / 2**30:.2f} GiB"
+        return 2**30, "GiB"
     if size >= 0.01 * 2**20:
-        return f"{nbytes / 2**20:.2f} MiB"
+        return 2**20, "MiB"
     if size >= 2**10:
-        return f"{nbytes / 2**10:.2f} KiB"
-    return f"{nbytes} bytes"
+        return 2**10, "KiB"
+    return 1, "bytes"
+
+
+def format_bytes(nbytes: int) -> str:
+    """Bytes as a person reads them (``_unit``): a budget of 1 KiB is "1.00 KiB", not "0.00 MiB"."""
+    divisor, unit = _unit(abs(nbytes))
+    return f"{nbytes} bytes" if divisor == 1 else f"{nbytes / divisor:.2f} {unit}"
+
+
+def format_bytes_at_least(nbytes: int) -> str:
+    """``format_bytes`` rounded up, for a memory that must be at least ``nbytes``: 1.001 GiB is "1.01 GiB"."""
+    divisor, unit = _unit(abs(nbytes))
+    return f"{nbytes} bytes" if divisor == 1 else f"{math.ceil(nbytes / divisor * 100) / 100:.2f} {unit}"

@@ -168,7 +168,7 @@ class ModelTransform:
             )
             whole = f", with {', '.join(copies)} trained whole (modules_to_save{untied})" if copies else ""
             moved = rewrote_the_base_line(c.lora)
-            rank_zero_info(f"LoRA on {len(adapted)} layers{whole}; {trainable} trainable parameters.{moved}")
+            rank_zero_info(f"LoRA on {len(adapted)} layers{whole}; {trainable:,} trainable parameters.{moved}")
             warn_half_trainable(model, precision_plugin.precision)
         if c.lora_in_compute_dtype(precision_plugin_is_mixed(precision_plugin)):
             saved = cast_frozen_weights(model, compute_dtype)

@@ -130,6 +130,13 @@ def test_small_sizes_read_as_sizes():
     ]
 
 
+def test_a_memory_that_must_be_at_least_a_size_is_rounded_up():
+    from pl_lowprec.memory.sizes import format_bytes_at_least
+
+    sizes = [1023, 2**30 + 2**20, 2**30 - 1, 5 * 2**20 + 1]
+    assert [format_bytes_at_least(n) for n in sizes] == ["1023 bytes", "1.01 GiB", "1024.00 MiB", "5.01 MiB"]
+
+
 def test_a_bad_budget_is_refused_when_the_strategy_is_built():
     with pytest.raises(ValueError, match=r"memory_budget='lots' is not a memory size: .*24GiB, 80GB or 512MiB"):
         LowPrecisionStrategy(memory_budget="lots")

@@ -97,6 +97,13 @@ def test_cli_prints_the_table(capsys):
     assert lines[1].startswith("Estimated training memory (")
     for component in ("params_quantized_4bit", "gradients", "optimizer_state", "activations", "total"):
         assert any(line.split()[:1] == [component] for line in lines), component
+    at_peak = lines[
+        lines.index("  At the peak:") + 1 : lines.index(
+            "  Components (what the memory is for; their total is not the peak):"
+        )
+    ]
+    mib = [float(line.split()[-2]) for line in at_peak]
+    assert len(mib) > 2 and mib == sorted(mib, reverse=True)  # the largest first, the same order every run
 
 
 CONFIGS_BY_HAND = {  # a shipped config, and estimate_memory called by hand with what it says
