@@ -49,6 +49,12 @@ from pl_lowprec.data.resumable import resumable_loader
 from pl_lowprec.data.row_facts import ready_rows, row_lengths
 from pl_lowprec.data.sources import Source, describe_objects, is_dataset_object, resolve_sources
 from pl_lowprec.data.token_table import TokenRows, sample_row, tokenize
+from pl_lowprec.data.validation_split import (
+    DEFAULT_VAL_FRACTION,
+    held_out_indices,
+    warn_unused_val_fraction,
+    warn_validation_on_training_files,
+)
 from pl_lowprec.loading.tokenizer import load_tokenizer
 from pl_lowprec.models.token_loss import IGNORE_INDEX
 
@@ -111,7 +117,7 @@ class TextDataModule(pl.LightningDataModule):
         val_files: DataFiles | None = None,
         seq_len: int = 512,
         batch_size: int = 8,
-        val_fraction: float = 0.05,
+        val_fraction: float = DEFAULT_VAL_FRACTION,
         seed: int = 0,
         num_workers: int = 0,
         max_truncated_fraction: float = 0.05,
@@ -172,13 +178,12 @@ class TextDataModule(pl.LightningDataModule):
         check_seq_len_with_model(self.trainer, self.seq_len)
         train = self._samples(self.train_sources, self.train_splits, "train_files")
         if self.val_sources is not None:
+            warn_unused_val_fraction(self.val_fraction)
+            warn_validation_on_training_files(self.train_sources, self.val_sources)
             self.train_set, self.val_set = train, self._samples(self.val_sources, self.val_splits, "val_files")
         else:
-            order = torch.randperm(len(train), generator=torch.Generator().manual_seed(self.seed)).tolist()
-            n_val = round(len(train) * self.val_fraction)
-            n_val = max(n_val, 1) if self.val_fraction > 0 and len(train) > 1 else n_val
-            self.val_set = subset(train, order[:n_val])
-            self.train_set = subset(train, sorted(order[n_val:]))
+            training, validation = held_out_indices(len(train), self.val_fraction, self.seed)
+            self.val_set, self.train_set = subset(train, validation), subset(train, training)
         rank_zero_info(f"TextDataModule: {len(self.train_set)} training and {len(self.val_set)} validation samples.")
         if self.packing:
             self._pack()

@@ -88,6 +88,42 @@ def test_validation_split_is_seeded_and_disjoint(tmp_path, tokenizer_dir):
     assert not {key(s) for s in a.val_set} & {key(s) for s in a.train_set}
 
 
+def test_a_held_out_share_far_from_val_fraction_is_said(tmp_path, tokenizer_dir):
+    path = _jsonl(tmp_path / "pc.jsonl", [{"prompt": f"p{i}", "completion": f" c{i}"} for i in range(2)])
+    data = TextDataModule(train_files=path, tokenizer=str(tokenizer_dir), val_fraction=0.05)
+    with pytest.warns(UserWarning, match=r"val_fraction=0\.05\) holds out 1 of 2 samples \(50% of the training data\)"):
+        data.setup("fit")
+    assert (len(data.train_set), len(data.val_set)) == (1, 1)  # the split itself is unchanged
+    one = _jsonl(tmp_path / "one.jsonl", [{"prompt": "p", "completion": " c"}])
+    with pytest.warns(UserWarning, match=r"holds out nothing: the training files make 1 sample, so there is no"):
+        TextDataModule(train_files=one, tokenizer=str(tokenizer_dir)).setup("fit")
+
+
+def test_a_held_out_share_near_val_fraction_is_not_said(tmp_path, tokenizer_dir, recwarn):
+    path = _jsonl(tmp_path / "pc.jsonl", [{"prompt": f"p{i}", "completion": f" c{i}"} for i in range(20)])
+    TextDataModule(train_files=path, tokenizer=str(tokenizer_dir), val_fraction=0.05).setup("fit")  # 1 of 20
+    TextDataModule(train_files=path, tokenizer=str(tokenizer_dir), val_fraction=0).setup("fit")
+    assert not [w for w in recwarn if "val_fraction" in str(w.message)]
+
+
+def test_val_files_beside_val_fraction_or_the_training_file_are_said(tmp_path, tokenizer_dir, recwarn):
+    records = [{"prompt": f"p{i}", "completion": f" c{i}"} for i in range(4)]
+    train = _jsonl(tmp_path / "train.jsonl", records)
+    copy = _jsonl(tmp_path / "copy.jsonl", records)
+    held_out = _jsonl(tmp_path / "val.jsonl", records[:2])
+    kwargs = {"train_files": train, "tokenizer": str(tokenizer_dir)}
+    with pytest.warns(UserWarning, match=r"val_fraction=0\.3\) is not used: val_files gives the validation samples"):
+        TextDataModule(**kwargs, val_files=held_out, val_fraction=0.3).setup("fit")
+    with pytest.warns(UserWarning, match=r"val_files .*train\.jsonl is the training file .*train\.jsonl, so the"):
+        TextDataModule(**kwargs, val_files=train).setup("fit")
+    with pytest.warns(UserWarning, match=r"val_files .*copy\.jsonl is a copy of the training file .*train\.jsonl"):
+        TextDataModule(**kwargs, val_files=[held_out, copy]).setup("fit")
+    recwarn.clear()
+    TextDataModule(**kwargs, val_files=held_out).setup("fit")
+    TextDataModule(**kwargs, val_files=held_out, val_fraction=0).setup("fit")
+    assert not [w for w in recwarn if "val_f" in str(w.message)]
+
+
 def test_bad_records_are_counted_with_their_lines(tmp_path, tokenizer_dir):
     records = [
         {"prompt": "ok", "completion": " yes"},  # 1
