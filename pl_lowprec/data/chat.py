@@ -12,6 +12,10 @@ Which tokens are the assistant's is read from the template in one of two ways:
   conversation's rendering. A template that rewrites earlier turns (Qwen3's and DeepSeek-R1's drop their reasoning)
   breaks it, and the loss would land on the wrong tokens, so such a record is refused (``ChatTemplateMismatch``)
   with the fix, before any step.
+
+A turn's target ends with its end-of-turn token (``</s>``, ``<|im_end|>``, ``<|eot_id|>``): the whitespace a
+template writes after it (``</s>\n``) separates turns and is not learned, as axolotl's ``train_on_eos: turn``
+and templates' ``{% endgeneration %}`` before the newline have it.
 """
 
 from __future__ import annotations
@@ -122,7 +126,9 @@ class ChatTemplate:
         )
 
     def _encode_spans(self, full: str, spans: list[tuple[int, int]]) -> Sample:
-        """Tokens of ``full``; a token is a target when it starts inside one of the character ``spans``."""
+        """Tokens of ``full``; a token is a target when it starts inside one of the character ``spans``, each
+        ending at its end-of-turn token."""
+        spans = [(start, self._end_of_turn(full, start, end)) for start, end in spans]
         encoded = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
         ids = encoded["input_ids"]
         labels = [
@@ -130,6 +136,20 @@ class ChatTemplate:
             for token, (begin, _) in zip(ids, encoded["offset_mapping"], strict=True)
         ]
         return Sample(ids, labels)
+
+
+    def _end_of_turn(self, full: str, start: int, end: int) -> int:
+        """``end`` less the whitespace after a special token that ends ``full[start:end]``: the separator a
+        template writes after the end-of-turn token. A turn without such a token keeps its whole text."""
+        text = full[start:end].rstrip()
+        special = special_token_texts(self.tokenizer)
+        return start + len(text) if any(token and text.endswith(token) for token in special) else end
+
+
+def special_token_texts(tokenizer: Any) -> set[str]:
+    """The texts of a tokenizer's special tokens: its named ones and the added tokens marked special."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return set(getattr(tokenizer, "all_special_tokens", [])) | {t.content for t in added.values() if t.special}
 
 
 def turns_problem(turns: Any) -> str | None:

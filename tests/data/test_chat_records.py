@@ -73,7 +73,7 @@ def test_conversational_prompt_completion_takes_loss_on_the_completion(tmp_path,
     record = {"prompt": TURNS[:4], "completion": TURNS[4:]}
     data = _setup(tmp_path / "pc.jsonl", [record], str(tokenizer_dir))
     (sample,) = data.train_set
-    assert _targets(data, sample) == "<think>say it</think>pl</s>\n"  # the first answer is context, not a target
+    assert _targets(data, sample) == "<think>say it</think>pl</s>"  # the first answer is context, not a target
     assert data.tokenizer.decode(sample["input_ids"]) == data.tokenizer.apply_chat_template(TURNS, tokenize=False)
     single = _setup(tmp_path / "m.jsonl", [{"messages": TURNS[1:3]}], str(tokenizer_dir))
     as_pc = _setup(tmp_path / "p.jsonl", [{"prompt": TURNS[1:2], "completion": TURNS[2:3]}], str(tokenizer_dir))
@@ -96,8 +96,8 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_record(tmp
     split = [{"prompt": TURNS[:2], "completion": TURNS[2:3]}, {"prompt": TURNS[:4], "completion": TURNS[4:]}]
     data = _setup(tmp_path / "split.jsonl", split, tokenizer)
     assert [_targets(data, s) for s in data.train_set] == [
-        "<think>greet</think>hi</s>\n",
-        "<think>say it</think>pl</s>\n",
+        "<think>greet</think>hi</s>",
+        "<think>say it</think>pl</s>",
     ]
     assert "<|assistant|>\nhi</s>\n<|user|>\nname?" in data.tokenizer.decode(data.train_set[1]["input_ids"])
 
@@ -126,12 +126,12 @@ def test_tools_and_template_arguments_reach_the_template(tmp_path, tokenizer_dir
     data = _setup(tmp_path / "tools.jsonl", records, tokenizer, fields={"messages": "dialog"})
     first, second = (data.tokenizer.decode(s["input_ids"]) for s in data.train_set)
     assert first.startswith("<|tools|>get_time;</s>\n<|user|>\ntime?") and second.startswith("<|tools|>get_time;")
-    assert _targets(data, data.train_set[0]) == "call get_time</s>\nnoon</s>\n"  # the tool's answer is no target
+    assert _targets(data, data.train_set[0]) == "call get_time</s>noon</s>"  # the tool's answer is no target
     pc = {"prompt": dialog[:1], "completion": [{"role": "assistant", "content": "ok"}]}
     data = _setup(tmp_path / "kwargs.jsonl", [pc | {"chat_template_kwargs": {"persona": "terse"}}], tokenizer)
     (sample,) = data.train_set
     assert data.tokenizer.decode(sample["input_ids"]).startswith("<|persona|>terse</s>\n<|user|>\ntime?")
-    assert _targets(data, sample) == "ok</s>\n"
+    assert _targets(data, sample) == "ok</s>"
 
 
 def test_alpaca_records_are_read_as_llama_factory_reads_them(tmp_path, tokenizer_dir):
@@ -155,7 +155,7 @@ def test_alpaca_records_are_read_as_llama_factory_reads_them(tmp_path, tokenizer
     chats = _setup(tmp_path / "chats.jsonl", as_chats, str(tokenizer_dir))
     for read, expected in zip(data.train_set, chats.train_set, strict=True):
         assert {k: v.tolist() for k, v in read.items()} == {k: v.tolist() for k, v in expected.items()}
-    assert [_targets(data, s) for s in data.train_set] == ["5</s>\n", "pl</s>\nhi</s>\n"]  # not the text column
+    assert [_targets(data, s) for s in data.train_set] == ["5</s>", "pl</s>hi</s>"]  # not the text column
 
 
 def test_the_data_modules_template_arguments_apply_to_every_record_under_its_own(tmp_path, tokenizer_dir):
@@ -180,6 +180,17 @@ def test_a_tokenizer_with_named_templates_renders_with_the_one_a_record_takes(tm
     records = [{"messages": TURNS[1:3]}, {"messages": TURNS, "tools": [TOOL]}]
     data = _setup(tmp_path / "chat.jsonl", records, str(tmp_path / "named"))
     assert [_targets(data, s) for s in data.train_set] == [
-        "<think>greet</think>hi</s>\n",  # the default template: prefixes
+        "<think>greet</think>hi</s>",  # the default template: prefixes
         "hi</s><think>say it</think>pl</s>",  # tool_use: its marks (the prefixes would be refused: it rewrites)
     ]
+
+
+def test_a_turn_without_an_end_token_keeps_its_trailing_text(tmp_path, tokenizer_dir):
+    """Only whitespace after a special token is the template's separator; a template that ends turns with a
+    newline alone trains on it, as the model must learn where a turn ends."""
+    plain = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    plain += "{% if add_generation_prompt %}assistant: {% endif %}"
+    data = _setup(
+        tmp_path / "chat.jsonl", [{"messages": TURNS[1:3]}], _with_template(tokenizer_dir, plain, tmp_path / "t")
+    )
+    assert _targets(data, data.train_set[0]) == "<think>greet</think>hi\n"

@@ -60,7 +60,8 @@ def test_messages_take_loss_on_assistant_turns_only(tmp_path, tokenizer_dir):
     ]
     data = _setup(train_files=_jsonl(tmp_path / "chat.jsonl", [{"messages": chat}]), tokenizer=str(tokenizer_dir))
     (sample,) = data.train_set
-    assert _targets(data, sample) == "hi</s>\npl</s>\n"
+    assert _targets(data, sample) == "hi</s>pl</s>"  # the newline after each turn's </s> is the template's
+    assert data.tokenizer.decode(sample["input_ids"]).endswith("pl</s>\n")
 
 
 def test_batches_follow_the_hugging_face_contract(tmp_path, tokenizer_dir):
