@@ -137,7 +137,6 @@ class ChatTemplate:
         ]
         return Sample(ids, labels)
 
-
     def _end_of_turn(self, full: str, start: int, end: int) -> int:
         """``end`` less the whitespace after a special token that ends ``full[start:end]``: the separator a
         template writes after the end-of-turn token. A turn without such a token keeps its whole text."""

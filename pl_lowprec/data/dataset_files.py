@@ -7,12 +7,15 @@
   Arrow IPC file format (Feather v2) goes through ``load_dataset("arrow")``.
 - a ``save_to_disk`` directory: ``load_from_disk``, memory-mapped where it lies.
 - a hub id: ``load_dataset(org/name)``, which needs the network (not tested here: these machines have none).
-A ``DatasetDict`` (a saved one, a hub dataset, or one passed in Python) gives the split asked for.
+A ``DatasetDict`` (a saved one, a hub dataset, or one passed in Python) gives the split asked for. A ``.json`` file
+that is one object holding its records as a list under a key (``{"version": 1, "data": [...]}``, as SQuAD is
+published) is read from that list, as ``load_dataset("json", field="data")`` reads it, where no other column is read.
 """
 
 from __future__ import annotations
 
 import csv
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +29,16 @@ BUILDERS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".arrow": "ar
 
 
 def open_dataset(
-    source: Source, splits: tuple[str, ...], argument: str, split_option: str | None = None
+    source: Source,
+    splits: tuple[str, ...],
+    argument: str,
+    split_option: str | None = None,
+    read_columns: Collection[str] = (),
 ) -> tuple[Any, str]:
     """``source`` as a ``datasets.Dataset`` (the first of ``splits`` it has, if it has splits) and its label.
-    ``split_option`` is how the caller's user names a split (``--split NAME``); by default the data module's."""
+    ``split_option`` is how the caller's user names a split (``--split NAME``); by default the data module's.
+    ``read_columns``: the columns the caller reads; a ``.json`` object with none of them may hold its records under
+    a key (``records_under_a_key``)."""
     datasets = import_datasets()
     if source.kind == "object":
         found = source.dataset
@@ -38,7 +47,7 @@ def open_dataset(
     elif source.kind == "hub":
         found = load_hub_dataset(datasets, source.hub_id, argument)
     else:
-        found = read_file(datasets, source.path)
+        found = records_under_a_key(datasets, read_file(datasets, source.path), source.path, read_columns)
     if not isinstance(found, datasets.DatasetDict):
         return found, source.label
     split = next((name for name in splits if name in found), None)
@@ -55,8 +64,37 @@ def open_dataset(
     return found[split], f"{source.label} (split {split!r})"
 
 
-def read_file(datasets: Any, path: Path) -> Any:
-    """A ``.parquet``, ``.csv``, ``.json`` or ``.arrow`` file as a memory-mapped ``datasets.Dataset``."""
+def records_under_a_key(datasets: Any, dataset: Any, path: Path, read_columns: Collection[str]) -> Any:
+    """A ``.json`` file read as one row whose columns hold none of ``read_columns``, and one of them a list of
+    objects: that list's records, said in one line. Several such lists: refused, naming them (which one is the
+    training data is not for this package to guess). Any other dataset as it is."""
+    if path.suffix != ".json" or len(dataset) != 1 or set(dataset.column_names) & set(read_columns):
+        return dataset
+    row = dataset[0]
+    lists = [
+        name
+        for name, value in row.items()
+        if isinstance(value, list) and value and all(isinstance(item, dict) for item in value)
+    ]
+    if len(lists) > 1:
+        raise ValueError(
+            f"{path} is one JSON object with lists of records under the keys {lists}; which to read is not clear."
+            f" Write the one to train on as its own file, e.g. python -c \"import json; d = json.load(open('{path}'));"
+            f" open('{lists[0]}.jsonl', 'w').writelines(json.dumps(r) + '\\n' for r in d['{lists[0]}'])\"."
+        )
+    if not lists:
+        return dataset
+    others = [name for name in dataset.column_names if name != lists[0]]
+    rank_zero_info(
+        f"{path}: one JSON object; read the records listed under its key {lists[0]!r}"
+        + (f"; not read: {others}." if others else ".")
+    )
+    return read_file(datasets, path, field=lists[0])
+
+
+def read_file(datasets: Any, path: Path, **json_options: Any) -> Any:
+    """A ``.parquet``, ``.csv``, ``.json`` or ``.arrow`` file as a memory-mapped ``datasets.Dataset``;
+    ``json_options`` (``field``) go to the json builder."""
     builder = BUILDERS[path.suffix]
     try:
         if builder == "arrow":
@@ -64,7 +102,7 @@ def read_file(datasets: Any, path: Path) -> Any:
                 return datasets.Dataset.from_file(str(path))
             except Exception:  # the Arrow IPC file format (Feather v2), which from_file does not map
                 pass
-        options = csv_options(path) if builder == "csv" else {}
+        options = csv_options(path) if builder == "csv" else json_options
         return datasets.load_dataset(builder, data_files=str(path), split="train", **options)
     except Exception as err:  # a malformed file: every kind of error needs the same message
         raise ValueError(

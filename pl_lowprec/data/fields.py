@@ -25,6 +25,7 @@ FIELD_NAMES = ("text", "prompt", "completion", "messages")
 FORMATS = ({"text"}, {"prompt", "completion"}, {"messages"})
 SHAREGPT_COLUMN = "conversations"
 ALPACA_COLUMNS = ("instruction", "output")  # and optionally input, system, history (LLaMA-Factory's alpaca format)
+READ_COLUMNS = frozenset({*FIELD_NAMES, SHAREGPT_COLUMN, *ALPACA_COLUMNS})  # what is read without a mapping
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 EXAMPLE = (
     "fields={'prompt': 'question', 'completion': 'answer'} (--data.fields '{prompt: question, completion: answer}')"
@@ -107,6 +108,11 @@ def unread_columns(columns: Iterable[str], fields: dict[str, str] | None) -> lis
     return sorted(set(columns) - set(fields.values()) - set(TEMPLATE_FIELDS))
 
 
+def columns_read(fields: dict[str, str] | None) -> frozenset[str]:
+    """The columns a table is read by: those ``fields`` names, else every one read without a mapping."""
+    return READ_COLUMNS if fields is None else frozenset(fields.values())
+
+
 def check_columns(columns: Iterable[str], fields: dict[str, str] | None, source: str) -> None:
     """A mapping that names a column ``source`` lacks, or a table with no column to read, is refused."""
     columns = sorted(columns)
@@ -118,7 +124,7 @@ def check_columns(columns: Iterable[str], fields: dict[str, str] | None, source:
                 f" {columns}. Map each field to one of them."
             )
         return
-    if not set(columns) & {*FIELD_NAMES, SHAREGPT_COLUMN, *ALPACA_COLUMNS}:
+    if not set(columns) & READ_COLUMNS:
         raise ValueError(
             f"{source} has the columns {columns}, none of which TextDataModule reads (text; prompt and completion;"
             f" messages; ShareGPT's conversations; alpaca's instruction and output). Name yours with a field mapping,"

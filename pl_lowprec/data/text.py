@@ -31,6 +31,7 @@ from pl_lowprec.data.fields import (
     SHAREGPT_COLUMN,
     check_columns,
     check_fields,
+    columns_read,
     read_fields,
     unread_columns,
 )
@@ -208,7 +209,7 @@ class TextDataModule(pl.LightningDataModule):
                 report = FileReport(source.path)
                 parts.append(self._file_samples(source, report))
             else:
-                dataset, label = open_dataset(source, splits, argument)
+                dataset, label = open_dataset(source, splits, argument, read_columns=columns_read(self.fields))
                 report = FileReport(label, unit="row indices")
                 parts.append(self._dataset_samples(dataset, report))
             self.reports.append(report)

@@ -94,7 +94,8 @@ def _source_records(source: Source, fields: dict[str, str] | None, splits: tuple
                 raise ValueError(f"{source.path}:{number}: not valid JSON ({err.msg}).") from err
             yield prompt_record(record, fields, f"{source.path}:{number}", line.rstrip("\n"))
     else:
-        dataset, label = open_dataset(source, splits, OPTION, split_option="--split NAME")
+        read_columns = PROMPT_COLUMNS if fields is None else set(fields.values())
+        dataset, label = open_dataset(source, splits, OPTION, split_option="--split NAME", read_columns=read_columns)
         _check_prompt_columns(dataset.column_names, fields, label)
         for index, row in enumerate(dataset):
             yield prompt_record(row, fields, f"{label}, row {index}", repr(row))

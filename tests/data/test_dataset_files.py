@@ -286,6 +286,35 @@ def test_a_table_with_no_column_to_read_is_refused_with_a_mapping_example(fmt, p
     assert "skipped" not in caplog.text  # no line counting every record as unusable before the refusal
 
 
+def test_a_json_object_with_its_records_under_a_key_reads_them(pretrained, tmp_path, caplog):
+    """SQuAD-style ``{"version": 1, "data": [...]}``: the records under the one key that lists them, as
+    ``load_dataset("json", field="data")`` reads them; a one-record chat file is still one record."""
+    expected = _rows(_data(_write("jsonl", RECORDS[:14], tmp_path / "jsonl"), pretrained, val_fraction=0).train_set)
+    nested = tmp_path / "squad.json"
+    nested.write_text(json.dumps({"version": 1, "data": RECORDS[:14]}))
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+        data = _data(nested, pretrained, val_fraction=0)
+    assert _rows(data.train_set) == expected
+    assert "squad.json: one JSON object; read the records listed under its key 'data'; not read: ['version']." in (
+        caplog.text
+    )
+    renamed = tmp_path / "renamed.json"
+    renamed.write_text(json.dumps({"rows": [{"q": r["prompt"], "a": r["completion"]} for r in RECORDS[:14]]}))
+    fields = {"prompt": "q", "completion": "a"}
+    assert _rows(_data(renamed, pretrained, val_fraction=0, fields=fields).train_set) == expected
+    one_chat = tmp_path / "chat.json"
+    one_chat.write_text(json.dumps(CHATS[0]))  # a list of turns under "messages": a record, not a list of them
+    assert len(_data(one_chat, pretrained, val_fraction=0, seq_len=64).train_set) == 1
+    several = tmp_path / "splits.json"
+    several.write_text(json.dumps({"train": RECORDS[:4], "test": RECORDS[4:6], "sizes": [4, 2]}))
+    with pytest.raises(
+        ValueError,
+        match=r"splits\.json is one JSON object with lists of records under the keys"
+        r" \['train', 'test'\]; which to read is not clear\. .*d\['train'\]",
+    ):
+        _data(several, pretrained)
+
+
 @pytest.mark.parametrize(
     ("fields", "match"),
     [

@@ -56,6 +56,12 @@ def test_a_table_in_its_own_columns_reads_as_the_jsonl_of_the_same_records(tmp_p
         read_prompts(path)  # the user's columns, unmapped
 
 
+def test_a_json_object_with_its_records_under_a_key_reads_as_training_reads_it(tmp_path):
+    nested = tmp_path / "squad.json"
+    nested.write_text(json.dumps({"version": 1, "data": RECORDS}))
+    assert read_prompts(nested) == read_prompts(jsonl_of(tmp_path, RECORDS))
+
+
 def test_sharegpt_and_alpaca_records_read_as_chats_as_training_reads_them(tmp_path):
     sharegpt = {"conversations": [{"from": "human", "value": "2 + 3?"}, {"from": "gpt", "value": "5"}]}
     alpaca = {"instruction": "Add.", "input": "2 and 3", "output": "5"}
