@@ -4,11 +4,12 @@ Lightning divides each micro-batch's loss by ``accumulate_grad_batches`` and DDP
 ranks, so a window's gradient is a mean of per-micro-batch means: a micro-batch with 10 target tokens weighs
 as much as one with 1000 (Lightning #20350). Hugging Face fixes it with ``num_items_in_batch``, prefetching
 the window's batches to count their tokens first. Here no prefetch is needed, because the gradient is linear
-in the loss: each micro-batch returns its *sum* of token losses times ``k * world_size / c`` (undoing
-Lightning's ``/k`` and DDP's mean; ``c`` is a window-wide constant that keeps the magnitude of a mean loss,
-which matters for fp16 loss scaling), and before the optimizer step (after unscaling, before clipping) the
-gradients are multiplied by ``c / N`` with ``N`` the window's target tokens summed over ranks: one scalar
-all-reduce per window. The result equals the gradient of one big batch's token-mean loss. The same all-reduce
+in the loss: each micro-batch returns its *sum* of token losses divided by ``c`` (a window-wide constant: the
+first micro-batch's target tokens, averaged over ranks), so that after Lightning's ``/k`` its backward carries the
+magnitude of the plain loop's ``mean / k``, and fp16 loss scaling overflows where the plain loop's and Hugging Face's
+do; before the optimizer step (after unscaling, before clipping) the gradients are multiplied by
+``k * world_size * c / N``, with ``N`` the window's target tokens summed over ranks (undoing Lightning's ``/k``,
+DDP's mean over ranks and ``c``): one scalar all-reduce per window. The result equals the gradient of one big batch's token-mean loss. The same all-reduce
 carries the window's summed loss, so the loss that was optimized (the window's mean per target token over every
 rank: what one process computes on the whole global batch) comes at no extra cost.
 """
@@ -68,8 +69,7 @@ class TokenMeanLoss:
             self.loss = torch.zeros_like(tokens)
         self.tokens = self.tokens + tokens
         self.loss = self.loss + loss_sum.detach().to(torch.float64)
-        factor = trainer.accumulate_grad_batches * trainer.world_size / self.scale
-        return loss_sum * factor.to(loss_sum.dtype)
+        return loss_sum / self.scale.to(loss_sum.dtype)
 
     def normalize_gradients(self, trainer: pl.Trainer, parameters) -> torch.Tensor | None:
         """Turn the window's accumulated gradients into those of its token-mean loss; call once per step. Returns
@@ -77,7 +77,8 @@ class TokenMeanLoss:
         if self.scale is None:
             return None
         loss, tokens = trainer.strategy.reduce(torch.stack([self.loss, self.tokens]), reduce_op="sum")
-        factor = (self.scale / tokens.clamp(min=1.0)).item()
+        window = trainer.accumulate_grad_batches * trainer.world_size
+        factor = (window * self.scale / tokens.clamp(min=1.0)).item()
         self.scale = self.tokens = self.loss = None
         grads = [param.grad for param in parameters if param.grad is not None]
         if grads:  # one call for every gradient, as clip_grad_norm_ scales them: not a kernel launch each

@@ -35,6 +35,29 @@ def test_accumulation_equals_one_big_batch():
     assert diff > 1e-3
 
 
+class GradientsBeforeNormalizing(TokenMeanLlama):
+    """Keeps the window's accumulated gradients as backward left them: what an fp16 scaler's overflow check sees."""
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        self.accumulated = {n: p.grad.clone() for n, p in self.named_parameters() if p.grad is not None}
+        super().on_before_optimizer_step(optimizer)
+
+
+def test_backward_carries_the_magnitude_of_the_plain_loops_mean_loss():
+    """Each micro-batch's backward is ``mean / k``, as in the plain loop and Hugging Face's: an fp16 loss scale
+    overflows where theirs does, not at a scale ``k`` times lower. Rows with equal token counts make it exact."""
+    rows = [{**row, "labels": row["input_ids"].clone()} for row in uneven_rows(8)]
+    grads = {}
+    for token_mean in (True, False):
+        model = GradientsBeforeNormalizing(token_mean=token_mean)
+        quiet_trainer(max_steps=1, accumulate_grad_batches=4).fit(
+            model, torch.utils.data.DataLoader(rows, batch_size=2)
+        )
+        grads[token_mean] = model.accumulated
+    for name, plain in grads[False].items():
+        torch.testing.assert_close(grads[True][name], plain, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+
+
 @pytest.mark.slow
 def test_two_ddp_processes_equal_one_big_batch(tmp_path):
     script = Path(__file__).parents[1] / "_scripts" / "token_loss_ddp.py"
