@@ -22,8 +22,9 @@ def _pairs(n: int, seed: int) -> TensorDataset:
 class Regression(pl.LightningModule):
     """20 samples in batches of 2: 10 batches, 5 steps an epoch accumulating 2; 4 validation samples."""
 
-    def __init__(self, dropout: float = 0.0) -> None:
+    def __init__(self, dropout: float = 0.0, plain_loader: bool = False) -> None:
         super().__init__()
+        self.plain_loader = plain_loader  # a shuffled DataLoader without state or generator: draws at each epoch
         torch.manual_seed(0)
         self.layer = torch.nn.Linear(4, 1)
         self.dropout = torch.nn.Dropout(dropout) if dropout else torch.nn.Identity()
@@ -40,6 +41,8 @@ class Regression(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
     def train_dataloader(self):
+        if self.plain_loader:
+            return DataLoader(_pairs(20, 1), batch_size=2, shuffle=True)
         return resumable_loader(_pairs(20, 1), 2, None, self.trainer)
 
     def val_dataloader(self):
@@ -55,12 +58,13 @@ def fit(
     dropout=0.0,
     seed=123,
     validate_every=None,
+    plain_loader=False,
     **trainer_args,
 ) -> torch.Tensor:
     """Train to ``max_steps`` (or ``max_epochs``), the random generator from ``seed`` (after the weights' own),
     saving every 2 steps (or on ``schedule``'s arguments) and ``last.ckpt`` into ``directory``; validating every
     ``validate_every`` batches where given. The final weights."""
-    model = Regression(dropout)
+    model = Regression(dropout, plain_loader)
     torch.manual_seed(seed)
     schedule = {"every_n_train_steps": EVERY, "save_top_k": -1} if schedule is None else schedule
     trainer = pl.Trainer(

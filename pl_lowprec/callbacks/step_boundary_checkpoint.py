@@ -27,8 +27,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 
+from pl_lowprec.callbacks.epoch_end_resumption import as_saved_at_the_last_batch
 from pl_lowprec.callbacks.swap import in_place, swap_default_callbacks
 
 
@@ -41,6 +43,15 @@ class StepBoundaryCheckpoint(LightningModelCheckpoint):
 
     def _generate_state_key(self, **kwargs: Any) -> str:
         return f"{LightningModelCheckpoint.__qualname__}{kwargs!r}"  # Lightning's key: either class resumes the other
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """A checkpoint saved at a training epoch's end resumes exactly under ``max_steps`` on any strategy
+        (``epoch_end_resumption.py``); Lightning restores the loops from this dict after the callbacks."""
+        super().on_load_checkpoint(trainer, pl_module, checkpoint)
+        if trainer.state.fn == TrainerFn.FITTING:
+            as_saved_at_the_last_batch(checkpoint, trainer.max_steps)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int

@@ -9,9 +9,10 @@ first micro-batch's target tokens, averaged over ranks), so that after Lightning
 magnitude of the plain loop's ``mean / k``, and fp16 loss scaling overflows where the plain loop's and Hugging Face's
 do; before the optimizer step (after unscaling, before clipping) the gradients are multiplied by
 ``k * world_size * c / N``, with ``N`` the window's target tokens summed over ranks (undoing Lightning's ``/k``,
-DDP's mean over ranks and ``c``): one scalar all-reduce per window. The result equals the gradient of one big batch's token-mean loss. The same all-reduce
-carries the window's summed loss, so the loss that was optimized (the window's mean per target token over every
-rank: what one process computes on the whole global batch) comes at no extra cost.
+DDP's mean over ranks and ``c``): one scalar all-reduce per window. The result equals the gradient of one big
+batch's token-mean loss. The same all-reduce carries the window's summed loss, so the loss that was optimized (the
+window's mean per target token over every rank: what one process computes on the whole global batch) comes at no
+extra cost.
 """
 
 from __future__ import annotations

@@ -7,6 +7,12 @@ every rank's states (torch, CUDA, NumPy, Python) gathered as the file is written
 They are set in ``on_train_start``, not as the checkpoint loads: in between, the strategy builds the model
 (LoRA's initialization draws), which the uninterrupted run did before its first step. Stored as tensors and
 plain numbers, so the file still loads with ``torch.load(weights_only=True)``.
+
+A resumption where an epoch ended has one more draw to replay: the uninterrupted run starts the next epoch's loader
+iterator after the checkpoint was written, and a ``DataLoader`` without its own ``generator`` draws its workers'
+base seed (and a ``RandomSampler`` its shuffle) from the global generator then. Lightning starts the resumed run's
+iterator before ``on_train_start``, from other states; ``restart_epoch_iterator`` starts it again from the restored
+ones, so the data order and the dropout masks are the uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any
 import numpy as np  # torchmetrics, which Lightning requires, requires it
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader
 
 CHECKPOINT_KEY = "pl_lowprec_random_states"  # a list: one entry per rank
 
@@ -43,6 +50,24 @@ def set_random_states(states: dict[str, Any]) -> None:
     if "numpy" in states:
         name, keys, position, has_gauss, cached = states["numpy"]
         np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, cached))
+
+
+def restart_epoch_iterator(trainer: Any) -> bool:
+    """After ``set_random_states`` at an epoch's boundary: start the training loaders' iterator again where every
+    loader is a plain ``DataLoader`` drawing from the global generator (``generator=None``); whether it did. A loader
+    with its own state (``resumable_loader``) or generator draws nothing from the global one and is left alone."""
+    fit_loop = trainer.fit_loop
+    combined, fetcher = fit_loop._combined_loader, fit_loop._data_fetcher
+    batches = trainer.num_training_batches
+    if combined is None or fetcher is None or batches == float("inf"):
+        return False
+    if fit_loop.epoch_loop.batch_progress.current.ready < batches:
+        return False  # inside an epoch: the uninterrupted run drew at the epoch's start, before the checkpoint
+    loaders = combined.flattened
+    if not all(type(loader) is DataLoader and loader.generator is None for loader in loaders):
+        return False
+    iter(fetcher)
+    return True
 
 
 def every_ranks_random_states() -> list[dict[str, Any]]:

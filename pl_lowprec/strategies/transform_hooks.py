@@ -8,7 +8,7 @@ takes only its own and passes the rest on (``**kwargs``).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Mapping, MutableMapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from pl_lowprec.callbacks.epoch_end_resumption import as_saved_at_the_last_batch
 from pl_lowprec.callbacks.replacements import use_package_callbacks
 from pl_lowprec.callbacks.step_boundary_checkpoint import mid_step_resumption
 from pl_lowprec.distributed.launched_ranks import mark_failing
@@ -24,7 +25,12 @@ from pl_lowprec.memory.sizing_batch import sizing_batch
 from pl_lowprec.strategies.auto_settings import choose_memory_settings, run_interconnect
 from pl_lowprec.strategies.garbage_collection import freeze_long_lived_objects, unfreeze
 from pl_lowprec.strategies.random_states import CHECKPOINT_KEY as RANDOM_STATES
-from pl_lowprec.strategies.random_states import every_ranks_random_states, own_random_states, set_random_states
+from pl_lowprec.strategies.random_states import (
+    every_ranks_random_states,
+    own_random_states,
+    restart_epoch_iterator,
+    set_random_states,
+)
 from pl_lowprec.strategies.step_clock import StepClock
 from pl_lowprec.strategies.trainer_checks import check_trainer_arguments, check_validation_interval
 from pl_lowprec.strategies.transform_args import TransformArguments
@@ -135,6 +141,7 @@ class TransformHooks(TransformArguments):
         super().on_train_start()
         if self._random_states_to_set is not None:  # resumed: as the uninterrupted run stood at this step
             set_random_states(self._random_states_to_set)
+            restart_epoch_iterator(self.lightning_module.trainer)
             self._random_states_to_set = None
         if self._resumed:
             warn_unresumable_data(self.lightning_module.trainer)
@@ -175,14 +182,17 @@ class TransformHooks(TransformArguments):
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def before_resuming(self, checkpoint: Mapping[str, Any]) -> None:
-        """Where ``fit`` resumes from ``checkpoint``: a warning if it was saved inside an accumulated step, and this
-        rank's random states, set in ``on_train_start`` (``random_states.py``)."""
+        """Where ``fit`` resumes from ``checkpoint``: a warning if it was saved inside an accumulated step, the loop
+        state of one saved at a training epoch's end as Lightning resumes it exactly (``epoch_end_resumption.py``),
+        and this rank's random states, set in ``on_train_start`` (``random_states.py``)."""
         trainer = self.lightning_module.trainer
         if trainer.state.fn != TrainerFn.FITTING:
             return
         warning = mid_step_resumption(checkpoint, trainer.accumulate_grad_batches)
         if warning:
             rank_zero_warn(warning)
+        if isinstance(checkpoint, MutableMapping):
+            as_saved_at_the_last_batch(checkpoint, trainer.max_steps)
         self._random_states_to_set = own_random_states(checkpoint, self.global_rank, self.world_size)
         self._resumed = True
 

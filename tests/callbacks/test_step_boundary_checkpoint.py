@@ -80,6 +80,57 @@ def test_a_resumed_run_leaves_the_checkpoint_it_resumed_from_as_it_was(tmp_path,
     assert torch.equal(again, uninterrupted) is exact
 
 
+@pytest.mark.parametrize("checkpoint_class", [LightningModelCheckpoint, StepBoundaryCheckpoint])
+def test_a_max_steps_run_resumes_a_checkpoint_saved_at_an_epochs_end_exactly(tmp_path, checkpoint_class, caplog):
+    """Without validation, the default schedule saves at the training epoch's end (step 5, the epoch's last): under
+    max_steps Lightning resumes it by training one batch of the next epoch alone and skipping the rest of that
+    epoch. The strategies and StepBoundaryCheckpoint resume it as saved at the epoch's last batch: the uninterrupted
+    weights."""
+    uninterrupted = fit(tmp_path / "full", checkpoint_class, schedule={}, max_steps=8)
+    fit(tmp_path / "part", checkpoint_class, schedule={}, max_steps=5)
+    checkpoint = torch.load(tmp_path / "part/last.ckpt", weights_only=False)
+    assert (
+        checkpoint["global_step"] == 5 and checkpoint["loops"]["fit_loop"]["epoch_progress"]["total"]["processed"] == 1
+    )
+    resume = {"ckpt_path": tmp_path / "part/last.ckpt", "schedule": {}, "max_steps": 8}
+    # on Lightning's own strategy, Lightning's class is the reference that fails; this package's class fixes it
+    exact_alone = checkpoint_class is StepBoundaryCheckpoint
+    assert torch.equal(fit(tmp_path / "auto", checkpoint_class, **resume), uninterrupted) is exact_alone
+    with caplog.at_level("INFO"):
+        resumed = fit(tmp_path / "part", checkpoint_class, strategy=LowPrecisionStrategy(), **resume)
+    assert torch.equal(resumed, uninterrupted)
+    assert "saved at a training epoch's end: the run goes on from the next epoch's first batch" in caplog.text
+
+
+def test_checkpoints_saved_elsewhere_keep_their_loop_state():
+    """Only the training epoch's end is rewritten: not a validation's end, a batch's end or an epoch-based run."""
+    from pl_lowprec.callbacks.epoch_end_resumption import as_saved_at_the_last_batch
+
+    def loops(epoch, batch, last=True):
+        progress = lambda r, s, p, c: {"ready": r, "started": s, "processed": p, "completed": c}  # noqa: E731
+        batches = {"total": progress(*batch), "current": progress(*batch), "is_last_batch": last}
+        fit_loop = {"epoch_progress": {"total": progress(*epoch), "current": progress(*epoch)}}
+        state = {"_batches_that_stepped": 5}
+        return {
+            "loops": {"fit_loop": fit_loop | {"epoch_loop.batch_progress": batches, "epoch_loop.state_dict": state}}
+        }
+
+    epoch_end = loops((1, 1, 1, 0), (10, 10, 10, 10))
+    assert as_saved_at_the_last_batch(epoch_end, max_steps=8)
+    expected = loops((1, 1, 0, 0), (10, 10, 10, 9))  # the same step saved at the last batch's end
+    expected["loops"]["fit_loop"]["epoch_loop.state_dict"]["_batches_that_stepped"] = 4
+    assert epoch_end == expected
+    for elsewhere, max_steps in [
+        (loops((1, 1, 1, 0), (10, 10, 10, 10)), -1),  # an epoch-based run: Lightning resumes it exactly
+        (loops((1, 1, 0, 0), (10, 10, 10, 10)), 8),  # the validation's end
+        (loops((1, 1, 0, 0), (10, 10, 10, 9)), 8),  # the last batch's end
+        (loops((1, 1, 0, 0), (4, 4, 4, 3), last=False), 8),  # inside the epoch
+    ]:
+        before = repr(elsewhere)
+        assert not as_saved_at_the_last_batch(elsewhere, max_steps)
+        assert repr(elsewhere) == before
+
+
 def test_resuming_from_a_mid_step_checkpoint_warns_with_the_micro_batches_it_lacks(tmp_path):
     run = tmp_path / "run"
     fit(run, LightningModelCheckpoint, max_steps=2)

@@ -36,6 +36,24 @@ def test_a_resumed_run_ends_with_the_uninterrupted_runs_weights(tmp_path, stop, 
     assert torch.equal(resumed, uninterrupted) is exact
 
 
+@pytest.mark.parametrize(
+    "saved_at", [{"schedule": {}}, {"schedule": {"every_n_train_steps": 5}}], ids=["epoch", "batch"]
+)
+@pytest.mark.parametrize(("strategy", "exact"), [("auto", False), ("lowprec", True)], ids=["lightning", "pl_lowprec"])
+def test_a_plain_shuffled_loader_resumed_where_an_epoch_ended_draws_the_uninterrupted_order(
+    tmp_path, saved_at, strategy, exact
+):
+    """A DataLoader without a generator draws its shuffle and base seed when the next epoch's iterator starts: after
+    the checkpoint in the uninterrupted run, before the states are set in the resumed one unless it starts again.
+    Saved at the training epoch's end or at its last batch's end (step 5 of a 5-step epoch)."""
+    make = (lambda: LowPrecisionStrategy()) if strategy == "lowprec" else (lambda: "auto")
+    run = {"dropout": 0.5, "plain_loader": True, **saved_at}
+    uninterrupted = fit(tmp_path / "full", strategy=make(), max_steps=8, **run)
+    fit(tmp_path / "run", strategy=make(), max_steps=5, **run)
+    resumed = fit(tmp_path / "run", strategy=make(), ckpt_path=tmp_path / "run/last.ckpt", max_steps=8, **run)
+    assert torch.equal(resumed, uninterrupted) is exact
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize(("strategy", "exact"), [("auto", False), ("lowprec", True)], ids=["lightning", "pl_lowprec"])
 def test_a_resumed_run_on_a_gpu_draws_the_cuda_generators_masks(tmp_path, strategy, exact):
