@@ -22,8 +22,9 @@ def _pairs(n: int, seed: int) -> TensorDataset:
 class Regression(pl.LightningModule):
     """20 samples in batches of 2: 10 batches, 5 steps an epoch accumulating 2; 4 validation samples."""
 
-    def __init__(self, dropout: float = 0.0, plain_loader: bool = False) -> None:
+    def __init__(self, dropout: float = 0.0, plain_loader: bool = False, epoch_scheduler: bool = False) -> None:
         super().__init__()
+        self.epoch_scheduler = epoch_scheduler  # halve the learning rate at each epoch's end
         self.plain_loader = plain_loader  # a shuffled DataLoader without state or generator: draws at each epoch
         torch.manual_seed(0)
         self.layer = torch.nn.Linear(4, 1)
@@ -38,7 +39,11 @@ class Regression(pl.LightningModule):
         self.log("val_loss", torch.nn.functional.mse_loss(self.layer(x), y))
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        if not self.epoch_scheduler:
+            return optimizer
+        halving = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": halving, "interval": "epoch"}}
 
     def train_dataloader(self):
         if self.plain_loader:
@@ -59,12 +64,13 @@ def fit(
     seed=123,
     validate_every=None,
     plain_loader=False,
+    epoch_scheduler=False,
     **trainer_args,
 ) -> torch.Tensor:
     """Train to ``max_steps`` (or ``max_epochs``), the random generator from ``seed`` (after the weights' own),
     saving every 2 steps (or on ``schedule``'s arguments) and ``last.ckpt`` into ``directory``; validating every
     ``validate_every`` batches where given. The final weights."""
-    model = Regression(dropout, plain_loader)
+    model = Regression(dropout, plain_loader, epoch_scheduler)
     torch.manual_seed(seed)
     schedule = {"every_n_train_steps": EVERY, "save_top_k": -1} if schedule is None else schedule
     trainer = pl.Trainer(

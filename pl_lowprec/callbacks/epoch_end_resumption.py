@@ -11,8 +11,8 @@ epoch from its first batch. The two states differ only in counters that the epoc
 counted as completed, the epoch counted as processed, and the logging step. ``as_saved_at_the_last_batch``
 sets those back, in the checkpoint as it is read, before Lightning restores its loops.
 
-What the epoch's end does besides (``on_train_epoch_end`` hooks, epoch-interval learning-rate schedulers) ran
-before the uninterrupted run went on, and a resumption from either state does not run it again.
+Checked against the uninterrupted run (``tests/callbacks/test_step_boundary_checkpoint.py``): the weights, with an
+epoch-interval learning-rate scheduler too, which steps once at that epoch's end in both.
 """
 
 from __future__ import annotations
