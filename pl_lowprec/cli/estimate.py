@@ -17,7 +17,6 @@ from how much free memory ``fit`` takes the fastest settings, and their peak.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Any
 
@@ -28,7 +27,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from pl_lowprec._imports import import_matplotlib_pyplot
 from pl_lowprec.cli.own_options import check_own_options
 from pl_lowprec.cli.rebuild import passed_on, rebuild_classes
-from pl_lowprec.cli.subcommands import description, examples
+from pl_lowprec.cli.subcommands import subcommand_parser
 from pl_lowprec.loading.sources import shapes_only
 from pl_lowprec.memory.devices import GPUS, device_spec
 from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory, resolved_precision
@@ -191,13 +190,7 @@ def step_time_line(estimate: MemoryEstimate) -> str:
 
 @shapes_only()  # a pretrained= directory with only config.json: an estimate needs the shapes, not the weights
 def main(args: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="pl-lowprec estimate",
-        description=description("estimate"),
-        epilog=examples(__doc__),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
-    )
+    parser = subcommand_parser("estimate", __doc__, allow_abbrev=False)
     parser.add_argument(
         "--config",
         action="append",

@@ -21,7 +21,7 @@ from pl_lowprec.adapters import check_adapter_fits_base, held_hf_model
 from pl_lowprec.cli.own_options import check_own_options
 from pl_lowprec.cli.rebuild import config_files, rebuild, with_config
 from pl_lowprec.cli.resume import check_checkpoint
-from pl_lowprec.cli.subcommands import description, examples
+from pl_lowprec.cli.subcommands import subcommand_parser
 from pl_lowprec.export.generates_text import GGUF, check_module_generates
 from pl_lowprec.export.gguf_export import check_gguf_request, check_gguf_sources, convert_model_dir, export_gguf
 from pl_lowprec.export.hub_push import check_push, push
@@ -31,12 +31,7 @@ from pl_lowprec.export.write import check_dtype, check_export, choose_format, ex
 
 
 def main(args: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="pl-lowprec export",
-        description=description("export"),
-        epilog=examples(__doc__),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = subcommand_parser("export", __doc__)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--ckpt_path", help="A Lightning checkpoint (adapter-only or full).")
     source.add_argument(

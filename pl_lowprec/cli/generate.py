@@ -28,7 +28,7 @@ from pl_lowprec.cli.lightning_cli import LowPrecisionCLI
 from pl_lowprec.cli.own_options import check_own_options
 from pl_lowprec.cli.rebuild import config_files, rebuild, with_config
 from pl_lowprec.cli.resume import check_checkpoint
-from pl_lowprec.cli.subcommands import description, examples
+from pl_lowprec.cli.subcommands import subcommand_parser
 from pl_lowprec.data.text import VAL_SPLITS
 from pl_lowprec.export.generate import (
     Decoding,
@@ -112,12 +112,7 @@ def from_run(
 
 
 def main(args: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="pl-lowprec generate",
-        description=description("generate"),
-        epilog=examples(__doc__),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = subcommand_parser("generate", __doc__)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--ckpt_path", help="A training checkpoint (with --config, or its run's config.yaml).")
     source.add_argument(

@@ -34,7 +34,7 @@ from pl_lowprec.cli.arguments import options, read_config
 from pl_lowprec.cli.estimate import check_devices, device_of, devices_of, precision_of
 from pl_lowprec.cli.own_options import check_own_options
 from pl_lowprec.cli.rebuild import config_files, passed_on, rebuild_classes
-from pl_lowprec.cli.subcommands import description, examples
+from pl_lowprec.cli.subcommands import subcommand_parser
 from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.export.out_paths import refuse_inputs
 from pl_lowprec.loading.sources import shapes_only
@@ -67,13 +67,7 @@ MAX_SEQ_LEN = 1 << 20
 
 @shapes_only()  # a pretrained= directory with only config.json: a plan needs the shapes, not the weights
 def main(args: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="pl-lowprec plan",
-        description=description("plan"),
-        epilog=examples(__doc__),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
-    )
+    parser = subcommand_parser("plan", __doc__, allow_abbrev=False)
     parser.add_argument(
         "--config",
         action="append",

@@ -3,7 +3,9 @@ four), and an unknown or missing subcommand is refused with the list and the nea
 
 from __future__ import annotations
 
+import argparse
 from difflib import get_close_matches
+from typing import Any
 
 LIGHTNING_SUBCOMMANDS = {
     "fit": "train from a config",
@@ -30,6 +32,18 @@ def examples(docstring: str) -> str:
     """A command module's docstring after its first line (examples, and the arguments passed on to the config), as
     its ``--help`` epilog: plain text, its indentation kept."""
     return "examples:\n" + docstring.split("\n\n", 1)[1].replace("``", "`").rstrip()
+
+
+def subcommand_parser(name: str, docstring: str, **options: Any) -> argparse.ArgumentParser:
+    """The parser of one of this package's subcommands: its line as the description and its module's examples as
+    the epilog (``examples``)."""
+    return argparse.ArgumentParser(
+        prog=f"pl-lowprec {name}",
+        description=description(name),
+        epilog=examples(docstring),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        **options,
+    )
 
 
 def usage() -> str:

@@ -61,8 +61,13 @@ def test_each_subcommands_help_opens_with_its_line(capsys, name):
     assert text.startswith(f"usage: pl-lowprec {name} ") and f" {description(name)} " in text
 
 
-def test_export_and_generate_help_show_their_examples_and_the_config_arguments(capsys):
-    for name, said in (("export", "go to the config"), ("generate", "restored through its config")):
+def test_each_commands_help_shows_its_examples_and_the_config_arguments(capsys):
+    for name, said in (
+        ("export", "go to the config"),
+        ("generate", "restored through its config"),
+        ("estimate", "Arguments the estimate does not know (`--model.pretrained DIR`"),
+        ("plan", "Arguments the plan does not know (`--model.pretrained DIR`"),
+    ):
         with pytest.raises(SystemExit):
             main([name, "--help"])
         text = capsys.readouterr().out
