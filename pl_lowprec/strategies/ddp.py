@@ -10,6 +10,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import _StrategyRegistry
 
 from pl_lowprec.distributed.process_group_exit import destroy_process_group_at_exit
+from pl_lowprec.distributed.spawn_results import TransformingSpawnLauncher
 from pl_lowprec.strategies.transform_hooks import TransformHooks
 
 
@@ -21,6 +22,13 @@ class LowPrecisionDDPStrategy(TransformHooks, DDPStrategy):
     """
 
     strategy_name = "lowprec_ddp"
+
+    def _configure_launcher(self) -> None:
+        """``popen`` as Lightning's; ``spawn`` with the main process's module transformed before rank 0's weights
+        load into it (``distributed/spawn_results.py``)."""
+        super()._configure_launcher()
+        if self._start_method != "popen":
+            self._launcher = TransformingSpawnLauncher(self, start_method=self._start_method)
 
     def setup_environment(self) -> None:
         super().setup_environment()

@@ -4,7 +4,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.cli import LightningCLI
-from lightning_helpers import quiet_trainer
+from lightning_helpers import Classifier, quiet_trainer
 from torch import nn
 
 from pl_lowprec import AMPPrecision, LowPrecisionDDPStrategy, LowPrecisionStrategy
@@ -187,3 +187,33 @@ trainer:
 def test_ddp_registry_names():
     trainer = quiet_trainer(strategy="lowprec_ddp_spawn", devices=2)
     assert isinstance(trainer.strategy, LowPrecisionDDPStrategy) and trainer.strategy._start_method == "spawn"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", [None, "nf4"])
+def test_spawn_hands_the_trained_adapters_back_to_the_model_in_hand(tmp_path, quantization):
+    """Lightning's spawn launcher loads rank 0's weights into the main process's module with strict=False; that
+    module never had the LoRA layers, so the adapters were dropped and ``model`` stayed the untrained one."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from plain_amp_loop import make_classification_data, make_mlp
+
+    model = Classifier(make_mlp(features=64, hidden=128))  # layers of 4,096+ weights, which bitsandbytes quantizes
+    lora = {"r": 4, "target_modules": ["0", "3"]}
+    strategy = LowPrecisionDDPStrategy(start_method="spawn", lora=lora, quantization=quantization)
+    saved = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    trainer = quiet_trainer(
+        strategy=strategy,
+        devices=2,
+        max_steps=3,
+        callbacks=[saved],
+        enable_checkpointing=True,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(model, torch.utils.data.DataLoader(make_classification_data(n=48, features=64), batch_size=8))
+    adapters = {name: p for name, p in model.named_parameters() if "lora_" in name}
+    assert len(adapters) == 4 and all(p.abs().sum() > 0 for n, p in adapters.items() if "lora_B" in n)  # trained
+    on_rank_0 = torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"]
+    for name, weight in adapters.items():
+        assert torch.equal(weight, on_rank_0[name]), name
+    if quantization:
+        assert type(model.model[0].base_layer).__name__ == "Linear4bit"
