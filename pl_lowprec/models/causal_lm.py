@@ -93,6 +93,12 @@ class CausalLM(pl.LightningModule):
         from transformers import AutoConfig
 
         self.save_hyperparameters()
+        # LightningCLI saves only a subclass's own arguments (given_hyperparameters_context): the ones this class
+        # reads back (configure_optimizers, the loss settings) are added with the values it was given
+        received = {"pretrained": pretrained, "lr": lr, "weight_decay": weight_decay, "warmup_steps": warmup_steps}
+        received |= {"min_lr_ratio": min_lr_ratio, "loss_chunk_size": loss_chunk_size, "dtype": dtype}
+        for name, value in (received | {"loss_kernel": loss_kernel}).items():
+            self.hparams.setdefault(name, value)
         config_file = Path(pretrained).expanduser()
         if config_file.suffix == ".json" and config_file.is_file():  # shapes only, for estimate_memory
             self.directory = config_file.parent

@@ -235,3 +235,25 @@ def test_the_head_runs_as_one_matrix_product_for_a_single_sequence():
         loss, _ = causal_lm_loss_sum(head, hidden, labels, 8)
         loss.backward()
     assert seen.names and set(seen.names) == {"mm"}, seen.names
+
+
+class NarrowCausalLM(CausalLM):
+    """A user's subclass that names only some of CausalLM's arguments."""
+
+    def __init__(self, pretrained: str, lr: float = 1e-3) -> None:
+        super().__init__(pretrained, lr=lr, warmup_steps=1)
+
+
+def test_a_subclass_built_by_lightning_cli_trains_with_the_arguments_it_passed_on(pretrained, data):
+    """LightningCLI saves only the subclass's own arguments as hparams; CausalLM's others are read back in
+    configure_optimizers, and were missing ('AttributeDict' object has no attribute 'weight_decay')."""
+    from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters_context
+
+    given = {"pretrained": str(pretrained), "lr": 5e-3}
+    with _given_hyperparameters_context(hparams=given, instantiator="lightning.pytorch.cli.instantiate_module"):
+        model = NarrowCausalLM(**given)  # as LightningCLI builds --model NarrowCausalLM
+    assert (model.hparams.lr, model.hparams.warmup_steps, model.hparams.weight_decay) == (5e-3, 1, 0.0)
+    assert set(model.hparams) >= {"pretrained", "lr", "min_lr_ratio", "loss_chunk_size", "loss_kernel", "dtype"}
+    trainer = quiet_trainer(strategy=LowPrecisionStrategy(lora={"r": 4}), max_steps=1)
+    trainer.fit(model, datamodule=data)
+    assert trainer.optimizers[0].param_groups[0]["initial_lr"] == 5e-3
