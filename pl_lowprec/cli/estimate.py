@@ -34,7 +34,7 @@ from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory, resolved
 from pl_lowprec.memory.fastest import COMPILED_CAVEAT, faster_settings_line
 from pl_lowprec.memory.plan import fresh_copies
 from pl_lowprec.memory.plot import plot_step
-from pl_lowprec.memory.sizing_batch import sizing_batch
+from pl_lowprec.memory.sizing_batch import first_config_batch, sizing_batch
 from pl_lowprec.strategy_names import registered_strategy
 
 
@@ -74,14 +74,9 @@ def estimate_arguments(cli_args: list[str], said: list[str] | None = None, gpu: 
     run = rebuild_classes(cli_args)
     trainer = run.config_init.trainer
     check_devices(trainer)
-    if run.datamodule is None:
-        raise ValueError(
-            "The config names no data module (data: class_path ...): the estimate takes the shape of one training"
-            " batch from it. Add the data section that `pl-lowprec fit` runs with."
-        )
-    run.datamodule.setup("fit")
+    first, source = first_config_batch(run.model, run.datamodule, "estimate")
     tokenizer_line = checked_tokenizer(run.model, run.datamodule)
-    batch, shape = sizing_batch(next(iter(run.datamodule.train_dataloader())), run.datamodule)
+    batch, shape = sizing_batch(first, source)
     precision = precision_of(trainer, gpu)
     if said is not None:
         said.append(f"Batch: {shape}.")

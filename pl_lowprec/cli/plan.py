@@ -55,7 +55,7 @@ from pl_lowprec.memory.plan import (
 )
 from pl_lowprec.memory.quiet import quiet_setup_logs
 from pl_lowprec.memory.sizes import format_bytes, parse_bytes
-from pl_lowprec.memory.sizing_batch import sizing_batch
+from pl_lowprec.memory.sizing_batch import first_config_batch, sizing_batch
 from pl_lowprec.memory.step_time import StepTime, duration
 from pl_lowprec.strategies.fsdp import check_fsdp_arguments
 from pl_lowprec.strategies.transform_args import TransformArguments
@@ -103,15 +103,19 @@ def main(args: list[str] | None = None) -> None:
     check_devices(trainer)
     config = getattr(trainer.strategy, "transform_config", None)
     config = searched_config(config) if config is not None else None
-    if config is None or run.datamodule is None:
+    if config is None:
         parser.exit(
             2,
             "pl-lowprec plan: the config needs one of pl_lowprec's strategies (trainer.strategy: lowprec,"
-            " lowprec_ddp or lowprec_fsdp) and a data section: the plan changes the strategy's memory settings and"
-            " takes the batch shape from the data.\n",
+            " lowprec_ddp or lowprec_fsdp): the plan changes the strategy's memory settings.\n",
         )
-    run.datamodule.setup("fit")
-    batch, shape = sizing_batch(next(iter(run.datamodule.train_dataloader())), run.datamodule)
+    if options.maximize and run.datamodule is None:
+        raise ValueError(
+            f"--maximize {options.maximize} changes the data module's {options.maximize}, and the config names no"
+            " data module (data: class_path ...): the module's own train_dataloader has no setting to change."
+            " Plan without --maximize, or give the data as a data module."
+        )
+    batch, shape = sizing_batch(*first_config_batch(run.model, run.datamodule, "plan"))
     print(f"Batch: {shape}.")
     rows = next(t.shape[0] for t in batch_tensors(batch))
     accumulate = int(getattr(trainer, "accumulate_grad_batches", None) or 1)
@@ -140,6 +144,7 @@ def main(args: list[str] | None = None) -> None:
         blocks,
         sharding=sharding,
         time_on=options.gpu,
+        micro_batch=None if run.datamodule is not None else rows,  # a module's own loader: its batch stays
     )
     print(plan.table())
     switch_to: dict[str, Any] | None = None
@@ -340,7 +345,7 @@ def write_plan(
     planned = settings_config(config, settings, blocks)
     changes = {
         "trainer.accumulate_grad_batches": settings.accumulate,
-        "data.init_args.batch_size": settings.micro_batch,
+        **({"data.init_args.batch_size": settings.micro_batch} if run.datamodule is not None else {}),
         "trainer.strategy.init_args.activation_checkpointing": _plain(planned.activation_checkpointing),
         "trainer.strategy.init_args.checkpoint_every_n": planned.checkpoint_every_n,
         "trainer.strategy.init_args.checkpoint_mode": planned.checkpoint_mode,

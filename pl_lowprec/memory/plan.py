@@ -181,6 +181,7 @@ def plan_memory(
     cache: dict[Settings, MemoryEstimate] | None = None,
     sharding: Sharding | None = None,
     time_on: str | None = None,
+    micro_batch: int | None = None,
 ) -> MemoryPlan:
     """Simulate every candidate and rank them by predicted step time.
 
@@ -196,6 +197,7 @@ def plan_memory(
             simulated per rank of ``devices``.
         time_on: The device the steps are timed on (``estimate_memory``'s ``time_on``); ``None``: ``device``,
             and for CUDA without a GPU here, ``ASSUMED_GPU`` (the table says so).
+        micro_batch: Search only this micro-batch (a module's own loader: nothing sets its batch size).
     """
     config = searched_config(config or TransformConfig())
     device = torch.device(device)
@@ -204,7 +206,8 @@ def plan_memory(
     plan = MemoryPlan(budget, margin, time_on=timed or ASSUMED_GPU, assumed=timed is None, quantization=mode)
     spec = device_spec(plan.time_on)
     sharded = sharding is not None
-    for group in candidate_groups(config, global_batch, devices, device, allow_quantization, block_names, sharded):
+    groups = candidate_groups(config, global_batch, devices, device, allow_quantization, block_names, sharded)
+    for group in groups if micro_batch is None else (g for g in groups if g[0].micro_batch == micro_batch):
         for settings in group:  # from the fewest changes: the first that fits ends the group
             estimate = None if cache is None else cache.get(settings)
             if estimate is None:

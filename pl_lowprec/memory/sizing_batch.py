@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
 from pl_lowprec.memory.fake_step import batch_tensors
 from pl_lowprec.memory.plan import resized
 
@@ -18,6 +20,28 @@ from pl_lowprec.memory.plan import resized
 def batch_shape(batch: Any) -> tuple[int, int] | None:
     """``(rows, positions)`` of the batch's first 2-d tensor; ``None`` where it holds none."""
     return next((tuple(t.shape[:2]) for t in batch_tensors(batch) if t.dim() >= 2), None)
+
+
+def first_config_batch(model: Any, datamodule: Any, command: str) -> tuple[Any, Any]:
+    """The first training batch of a config that ``command`` (estimate, plan) reads without a Trainer, and what
+    it came from: the data module, or else the module's own ``train_dataloader``, as ``fit`` takes it."""
+    if datamodule is not None:
+        datamodule.setup("fit")
+        return next(iter(datamodule.train_dataloader())), datamodule
+    if is_overridden("train_dataloader", model):
+        try:
+            return next(iter(model.train_dataloader())), model
+        except Exception as err:  # e.g. a loader that reads self.trainer, which is not built here
+            raise ValueError(
+                f"The config names no data module, and {type(model).__name__}.train_dataloader() failed without a"
+                f" Trainer ({type(err).__name__}: {err}): the {command} takes the shape of one training batch from it."
+                " Give the data as a data module (data: class_path ...), or a train_dataloader that needs no Trainer."
+            ) from err
+    raise ValueError(
+        f"The config names no data module (data: class_path ...) and {type(model).__name__} has no"
+        f" train_dataloader: the {command} takes the shape of one training batch from one of them. Add the data"
+        " section that `pl-lowprec fit` runs with."
+    )
 
 
 def sizing_batch(batch: Any, datamodule: Any) -> tuple[Any, str]:
@@ -28,9 +52,9 @@ def sizing_batch(batch: Any, datamodule: Any) -> tuple[Any, str]:
         return batch, "the first training batch"
     rows, length = shape
     if not callable(longest):
-        source = "the loaders given to fit" if datamodule is None else type(datamodule).__name__
+        source = "the loaders given to fit do" if datamodule is None else f"{type(datamodule).__name__} does"
         return batch, (
-            f"{rows} rows x {length} positions, the first training batch ({source} does not say its longest row,"
+            f"{rows} rows x {length} positions, the first training batch ({source} not say the longest row,"
             " longest_train_row(): a longer batch needs more memory)"
         )
     most = int(longest())

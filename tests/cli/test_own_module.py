@@ -87,3 +87,38 @@ def test_biases_trained_under_lora_only_resume_and_merge_as_they_trained(tmp_pat
     plain = "model.layers.0.self_attn.q_proj.bias"
     assert not torch.equal(trained.float(), original[plain])  # it trained
     torch.testing.assert_close(merged[plain], trained.to(original[plain].dtype), rtol=0, atol=0)
+
+
+OWN_LOADER = """
+
+class MyLMWithData(MyLM):
+    def train_dataloader(self):
+        return Bytes().train_dataloader()
+"""
+
+
+def test_a_module_with_its_own_loader_is_estimated_and_planned_without_a_data_section(tmp_path, monkeypatch, capsys):
+    """fit takes the module's own train_dataloader; estimate and plan take their batch from it too (they demanded a
+    data section fit does not need). The plan keeps that loader's micro-batch, which nothing else sets."""
+    from loading_helpers import llama_config
+
+    from pl_lowprec.cli.estimate import estimate_config
+
+    shapes = tmp_path / "shapes"
+    llama_config().save_pretrained(shapes)
+    write_own_module(tmp_path, "own_lm", OWN_MODULE + OWN_LOADER, monkeypatch)
+    strategy = {"quantization": "nf4", "lora": {"r": 4}}
+    write_own_config(tmp_path / "with_data.yaml", "own_lm.MyLM", "own_lm.Bytes", shapes, strategy, 1)
+    config = yaml.safe_load(
+        write_own_config(tmp_path / "own.yaml", "own_lm.MyLMWithData", "-", shapes, strategy, 1).read_text()
+    )
+    del config["data"]
+    (tmp_path / "own.yaml").write_text(yaml.safe_dump(config))
+    assert estimate_config(["--config", "own.yaml"]).peak == estimate_config(["--config", "with_data.yaml"]).peak
+    main(["plan", "--config", "own.yaml", "--memory", "2GiB", "--out", "planned.yaml"])
+    out = capsys.readouterr().out
+    assert "Batch: 1 rows x 16 positions, the first training batch (MyLMWithData does not say" in out
+    assert "micro-batch 1 x 1" in out and "data" not in yaml.safe_load((tmp_path / "planned.yaml").read_text())
+    with pytest.raises(SystemExit):
+        main(["plan", "--config", "own.yaml", "--memory", "2GiB", "--maximize", "batch_size"])
+    assert "--maximize batch_size changes the data module's batch_size, and the config" in capsys.readouterr().err
