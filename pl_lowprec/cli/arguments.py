@@ -66,3 +66,24 @@ def read_config(value: str) -> tuple[Any, str]:
     first, _, _ = value.partition("\n")
     source = first.removeprefix(SOURCE_MARK) if first.startswith(SOURCE_MARK) else "the --config given inline"
     return yaml.safe_load(value), source
+
+
+def empty_config_paragraph(cli_args: list[str]) -> str | None:
+    """The refusal of a ``--config`` file that holds nothing (empty, or only comments), which jsonargparse reports as
+    "Unexpected config" without its name; ``None`` where every file holds something."""
+    for value in config_values(cli_args):
+        path = Path(value)
+        try:
+            is_file = path.is_file()
+        except OSError:  # YAML given inline
+            continue
+        try:
+            fields = yaml.safe_load(path.read_text()) if is_file else True
+        except (yaml.YAMLError, UnicodeDecodeError, OSError):
+            continue  # jsonargparse names the file and the line
+        if fields is None:
+            return (
+                f"--config {value} holds nothing (it is empty, or only comments): a config is YAML with the sections"
+                " that `pl-lowprec fit --print_config` shows (trainer:, model:, data:). Fill it, or leave it out."
+            )
+    return None

@@ -338,3 +338,11 @@ def test_a_rank_other_than_zero_says_which_it_is(capsys, monkeypatch):
         with pytest.raises(ConfigurationError):
             refuse("shard_modules: 'Block' matches no module.")
         assert capsys.readouterr().err == f"{start}shard_modules: 'Block' matches no module.\n"
+
+
+@pytest.mark.parametrize("command", ["fit", "estimate", "plan"])
+def test_an_empty_config_file_is_named(capsys, tmp_path, command):
+    """jsonargparse says only "Unexpected config", with nothing after it, for a file that holds no YAML."""
+    (empty := tmp_path / "empty.yaml").write_text("# to fill in\n")
+    said = refusal(capsys, [command, "--config", QUICKSTART, "--config", str(empty)])
+    assert f"--config {empty} holds nothing (it is empty, or only comments)" in said
