@@ -42,6 +42,7 @@ class TransformHooks(TransformArguments):
     """Runs ``self.transform`` at setup, around training steps, at the end of fit and for checkpoints."""
 
     _checked_before_loading = False
+    _said_auto_outside_fit = False  # validate/test/predict before fit chose the "auto" settings: said once
     automatic_choice: Any = None  # the Search behind the "auto" settings, once fit has chosen them
     prediction: Any = None  # the MemoryEstimate of the settings fit runs, where "auto" or memory_budget made one
     step_clock: StepClock | None = None  # the run's optimizer steps, where there is a prediction to set them beside
@@ -71,6 +72,14 @@ class TransformHooks(TransformArguments):
         (``load_model_state_dict``). The Trainer's arguments; then, once per strategy when fitting, the validation
         interval and the memory settings, which share one ask for the training loader."""
         check_trainer_arguments(trainer)
+        if trainer.state.fn != TrainerFn.FITTING and not self._said_auto_outside_fit:
+            self._said_auto_outside_fit = True
+            if self.transform_config.chooses_automatically:
+                rank_zero_info(
+                    f"Memory settings: 'auto' is chosen when fitting; {trainer.state.fn.value} runs the memory-saving"
+                    " side (every declared block checkpointed, the exact memory-saving paths), whose numbers are the"
+                    " fast side's up to rounding."
+                )
         if self._checked_before_loading or trainer.state.fn != TrainerFn.FITTING:
             return
         self._checked_before_loading = True

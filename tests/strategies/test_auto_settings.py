@@ -150,3 +150,18 @@ def test_the_memory_is_the_least_of_all_ranks_shared_on_one_host_less_the_margin
     assert limit == int(30 * GiB / 2 * 0.9)
     assert said == "30.00 GiB of available host memory, the least of all ranks, shared by 2 processes, less 10%"
     assert auto_settings.memory_limit(_Strategy(), torch.device("cpu"), 5 * GiB) == (5 * GiB, "memory_budget=5.00 GiB")
+
+
+def test_validating_before_fit_says_it_runs_the_memory_saving_side_then_fit_chooses(caplog, monkeypatch):
+    monkeypatch.setattr(auto_settings, "available_memory", lambda device: 64 * GiB)
+    torch.manual_seed(0)
+    model = tiny_llama(hidden_size=64)
+    trainer = quiet_trainer(strategy=LowPrecisionStrategy(lora=LORA, **AUTO), precision="bf16-mixed", max_steps=1)
+    loader = ids_loader(batches=2, batch_size=4, seq_len=64)
+    with caplog.at_level("INFO"):
+        trainer.validate(model, loader)
+        trainer.validate(model, loader)
+        trainer.fit(model, loader)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Memory settings")]
+    assert lines[0].startswith("Memory settings: 'auto' is chosen when fitting; validate runs the memory-saving side")
+    assert len(lines) == 2 and lines[1].startswith("Memory settings for 57.60 GiB")  # once each; fit still chooses
