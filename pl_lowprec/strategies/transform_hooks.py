@@ -42,7 +42,7 @@ class TransformHooks(TransformArguments):
     """Runs ``self.transform`` at setup, around training steps, at the end of fit and for checkpoints."""
 
     _checked_before_loading = False
-    _said_auto_outside_fit = False  # validate/test/predict before fit chose the "auto" settings: said once
+    _transformed_outside_fit = False  # validate/test/predict ran first: "auto" took its memory-saving side
     automatic_choice: Any = None  # the Search behind the "auto" settings, once fit has chosen them
     prediction: Any = None  # the MemoryEstimate of the settings fit runs, where "auto" or memory_budget made one
     step_clock: StepClock | None = None  # the run's optimizer steps, where there is a prediction to set them beside
@@ -72,13 +72,13 @@ class TransformHooks(TransformArguments):
         (``load_model_state_dict``). The Trainer's arguments; then, once per strategy when fitting, the validation
         interval and the memory settings, which share one ask for the training loader."""
         check_trainer_arguments(trainer)
-        if trainer.state.fn != TrainerFn.FITTING and not self._said_auto_outside_fit:
-            self._said_auto_outside_fit = True
+        if trainer.state.fn != TrainerFn.FITTING and not self._transformed_outside_fit:
+            self._transformed_outside_fit = True
             if self.transform_config.chooses_automatically:
                 rank_zero_info(
                     f"Memory settings: 'auto' is chosen when fitting; {trainer.state.fn.value} runs the memory-saving"
                     " side (every declared block checkpointed, the exact memory-saving paths), whose numbers are the"
-                    " fast side's up to rounding."
+                    " fast side's up to rounding. A fit of this model after it keeps that side."
                 )
         if self._checked_before_loading or trainer.state.fn != TrainerFn.FITTING:
             return
@@ -101,7 +101,13 @@ class TransformHooks(TransformArguments):
         rank_zero_info(f"Memory is sized for batches of {shape}.")
         links = run_interconnect(self)  # every rank, before a rank can fail alone
         search = None
-        if config.chooses_automatically:
+        if config.chooses_automatically and self._transformed_outside_fit:  # installed already: apply keeps it
+            rank_zero_info(
+                "Memory settings: the model was transformed on the memory-saving side by an earlier validate, test or"
+                " predict of this strategy, and this fit keeps it ('auto' chooses only for a model not transformed"
+                " yet: fit first, or build the model and strategy again)."
+            )
+        elif config.chooses_automatically:
             search = choose_memory_settings(self, trainer, batch, str(plugin.precision), self.memory_budget, links)
             self.automatic_choice = search
             self.prediction = search.estimate if search is not None else None

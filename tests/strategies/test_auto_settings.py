@@ -152,7 +152,9 @@ def test_the_memory_is_the_least_of_all_ranks_shared_on_one_host_less_the_margin
     assert auto_settings.memory_limit(_Strategy(), torch.device("cpu"), 5 * GiB) == (5 * GiB, "memory_budget=5.00 GiB")
 
 
-def test_validating_before_fit_says_it_runs_the_memory_saving_side_then_fit_chooses(caplog, monkeypatch):
+def test_validating_before_fit_runs_the_memory_saving_side_and_fit_keeps_it_saying_so(caplog, monkeypatch):
+    """The transform installs what it is given and a later one keeps it: a fit after validate cannot take the fast
+    side, and before, its line named the fast settings while the blocks stayed checkpointed."""
     monkeypatch.setattr(auto_settings, "available_memory", lambda device: 64 * GiB)
     torch.manual_seed(0)
     model = tiny_llama(hidden_size=64)
@@ -164,4 +166,6 @@ def test_validating_before_fit_says_it_runs_the_memory_saving_side_then_fit_choo
         trainer.fit(model, loader)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Memory settings")]
     assert lines[0].startswith("Memory settings: 'auto' is chosen when fitting; validate runs the memory-saving side")
-    assert len(lines) == 2 and lines[1].startswith("Memory settings for 57.60 GiB")  # once each; fit still chooses
+    assert len(lines) == 2 and lines[1].startswith("Memory settings: the model was transformed on the memory-saving")
+    assert _in_effect(model) == ([True, True], True, True)  # what the lines say it runs
+    assert trainer.strategy.transform_config.chooses_automatically  # nothing chose: 'auto' is the saving side
