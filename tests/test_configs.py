@@ -175,6 +175,7 @@ def test_ddp_config_runs_on_two_cpu_processes(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Memory, fit (cpu, 2 ranks, max across ranks)" in result.stdout
     assert "params_quantized_4bit" in result.stdout
+    assert len(list(tmp_path.rglob("last.ckpt"))) == 1  # the final step, for --ckpt_path last and export
 
 
 @pytest.mark.slow
@@ -190,3 +191,4 @@ def test_fsdp_config_runs_on_two_cpu_processes(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "FSDP2: 2 shard units and the root across 2 ranks." in result.stdout + result.stderr
     assert "Memory, fit (cpu, 2 ranks, max across ranks)" in result.stdout
+    assert len(list(tmp_path.rglob("last.ckpt"))) == 1  # the final step, for --ckpt_path last and export
