@@ -20,6 +20,7 @@ and templates' ``{% endgeneration %}`` before the newline have it.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Mapping
@@ -145,10 +146,12 @@ class ChatTemplate:
         return start + len(text) if any(token and text.endswith(token) for token in special) else end
 
 
-def special_token_texts(tokenizer: Any) -> set[str]:
+@functools.lru_cache(maxsize=8)  # once per tokenizer, not per turn: added_tokens_decoder builds a dict each call
+def special_token_texts(tokenizer: Any) -> frozenset[str]:
     """The texts of a tokenizer's special tokens: its named ones and the added tokens marked special."""
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    return set(getattr(tokenizer, "all_special_tokens", [])) | {t.content for t in added.values() if t.special}
+    named = getattr(tokenizer, "all_special_tokens", [])
+    return frozenset(named) | {t.content for t in added.values() if t.special}
 
 
 def turns_problem(turns: Any) -> str | None:
