@@ -5,8 +5,9 @@ with ``strict=False``, since a worker may have changed the module. Here it alway
 never ran the strategy's transform, so it has no LoRA layers and full-precision base weights, and every adapter
 (and quantized weight) was dropped without a word: after ``trainer.fit(model)`` the model in hand was the
 untrained one. ``TransformingSpawnLauncher`` applies the same transform to the main process's module first, on the
-CPU (where Lightning's launcher leaves it), then loads the weights. Every parameter that trains must be among them
-(an error otherwise, not a silent drop); a quantized layer's packed weight is quantized from the same weights on
+CPU (where Lightning's launcher leaves it), then loads the weights. Every parameter that trains must be among them;
+where that, or the transform on the CPU (fp8, offloading), fails, a warning says the model in hand is untrained and
+where the weights are, instead of a silent drop. A quantized layer's packed weight is quantized from the same weights on
 both sides, and bitsandbytes' quantization-state entries, which its CPU layers do not take back, are left out.
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 
 class TransformingSpawnLauncher(_MultiProcessingLauncher):
@@ -27,9 +29,15 @@ class TransformingSpawnLauncher(_MultiProcessingLauncher):
         if worker_output.weights_path is not None:
             strategy: Any = self._strategy
             module = trainer.lightning_module
-            strategy.transform.apply(module, strategy.precision_plugin, torch.device("cpu"))
-            weights = strategy.checkpoint_io.load_checkpoint(worker_output.weights_path)
-            load_trained_weights(module, weights)
+            try:
+                strategy.transform.apply(module, strategy.precision_plugin, torch.device("cpu"))
+                load_trained_weights(module, strategy.checkpoint_io.load_checkpoint(worker_output.weights_path))
+            except Exception as err:  # fp8 or offloading, which need CUDA: the model in hand cannot take them
+                rank_zero_warn(
+                    f"lowprec_ddp_spawn: the trained weights could not come back into the model in this process"
+                    f" ({type(err).__name__}: {err}), so it is the untrained model. The run's checkpoints hold them;"
+                    " strategy='lowprec_ddp' (a process per rank) leaves nothing to bring back."
+                )
             strategy.checkpoint_io.remove_checkpoint(worker_output.weights_path)
             worker_output = worker_output._replace(weights_path=None)
         super()._recover_results_in_main_process(worker_output, trainer)
