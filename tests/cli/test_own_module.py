@@ -106,11 +106,11 @@ def test_a_module_with_its_own_loader_is_estimated_and_planned_without_a_data_se
 
     shapes = tmp_path / "shapes"
     llama_config().save_pretrained(shapes)
-    write_own_module(tmp_path, "own_lm", OWN_MODULE + OWN_LOADER, monkeypatch)
+    write_own_module(tmp_path, "own_lm_loader", OWN_MODULE + OWN_LOADER, monkeypatch)  # a name of its own: not cached
     strategy = {"quantization": "nf4", "lora": {"r": 4}}
-    write_own_config(tmp_path / "with_data.yaml", "own_lm.MyLM", "own_lm.Bytes", shapes, strategy, 1)
+    write_own_config(tmp_path / "with_data.yaml", "own_lm_loader.MyLM", "own_lm_loader.Bytes", shapes, strategy, 1)
     config = yaml.safe_load(
-        write_own_config(tmp_path / "own.yaml", "own_lm.MyLMWithData", "-", shapes, strategy, 1).read_text()
+        write_own_config(tmp_path / "own.yaml", "own_lm_loader.MyLMWithData", "-", shapes, strategy, 1).read_text()
     )
     del config["data"]
     (tmp_path / "own.yaml").write_text(yaml.safe_dump(config))

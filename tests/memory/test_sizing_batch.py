@@ -68,7 +68,7 @@ def test_a_loader_that_does_not_say_its_longest_row_is_named(pretrained, mixed):
     batch = next(iter(data(pretrained, mixed, 0).train_dataloader()))
     same, said = sizing_batch(batch, None)
     assert same is batch
-    assert said.endswith("the first training batch (the loaders given to fit does not say its longest row,"
+    assert said.endswith("the first training batch (the loaders given to fit do not say the longest row,"
                          " longest_train_row(): a longer batch needs more memory)")  # fmt: skip
 
 
