@@ -217,3 +217,32 @@ def test_spawn_hands_the_trained_adapters_back_to_the_model_in_hand(tmp_path, qu
         assert torch.equal(weight, on_rank_0[name]), name
     if quantization:
         assert type(model.model[0].base_layer).__name__ == "Linear4bit"
+
+
+def test_spawn_warns_where_the_model_in_hand_cannot_take_the_trained_weights(tmp_path, monkeypatch):
+    """fp8 or offloading cannot be applied on the main process's CPU: the model in hand stays untrained, and a warning
+    says so and where the weights are, instead of Lightning's silent partial load."""
+    import io
+
+    from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
+    from plain_amp_loop import make_mlp
+
+    strategy = LowPrecisionDDPStrategy(start_method="spawn", lora={"r": 4, "target_modules": ["0", "3"]})
+    trainer = quiet_trainer(strategy=strategy, devices=2)
+    model = Classifier(make_mlp())
+    strategy.connect(model)
+    untrained = {k: v.clone() for k, v in model.state_dict().items()}
+    (weights := tmp_path / "rank0.ckpt").write_bytes(b"")
+    torch.save({"model.0.lora_A.default.weight": torch.ones(4, 32)}, weights)
+
+    def needs_cuda(*args, **kwargs):
+        raise ValueError("fp8 needs a CUDA device")
+
+    monkeypatch.setattr(strategy.transform, "apply", needs_cuda)
+    metrics = io.BytesIO()
+    torch.save({}, metrics)
+    output = _WorkerOutput(None, str(weights), trainer.state, None, {"callback_metrics_bytes": metrics.getvalue()})
+    with pytest.warns(UserWarning, match=r"could not come back into the model in this process \(ValueError: fp8"):
+        strategy._launcher._recover_results_in_main_process(output, trainer)
+    assert all(torch.equal(v, untrained[k]) for k, v in model.state_dict().items())  # nothing half-loaded
+    assert not weights.exists()  # the temporary file is removed, as Lightning removes it
