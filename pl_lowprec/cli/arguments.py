@@ -72,18 +72,14 @@ def empty_config_paragraph(cli_args: list[str]) -> str | None:
     """The refusal of a ``--config`` file that holds nothing (empty, or only comments), which jsonargparse reports as
     "Unexpected config" without its name; ``None`` where every file holds something."""
     for value in config_values(cli_args):
-        path = Path(value)
         try:
-            is_file = path.is_file()
-        except OSError:  # YAML given inline
-            continue
-        try:
-            fields = yaml.safe_load(path.read_text()) if is_file else True
+            fields, source = read_config(value)
         except (yaml.YAMLError, UnicodeDecodeError, OSError):
             continue  # jsonargparse names the file and the line
         if fields is None:
+            named = f"--config {source}" if source == value else source
             return (
-                f"--config {value} holds nothing (it is empty, or only comments): a config is YAML with the sections"
+                f"{named} holds nothing (it is empty, or only comments): a config is YAML with the sections"
                 " that `pl-lowprec fit --print_config` shows (trainer:, model:, data:). Fill it, or leave it out."
             )
     return None

@@ -70,12 +70,7 @@ def records_under_a_key(datasets: Any, dataset: Any, path: Path, read_columns: C
     training data is not for this package to guess). Any other dataset as it is."""
     if path.suffix != ".json" or len(dataset) != 1 or set(dataset.column_names) & set(read_columns):
         return dataset
-    row = dataset[0]
-    lists = [
-        name
-        for name, value in row.items()
-        if isinstance(value, list) and value and all(isinstance(item, dict) for item in value)
-    ]
+    lists = [name for name, feature in dataset.features.items() if lists_records(datasets, feature)]
     if len(lists) > 1:
         raise ValueError(
             f"{path} is one JSON object with lists of records under the keys {lists}; which to read is not clear."
@@ -90,6 +85,13 @@ def records_under_a_key(datasets: Any, dataset: Any, path: Path, read_columns: C
         + (f"; not read: {others}." if others else ".")
     )
     return read_file(datasets, path, field=lists[0])
+
+
+def lists_records(datasets: Any, feature: Any) -> bool:
+    """Whether a column's feature is a list of objects: of one shape (a struct), or of several (``Json``)."""
+    if not isinstance(feature, datasets.List):
+        return False
+    return isinstance(feature.feature, dict) or type(feature.feature).__name__ == "Json"
 
 
 def read_file(datasets: Any, path: Path, **json_options: Any) -> Any:

@@ -108,9 +108,10 @@ def unread_columns(columns: Iterable[str], fields: dict[str, str] | None) -> lis
     return sorted(set(columns) - set(fields.values()) - set(TEMPLATE_FIELDS))
 
 
-def columns_read(fields: dict[str, str] | None) -> frozenset[str]:
-    """The columns a table is read by: those ``fields`` names, else every one read without a mapping."""
-    return READ_COLUMNS if fields is None else frozenset(fields.values())
+def columns_read(fields: dict[str, str] | None, unmapped: Iterable[str] = READ_COLUMNS) -> frozenset[str]:
+    """The columns a table is read by: those ``fields`` names, else ``unmapped`` (by default every one training
+    reads without a mapping)."""
+    return frozenset(unmapped if fields is None else fields.values())
 
 
 def check_columns(columns: Iterable[str], fields: dict[str, str] | None, source: str) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 from pl_lowprec.data.chat import turns_problem
 from pl_lowprec.data.dataset_files import open_dataset
-from pl_lowprec.data.fields import SHAREGPT_COLUMN, check_columns, read_fields
+from pl_lowprec.data.fields import SHAREGPT_COLUMN, check_columns, columns_read, read_fields
 from pl_lowprec.data.sources import Source, resolve_sources
 from pl_lowprec.data.text import VAL_SPLITS
 
@@ -94,7 +94,7 @@ def _source_records(source: Source, fields: dict[str, str] | None, splits: tuple
                 raise ValueError(f"{source.path}:{number}: not valid JSON ({err.msg}).") from err
             yield prompt_record(record, fields, f"{source.path}:{number}", line.rstrip("\n"))
     else:
-        read_columns = PROMPT_COLUMNS if fields is None else set(fields.values())
+        read_columns = columns_read(fields, unmapped=PROMPT_COLUMNS)
         dataset, label = open_dataset(source, splits, OPTION, split_option="--split NAME", read_columns=read_columns)
         _check_prompt_columns(dataset.column_names, fields, label)
         for index, row in enumerate(dataset):

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
+from pl_lowprec.strategies.unresumable_data import resumed_where_an_epoch_ended
+
 CHECKPOINT_KEY = "pl_lowprec_random_states"  # a list: one entry per rank
 
 
@@ -56,12 +58,8 @@ def restart_epoch_iterator(trainer: Any) -> bool:
     """After ``set_random_states`` at an epoch's boundary: start the training loaders' iterator again where every
     loader is a plain ``DataLoader`` drawing from the global generator (``generator=None``); whether it did. A loader
     with its own state (``resumable_loader``) or generator draws nothing from the global one and is left alone."""
-    fit_loop = trainer.fit_loop
-    combined, fetcher = fit_loop._combined_loader, fit_loop._data_fetcher
-    batches = trainer.num_training_batches
-    if combined is None or fetcher is None or batches == float("inf"):
-        return False
-    if fit_loop.epoch_loop.batch_progress.current.ready < batches:
+    combined, fetcher = trainer.fit_loop._combined_loader, trainer.fit_loop._data_fetcher
+    if combined is None or fetcher is None or not resumed_where_an_epoch_ended(trainer):
         return False  # inside an epoch: the uninterrupted run drew at the epoch's start, before the checkpoint
     loaders = combined.flattened
     if not all(type(loader) is DataLoader and loader.generator is None for loader in loaders):

@@ -81,7 +81,8 @@ def with_shared_arguments(docstring: str | None, shared: str) -> str | None:
     its base's."""
     if docstring is None:
         return None
-    own = argument_blocks(args_entries(docstring))
+    own_lines = args_entries(docstring)
+    own = argument_blocks(own_lines)
     added = [line for name, block in argument_blocks(args_entries(shared)).items() if name not in own for line in block]
     added = [line for line in added if line.strip()]
     if not added:
@@ -90,7 +91,6 @@ def with_shared_arguments(docstring: str | None, shared: str) -> str | None:
     if ARGS_HEADING not in lines:
         return "\n".join([*lines, "", ARGS_HEADING, *added])
     start = lines.index(ARGS_HEADING) + 1
-    own_lines = args_entries(docstring)
     at = next((start + i for i, line in enumerate(own_lines) if line.strip().startswith("**kwargs")), None)
     if at is None:
         at = start + len(own_lines)

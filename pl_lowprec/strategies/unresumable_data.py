@@ -8,7 +8,6 @@ the loader that fixes it (``pl_lowprec.data.resumable_loader``), so the warning 
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any
 
@@ -19,14 +18,21 @@ from torch.utils.data import DataLoader, RandomSampler
 LIGHTNINGS_WARNING = "You're resuming from a checkpoint that ended before the epoch ended"
 
 
+def resumed_where_an_epoch_ended(trainer: Any) -> bool:
+    """Whether a resumed ``fit``, as it starts training, stands where an epoch's batches all ran (its next
+    batch opens a new epoch); ``False`` for an endless loader."""
+    batches = trainer.num_training_batches
+    return batches != float("inf") and trainer.fit_loop.epoch_loop.batch_progress.current.ready >= batches
+
+
 def unresumable_data_paragraph(trainer: Any) -> str | None:
     """The warning's text where a resumed ``fit`` starts inside an epoch on a loader without state; else ``None``."""
     batches = trainer.num_training_batches
     combined = trainer.fit_loop._combined_loader
     if combined is None or batches == float("inf"):
         return None
-    if trainer.global_step % math.ceil(batches / trainer.accumulate_grad_batches) == 0:
-        return None  # resumed where an epoch ended: a new epoch starts anyway
+    if resumed_where_an_epoch_ended(trainer):
+        return None  # a new epoch starts anyway
     plain = [loader for loader in combined.flattened if not isinstance(loader, _Stateful)]
     if not plain:
         return None
