@@ -22,6 +22,20 @@ def batch_shape(batch: Any) -> tuple[int, int] | None:
     return next((tuple(t.shape[:2]) for t in batch_tensors(batch) if t.dim() >= 2), None)
 
 
+def holds_token_rows(batch: Any) -> bool:
+    """Whether the batch's first tensor of two or more dimensions is integer rows of positions (token ids), the
+    only kind a longer batch can come of; features (``x[4, 16]`` floats) or images have no positions."""
+    first = next((t for t in batch_tensors(batch) if t.dim() >= 2), None)
+    return first is not None and first.dim() == 2 and not (first.is_floating_point() or first.is_complex())
+
+
+def tensor_shapes(batch: Any) -> str:
+    """The batch's tensors as ``4x16 float32, 4 int64``: how a batch without token rows is said."""
+    return ", ".join(
+        f"{'x'.join(map(str, t.shape)) or 'scalar'} {str(t.dtype).removeprefix('torch.')}" for t in batch_tensors(batch)
+    )
+
+
 def first_config_batch(model: Any, datamodule: Any, command: str) -> tuple[Any, Any]:
     """The first training batch of a config that ``command`` (estimate, plan) reads without a Trainer, and what
     it came from: the data module, or else the module's own ``train_dataloader``, as ``fit`` takes it."""
@@ -50,6 +64,8 @@ def sizing_batch(batch: Any, datamodule: Any) -> tuple[Any, str]:
     longest = getattr(datamodule, "longest_train_row", None)
     if shape is None:
         return batch, "the first training batch"
+    if not holds_token_rows(batch):
+        return batch, f"the first training batch ({tensor_shapes(batch)})"
     rows, length = shape
     if not callable(longest):
         source = "the loaders given to fit do" if datamodule is None else f"{type(datamodule).__name__} does"

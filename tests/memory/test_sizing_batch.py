@@ -93,3 +93,14 @@ def test_a_budget_between_the_short_and_the_long_batch_stops_fit_whatever_the_fi
     with pytest.raises(ValueError, match=r"memory_budget=.*the predicted peak"):
         trainer.fit(CausalLM(str(pretrained)), datamodule=data(pretrained, mixed, seed))
     assert torch.equal(short["input_ids"], next(iter(data(pretrained, mixed, seed).train_dataloader()))["input_ids"])
+
+
+def test_a_batch_of_features_is_said_by_its_tensor_shapes_not_as_rows_of_positions():
+    """A tabular ``(x[4, 16], y[4])`` batch has no positions and no longer batch to come: it was said as "4 rows x
+    16 positions" with a hint to add ``longest_train_row()``."""
+    features = (torch.randn(4, 16), torch.zeros(4, dtype=torch.long))
+    same, said = sizing_batch(features, None)
+    assert same is features
+    assert said == "the first training batch (4x16 float32, 4 int64)"
+    tokens = {"input_ids": torch.zeros(4, 16, dtype=torch.long)}
+    assert sizing_batch(tokens, None)[1].startswith("4 rows x 16 positions, the first training batch (the loaders")
