@@ -150,4 +150,18 @@ def export(
         what = "peft adapter directory"
     tokenizer = save_tokenizer(restored, out)
     tokenizer_note = f"tokenizer from {tokenizer}" if tokenizer else "no tokenizer found"
-    return f"Wrote {what} to {out} from {restored.checkpoint} ({tokenizer_note})."
+    unnamed_base = unnamed_base_note(restored, merged, out)
+    return f"Wrote {what} to {out} from {restored.checkpoint} ({tokenizer_note}).{unnamed_base}"
+
+
+def unnamed_base_note(restored: Restored, merged: bool, out: Path) -> str:
+    """Where an adapter's base came from no pretrained weights, what its ``adapter_config.json`` cannot say: the
+    base is the model the module builds from its config, and the adapters load onto that."""
+    if merged or restored.weights is not None:
+        return ""
+    module = type(restored.module)
+    return (
+        f" Its base was built from the config ({module.__module__}.{module.__qualname__} with its seeded or random"
+        " weights), not loaded from pretrained weights, so adapter_config.json names no base_model_name_or_path:"
+        f" build the same module and load the adapters onto its model, PeftModel.from_pretrained(model, {str(out)!r})."
+    )

@@ -189,6 +189,35 @@ def test_merged_export_needs_original_weights(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_an_adapter_of_a_base_built_from_a_config_says_which_base_it_belongs_to(tmp_path):
+    """adapter_config.json can name no base for a model built from a config (the demo's TinyLlama): the export's
+    line says so, names the module whose model the adapters load onto, and how."""
+    from peft import PeftModel
+
+    from pl_lowprec.export.restore import Restored
+    from pl_lowprec.export.write import export
+    from pl_lowprec.transforms.lora import inject_lora
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    base = {k: v.clone() for k, v in module.state_dict().items()}
+    inject_lora(module, {"r": 2})
+    for name, param in module.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_()  # trained adapters: not peft's zero start
+    restored = Restored(module, None, None, None, tmp_path / "x.ckpt", None)
+    line = export(restored, tmp_path / "out", merged=False, dtype=None, overwrite=False)
+    assert "Its base was built from the config (torch.nn.modules.container.Sequential" in line
+    assert f"PeftModel.from_pretrained(model, {str(tmp_path / 'out')!r})" in line
+    assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["base_model_name_or_path"] is None
+    same_base = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    same_base.load_state_dict(base)
+    loaded = PeftModel.from_pretrained(same_base, tmp_path / "out")
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(loaded(x), module(x))
+    assert not torch.allclose(loaded(x), same_base[0].base_layer(x))  # the adapters count
+
+
 def test_generate_from_the_checkpoint_the_merged_model_and_the_adapter_agree(pretrained, lora_run, tmp_path):
     _, checkpoint, args = lora_run
     prompts = tmp_path / "prompts.jsonl"
