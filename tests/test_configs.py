@@ -77,7 +77,10 @@ def assert_strategy_in_effect(settings: dict, model: torch.nn.Module, optimizer,
         mode = _quantization_mode(settings["quantization"])
         quantized = {n: m for n, m in model.named_modules() if is_quantized(m)}
         assert quantized, f"quantization={mode!r} left no bitsandbytes layer"
-        assert not any(n.endswith("lm_head") for n in quantized)  # the output head stays unquantized
+        # the output head stays unquantized (under a LoRA wrapper its layer is lm_head.base_layer)
+        assert not any("lm_head" in n for n in quantized), (
+            f"the head was quantized: {[n for n in quantized if 'lm_head' in n]}"
+        )
         if mode != "int8":
             quant_type, _, dq = mode.partition("-")
             for layer in quantized.values():
@@ -91,6 +94,7 @@ def assert_strategy_in_effect(settings: dict, model: torch.nn.Module, optimizer,
             assert {n.rpartition(".")[2] for n in adapted} == set(targets)
         trainable = [n for n, p in model.named_parameters() if p.requires_grad]
         assert trainable and all("lora_" in n for n in trainable)
+        assert not any("lm_head" in n for n in adapted), "LoRA adapted the output head, which skip_modules keeps out"
     if settings.get("optimizer") is not None:
         name = settings["optimizer"]
         expected = BITSANDBYTES_OPTIMIZERS[name]
@@ -104,6 +108,10 @@ def assert_strategy_in_effect(settings: dict, model: torch.nn.Module, optimizer,
         every_n = settings.get("checkpoint_every_n", 1)
         assert blocks and [is_checkpointed(b) for b in blocks] == [i % every_n == 0 for i in range(len(blocks))]
     if settings.get("qat") is not None:
+        head = model.get_submodule("model.lm_head")  # neither fake-quantized nor converted to int4
+        assert type(head) is torch.nn.Linear and type(head.weight.data) is torch.Tensor, (
+            f"qat= changed the head: {head}"
+        )
         convert = settings["qat"].get("init_args", {}).get("convert_on_fit_end", True)
         assert is_converted(model) == convert, "qat= did not leave the model in the form the config asks for"
 

@@ -19,8 +19,36 @@ DEFAULT_SKIP = ("lm_head", "*.lm_head", "head", "*.head", "score", "*.score", "c
 
 
 def matches_any(name: str, patterns: Sequence[str]) -> bool:
-    """Whether a module name matches one of the glob ``patterns`` (``"lm_head"``, ``"*.head"``)."""
-    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+    """Whether a module name matches one of the glob ``patterns`` (``"lm_head"``, ``"*.head"``), as a whole or
+    in its last dotted parts, as peft matches ``target_modules``: ``"lm_head"`` names ``model.lm_head`` too (a
+    module holding a Hugging Face model as ``self.model`` has no top-level ``lm_head``)."""
+    return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, f"*.{p}") for p in patterns)
+
+
+def unmatched_skip_patterns(model: nn.Module, patterns: Sequence[str]) -> list[str]:
+    """The patterns of a user's ``skip_modules`` that name no linear layer of ``model``: they leave nothing out,
+    so what they were meant to keep in full precision is transformed. The default list names heads any model may
+    lack, and is not checked."""
+    if tuple(patterns) == DEFAULT_SKIP:
+        return []
+    names = linear_names(model)
+    return [p for p in patterns if not any(matches_any(name, [p]) for name in names)]
+
+
+def check_skip_modules(model: nn.Module, patterns: Sequence[str], owner: str) -> None:
+    """Refuse a ``skip_modules`` pattern of ``owner`` (``QuantizationConfig``) that names no linear layer."""
+    unmatched = unmatched_skip_patterns(model, patterns)
+    if not unmatched:
+        return
+    names = linear_names(model)
+    shown = ", ".join(names[:3] + (["...", names[-1]] if len(names) > 3 else []))
+    raise ValueError(
+        f"{owner}(skip_modules={list(patterns)}): {', '.join(map(repr, unmatched))} names no linear layer of"
+        f" {type(model).__name__}, so it keeps nothing out of the transform. A pattern matches a layer's full name"
+        f" or its last dotted parts (as peft's target_modules): 'lm_head' matches 'model.lm_head'. The linear"
+        f" layers are {shown or 'none'}. Correct the pattern, or leave skip_modules out to keep the output heads"
+        " (the default)."
+    )
 
 
 def is_target_linear(module: nn.Module, name: str, skip_modules: Sequence[str], exact: bool = True) -> bool:

@@ -74,6 +74,7 @@ from pl_lowprec.transforms.frozen_dtype import cast_frozen_weights
 from pl_lowprec.transforms.fused_lora_mlp import fuse_lora_mlps
 from pl_lowprec.transforms.half_trainable import warn_half_trainable
 from pl_lowprec.transforms.initial_adapters import keep_initial_adapters, rewrote_the_base_line
+from pl_lowprec.transforms.linear_filter import check_skip_modules
 from pl_lowprec.transforms.lora import (
     has_lora,
     inject_lora,
@@ -135,6 +136,9 @@ class ModelTransform:
                 f"{len(converted)} Conv1D layers (GPT-2's transposed linear layers) taken as nn.Linear: their weights"
                 " are transposed as they load and written back in Conv1D's layout by the exports."
             )
+        for owner, part in (("QuantizationConfig", c.quantization), ("QATConfig", c.qat), ("FP8Config", c.fp8)):
+            if part is not None:
+                check_skip_modules(model, part.skip_modules, owner)
         if self.sharding is not None:
             self.sharding.check(model, c.quantization)
         streamed = has_meta_tensors(model)  # pretrained= quantizes as it loads

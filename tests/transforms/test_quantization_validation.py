@@ -126,3 +126,35 @@ def test_excluded_modules_are_left_out_of_the_targets_and_of_the_count():
     targets = inject_lora(model, {"r": 4, "exclude_modules": ["down_proj"]})
     assert sorted(targets) == sorted(lora_layers(model)) and len(targets) == 12  # 14 linear layers, 2 down_proj
     assert not any(name.endswith("down_proj") for name in targets)
+
+
+@pytest.mark.parametrize("pattern", ["lm_head", "*lm_head", "model.lm_head"])
+def test_a_head_named_by_its_last_part_stays_unquantized_and_without_lora(pattern):
+    """The shipped configs wrote ``skip_modules: [lm_head]`` while the head is ``model.lm_head``: the pattern
+    matched nothing and replaced the default, so the head was quantized and given an adapter. Patterns now match
+    a name's last dotted parts, as peft's ``target_modules`` do."""
+    model = tiny_llama()
+    strategy = LowPrecisionStrategy(quantization=QuantizationConfig("nf4", skip_modules=[pattern]), lora={"r": 4})
+    quiet_trainer(strategy=strategy, max_steps=1).fit(model, ids_loader(batches=1))
+    assert type(model.model.lm_head) is nn.Linear
+    import bitsandbytes as bnb
+
+    quantized = [n for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
+    adapted = [n for n, m in model.named_modules() if hasattr(m, "lora_A")]
+    assert len(quantized) == len(adapted) == 14  # 2 layers x 7 projections
+    assert not any("lm_head" in n for n in quantized + adapted)
+
+
+def test_a_skip_pattern_that_names_no_layer_is_refused_before_the_first_step():
+    trainer = quiet_trainer(
+        strategy=LowPrecisionStrategy(quantization=QuantizationConfig("nf4", skip_modules=["lmhead"]), lora={"r": 4}),
+        max_steps=1,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"QuantizationConfig\(skip_modules=\['lmhead'\]\): 'lmhead' names no linear layer of TinyLlama, so it"
+        r" keeps nothing out .*'lm_head' matches 'model.lm_head'. The linear layers are"
+        r" model.model.layers.0.self_attn.q_proj, .*model.lm_head. Correct the pattern",
+    ):
+        trainer.fit(tiny_llama(), ids_loader(batches=1))
+    assert trainer.global_step == 0
