@@ -119,6 +119,16 @@ def recorded_base(directory: str | Path) -> str | None:
     return json.loads(adapter_config.read_text()).get("base_model_name_or_path") or None
 
 
+def is_causal_lm(model: nn.Module) -> bool:
+    """Whether ``model`` is one of transformers' causal LM classes, whose adapter peft loads as ``CAUSAL_LM``
+    (``AutoPeftModelForCausalLM`` cannot infer a class from an adapter without a task type)."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        return False
+    return type(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
 def export_adapter(
     module: nn.Module,
     directory: str | Path,
@@ -154,6 +164,8 @@ def export_adapter(
         exported.fan_in_fan_out = True  # the base's layers are GPT-2's Conv1D, as peft expects them
     if base_model_name_or_path is not None:
         exported.base_model_name_or_path = base_model_name_or_path
+    if exported.task_type is None and is_causal_lm(base):
+        exported.task_type = "CAUSAL_LM"  # what AutoPeftModelForCausalLM reads; set at export, not in training
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     exported.save_pretrained(str(directory))

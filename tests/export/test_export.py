@@ -129,7 +129,7 @@ def test_nf4_merged_export_is_the_original_weights_plus_scale_b_a(pretrained, ql
 
 
 def test_adapter_export_on_the_original_base_equals_the_merged_export(pretrained, qlora_run, tmp_path):
-    from peft import PeftModel
+    from peft import AutoPeftModelForCausalLM, PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _, checkpoint, args = qlora_run
@@ -142,6 +142,10 @@ def test_adapter_export_on_the_original_base_equals_the_merged_export(pretrained
         torch.testing.assert_close(adapter(input_ids=ids()).logits, merged(input_ids=ids()).logits, rtol=0, atol=2e-5)
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(pretrained.resolve())
+    assert config["task_type"] == "CAUSAL_LM"  # without it AutoPeftModelForCausalLM "cannot infer the auto class"
+    auto = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter", dtype=torch.float32)  # as the docs say
+    with torch.no_grad():
+        torch.testing.assert_close(auto(input_ids=ids()).logits, merged(input_ids=ids()).logits, rtol=0, atol=2e-5)
     assert len(AutoTokenizer.from_pretrained(tmp_path / "adapter")) == len(AutoTokenizer.from_pretrained(pretrained))
 
 
