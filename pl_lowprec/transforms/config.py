@@ -67,6 +67,12 @@ class TransformConfig:
                 " block or every block of the blocks the model declares). Name the blocks (activation_checkpointing:"
                 " [LlamaDecoderLayer]) to set them, or leave them at their defaults (1, 'full')."
             )
+        if self.checkpoint_every_n != 1 and self.activation_checkpointing is None:
+            raise ValueError(
+                f"checkpoint_every_n={self.checkpoint_every_n} was given without activation_checkpointing=: it says"
+                " which of the checkpointed blocks to checkpoint, and none are named, so nothing would be. Pass"
+                " activation_checkpointing= (e.g. the decoder layer class), or leave checkpoint_every_n at 1."
+            )
         if self.checkpoint_mode != "full" and self.activation_checkpointing is None:
             raise ValueError(
                 f"checkpoint_mode={self.checkpoint_mode!r} was given without activation_checkpointing=: it says what"

@@ -18,7 +18,9 @@ from pl_lowprec.transforms.quantization import QuantizationConfig
 
 
 def test_short_names_become_configs_and_the_config_is_frozen():
-    config = TransformConfig(quantization="nf4-dq", lora={"r": 4}, checkpoint_every_n=2)
+    config = TransformConfig(
+        quantization="nf4-dq", lora={"r": 4}, activation_checkpointing="Block", checkpoint_every_n=2
+    )
     assert config.quantization == QuantizationConfig("nf4-dq")
     assert config.lora.r == 4 and config.lora.target_modules == "all-linear"
     assert config.adapter_only and config.skip_modules == DEFAULT_SKIP
@@ -28,7 +30,8 @@ def test_short_names_become_configs_and_the_config_is_frozen():
 
 @pytest.mark.parametrize("strategy", [LowPrecisionStrategy, LowPrecisionDDPStrategy, LowPrecisionFSDPStrategy])
 def test_every_strategy_holds_the_config_its_transform_applies(strategy):
-    built = strategy(qat="int8-weight-only" if strategy is not LowPrecisionFSDPStrategy else None, checkpoint_every_n=3)
+    qat = "int8-weight-only" if strategy is not LowPrecisionFSDPStrategy else None
+    built = strategy(qat=qat, activation_checkpointing="Block", checkpoint_every_n=3)
     assert built.transform.config is built.transform_config
     assert built.transform_config.checkpoint_every_n == 3
 

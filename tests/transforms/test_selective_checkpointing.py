@@ -111,5 +111,9 @@ def test_selective_with_reentrant_is_refused():
 def test_selective_without_blocks_and_unknown_modes_are_refused():
     with pytest.raises(ValueError, match=r"checkpoint_mode='selective' was given without activation_checkpointing="):
         TransformConfig(checkpoint_mode="selective")
+    with pytest.raises(
+        ValueError, match=r"checkpoint_every_n=2 was given without activation_checkpointing=: .*nothing"
+    ):
+        TransformConfig(checkpoint_every_n=2)  # accepted and ignored before
     with pytest.raises(ValueError, match=r"checkpoint_mode='ops' is not valid: use 'full'.*or 'selective'"):
         TransformConfig(activation_checkpointing="Block", checkpoint_mode="ops")
