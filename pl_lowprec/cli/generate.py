@@ -35,6 +35,7 @@ from pl_lowprec.export.generate import (
     Generator,
     adapter_base,
     check_chat_template,
+    check_generation_dtype,
     check_model_dir,
     directory_tokenizer,
     from_directory,
@@ -144,6 +145,11 @@ def main(args: list[str] | None = None) -> None:
     parser.add_argument("--base", help="Base model directory for an adapter (default: from adapter_config.json).")
     parser.add_argument("--tokenizer", help="Tokenizer directory (default: the model's or the config's).")
     parser.add_argument("--device", default="auto", help="For --model: cuda if available, else cpu.")
+    parser.add_argument(
+        "--dtype",
+        help="For --model: float32 (the default, as a GGUF file is read, so every form of an export computes alike),"
+        " bfloat16 or float16 (half the memory on a GPU). A checkpoint runs as it trained, under its precision.",
+    )
     parser.add_argument("--batch_size", type=int_at_least(1), default=8)
     parser.add_argument("--max_new_tokens", type=int_at_least(1), default=64)
     parser.add_argument("--do_sample", action="store_true", help="Sample instead of greedy decoding.")
@@ -165,6 +171,15 @@ def main(args: list[str] | None = None) -> None:
     fields = check_prompt_fields(parsed.fields)
     sources = prompt_sources(parsed.prompts)  # it exists and is read: before anything else loads
     inputs = {"prompts file": Path(parsed.prompts), "tokenizer": parsed.tokenizer and Path(parsed.tokenizer)}
+    if parsed.ckpt_path is not None and parsed.dtype is not None:
+        raise ValueError(
+            f"--dtype {parsed.dtype} applies to --model: a checkpoint runs as it trained, its quantized base and"
+            " adapters under the config's precision plugin. Leave --dtype out, or export the checkpoint"
+            " (pl-lowprec export --merged) and generate from that with --model and --dtype."
+        )
+    dtype = parsed.dtype or "float32"
+    if parsed.ckpt_path is None:
+        check_generation_dtype(dtype)  # before anything loads
     if parsed.ckpt_path is not None:
         check_checkpoint(Path(parsed.ckpt_path))
         cli_args = with_config(Path(parsed.ckpt_path), cli_args, parser)
@@ -189,7 +204,8 @@ def main(args: list[str] | None = None) -> None:
         tokenizer = model_tokenizer(source)
         if chat:
             check_chat_template(tokenizer, source)  # before the model loads
-        generator = from_directory(model, base, device, tokenizer)
+        generator = from_directory(model, base, device, tokenizer, dtype)
+        print(f"Generating with --model {parsed.model} in {dtype} (--dtype).")
     if chat:
         check_chat_template(generator.tokenizer, parsed.tokenizer)
     if parsed.chat_template_kwargs is not None:

@@ -10,8 +10,9 @@ record is rendered with the tokenizer's chat template and its generation prompt,
 for training (a trailing assistant turn is left out and becomes the reference); ``chat=True`` (``--chat``) wraps
 each plain prompt as one user turn. Each output line is ``{"prompt", "completion"}`` (``{"messages", "completion"}``
 for a chat record), plus ``"reference"`` when the input record had a ``completion`` or a last assistant turn.
-Decoding is transformers' ``generate``: greedy by default, sampling with ``--do_sample``; it stops at EOS or
-after ``--max_new_tokens``. A checkpoint is restored through its config as ``pl-lowprec export`` does (quantized
+Decoding is transformers' ``generate``: greedy by default, sampling with ``--do_sample``; it stops at the model's
+``generation_config`` EOS ids, the tokenizer's EOS or the chat template's end of turn (``stop_tokens``), or after
+``--max_new_tokens``. A checkpoint is restored through its config as ``pl-lowprec export`` does (quantized
 base and adapters, as trained, under the precision plugin's autocast); ``--model`` takes a merged directory, a
 peft adapter directory (its base from ``adapter_config.json``, or ``--base``), a hub id of either (downloaded) or a
 GGUF file (``gguf_read``).
@@ -36,6 +37,7 @@ from pl_lowprec.export.generates_text import check_directory_generates, check_mo
 from pl_lowprec.export.gguf_read import check_gguf_file, gguf_model, gguf_tokenizer, is_gguf
 from pl_lowprec.export.prompt_files import chat_turns
 from pl_lowprec.export.restore import Restored
+from pl_lowprec.export.stop_tokens import stop_token_ids
 from pl_lowprec.export.write import pretrained_dir
 from pl_lowprec.loading.hub import is_hub_id, local_or_downloaded, resolve_pretrained
 from pl_lowprec.loading.tokenizer import load_tokenizer
@@ -99,6 +101,7 @@ class Generator:
         tokenizer = self.tokenizer
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         device = next(self.model.parameters()).device
+        stops = stop_token_ids(self.model, tokenizer)
         if decoding.do_sample:
             torch.manual_seed(decoding.seed)
         completions: list[str] = []
@@ -115,7 +118,7 @@ class Generator:
                         input_ids=input_ids,
                         attention_mask=mask,
                         pad_token_id=pad,
-                        eos_token_id=tokenizer.eos_token_id,
+                        eos_token_id=stops,
                         **decoding.kwargs(),
                     )
                 completions += tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
@@ -277,24 +280,46 @@ def gguf_files_beside(path: Path) -> str:
     return f" Its directory is a GGUF export: pass the .gguf file itself, {named}."
 
 
+GENERATION_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_generation_dtype(dtype: str) -> torch.dtype:
+    """``--dtype`` as a torch dtype: one of ``GENERATION_DTYPES``."""
+    if dtype not in GENERATION_DTYPES:
+        raise ValueError(
+            f"--dtype {dtype!r} is not a dtype to generate in: give one of {', '.join(GENERATION_DTYPES)} (float32,"
+            " the default, as a GGUF file is read, so each form of an export computes alike; bfloat16 halves the"
+            " memory on a GPU)."
+        )
+    return getattr(torch, dtype)
+
+
 def from_directory(
-    directory: str | Path, base: str | Path | None = None, device: str | torch.device = "auto", tokenizer: Any = None
+    directory: str | Path,
+    base: str | Path | None = None,
+    device: str | torch.device = "auto",
+    tokenizer: Any = None,
+    dtype: str = "float32",
 ) -> Generator:
-    """A merged model directory, a peft adapter directory on its base model (``adapter_base``), or a GGUF file;
-    ``tokenizer`` if given, else the one of ``directory_tokenizer``."""
+    """A merged model directory, a peft adapter directory on its base model (``adapter_base``), or a GGUF file, in
+    ``dtype``; ``tokenizer`` if given, else the one of ``directory_tokenizer``. Every form computes in the same
+    dtype: transformers would load a bf16 checkpoint in bf16 and a GGUF file in float32, and comparing the two
+    would then measure the arithmetic as well as the export."""
     from transformers import AutoModelForCausalLM  # optional (pl_lowprec[hf]), needed only here
 
     path = Path(directory)
     check_model_dir(path)
+    torch_dtype = check_generation_dtype(dtype)
     target = generation_device(device)
     base_dir = adapter_base(path, base)
     if is_gguf(path):
-        model = gguf_model(path)
+        model = gguf_model(path, torch_dtype)
     elif base_dir is not None:
         peft = import_peft()
-        model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base_dir)), str(path))
+        base_model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch_dtype)
+        model = peft.PeftModel.from_pretrained(base_model, str(path))
     else:  # check_model_dir: config.json is there
-        model = AutoModelForCausalLM.from_pretrained(str(path))
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
     if tokenizer is None:
         tokenizer = model_tokenizer(directory_tokenizer(path, base_dir and str(base_dir)))
-    return Generator(model.to(target), tokenizer)
+    return Generator(model.to(target, torch_dtype), tokenizer)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from pl_lowprec._imports import gguf_missing
 
 
@@ -42,8 +44,10 @@ def gguf_tokenizer(path: Path) -> Any:
     return tokenizer
 
 
-def gguf_model(path: Path) -> Any:
-    """The model the file holds, dequantized to float32."""
+def gguf_model(path: Path, dtype: torch.dtype = torch.float32) -> Any:
+    """The model the file holds, dequantized to ``dtype``."""
     from transformers import AutoModelForCausalLM  # optional (pl_lowprec[hf])
 
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    return AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, local_files_only=True, dtype=dtype
+    )
