@@ -34,7 +34,7 @@ from pl_lowprec._imports import import_peft
 from pl_lowprec.adapters import recorded_base
 from pl_lowprec.data.chat import ChatTemplate
 from pl_lowprec.export.generates_text import check_directory_generates, check_module_generates
-from pl_lowprec.export.gguf_read import check_gguf_file, gguf_model, gguf_tokenizer, is_gguf
+from pl_lowprec.export.gguf_read import check_gguf_file, gguf_model, gguf_tokenizer, is_gguf, starts_as_gguf
 from pl_lowprec.export.prompt_files import chat_turns
 from pl_lowprec.export.restore import Restored
 from pl_lowprec.export.stop_tokens import stop_token_ids
@@ -273,11 +273,12 @@ def check_model_dir(path: Path) -> None:
 def gguf_files_beside(path: Path) -> str:
     """For a ``--model`` that is not a model: the GGUF files of its directory (a GGUF export, whose Modelfile is
     Ollama's), each a ``--model`` that generate reads."""
-    found = sorted(path.parent.glob("*.gguf")) if path.parent.is_dir() else []
+    found = sorted(f for f in path.parent.glob("*.gguf") if f.is_file() and starts_as_gguf(f))
     if not found:
         return ""
     named = " or ".join(f"--model {str(f)!r}" for f in found[:4])
-    return f" Its directory is a GGUF export: pass the .gguf file itself, {named}."
+    what = "is a GGUF export" if (path.parent / "Modelfile").is_file() else "holds GGUF files"
+    return f" Its directory {what}: pass the .gguf file itself, {named}."
 
 
 GENERATION_DTYPES = ("float32", "bfloat16", "float16")

@@ -31,6 +31,40 @@ def check_gguf_file(path: Path) -> None:
     missing = gguf_missing()
     if missing is not None:
         raise ModuleNotFoundError(f"--model {str(path)!r} is a GGUF file, which transformers reads with {missing}")
+    check_gguf_whole(path)
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def starts_as_gguf(path: Path) -> bool:
+    """Whether the file begins with GGUF's magic bytes."""
+    with open(path, "rb") as file:
+        return file.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+
+
+def check_gguf_whole(path: Path) -> None:
+    """A GGUF file whose header reads and whose tensors lie within it: a copy cut short gave a Python traceback
+    from the header's parser, or numpy's "cannot reshape array" from its tensor data."""
+    import gguf
+
+    size = path.stat().st_size
+    again = "Copy it again, or write it again with `pl-lowprec export --format gguf`."
+    if not starts_as_gguf(path):
+        raise ValueError(
+            f"--model {str(path)!r} is not a GGUF file: it does not begin with the bytes 'GGUF' ({size} bytes)."
+            " Name a .gguf file that `pl-lowprec export --format gguf` wrote."
+        )
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as err:  # struct.error, ValueError: the header or a tensor runs past the end of the file
+        raise ValueError(
+            f"--model {str(path)!r} is a GGUF file that does not read ({type(err).__name__}: {err}): most likely it"
+            f" was cut short ({size} bytes). {again}"
+        ) from err
+    needed = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
+    if needed > size:
+        raise ValueError(f"--model {str(path)!r} is cut short: {size} bytes, and its tensors need {needed}. {again}")
 
 
 def gguf_tokenizer(path: Path) -> Any:

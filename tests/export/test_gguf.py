@@ -305,6 +305,29 @@ def test_generate_reads_a_gguf_export_as_it_reads_the_merged_one(exported, tmp_p
     assert "is a GGUF file, which transformers reads with gguf>=0.19 is not installed. Install it with: X" in line
 
 
+def test_a_gguf_file_cut_short_or_not_gguf_is_named_before_anything_loads(exported, tmp_path, capsys):
+    """A copy cut inside its header gave a Python traceback (struct.error), one cut inside its tensors numpy's
+    "cannot reshape array"; a text file named .gguf was suggested beside a --model that is not a model."""
+
+    whole = (exported / "gguf" / "model-bf16.gguf").read_bytes()
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def f(x):\n")
+    base = ["generate", f"--prompts={prompts}", f"--out={tmp_path / 'x.jsonl'}"]
+    for name, size in (("header", 5000), ("tensors", len(whole) * 3 // 4)):
+        cut = tmp_path / f"cut_in_{name}.gguf"
+        cut.write_bytes(whole[:size])
+        line = refusal_line(capsys, [*base, f"--model={cut}"])
+        assert "is a GGUF file that does not read (" in line and f"most likely it was cut short ({size} bytes)" in line
+    (tmp_path / "notes.gguf").write_text("not a model")
+    line = refusal_line(capsys, [*base, f"--model={tmp_path / 'notes.gguf'}"])
+    assert "notes.gguf' is not a GGUF file: it does not begin with the bytes 'GGUF' (11 bytes)" in line
+    (tmp_path / "notes.txt").write_text("not a model")
+    line = refusal_line(capsys, [*base, f"--model={tmp_path / 'notes.txt'}"])
+    named = f"--model {str(tmp_path / 'cut_in_header.gguf')!r} or --model {str(tmp_path / 'cut_in_tensors.gguf')!r}."
+    assert line.endswith(f"Its directory holds GGUF files: pass the .gguf file itself, {named}")  # not notes.gguf
+    assert not (tmp_path / "x.jsonl").exists()
+
+
 def test_a_model_directory_converts_to_the_file_its_checkpoint_exports(exported, tmp_path, capsys, monkeypatch):
     """``export --model runs/merged --format gguf``: the merged export converted as it is (no checkpoint) holds the
     tensors the checkpoint's own GGUF export holds, byte for byte, and its Modelfile; a hub id is downloaded
