@@ -87,17 +87,51 @@ def swap_optimizer(optimizer: Optimizer, name: str, device: torch.device) -> Opt
             f"optimizer={name!r} uses decoupled weight decay (AdamW), but {source} applies weight_decay as an L2"
             " term. Use torch.optim.AdamW in configure_optimizers, or weight_decay=0."
         )
+    check_options_carry_over(optimizer, name)
     cls = optimizer_class(name, device)
+    carried = _HYPERPARAMETERS
     groups = []
     for group in optimizer.param_groups:
-        keys = [k for k in group if k not in optimizer.defaults or k in _HYPERPARAMETERS]
+        keys = [k for k in group if k not in optimizer.defaults or k in carried]
         groups.append({k: group[k] for k in keys})  # params, hyperparameters, and extras such as initial_lr
-    defaults = {k: optimizer.defaults[k] for k in _HYPERPARAMETERS if k in optimizer.defaults}
+    defaults = {k: optimizer.defaults[k] for k in carried if k in optimizer.defaults}
     if cls.__name__ == "Lion8bit":
         defaults.pop("eps", None)
         for group in groups:
             group.pop("eps", None)
     return cls(groups, **defaults)
+
+
+def check_options_carry_over(optimizer: Optimizer, name: str) -> None:
+    """Refuse an option of the user's Adam/AdamW that changes its update and that the swapped optimizer lacks:
+    ``maximize`` (every 8-bit optimizer would minimize) and ``amsgrad`` (bitsandbytes' kernels have none, and
+    torchao 0.18's ``AdamW8bit(amsgrad=True)`` fails in its first step). Dropped silently, the run would train
+    another objective or update."""
+    given = sorted({k for group in optimizer.param_groups for k in ("maximize", "amsgrad") if group.get(k)})
+    if given:
+        options = ", ".join(f"{k}=True" for k in given)
+        raise ValueError(
+            f"configure_optimizers returned {type(optimizer).__name__}({options}), and optimizer={name!r} has no such"
+            f" option: the swapped optimizer would {'minimize' if 'maximize' in given else 'drop AMSGrad'}."
+            f" Drop {options} from configure_optimizers, or drop optimizer= to keep your optimizer."
+        )
+
+
+def swap_line(old: Optimizer, new: Optimizer, name: str) -> str:
+    """One line saying what the swap did, with Lion's caution: it keeps AdamW's learning rate and betas, and
+    Lion's authors use a 3-10x smaller learning rate and beta2 0.99."""
+    groups = len(new.param_groups)
+    line = (
+        f"Optimizer: {type(old).__name__} from configure_optimizers replaced by {type(new).__module__.split('.')[0]}"
+        f" {type(new).__name__} (optimizer={name!r}) over the same {groups} parameter group"
+        f"{'s' if groups != 1 else ''}, learning rates and schedule."
+    )
+    if type(new).__name__.startswith("Lion"):
+        line += (
+            " Lion takes the AdamW learning rate and betas as given; its authors use a 3-10x smaller learning rate"
+            " and betas (0.9, 0.99)."
+        )
+    return line
 
 
 def rebind_schedulers(lr_scheduler_configs: list[Any], old: Optimizer, new: Optimizer) -> None:

@@ -83,7 +83,12 @@ from pl_lowprec.transforms.lora import (
     trained_copies,
 )
 from pl_lowprec.transforms.offloading import OffloadActivations, check_offload_device
-from pl_lowprec.transforms.optimizers import import_optimizer_library, rebind_schedulers, swap_optimizer
+from pl_lowprec.transforms.optimizers import (
+    import_optimizer_library,
+    rebind_schedulers,
+    swap_line,
+    swap_optimizer,
+)
 from pl_lowprec.transforms.qat import convert_qat, is_converted, prepare_qat
 from pl_lowprec.transforms.quantization import QuantizationConfig, quantize_linear, quantize_model
 from pl_lowprec.transforms.trainable import without_lora_line
@@ -287,6 +292,7 @@ class ModelTransform:
         for old in optimizers:
             new = swap_optimizer(old, self.config.optimizer, device)
             rebind_schedulers(lr_scheduler_configs, old, new)
+            rank_zero_info(swap_line(old, new, self.config.optimizer))
             swapped.append(new)
         return swapped
 
