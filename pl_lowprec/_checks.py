@@ -98,3 +98,8 @@ class CannotRunHere(RuntimeError):
 
     A ``RuntimeError``, as it is about the machine rather than the value, and a refusal that ``pl-lowprec``
     prints as one paragraph."""
+
+
+class ResumeRefused(ValueError):
+    """A checkpoint that this run cannot resume from, found while Lightning restores it: after the loops' progress
+    came back from the checkpoint (so batches appear started) and before any step of this run."""

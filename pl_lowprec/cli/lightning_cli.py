@@ -29,6 +29,7 @@ import pl_lowprec.strategies
 import pl_lowprec.transforms.fp8
 import pl_lowprec.transforms.qat
 import pl_lowprec.transforms.quantization  # noqa: F401
+from pl_lowprec._checks import ResumeRefused
 from pl_lowprec._imports import require_cli
 from pl_lowprec.callbacks.replacements import use_package_callbacks
 from pl_lowprec.cli.config_errors import (
@@ -201,7 +202,7 @@ class LowPrecisionCLI(LightningCLI):
         try:
             super()._run_subcommand(subcommand)
         except (*REFUSALS, MisconfigurationException) as err:
-            if debugging() or batches_started(self.trainer):
+            if debugging() or (batches_started(self.trainer) and not isinstance(err, ResumeRefused)):
                 raise
             message = missing_loop_paragraph(subcommand, err) or refusal_message(err)
             refuse(f"{subcommand} stopped before its first step: {message}")

@@ -42,6 +42,7 @@ from pl_lowprec.strategies.fsdp_checkpoints import (
     load_optimizer_states,
     optimizer_state,
 )
+from pl_lowprec.strategies.optimizer_record import check_same_optimizer
 from pl_lowprec.strategies.transform_hooks import TransformHooks
 from pl_lowprec.transforms.config import TransformConfig
 from pl_lowprec.transforms.lora_options import check_lora_init_on_rows
@@ -204,6 +205,7 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
         )
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        check_same_optimizer(checkpoint, self.optimizers, self.transform_config.optimizer)
         load_optimizer_states(self.lightning_module, self.optimizers, checkpoint["optimizer_states"])
 
     @classmethod

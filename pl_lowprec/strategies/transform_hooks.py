@@ -24,6 +24,8 @@ from pl_lowprec.memory.budget import check_memory_budget, first_training_batch, 
 from pl_lowprec.memory.sizing_batch import sizing_batch
 from pl_lowprec.strategies.auto_settings import choose_memory_settings, run_interconnect
 from pl_lowprec.strategies.garbage_collection import freeze_long_lived_objects, unfreeze
+from pl_lowprec.strategies.optimizer_record import CHECKPOINT_KEY as OPTIMIZERS
+from pl_lowprec.strategies.optimizer_record import check_same_optimizer, optimizer_record
 from pl_lowprec.strategies.random_states import CHECKPOINT_KEY as RANDOM_STATES
 from pl_lowprec.strategies.random_states import (
     every_ranks_random_states,
@@ -194,6 +196,7 @@ class TransformHooks(TransformArguments):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         checkpoint[RANDOM_STATES] = every_ranks_random_states()  # every rank calls it, as it does this hook
+        checkpoint[OPTIMIZERS] = optimizer_record(self.optimizers, self.transform_config.optimizer)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def before_resuming(self, checkpoint: Mapping[str, Any]) -> None:
@@ -210,6 +213,10 @@ class TransformHooks(TransformArguments):
             as_saved_at_the_last_batch(checkpoint, trainer.max_steps)
         self._random_states_to_set = own_random_states(checkpoint, self.global_rank, self.world_size)
         self._resumed = True
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        check_same_optimizer(checkpoint, self.optimizers, self.transform_config.optimizer)
+        super().load_optimizer_state_dict(checkpoint)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         self.check_before_loading(self.lightning_module.trainer)  # resuming: this runs before setup

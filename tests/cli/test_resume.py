@@ -177,3 +177,42 @@ def test_a_finished_run_resumed_with_the_same_max_steps_says_it_has_nothing_to_t
     with caplog.at_level("INFO"):
         build_cli([*args, f"--trainer.default_root_dir={tmp_path}", f"--ckpt_path={last}", "--trainer.max_steps=3"])
     assert "this run is finished" not in caplog.text
+
+
+def test_resuming_with_another_optimizer_than_the_checkpoints_is_refused_before_its_first_step(run, tmp_path, capsys):
+    """The run printed "Restored all states" and failed in its first step with KeyError: 'exp_avg' (bitsandbytes'
+    state into torch's AdamW) or 'state1' (the other way)."""
+    pytest.importorskip("bitsandbytes")
+    args, _, _ = run
+    strategy = [
+        "--trainer.strategy=pl_lowprec.LowPrecisionStrategy",
+        "--trainer.strategy.lora={r: 4, lora_alpha: 8}",
+        "--trainer.strategy.optimizer=adamw8bit",
+    ]
+    main([*args, *strategy, f"--trainer.default_root_dir={tmp_path / 'a'}", "--trainer.max_steps=2"])
+    last = tmp_path / "a/lightning_logs/version_0/checkpoints/last.ckpt"
+    record = torch.load(last, weights_only=False)["pl_lowprec_optimizers"]
+    assert record == {"classes": ["bitsandbytes.optim.adamw.AdamW8bit"], "optimizer": "adamw8bit"}
+    resume = [*args, *strategy, f"--trainer.default_root_dir={tmp_path / 'b'}", f"--ckpt_path={last}"]
+    message = refusal(capsys, [*resume, "--trainer.max_steps=3", "--trainer.strategy.optimizer=null"])
+    assert (
+        "fit stopped before its first step: The checkpoint's optimizer state is bitsandbytes.optim.adamw.AdamW8bit's"
+        " (optimizer='adamw8bit'), and this run steps torch.optim.adamw.AdamW (optimizer=None): their states differ"
+    ) in message
+    assert "Resume with the optimizer the checkpoint trained with (optimizer='adamw8bit')" in message
+    assert "optimizer='lion8bit'" in refusal(
+        capsys, [*resume, "--trainer.max_steps=3", "--trainer.strategy.optimizer=lion8bit"]
+    )
+    cli = build_cli([*resume, "--trainer.max_steps=3"])  # the same optimizer resumes
+    assert cli.trainer.global_step == 3
+    saved = torch.load(last, weights_only=False)
+    del saved["pl_lowprec_optimizers"]  # a checkpoint of an earlier version: its state's layout tells
+    torch.save(saved, tmp_path / "unrecorded.ckpt")
+    older = [
+        *args,
+        *strategy,
+        f"--trainer.default_root_dir={tmp_path / 'c'}",
+        f"--ckpt_path={tmp_path / 'unrecorded.ckpt'}",
+    ]
+    message = refusal(capsys, [*older, "--trainer.max_steps=3", "--trainer.strategy.optimizer=null"])
+    assert "The checkpoint's optimizer state is a bitsandbytes optimizer's, and this run steps torch.optim" in message
