@@ -30,6 +30,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from pl_lowprec._checks import CannotRunHere
+from pl_lowprec._error_text import raised_in
 from pl_lowprec.strategy_names import STRATEGY_NAMES
 
 # Errors by which a class or a check refuses a value; anything else (a bug) keeps its traceback.
@@ -85,18 +86,8 @@ def refusal_message(err: BaseException) -> str:
 
 def raised_by_package(err: BaseException) -> bool:
     """Whether ``err`` was raised in pl_lowprec's own code (a refusal it words itself)."""
-    raised_in = _innermost_file(err)
-    return raised_in is not None and f"{os.sep}pl_lowprec{os.sep}" in raised_in
-
-
-def _innermost_file(err: BaseException) -> str | None:
-    """The file of the innermost frame of ``err``'s traceback: where it was raised."""
-    tb = err.__traceback__
-    last = None
-    while tb is not None:
-        last = tb.tb_frame.f_code.co_filename
-        tb = tb.tb_next
-    return last
+    where = raised_in(err)
+    return where is not None and f"{os.sep}pl_lowprec{os.sep}" in where
 
 
 @dataclass
@@ -175,8 +166,8 @@ def _refusing_class(err: BaseException) -> str | None:
 
 def own_error(err: BaseException) -> bool:
     """Whether ``err`` was raised outside jsonargparse, i.e. by the class it was building (not a wrapping)."""
-    raised_in = _innermost_file(err)
-    return raised_in is not None and f"{os.sep}jsonargparse{os.sep}" not in raised_in
+    where = raised_in(err)
+    return where is not None and f"{os.sep}jsonargparse{os.sep}" not in where
 
 
 _STRATEGY_NAME = re.compile(r"invalid strategy name: `strategy='(?P<name>[^']*)'`")

@@ -11,12 +11,13 @@ batch of the run's own data drawn without touching its random state.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from pl_lowprec._error_text import briefly
+from pl_lowprec._error_text import briefly, raised_in
 from pl_lowprec.memory.collectives import Interconnect, measure_interconnect
 from pl_lowprec.memory.fastest import MARGIN, Search, fastest_fitting
 from pl_lowprec.memory.plan import fresh_copies
@@ -55,6 +56,8 @@ def choose_memory_settings(
             world_size=strategy.world_size,
         )
     except Exception as err:  # the real run meets it again where it has its own handling (a refusal, a traceback)
+        if refused_by_the_transform(err):
+            raise  # the transform's own refusal (a group size, a layer float8 cannot take): said once, as it is
         rank_zero_warn(
             f"Memory settings: the simulated step failed ({briefly(err, 300)}), so"
             " the 'auto' settings stay on their memory-saving side. Set memory_saving and activation_checkpointing"
@@ -100,3 +103,10 @@ def memory_limit(strategy: Any, device: torch.device, budget: int | None) -> tup
     where += f", shared by {local} processes" if shared else ""
     limit = free / (local if shared else 1) * (1 - MARGIN)
     return int(limit), f"{format_bytes(free)} {where}, less {MARGIN:.0%}"
+
+
+def refused_by_the_transform(err: BaseException) -> bool:
+    """Whether the simulated step stopped at a refusal of the model transform (``pl_lowprec/transforms``), which
+    the real run would meet in the same words right after: it came twice, first inside a warning."""
+    where = raised_in(err) or ""
+    return isinstance(err, ValueError) and f"{os.sep}pl_lowprec{os.sep}transforms{os.sep}" in where

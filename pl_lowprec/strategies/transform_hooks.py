@@ -74,6 +74,7 @@ class TransformHooks(TransformArguments):
         (``load_model_state_dict``). The Trainer's arguments; then, once per strategy when fitting, the validation
         interval and the memory settings, which share one ask for the training loader."""
         check_trainer_arguments(trainer)
+        self.transform.check_device(self.root_device)
         if trainer.state.fn != TrainerFn.FITTING and not self._transformed_outside_fit:
             self._transformed_outside_fit = True
             if self.transform_config.chooses_automatically:

@@ -125,12 +125,7 @@ class ModelTransform:
         c = self.config
         if hasattr(precision_plugin, "resolve"):  # AMPPrecision("auto") chooses for the device before quantizing
             precision_plugin.resolve(device)
-        if c.fp8 is not None:
-            check_fp8_device(device, c.fp8)
-        if c.activation_offloading:
-            check_offload_device(device)
-        if c.compile_kwargs is not None:
-            self.check_compiler(device)
+        self.check_device(device)
         if c.qat is not None and is_converted(model):
             refuse_fitting_converted(model)
             return  # converted to its quantized form at the end of fit: the model is final
@@ -213,6 +208,17 @@ class ModelTransform:
                 rank_zero_info("FSDP2 on one process: the model is not sharded (NF4 weights as they are).")
         if c.compile_kwargs is not None:
             self.compile(model, blocks if self.sharding is None else self.sharding.units)
+
+    def check_device(self, device: torch.device) -> None:
+        """Refuse what ``device`` cannot run (float8 matmuls, offloading to pinned host memory, inductor's
+        kernels), before anything loads: the strategy asks before the memory search, ``apply`` again."""
+        c = self.config
+        if c.fp8 is not None:
+            check_fp8_device(device, c.fp8)
+        if c.activation_offloading:
+            check_offload_device(device)
+        if c.compile_kwargs is not None:
+            self.check_compiler(device)
 
     def check_compiler(self, device: torch.device) -> None:
         """Refuse ``compile=`` where inductor cannot build kernels, before anything loads."""

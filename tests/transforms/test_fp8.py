@@ -150,3 +150,16 @@ def test_estimate_runs_the_float8_layers_and_matches_the_measured_bytes(tmp_path
     batch = next(iter(_repeated_batch(1)))
     estimate = estimate_memory(_gpt, batch, fp8="tensorwise")  # emulated inside, whatever the config says
     assert estimate.activations == tracker.summary["fit"]["bytes"]["activations"]
+
+
+def test_a_device_that_cannot_run_fp8_is_refused_before_the_memory_search(caplog):
+    """The memory search of 'auto' settings simulated a step and said its choice before the device was refused."""
+    import logging
+
+    from pl_lowprec._checks import CannotRunHere
+
+    trainer = quiet_trainer(strategy=LowPrecisionStrategy(fp8="rowwise", memory_saving="auto"), max_steps=1)
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+        with pytest.raises(CannotRunHere, match=r"fp8='rowwise' needs a CUDA GPU .* this Trainer runs on cpu"):
+            trainer.fit(_gpt(), _repeated_batch(1))
+    assert not [r for r in caplog.records if r.getMessage().startswith("Memory settings")]
