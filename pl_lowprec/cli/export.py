@@ -26,6 +26,7 @@ from pl_lowprec.export.generates_text import GGUF, check_module_generates
 from pl_lowprec.export.gguf_export import check_gguf_request, check_gguf_sources, convert_model_dir, export_gguf
 from pl_lowprec.export.hub_push import check_push, push
 from pl_lowprec.export.out_paths import check_out_dir
+from pl_lowprec.export.quantized import check_qat_export, export_quantized
 from pl_lowprec.export.restore import restore, sources
 from pl_lowprec.export.write import check_dtype, check_export, choose_format, export, read_paths
 
@@ -94,6 +95,9 @@ def main(args: list[str] | None = None) -> None:
     check_out_dir(out, parsed.overwrite, early, pretrained_known=False)  # before the config is read
     run = rebuild(cli_args)  # the classes, nothing loaded: the rest is checked before the slow restore
     weights, tokenizer_dir = sources(run.trainer, run.model, run.datamodule)
+    qat = getattr(getattr(run.trainer.strategy, "transform_config", None), "qat", None)
+    if qat is not None:  # its export is the converted model (export/quantized.py)
+        check_qat_export(export_format, "--merged" if parsed.merged else f"--format {export_format}")
     check_export(
         out,
         export_format != "adapter",
@@ -103,14 +107,16 @@ def main(args: list[str] | None = None) -> None:
         weights,
         "--merged" if parsed.merged else f"--format {export_format}",
     )
-    if export_format == "adapter":  # the strategy's LoRA config says it before the weights load
+    if export_format == "adapter" and qat is None:  # the strategy's LoRA config says it before the weights load
         check_adapter_fits_base(getattr(getattr(run.trainer.strategy, "transform_config", None), "lora", None))
     if export_format == "gguf":
         # a classifier built in __init__ is known before the weights load
         check_module_generates(held_hf_model(run.model), type(run.model).__name__, GGUF)
         check_gguf_sources(weights, tokenizer_dir)
     restored = restore(checkpoint, run.trainer, run.model, run.datamodule)
-    if export_format == "gguf":
+    if qat is not None:
+        print(export_quantized(restored, out, parsed.overwrite, inputs))
+    elif export_format == "gguf":
         print(export_gguf(restored, out, parsed.gguf_type, parsed.overwrite, inputs))
     else:
         print(export(restored, out, export_format == "merged", parsed.dtype, parsed.overwrite, inputs))

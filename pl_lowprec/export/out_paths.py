@@ -24,7 +24,7 @@ EXPORT_FILE = re.compile(
     r"|config\.json|generation_config\.json|adapter_config\.json|README\.md"
     r"|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|added_tokens\.json"
     r"|vocab\.json|merges\.txt|tokenizer\.model|chat_template\.(jinja|json)"
-    rf"|model-({'|'.join(GGUF_TYPES)})\.gguf|Modelfile"
+    rf"|model-({'|'.join(GGUF_TYPES)})\.gguf|Modelfile|quantized_model\.pt"
 )
 # The merged model a GGUF export converts from, left behind only if the export was killed before it finished.
 EXPORT_DIR = re.compile(r"\.merged-[\w-]+")

@@ -64,7 +64,7 @@ def restore(checkpoint: str | Path, trainer: Any, module: nn.Module, datamodule:
     _call_configure_model(trainer)
     device = trainer.strategy.root_device
     transform.apply(module, trainer.precision_plugin, device)
-    if not has_lora(module):
+    if not has_lora(module) and config.qat is None:  # a QAT run exports its converted model (export/quantized.py)
         raise ValueError(
             "The config trains no LoRA adapters (the strategy has no lora=), so there is nothing to export or"
             " merge. Pass the config the checkpoint was trained with."
@@ -97,7 +97,7 @@ def sources(trainer: Any, module: nn.Module, datamodule: Any = None) -> tuple[Pr
 def _load(module: nn.Module, transform: ModelTransform, state_dict: dict[str, torch.Tensor], path: Path) -> None:
     """Adapter-only or full, whichever the checkpoint holds; a mismatch names the checkpoint and the config."""
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
-    if not any("lora_" in key for key in state_dict):
+    if not any("lora_" in key for key in state_dict) and transform.config.qat is None:
         raise ValueError(
             f"{str(path)!r} holds no LoRA weights ({len(state_dict)} tensors, e.g. {sorted(state_dict)[:3]}): it was"
             " not written by a run with lora=, so there are no adapters to export."
