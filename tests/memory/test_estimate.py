@@ -108,7 +108,7 @@ def test_cli_prints_the_table(capsys):
 
 CONFIGS_BY_HAND = {  # a shipped config, and estimate_memory called by hand with what it says
     "fp8 (accelerator: cuda)": (
-        ["configs/fp8.yaml"],
+        ["configs/fp8.yaml", "--trainer.accelerator=cuda"],
         "torchao",
         functools.partial(TinyLlama, hidden_size=256, intermediate_size=704, num_layers=4, num_heads=8, lr=0.002),
         {
