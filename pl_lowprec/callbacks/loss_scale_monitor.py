@@ -7,12 +7,14 @@ scaler (bf16, fp32) it watches the loss and the gradient norm for non-finite val
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from pl_lowprec.callbacks.overflow_locator import OverflowLocation, OverflowLocator
@@ -106,8 +108,13 @@ class LossScaleMonitor(pl.Callback):
         # After checkpoint restore: counts restored into AMPPrecision are history, not new overflows.
         self._seen_step = trainer.global_step
         plugin = trainer.precision_plugin
-        scaling = self._scaler(trainer) is not None
-        self._previous = plugin.loss_scale_state() if scaling and hasattr(plugin, "loss_scale_state") else None
+        scaler = self._scaler(trainer)
+        if scaler is not None and hasattr(plugin, "loss_scale_state"):
+            self._previous = plugin.loss_scale_state()
+        elif scaler is not None:  # Lightning's scaler: an overflow on the first step lowers it from this one
+            self._previous = self._own_tracker.snapshot(scaler.get_scale())
+        else:
+            self._previous = None
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -131,8 +138,11 @@ class LossScaleMonitor(pl.Callback):
         self._nonfinite = None
 
         if self._locator.armed:
-            if overflowed and self._locator.location is not None:
-                self.last_location = self._locator.location
+            location = self._locator.location if overflowed else None
+            if self._scaler(trainer) is not None and trainer.world_size > 1:
+                location = first_location_of_all_ranks(location, trainer.global_rank)
+            if location is not None:
+                self.last_location = location
             self._locator.disarm()
         pl_module.log_dict(self._metrics(trainer, state), on_step=True, on_epoch=False)
         self._check(trainer, state, overflowed)
@@ -154,17 +164,55 @@ class LossScaleMonitor(pl.Callback):
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._locator.disarm()
-        if self.print_summary and trainer.is_global_zero and self._previous is not None:
+        if self._previous is None or not trainer.is_global_zero:
+            return
+        # Lightning passes self.log's values on only every log_every_n_steps-th step: the final counts, always
+        metrics = self._metrics(trainer, self._previous)
+        final = {name.replace("loss_scale/", "loss_scale/final/"): value for name, value in metrics.items()}
+        for logger in trainer.loggers:
+            logger.log_metrics(final, step=max(trainer.global_step - 1, 0))
+            logger.save()
+        if self.print_summary:
             print(self.summary_line(trainer, self._previous))
 
     def summary_line(self, trainer: pl.Trainer, state: LossScaleState) -> str:
         steps = trainer.global_step
+        where = f" First non-finite value: {self.last_location}." if self.last_location is not None else ""
         if self._scaler(trainer) is None:
-            return f"Loss scale: none (no scaler); {state.overflows} of {steps} optimizer steps had a non-finite loss."
+            return (
+                f"Loss scale: none (no scaler); {state.overflows} of {steps} optimizer steps had a non-finite loss"
+                f" or gradients, and were applied.{where}"
+            )
         return (
             f"Loss scale: {state.scale:g} at the end; {state.skipped_steps} of {steps} optimizer steps skipped for"
-            f" overflow; {self.growths} growths, {self.backoffs} back-offs."
+            f" overflow; {self.growths} growths, {self.backoffs} back-offs.{where}"
         )
+
+    # -- checkpoints: the counts go on where a resumed run starts -----------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        location = self.last_location
+        return {
+            "growths": self.growths,
+            "backoffs": self.backoffs,
+            "recent": list(self._recent),
+            "warned": sorted(self._warned),
+            "own_tracker": self._own_tracker.state_dict(),
+            "last_location": None
+            if location is None
+            else [location.module, location.phase, str(location.dtype), location.rank],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.growths = int(state_dict.get("growths", 0))
+        self.backoffs = int(state_dict.get("backoffs", 0))
+        self._recent = deque((bool(r) for r in state_dict.get("recent", ())), maxlen=self.window)
+        self._warned = set(state_dict.get("warned", ()))
+        self._own_tracker.load_state_dict(state_dict.get("own_tracker", {}))
+        saved = state_dict.get("last_location")
+        if saved:
+            module, phase, dtype, rank = saved
+            self.last_location = OverflowLocation(module, phase, getattr(torch, dtype.removeprefix("torch.")), rank)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._locator.disarm()
@@ -188,7 +236,9 @@ class LossScaleMonitor(pl.Callback):
             metrics["loss_scale/backoffs"] = float(self.backoffs)
         else:  # nothing was skipped: the optimizer applied these non-finite updates
             metrics["loss_scale/skipped_steps"] = 0.0
+            metrics["loss_scale/skip_rate"] = 0.0
             metrics["loss_scale/nonfinite_steps"] = float(state.overflows)
+            metrics["loss_scale/nonfinite_rate"] = self.skip_rate
         return metrics
 
     def _where(self) -> str:
@@ -206,13 +256,17 @@ class LossScaleMonitor(pl.Callback):
     def _check(self, trainer: pl.Trainer, state: LossScaleState, overflowed: bool) -> None:
         scaling = self._scaler(trainer) is not None
         if self.max_consecutive_overflows is not None and state.consecutive_overflows >= self.max_consecutive_overflows:
-            what = "had inf/NaN gradients and were skipped" if scaling else "had a non-finite loss or gradients"
+            if scaling:
+                what = "had inf/NaN gradients and were skipped"
+                counts = f"; scale {state.scale:g}, {state.skipped_steps} steps skipped in all"
+                advice = "; AMPPrecision('bf16-mixed') avoids fp16's range limit where the hardware supports it."
+            else:  # no scaler: nothing was skipped, and the run is not fp16
+                what, counts = "had a non-finite loss or gradients, and the optimizer applied them", ""
+                advice = "; the parameters may already hold NaN, so resume from a checkpoint before the first one."
             raise PersistentOverflowError(
                 f"{state.consecutive_overflows} optimizer steps in a row {what}"
-                f" (max_consecutive_overflows={self.max_consecutive_overflows}; scale {state.scale:g},"
-                f" {state.skipped_steps} steps skipped in all).{self._where()} Check that module's inputs and"
-                " dtype, the data for NaN, and the learning rate; AMPPrecision('bf16-mixed') avoids fp16's"
-                " range limit where the hardware supports it."
+                f" (max_consecutive_overflows={self.max_consecutive_overflows}{counts}).{self._where()} Check that"
+                f" module's inputs and dtype, the data for NaN, and the learning rate{advice}"
             )
         if overflowed and not scaling:
             self._warn_once(
@@ -227,8 +281,24 @@ class LossScaleMonitor(pl.Callback):
                 f" {trainer.global_step}: fp16 gradients are overflowing even unscaled.{self._where()}",
             )
         if len(self._recent) == self.window and self.skip_rate > self.warn_skip_rate:
+            what = (
+                "were skipped for overflow (threshold {:.0%}); these steps did not train"
+                if scaling
+                else "had a non-finite loss or gradients (threshold {:.0%}), and the optimizer applied them"
+            )
             self._warn_once(
                 "rate",
-                f"{self.skip_rate:.0%} of the last {self.window} optimizer steps were skipped for overflow"
-                f" (threshold {self.warn_skip_rate:.0%}); these steps did not train.{self._where()}",
+                f"{self.skip_rate:.0%} of the last {self.window} optimizer steps {what.format(self.warn_skip_rate)}."
+                f"{self._where()}",
             )
+
+
+def first_location_of_all_ranks(location: OverflowLocation | None, rank: int) -> OverflowLocation | None:
+    """The location the lowest rank found, with its rank: an activation's inf stays on the rank whose batch made
+    it (only gradients are all-reduced), and only rank zero warns. Called by every rank on the same steps (those
+    after an overflow, which the all-reduced gradients make the same everywhere)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return location
+    found: list[OverflowLocation | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, None if location is None else dataclasses.replace(location, rank=rank))
+    return next((f for f in found if f is not None), None)

@@ -8,6 +8,7 @@ respect to a module's input is checked: the first one that is not finite was pro
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,10 +22,12 @@ class OverflowLocation:
     module: str
     phase: str  # "forward" or "backward"
     dtype: torch.dtype
+    rank: int | None = None  # the process that saw it, where several train
 
     def __str__(self) -> str:
         what = "output" if self.phase == "forward" else "input gradient"
-        return f"{self.module!r} ({type_name(self.dtype)} {what} in {self.phase})"
+        on_rank = f" on rank {self.rank}" if self.rank is not None else ""
+        return f"{self.module!r} ({type_name(self.dtype)} {what} in {self.phase}){on_rank}"
 
 
 def type_name(dtype: torch.dtype) -> str:
@@ -54,7 +57,7 @@ class OverflowLocator:
     def __init__(self) -> None:
         self.location: OverflowLocation | None = None
         self._handles: list[RemovableHandle] = []
-        self._located_grad: int | None = None
+        self._located_grad: weakref.ref[torch.Tensor] | None = None  # never an id(): a freed one's is reused
 
     @property
     def armed(self) -> bool:
@@ -95,9 +98,10 @@ class OverflowLocator:
     def _grad_hook(self, name: str):
         def hook(grad: torch.Tensor) -> None:
             # Hooks on one tensor fire outer module first; an inner module sharing the input names it better.
-            same_grad = self.location is not None and self._located_grad == id(grad)
+            located = self._located_grad() if self._located_grad is not None else None
+            same_grad = self.location is not None and located is grad
             if (self.location is None or same_grad) and _first_nonfinite([grad]) is not None:
                 self.location = OverflowLocation(name, "backward", grad.dtype)
-                self._located_grad = id(grad)
+                self._located_grad = weakref.ref(grad)
 
         return hook

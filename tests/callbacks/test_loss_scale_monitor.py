@@ -131,9 +131,12 @@ def test_bf16_without_scaler_warns_then_stops_and_locates():
             PersistentOverflowError,
             match=r"3 optimizer steps in a row had a non-finite loss or gradients"
             r".*'model.0' \(bfloat16 output in forward\)",
-        ),
+        ) as stopped,
     ):
         trainer.fit(NaNLoss(model := make_mlp(), overflow_at_steps=(1,)), _loader())
+    # it was "3 steps skipped in all", with bf16 as the advice, to a bf16 run that skipped nothing
+    assert "skipped" not in str(stopped.value) and "bf16" not in str(stopped.value)
+    assert "and the optimizer applied them" in str(stopped.value)
     assert torch.isnan(model[0].weight).all()  # what the monitor warned about: the update was applied
     assert trainer.callback_metrics["loss_scale/nonfinite_steps"] == 2  # logged before the third stopped the run
     assert trainer.callback_metrics["loss_scale/skipped_steps"] == 0
@@ -160,3 +163,94 @@ def test_scale_warning_comes_once_and_works_without_logger(recwarn):
 def test_bad_arguments(kwargs, named):
     with pytest.raises(ValueError, match=named):
         LossScaleMonitor(**kwargs)
+
+
+def test_a_backward_overflow_at_the_head_is_named_not_the_first_layer():
+    """A loss 1e8 times too large overflows fp16 in backward at the output head. The locator told "the same
+    gradient" by ``id(grad)``; CPython gives a freed gradient's id to the next one, so each earlier module took
+    the location over, down to the first layer ('blocks.0.norm1')."""
+    from pl_lowprec.demo.tiny_gpt import TinyGPT
+
+    class LargeLoss(TinyGPT):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * 1e8 if self.trainer.global_step in (2, 3) else loss
+
+    torch.manual_seed(0)
+    model = LargeLoss(dim=32, layers=1, heads=2, max_len=32, warmup_steps=1)
+    ids = torch.randint(0, 256, (16, 33), generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader([{"input_ids": r} for r in ids], batch_size=4)
+    monitor = LossScaleMonitor(window=4)
+    trainer = quiet_trainer(plugins=[AMPPrecision("16-mixed", init_scale=1024.0)], max_steps=4, callbacks=[monitor])
+    trainer.fit(model, loader)
+    assert str(monitor.last_location) == "'head' (float32 input gradient in backward)"
+
+
+def test_lightning_mixed_precision_counts_an_overflow_on_the_first_step(tmp_path):
+    """The first step had no scale before it to compare with, and its skip went uncounted."""
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=256.0))
+    monitor = LossScaleMonitor()
+    trainer = quiet_trainer(plugins=[plugin], max_steps=5, callbacks=[monitor], logger=False)
+    trainer.fit(Classifier(make_mlp(), overflow_at_steps=(0, 3)), _loader())
+    assert trainer.callback_metrics["loss_scale/skipped_steps"] == 2 and monitor.backoffs == 2
+
+
+def test_counts_go_on_where_a_resumed_run_starts(tmp_path):
+    """growths, back-offs, the skip-rate window and the warnings given restarted at zero after a resume: the
+    resumed run said "2 of 8 skipped; 1 back-offs" where the uninterrupted one said 2."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(steps, ckpt_path=None, **kwargs):
+        monitor = LossScaleMonitor(window=4)
+        trainer = quiet_trainer(
+            plugins=[AMPPrecision("16-mixed", init_scale=1024.0, growth_interval=3)],
+            max_steps=steps,
+            callbacks=[monitor, *kwargs.pop("callbacks", [])],
+            default_root_dir=tmp_path,
+            **kwargs,
+        )
+        trainer.fit(Classifier(make_mlp(), overflow_at_steps=(1, 5)), _loader(), ckpt_path=ckpt_path)
+        return monitor
+
+    whole = run(8, logger=False)
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    run(4, logger=False, callbacks=[saver], enable_checkpointing=True)
+    resumed = run(8, ckpt_path=tmp_path / "ckpt" / "epoch=0-step=4.ckpt", logger=False)
+    assert (resumed.backoffs, resumed.growths, list(resumed._recent)) == (
+        whole.backoffs,
+        whole.growths,
+        list(whole._recent),
+    )
+    assert whole.backoffs == 2
+
+
+def test_the_final_counts_reach_the_logger_whatever_log_every_n_steps(tmp_path):
+    """Lightning passes self.log's values on only every log_every_n_steps-th step: with 50 and 6 steps the logger
+    got no loss_scale value at all, while the summary line counted the skip."""
+    plugin = AMPPrecision("16-mixed", init_scale=1024.0)
+    trainer = quiet_trainer(
+        plugins=[plugin], max_steps=6, callbacks=[LossScaleMonitor()], logger=CSVLogger(tmp_path), log_every_n_steps=50
+    )
+    trainer.fit(Classifier(make_mlp(), overflow_at_steps=(4,)), _loader())
+    with open(f"{trainer.logger.log_dir}/metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("loss_scale/final/skipped_steps")]
+    assert len(rows) == 1 and float(rows[0]["loss_scale/final/skipped_steps"]) == 1
+    assert float(rows[0]["loss_scale/final/scale"]) == plugin.loss_scale_state().scale == 512
+
+
+def _gather_on_two_ranks(rank, path):
+    import torch.distributed as dist
+
+    from pl_lowprec.callbacks.loss_scale_monitor import first_location_of_all_ranks
+    from pl_lowprec.callbacks.overflow_locator import OverflowLocation
+
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+    seen = OverflowLocation("blocks.0.mlp.0", "forward", torch.float16) if rank == 1 else None
+    found = first_location_of_all_ranks(seen, rank)
+    dist.destroy_process_group()
+    assert str(found) == "'blocks.0.mlp.0' (float16 output in forward) on rank 1"
+
+
+def test_a_location_only_another_rank_saw_is_the_one_reported(tmp_path):
+    """Only rank zero warns, and an activation's inf stays on the rank whose batch made it: rank 1's find was lost."""
+    torch.multiprocessing.spawn(_gather_on_two_ranks, args=(str(tmp_path / "rendezvous"),), nprocs=2)
