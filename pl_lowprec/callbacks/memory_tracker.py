@@ -1,7 +1,8 @@
 """``MemoryTracker``: per-stage memory peaks and an exact breakdown of where the memory went.
 
-Peaks are reset at the start of each stage (fit, validate, test, predict), so a validate run after fit
-reports its own peak. The breakdown walks the model and optimizer (``pl_lowprec.memory.breakdown``) and
+Peaks are reset at the start of each stage (fit, validate, test, predict), in ``setup``, before the model is
+built, loaded and transformed (often a QLoRA run's peak), so a stage's peak includes its loading and a validate
+run after fit reports its own peak. The breakdown walks the model and optimizer (``pl_lowprec.memory.breakdown``) and
 counts the bytes saved for backward on one sampled training step (``pl_lowprec.memory.activations``). At the
 end of each stage rank zero prints a table (max across ranks, and min where ranks differ), logs
 ``memory/<stage>/<figure>`` and writes ``memory_summary.json`` next to the logs.
@@ -57,23 +58,13 @@ class MemoryTracker(pl.Callback):
                 f"MemoryTracker reports peaks for CPU and CUDA only; Trainer(accelerator=...) runs on {device.type},"
                 " so only the model breakdown will be reported."
             )
+        # Reset here, before configure_model and the strategy's setup: loading, quantizing and the LoRA transform
+        # are often a QLoRA run's peak, and on_fit_start comes after them.
+        self._start(trainer)
 
     def _start(self, trainer: pl.Trainer) -> None:
         self._figures = {}
         self._peak_is_per_stage = reset_peak(trainer.strategy.root_device)
-
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._start(trainer)
-
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.state.fn == "validate":
-            self._start(trainer)
-
-    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._start(trainer)
-
-    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._start(trainer)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._finish(trainer, pl_module, "fit")

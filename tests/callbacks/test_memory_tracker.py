@@ -153,3 +153,23 @@ def test_table_shows_min_where_ranks_differ():
     assert table[0] == "Memory, fit (cuda, 2 ranks, max across ranks)"
     assert table[2].split() == ["cuda_max_allocated", "3.00", str(3 * 2**20), "2.00"]
     assert table[3].split() == ["gradients", "1.00", str(2**20)]
+
+
+class HungryWhileBuilt(Classifier):
+    """256 MiB held while the model is built (configure_model), as a streaming load or quantization holds
+    memory before the first step, and freed before it."""
+
+    def configure_model(self):
+        held = torch.ones(64 * 2**20)  # 256 MiB of fp32, touched
+        del held
+
+
+def test_the_fit_peak_includes_building_the_model(tmp_path):
+    """The peak was reset in on_fit_start, after configure_model and the strategy's transform: the loading peak of
+    a QLoRA run was left out."""
+    tracker = MemoryTracker(print_summary=False)
+    trainer = quiet_trainer(max_steps=1, callbacks=[tracker], default_root_dir=tmp_path, logger=False)
+    trainer.fit(HungryWhileBuilt(make_mlp()), _loader(16))
+    fit = tracker.summary["fit"]["bytes"]
+    assert tracker.summary["fit"]["peak_is_per_stage"]
+    assert fit["rss_peak"] - fit["rss_current"] > 200 * 2**20
