@@ -179,9 +179,10 @@ class LossScaleMonitor(pl.Callback):
         steps = trainer.global_step
         where = f" First non-finite value: {self.last_location}." if self.last_location is not None else ""
         if self._scaler(trainer) is None:
+            applied = " or gradients, and the optimizer applied them" if state.overflows else ""
             return (
-                f"Loss scale: none (no scaler); {state.overflows} of {steps} optimizer steps had a non-finite loss"
-                f" or gradients, and were applied.{where}"
+                f"Loss scale: none (no scaler); {state.overflows} of {steps} optimizer steps had a non-finite"
+                f" loss{applied}.{where}"
             )
         return (
             f"Loss scale: {state.scale:g} at the end; {state.skipped_steps} of {steps} optimizer steps skipped for"
