@@ -159,7 +159,9 @@ def test_a_device_that_cannot_run_fp8_is_refused_before_the_memory_search(caplog
     from pl_lowprec._checks import CannotRunHere
 
     trainer = quiet_trainer(strategy=LowPrecisionStrategy(fp8="rowwise", memory_saving="auto"), max_steps=1)
-    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
-        with pytest.raises(CannotRunHere, match=r"fp8='rowwise' needs a CUDA GPU .* this Trainer runs on cpu"):
-            trainer.fit(_gpt(), _repeated_batch(1))
+    with (
+        caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"),
+        pytest.raises(CannotRunHere, match=r"fp8='rowwise' needs a CUDA GPU .* this Trainer runs on cpu"),
+    ):
+        trainer.fit(_gpt(), _repeated_batch(1))
     assert not [r for r in caplog.records if r.getMessage().startswith("Memory settings")]
