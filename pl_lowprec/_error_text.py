@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import textwrap
 
 
@@ -19,3 +20,9 @@ def raised_in(err: BaseException) -> str | None:
         last = tb.tb_frame.f_code.co_filename
         tb = tb.tb_next
     return last
+
+
+def raised_under(err: BaseException, *folders: str) -> bool:
+    """Whether ``err`` was raised in a file under ``folders`` (``"pl_lowprec", "transforms"``)."""
+    where = raised_in(err)
+    return where is not None and f"{os.sep}{os.sep.join(folders)}{os.sep}" in where

@@ -30,7 +30,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from pl_lowprec._checks import CannotRunHere
-from pl_lowprec._error_text import raised_in
+from pl_lowprec._error_text import raised_in, raised_under
 from pl_lowprec.strategy_names import STRATEGY_NAMES
 
 # Errors by which a class or a check refuses a value; anything else (a bug) keeps its traceback.
@@ -86,8 +86,7 @@ def refusal_message(err: BaseException) -> str:
 
 def raised_by_package(err: BaseException) -> bool:
     """Whether ``err`` was raised in pl_lowprec's own code (a refusal it words itself)."""
-    where = raised_in(err)
-    return where is not None and f"{os.sep}pl_lowprec{os.sep}" in where
+    return raised_under(err, "pl_lowprec")
 
 
 @dataclass

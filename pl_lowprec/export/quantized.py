@@ -17,7 +17,7 @@ import torch
 from pl_lowprec.adapters import held_hf_model
 from pl_lowprec.export.out_paths import prepare_out_dir
 from pl_lowprec.export.restore import Restored
-from pl_lowprec.export.write import read_paths, save_tokenizer
+from pl_lowprec.export.write import read_paths, save_tokenizer, saved_tokenizer_note
 from pl_lowprec.transforms.qat import convert_qat
 
 QUANTIZED_FILE = "quantized_model.pt"
@@ -55,5 +55,5 @@ def export_quantized(restored: Restored, out: Path, overwrite: bool, inputs: dic
     return (
         f"Wrote the QAT model converted to {qat.scheme} ({len(converted)} linear layers as torchao tensors) to"
         f" {out / QUANTIZED_FILE} from {restored.checkpoint}"
-        f" ({f'tokenizer from {tokenizer}' if tokenizer else 'no tokenizer found'}). Load it: {load}."
+        f" ({saved_tokenizer_note(tokenizer)}). Load it: {load}."
     )

@@ -56,6 +56,11 @@ def save_tokenizer(restored: Restored, out: Path) -> str | None:
     return None
 
 
+def saved_tokenizer_note(source: str | None) -> str:
+    """What an export's line says of the tokenizer ``save_tokenizer`` saved."""
+    return f"tokenizer from {source}" if source else "no tokenizer found"
+
+
 def read_paths(
     checkpoint: Path, weights: PretrainedWeights | None, tokenizer_dir: str | None, inputs: dict | None = None
 ) -> dict[str, Path | None]:
@@ -148,8 +153,7 @@ def export(
         base_name = (hub_id_of(source) or str(source.resolve())) if source is not None else None
         export_adapter(restored.module, out, base_model_name_or_path=base_name)
         what = "peft adapter directory"
-    tokenizer = save_tokenizer(restored, out)
-    tokenizer_note = f"tokenizer from {tokenizer}" if tokenizer else "no tokenizer found"
+    tokenizer_note = saved_tokenizer_note(save_tokenizer(restored, out))
     unnamed_base = unnamed_base_note(restored, merged, out)
     return f"Wrote {what} to {out} from {restored.checkpoint} ({tokenizer_note}).{unnamed_base}"
 

@@ -17,15 +17,21 @@ from pl_lowprec.memory.fake_step import batch_tensors
 from pl_lowprec.memory.plan import resized
 
 
+def first_rows(batch: Any) -> Any:
+    """The batch's first tensor of two or more dimensions; ``None`` where it holds none."""
+    return next((t for t in batch_tensors(batch) if t.dim() >= 2), None)
+
+
 def batch_shape(batch: Any) -> tuple[int, int] | None:
     """``(rows, positions)`` of the batch's first 2-d tensor; ``None`` where it holds none."""
-    return next((tuple(t.shape[:2]) for t in batch_tensors(batch) if t.dim() >= 2), None)
+    first = first_rows(batch)
+    return None if first is None else tuple(first.shape[:2])
 
 
 def holds_token_rows(batch: Any) -> bool:
     """Whether the batch's first tensor of two or more dimensions is integer rows of positions (token ids), the
     only kind a longer batch can come of; features (``x[4, 16]`` floats) or images have no positions."""
-    first = next((t for t in batch_tensors(batch) if t.dim() >= 2), None)
+    first = first_rows(batch)
     return first is not None and first.dim() == 2 and not (first.is_floating_point() or first.is_complex())
 
 

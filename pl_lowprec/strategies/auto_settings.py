@@ -11,13 +11,12 @@ batch of the run's own data drawn without touching its random state.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from pl_lowprec._error_text import briefly, raised_in
+from pl_lowprec._error_text import briefly, raised_under
 from pl_lowprec.memory.collectives import Interconnect, measure_interconnect
 from pl_lowprec.memory.fastest import MARGIN, Search, fastest_fitting
 from pl_lowprec.memory.plan import fresh_copies
@@ -108,5 +107,4 @@ def memory_limit(strategy: Any, device: torch.device, budget: int | None) -> tup
 def refused_by_the_transform(err: BaseException) -> bool:
     """Whether the simulated step stopped at a refusal of the model transform (``pl_lowprec/transforms``), which
     the real run would meet in the same words right after: it came twice, first inside a warning."""
-    where = raised_in(err) or ""
-    return isinstance(err, ValueError) and f"{os.sep}pl_lowprec{os.sep}transforms{os.sep}" in where
+    return isinstance(err, ValueError) and raised_under(err, "pl_lowprec", "transforms")
