@@ -42,11 +42,19 @@ def fallback_pairs(written_types: list[str]) -> str:
 
 def requested_types(gguf_type: str | None) -> list[str]:
     """``--gguf_type q4_k_m,q8_0``: the types in the order given (``auto`` where none is), each checked."""
-    requested = [part.strip() for part in (gguf_type or "auto").split(",") if part.strip()]
+    if not (gguf_type or "").strip():
+        return ["auto"]
+    requested = [part.strip() for part in gguf_type.split(",")]
+    if "" in requested or len(set(requested)) < len(requested):
+        written = ",".join(dict.fromkeys(part for part in requested if part))
+        raise ValueError(
+            f"--gguf_type '{gguf_type}' has an empty or repeated type between its commas, and each type writes one"
+            f" file. Name each type once: --gguf_type {written}."
+        )
     for name in requested:
         if name != "auto":
             check_gguf_type(name)
-    return requested or ["auto"]
+    return requested
 
 
 def check_gguf_request(gguf_type: str | None, dtype: str | None) -> None:
