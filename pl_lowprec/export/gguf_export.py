@@ -100,7 +100,7 @@ def export_gguf(
     source = f"{restored.checkpoint}" + (f" merged into {base}" if base is not None else "")
     with tempfile.TemporaryDirectory(dir=out, prefix=".merged-") as merged:
         export(restored, Path(merged), merged=True, dtype=None, overwrite=False, inputs=inputs)
-        return write_ggufs(Path(merged), out, requested, source)
+        return write_ggufs(Path(merged), out, requested, source, name=out.resolve().name)
 
 
 def check_model_for_gguf(model_dir: Path) -> None:
@@ -132,17 +132,24 @@ def convert_model_dir(model: str, out: Path, gguf_type: str | None, overwrite: b
     model_dir = local_or_downloaded(model)
     check_model_for_gguf(model_dir)
     prepare_out_dir(out, overwrite, {"model directory": model_dir})
-    return write_ggufs(model_dir, out, requested, model)
+    return write_ggufs(model_dir, out, requested, model, name=model_name(model))
 
 
-def write_ggufs(model_dir: Path, out: Path, requested: list[str], source: str) -> str:
+def model_name(model: str) -> str:
+    """``general.name`` of a converted model: its directory's or hub id's last part (``Qwen2.5-0.5B-Instruct``), as
+    llama.cpp's converter names a file after the directory it reads. A checkpoint's export is named after ``--out``,
+    the directory its merged model would have been written to."""
+    return Path(model.rstrip("/")).resolve().name if Path(model).is_dir() else model.rstrip("/").split("/")[-1]
+
+
+def write_ggufs(model_dir: Path, out: Path, requested: list[str], source: str, name: str) -> str:
     """Each requested type of ``model_dir`` as ``out/model-<type>.gguf``, the ``Modelfile`` for the first, and the
-    summary: a paragraph for the first file, a line for each other."""
-    resolved = [auto_type(model_dir) if name == "auto" else name for name in requested]
+    summary: a paragraph for the first file, a line for each other. ``name`` is the files' ``general.name``."""
+    resolved = [auto_type(model_dir) if asked == "auto" else asked for asked in requested]
     files = []
-    for name in dict.fromkeys(resolved):  # each once (auto may resolve to a type also asked for)
-        gguf_file = out / f"model-{name}.gguf"
-        files.append((gguf_file, convert_to_gguf(model_dir, gguf_file, name, name=out.resolve().name)))
+    for gguf_type in dict.fromkeys(resolved):  # each once (auto may resolve to a type also asked for)
+        gguf_file = out / f"model-{gguf_type}.gguf"
+        files.append((gguf_file, convert_to_gguf(model_dir, gguf_file, gguf_type, name=name)))
     tokenizer = load_tokenizer(model_dir)
     (gguf_file, written), others = files[0], files[1:]
     vocab = written["vocab"]

@@ -338,8 +338,9 @@ def test_a_model_directory_converts_to_the_file_its_checkpoint_exports(exported,
     out = tmp_path / "from_model"
     main(["export", f"--model={exported / 'merged'}", f"--out={out}", "--format=gguf"])
     assert f"Wrote {out / 'model-bf16.gguf'} (llama," in capsys.readouterr().out
-    _, converted = metadata(out / "model-bf16.gguf")
-    _, from_checkpoint = metadata(exported / "gguf" / "model-bf16.gguf")
+    fields, converted = metadata(out / "model-bf16.gguf")
+    checkpoint_fields, from_checkpoint = metadata(exported / "gguf" / "model-bf16.gguf")
+    assert (fields["general.name"], checkpoint_fields["general.name"]) == ("merged", "gguf")  # as llama.cpp names
     assert list(converted) == list(from_checkpoint)
     for name, tensor in from_checkpoint.items():
         assert np.array_equal(np.asarray(converted[name].data), np.asarray(tensor.data)), name
@@ -349,7 +350,7 @@ def test_a_model_directory_converts_to_the_file_its_checkpoint_exports(exported,
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, **kwargs: str(exported / "merged"))
     main(["export", "--model=org/finetune", f"--out={tmp_path / 'from_hub'}", "--format=gguf", "--gguf_type=q8_0"])
     assert "from org/finetune." in capsys.readouterr().out
-    assert (tmp_path / "from_hub" / "model-q8_0.gguf").is_file()
+    assert metadata(tmp_path / "from_hub" / "model-q8_0.gguf")[0]["general.name"] == "finetune"
 
     def offline(*args, **kwargs):
         raise ConnectionError("no network")
