@@ -81,6 +81,7 @@ class LossScaleMonitor(pl.Callback):
         self._nonfinite: torch.Tensor | None = None  # device flag: no host sync until the step ends
         self._warned: set[str] = set()
         self._locator = OverflowLocator()
+        self._rearm_after_validation = False
 
     # -- where the state comes from ---------------------------------------------------------------------
 
@@ -148,6 +149,17 @@ class LossScaleMonitor(pl.Callback):
         self._check(trainer, state, overflowed)
         if overflowed and self.locate_overflow:
             self._locator.arm(pl_module)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A validation pass between the overflow and the next step would be located as the training step's
+        # overflow (its forward runs through the same modules), and would pay for the checks.
+        self._rearm_after_validation = self._locator.armed
+        self._locator.disarm()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._rearm_after_validation:
+            self._locator.arm(pl_module)
+        self._rearm_after_validation = False
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer

@@ -87,6 +87,40 @@ def test_persistent_overflow_stops_and_names_the_module(culprit, phase, dtype):
     assert not monitor._locator.armed and not any(m._forward_hooks for m in model.modules())
 
 
+class InfWhenEvaluating(nn.Module):
+    """Non-finite only in validation (eval mode): what a training step's overflow must not be blamed on."""
+
+    def forward(self, x):
+        return x if self.training else x * float("inf")
+
+
+def test_a_validation_pass_after_an_overflow_is_neither_located_nor_checked():
+    """Validation between an overflow and the next step ran with the locator's hooks on, and its non-finite output
+    was reported as the training step's location ('model.1' in forward, a module training never overflowed in)."""
+    hooks_in_validation = []
+
+    class Validated(Classifier):
+        def validation_step(self, batch, batch_idx):
+            hooks_in_validation.append(sum(len(m._forward_hooks) for m in self.modules()))
+            self(batch[0])
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), InfWhenEvaluating(), nn.GELU(), nn.Linear(64, 4))
+    monitor = LossScaleMonitor()
+    trainer = quiet_trainer(
+        plugins=[AMPPrecision("16-mixed")],
+        max_steps=4,
+        callbacks=[monitor],
+        val_check_interval=1,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(Validated(model, overflow_at_steps=(0, 1, 2)), _loader(), _loader(1))
+    assert trainer.callback_metrics["loss_scale/skipped_steps"] == 3
+    assert hooks_in_validation == [0, 0, 0, 0]
+    assert monitor.last_location is None  # the poisoned gradients came from no module's forward or backward
+
+
 def test_no_hooks_on_healthy_steps():
     model = make_mlp()
     monitor = LossScaleMonitor()
