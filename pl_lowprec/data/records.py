@@ -114,12 +114,16 @@ class TextBlocks:
 
 
 def read_records(path: Path, report: FileReport) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line number, record) for each record of a ``.txt`` or ``.jsonl`` file; bad JSON is counted."""
+    """(line number, record) for each record of a ``.txt`` or ``.jsonl`` file; bad JSON is counted. A leading
+    UTF-8 byte order mark (Windows editors and Excel write one) is not part of the text."""
     if path.suffix == ".txt":
-        yield 1, {"text": path.read_text(encoding="utf-8", errors="replace")}
+        yield 1, {"text": decoded(path, path.read_bytes(), 1).removeprefix(BYTE_ORDER_MARK)}
         return
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            line = decoded(path, raw, number)
+            if number == 1:
+                line = line.removeprefix(BYTE_ORDER_MARK)
             if not line.strip():
                 continue
             try:
@@ -131,6 +135,24 @@ def read_records(path: Path, report: FileReport) -> Iterator[tuple[int, dict[str
                 report.reject("not a JSON object", number)
                 continue
             yield number, record
+
+
+BYTE_ORDER_MARK = "\ufeff"
+
+
+def decoded(path: Path, raw: bytes, first_line: int) -> str:
+    """``raw`` as UTF-8, or a refusal naming the file, the line and the byte: a replacement character in place of
+    each bad byte would train on text the file does not hold."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = first_line + raw.count(b"\n", 0, err.start)
+        column = err.start - (raw.rfind(b"\n", 0, err.start) + 1)
+        raise ValueError(
+            f"{path}, line {line}: byte {raw[err.start]:#04x} at column {column + 1} is not UTF-8 ({err.reason}),"
+            " and the data files are read as UTF-8. Re-save the file as UTF-8, e.g. iconv -f latin1 -t utf-8"
+            f" {path} > {path.with_name(path.stem + '.utf8' + path.suffix)} (latin1 standing for its encoding)."
+        ) from None
 
 
 def encode_text(tokenizer: Any, text: str) -> list[int]:

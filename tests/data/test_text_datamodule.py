@@ -168,6 +168,35 @@ def test_a_file_with_no_usable_record_fails_with_path_and_lines(tmp_path, tokeni
         _setup(train_files=path, tokenizer=str(tokenizer_dir))
 
 
+def test_a_byte_order_mark_is_not_a_record_and_a_non_utf8_byte_is_refused_by_line(tmp_path, tokenizer_dir):
+    """A .jsonl saved with a UTF-8 BOM lost its first record as 'invalid JSON'; a .txt trained on U+FEFF; a latin-1
+    byte was a decode error naming no file, or (.txt) a replacement character trained without a word."""
+    records = [{"prompt": "first", "completion": " kept"}, {"prompt": "second", "completion": " kept"}]
+    jsonl = tmp_path / "bom.jsonl"
+    jsonl.write_bytes(b"\xef\xbb\xbf" + "\n".join(json.dumps(r) for r in records).encode())
+    (report,) = _setup(train_files=jsonl, tokenizer=str(tokenizer_dir)).reports
+    assert (report.used, dict(report.bad)) == (2, {})
+    text = tmp_path / "bom.txt"
+    text.write_bytes("\ufeffdef f(x):\n    return x\n".encode())
+    (block,) = _setup(train_files=text, tokenizer=str(tokenizer_dir), seq_len=64).train_set
+    assert "\ufeff" not in _targets_text(tokenizer_dir, block)
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    message = r"latin1\.jsonl, line 2: byte 0xe9 at column 14 is not UTF-8 .* Re-save the file as UTF-8, e\.g\. iconv"
+    with pytest.raises(ValueError, match=message):
+        _setup(train_files=latin1, tokenizer=str(tokenizer_dir))
+    latin1_text = tmp_path / "notes.txt"
+    latin1_text.write_bytes(b"first line\nna\xefve\n")
+    with pytest.raises(ValueError, match=r"notes\.txt, line 2: byte 0xef at column 3 is not UTF-8"):
+        _setup(train_files=latin1_text, tokenizer=str(tokenizer_dir))
+
+
+def _targets_text(tokenizer_dir, sample):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir)).decode(sample["input_ids"])
+
+
 def test_bad_arguments_fail_when_built(tmp_path, tokenizer_dir):
     with pytest.raises(ValueError, match=r"train_files: '.*missing.jsonl' does not exist"):
         TextDataModule(train_files=tmp_path / "missing.jsonl", tokenizer=str(tokenizer_dir))
