@@ -96,6 +96,13 @@ def consumed_train_batches(trainer: pl.Trainer) -> int:
     return trainer.fit_loop.epoch_loop.batch_progress.current.processed
 
 
+def data_parallel_shard(trainer: pl.Trainer | None) -> tuple[int, int]:
+    """(replicas, this process's replica), as Lightning shards its own samplers: a tensor- or model-parallel
+    group's ranks train one replica and need the same batches, so the world size is not the number of shards."""
+    kwargs = trainer.distributed_sampler_kwargs if trainer is not None else None
+    return (kwargs["num_replicas"], kwargs["rank"]) if kwargs else (1, 0)
+
+
 def resumable_loader(
     dataset: Dataset,
     batch_size: int,
@@ -105,10 +112,10 @@ def resumable_loader(
     num_workers: int = 0,
     epoch_indexed: bool = False,
 ) -> ResumableDataLoader:
-    """A shuffled training loader, sharded over the trainer's processes, that resumes mid-epoch."""
-    world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+    """A shuffled training loader, sharded over the trainer's data-parallel replicas, that resumes mid-epoch."""
+    replicas, rank = data_parallel_shard(trainer)
     sampler = ResumableSampler(
-        dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, epoch_indexed=epoch_indexed
+        dataset, num_replicas=replicas, rank=rank, shuffle=True, seed=seed, epoch_indexed=epoch_indexed
     )
     loader = ResumableDataLoader(
         dataset,
