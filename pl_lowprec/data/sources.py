@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import glob
+import os
 import re
 from collections import Counter
 from collections.abc import Sequence
@@ -36,6 +37,7 @@ SAVED_DATASET_MARKERS = ("dataset_dict.json", "state.json")  # written by Datase
 # A dataset's metadata, not records (hub repositories and save_to_disk write them): listed, not read.
 METADATA_FILES = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}
 SPLIT_NAME = re.compile(r"(train|validation|valid|val|test|dev|eval)(-\d+-of-\d+)?", re.IGNORECASE)
+HELD_OUT_ORDER = ["validation", "valid", "val", "dev", "eval", "test"]  # val_files: a validation split before test
 HUB_ID = re.compile(r"[\w][\w.-]*/[\w][\w.-]*")
 READ = ", ".join(READ_SUFFIXES)
 
@@ -104,6 +106,9 @@ def path_sources(item: str | Path, argument: str) -> list[Source]:
         matches = [Path(match) for match in sorted(glob.glob(str(Path(text).expanduser()), recursive=True))]
         if not matches:
             raise ValueError(f"{argument}: {text!r} matches no file.")
+        files = [match.resolve() for match in matches if match.is_file()]
+        if len(files) > 1:
+            check_one_split(Path(os.path.commonpath(files)), files, argument, named=text)
         return [source for match in matches for source in path_sources(match, argument)]
     path = Path(item).expanduser()
     if path.is_dir():
@@ -187,23 +192,32 @@ def split_of(relative: Path) -> str | None:
     return None
 
 
-def check_one_split(path: Path, files: Sequence[Path], argument: str) -> None:
-    """A directory whose files belong to several splits is refused: its held-out split would be trained on."""
+def check_one_split(root: Path, files: Sequence[Path], argument: str, named: str | None = None) -> None:
+    """Files of several splits under ``root`` (a directory given, or the files a glob ``named`` matched) are
+    refused: the held-out split would be trained on."""
     splits: dict[str, list[Path]] = {}
     for file in files:
-        split = split_of(file.relative_to(path))
+        split = split_of(file.relative_to(root))
         if split is not None:
             splits.setdefault(split, []).append(file)
     if len(splits) < 2:
         return
     counts = ", ".join(f"{split}: {len(found)}" for split, found in splits.items())
-    first = next(iter(splits.values()))[0]
-    named = SPLIT_NAME.fullmatch(first.stem)
-    pattern = first.parent / f"{named.group(1)}*{first.suffix}" if named else first.parent
+    first = splits[split_for(argument, list(splits))][0]
+    split_name = SPLIT_NAME.fullmatch(first.stem)
+    pattern = first.parent / f"{split_name.group(1)}*{first.suffix}" if split_name else first.parent
     training = argument.endswith("_files")  # a data module's; else a command's (pl-lowprec generate --prompts)
     why = "would train on the held-out ones" if training else "would mix them"
+    given = f"{named!r} matches" if named is not None else f"directory {str(root)!r} holds"
+    another = "another's as val_files" if argument == "train_files" else "the training split's as train_files"
     raise ValueError(
-        f"{argument}: directory {str(path)!r} holds the files of several splits ({counts} files); reading them all"
-        f" {why}. Name one split's files, e.g. {argument}={str(pattern)!r}"
-        + (", and another's as val_files." if training else ".")
+        f"{argument}: {given} the files of several splits ({counts} files); reading them all {why}. Name one"
+        f" split's files, e.g. {argument}={str(pattern)!r}" + (f", and {another}." if training else ".")
     )
+
+
+def split_for(argument: str, splits: list[str]) -> str:
+    """The split to suggest for ``argument``: ``train`` for training files, a held-out one for ``val_files``."""
+    held_out = [split for split in splits if split != "train"]
+    wanted = {"train_files": ["train"], "val_files": sorted(held_out, key=HELD_OUT_ORDER.index)}.get(argument, [])
+    return next((split for split in wanted if split in splits), splits[0])

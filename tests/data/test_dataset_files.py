@@ -399,7 +399,16 @@ def test_a_directory_reads_every_format_and_refuses_several_splits(pretrained, t
     with pytest.raises(ValueError) as error:
         TextDataModule(train_files=tmp_path / "repo", tokenizer=str(pretrained))
     assert "holds the files of several splits (test: 1, train: 1 files)" in str(error.value)
-    assert f"train_files='{hub_layout}/test*.parquet'" in str(error.value)
+    assert f"train_files='{hub_layout}/train*.parquet', and another's as val_files." in str(error.value)
+    with pytest.raises(ValueError) as error:  # the same files matched by a glob: trained on without a word
+        TextDataModule(train_files=str(hub_layout / "*.parquet"), tokenizer=str(pretrained))
+    assert f"'{hub_layout}/*.parquet' matches the files of several splits (test: 1, train: 1 files)" in str(error.value)
+    with pytest.raises(ValueError) as error:
+        TextDataModule(
+            train_files=str(hub_layout / "train-*.parquet"), val_files=str(tmp_path / "repo"), tokenizer=str(pretrained)
+        )
+    said = str(error.value)
+    assert f"val_files='{hub_layout}/test*.parquet', and the training split's as train_files." in said
     data = _data(str(hub_layout / "train-*.parquet"), pretrained, val_files=str(hub_layout / "test-*.parquet"))
     assert [r.used for r in data.reports] == [8, 8]
     with pytest.raises(ValueError, match=r"'.*nothing-\*.parquet' matches no file"):
