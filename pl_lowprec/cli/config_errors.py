@@ -31,6 +31,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from pl_lowprec._checks import CannotRunHere
 from pl_lowprec._error_text import raised_in, raised_under
+from pl_lowprec.plugins.amp import MIXED_SPELLINGS
 from pl_lowprec.strategy_names import STRATEGY_NAMES
 
 # Errors by which a class or a check refuses a value; anything else (a bug) keeps its traceback.
@@ -279,12 +280,30 @@ def _other_types(lines: list[str]) -> list[str]:
     return ["null" if n == "NoneType" else f"a {n}" for n in dict.fromkeys(names) if n not in ("str", "int")]
 
 
+PLUGIN_AUTO = (
+    " For the device's own choice (bf16-mixed where it computes bf16 natively, fp16 with loss scaling on GPUs"
+    " without it, fp32 on other CPUs), leave trainer.precision unset and give the plugin's: trainer.plugins:"
+    " [{class_path: pl_lowprec.AMPPrecision, init_args: {precision: auto}}]."
+)
+
+
 def _literal_paragraph(key: str | None, value: str, allowed: list[str], others: list[str]) -> str:
     shown = ", ".join(repr(a) for a in allowed) + "".join(f", {o}" for o in others)
-    closest = difflib.get_close_matches(value, allowed, n=1, cutoff=0.5)
-    hint = f" Did you mean {closest[0]!r}?" if closest else ""
+    meant = closest_allowed(value, allowed)
+    hint = f" Did you mean {meant!r}?" if meant else ""
+    if key is not None and key.endswith("trainer.precision") and value.lower() == "auto":
+        hint = PLUGIN_AUTO
     option = key or "the value"
     return f"{option}={value!r} is not allowed. Allowed: {shown}.{hint}"
+
+
+def closest_allowed(value: str, allowed: list[str]) -> str | None:
+    """The allowed value meant: the same in another case ('AUTO'), another spelling of a precision ('fp16' for
+    '16-mixed', as the plugin's own refusal suggests), else the nearest by spelling."""
+    same = [a for a in allowed if a.lower() == value.lower()]
+    spelled = [MIXED_SPELLINGS[value.lower()]] if MIXED_SPELLINGS.get(value.lower()) in allowed else []
+    nearest = difflib.get_close_matches(value, allowed, n=1, cutoff=0.5)
+    return next(iter(same + spelled + nearest), None)
 
 
 def _clean(line: str) -> str:
