@@ -13,6 +13,10 @@ Which tokens are the assistant's is read from the template in one of two ways:
   breaks it, and the loss would land on the wrong tokens, so such a record is refused (``ChatTemplateMismatch``)
   with the fix, before any step.
 
+A token is a target where it starts inside an assistant span or straddles the span's start: after a generation
+prompt that ends in a space (``Assistant: ``) the answer's first token (`` return``) begins with that space and
+carries the answer's first characters.
+
 A turn's target ends with its end-of-turn token (``</s>``, ``<|im_end|>``, ``<|eot_id|>``): the whitespace a
 template writes after it (``</s>\n``) separates turns and is not learned, as axolotl's ``train_on_eos: turn``
 and templates' ``{% endgeneration %}`` before the newline have it.
@@ -128,13 +132,13 @@ class ChatTemplate:
 
     def _encode_spans(self, full: str, spans: list[tuple[int, int]]) -> Sample:
         """Tokens of ``full``; a token is a target when it starts inside one of the character ``spans``, each
-        ending at its end-of-turn token."""
+        ending at its end-of-turn token, or straddles a span's start (``in_span``)."""
         spans = [(start, self._end_of_turn(full, start, end)) for start, end in spans]
         encoded = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
         ids = encoded["input_ids"]
         labels = [
-            token if any(s <= begin < e for s, e in spans) else IGNORE_INDEX
-            for token, (begin, _) in zip(ids, encoded["offset_mapping"], strict=True)
+            token if any(in_span(begin, finish, s, e) for s, e in spans) else IGNORE_INDEX
+            for token, (begin, finish) in zip(ids, encoded["offset_mapping"], strict=True)
         ]
         return Sample(ids, labels)
 
@@ -144,6 +148,12 @@ class ChatTemplate:
         text = full[start:end].rstrip()
         special = special_token_texts(self.tokenizer)
         return start + len(text) if any(token and text.endswith(token) for token in special) else end
+
+
+def in_span(begin: int, finish: int, start: int, end: int) -> bool:
+    """Whether the token of characters ``[begin, finish)`` is the span ``[start, end)``'s: it starts inside, or
+    it straddles the start (the space a generation prompt ends with, and the answer's first characters)."""
+    return start <= begin < end or begin < start < min(finish, end)
 
 
 @functools.lru_cache(maxsize=8)  # once per tokenizer, not per turn: added_tokens_decoder builds a dict each call

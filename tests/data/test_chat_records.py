@@ -194,3 +194,18 @@ def test_a_turn_without_an_end_token_keeps_its_trailing_text(tmp_path, tokenizer
         tmp_path / "chat.jsonl", [{"messages": TURNS[1:3]}], _with_template(tokenizer_dir, plain, tmp_path / "t")
     )
     assert _targets(data, data.train_set[0]) == "<think>greet</think>hi\n"
+
+
+def test_the_answers_first_token_is_trained_after_a_generation_prompt_ending_in_a_space(tmp_path, tokenizer_dir):
+    """'Assistant: ' + 'return x': the token ' return' starts at the prompt's space and carries the answer's first
+    characters; it was left out of the targets."""
+    spaced = (
+        "{% for m in messages %}{% if m.role == 'user' %}{{ 'User: ' + m.content + '\\n' }}"
+        "{% else %}{{ 'Assistant: ' + m.content + eos_token + '\\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'Assistant: ' }}{% endif %}"
+    )
+    tokenizer = _with_template(tokenizer_dir, spaced, tmp_path / "spaced")
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "return x"}]
+    records = [{"messages": turns}, {"prompt": turns[:1], "completion": turns[1:]}]
+    data = _setup(tmp_path / "chat.jsonl", records, tokenizer)
+    assert [_targets(data, s) for s in data.train_set] == [" return x</s>", " return x</s>"]
