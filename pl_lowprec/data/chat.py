@@ -11,7 +11,10 @@ Which tokens are the assistant's is read from the template in one of two ways:
   prompt, and up to its end. That is exact only when each rendering of a conversation's start begins the whole
   conversation's rendering. A template that rewrites earlier turns (Qwen3's and DeepSeek-R1's drop their reasoning)
   breaks it, and the loss would land on the wrong tokens, so such a record is refused (``ChatTemplateMismatch``)
-  with the fix, before any step.
+  with the fix, before any step. A conversation that starts with an assistant turn has no earlier turns to render
+  with the generation prompt: its target starts where the template writes that turn's text (found by rendering the
+  turn alone with a stand-in text), so a default system turn and the role's header stay context, as the
+  ``{% generation %}`` marks have it.
 
 A token is a target where it starts inside an assistant span or straddles the span's start: after a generation
 prompt that ends in a space (``Assistant: ``) the answer's first token (`` return``) begins with that space and
@@ -37,10 +40,20 @@ from pl_lowprec.models.token_loss import IGNORE_INDEX
 GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")  # transformers' own test for the marks
 TEMPLATE_FIELDS = ("tools", "chat_template_kwargs")  # read beside any format's fields, under TRL's names
 SHOWN_CHARS = 40
+TURN_TEXT = "PlLowprecTurnText"  # a stand-in turn text: no whitespace or markup for a template to trim or split
 
 
 class ChatTemplateMismatch(ValueError):
     """The template renders a conversation's start differently on its own than inside the whole conversation."""
+
+
+class UnusableChatRecord(Exception):
+    """A record whose targets cannot be read with this template: counted as unusable under ``reason``, as a record
+    without an answer is."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -97,7 +110,9 @@ class ChatTemplate:
         for i, message in enumerate(messages):
             if message.get("role") != "assistant":
                 continue
-            start = self._prefix_of(full, messages[:i], generation_prompt=True) if i else 0  # nothing before it
+            start = (
+                self._prefix_of(full, messages[:i], generation_prompt=True) if i else self._text_start(full, message)
+            )
             end = self._prefix_of(full, messages[: i + 1], generation_prompt=False)
             spans.append((start, end))
         return self._encode_spans(full, spans)
@@ -107,6 +122,21 @@ class ChatTemplate:
         full = self.render(prompt + completion)
         start = self._prefix_of(full, prompt, generation_prompt=True)
         return self._encode_spans(full, [(start, len(full))])
+
+    def _text_start(self, full: str, turn: dict[str, Any]) -> int:
+        """Where the template writes the text of ``full``'s first turn, an assistant's: what comes before it (a
+        default system turn, the role's header) is context, as ``{% generation %}`` marks have it. Read from
+        the turn rendered alone with a stand-in text; a template that does not write that text as given, or writes
+        something else before it alone, makes the record unusable."""
+        alone = self.render([{**turn, "content": TURN_TEXT}])
+        at = alone.find(TURN_TEXT)
+        if at < 0 or not full.startswith(alone[:at]):
+            raise UnusableChatRecord(
+                "records starting with an assistant turn whose text the chat template does not write as given"
+                " (rendered alone with a stand-in text, it was not found, or what precedes it differs): put the"
+                " user turn it answers before it, or use a template with {% generation %} marks"
+            )
+        return at
 
     def _prefix_of(self, full: str, turns: list[dict[str, Any]], generation_prompt: bool) -> int:
         """Where the rendering of ``turns`` ends in ``full``; refused when it is not the start of ``full``."""

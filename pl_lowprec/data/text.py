@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset
 
 from pl_lowprec._checks import check_at_least
-from pl_lowprec.data.chat import ChatTemplate, ChatTemplateMismatch, turns_problem
+from pl_lowprec.data.chat import ChatTemplate, ChatTemplateMismatch, UnusableChatRecord, turns_problem
 from pl_lowprec.data.collate import PackedCollate, PadCollate
 from pl_lowprec.data.context_length import check_seq_len_with_model
 from pl_lowprec.data.dataset_files import open_dataset
@@ -258,6 +258,8 @@ class TextDataModule(pl.LightningDataModule):
             report.columns.update(record)
             try:
                 sample_or_reason = self._encode(read_fields(record, self.fields), report)
+            except UnusableChatRecord as unusable:  # counted, as a record with no answer
+                sample_or_reason = unusable.reason
             except (ChatTemplateMismatch, NoChatTemplate) as problem:
                 where = f"line {number}" if report.unit == "lines" else f"row {number}"
                 said = self._no_template(record) if isinstance(problem, NoChatTemplate) else problem

@@ -196,6 +196,47 @@ def test_a_turn_without_an_end_token_keeps_its_trailing_text(tmp_path, tokenizer
     assert _targets(data, data.train_set[0]) == "<think>greet</think>hi\n"
 
 
+# A template that writes a default system turn where the conversation has none (as ChatML-style ones do), without
+# and with generation marks.
+DEFAULT_SYSTEM = "{% if messages[0].role != 'system' %}<|system|>\nYou are helpful.</s>\n{% endif %}"
+DEFAULT_SYSTEM_PLAIN = (
+    DEFAULT_SYSTEM + "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+DEFAULT_SYSTEM_MARKED = (
+    DEFAULT_SYSTEM + "{% for m in messages %}<|{{ m.role }}|>\n"
+    "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}</s>{% endgeneration %}"
+    "{% else %}{{ m.content }}</s>{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def test_a_conversation_that_starts_with_an_assistant_turn_trains_on_its_text_only(tmp_path, tokenizer_dir):
+    """Greeting-first chats: the default system turn and the role's header before the first answer are context,
+    as the template's generation marks have them (they were all targets)."""
+    greeting = [
+        {"role": "assistant", "content": "Welcome"},
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "hi"},
+    ]
+    samples = {}
+    for name, template in (("plain", DEFAULT_SYSTEM_PLAIN), ("marked", DEFAULT_SYSTEM_MARKED)):
+        tokenizer = _with_template(tokenizer_dir, template, tmp_path / name)
+        data = _setup(tmp_path / f"{name}.jsonl", [{"messages": greeting}], tokenizer)
+        (samples[name],) = data.train_set
+    assert _targets(data, samples["plain"]) == "Welcome</s>hi</s>"
+    for key in ("input_ids", "labels"):
+        assert samples["plain"][key].tolist() == samples["marked"][key].tolist()
+    # A template that does not write the text as given (here upper-cased): where it starts is not known.
+    upper = _with_template(
+        tokenizer_dir,
+        "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content | upper }}</s>\n{% endfor %}",
+        tmp_path / "upper",
+    )
+    with pytest.raises(ValueError, match=r"1 record starting with an assistant turn whose text the chat template"):
+        _setup(tmp_path / "upper.jsonl", [{"messages": greeting}], upper)
+
+
 def test_the_answers_first_token_is_trained_after_a_generation_prompt_ending_in_a_space(tmp_path, tokenizer_dir):
     """'Assistant: ' + 'return x': the token ' return' starts at the prompt's space and carries the answer's first
     characters; it was left out of the targets."""
