@@ -205,3 +205,20 @@ def turns_problem(turns: Any) -> str | None:
         if not isinstance(turn.get("content"), str) and not turn.get("tool_calls"):
             return "a turn without a string 'content' (or an assistant's 'tool_calls')"
     return None
+
+
+ANSWER_ROLES = ("assistant", "model", "gpt", "bot", "ai", "chatbot")  # the answers in other data ("Assistant")
+
+
+def no_answer_reason(turns: list[dict[str, Any]]) -> str | None:
+    """Why a ``messages`` record has nothing to train on when no turn has the role ``assistant`` (the roles it
+    has, and the rename where one of them names the answers), or ``None``."""
+    roles = list(dict.fromkeys(turn["role"] for turn in turns))
+    if "assistant" in roles:
+        return None
+    reason = f"records with no turn of role 'assistant' (roles seen: {', '.join(roles)})"
+    named = [role for role in roles if role.lower() in ANSWER_ROLES]
+    if named:
+        reason += f": rename the answers' role {named[0]!r} to 'assistant'"
+        reason += " (ShareGPT's roles are renamed in {from, value} turns only)" if named[0] == "gpt" else ""
+    return reason

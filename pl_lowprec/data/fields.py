@@ -11,6 +11,9 @@ LLaMA-Factory's datasets) are read as ``messages`` as LLaMA-Factory reads them: 
 joined by a newline as the user's turn, the output as the answer, the history's pairs before them. A value that is
 absent (``None``, as Arrow tables hold for a field a record lacks) is read as a missing field, so a ``.jsonl`` file
 and its Parquet copy give the same records.
+A prompt/completion record that lacks one of the two is told the columns it has and the mapping that reads the
+missing field from them (``missing_field_reason``): a file whose answers are under ``response`` was told
+"'prompt' and 'completion' not both strings".
 """
 
 from __future__ import annotations
@@ -98,6 +101,23 @@ def chat_turn(turn: Any) -> Any:
     if "role" not in turn and "from" in turn and "value" in turn:
         return {"role": SHAREGPT_ROLES.get(turn["from"], turn["from"]), "content": turn["value"]}
     return turn
+
+
+def missing_field_reason(field: str, given: dict[str, Any], fields: dict[str, str] | None) -> str:
+    """Why a prompt/completion record lacking ``field`` is unusable, in the record's own column names (``given``:
+    the record before the mapping), with the mapping that reads it from the record's other columns."""
+    columns = sorted(key for key, value in given.items() if value is not None)
+    if fields is not None:
+        return f"records without the column {fields[field]!r}, which fields maps to {field!r} (they have {columns})"
+    reason = f"records with no {field!r} field (they have {columns})"
+    others = [column for column in columns if column not in READ_COLUMNS and column not in TEMPLATE_FIELDS]
+    if len(others) > 1:
+        return f"{reason}: map one of {others} to it with a field mapping, e.g. {EXAMPLE}"
+    if not others:
+        return reason
+    mapping = {name: others[0] if name == field else name for name in ("prompt", "completion")}
+    cli = ", ".join(f"{name}: {column}" for name, column in mapping.items())
+    return f"{reason}: map it with fields={mapping!r} (--data.fields '{{{cli}}}')"
 
 
 def unread_columns(columns: Iterable[str], fields: dict[str, str] | None) -> list[str]:

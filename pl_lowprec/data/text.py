@@ -7,7 +7,9 @@ the batch has ``position_ids`` instead of ``attention_mask`` (``pl_lowprec.data.
 The training loader resumes mid-epoch exactly (``pl_lowprec.data.resumable``). Every source goes through one
 record → tokens step (``_encode_records``); a dataset's samples stay in a memory-mapped Arrow table
 (``pl_lowprec.data.token_table``). Unusable records are counted by reason with their line numbers (row indices
-for a dataset) and logged; a source with no usable record fails with its name.
+for a dataset) and logged; a source with no usable record fails with its name, and so does one with more than
+``max_skipped_fraction`` of its records unusable (a column named otherwise, a role named ``model``, would otherwise
+train on what is left with one log line).
 """
 
 from __future__ import annotations
@@ -22,7 +24,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset
 
 from pl_lowprec._checks import check_at_least
-from pl_lowprec.data.chat import ChatTemplate, ChatTemplateMismatch, UnusableChatRecord, turns_problem
+from pl_lowprec.data.chat import (
+    ChatTemplate,
+    ChatTemplateMismatch,
+    UnusableChatRecord,
+    no_answer_reason,
+    turns_problem,
+)
 from pl_lowprec.data.collate import PackedCollate, PadCollate
 from pl_lowprec.data.context_length import check_seq_len_with_model
 from pl_lowprec.data.dataset_files import open_dataset
@@ -32,6 +40,7 @@ from pl_lowprec.data.fields import (
     check_columns,
     check_fields,
     columns_read,
+    missing_field_reason,
     read_fields,
     unread_columns,
 )
@@ -109,6 +118,9 @@ class TextDataModule(pl.LightningDataModule):
         val_split: The split of a ``DatasetDict`` in ``val_files``; ``None``: ``validation``, else ``test``.
         chat_template_kwargs: Arguments of the chat template for every chat record (``{"enable_thinking":
             false}`` for Qwen3); a record's own ``chat_template_kwargs`` take precedence.
+        max_skipped_fraction: Share of a file's records that may be unusable (counted by reason in the log); above
+            it the file is refused with the reasons (1.0 accepts any loss). 0.05, as for truncation: scattered bad
+            records pass, a format the module does not read for a large part of the file does not.
     """
 
     def __init__(
@@ -127,6 +139,7 @@ class TextDataModule(pl.LightningDataModule):
         train_split: str = "train",
         val_split: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        max_skipped_fraction: float = 0.05,
     ) -> None:
         super().__init__()
         if seq_len < 2:
@@ -138,6 +151,8 @@ class TextDataModule(pl.LightningDataModule):
         check_at_least("TextDataModule", 0, "0 loads batches in the main process.", num_workers=num_workers)
         if not 0 <= max_truncated_fraction <= 1:
             raise ValueError(f"TextDataModule(max_truncated_fraction={max_truncated_fraction}) must be in [0, 1].")
+        if not 0 <= max_skipped_fraction <= 1:
+            raise ValueError(f"TextDataModule(max_skipped_fraction={max_skipped_fraction}) must be in [0, 1].")
         self.fields = check_fields(fields)
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise ValueError(
@@ -162,6 +177,7 @@ class TextDataModule(pl.LightningDataModule):
         self.seed = seed
         self.num_workers = num_workers
         self.max_truncated_fraction = max_truncated_fraction
+        self.max_skipped_fraction = max_skipped_fraction
         self.packing = packing
         self.tokenizer: Any = None
         self.reports: list[FileReport] = []
@@ -223,6 +239,7 @@ class TextDataModule(pl.LightningDataModule):
                 rank_zero_info(f"{report.path}: fields={self.fields} leaves the columns {unread} unread.")
             if report.used == 0:
                 raise ValueError(f"No usable record in {report.describe()}.")
+            self._check_skipped(report)
             self._check_truncation(report)
         if all(isinstance(part, list) for part in parts):
             return [row for part in parts for row in part]
@@ -257,7 +274,7 @@ class TextDataModule(pl.LightningDataModule):
         for number, record in records:
             report.columns.update(record)
             try:
-                sample_or_reason = self._encode(read_fields(record, self.fields), report)
+                sample_or_reason = self._encode(read_fields(record, self.fields), record, report)
             except UnusableChatRecord as unusable:  # counted, as a record with no answer
                 sample_or_reason = unusable.reason
             except (ChatTemplateMismatch, NoChatTemplate) as problem:
@@ -274,6 +291,25 @@ class TextDataModule(pl.LightningDataModule):
                 samples.append(sample_or_reason)
         return samples + completed + (blocks.finish() if last else [])
 
+    def _check_skipped(self, report: FileReport) -> None:
+        """A file more than ``max_skipped_fraction`` of whose records are unusable is refused: training on the rest
+        would lose them with one log line (half a file whose answers are under another name). Records whose
+        targets ``seq_len`` cuts away are left to ``max_truncated_fraction``, which counts their tokens lost."""
+        skipped = sum(n for reason, n in report.bad.items() if reason != self._cut_away())
+        share = skipped / (sum(report.bad.values()) + report.used)
+        if share <= self.max_skipped_fraction:
+            return
+        raise ValueError(
+            f"{report.describe()}. That is {skipped} unusable records, {share:.1%} of the file's, more than"
+            f" max_skipped_fraction={self.max_skipped_fraction}: training would go on without them. Fix those"
+            " records as each reason says, or accept the loss with --data.max_skipped_fraction"
+            f" {min(1.0, round(share + 0.005, 2))}."
+        )
+
+    def _cut_away(self) -> str:
+        """The reason of a record with no target token within ``seq_len``."""
+        return f"records with no target tokens within seq_len={self.seq_len}"
+
     def _check_truncation(self, report: FileReport) -> None:
         """A file that ``seq_len`` cuts more than ``max_truncated_fraction`` of its target tokens from is refused."""
         if report.lost_share() <= self.max_truncated_fraction:
@@ -288,8 +324,9 @@ class TextDataModule(pl.LightningDataModule):
             f" {min(1.0, round(report.lost_share() + 0.005, 2))}."
         )
 
-    def _encode(self, record: dict[str, Any], report: FileReport) -> Sample | list[int] | str:
-        """A sample, a token stream to pack (text), or the reason the record is unusable."""
+    def _encode(self, record: dict[str, Any], given: dict[str, Any], report: FileReport) -> Sample | list[int] | str:
+        """A sample, a token stream to pack (text), or the reason the record is unusable (in the terms of
+        ``given``, the record before the field mapping)."""
         kind = record_kind(record)
         if kind is None:
             return "records without a 'text', 'prompt'/'completion' or 'messages' field"
@@ -299,6 +336,8 @@ class TextDataModule(pl.LightningDataModule):
             return encode_text(self.tokenizer, record["text"])
         if kind == "prompt_completion":
             prompt, completion = record.get("prompt"), record.get("completion")
+            if prompt is None or completion is None:
+                return missing_field_reason("completion" if completion is None else "prompt", given, self.fields)
             if isinstance(prompt, list) and isinstance(completion, list):
                 if turns_problem(prompt) or turns_problem(completion):
                     return "records whose 'prompt' or 'completion' list is not of {role, content} turns"
@@ -312,11 +351,14 @@ class TextDataModule(pl.LightningDataModule):
         else:
             if turns_problem(record["messages"]):
                 return "records whose 'messages' is not a list of {role, content} turns"
+            no_answer = no_answer_reason(record["messages"])
+            if no_answer:
+                return no_answer
             sample = self._chat(record).encode_messages(record["messages"])
         report.count_targets(sample.labels, self.seq_len)
         sample = Sample(sample.input_ids[: self.seq_len], sample.labels[: self.seq_len])
         if all(label == IGNORE_INDEX for label in sample.labels[1:]):
-            return f"records with no target tokens within seq_len={self.seq_len}"
+            return self._cut_away()
         return sample
 
     def _chat(self, record: dict[str, Any]) -> ChatTemplate:

@@ -140,7 +140,9 @@ def test_bad_records_are_counted_with_their_lines(tmp_path, tokenizer_dir):
         {"prompt": [{"role": "user", "content": "q"}], "completion": [{"content": "no role"}]},  # 11
     ]
     path = _jsonl(tmp_path / "mixed.jsonl", records)
-    data = _setup(train_files=path, tokenizer=str(tokenizer_dir), seq_len=32, max_truncated_fraction=1.0)
+    data = _setup(
+        train_files=path, tokenizer=str(tokenizer_dir), seq_len=32, max_truncated_fraction=1.0, max_skipped_fraction=1
+    )
     (report,) = data.reports
     assert report.used == 1 and len(data.train_set) == 1
     assert report.first_lines == {
@@ -148,14 +150,16 @@ def test_bad_records_are_counted_with_their_lines(tmp_path, tokenizer_dir):
         "records without a 'text', 'prompt'/'completion' or 'messages' field": [3],
         "records with empty text": [4],
         "records with an empty completion": [5],
-        "records with 'prompt' and 'completion' not both strings or both lists of turns": [6, 10],
-        "records with no target tokens within seq_len=32": [7, 8],
+        "records with no 'completion' field (they have ['prompt'])": [6],
+        "records with no turn of role 'assistant' (roles seen: user)": [7],
+        "records with no target tokens within seq_len=32": [8],
+        "records with 'prompt' and 'completion' not both strings or both lists of turns": [10],
         "records whose 'messages' is not a list of {role, content} turns": [9],
         "records whose 'prompt' or 'completion' list is not of {role, content} turns": [11],
     }
     said = report.describe()  # one record, in the singular
     assert "1 record used, 10 skipped: 1 invalid JSON (lines [2]); 1 record without a 'text'" in said
-    assert "; 2 records with no target tokens within seq_len=32 (lines [7, 8])" in said
+    assert "; 1 record with no target tokens within seq_len=32 (lines [8])" in said
 
 
 def test_a_file_with_no_usable_record_fails_with_path_and_lines(tmp_path, tokenizer_dir):
@@ -277,3 +281,48 @@ def test_a_directory_with_records_in_other_formats_lists_them(tmp_path, tokenize
     (tmp_path / "README.md").write_text("notes")  # not records: read past, and said so
     data = TextDataModule(train_files=tmp_path, tokenizer=str(tokenizer_dir))
     assert [source.path for source in data.train_sources] == [tmp_path / "a.jsonl"]
+
+
+def test_a_file_with_more_unusable_records_than_max_skipped_fraction_is_refused(tmp_path, tokenizer_dir):
+    """Half a file whose answers are under another name trained on the other half, said in one INFO line."""
+    records = [
+        {"prompt": f"q{i}", "completion": f" a{i}"} if i % 2 else {"prompt": f"q{i}", "answer": f" a{i}"}
+        for i in range(6)
+    ]
+    path = _jsonl(tmp_path / "mixed.jsonl", records)
+    with pytest.raises(ValueError) as refused:
+        _setup(train_files=path, tokenizer=str(tokenizer_dir))
+    message = str(refused.value)
+    assert message.startswith(f"{path}: 3 records used, 3 skipped: 3 records with no 'completion' field")
+    assert "(lines [1, 3, 5])" in message
+    assert "That is 3 unusable records, 50.0% of the file's, more than max_skipped_fraction=0.05" in message
+    assert message.endswith("or accept the loss with --data.max_skipped_fraction 0.51.")
+    data = _setup(train_files=path, tokenizer=str(tokenizer_dir), max_skipped_fraction=0.51)
+    assert len(data.train_set) == 3
+    with pytest.raises(ValueError, match=r"TextDataModule\(max_skipped_fraction=1.5\) must be in \[0, 1\]"):
+        TextDataModule(train_files=path, tokenizer=str(tokenizer_dir), max_skipped_fraction=1.5)
+
+
+def test_unusable_records_are_told_what_they_lack(tmp_path, tokenizer_dir):
+    """A 'response' column was told "'prompt' and 'completion' not both strings", with no mapping to give; chats
+    whose answers have the role 'model' were told to raise seq_len."""
+    path = _jsonl(tmp_path / "response.jsonl", [{"prompt": "q", "response": " a"}])
+    with pytest.raises(ValueError) as refused:
+        _setup(train_files=path, tokenizer=str(tokenizer_dir))
+    mapping = "{'prompt': 'prompt', 'completion': 'response'}"
+    assert (
+        "1 record with no 'completion' field (they have ['prompt', 'response']): map it with"
+        f" fields={mapping} (--data.fields '{{prompt: prompt, completion: response}}') (lines [1])"
+    ) in str(refused.value)
+    data = _setup(train_files=path, tokenizer=str(tokenizer_dir), fields={"prompt": "prompt", "completion": "response"})
+    assert _targets(data, data.train_set[0]) == " a</s>"  # the mapping given works
+
+    gemma_style = [{"role": "user", "content": "hi"}, {"role": "model", "content": "hello"}]
+    path = _jsonl(tmp_path / "roles.jsonl", [{"messages": gemma_style}])
+    with pytest.raises(ValueError) as refused:
+        _setup(train_files=path, tokenizer=str(tokenizer_dir))
+    assert (
+        "1 record with no turn of role 'assistant' (roles seen: user, model): rename the answers' role 'model' to"
+        " 'assistant' (lines [1])"
+    ) in str(refused.value)
+    assert "seq_len" not in str(refused.value)
