@@ -20,6 +20,11 @@ A token is a target where it starts inside an assistant span or straddles the sp
 prompt that ends in a space (``Assistant: ``) the answer's first token (`` return``) begins with that space and
 carries the answer's first characters.
 
+A record the template itself refuses (its ``raise_exception``: Gemma's "System role not supported", Mistral's
+"roles must alternate") is unusable, as a record without an answer is (``UnusableChatRecord``): the data module
+counts it by reason with its line. A record's ``tools`` or ``chat_template_kwargs`` in a form no template can take
+is refused naming what is allowed (``TemplateFieldError``); the data module adds the file and line.
+
 A turn's target ends with its end-of-turn token (``</s>``, ``<|im_end|>``, ``<|eot_id|>``): the whitespace a
 template writes after it (``</s>\n``) separates turns and is not learned, as axolotl's ``train_on_eos: turn``
 and templates' ``{% endgeneration %}`` before the newline have it.
@@ -27,6 +32,7 @@ and templates' ``{% endgeneration %}`` before the newline have it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
@@ -41,15 +47,25 @@ GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")  # transformers' own
 TEMPLATE_FIELDS = ("tools", "chat_template_kwargs")  # read beside any format's fields, under TRL's names
 SHOWN_CHARS = 40
 TURN_TEXT = "PlLowprecTurnText"  # a stand-in turn text: no whitespace or markup for a template to trim or split
+TOOLS_ALLOWED = (
+    'A record\'s tools are a list of JSON schemas, one per function ([{"type": "function", "function":'
+    ' {"name": ..., "description": ..., "parameters": {...}}}]), or a JSON string of such a list, as TRL'
+    " passes them to the chat template"
+)
 
 
 class ChatTemplateMismatch(ValueError):
     """The template renders a conversation's start differently on its own than inside the whole conversation."""
 
 
+class TemplateFieldError(ValueError):
+    """A record's ``tools`` or ``chat_template_kwargs`` in a form the template cannot take; the data module names
+    the file and line."""
+
+
 class UnusableChatRecord(Exception):
-    """A record whose targets cannot be read with this template: counted as unusable under ``reason``, as a record
-    without an answer is."""
+    """A record whose targets cannot be read with this template (the template refuses it): counted as unusable
+    under ``reason``, as a record without an answer is."""
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
@@ -70,16 +86,21 @@ class ChatTemplate:
     ) -> ChatTemplate:
         """The template with the record's ``tools`` and its ``chat_template_kwargs`` over ``defaults`` (the data
         module's or ``generate``'s ``chat_template_kwargs``)."""
-        tools = record.get("tools")
-        if isinstance(tools, str):  # datasets often store the schemas as one JSON string
-            tools = json.loads(tools)
-        own = {key: value for key, value in (record.get("chat_template_kwargs") or {}).items() if value is not None}
-        return cls(tokenizer, tools, {**(defaults or {}), **own})
+        own = record_kwargs(record.get("chat_template_kwargs"))
+        return cls(tokenizer, record_tools(record.get("tools")), {**(defaults or {}), **own})
 
     def render(self, turns: list[dict[str, Any]], generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(
-            turns, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt, **self.kwargs
-        )
+        return self._apply(turns, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def _apply(self, turns: list[dict[str, Any]], **options: Any) -> Any:
+        """``apply_chat_template`` with the record's tools and arguments; the template's own refusal of the record
+        (jinja2's ``TemplateError``, from its ``raise_exception``) as ``UnusableChatRecord``."""
+        try:
+            return self.tokenizer.apply_chat_template(turns, tools=self.tools, **options, **self.kwargs)
+        except Exception as error:
+            if not raised_by_template(error):
+                raise
+            raise UnusableChatRecord(refusal_reason(str(error))) from None
 
     def prompt_ids(self, turns: list[dict[str, Any]]) -> list[int]:
         """The turns and the generation prompt as token ids, without extra special tokens (the template has them)."""
@@ -94,14 +115,7 @@ class ChatTemplate:
         """Every assistant turn a target: by the template's ``{% generation %}`` marks where it has them, else by
         the text each turn's prefix renders to."""
         if self.has_generation_marks():
-            encoded = self.tokenizer.apply_chat_template(
-                messages,
-                tools=self.tools,
-                tokenize=True,
-                return_dict=True,
-                return_assistant_tokens_mask=True,
-                **self.kwargs,
-            )
+            encoded = self._apply(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
             ids = list(encoded["input_ids"])
             mask = encoded["assistant_masks"]
             return Sample(ids, [t if m else IGNORE_INDEX for t, m in zip(ids, mask, strict=True)])
@@ -184,6 +198,79 @@ def in_span(begin: int, finish: int, start: int, end: int) -> bool:
     """Whether the token of characters ``[begin, finish)`` is the span ``[start, end)``'s: it starts inside, or
     it straddles the start (the space a generation prompt ends with, and the answer's first characters)."""
     return start <= begin < end or begin < start < min(finish, end)
+
+
+def raised_by_template(error: BaseException) -> bool:
+    """Whether ``error`` is the template's own (jinja2's ``TemplateError``: its ``raise_exception``, an undefined
+    value). jinja2 comes with transformers' chat templates; without it no template has run."""
+    try:
+        from jinja2.exceptions import TemplateError
+    except ImportError:
+        return False
+    return isinstance(error, TemplateError)
+
+
+def refusal_reason(message: str) -> str:
+    """A template's refusal of a record as the reason the record is unusable, with the fix where it is a common
+    one (Gemma's templates have no system role; Mistral's and Llama-2's need user and assistant to alternate)."""
+    lowered = message.lower()
+    if "system" in lowered:
+        fix = "the template has no system role: merge the system turn's text into the first user turn"
+    elif "alternate" in lowered:
+        fix = "start with a user turn and alternate user and assistant, merging consecutive turns of one role"
+    else:
+        fix = "write these records as it accepts them, or use --data.tokenizer with a template that takes them"
+    return f"records the chat template refuses ({message!r}; {fix})"
+
+
+def record_tools(tools: Any) -> list[Any] | None:
+    """A record's ``tools``: a list of JSON schemas, or one JSON string of it (as datasets often store them)."""
+    if tools is None:
+        return None
+    given = tools
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as error:
+            raise TemplateFieldError(
+                f"'tools' is {shown(given)}, which is not valid JSON ({error.msg} at character {error.pos})."
+                f" {TOOLS_ALLOWED}. Fix: write this record's tools as such a list, or leave the field out where a"
+                " record has none."
+            ) from None
+    if isinstance(tools, list) and all(isinstance(tool, dict) for tool in tools):
+        return tools
+    what = "one schema, not a list of them" if isinstance(tools, dict) else "not a list of JSON schemas"
+    fix = "put the schema in a list, [{...}]" if isinstance(tools, dict) else "write them as such a list"
+    raise TemplateFieldError(
+        f"'tools' is {shown(given)}, {what}. {TOOLS_ALLOWED}. Fix: {fix}, or leave the field out where a record"
+        " has none."
+    )
+
+
+def record_kwargs(kwargs: Any) -> dict[str, Any]:
+    """A record's ``chat_template_kwargs``: an object, or one JSON string of it (a CSV cell); absent values
+    (``None``, as a table holds them) left out."""
+    if kwargs is None:
+        return {}
+    given = kwargs
+    if isinstance(kwargs, str):
+        with contextlib.suppress(json.JSONDecodeError):  # not JSON: refused below, as the text it is
+            kwargs = json.loads(kwargs)
+    if not isinstance(kwargs, dict):
+        raise TemplateFieldError(
+            f"'chat_template_kwargs' is {shown(given)}, not an object of the chat template's arguments. A record's"
+            ' chat_template_kwargs map argument names to values, as a JSON object ({"enable_thinking": false}) or'
+            " a JSON string of one. Fix: write them so in this record, or leave the field out and give every"
+            " record the arguments with --data.chat_template_kwargs '{enable_thinking: false}'."
+        )
+    return {key: value for key, value in kwargs.items() if value is not None}
+
+
+def shown(value: Any) -> str:
+    """A record's value as a message quotes it: its repr (cut short) and its type."""
+    text = repr(value)
+    text = text if len(text) <= 2 * SHOWN_CHARS else text[: 2 * SHOWN_CHARS] + "..."
+    return f"{text} (a {type(value).__name__})"
 
 
 @functools.lru_cache(maxsize=8)  # once per tokenizer, not per turn: added_tokens_decoder builds a dict each call

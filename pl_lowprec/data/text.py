@@ -27,6 +27,7 @@ from pl_lowprec._checks import check_at_least
 from pl_lowprec.data.chat import (
     ChatTemplate,
     ChatTemplateMismatch,
+    TemplateFieldError,
     UnusableChatRecord,
     no_answer_reason,
     turns_problem,
@@ -275,9 +276,9 @@ class TextDataModule(pl.LightningDataModule):
             report.columns.update(record)
             try:
                 sample_or_reason = self._encode(read_fields(record, self.fields), record, report)
-            except UnusableChatRecord as unusable:  # counted, as a record with no answer
+            except UnusableChatRecord as unusable:  # the template refuses it: counted, as a record with no answer
                 sample_or_reason = unusable.reason
-            except (ChatTemplateMismatch, NoChatTemplate) as problem:
+            except (ChatTemplateMismatch, NoChatTemplate, TemplateFieldError) as problem:
                 where = f"line {number}" if report.unit == "lines" else f"row {number}"
                 said = self._no_template(record) if isinstance(problem, NoChatTemplate) else problem
                 raise ValueError(f"{report.path}, {where}: {said}") from None

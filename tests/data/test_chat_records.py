@@ -250,3 +250,58 @@ def test_the_answers_first_token_is_trained_after_a_generation_prompt_ending_in_
     records = [{"messages": turns}, {"prompt": turns[:1], "completion": turns[1:]}]
     data = _setup(tmp_path / "chat.jsonl", records, tokenizer)
     assert [_targets(data, s) for s in data.train_set] == [" return x</s>", " return x</s>"]
+
+
+# As Gemma's template does: no system role.
+NO_SYSTEM = (
+    "{% if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def test_a_record_the_template_refuses_is_counted_with_its_line_and_the_fix(tmp_path, tokenizer_dir):
+    """It stopped the run with jinja2's traceback, naming no file or line."""
+    tokenizer = _with_template(tokenizer_dir, NO_SYSTEM, tmp_path / "gemma_like")
+    records = [{"messages": TURNS[1:3]}, {"messages": TURNS[:3]}]
+    data = _setup(tmp_path / "chat.jsonl", records, tokenizer, max_skipped_fraction=1)
+    (report,) = data.reports
+    assert report.used == 1 and report.first_lines == {
+        "records the chat template refuses ('System role not supported'; the template has no system role: merge"
+        " the system turn's text into the first user turn)": [2]
+    }
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "said"),
+    [
+        (
+            "tools",
+            "not json",
+            "'tools' is 'not json' (a str), which is not valid JSON (Expecting value at character 0)",
+        ),
+        ("tools", {"name": "f"}, "'tools' is {'name': 'f'} (a dict), one schema, not a list of them"),
+        ("chat_template_kwargs", "enable_thinking=false", "'chat_template_kwargs' is 'enable_thinking=false' (a str)"),
+    ],
+)
+def test_tools_or_template_arguments_of_another_form_are_refused_naming_the_line(
+    field, value, said, tmp_path, tokenizer_dir
+):
+    """They stopped the run with a traceback (AttributeError), or a JSON error that read like the file's own
+    line 1 was broken, or transformers' words without the file or line."""
+    tokenizer = _with_template(tokenizer_dir, WITH_TOOLS, tmp_path / "tools")
+    records = [{"messages": TURNS[1:3]}, {"messages": TURNS[1:3], field: value}]
+    with pytest.raises(ValueError) as refused:
+        _setup(tmp_path / "chat.jsonl", records, tokenizer)
+    message = str(refused.value)
+    assert message.startswith(f"{tmp_path / 'chat.jsonl'}, line 2: {said}")
+    allowed = "a list of JSON schemas" if field == "tools" else 'as a JSON object ({"enable_thinking": false})'
+    assert allowed in message and "Fix: " in message
+
+
+def test_template_arguments_stored_as_json_text_are_read(tmp_path, tokenizer_dir):
+    """A CSV cell holds text: the arguments as a JSON string of an object, as tools may be."""
+    tokenizer = _with_template(tokenizer_dir, WITH_TOOLS, tmp_path / "tools")
+    record = {"messages": TURNS[1:3], "chat_template_kwargs": json.dumps({"persona": "terse"})}
+    data = _setup(tmp_path / "chat.jsonl", [record], tokenizer)
+    assert data.tokenizer.decode(data.train_set[0]["input_ids"]).startswith("<|persona|>terse</s>")
