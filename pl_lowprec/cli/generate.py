@@ -34,6 +34,7 @@ from pl_lowprec.export.generate import (
     Decoding,
     Generator,
     adapter_base,
+    all_prompt_ids,
     check_chat_template,
     check_generation_dtype,
     check_model_dir,
@@ -202,8 +203,9 @@ def main(args: list[str] | None = None) -> None:
         chat = wants_chat(records)
         source = parsed.tokenizer or directory_tokenizer(model, base)
         tokenizer = model_tokenizer(source)
-        if chat:
-            check_chat_template(tokenizer, source)  # before the model loads
+        if chat:  # before the model loads
+            check_chat_template(tokenizer, source)
+            all_prompt_ids(tokenizer, records, parsed.chat_template_kwargs or {})
         generator = from_directory(model, base, device, tokenizer, dtype)
         print(f"Generating with --model {parsed.model} in {dtype} (--dtype).")
     if chat:

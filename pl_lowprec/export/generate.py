@@ -32,7 +32,7 @@ import torch
 from pl_lowprec._checks import check_at_least, check_fraction, check_positive
 from pl_lowprec._imports import import_peft
 from pl_lowprec.adapters import recorded_base
-from pl_lowprec.data.chat import ChatTemplate
+from pl_lowprec.data.chat import ChatTemplate, TemplateFieldError, UnusableChatRecord
 from pl_lowprec.export.generates_text import check_directory_generates, check_module_generates
 from pl_lowprec.export.gguf_read import check_gguf_file, gguf_model, gguf_tokenizer, is_gguf, starts_as_gguf
 from pl_lowprec.export.prompt_files import chat_turns
@@ -92,8 +92,7 @@ class Generator:
 
     def complete_records(self, records: list[dict[str, Any]], decoding: Decoding, batch_size: int = 8) -> list[str]:
         """The completion of each record of ``read_prompts``: a chat record through the chat template."""
-        ids = [prompt_ids(self.tokenizer, r, self.template_kwargs) for r in records]
-        return self.complete_ids(ids, decoding, batch_size)
+        return self.complete_ids(all_prompt_ids(self.tokenizer, records, self.template_kwargs), decoding, batch_size)
 
     @torch.no_grad()
     def complete_ids(self, prompts: list[list[int]], decoding: Decoding, batch_size: int = 8) -> list[str]:
@@ -156,6 +155,25 @@ def prompt_ids(tokenizer: Any, record: dict[str, Any], template_kwargs: dict[str
     if "messages" not in record:
         return tokenizer(record["prompt"])["input_ids"]
     return ChatTemplate.for_record(tokenizer, record, template_kwargs).prompt_ids(chat_turns(record))
+
+
+def all_prompt_ids(tokenizer: Any, records: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[list[int]]:
+    """Each record's ``prompt_ids``; a record the chat template refuses (Gemma's has no system role), or whose
+    ``tools`` or ``chat_template_kwargs`` it cannot take, refused by its place among the prompts, before any
+    generates (a traceback from jinja2 named neither)."""
+    ids = []
+    for number, record in enumerate(records, start=1):
+        try:
+            ids.append(prompt_ids(tokenizer, record, template_kwargs))
+        except UnusableChatRecord as refused:
+            turn = chat_turns(record)[0].get("content", "") if chat_turns(record) else ""
+            raise ValueError(
+                f"--prompts record {number} (first turn {str(turn)[:40]!r}): {str(refused).removeprefix('records ')}."
+                " Fix the record, or pass --tokenizer DIR with a template that takes it."
+            ) from None
+        except TemplateFieldError as problem:
+            raise ValueError(f"--prompts record {number}: {problem}") from None
+    return ids
 
 
 def write_completions(records: list[dict[str, Any]], completions: list[str], out: Path) -> str:

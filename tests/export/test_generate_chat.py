@@ -194,3 +194,33 @@ def test_generates_template_arguments_apply_under_a_records_own(chat_model, tmp_
             ]
         )
     assert exited.value.code == 2 and "'[1]' is not a mapping: give '{\"enable_thinking" in capsys.readouterr().err
+
+
+def test_a_prompt_the_chat_template_refuses_is_named_not_a_traceback(chat_model, tmp_path, capsys):
+    """Gemma's template refuses a system turn with raise_exception: generate stopped with jinja2's traceback; a
+    record's tools of another form, with transformers' words. Each now names the prompt and the fix."""
+    from transformers import AutoTokenizer
+
+    strict = tmp_path / "strict_tokenizer"
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{% endif %}<|{{ m.role }}|>\n{{ m.content }}</s>\n{% endfor %}<|assistant|>\n"
+    )
+    tokenizer.save_pretrained(strict)
+    prompts = tmp_path / "p.jsonl"
+    system_first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "x = 1"}]
+    prompts.write_text(json.dumps({"messages": CHATS[0][:1]}) + "\n" + json.dumps({"messages": system_first}) + "\n")
+    base = ["generate", f"--model={chat_model}", f"--tokenizer={strict}", f"--out={tmp_path / 'o.jsonl'}"]
+    with pytest.raises(SystemExit) as exited:
+        main([*base, f"--prompts={prompts}"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1, err
+    assert "--prompts record 2 (first turn 'Be brief.'): the chat template refuses ('System role not supported';" in err
+    assert "merge the system turn's text into the first user turn). Fix the record, or pass --tokenizer DIR" in err
+    tools = tmp_path / "tools.jsonl"
+    tools.write_text(json.dumps({"messages": CHATS[0][:1], "tools": "not json"}) + "\n")
+    with pytest.raises(SystemExit):
+        main([*base, f"--prompts={tools}"])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--prompts record 1: 'tools' is 'not json' (a str), which is not valid JSON" in err
