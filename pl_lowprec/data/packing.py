@@ -57,18 +57,20 @@ def pack_row(samples: Sequence[Row]) -> Row:
     }
 
 
-def document_row(block: Sequence[int], eos_token_id: int) -> Row:
-    """A block of concatenated ``text`` documents with positions and attention cut after each EOS.
+def document_row(block: Sequence[int] | torch.Tensor, document_starts: Sequence[int]) -> Row:
+    """A block of concatenated ``text`` records with positions and attention cut where each record starts
+    (``document_starts``, offsets in the block; the block's first token starts a segment too).
 
-    The first token of each document is no target (it would be predicted from the end of the one before).
+    Only the records' own boundaries cut: an EOS inside a record (every turn's end in a pre-rendered chat) does not.
+    The first token of each record is no target (it would be predicted from the end of the one before).
     """
-    ids = torch.tensor(block)
-    starts = torch.zeros(len(block), dtype=torch.bool)
+    ids = torch.as_tensor(block)
+    starts = torch.zeros(len(ids), dtype=torch.bool)
     starts[0] = True
-    starts[1:] = ids[:-1] == eos_token_id
+    starts[torch.as_tensor(list(document_starts), dtype=torch.long)] = True
     segment = starts.cumsum(0)
     first = torch.nonzero(starts).squeeze(1)
-    position_ids = torch.arange(len(block)) - first[segment - 1]
+    position_ids = torch.arange(len(ids)) - first[segment - 1]
     labels = ids.clone()
     labels[starts] = IGNORE_INDEX
     return {"input_ids": ids, "labels": labels, "position_ids": position_ids}

@@ -2,7 +2,8 @@
 
 Formats, by the fields of each record (a ``.jsonl`` line, a row of a dataset; a ``.txt`` file is one ``text``
 record; ``pl_lowprec.data.fields`` maps other column names to these):
-- ``text``: language modelling on every token; records are joined (each ends with EOS) and cut into blocks.
+- ``text``: language modelling on every token; records are joined (each ends with EOS) and cut into blocks
+  (``pl_lowprec.data.text_blocks``).
 - ``prompt`` + ``completion``: loss on the completion (and its EOS) only.
 - ``messages``, or ``prompt`` + ``completion`` as lists of turns: a chat rendered with the tokenizer's chat
   template; loss on the assistant turns, or on the completion's (``pl_lowprec.data.chat``).
@@ -24,7 +25,6 @@ from pl_lowprec.models.token_loss import IGNORE_INDEX
 class Sample:
     input_ids: list[int]
     labels: list[int]
-    text_block: bool = False  # a seq_len block of concatenated ``text`` documents
 
 
 @dataclass
@@ -93,26 +93,6 @@ def _singular(reason: str) -> str:
     return "record" + reason.removeprefix("records") if reason.startswith("records ") else reason
 
 
-class TextBlocks:
-    """``text`` documents joined into one stream and cut into blocks of ``seq_len`` tokens as they come; the last,
-    shorter block is kept when it has at least 2 tokens (one target)."""
-
-    def __init__(self, seq_len: int) -> None:
-        self.seq_len = seq_len
-        self.pending: list[int] = []
-
-    def add(self, tokens: list[int]) -> list[Sample]:
-        self.pending += tokens
-        full = len(self.pending) // self.seq_len * self.seq_len
-        blocks = [self.pending[start : start + self.seq_len] for start in range(0, full, self.seq_len)]
-        del self.pending[:full]
-        return [Sample(block, list(block), text_block=True) for block in blocks]
-
-    def finish(self) -> list[Sample]:
-        block, self.pending = self.pending, []
-        return [Sample(block, list(block), text_block=True)] if len(block) >= 2 else []
-
-
 def read_records(path: Path, report: FileReport) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, record) for each record of a ``.txt`` or ``.jsonl`` file; bad JSON is counted. A leading
     UTF-8 byte order mark (Windows editors and Excel write one) is not part of the text."""
@@ -156,6 +136,8 @@ def decoded(path: Path, raw: bytes, first_line: int) -> str:
 
 
 def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """A ``text`` record's tokens, ending with EOS; it is cut into blocks with the records around it
+    (``text_blocks``), which keep where it starts."""
     return [*tokenizer(text)["input_ids"], tokenizer.eos_token_id]
 
 

@@ -21,7 +21,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset
 
 from pl_lowprec._checks import check_at_least
 from pl_lowprec.data.chat import (
@@ -50,7 +50,6 @@ from pl_lowprec.data.packing_guard import PackingGuard
 from pl_lowprec.data.records import (
     FileReport,
     Sample,
-    TextBlocks,
     encode_prompt_completion,
     encode_text,
     read_records,
@@ -58,8 +57,10 @@ from pl_lowprec.data.records import (
 )
 from pl_lowprec.data.resumable import resumable_loader
 from pl_lowprec.data.row_facts import ready_rows, row_lengths
+from pl_lowprec.data.row_views import joined, subset
 from pl_lowprec.data.sources import Source, describe_objects, is_dataset_object, resolve_sources
-from pl_lowprec.data.token_table import TokenRows, sample_row, tokenize
+from pl_lowprec.data.text_blocks import DocumentList, Documents, TextBlocks
+from pl_lowprec.data.token_table import TokenRows, tokenize
 from pl_lowprec.data.validation_split import (
     DEFAULT_VAL_FRACTION,
     held_out_indices,
@@ -106,7 +107,8 @@ class TextDataModule(pl.LightningDataModule):
             cut off; above it the file is refused with the ``seq_len`` that keeps 95% (1.0 accepts any loss).
         packing: Put several prompt/completion or chat samples in each row of ``seq_len`` (best-fit decreasing,
             repacked each epoch), with ``position_ids`` restarting per sample and attention cut between them;
-            ``text`` documents get their attention cut at each EOS. Worth it when sample lengths vary widely:
+            ``text`` blocks get theirs cut where each record starts, never at an EOS inside a record (a chat
+            rendered to text, whose EOS ends every turn). Worth it when sample lengths vary widely:
             it removes the padding. The LightningModule must declare ``accepts_packed_batches = True`` and call
             its model with ``position_ids``, no ``attention_mask`` and ``use_cache=False``
             (``pl_lowprec.models.forward_batch``); the first packed batches check that it keeps samples apart.
@@ -242,36 +244,35 @@ class TextDataModule(pl.LightningDataModule):
                 raise ValueError(f"No usable record in {report.describe()}.")
             self._check_skipped(report)
             self._check_truncation(report)
-        if all(isinstance(part, list) for part in parts):
-            return [row for part in parts for row in part]
-        return parts[0] if len(parts) == 1 else ConcatDataset(parts)
+        return joined(parts)
 
     def _file_samples(self, source: Source, report: FileReport) -> list[Row]:
-        """A ``.txt`` or ``.jsonl`` file's samples as tensors."""
-        samples = self._encode_records(read_records(source.path, report), report, TextBlocks(self.seq_len), True)
-        eos = self.tokenizer.eos_token_id
-        return [
-            sample_row(torch.tensor(s.input_ids), torch.tensor(s.labels), s.text_block, self.packing, eos)
-            for s in samples
-        ]
+        """A ``.txt`` or ``.jsonl`` file's samples as tensors, then its ``text`` blocks."""
+        samples, documents = self._encode_records(read_records(source.path, report), report)
+        rows = [{"input_ids": torch.tensor(s.input_ids), "labels": torch.tensor(s.labels)} for s in samples]
+        return rows + self._blocks(DocumentList([torch.tensor(d) for d in documents]))
 
-    def _dataset_samples(self, dataset: Any, report: FileReport) -> TokenRows:
-        """A ``datasets.Dataset``'s samples, tokenized by ``Dataset.map`` into a memory-mapped Arrow table."""
+    def _dataset_samples(self, dataset: Any, report: FileReport) -> Sequence[Row]:
+        """A ``datasets.Dataset``'s samples, tokenized by ``Dataset.map`` into a memory-mapped Arrow table, then its
+        ``text`` blocks, read from the same table."""
         report.columns.update(dataset.column_names)
         check_columns(report.columns, self.fields, str(report.path))
-        blocks = TextBlocks(self.seq_len)
-        table = tokenize(
-            dataset, lambda records, last: self._encode_records(records, report, blocks, last), str(report.path)
-        )
-        return TokenRows(table, self.packing, self.tokenizer.eos_token_id)
+        rows = TokenRows(tokenize(dataset, lambda records: self._encode_records(records, report), str(report.path)))
+        return joined([rows, self._blocks(rows.documents())])
+
+    def _blocks(self, documents: Documents) -> Sequence[Row]:
+        """The ``seq_len`` blocks of ``text`` records, each knowing where its records start: a list for records in
+        memory, a view that cuts each block when read for records in an Arrow table."""
+        blocks = TextBlocks(documents, self.seq_len, self.packing)
+        return [blocks[i] for i in range(len(blocks))] if isinstance(documents, DocumentList) else blocks
 
     def _encode_records(
-        self, records: Iterable[tuple[int, dict[str, Any]]], report: FileReport, blocks: TextBlocks, last: bool
-    ) -> list[Sample]:
-        """The one record → tokens step of every source: its prompt/completion and chat samples, then the ``text``
-        blocks completed (the last, shorter one too when ``last``); unusable records are counted in ``report``."""
+        self, records: Iterable[tuple[int, dict[str, Any]]], report: FileReport
+    ) -> tuple[list[Sample], list[list[int]]]:
+        """The one record → tokens step of every source: its prompt/completion and chat samples, and its ``text``
+        records' tokens (each ending with EOS), in order; unusable records are counted in ``report``."""
         samples: list[Sample] = []
-        completed: list[Sample] = []
+        documents: list[list[int]] = []
         for number, record in records:
             report.columns.update(record)
             try:
@@ -287,10 +288,10 @@ class TextDataModule(pl.LightningDataModule):
                 continue
             report.used += 1
             if isinstance(sample_or_reason, list):
-                completed += blocks.add(sample_or_reason)
+                documents.append(sample_or_reason)
             else:
                 samples.append(sample_or_reason)
-        return samples + completed + (blocks.finish() if last else [])
+        return samples, documents
 
     def _check_skipped(self, report: FileReport) -> None:
         """A file more than ``max_skipped_fraction`` of whose records are unusable is refused: training on the rest
@@ -433,15 +434,6 @@ class NoChatTemplate(ValueError):
 
 
 ALPACA_STRINGS = "{prompt: instruction, completion: output}"  # an input would be left out: not offered for those
-
-
-def subset(samples: Sequence[Row], indices: list[int]) -> Sequence[Row]:
-    """The samples at ``indices``: a list of a list, a view of rows that stay in their Arrow table."""
-    if isinstance(samples, list):
-        return [samples[i] for i in indices]
-    if isinstance(samples, Subset):  # one view, not a chain of them
-        return Subset(samples.dataset, [samples.indices[i] for i in indices])
-    return Subset(samples, indices)
 
 
 def packed_rows(samples: Sequence[Row], seq_len: int, seed: int, lengths: list[int] | None = None) -> PackedRows:

@@ -1,13 +1,14 @@
 """Tokenized samples of a ``datasets.Dataset`` kept in a memory-mapped Arrow table, never in Python lists.
 
 ``Dataset.map`` runs the one record → tokens step (``TextDataModule._encode_records``, which ``.txt``/``.jsonl``
-files go through too) batch by batch, in order, in this process, and writes each batch's samples (``input_ids``,
+files go through too) batch by batch, in order, in this process, and writes each batch's rows (``input_ids``,
 ``labels``, int32) to an Arrow file in the temporary directory ``datasets`` deletes at exit: never beside the
 user's files, never a stale cache. A run killed by SIGKILL (the OOM killer's) skips that deletion, so each table's
 name holds its process id, and the next tokenization removes the tables of processes that are gone
-(``remove_tables_of_dead_processes``). ``TokenRows`` reads the rows back by index. A batch gives its prompt/completion
-and chat samples, then the ``text`` blocks it completed; ``TokenRows`` orders all samples before all blocks, the
-order a ``.jsonl`` file gives, so both give the same batches.
+(``remove_tables_of_dead_processes``). A batch gives its prompt/completion and chat samples, then its ``text``
+records (``document`` rows, whose labels are their ``input_ids`` and are not stored). ``TokenRows`` reads the samples
+back by index; ``TableDocuments`` reads slices of the records for the blocks ``text_blocks.TextBlocks`` cuts from
+them, as it cuts a ``.jsonl`` file's records, so both give the same batches.
 """
 
 from __future__ import annotations
@@ -16,28 +17,20 @@ import glob
 import os
 import tempfile
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
 from pl_lowprec._imports import import_datasets
-from pl_lowprec.data.packing import document_row
 from pl_lowprec.data.records import Sample
 
 Row = dict[str, torch.Tensor]
-# (row index, record) pairs of one batch, and whether it is the last batch -> its samples
 MAP_BATCH_SIZE = 1000  # records a batch of Dataset.map: its Python lists hold this many at a time
-EncodeRecords = Callable[[Iterable[tuple[int, dict[str, Any]]], bool], list[Sample]]
+# (row index, record) pairs of one batch -> its samples and its text records' token ids
+EncodeRecords = Callable[[Iterable[tuple[int, dict[str, Any]]]], tuple[list[Sample], list[list[int]]]]
 TABLE_PREFIX = "pl_lowprec-tokens-"  # then the process id, a random hex and ".arrow"
-
-
-def sample_row(input_ids: torch.Tensor, labels: torch.Tensor, text_block: bool, packing: bool, eos: int) -> Row:
-    """A sample as the loaders take it; a ``text`` block under packing is a ready row, cut at each document's EOS."""
-    if text_block and packing:
-        return document_row(input_ids.tolist(), eos)
-    return {"input_ids": input_ids, "labels": labels}
 
 
 def batch_records(batch: dict[str, list]) -> Iterator[dict[str, Any]]:
@@ -46,23 +39,23 @@ def batch_records(batch: dict[str, list]) -> Iterator[dict[str, Any]]:
 
 
 def tokenize(dataset: Any, encode: EncodeRecords, description: str) -> Any:
-    """``dataset``'s samples as an Arrow table of ``input_ids``, ``labels`` and ``text_block``, memory-mapped."""
+    """``dataset``'s samples and ``text`` records as an Arrow table of ``input_ids``, ``labels`` and ``document``,
+    memory-mapped."""
     datasets = import_datasets()
-    last = len(dataset) - 1
 
     def encode_batch(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
-        samples = encode(zip(indices, batch_records(batch), strict=True), indices[-1] == last)
+        samples, documents = encode(zip(indices, batch_records(batch), strict=True))
         return {
-            "input_ids": [s.input_ids for s in samples],
-            "labels": [s.labels for s in samples],
-            "text_block": [s.text_block for s in samples],
+            "input_ids": [s.input_ids for s in samples] + documents,
+            "labels": [s.labels for s in samples] + [[] for _ in documents],
+            "document": [False] * len(samples) + [True] * len(documents),
         }
 
     tokens = datasets.Features(
         {
             "input_ids": datasets.List(datasets.Value("int32")),
             "labels": datasets.List(datasets.Value("int32")),
-            "text_block": datasets.Value("bool"),
+            "document": datasets.Value("bool"),
         }
     )
     remove_tables_of_dead_processes()
@@ -110,30 +103,60 @@ def _alive(pid: int) -> bool:
     return True
 
 
-class TokenRows(Dataset):
-    """The rows of a ``tokenize`` table as tensors, read by index: the samples first, then the ``text`` blocks."""
+def _row_lengths(table: Any) -> torch.Tensor:
+    """Each physical row's token count, from the ``input_ids`` column's offsets: no row is decoded."""
+    chunks = table.data.column("input_ids").chunks
+    counts = [torch.from_numpy(c.value_lengths().to_numpy(zero_copy_only=False).copy()) for c in chunks]
+    return torch.cat(counts) if counts else torch.zeros(0, dtype=torch.int64)
 
-    def __init__(self, table: Any, packing: bool, eos_token_id: int) -> None:
-        self.blocks = torch.from_numpy(table.data.column("text_block").to_numpy(zero_copy_only=False))
-        self.order = torch.cat([torch.nonzero(~self.blocks).squeeze(1), torch.nonzero(self.blocks).squeeze(1)])
+
+class TokenRows(Dataset):
+    """The samples of a ``tokenize`` table as tensors, read by index; its ``text`` records are ``documents()``."""
+
+    def __init__(self, table: Any) -> None:
+        document = torch.from_numpy(table.data.column("document").to_numpy(zero_copy_only=False))
+        self.order = torch.nonzero(~document).squeeze(1)
+        self.document_rows = torch.nonzero(document).squeeze(1).tolist()
         self.table = table.with_format("torch")
-        self.packing = packing
-        self.eos_token_id = eos_token_id
 
     def lengths(self) -> list[int]:
-        """Each row's token count, in index order, from the ``input_ids`` column's offsets: no row is decoded."""
-        chunks = self.table.data.column("input_ids").chunks
-        counts = [torch.from_numpy(c.value_lengths().to_numpy(zero_copy_only=False).copy()) for c in chunks]
-        whole = torch.cat(counts) if counts else torch.zeros(0, dtype=torch.int64)
-        return whole[self.order].tolist()
+        """Each sample's token count, in index order, without decoding a row."""
+        return _row_lengths(self.table)[self.order].tolist()
 
     def ready(self) -> list[bool]:
-        """Whether each row, in index order, is one packing leaves as it is (a ``text`` block: ``sample_row``)."""
-        return (self.blocks[self.order] & self.packing).tolist()
+        """Whether each sample is a row that packing leaves as it is: none is (``text`` blocks are not samples)."""
+        return [False] * len(self)
+
+    def documents(self) -> TableDocuments:
+        """The table's ``text`` records, in order."""
+        return TableDocuments(self.table, self.document_rows)
 
     def __len__(self) -> int:
         return len(self.order)
 
     def __getitem__(self, index: int) -> Row:
         row = self.table[int(self.order[index])]
-        return sample_row(row["input_ids"], row["labels"], bool(row["text_block"]), self.packing, self.eos_token_id)
+        return {"input_ids": row["input_ids"], "labels": row["labels"]}
+
+
+class TableDocuments:
+    """``text`` records of a ``tokenize`` table (``text_blocks.Documents``): a block reads only its own slice of
+    each record from the Arrow column, so a long record is not decoded whole for every block of it."""
+
+    def __init__(self, table: Any, rows: Sequence[int]) -> None:
+        self.table = table
+        self.rows = list(rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def lengths(self) -> list[int]:
+        whole = _row_lengths(self.table)
+        return whole[self.rows].tolist() if self.rows else []
+
+    def tokens(self, index: int, start: int, stop: int) -> torch.Tensor:
+        ids = self.table.data.column("input_ids")[self.rows[index]].values.slice(start, stop - start)
+        return torch.from_numpy(ids.to_numpy(zero_copy_only=False).astype("int64"))
+
+    def select(self, indices: Sequence[int]) -> TableDocuments:
+        return TableDocuments(self.table, [self.rows[i] for i in indices])

@@ -12,7 +12,8 @@ import torch
 from loading_helpers import save_pretrained_dir
 
 from pl_lowprec.data import TextDataModule, token_table
-from pl_lowprec.data.token_table import TokenRows
+from pl_lowprec.data.text_blocks import TextBlocks
+from pl_lowprec.data.token_table import TableDocuments, TokenRows
 
 datasets = pytest.importorskip("datasets")
 pytest.importorskip("transformers")
@@ -122,6 +123,27 @@ def _rows(rows):
     return [{k: v.tolist() for k, v in rows[i].items()} for i in range(len(rows))]
 
 
+def _in_the_table(rows):
+    """Whether ``rows`` are views (``Subset``, ``ConcatDataset``) of the Arrow table's samples and of the ``text``
+    blocks cut from its records when read: no row is copied out of it."""
+    if isinstance(rows, torch.utils.data.Subset):
+        return _in_the_table(rows.dataset)
+    if isinstance(rows, torch.utils.data.ConcatDataset):
+        return all(_in_the_table(part) for part in rows.datasets)
+    if isinstance(rows, TextBlocks):
+        return isinstance(rows.documents, TableDocuments)
+    return isinstance(rows, TokenRows)
+
+
+def _token_rows(rows):
+    """The ``TokenRows`` behind the views ``rows`` are."""
+    if isinstance(rows, torch.utils.data.Subset):
+        return _token_rows(rows.dataset)
+    if isinstance(rows, torch.utils.data.ConcatDataset):
+        return next(_token_rows(part) for part in rows.datasets if not isinstance(part, TextBlocks))
+    return rows
+
+
 def _first_loss(data, pretrained):
     from transformers import LlamaForCausalLM
 
@@ -154,7 +176,7 @@ def test_every_format_gives_the_batches_and_first_loss_of_the_jsonl_file(
     # the same records, numbered by row index (from 0) instead of line (from 1)
     assert {k: [r + 1 for r in rows] for k, rows in report.first_lines.items()} == expected.reports[0].first_lines
     assert "(row indices [20])" in report.describe()
-    assert isinstance(data.train_set.dataset, TokenRows)  # the held-out split is a view, not a copy
+    assert _in_the_table(data.train_set) and _in_the_table(data.val_set)  # the held-out split is a view, not a copy
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "json", "arrow", "saved", "Dataset"])
@@ -373,10 +395,10 @@ def test_nothing_is_written_beside_the_data_and_tokens_stay_memory_mapped(pretra
         before = sorted(p.name for p in path.parent.rglob("*"))
         data = _data(path, pretrained, val_fraction=0)
         assert sorted(p.name for p in path.parent.rglob("*")) == before
-        table = data.train_set.dataset.table
+        table = _token_rows(data.train_set).table
         (cache,) = table.cache_files  # the tokens: one Arrow file, in datasets' temporary directory
         assert cache["filename"].startswith(datasets.fingerprint.get_temporary_cache_files_directory())
-        assert set(table.column_names) == {"input_ids", "labels", "text_block"}
+        assert set(table.column_names) == {"input_ids", "labels", "document"}
 
 
 def test_a_directory_reads_every_format_and_refuses_several_splits(pretrained, tmp_path):

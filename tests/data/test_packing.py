@@ -40,8 +40,8 @@ def test_pack_row_restarts_positions_and_never_targets_the_next_sample():
     assert row["labels"].tolist() == [-100, 11, 12, -100, -100, 22, 23]  # 20 is never the target of 12
 
 
-def test_text_documents_restart_positions_after_each_eos():
-    row = document_row([5, 6, 0, 7, 8, 9, 0, 4], eos_token_id=0)
+def test_text_documents_restart_positions_where_each_starts():
+    row = document_row([5, 6, 0, 7, 8, 9, 0, 4], document_starts=[3, 7])
     assert row["position_ids"].tolist() == [0, 1, 2, 0, 1, 2, 3, 0]
     assert row["labels"].tolist() == [-100, 6, 0, -100, 8, 9, 0, -100]
 

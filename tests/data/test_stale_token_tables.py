@@ -42,7 +42,7 @@ def test_a_table_is_named_for_its_process_and_kept_while_it_runs(monkeypatch):
     swept = []
     monkeypatch.setattr(token_table, "remove_tables_of_dead_processes", lambda: swept.append(True))
     rows = datasets.Dataset.from_list([{"text": f"row {i}"} for i in range(3)])
-    table = token_table.tokenize(rows, lambda records, last: [Sample([1, 2], [1, 2], True) for _ in records], "rows")
+    table = token_table.tokenize(rows, lambda records: ([Sample([1, 2], [1, 2]) for _ in records], []), "rows")
     path = Path(table.cache_files[0]["filename"])
     assert path.name.startswith(f"{TABLE_PREFIX}{os.getpid()}-") and path.parent.name.startswith("hf_datasets-")
     assert str(path) not in remove_tables_of_dead_processes(str(path.parents[1]))

@@ -1,0 +1,126 @@
+"""Packed ``text`` records are cut where a record ends, never at an EOS inside one: a chat rendered to text with a
+ChatML template holds its tokenizer's EOS (``<|im_end|>``) at every turn's end, and the answer must still attend to
+its question. From a ``.jsonl`` file and from a Parquet file (an Arrow table), and in a resumed epoch."""
+
+import itertools
+import json
+
+import pytest
+import torch
+from loading_helpers import save_tokenizer
+
+from pl_lowprec.data import TextDataModule
+from pl_lowprec.data.records import encode_text
+
+pytest.importorskip("transformers")
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "4"},
+]
+
+
+@pytest.fixture(scope="module")
+def chatml_dir(tmp_path_factory):
+    """The tests' BPE with ChatML's special tokens and template, whose EOS ends every turn (as Qwen2.5-Instruct's
+    and SmolLM2-Instruct's does)."""
+    from transformers import AutoTokenizer
+
+    directory = tmp_path_factory.mktemp("chatml")
+    tokenizer = AutoTokenizer.from_pretrained(save_tokenizer(directory))
+    tokenizer.add_special_tokens({"eos_token": "<|im_end|>", "additional_special_tokens": ["<|im_start|>"]})
+    tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def _records(tokenizer_dir, n=6):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    text = tokenizer.apply_chat_template(CHAT, tokenize=False)
+    record = encode_text(tokenizer, text)
+    assert record.count(tokenizer.eos_token_id) == 4  # three turns' <|im_end|>, and the one encode_text appends
+    return [{"text": text}] * n, record
+
+
+def _write(fmt, records, tmp_path):
+    if fmt == "jsonl":
+        path = tmp_path / "chats.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        return path
+    datasets = pytest.importorskip("datasets")
+    path = tmp_path / "chats.parquet"
+    datasets.Dataset.from_list(records).to_parquet(str(path))
+    return path
+
+
+def _data(path, tokenizer_dir, seq_len, **kwargs):
+    data = TextDataModule(
+        train_files=path, tokenizer=str(tokenizer_dir), seq_len=seq_len, val_fraction=0, packing=True, **kwargs
+    )
+    data.setup("fit")
+    return data
+
+
+def _cut_only_between_records(ids, positions, record, pad):
+    """Whether a packed row (its padding stripped) is cut only where a record ends: the segments inside it are
+    whole records, the first ends one and the last begins one."""
+    ids = [t for t in ids if t != pad]
+    starts = [i for i, p in enumerate(positions[: len(ids)]) if p == 0] + [len(ids)]
+    segments = [ids[a:b] for a, b in itertools.pairwise(starts)]
+    first, *inner, last = segments if len(segments) > 1 else [*segments, []]
+    return record[-len(first) :] == first and all(s == record for s in inner) and record[: len(last)] == last
+
+
+@pytest.fixture(autouse=True)
+def _datasets_cache(tmp_path, monkeypatch):
+    """load_dataset's Arrow copies go to the test's directory, not to ~/.cache."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_a_chatml_record_is_one_segment_and_the_next_record_restarts(fmt, chatml_dir, tmp_path):
+    records, record = _records(chatml_dir)
+    n = len(record)
+    data = _data(_write(fmt, records, tmp_path), chatml_dir, seq_len=2 * n + 5)
+    row = data.train_set[0]  # a block: the first two records whole, then the third's beginning
+    assert row["input_ids"].tolist() == record + record + record[:5]
+    assert row["position_ids"].tolist() == [*range(n), *range(n), *range(5)]  # 0..n-1 across the turns
+    targets = torch.ones(2 * n + 5, dtype=torch.bool)
+    targets[[0, n, 2 * n]] = False  # only a record's first token is no target: it follows another record
+    assert ((row["labels"] != -100) == targets).all()
+
+
+def test_a_record_that_spans_blocks_is_cut_only_at_the_blocks_edge(chatml_dir, tmp_path):
+    records, record = _records(chatml_dir, n=3)
+    n = len(record)
+    data = _data(_write("jsonl", records, tmp_path), chatml_dir, seq_len=n - 3)
+    stream = record * 3
+    rows = [data.train_set[i] for i in range(len(data.train_set))]
+    assert torch.cat([r["input_ids"] for r in rows]).tolist() == stream[: sum(len(r["input_ids"]) for r in rows)]
+    second = rows[1]["position_ids"].tolist()  # the first record's last 3 tokens, then the second record's
+    assert second == [0, 1, 2, *range(n - 6)]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_a_resumed_epoch_gives_the_uninterrupted_runs_packed_text_batches(fmt, chatml_dir, tmp_path):
+    records, record = _records(chatml_dir, n=12)
+    path = _write(fmt, records, tmp_path)
+    data = _data(path, chatml_dir, seq_len=2 * len(record) + 4, batch_size=2)  # 6 rows: 3 batches
+    full = data.train_dataloader()
+    full.sampler.set_epoch(1)
+    batches = [{k: v.tolist() for k, v in b.items()} for b in full]
+    resumed = _data(path, chatml_dir, seq_len=2 * len(record) + 4, batch_size=2).train_dataloader()
+    resumed.load_state_dict({**full.state_dict(), "epoch": 1, "batches": 1})
+    resumed.sampler.set_epoch(1)
+    assert [{k: v.tolist() for k, v in b.items()} for b in resumed] == batches[1:]
+    pad = data.tokenizer.pad_token_id
+    rows = [row for b in batches for row in zip(b["input_ids"], b["position_ids"], strict=True)]
+    assert len(rows) == 6 and all(_cut_only_between_records(*row, record, pad) for row in rows)
