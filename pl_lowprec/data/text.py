@@ -47,6 +47,7 @@ from pl_lowprec.data.fields import (
 )
 from pl_lowprec.data.packing import PackedRows, padding_fraction
 from pl_lowprec.data.packing_guard import PackingGuard
+from pl_lowprec.data.record_split import SourceRows, every_row, split_records
 from pl_lowprec.data.records import (
     FileReport,
     Sample,
@@ -57,13 +58,12 @@ from pl_lowprec.data.records import (
 )
 from pl_lowprec.data.resumable import resumable_loader
 from pl_lowprec.data.row_facts import ready_rows, row_lengths
-from pl_lowprec.data.row_views import joined, subset
+from pl_lowprec.data.row_views import subset
 from pl_lowprec.data.sources import Source, describe_objects, is_dataset_object, resolve_sources
 from pl_lowprec.data.text_blocks import DocumentList, Documents, TextBlocks
 from pl_lowprec.data.token_table import TokenRows, tokenize
 from pl_lowprec.data.validation_split import (
     DEFAULT_VAL_FRACTION,
-    held_out_indices,
     warn_unused_val_fraction,
     warn_validation_on_training_files,
 )
@@ -97,10 +97,12 @@ class TextDataModule(pl.LightningDataModule):
             (``org/name``; needs the network), or a ``datasets.Dataset`` / ``DatasetDict`` (in Python). All but
             ``.txt``/``.jsonl`` need ``pl_lowprec[datasets]``.
         tokenizer: The model directory (or hub id) whose tokenizer to use, usually the model's ``pretrained``.
-        val_files: The same for validation; ``None`` holds out ``val_fraction`` of the training samples.
+        val_files: The same for validation; ``None`` holds out ``val_fraction`` of the training records.
         seq_len: Tokens per block of packed ``text``; longer prompt/completion and chat samples are truncated.
         batch_size: Samples per batch (per process under DDP).
-        val_fraction: Share held out when ``val_files`` is ``None`` (0 for none).
+        val_fraction: Share held out when ``val_files`` is ``None`` (0 for none): of the records, each ``text``
+            record whole, before the text is cut into ``seq_len`` blocks, so no record both trains and
+            validates; where the text is a single record (one ``.txt`` file), of its blocks. The log says which.
         seed: Seed of the split and of the training order (which depends on the epoch too).
         num_workers: ``DataLoader`` worker processes.
         max_truncated_fraction: Share of a file's prompt/completion and chat target tokens that ``seq_len`` may
@@ -200,10 +202,10 @@ class TextDataModule(pl.LightningDataModule):
         if self.val_sources is not None:
             warn_unused_val_fraction(self.val_fraction)
             warn_validation_on_training_files(self.train_sources, self.val_sources)
-            self.train_set, self.val_set = train, self._samples(self.val_sources, self.val_splits, "val_files")
+            self.train_set = every_row(train, self._blocks)
+            self.val_set = every_row(self._samples(self.val_sources, self.val_splits, "val_files"), self._blocks)
         else:
-            training, validation = held_out_indices(len(train), self.val_fraction, self.seed)
-            self.val_set, self.train_set = subset(train, validation), subset(train, training)
+            self.train_set, self.val_set = split_records(train, self._blocks, self.val_fraction, self.seed)
         rank_zero_info(f"TextDataModule: {len(self.train_set)} training and {len(self.val_set)} validation samples.")
         if self.packing:
             self._pack()
@@ -220,9 +222,10 @@ class TextDataModule(pl.LightningDataModule):
             f" seq_len={self.seq_len}; padding {before:.1%} of the batch tokens without packing, {after:.1%} with."
         )
 
-    def _samples(self, sources: list[Source], splits: tuple[str, ...], argument: str) -> Sequence[Row]:
-        """Every source's samples, in order: a list for ``.txt``/``.jsonl``, Arrow-backed rows for datasets."""
-        parts: list[Sequence[Row]] = []
+    def _samples(self, sources: list[Source], splits: tuple[str, ...], argument: str) -> list[SourceRows]:
+        """Every source's samples and ``text`` records, in order, before any block is cut (``record_split``): a list
+        for ``.txt``/``.jsonl``, Arrow-backed rows for datasets."""
+        parts: list[SourceRows] = []
         for source in sources:
             if source.kind == "native":
                 report = FileReport(source.path)
@@ -244,21 +247,21 @@ class TextDataModule(pl.LightningDataModule):
                 raise ValueError(f"No usable record in {report.describe()}.")
             self._check_skipped(report)
             self._check_truncation(report)
-        return joined(parts)
+        return parts
 
-    def _file_samples(self, source: Source, report: FileReport) -> list[Row]:
-        """A ``.txt`` or ``.jsonl`` file's samples as tensors, then its ``text`` blocks."""
+    def _file_samples(self, source: Source, report: FileReport) -> SourceRows:
+        """A ``.txt`` or ``.jsonl`` file's samples and ``text`` records as tensors."""
         samples, documents = self._encode_records(read_records(source.path, report), report)
         rows = [{"input_ids": torch.tensor(s.input_ids), "labels": torch.tensor(s.labels)} for s in samples]
-        return rows + self._blocks(DocumentList([torch.tensor(d) for d in documents]))
+        return SourceRows(rows, DocumentList([torch.tensor(d) for d in documents]))
 
-    def _dataset_samples(self, dataset: Any, report: FileReport) -> Sequence[Row]:
-        """A ``datasets.Dataset``'s samples, tokenized by ``Dataset.map`` into a memory-mapped Arrow table, then its
-        ``text`` blocks, read from the same table."""
+    def _dataset_samples(self, dataset: Any, report: FileReport) -> SourceRows:
+        """A ``datasets.Dataset``'s samples and ``text`` records, tokenized by ``Dataset.map`` into a memory-mapped
+        Arrow table."""
         report.columns.update(dataset.column_names)
         check_columns(report.columns, self.fields, str(report.path))
         rows = TokenRows(tokenize(dataset, lambda records: self._encode_records(records, report), str(report.path)))
-        return joined([rows, self._blocks(rows.documents())])
+        return SourceRows(rows, rows.documents())
 
     def _blocks(self, documents: Documents) -> Sequence[Row]:
         """The ``seq_len`` blocks of ``text`` records, each knowing where its records start: a list for records in

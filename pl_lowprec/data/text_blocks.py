@@ -6,7 +6,8 @@ An EOS token does not mark where a record ends: a pre-rendered chat has its toke
 look for EOS tokens: the records' lengths say where each starts, and packing (``packing.document_row``) cuts
 positions and attention there and nowhere else, as TRL's packing restarts ``position_ids`` per example.
 
-The blocks are cut when read, from the records' lengths. The records stay where they are: a list in memory for a
+The blocks are cut when read, from the records' lengths, so that the records are split into training and
+validation before any block is cut (``record_split``). The records stay where they are: a list in memory for a
 ``.txt``/``.jsonl`` file, an Arrow table for a dataset (``token_table.TableDocuments``).
 """
 

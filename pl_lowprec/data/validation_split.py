@@ -21,31 +21,35 @@ DEFAULT_VAL_FRACTION = 0.05
 OVERSHOOT = 2  # a held-out share this many times val_fraction, or more, is said
 
 
-def held_out_indices(n_samples: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """``(training, validation)`` sample indices: ``val_fraction`` of ``n_samples`` drawn with ``seed``, at least one
-    where there are two or more samples; the training indices keep the file order."""
+def held_out_indices(
+    n_samples: int, val_fraction: float, seed: int, unit: str = "samples"
+) -> tuple[list[int], list[int]]:
+    """``(training, validation)`` indices of ``n_samples`` samples (or records, ``unit``): ``val_fraction`` of them
+    drawn with ``seed``, at least one where there are two or more; the training indices keep the file order."""
     order = torch.randperm(n_samples, generator=torch.Generator().manual_seed(seed)).tolist()
     n_val = round(n_samples * val_fraction)
     n_val = max(n_val, 1) if val_fraction > 0 and n_samples > 1 else n_val
-    warn_held_out_share(n_samples, n_val, val_fraction)
+    warn_held_out_share(n_samples, n_val, val_fraction, unit)
     return sorted(order[n_val:]), order[:n_val]
 
 
-def warn_held_out_share(n_samples: int, n_val: int, val_fraction: float) -> None:
-    """Say where rounding to whole samples makes the held-out share far from ``val_fraction``."""
+def warn_held_out_share(n_samples: int, n_val: int, val_fraction: float, unit: str = "samples") -> None:
+    """Say where rounding to whole samples (or records, ``unit``) makes the held-out share far from
+    ``val_fraction``."""
     if val_fraction == 0:
         return
+    one = unit.removesuffix("s")
     if n_val == 0:
         rank_zero_warn(
             f"TextDataModule(val_fraction={val_fraction}) holds out nothing: the training files make {n_samples}"
-            " sample, so there is no validation. Give more data, or validation data with val_files."
+            f" {one}, so there is no validation. Give more data, or validation data with val_files."
         )
     elif n_val >= OVERSHOOT * val_fraction * n_samples:
+        blocks = " (text files make one sample per seq_len tokens)" if unit == "samples" else ""
         rank_zero_warn(
-            f"TextDataModule(val_fraction={val_fraction}) holds out {n_val} of {n_samples} samples"
-            f" ({n_val / n_samples:.0%} of the training data), since at least one sample validates. Give more data"
-            " (text files make one sample per seq_len tokens), validation data with val_files, or val_fraction=0"
-            " for no validation."
+            f"TextDataModule(val_fraction={val_fraction}) holds out {n_val} of {n_samples} {unit}"
+            f" ({n_val / n_samples:.0%} of the training data), since at least one {one} validates. Give more data"
+            f"{blocks}, validation data with val_files, or val_fraction=0 for no validation."
         )
 
 
