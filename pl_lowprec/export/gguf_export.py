@@ -45,11 +45,11 @@ def requested_types(gguf_type: str | None) -> list[str]:
     if not (gguf_type or "").strip():
         return ["auto"]
     requested = [part.strip() for part in gguf_type.split(",")]
-    if "" in requested or len(set(requested)) < len(requested):
-        written = ",".join(dict.fromkeys(part for part in requested if part))
+    if "" in requested:  # a type deleted from the list, or a typo: not to be guessed
+        written = ",".join(part for part in requested if part)
         raise ValueError(
-            f"--gguf_type '{gguf_type}' has an empty or repeated type between its commas, and each type writes one"
-            f" file. Name each type once: --gguf_type {written}."
+            f"--gguf_type '{gguf_type}' has an empty item between its commas. Name the types separated by single"
+            f" commas: --gguf_type {written}."
         )
     for name in requested:
         if name != "auto":
