@@ -4,7 +4,7 @@ Formats, by the fields of each record (a ``.jsonl`` line, a row of a dataset; a 
 record; ``pl_lowprec.data.fields`` maps other column names to these):
 - ``text``: language modelling on every token; records are joined (each ends with EOS) and cut into blocks
   (``pl_lowprec.data.text_blocks``).
-- ``prompt`` + ``completion``: loss on the completion (and its EOS) only.
+- ``prompt`` + ``completion``: loss on the completion (and its EOS) only; the two are tokenized as one text.
 - ``messages``, or ``prompt`` + ``completion`` as lists of turns: a chat rendered with the tokenizer's chat
   template; loss on the assistant turns, or on the completion's (``pl_lowprec.data.chat``).
 """
@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from pl_lowprec.models.token_loss import IGNORE_INDEX
+
+SHOWN_CHARS = 20  # of a prompt's end, in the report of a prompt that ends inside a token
 
 
 @dataclass
@@ -42,6 +44,8 @@ class FileReport:
     lost_target_tokens: int = 0
     target_positions: Counter = field(default_factory=Counter)
     columns: set[str] = field(default_factory=set)  # every field name a record had, before any mapping
+    inside_token: int = 0  # prompts that end inside a token of prompt + completion
+    inside_token_example: str = ""  # the first of them
 
     def count_targets(self, labels: list[int], seq_len: int) -> None:
         """Tally a sample's target tokens (the first label is never predicted) and those past ``seq_len``."""
@@ -69,6 +73,24 @@ class FileReport:
         self.first_lines.setdefault(reason, [])
         if len(self.first_lines[reason]) < 5:
             self.first_lines[reason].append(line)
+
+    def prompt_ends_inside(self, prompt: str, token: str) -> None:
+        self.inside_token += 1
+        if not self.inside_token_example:
+            self.inside_token_example = f"{prompt[-SHOWN_CHARS:]!r} ends inside the token {token!r}"
+
+    def describe_inside_token(self) -> str | None:
+        """What prompts that end inside a token train, and the fix, or ``None``."""
+        if not self.inside_token:
+            return None
+        records = "1 record's prompt ends" if self.inside_token == 1 else f"{self.inside_token} records' prompts end"
+        return (
+            f"{self.path}: {records} inside a token of prompt + completion (the first: {self.inside_token_example})."
+            " That token is trained as the completion's first, so the model learns to answer a prompt short of its"
+            " end, and generation gives it the whole prompt, tokenized otherwise. The usual cause is a prompt that"
+            " ends in a space (most tokenizers put a space in the next word's token): end the prompt before the"
+            " space and start the completion with it."
+        )
 
     def describe(self) -> str:
         reasons = "; ".join(
@@ -141,10 +163,32 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     return [*tokenizer(text)["input_ids"], tokenizer.eos_token_id]
 
 
-def encode_prompt_completion(tokenizer: Any, prompt: str, completion: str) -> Sample:
-    prompt_ids = tokenizer(prompt)["input_ids"]
-    completion_ids = [*tokenizer(completion, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
-    return Sample(prompt_ids + completion_ids, [IGNORE_INDEX] * len(prompt_ids) + completion_ids)
+def encode_prompt_completion(tokenizer: Any, prompt: str, completion: str, report: FileReport | None = None) -> Sample:
+    """``prompt + completion`` tokenized as one text, as the model reads it when it generates and as TRL's
+    ``SFTTrainer`` tokenizes it; loss on the tokens that end after the prompt's last character, and on the EOS.
+
+    Tokenized on its own, the completion would start as a text starts: a SentencePiece tokenizer (Metaspace, as
+    Mistral's and Llama-2's) puts a space before it (``'A:'`` + ``'4'`` trained ``'A: 4'``), and a tokenizer that
+    appends EOS put one after the prompt. A token that holds the prompt's end and the completion's start (a prompt
+    that ends in a space, with the word after it) is a target: the ids stay those of the whole text, and such
+    records are counted in ``report`` (said once per file, where TRL warns per record)."""
+    text = prompt + completion
+    encoded = tokenizer(text, return_offsets_mapping=True, return_special_tokens_mask=True)
+    ids, added, offsets = encoded["input_ids"], encoded["special_tokens_mask"], encoded["offset_mapping"]
+    first = _first_ending_after(added, offsets, len(prompt))
+    if report is not None and first < len(ids) and offsets[first][0] < len(prompt):
+        start, end = offsets[first]
+        report.prompt_ends_inside(prompt, text[start:end])
+    ids = [*ids, tokenizer.eos_token_id]
+    return Sample(ids, [IGNORE_INDEX] * first + ids[first:])
+
+
+def _first_ending_after(added: list[int], offsets: list[tuple[int, int]], chars: int) -> int:
+    """The first token of the text's own (not one the tokenizer added) that ends after its first ``chars``
+    characters (``len(offsets)``: none). Its end, not its start: a byte-level tokenizer may trim a token's leading
+    space from its offsets."""
+    spans = enumerate(zip(added, offsets, strict=True))
+    return next((i for i, (extra, (_, end)) in spans if not extra and end > chars), len(offsets))
 
 
 def record_kind(record: dict[str, Any]) -> str | None:

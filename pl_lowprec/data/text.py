@@ -20,7 +20,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 from pl_lowprec._checks import check_at_least
@@ -240,6 +240,9 @@ class TextDataModule(pl.LightningDataModule):
             if source.kind == "native" and (self.fields is not None or (report.used == 0 and report.columns)):
                 check_columns(report.columns, self.fields, str(report.path))
             rank_zero_info(report.describe())
+            inside_token = report.describe_inside_token()
+            if inside_token:
+                rank_zero_warn(inside_token)
             unread = unread_columns(report.columns, self.fields)
             if unread:
                 rank_zero_info(f"{report.path}: fields={self.fields} leaves the columns {unread} unread.")
@@ -352,7 +355,7 @@ class TextDataModule(pl.LightningDataModule):
             elif not completion.strip():
                 return "records with an empty completion"
             else:
-                sample = encode_prompt_completion(self.tokenizer, prompt, completion)
+                sample = encode_prompt_completion(self.tokenizer, prompt, completion, report)
         else:
             if turns_problem(record["messages"]):
                 return "records whose 'messages' is not a list of {role, content} turns"
