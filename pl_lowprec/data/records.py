@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pl_lowprec.data.special_tokens import Tokens, tokens_once
 from pl_lowprec.models.token_loss import IGNORE_INDEX
 
 SHOWN_CHARS = 20  # of a prompt's end, in the report of a prompt that ends inside a token
@@ -44,6 +45,7 @@ class FileReport:
     lost_target_tokens: int = 0
     target_positions: Counter = field(default_factory=Counter)
     columns: set[str] = field(default_factory=set)  # every field name a record had, before any mapping
+    notes: Counter = field(default_factory=Counter)  # facts of records said once per file, not per record
     inside_token: int = 0  # prompts that end inside a token of prompt + completion
     inside_token_example: str = ""  # the first of them
 
@@ -74,10 +76,18 @@ class FileReport:
         if len(self.first_lines[reason]) < 5:
             self.first_lines[reason].append(line)
 
+    def note(self, fact: str) -> None:
+        self.notes[fact] += 1
+
     def prompt_ends_inside(self, prompt: str, token: str) -> None:
         self.inside_token += 1
         if not self.inside_token_example:
             self.inside_token_example = f"{prompt[-SHOWN_CHARS:]!r} ends inside the token {token!r}"
+
+    def describe_notes(self) -> str | None:
+        """The file's notes in one line, or ``None``."""
+        said = "; ".join(f"{n} {_singular(fact) if n == 1 else fact}" for fact, n in self.notes.items())
+        return f"{self.path}: {said}." if said else None
 
     def describe_inside_token(self) -> str | None:
         """What prompts that end inside a token train, and the fix, or ``None``."""
@@ -157,10 +167,13 @@ def decoded(path: Path, raw: bytes, first_line: int) -> str:
         ) from None
 
 
-def encode_text(tokenizer: Any, text: str) -> list[int]:
-    """A ``text`` record's tokens, ending with EOS; it is cut into blocks with the records around it
-    (``text_blocks``), which keep where it starts."""
-    return [*tokenizer(text)["input_ids"], tokenizer.eos_token_id]
+def encode_text(tokenizer: Any, text: str, report: FileReport | None = None) -> list[int]:
+    """The text's tokens with its BOS and EOS once each (``pl_lowprec.data.special_tokens``): EOS is appended
+    where neither the text nor the tokenizer ends it with one; a text that carries its own is noted in ``report``.
+    It is cut into blocks with the records around it (``text_blocks``), which keep where it starts."""
+    tokens = tokens_once(tokenizer, text)
+    _note_carried(report, tokenizer, tokens, "text", "text")
+    return _with_eos(tokens.ids, tokenizer.eos_token_id)
 
 
 def encode_prompt_completion(tokenizer: Any, prompt: str, completion: str, report: FileReport | None = None) -> Sample:
@@ -173,22 +186,38 @@ def encode_prompt_completion(tokenizer: Any, prompt: str, completion: str, repor
     that ends in a space, with the word after it) is a target: the ids stay those of the whole text, and such
     records are counted in ``report`` (said once per file, where TRL warns per record)."""
     text = prompt + completion
-    encoded = tokenizer(text, return_offsets_mapping=True, return_special_tokens_mask=True)
-    ids, added, offsets = encoded["input_ids"], encoded["special_tokens_mask"], encoded["offset_mapping"]
-    first = _first_ending_after(added, offsets, len(prompt))
-    if report is not None and first < len(ids) and offsets[first][0] < len(prompt):
-        start, end = offsets[first]
+    tokens = tokens_once(tokenizer, text, offsets=True)
+    first = _first_ending_after(tokens.added, tokens.offsets, len(prompt))
+    if report is not None and first < len(tokens.ids) and tokens.offsets[first][0] < len(prompt):
+        start, end = tokens.offsets[first]
         report.prompt_ends_inside(prompt, text[start:end])
-    ids = [*ids, tokenizer.eos_token_id]
+    _note_carried(report, tokenizer, tokens, "prompt", "completion")
+    ids = _with_eos(tokens.ids, tokenizer.eos_token_id)
     return Sample(ids, [IGNORE_INDEX] * first + ids[first:])
 
 
-def _first_ending_after(added: list[int], offsets: list[tuple[int, int]], chars: int) -> int:
+def _first_ending_after(added: list[bool], offsets: list[tuple[int, int]], chars: int) -> int:
     """The first token of the text's own (not one the tokenizer added) that ends after its first ``chars``
     characters (``len(offsets)``: none). Its end, not its start: a byte-level tokenizer may trim a token's leading
     space from its offsets."""
     spans = enumerate(zip(added, offsets, strict=True))
     return next((i for i, (extra, (_, end)) in spans if not extra and end > chars), len(offsets))
+
+
+def _with_eos(ids: list[int], eos: int) -> list[int]:
+    """``ids`` ending with one EOS: appended only where they do not end with it already (TRL's ``add_eos``)."""
+    return ids if ids and ids[-1] == eos else [*ids, eos]
+
+
+def _note_carried(report: FileReport | None, tokenizer: Any, tokens: Tokens, start: str, end: str) -> None:
+    """Note that the text's ``start`` field began with the BOS the tokenizer adds too, and that its ``end`` field
+    ended with the EOS: each kept once."""
+    if report is None:
+        return
+    if tokens.bos_kept_once:
+        report.note(f"records whose {start} begins with the BOS {tokenizer.bos_token!r}, not added a second time")
+    if tokens.written_last(tokenizer.eos_token_id):
+        report.note(f"records whose {end} ends with the EOS {tokenizer.eos_token!r}, not appended a second time")
 
 
 def record_kind(record: dict[str, Any]) -> str | None:

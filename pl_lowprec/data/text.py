@@ -240,7 +240,9 @@ class TextDataModule(pl.LightningDataModule):
             if source.kind == "native" and (self.fields is not None or (report.used == 0 and report.columns)):
                 check_columns(report.columns, self.fields, str(report.path))
             rank_zero_info(report.describe())
-            inside_token = report.describe_inside_token()
+            notes, inside_token = report.describe_notes(), report.describe_inside_token()
+            if notes:
+                rank_zero_info(notes)
             if inside_token:
                 rank_zero_warn(inside_token)
             unread = unread_columns(report.columns, self.fields)
@@ -341,7 +343,7 @@ class TextDataModule(pl.LightningDataModule):
         if kind == "text":
             if not isinstance(record["text"], str) or not record["text"].strip():
                 return "records with empty text"
-            return encode_text(self.tokenizer, record["text"])
+            return encode_text(self.tokenizer, record["text"], report)
         if kind == "prompt_completion":
             prompt, completion = record.get("prompt"), record.get("completion")
             if prompt is None or completion is None:

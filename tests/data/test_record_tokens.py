@@ -1,7 +1,8 @@
-"""How prompt/completion records become ids: prompt + completion tokenized as one text, as the model reads it in
-generation (TRL's SFTTrainer does the same)."""
+"""How ``text`` and prompt/completion records become ids: prompt + completion tokenized as one text, as the model
+reads it in generation (TRL's SFTTrainer does the same), and each BOS and EOS once where the text carries its own."""
 
 import json
+import logging
 
 import pytest
 from loading_helpers import save_tokenizer
@@ -63,3 +64,49 @@ def test_a_prompt_ending_inside_a_token_trains_that_token_and_is_said_once_per_f
         "\u2581return",
         *tokenizer.convert_ids_to_tokens(ids[-3:]),
     ]
+
+
+def test_a_text_or_completion_ending_with_eos_gets_no_second_one(tmp_path, byte_level_dir, caplog):
+    with caplog.at_level(logging.INFO):
+        data = _setup(tmp_path / "text.jsonl", [{"text": "x = 1</s>"}, {"text": "y = 2</s>"}], byte_level_dir)
+        pc = _setup(tmp_path / "pc.jsonl", [{"prompt": "Q: hi\nA:", "completion": " hello</s>"}], byte_level_dir)
+    tokenizer = data.tokenizer
+    (block,) = data.train_set
+    assert block["input_ids"].tolist() == tokenizer("x = 1</s>")["input_ids"] + tokenizer("y = 2</s>")["input_ids"]
+    (sample,) = pc.train_set
+    assert sample["input_ids"].tolist() == tokenizer("Q: hi\nA: hello</s>")["input_ids"]
+    assert tokenizer.decode([t for t in sample["labels"].tolist() if t != -100]) == " hello</s>"
+    assert _said(caplog, "2 records whose text ends with the EOS '</s>', not appended a second time")
+    assert _said(caplog, "1 record whose completion ends with the EOS '</s>', not appended a second time")
+
+
+def test_a_text_starting_with_bos_gets_no_second_one(tmp_path, byte_level_dir, caplog):
+    text = "<s><|user|>\nhi</s>\n<|assistant|>\nhello</s>\n"  # apply_chat_template(tokenize=False) of a chat
+    with caplog.at_level(logging.INFO):
+        data = _setup(tmp_path / "rendered.jsonl", [{"text": text}], byte_level_dir)
+    tokenizer = data.tokenizer
+    (block,) = data.train_set
+    assert block["input_ids"].tolist() == [
+        *tokenizer(text, add_special_tokens=False)["input_ids"],
+        tokenizer.eos_token_id,
+    ]
+    assert block["input_ids"].tolist().count(tokenizer.bos_token_id) == 1
+    assert _said(caplog, "1 record whose text begins with the BOS '<s>', not added a second time")
+
+
+def test_a_tokenizer_that_appends_eos_puts_none_after_the_prompt_and_one_at_the_end(tmp_path, sentencepiece_dir):
+    from transformers import AutoTokenizer
+
+    appends = tmp_path / "appends_eos"
+    AutoTokenizer.from_pretrained(sentencepiece_dir, add_eos_token=True).save_pretrained(appends)
+    pc = _setup(tmp_path / "pc.jsonl", [{"prompt": "Q: hi\nA:", "completion": " hello"}], str(appends))
+    text = _setup(tmp_path / "text.jsonl", [{"text": "x = 1"}], str(appends))
+    tokenizer, eos = pc.tokenizer, pc.tokenizer.eos_token_id
+    assert tokenizer("hi")["input_ids"][-1] == eos  # the tokenizer appends EOS itself
+    (sample,) = pc.train_set
+    assert sample["input_ids"].tolist() == tokenizer("Q: hi\nA: hello")["input_ids"]
+    assert sample["input_ids"].tolist().count(eos) == 1
+    assert tokenizer.decode([t for t in sample["labels"].tolist() if t != -100]) == "hello</s>"
+    (block,) = text.train_set
+    assert block["input_ids"].tolist() == tokenizer("x = 1")["input_ids"]
+    assert block["input_ids"].tolist().count(eos) == 1

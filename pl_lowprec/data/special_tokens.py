@@ -1,0 +1,53 @@
+"""A text's tokens with each special token once, where the text and the tokenizer both put one.
+
+A text may carry its own BOS and EOS: a ``text`` column rendered by ``apply_chat_template(tokenize=False)``
+starts with ``<s>``, a completion may end with ``</s>``. A tokenizer may add them too: most add BOS, and
+``LlamaTokenizerFast(add_eos_token=True)`` (common in Llama-2 recipes) appends EOS. Tokenized as they come, such a
+text trains ``<s> <s>`` at its start and ``</s> </s>`` at its end, and the model learns EOS -> EOS. So a token the
+tokenizer added next to the same token written in the text is dropped, and EOS is appended only where the ids do
+not end with one already (TRL's ``add_eos``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Tokens:
+    """A text's token ids; ``offsets``: each token's characters in the text, ``(0, 0)`` for a token the tokenizer
+    added (only where asked for); ``added``: whether the tokenizer added the token (BOS, an EOS of its own)."""
+
+    ids: list[int]
+    added: list[bool]
+    offsets: list[tuple[int, int]]
+    bos_kept_once: bool  # the text starts with the BOS the tokenizer adds too: the tokenizer's was dropped
+
+    def ends_with(self, token_id: int) -> bool:
+        return bool(self.ids) and self.ids[-1] == token_id
+
+    def written_last(self, token_id: int) -> bool:
+        """Whether the text itself ends with ``token_id`` (written in it, not added by the tokenizer)."""
+        return self.ends_with(token_id) and not self.added[-1]
+
+
+def tokens_once(tokenizer: Any, text: str, offsets: bool = False) -> Tokens:
+    """``text`` tokenized with the tokenizer's special tokens, less any it added next to the same token in the
+    text; with the character ``offsets`` of each token where asked (a fast tokenizer's)."""
+    encoded = tokenizer(text, return_special_tokens_mask=True, return_offsets_mapping=offsets)
+    ids, added = list(encoded["input_ids"]), [bool(m) for m in encoded["special_tokens_mask"]]
+    spans = [tuple(span) for span in encoded["offset_mapping"]] if offsets else [(0, 0)] * len(ids)
+    doubled = [added[i] and _beside_in_text(ids, added, i) for i in range(len(ids))]
+    keep = [i for i in range(len(ids)) if not doubled[i]]
+    return Tokens(
+        ids=[ids[i] for i in keep],
+        added=[added[i] for i in keep],
+        offsets=[spans[i] for i in keep],
+        bos_kept_once=bool(ids) and ids[0] == tokenizer.bos_token_id and doubled[0],
+    )
+
+
+def _beside_in_text(ids: list[int], added: list[bool], i: int) -> bool:
+    """Whether the token before or after ``i`` is the same token, written in the text."""
+    return any(0 <= j < len(ids) and ids[j] == ids[i] and not added[j] for j in (i - 1, i + 1))
