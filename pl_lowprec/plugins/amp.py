@@ -16,7 +16,9 @@ the LR scheduler when an overflow made the optimizer step a no-op. This plugin e
 - ``float32_matmul_precision`` sets ``torch.set_float32_matmul_precision`` for the run and restores it after.
 
 The step is the one of the plain loop: ``scaler.scale(loss).backward()`` per micro-batch, then ``unscale_``,
-clip, ``scaler.step``, ``scaler.update`` once per accumulation window.
+clip, ``scaler.step``, ``scaler.update`` once per accumulation window. In manual optimization, where one
+``training_step`` may step several optimizers, ``scaler.update`` runs once after it, as in PyTorch's loop for
+several optimizers (``train_step_context``).
 
 Beside this file: ``loss_scale_config.py`` checks the loss-scale arguments and builds the scaler,
 ``scaler_bookkeeping.py`` knows per optimizer what was unscaled and which steps were skipped (the only code that
@@ -31,6 +33,7 @@ from typing import Any, ClassVar, Literal, get_args
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -53,7 +56,12 @@ from pl_lowprec.plugins.loss_scale_config import (
     device_type,
 )
 from pl_lowprec.plugins.precision_choice import PrecisionChoice, choose_precision
-from pl_lowprec.plugins.scaler_bookkeeping import ScalerBookkeeping, has_gradients, optimizer_handles_unscaling
+from pl_lowprec.plugins.scaler_bookkeeping import (
+    ScalerBookkeeping,
+    has_gradients,
+    optimizer_handles_unscaling,
+    unwrap,
+)
 from pl_lowprec.plugins.scheduler_guard import guard_step_schedulers
 from pl_lowprec.transforms.dtypes import dtype_of_precision
 
@@ -145,6 +153,7 @@ class AMPPrecision(MixedPrecision):
         self.float32_matmul_precision = float32_matmul_precision
         self._matmul_precision_before: str | None = None
         self._tracker = LossScaleTracker()
+        self._backwards = 0  # backward passes so far: a backward between a step and its update shows
         if precision == "auto":
             self.precision = "auto"
             self.scaler = None
@@ -278,10 +287,29 @@ class AMPPrecision(MixedPrecision):
 
     # -- the step ---------------------------------------------------------------------------------------
 
-    def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
-        # An optimizer unscaled (by a clip) but never stepped must not carry that unscale into a new window.
+    @contextmanager
+    def train_step_context(self) -> Generator[None, None, None]:
+        """A training batch starts: the previous one's steps get their scale update (if a step came after its
+        ``training_step``), and unscales that no step followed are forgotten. In manual optimization the batch's
+        steps get theirs when its ``training_step`` returns: one ``scaler.update()`` per iteration, after every
+        optimizer stepped, as in PyTorch's loop for several optimizers."""
         if self._steps is not None:
-            self._steps.forget_all_unscales()
+            if self._steps.stepped:
+                self._update_scale()
+            self._steps.forget_unscales()
+        with super().train_step_context():
+            yield
+        if self._steps is not None and self._steps.stepped:
+            self._update_scale()
+
+    def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
+        steps = self._steps
+        if steps is not None:
+            if steps.all_stepped():  # every optimizer stepped: this backward starts the next iteration
+                self._update_scale()
+            # An optimizer unscaled (by a clip) whose gradients were zeroed since gets fresh scaled ones now.
+            steps.forget_unscales(only_without_gradients=True)
+            self._backwards += 1
         return super().pre_backward(tensor, module)
 
     def optimizer_step(  # type: ignore[override]
@@ -302,17 +330,46 @@ class AMPPrecision(MixedPrecision):
             steps.mark_skipped(optimizer)
             return closure_result
         try:
-            steps.unscale_once(optimizer)
+            self._unscale_once(optimizer)
             self._after_closure(model, optimizer)
-            output, skipped = steps.step(optimizer, **kwargs)
+            output, skipped = steps.step(optimizer, self._backwards, **kwargs)
         except BaseException:
             steps.forget_unscale(optimizer)  # the scaler must not keep a half-done step into the next one
             raise
-        steps.update(new_scale=self.static_scale if self.loss_scale_mode == "static" else None)
-        self._tracker.record(skipped, self.scaler.get_scale() if skipped else None)
-        if skipped:
-            self._check_min_scale()
+        self._tracker.record(skipped)
+        if model.automatic_optimization:
+            self._update_scale()  # one optimizer, one step per window; manual optimization: train_step_context
         return output
+
+    def _unscale_once(self, optimizer: Optimizer | LightningOptimizer) -> None:
+        """Unscale ``optimizer``'s gradients unless done since the last update. An optimizer that already stepped
+        since then is stepped again within one ``training_step``: that is a new iteration, so update first (as
+        a plain loop must: GradScaler steps an optimizer once per update)."""
+        steps = self._steps
+        if steps.has_stepped(optimizer):
+            stepped_at = steps.stepped[id(unwrap(optimizer))]
+            before = self.scaler.get_scale()
+            self._update_scale()
+            if self._backwards > stepped_at and self.scaler.get_scale() != before:
+                self._warn_scale_changed_after_backward(optimizer, before)
+        steps.unscale_once(optimizer)
+
+    def _update_scale(self) -> None:
+        """``scaler.update()`` for the steps since the last one; a skipped step among them is a back-off."""
+        skipped = self._steps.update(new_scale=self.static_scale if self.loss_scale_mode == "static" else None)
+        if skipped:
+            self._tracker.record_backoff(self.scaler.get_scale())
+            self._check_min_scale()
+
+    def _warn_scale_changed_after_backward(self, optimizer: Optimizer | LightningOptimizer, before: float) -> None:
+        rank_zero_warn(
+            f"{type(unwrap(optimizer)).__name__} stepped twice in one training_step with a backward in between,"
+            " while another optimizer had not stepped yet: the loss scale update between its two steps came after"
+            f" that backward and changed the scale ({before:g} -> {self.scaler.get_scale():g}), so gradients"
+            " scaled with the old scale were unscaled with the new one. Step every optimizer before the next"
+            " backward, or each optimizer at most once per training_step.",
+            category=RuntimeWarning,
+        )
 
     def clip_gradients(
         self,
@@ -335,12 +392,12 @@ class AMPPrecision(MixedPrecision):
     # the same as in automatic optimization, where the step unscaled before clipping.
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
         if self._steps is not None:
-            self._steps.unscale_once(optimizer)
+            self._unscale_once(optimizer)
         super().clip_grad_by_value(optimizer, clip_val)
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         if self._steps is not None:
-            self._steps.unscale_once(optimizer)
+            self._unscale_once(optimizer)
         super().clip_grad_by_norm(optimizer, clip_val)
 
     def _check_min_scale(self) -> None:

@@ -47,7 +47,7 @@ class LossScaleTracker:
     backoffs: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=HISTORY_LENGTH))
 
     def record(self, skipped: bool, scale: float | None = None) -> None:
-        """Record one optimizer step; ``scale`` is the scale after a skipped step's back-off."""
+        """Record one optimizer step; ``scale`` is the scale after a skipped step's back-off, when known now."""
         self.optimizer_steps += 1
         self.last_step_skipped = skipped
         if not skipped:
@@ -57,7 +57,12 @@ class LossScaleTracker:
         self.skipped_steps += 1
         self.consecutive_overflows += 1
         if scale is not None:
-            self.backoffs.append((self.optimizer_steps, scale))
+            self.record_backoff(scale)
+
+    def record_backoff(self, scale: float) -> None:
+        """Record the scale a back-off left, at the latest step: the scale update may come after the steps it
+        follows (several optimizers update once, after all of them stepped)."""
+        self.backoffs.append((self.optimizer_steps, scale))
 
     def snapshot(self, scale: float) -> LossScaleState:
         return LossScaleState(

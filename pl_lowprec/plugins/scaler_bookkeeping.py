@@ -1,11 +1,12 @@
-"""Per-optimizer bookkeeping around one ``torch.amp.GradScaler``: unscale once, see skipped steps, forget
-half-done unscales.
+"""Per-optimizer bookkeeping around one ``torch.amp.GradScaler``: unscale once, see skipped steps, know which
+steps await the scale update, forget half-done unscales.
 
 GradScaler answers none of the questions an honest training loop asks: whether this optimizer's gradients are
 already unscaled (clipping and the step must not unscale twice), whether ``scaler.step`` really applied the
-update or skipped it on an overflow, and how to drop an unscale that no step followed. ``ScalerBookkeeping``
-keeps these answers for ``AMPPrecision``. It sees a step through the optimizer's own step post-hook, so an
-overflow that GradScaler turned into a no-op is known exactly, not guessed from the scale.
+update or skipped it on an overflow, which optimizers have stepped since the last ``update()`` (the plain loop
+updates once, after every optimizer of the iteration stepped), and how to drop an unscale that no step followed.
+``ScalerBookkeeping`` keeps these answers for ``AMPPrecision``. It sees a step through the optimizer's own step
+post-hook, so an overflow that GradScaler turned into a no-op is known exactly, not guessed from the scale.
 """
 
 from __future__ import annotations
@@ -21,18 +22,24 @@ from pl_lowprec.plugins.grad_scaler_internals import check_scaler_internals, for
 
 
 class ScalerBookkeeping:
-    """Which optimizers ``scaler`` has unscaled since its last update, and whether each one's latest step
-    applied an update. Optimizers are keyed by ``id``, as GradScaler keys them.
+    """Which optimizers ``scaler`` has unscaled and stepped since its last update, and whether each one's latest
+    step applied an update. Optimizers are keyed by ``id``, as GradScaler keys them; a ``LightningOptimizer``
+    (``self.optimizers()`` in manual optimization) counts as the optimizer it wraps.
 
     Attributes:
         scaler: The GradScaler all unscales, steps and updates go through.
-        unscaled: Optimizers unscaled since the last ``update``.
+        unscaled: Optimizers unscaled since the last ``update`` and not stepped yet.
+        stepped: Optimizers stepped since the last ``update``, each with the caller's mark at its step (the
+            plugin's backward count), so that a backward between a step and the update can be seen.
     """
 
     def __init__(self, scaler: torch.amp.GradScaler) -> None:
         check_scaler_internals()
         self.scaler = scaler
         self.unscaled: set[int] = set()
+        self.stepped: dict[int, int] = {}
+        self._unscaled_optimizers: dict[int, Optimizer] = {}
+        self._watched: set[int] = set()
         self._applied: set[int] = set()
         self._skipped: dict[int, bool] = {}
         self._hooks: list[RemovableHandle] = []
@@ -44,32 +51,48 @@ class ScalerBookkeeping:
         for optimizer in optimizers:
             check_optimizer_supports_scaling(optimizer)
             self._hooks.append(optimizer.register_step_post_hook(self._on_optimizer_stepped))
+        self._watched = {id(optimizer) for optimizer in optimizers}
 
     def release(self) -> None:
-        """Remove the step hooks and forget every pending unscale (teardown, or a new fit)."""
+        """Remove the step hooks and forget every pending unscale and step (teardown, or a new fit)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        self.forget_all_unscales()
+        self._watched = set()
+        for optimizer_id in self.unscaled | self.stepped.keys():
+            forget_unscale(self.scaler, optimizer_id)
+        self._clear()
 
     def _on_optimizer_stepped(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         self._applied.add(id(optimizer))
 
     def unscale_once(self, optimizer: Optimizer | LightningOptimizer) -> None:
         """``scaler.unscale_`` unless already done since the last update, or there are no gradients."""
-        if isinstance(optimizer, LightningOptimizer):  # ``self.optimizers()`` in manual optimization
-            optimizer = optimizer.optimizer
+        optimizer = unwrap(optimizer)
         if id(optimizer) not in self.unscaled and has_gradients(optimizer):
             self.scaler.unscale_(optimizer)
             self.unscaled.add(id(optimizer))
+            self._unscaled_optimizers[id(optimizer)] = optimizer
 
-    def step(self, optimizer: Optimizer, **kwargs: Any) -> tuple[Any, bool]:
-        """``scaler.step``; returns its output and whether the step was skipped (the optimizer did not step)."""
+    def step(self, optimizer: Optimizer, mark: int = 0, **kwargs: Any) -> tuple[Any, bool]:
+        """``scaler.step``; returns its output and whether the step was skipped (the optimizer did not step).
+        ``optimizer`` then waits for ``update`` (``stepped``), with ``mark``."""
         self._applied.discard(id(optimizer))
         output = self.scaler.step(optimizer, **kwargs)
         skipped = id(optimizer) not in self._applied
         self._skipped[id(optimizer)] = skipped
+        self.unscaled.discard(id(optimizer))
+        self._unscaled_optimizers.pop(id(optimizer), None)
+        self.stepped[id(optimizer)] = mark
         return output, skipped
+
+    def has_stepped(self, optimizer: Optimizer | LightningOptimizer) -> bool:
+        """Whether ``optimizer`` stepped since the last update: GradScaler steps it again only after one."""
+        return id(unwrap(optimizer)) in self.stepped
+
+    def all_stepped(self) -> bool:
+        """Whether every watched optimizer stepped since the last update: the iteration is complete."""
+        return bool(self._watched) and self._watched <= self.stepped.keys()
 
     def mark_skipped(self, optimizer: Optimizer) -> None:
         """Record a step that had nothing to apply (no gradients), without asking the scaler."""
@@ -79,23 +102,40 @@ class ScalerBookkeeping:
         """Whether the latest step of ``optimizer`` applied no update (overflow, or nothing to step)."""
         return self._skipped.get(id(optimizer), False)
 
-    def update(self, new_scale: float | None = None) -> None:
-        """``scaler.update`` (a static scale passes ``new_scale``), which ends every optimizer's window."""
+    def update(self, new_scale: float | None = None) -> bool:
+        """``scaler.update`` (a static scale passes ``new_scale``), which ends every optimizer's window; returns
+        whether a step since the previous update was skipped."""
+        skipped = any(self._skipped.get(optimizer_id, False) for optimizer_id in self.stepped)
         if new_scale is None:
             self.scaler.update()
         else:
             self.scaler.update(new_scale=new_scale)
-        self.unscaled.clear()
+        self._clear()
+        return skipped
 
     def forget_unscale(self, optimizer: Optimizer) -> None:
-        """Return ``optimizer`` to GradScaler's ready state after an ``unscale_`` that no ``update`` followed."""
-        self.unscaled.discard(id(optimizer))
-        forget_unscale(self.scaler, id(optimizer))
+        """Return ``optimizer`` to GradScaler's ready state after an ``unscale_`` that no step followed."""
+        if id(optimizer) in self.unscaled:
+            self.unscaled.discard(id(optimizer))
+            self._unscaled_optimizers.pop(id(optimizer), None)
+            forget_unscale(self.scaler, id(optimizer))
 
-    def forget_all_unscales(self) -> None:
-        for optimizer_id in self.unscaled:
-            forget_unscale(self.scaler, optimizer_id)
+    def forget_unscales(self, only_without_gradients: bool = False) -> None:
+        """Forget the unscales that no step followed: all of them (a new training batch), or only those whose
+        gradients are gone (``zero_grad()`` since the unscale: the next backward brings scaled ones)."""
+        for optimizer in list(self._unscaled_optimizers.values()):
+            if not only_without_gradients or not has_gradients(optimizer):
+                self.forget_unscale(optimizer)
+
+    def _clear(self) -> None:
         self.unscaled.clear()
+        self._unscaled_optimizers.clear()
+        self.stepped.clear()
+
+
+def unwrap(optimizer: Optimizer | LightningOptimizer) -> Optimizer:
+    """The optimizer a ``LightningOptimizer`` (``self.optimizers()`` in manual optimization) wraps."""
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 def has_gradients(optimizer: Optimizer) -> bool:
