@@ -281,8 +281,9 @@ class AMPPrecision(MixedPrecision):
             self._matmul_precision_before = None
         super().teardown()
 
-    def step_was_skipped(self, optimizer: Optimizer) -> bool:
-        """Whether the latest step of ``optimizer`` applied no update (overflow, or nothing to step)."""
+    def step_was_skipped(self, optimizer: Optimizer | LightningOptimizer) -> bool:
+        """Whether the latest step of ``optimizer`` applied no update (overflow, or nothing to step). In manual
+        optimization, hold a scheduler you step by hand with it: ``if not plugin.step_was_skipped(opt): sch.step()``."""
         return self._steps is not None and self._steps.step_was_skipped(optimizer)
 
     # -- the step ---------------------------------------------------------------------------------------

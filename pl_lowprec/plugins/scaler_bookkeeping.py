@@ -98,9 +98,9 @@ class ScalerBookkeeping:
         """Record a step that had nothing to apply (no gradients), without asking the scaler."""
         self._skipped[id(optimizer)] = True
 
-    def step_was_skipped(self, optimizer: Optimizer) -> bool:
+    def step_was_skipped(self, optimizer: Optimizer | LightningOptimizer) -> bool:
         """Whether the latest step of ``optimizer`` applied no update (overflow, or nothing to step)."""
-        return self._skipped.get(id(optimizer), False)
+        return self._skipped.get(id(unwrap(optimizer)), False)
 
     def update(self, new_scale: float | None = None) -> bool:
         """``scaler.update`` (a static scale passes ``new_scale``), which ends every optimizer's window; returns

@@ -2,41 +2,48 @@
 
 Lightning steps ``interval="step"`` schedulers after every optimizer step, including the ones that
 ``GradScaler`` silently turned into no-ops (Lightning #5558, #16228, #18828). The schedule then runs ahead of
-the updates that really happened. ``SkipAwareScheduler`` sits in ``LRSchedulerConfig.scheduler`` and forwards
-everything to the user's scheduler except ``step()`` after a skipped optimizer step. Its ``state_dict`` is the
-wrapped scheduler's, so checkpoints stay interchangeable with plain Lightning.
+the updates that really happened. ``guard_step_schedulers`` gives each such scheduler a class of its own that
+derives from the scheduler's class and ``SkipAwareScheduler``, whose ``step()`` does nothing after a skipped
+optimizer step. The scheduler stays the same object of (a subclass of) the same class: ``isinstance(sch,
+ReduceLROnPlateau)`` in a ``training_step`` or an ``lr_scheduler_step`` override still holds, its attributes
+and ``state_dict`` are untouched, and checkpoints stay interchangeable with plain Lightning.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from torch.optim import Optimizer
 
 
 class SkipAwareScheduler:
-    """Forwards to ``scheduler``; ``step()`` does nothing when ``step_was_skipped(scheduler.optimizer)``."""
+    """Mixed into a guarded scheduler's class: ``step()`` does nothing when the latest step of the scheduler's
+    optimizer was skipped, and is the scheduler's own ``step()`` otherwise. Test for it with ``isinstance``."""
 
-    def __init__(self, scheduler: Any, step_was_skipped: Callable[[Optimizer], bool]) -> None:
-        self.scheduler = scheduler
-        self._step_was_skipped = step_was_skipped
+    _step_was_skipped: ClassVar[Callable[[Optimizer], bool]]
 
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        if self._step_was_skipped(self.scheduler.optimizer):
-            return
-        self.scheduler.step(*args, **kwargs)
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        if type(self)._step_was_skipped(self.optimizer):  # type: ignore[attr-defined]
+            return None
+        return super().step(*args, **kwargs)  # type: ignore[misc]
 
-    def __getattr__(self, name: str) -> Any:
-        # Only called for attributes not found on the guard: optimizer, state_dict, get_last_lr, ...
-        return getattr(self.__dict__["scheduler"], name)
 
-    def __repr__(self) -> str:
-        return f"SkipAwareScheduler({self.scheduler!r})"
+def guard_scheduler(scheduler: Any, step_was_skipped: Callable[[Optimizer], bool]) -> None:
+    """Make ``scheduler`` skip-aware in place (again with the latest ``step_was_skipped`` if it already is).
+
+    Its class becomes one made for it alone, named as its own, so the guard of one fit never reaches another
+    scheduler of the same class."""
+    cls = type(scheduler)
+    if not issubclass(cls, SkipAwareScheduler):
+        namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        cls = type(cls)(cls.__name__, (SkipAwareScheduler, cls), namespace)
+        scheduler.__class__ = cls
+    cls._step_was_skipped = staticmethod(step_was_skipped)
 
 
 def guard_step_schedulers(lr_scheduler_configs: list[Any], step_was_skipped: Callable[[Optimizer], bool]) -> None:
-    """Wrap, in place, every ``interval="step"`` scheduler of Lightning's configs (once)."""
+    """Guard, in place, every ``interval="step"`` scheduler of Lightning's configs."""
     for config in lr_scheduler_configs:
-        if config.interval == "step" and not isinstance(config.scheduler, SkipAwareScheduler):
-            config.scheduler = SkipAwareScheduler(config.scheduler, step_was_skipped)
+        if config.interval == "step":
+            guard_scheduler(config.scheduler, step_was_skipped)

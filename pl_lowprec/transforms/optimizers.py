@@ -19,7 +19,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
 from pl_lowprec._imports import import_bitsandbytes, import_torchao
-from pl_lowprec.plugins.scheduler_guard import SkipAwareScheduler
 
 OptimizerName = Literal["adamw8bit", "paged_adamw8bit", "paged_adamw32bit", "lion8bit", "torchao_adamw8bit"]
 OPTIMIZER_NAMES: tuple[str, ...] = get_args(OptimizerName)
@@ -138,8 +137,6 @@ def rebind_schedulers(lr_scheduler_configs: list[Any], old: Optimizer, new: Opti
     """Point the schedulers of ``old`` at ``new``, keeping torch's check that the optimizer steps first."""
     for config in lr_scheduler_configs:
         scheduler = config.scheduler
-        if isinstance(scheduler, SkipAwareScheduler):
-            scheduler = scheduler.scheduler
         if scheduler.optimizer is old:
             scheduler.optimizer = new
             _track_step_calls(new)
