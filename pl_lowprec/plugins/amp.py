@@ -54,6 +54,7 @@ from pl_lowprec.plugins.loss_scale_config import (
     LossScaleInput,
     check_own_scaler,
     device_type,
+    resumed_scaler_state,
 )
 from pl_lowprec.plugins.precision_choice import PrecisionChoice, choose_precision
 from pl_lowprec.plugins.scaler_bookkeeping import (
@@ -427,7 +428,8 @@ class AMPPrecision(MixedPrecision):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Accepts this plugin's state and a bare GradScaler state (Lightning's ``MixedPrecision``)."""
+        """Accepts this plugin's state and a bare GradScaler state (Lightning's ``MixedPrecision``). The scale and
+        the growth tracker resume; the growth settings are this run's (warned when the checkpoint's differ)."""
         if "tracker" in state_dict:
             self._tracker.load_state_dict(state_dict["tracker"])
         self._warn_if_precision_changed(state_dict.get("precision"))
@@ -436,7 +438,28 @@ class AMPPrecision(MixedPrecision):
             return
         if self.loss_scale_mode == "static":
             scaler_state = {**scaler_state, "scale": self.static_scale}
+        else:
+            saved = scaler_state
+            scaler_state, changed = resumed_scaler_state(saved, self.scaler)
+            if changed:
+                self._warn_settings_changed(saved, scaler_state, changed)
         self.scaler.load_state_dict(scaler_state)
+
+    def _warn_settings_changed(
+        self, saved: dict[str, Any], resumed: dict[str, Any], changed: dict[str, tuple[Any, Any]]
+    ) -> None:
+        """This run's loss-scale settings win over the checkpoint's, as every other argument of the run does
+        (YAML, CLI); said once, with the arguments that would keep the checkpoint's."""
+        given = ", ".join(f"{name}={mine!r} (checkpoint: {old!r})" for name, (old, mine) in changed.items())
+        keep = ", ".join(f"{name}={old!r}" for name, (old, _) in changed.items())
+        tracker = saved.get("_growth_tracker", 0)
+        if resumed.get("_growth_tracker", 0) != tracker:
+            tracker = f"{tracker}, past the new growth_interval: the scale grows after the next overflow-free step"
+        rank_zero_warn(
+            f"Resuming AMPPrecision with loss-scale settings other than the checkpoint's: {given}. This run's"
+            f" apply; the scale ({saved['scale']:g}) and the growth tracker (overflow-free steps: {tracker})"
+            f" continue from the checkpoint. To keep the checkpoint's settings, pass AMPPrecision({keep})."
+        )
 
     def _warn_if_precision_changed(self, recorded: str | None) -> None:
         if recorded is None or recorded == self.precision:

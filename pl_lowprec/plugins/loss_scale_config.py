@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -17,6 +17,8 @@ LossScaleInput = Literal["auto", "dynamic"] | float | None
 LossScaleMode = Literal["dynamic", "static"]
 
 _DYNAMIC_SETTINGS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+# The settings GradScaler saves beside the scale and the growth tracker.
+_SAVED_SETTINGS = ("growth_factor", "backoff_factor", "growth_interval")
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,30 @@ def check_own_scaler(scaler: object, precision: str, config: LossScaleConfig) ->
             " settings, so the loss-scale arguments would be ignored. Set them on your scaler, or drop scaler= and"
             " keep the arguments."
         )
+
+
+def resumed_scaler_state(
+    saved: dict[str, Any], scaler: torch.amp.GradScaler
+) -> tuple[dict[str, Any], dict[str, tuple[Any, Any]]]:
+    """The checkpoint's scaler state with ``scaler``'s settings (this run's arguments), and each setting that
+    differs as ``{name: (checkpoint's, this run's)}``.
+
+    The scale and the growth tracker resume; GradScaler's own ``load_state_dict`` would also bring back the
+    checkpoint's settings over the ones this run was given. A growth tracker at or past a smaller new
+    ``growth_interval`` is set to one step short of it: GradScaler grows the scale only when the tracker reaches
+    the interval exactly, so it would never grow again before an overflow.
+    """
+    mine: dict[str, Any] = {
+        "growth_factor": scaler.get_growth_factor(),
+        "backoff_factor": scaler.get_backoff_factor(),
+        "growth_interval": scaler.get_growth_interval(),
+    }
+    changed = {k: (saved[k], mine[k]) for k in _SAVED_SETTINGS if k in saved and saved[k] != mine[k]}
+    state = {**saved, **mine}
+    tracker = saved.get("_growth_tracker")
+    if tracker is not None and tracker >= mine["growth_interval"]:
+        state["_growth_tracker"] = mine["growth_interval"] - 1
+    return state, changed
 
 
 def device_type(device: str | None) -> str | None:

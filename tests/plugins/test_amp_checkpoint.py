@@ -1,5 +1,9 @@
-"""Scaler state and step counters survive checkpoints; Lightning's own fp16 checkpoints load."""
+"""Scaler state and step counters survive checkpoints; Lightning's own fp16 checkpoints load; this run's
+loss-scale settings apply on resume."""
 
+import warnings
+
+import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning_helpers import Classifier, quiet_trainer
@@ -44,6 +48,43 @@ def test_resume_matches_uninterrupted_run(tmp_path):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(
+    ("settings", "scale", "tracker"),
+    [
+        # saved: scale 512, 2 overflow-free steps. 2 more reach growth_interval=4: x8 at step 5, then 2 clean steps
+        (dict(growth_interval=4, growth_factor=8.0, backoff_factor=0.25), 4096.0, 2),
+        # growth_interval=2 is already reached: the next clean step grows (GradScaler grows only at the interval
+        # exactly, so the saved tracker as it is would never let it grow), at steps 4 and 6
+        (dict(growth_interval=2), 2048.0, 1),
+    ],
+    ids=["interval_factor_backoff", "interval_already_reached"],
+)
+def test_resume_with_changed_settings_runs_with_them_and_says_so(tmp_path, settings, scale, tracker):
+    first = quiet_trainer(plugins=[_plugin()], max_epochs=1)
+    first.fit(_module(), _loader())
+    ckpt = tmp_path / "mid.ckpt"
+    first.save_checkpoint(ckpt)
+    saved = torch.load(ckpt, weights_only=False)["AMPPrecision"]["scaler"]
+    assert (saved["scale"], saved["_growth_tracker"], saved["growth_interval"]) == (512.0, 2, 3)
+
+    plugin = AMPPrecision("16-mixed", init_scale=1024.0, **settings)
+    trainer = quiet_trainer(plugins=[plugin], max_epochs=2)
+    with pytest.warns(UserWarning, match="loss-scale settings other than the checkpoint's") as record:
+        trainer.fit(_module(), _loader(), ckpt_path=ckpt)
+
+    (message,) = [str(w.message) for w in record if "checkpoint's" in str(w.message)]
+    for name, value in settings.items():
+        assert f"{name}={value!r} (checkpoint: {saved[name]!r})" in message
+        assert f"{name}={saved[name]!r}" in message.split("pass AMPPrecision(")[1]  # how to keep the old one
+    assert "the scale (512)" in message
+    assert plugin.scaler.get_growth_interval() == settings["growth_interval"]
+    assert plugin.scaler.get_growth_factor() == settings.get("growth_factor", 2.0)
+    assert plugin.scaler.get_backoff_factor() == settings.get("backoff_factor", 0.5)
+    assert plugin.loss_scale_state().scale == scale
+    assert plugin.scaler.state_dict()["_growth_tracker"] == tracker
+    assert plugin.loss_scale_state().skipped_steps == 1  # the counters resumed too
+
+
 def test_loads_checkpoint_from_lightning_mixed_precision(tmp_path):
     scaler = torch.amp.GradScaler("cpu", init_scale=512.0, growth_interval=7)
     lightning_trainer = quiet_trainer(plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)], max_epochs=1)
@@ -51,9 +92,11 @@ def test_loads_checkpoint_from_lightning_mixed_precision(tmp_path):
     ckpt = tmp_path / "lightning.ckpt"
     lightning_trainer.save_checkpoint(ckpt)
 
-    plugin = AMPPrecision("16-mixed")
+    plugin = AMPPrecision("16-mixed", growth_interval=7)  # the same settings: nothing to warn about
     trainer = quiet_trainer(plugins=[plugin], max_epochs=2)
-    trainer.fit(Classifier(make_mlp()), _loader(), ckpt_path=ckpt)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*loss-scale settings")
+        trainer.fit(Classifier(make_mlp()), _loader(), ckpt_path=ckpt)
     assert plugin.scaler.get_growth_interval() == 7
     assert plugin.loss_scale_state().scale == 1024.0  # 512 restored, grown once after 7 clean steps
     assert trainer.global_step == 2 * STEPS_PER_EPOCH
