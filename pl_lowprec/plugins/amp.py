@@ -56,7 +56,7 @@ from pl_lowprec.plugins.loss_scale_config import (
     device_type,
     resumed_scaler_state,
 )
-from pl_lowprec.plugins.precision_choice import PrecisionChoice, choose_precision
+from pl_lowprec.plugins.precision_choice import PrecisionChoice, choose_precision, cpu_fp16_note
 from pl_lowprec.plugins.scaler_bookkeeping import (
     ScalerBookkeeping,
     has_gradients,
@@ -155,6 +155,7 @@ class AMPPrecision(MixedPrecision):
         self._matmul_precision_before: str | None = None
         self._tracker = LossScaleTracker()
         self._backwards = 0  # backward passes so far: a backward between a step and its update shows
+        self._noted_cpu_fp16 = False
         if precision == "auto":
             self.precision = "auto"
             self.scaler = None
@@ -214,7 +215,8 @@ class AMPPrecision(MixedPrecision):
 
         The package's model transform calls this before it quantizes (QLoRA's compute dtype follows the
         choice); with any other strategy ``convert_module`` does. Later calls change nothing.
-        It also applies ``float32_matmul_precision``, which ``teardown`` restores.
+        It also applies ``float32_matmul_precision``, which ``teardown`` restores, and says once that fp16 on a
+        CPU is slow (``cpu_fp16_note``).
         """
         device = torch.device(device)
         if self.device is None:
@@ -225,6 +227,11 @@ class AMPPrecision(MixedPrecision):
             unused = self.loss_scaling.changed_settings()
             note = f" The loss-scale settings ({unused}) apply only when it chooses '16-mixed'." if unused else ""
             rank_zero_info(self.choice.describe() + note)
+        if self.precision == "16-mixed" and device.type == "cpu" and not self._noted_cpu_fp16:
+            self._noted_cpu_fp16 = True
+            note = cpu_fp16_note()
+            if note is not None:
+                rank_zero_info(note)
         if self.float32_matmul_precision is not None and self._matmul_precision_before is None:
             self._matmul_precision_before = torch.get_float32_matmul_precision()
             torch.set_float32_matmul_precision(self.float32_matmul_precision)

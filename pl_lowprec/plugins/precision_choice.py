@@ -80,6 +80,22 @@ def choose_precision(device: torch.device | str) -> PrecisionChoice:
     )
 
 
+def cpu_fp16_note() -> str | None:
+    """What to say when ``"16-mixed"`` was asked for on this CPU: fp16 autocast is right there (loss scaling with
+    ``GradScaler("cpu")``) but an order of magnitude slower than fp32 without native fp16 (AMX-FP16). ``None``
+    where torch reports AMX-FP16."""
+    if _cpu_check("_is_amx_fp16_supported"):
+        return None
+    auto = choose_precision("cpu").precision
+    return (
+        "AMPPrecision('16-mixed') on cpu runs real fp16 autocast: the numbers are fp16's with loss scaling, but a"
+        " CPU without AMX-FP16 computes fp16 slowly (11-17x slower than fp32 for matmul-bound layers on the AMD"
+        f" EPYC of docs/precision.md). For speed pass precision='auto', which chooses {auto!r} on this CPU"
+        " ('bf16-mixed' where the CPU has AMX or avx512_bf16, else fp32); keep '16-mixed' on CPU to check fp16"
+        " numerics before a GPU run."
+    )
+
+
 def _cpu_check(name: str) -> bool:
     """Call one of ``torch.cpu``'s ISA checks; a torch without it reports nothing (False)."""
     check = getattr(torch.cpu, name, None)

@@ -1,6 +1,7 @@
 """AMPPrecision with the rest of Lightning: real fp16 on CPU, manual optimization, LightningCLI YAML."""
 
 import copy
+import logging
 
 import lightning.pytorch as pl
 import pytest
@@ -10,7 +11,7 @@ from lightning_helpers import Classifier, quiet_trainer
 from plain_amp_loop import make_classification_data, make_mlp, train_plain_loop
 from torch.nn import functional as F
 
-from pl_lowprec import AMPPrecision
+from pl_lowprec import AMPPrecision, choose_precision
 
 
 def _loader(n=64):
@@ -32,6 +33,24 @@ def test_cpu_autocast_uses_the_requested_dtype(precision, dtype):
     assert trainer.precision == precision
     assert trainer.precision_plugin.compute_dtype == dtype
     assert trainer.precision_plugin.device == "cpu"
+
+
+def test_fp16_on_cpu_says_once_that_it_is_slow_and_what_is_fast(caplog, monkeypatch):
+    caplog.set_level(logging.INFO)
+    plugin = AMPPrecision("16-mixed")
+    plugin.resolve("cpu")
+    plugin.resolve("cpu")  # every fit resolves again: said once
+    (note,) = [r.getMessage() for r in caplog.records if "runs real fp16 autocast" in r.getMessage()]
+    auto = choose_precision("cpu").precision
+    assert f"pass precision='auto', which chooses {auto!r} on this CPU" in note
+    assert "bf16-mixed" in note and "docs/precision.md" in note
+
+    caplog.clear()
+    AMPPrecision("bf16-mixed").resolve("cpu")
+    AMPPrecision("auto").resolve("cpu")  # never chooses fp16 on a CPU
+    monkeypatch.setattr(torch.cpu, "_is_amx_fp16_supported", lambda: True, raising=False)
+    AMPPrecision("16-mixed").resolve("cpu")  # AMX-FP16 computes fp16 natively
+    assert "runs real fp16 autocast" not in caplog.text
 
 
 class ManualClipping(pl.LightningModule):
