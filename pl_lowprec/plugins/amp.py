@@ -124,7 +124,8 @@ class AMPPrecision(MixedPrecision):
         scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         if precision not in get_args(AMPPrecisionInput):
-            meant = MIXED_SPELLINGS.get(str(precision).lower())
+            lowered = str(precision).lower()
+            meant = lowered if lowered in get_args(AMPPrecisionInput) else MIXED_SPELLINGS.get(lowered)  # 'AUTO'
             said = f" Did you mean {meant!r}?" if meant else ""
             raise ValueError(
                 f"AMPPrecision(precision={precision!r}) is not supported.{said} Allowed: 'auto' (the fast choice for"

@@ -114,7 +114,8 @@ def _check_dynamic(config: LossScaleConfig) -> None:
     init_scale, growth, backoff, interval = (getattr(config, k) for k in _DYNAMIC_SETTINGS)
     min_scale = config.min_scale
     problems = []
-    if not (math.isfinite(init_scale) and init_scale > 0):
+    valid_init = math.isfinite(init_scale) and init_scale > 0
+    if not valid_init:
         problems.append(f"init_scale={init_scale!r} must be finite and > 0")
     if not growth > 1.0:
         problems.append(f"growth_factor={growth!r} must be > 1.0")
@@ -122,7 +123,7 @@ def _check_dynamic(config: LossScaleConfig) -> None:
         problems.append(f"backoff_factor={backoff!r} must be between 0 and 1")
     if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
         problems.append(f"growth_interval={interval!r} must be an integer >= 1")
-    if min_scale is not None and not 0 < min_scale <= init_scale:
+    if min_scale is not None and valid_init and not 0 < min_scale <= init_scale:  # else one problem told as two
         problems.append(f"min_scale={min_scale!r} must be > 0 and <= init_scale ({init_scale!r}), or None")
     if problems:
         raise ValueError(

@@ -16,7 +16,8 @@ def _loader():
 
 
 @pytest.mark.parametrize(
-    ("bad", "meant"), [("fp16", "16-mixed"), ("16", "16-mixed"), ("bf16", "bf16-mixed"), ("32-true", None)]
+    ("bad", "meant"),
+    [("fp16", "16-mixed"), ("16", "16-mixed"), ("bf16", "bf16-mixed"), ("AUTO", "auto"), ("32-true", None)],
 )
 def test_unknown_precision_lists_allowed_and_names_the_one_meant(bad, meant):
     """Lightning's Trainer takes "16" and "bf16" (legacy names of the mixed precisions): the plugin names them."""
@@ -56,6 +57,13 @@ def test_loss_scale_settings_with_bf16_are_refused(kwargs, named):
 def test_bad_scaling_arguments_are_named(kwargs, named):
     with pytest.raises(ValueError, match=named):
         AMPPrecision("16-mixed", **kwargs)
+
+
+def test_a_bad_init_scale_is_one_problem_not_two():
+    """init_scale=0 was also told as 'min_scale ... must be <= init_scale (0.0)', a consequence, not a second fault."""
+    with pytest.raises(ValueError) as refused:
+        AMPPrecision("16-mixed", init_scale=0.0, min_scale=1.0)
+    assert "init_scale=0.0 must be finite and > 0" in str(refused.value) and "min_scale" not in str(refused.value)
 
 
 def test_bf16_on_cuda_without_bf16_names_the_gpu_and_fp16():
