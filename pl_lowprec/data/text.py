@@ -99,7 +99,7 @@ class TextDataModule(pl.LightningDataModule):
         tokenizer: The model directory (or hub id) whose tokenizer to use, usually the model's ``pretrained``.
         val_files: The same for validation; ``None`` holds out ``val_fraction`` of the training records.
         seq_len: Tokens per block of packed ``text``; longer prompt/completion and chat samples are truncated.
-        batch_size: Samples per batch (per process under DDP).
+        batch_size: Samples per batch (per process under DDP); with ``packing``, rows of ``seq_len`` tokens.
         val_fraction: Share held out when ``val_files`` is ``None`` (0 for none): of the records, each ``text``
             record whole, before the text is cut into ``seq_len`` blocks, so no record both trains and
             validates; where the text is a single record (one ``.txt`` file), of its blocks. The log says which.
