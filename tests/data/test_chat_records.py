@@ -5,6 +5,7 @@ import json
 
 import pytest
 from loading_helpers import save_tokenizer
+from records_helpers import data_of_records
 
 from pl_lowprec.data import TextDataModule
 
@@ -58,25 +59,20 @@ def _with_template(tokenizer_dir, template, directory):
     return str(directory)
 
 
-def _setup(path, records, tokenizer, **kwargs):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    data = TextDataModule(train_files=path, tokenizer=tokenizer, val_fraction=0, **kwargs)
-    data.setup("fit")
-    return data
-
-
 def _targets(data, sample):
     return data.tokenizer.decode([t for t in sample["labels"].tolist() if t != -100])
 
 
 def test_conversational_prompt_completion_takes_loss_on_the_completion(tmp_path, tokenizer_dir):
     record = {"prompt": TURNS[:4], "completion": TURNS[4:]}
-    data = _setup(tmp_path / "pc.jsonl", [record], str(tokenizer_dir))
+    data = data_of_records(tmp_path / "pc.jsonl", [record], str(tokenizer_dir))
     (sample,) = data.train_set
     assert _targets(data, sample) == "<think>say it</think>pl</s>"  # the first answer is context, not a target
     assert data.tokenizer.decode(sample["input_ids"]) == data.tokenizer.apply_chat_template(TURNS, tokenize=False)
-    single = _setup(tmp_path / "m.jsonl", [{"messages": TURNS[1:3]}], str(tokenizer_dir))
-    as_pc = _setup(tmp_path / "p.jsonl", [{"prompt": TURNS[1:2], "completion": TURNS[2:3]}], str(tokenizer_dir))
+    single = data_of_records(tmp_path / "m.jsonl", [{"messages": TURNS[1:3]}], str(tokenizer_dir))
+    as_pc = data_of_records(
+        tmp_path / "p.jsonl", [{"prompt": TURNS[1:2], "completion": TURNS[2:3]}], str(tokenizer_dir)
+    )
     for key in ("input_ids", "labels"):  # one answer: the same sample as the messages record
         assert single.train_set[0][key].tolist() == as_pc.train_set[0][key].tolist()
 
@@ -85,7 +81,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_record(tmp
     tokenizer = _with_template(tokenizer_dir, DROPS_REASONING, tmp_path / "qwen3_like")
     records = [{"messages": TURNS[1:3]}, {"messages": TURNS}]  # one answer renders the same; two do not
     with pytest.raises(ValueError) as refused:
-        _setup(tmp_path / "chat.jsonl", records, tokenizer)
+        data_of_records(tmp_path / "chat.jsonl", records, tokenizer)
     message = str(refused.value)
     assert message.startswith(f"{tmp_path / 'chat.jsonl'}, line 2: the tokenizer's chat template renders the first")
     assert "<|assistant|>\\n<think>greet</think>hi</s>\\n' on their own and as '" in message
@@ -94,7 +90,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_record(tmp
     assert '{"prompt": [the turns before it], "completion": [the turn]}' in message
     # The fix the message gives: each answer its own record, the earlier one as context, as the template renders it.
     split = [{"prompt": TURNS[:2], "completion": TURNS[2:3]}, {"prompt": TURNS[:4], "completion": TURNS[4:]}]
-    data = _setup(tmp_path / "split.jsonl", split, tokenizer)
+    data = data_of_records(tmp_path / "split.jsonl", split, tokenizer)
     assert [_targets(data, s) for s in data.train_set] == [
         "<think>greet</think>hi</s>",
         "<think>say it</think>pl</s>",
@@ -104,7 +100,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_record(tmp
 
 def test_generation_marks_choose_the_assistant_tokens(tmp_path, tokenizer_dir):
     tokenizer = _with_template(tokenizer_dir, MARKED, tmp_path / "marked")
-    data = _setup(tmp_path / "chat.jsonl", [{"messages": TURNS}], tokenizer)
+    data = data_of_records(tmp_path / "chat.jsonl", [{"messages": TURNS}], tokenizer)
     (sample,) = data.train_set
     assert _targets(data, sample) == "hi</s><think>say it</think>pl</s>"  # marked; the rewritten first answer
     expected = data.tokenizer.apply_chat_template(TURNS, return_dict=True, return_assistant_tokens_mask=True)
@@ -123,12 +119,12 @@ def test_tools_and_template_arguments_reach_the_template(tmp_path, tokenizer_dir
         {"dialog": [*dialog, {"role": "assistant", "content": "noon"}], "tools": [TOOL]},
         {"dialog": [*dialog[:1], {"role": "assistant", "content": "ok"}], "tools": json.dumps([TOOL])},
     ]
-    data = _setup(tmp_path / "tools.jsonl", records, tokenizer, fields={"messages": "dialog"})
+    data = data_of_records(tmp_path / "tools.jsonl", records, tokenizer, fields={"messages": "dialog"})
     first, second = (data.tokenizer.decode(s["input_ids"]) for s in data.train_set)
     assert first.startswith("<|tools|>get_time;</s>\n<|user|>\ntime?") and second.startswith("<|tools|>get_time;")
     assert _targets(data, data.train_set[0]) == "call get_time</s>noon</s>"  # the tool's answer is no target
     pc = {"prompt": dialog[:1], "completion": [{"role": "assistant", "content": "ok"}]}
-    data = _setup(tmp_path / "kwargs.jsonl", [pc | {"chat_template_kwargs": {"persona": "terse"}}], tokenizer)
+    data = data_of_records(tmp_path / "kwargs.jsonl", [pc | {"chat_template_kwargs": {"persona": "terse"}}], tokenizer)
     (sample,) = data.train_set
     assert data.tokenizer.decode(sample["input_ids"]).startswith("<|persona|>terse</s>\n<|user|>\ntime?")
     assert _targets(data, sample) == "ok</s>"
@@ -151,8 +147,8 @@ def test_alpaca_records_are_read_as_llama_factory_reads_them(tmp_path, tokenizer
             ]
         },
     ]
-    data = _setup(tmp_path / "alpaca.jsonl", alpaca, str(tokenizer_dir))
-    chats = _setup(tmp_path / "chats.jsonl", as_chats, str(tokenizer_dir))
+    data = data_of_records(tmp_path / "alpaca.jsonl", alpaca, str(tokenizer_dir))
+    chats = data_of_records(tmp_path / "chats.jsonl", as_chats, str(tokenizer_dir))
     for read, expected in zip(data.train_set, chats.train_set, strict=True):
         assert {k: v.tolist() for k, v in read.items()} == {k: v.tolist() for k, v in expected.items()}
     assert [_targets(data, s) for s in data.train_set] == ["5</s>", "pl</s>hi</s>"]  # not the text column
@@ -162,7 +158,7 @@ def test_the_data_modules_template_arguments_apply_to_every_record_under_its_own
     tokenizer = _with_template(tokenizer_dir, WITH_TOOLS, tmp_path / "tools")
     turns = [{"role": "user", "content": "time?"}, {"role": "assistant", "content": "noon"}]
     records = [{"messages": turns}, {"messages": turns, "chat_template_kwargs": {"persona": "chatty"}}]
-    data = _setup(tmp_path / "chat.jsonl", records, tokenizer, chat_template_kwargs={"persona": "terse"})
+    data = data_of_records(tmp_path / "chat.jsonl", records, tokenizer, chat_template_kwargs={"persona": "terse"})
     rendered = [data.tokenizer.decode(s["input_ids"]) for s in data.train_set]
     assert rendered[0].startswith("<|persona|>terse</s>") and rendered[1].startswith("<|persona|>chatty</s>")
     with pytest.raises(ValueError, match=r"chat_template_kwargs='enable_thinking'\) must map the chat template's"):
@@ -178,7 +174,7 @@ def test_a_tokenizer_with_named_templates_renders_with_the_one_a_record_takes(tm
     tokenizer.chat_template = {"default": tokenizer.chat_template, "tool_use": MARKED}
     tokenizer.save_pretrained(tmp_path / "named")
     records = [{"messages": TURNS[1:3]}, {"messages": TURNS, "tools": [TOOL]}]
-    data = _setup(tmp_path / "chat.jsonl", records, str(tmp_path / "named"))
+    data = data_of_records(tmp_path / "chat.jsonl", records, str(tmp_path / "named"))
     assert [_targets(data, s) for s in data.train_set] == [
         "<think>greet</think>hi</s>",  # the default template: prefixes
         "hi</s><think>say it</think>pl</s>",  # tool_use: its marks (the prefixes would be refused: it rewrites)
@@ -190,7 +186,7 @@ def test_a_turn_without_an_end_token_keeps_its_trailing_text(tmp_path, tokenizer
     newline alone trains on it, as the model must learn where a turn ends."""
     plain = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
     plain += "{% if add_generation_prompt %}assistant: {% endif %}"
-    data = _setup(
+    data = data_of_records(
         tmp_path / "chat.jsonl", [{"messages": TURNS[1:3]}], _with_template(tokenizer_dir, plain, tmp_path / "t")
     )
     assert _targets(data, data.train_set[0]) == "<think>greet</think>hi\n"
@@ -222,7 +218,7 @@ def test_a_conversation_that_starts_with_an_assistant_turn_trains_on_its_text_on
     samples = {}
     for name, template in (("plain", DEFAULT_SYSTEM_PLAIN), ("marked", DEFAULT_SYSTEM_MARKED)):
         tokenizer = _with_template(tokenizer_dir, template, tmp_path / name)
-        data = _setup(tmp_path / f"{name}.jsonl", [{"messages": greeting}], tokenizer)
+        data = data_of_records(tmp_path / f"{name}.jsonl", [{"messages": greeting}], tokenizer)
         (samples[name],) = data.train_set
     assert _targets(data, samples["plain"]) == "Welcome</s>hi</s>"
     for key in ("input_ids", "labels"):
@@ -234,7 +230,7 @@ def test_a_conversation_that_starts_with_an_assistant_turn_trains_on_its_text_on
         tmp_path / "upper",
     )
     with pytest.raises(ValueError, match=r"1 record starting with an assistant turn whose text the chat template"):
-        _setup(tmp_path / "upper.jsonl", [{"messages": greeting}], upper)
+        data_of_records(tmp_path / "upper.jsonl", [{"messages": greeting}], upper)
 
 
 def test_the_answers_first_token_is_trained_after_a_generation_prompt_ending_in_a_space(tmp_path, tokenizer_dir):
@@ -248,7 +244,7 @@ def test_the_answers_first_token_is_trained_after_a_generation_prompt_ending_in_
     tokenizer = _with_template(tokenizer_dir, spaced, tmp_path / "spaced")
     turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "return x"}]
     records = [{"messages": turns}, {"prompt": turns[:1], "completion": turns[1:]}]
-    data = _setup(tmp_path / "chat.jsonl", records, tokenizer)
+    data = data_of_records(tmp_path / "chat.jsonl", records, tokenizer)
     assert [_targets(data, s) for s in data.train_set] == [" return x</s>", " return x</s>"]
 
 
@@ -264,7 +260,7 @@ def test_a_record_the_template_refuses_is_counted_with_its_line_and_the_fix(tmp_
     """It stopped the run with jinja2's traceback, naming no file or line."""
     tokenizer = _with_template(tokenizer_dir, NO_SYSTEM, tmp_path / "gemma_like")
     records = [{"messages": TURNS[1:3]}, {"messages": TURNS[:3]}]
-    data = _setup(tmp_path / "chat.jsonl", records, tokenizer, max_skipped_fraction=1)
+    data = data_of_records(tmp_path / "chat.jsonl", records, tokenizer, max_skipped_fraction=1)
     (report,) = data.reports
     assert report.used == 1 and report.first_lines == {
         "records the chat template refuses ('System role not supported'; the template has no system role: merge"
@@ -292,7 +288,7 @@ def test_tools_or_template_arguments_of_another_form_are_refused_naming_the_line
     tokenizer = _with_template(tokenizer_dir, WITH_TOOLS, tmp_path / "tools")
     records = [{"messages": TURNS[1:3]}, {"messages": TURNS[1:3], field: value}]
     with pytest.raises(ValueError) as refused:
-        _setup(tmp_path / "chat.jsonl", records, tokenizer)
+        data_of_records(tmp_path / "chat.jsonl", records, tokenizer)
     message = str(refused.value)
     assert message.startswith(f"{tmp_path / 'chat.jsonl'}, line 2: {said}")
     allowed = "a list of JSON schemas" if field == "tools" else 'as a JSON object ({"enable_thinking": false})'
@@ -303,5 +299,5 @@ def test_template_arguments_stored_as_json_text_are_read(tmp_path, tokenizer_dir
     """A CSV cell holds text: the arguments as a JSON string of an object, as tools may be."""
     tokenizer = _with_template(tokenizer_dir, WITH_TOOLS, tmp_path / "tools")
     record = {"messages": TURNS[1:3], "chat_template_kwargs": json.dumps({"persona": "terse"})}
-    data = _setup(tmp_path / "chat.jsonl", [record], tokenizer)
+    data = data_of_records(tmp_path / "chat.jsonl", [record], tokenizer)
     assert data.tokenizer.decode(data.train_set[0]["input_ids"]).startswith("<|persona|>terse</s>")

@@ -1,14 +1,12 @@
 """How ``text`` and prompt/completion records become ids: prompt + completion tokenized as one text, as the model
 reads it in generation (TRL's SFTTrainer does the same), and each BOS and EOS once where the text carries its own."""
 
-import json
 import logging
 
 import pytest
 from loading_helpers import save_tokenizer
+from records_helpers import data_of_records
 from sentencepiece_tokenizer import save_sentencepiece_tokenizer
-
-from pl_lowprec.data import TextDataModule
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -27,19 +25,12 @@ def byte_level_dir(tmp_path_factory):
     return str(save_tokenizer(tmp_path_factory.mktemp("byte_level")))
 
 
-def _setup(path, records, tokenizer, **kwargs):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    data = TextDataModule(train_files=path, tokenizer=tokenizer, val_fraction=0, **kwargs)
-    data.setup("fit")
-    return data
-
-
 def _said(caplog, what):
     return [r.getMessage() for r in caplog.records if what in r.getMessage()]
 
 
 def test_sentencepiece_prompt_and_completion_are_the_ids_of_their_joined_text(tmp_path, sentencepiece_dir):
-    data = _setup(tmp_path / "pc.jsonl", [{"prompt": p, "completion": c} for p, c in PAIRS], sentencepiece_dir)
+    data = data_of_records(tmp_path / "pc.jsonl", [{"prompt": p, "completion": c} for p, c in PAIRS], sentencepiece_dir)
     tokenizer = data.tokenizer
     for (prompt, completion), sample in zip(PAIRS, data.train_set, strict=True):
         ids = tokenizer(prompt + completion)["input_ids"] + [tokenizer.eos_token_id]
@@ -53,7 +44,7 @@ def test_sentencepiece_prompt_and_completion_are_the_ids_of_their_joined_text(tm
 def test_a_prompt_ending_inside_a_token_trains_that_token_and_is_said_once_per_file(tmp_path, sentencepiece_dir):
     records = [{"prompt": "def f(x): ", "completion": "return x"}] * 3  # '▁return' holds the prompt's space
     with pytest.warns(UserWarning, match=r"3 records' prompts end inside a token") as said:
-        data = _setup(tmp_path / "space.jsonl", records, sentencepiece_dir)
+        data = data_of_records(tmp_path / "space.jsonl", records, sentencepiece_dir)
     assert len([w for w in said if "inside a token" in str(w.message)]) == 1
     assert "'def f(x): ' ends inside the token ' return'" in str(said[0].message)
     tokenizer = data.tokenizer
@@ -68,8 +59,10 @@ def test_a_prompt_ending_inside_a_token_trains_that_token_and_is_said_once_per_f
 
 def test_a_text_or_completion_ending_with_eos_gets_no_second_one(tmp_path, byte_level_dir, caplog):
     with caplog.at_level(logging.INFO):
-        data = _setup(tmp_path / "text.jsonl", [{"text": "x = 1</s>"}, {"text": "y = 2</s>"}], byte_level_dir)
-        pc = _setup(tmp_path / "pc.jsonl", [{"prompt": "Q: hi\nA:", "completion": " hello</s>"}], byte_level_dir)
+        data = data_of_records(tmp_path / "text.jsonl", [{"text": "x = 1</s>"}, {"text": "y = 2</s>"}], byte_level_dir)
+        pc = data_of_records(
+            tmp_path / "pc.jsonl", [{"prompt": "Q: hi\nA:", "completion": " hello</s>"}], byte_level_dir
+        )
     tokenizer = data.tokenizer
     (block,) = data.train_set
     assert block["input_ids"].tolist() == tokenizer("x = 1</s>")["input_ids"] + tokenizer("y = 2</s>")["input_ids"]
@@ -83,7 +76,7 @@ def test_a_text_or_completion_ending_with_eos_gets_no_second_one(tmp_path, byte_
 def test_a_text_starting_with_bos_gets_no_second_one(tmp_path, byte_level_dir, caplog):
     text = "<s><|user|>\nhi</s>\n<|assistant|>\nhello</s>\n"  # apply_chat_template(tokenize=False) of a chat
     with caplog.at_level(logging.INFO):
-        data = _setup(tmp_path / "rendered.jsonl", [{"text": text}], byte_level_dir)
+        data = data_of_records(tmp_path / "rendered.jsonl", [{"text": text}], byte_level_dir)
     tokenizer = data.tokenizer
     (block,) = data.train_set
     assert block["input_ids"].tolist() == [
@@ -99,8 +92,8 @@ def test_a_tokenizer_that_appends_eos_puts_none_after_the_prompt_and_one_at_the_
 
     appends = tmp_path / "appends_eos"
     AutoTokenizer.from_pretrained(sentencepiece_dir, add_eos_token=True).save_pretrained(appends)
-    pc = _setup(tmp_path / "pc.jsonl", [{"prompt": "Q: hi\nA:", "completion": " hello"}], str(appends))
-    text = _setup(tmp_path / "text.jsonl", [{"text": "x = 1"}], str(appends))
+    pc = data_of_records(tmp_path / "pc.jsonl", [{"prompt": "Q: hi\nA:", "completion": " hello"}], str(appends))
+    text = data_of_records(tmp_path / "text.jsonl", [{"text": "x = 1"}], str(appends))
     tokenizer, eos = pc.tokenizer, pc.tokenizer.eos_token_id
     assert tokenizer("hi")["input_ids"][-1] == eos  # the tokenizer appends EOS itself
     (sample,) = pc.train_set

@@ -1,0 +1,17 @@
+"""Records written to a ``.jsonl`` file and read by ``TextDataModule``, as a test of the record paths sets them up."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pl_lowprec.data import TextDataModule
+
+
+def data_of_records(path: Path, records: list[dict[str, Any]], tokenizer: str, **kwargs: Any) -> TextDataModule:
+    """``records`` as ``path`` (one JSON object a line), set up for fit with nothing held out."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    data = TextDataModule(train_files=path, tokenizer=tokenizer, val_fraction=0, **kwargs)
+    data.setup("fit")
+    return data
