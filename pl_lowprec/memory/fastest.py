@@ -115,6 +115,8 @@ def candidates(config: TransformConfig, applicable: frozenset[str], blocks: list
             checkpointing = GIVEN
         elif checkpointing != "none" and not blocks:
             continue  # the model declares no blocks to checkpoint
+        elif checkpointing == "selective" and config.checkpoint_impl == "reentrant":
+            continue  # selective needs non-reentrant checkpointing (checkpointing.py); the user chose reentrant
         selective = checkpointing == "selective" or (checkpointing == GIVEN and config.checkpoint_mode == "selective")
         here = applicable - {"fused_mlp"} if selective else applicable  # ModelTransform.apply: not fused there
         chosen = paths if config.memory_saving == AUTO else config.memory_saving

@@ -284,7 +284,9 @@ def candidate_groups(
     blocks = list(config.activation_checkpointing or block_names or [])
     checkpointing = [("none", 1)]
     if blocks:
-        checkpointing += [("every 2nd block", 2), ("every block", 1), ("selective", 1)]
+        checkpointing += [("every 2nd block", 2), ("every block", 1)]
+        if config.checkpoint_impl != "reentrant":  # selective runs only non-reentrant (checkpointing.py)
+            checkpointing.append(("selective", 1))
     optimizers = [config.optimizer]
     if config.optimizer in (None, "adamw"):
         optimizers.append("torchao_adamw8bit" if sharded else "adamw8bit")

@@ -100,6 +100,17 @@ def test_explicit_settings_are_kept_and_only_the_auto_ones_vary():
     assert {c.memory_saving for _, c, _ in only_norms.tried} == {frozenset({"recomputed_norms"})}
 
 
+def test_reentrant_checkpointing_is_kept_and_selective_left_out_of_the_search():
+    """``checkpoint_impl="reentrant"`` is the user's: selective checkpointing runs non-reentrant only, so the search
+    leaves it out rather than stopping the run on a ``checkpoint_mode`` the user never set (audit 64b #6)."""
+    search = _search(0, checkpoint_impl="reentrant", **AUTO)  # nothing fits: every candidate is simulated
+    assert [s.checkpointing for s, _, _ in search.tried][-2:] == ["every 2nd block", "every block"]
+    assert "selective" not in {s.checkpointing for s, _, _ in search.tried}
+    assert {(c.checkpoint_impl, c.checkpoint_mode) for _, c, _ in search.tried} == {("reentrant", "full")}
+    fitting = _search(search.tried[-2][2].peak, checkpoint_impl="reentrant", **AUTO)
+    assert fitting.fits and fitting.settings.checkpointing == "every 2nd block"
+
+
 def test_where_nothing_chooses_auto_is_the_memory_saving_side():
     """``estimate_memory`` of a config with "auto" gives what the same config gave before "auto": every path on,
     every declared block checkpointed."""

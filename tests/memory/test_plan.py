@@ -415,3 +415,16 @@ def test_steps_predicted_within_five_percent_are_tied_and_go_to_fewer_changes():
     )
     alone = MemoryPlan(budget=2**30, margin=0.1, candidates=[plain, slow]).table().splitlines()[0]
     assert "ties" not in alone
+
+
+def test_cli_plan_with_reentrant_checkpointing_leaves_selective_out(tmp_path, capsys):
+    """``checkpoint_impl: reentrant`` is kept; selective checkpointing, non-reentrant only, is not a candidate, so
+    the plan runs instead of refusing a ``checkpoint_mode`` the user never set (audit 64b #6)."""
+    strategy = {**LORA, "activation_checkpointing": BLOCKS, "checkpoint_impl": "reentrant"}
+    source = _write_config(tmp_path, batch_size=1, strategy=strategy)
+    out = tmp_path / "plan.yaml"
+    cli(["plan", "--config", str(source), "--memory", "64MiB", "--data.max_bytes", "60000", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "Chosen:" in printed and "selective" not in printed
+    init_args = yaml.safe_load(out.read_text())["trainer"]["strategy"]["init_args"]
+    assert init_args["checkpoint_impl"] == "reentrant" and init_args["checkpoint_mode"] == "full"
