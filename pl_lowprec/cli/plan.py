@@ -61,6 +61,7 @@ from pl_lowprec.strategies.fsdp import check_fsdp_arguments
 from pl_lowprec.strategies.transform_args import TransformArguments
 from pl_lowprec.transforms.checkpointing import declared_blocks
 from pl_lowprec.transforms.config import TransformConfig
+from pl_lowprec.transforms.memory_saving import ALL_PATHS, PATHS
 
 MAX_SEQ_LEN = 1 << 20
 
@@ -351,6 +352,7 @@ def write_plan(
         "trainer.strategy.init_args.checkpoint_mode": planned.checkpoint_mode,
         "trainer.strategy.init_args.optimizer": planned.optimizer,
         "trainer.strategy.init_args.activation_offloading": planned.activation_offloading,
+        "trainer.strategy.init_args.memory_saving": _memory_saving(planned.memory_saving),
         **(extra or {}),
     }
     if settings.quantization is not None:
@@ -364,6 +366,14 @@ def write_plan(
     sources = " + ".join(str(path) for path in config_files(cli_args).values())
     header = f"# Written by pl-lowprec plan from {sources}: {settings.describe()}.\n"
     out.write_text(header + yaml.safe_dump(fields, sort_keys=False))
+
+
+def _memory_saving(paths: frozenset[str]) -> bool | list[str]:
+    """The paths the plan simulated, as ``memory_saving:`` in YAML: never ``"auto"``, which ``fit`` would choose
+    again, perhaps on the faster side the plan did not simulate."""
+    if paths == ALL_PATHS or not paths:
+        return bool(paths)
+    return [p for p in PATHS if p in paths]
 
 
 BATCH_COUNTS = ("val_check_interval", "limit_train_batches", "limit_val_batches", "limit_test_batches")

@@ -39,6 +39,7 @@ from pl_lowprec.memory.quiet import quiet_setup_logs
 from pl_lowprec.memory.sizes import format_bytes
 from pl_lowprec.memory.step_time import StepTime, predict_step_time
 from pl_lowprec.transforms.config import TransformConfig
+from pl_lowprec.transforms.memory_saving import ALL_PATHS, AUTO
 
 ASSUMED_GPU = "H100"  # the GPU a CUDA plan is timed on when none is named and this machine has none
 
@@ -321,10 +322,15 @@ def settings_config(config: TransformConfig, settings: Settings, block_names: li
 
 def searched_config(config: TransformConfig) -> TransformConfig:
     """``activation_checkpointing="auto"`` leaves the blocks to the plan, as a config that names none does (the
-    plan searches the blocks the model declares); ``memory_saving="auto"`` is simulated on its memory-saving side."""
+    plan searches the blocks the model declares); ``memory_saving="auto"`` is simulated, and written, on its
+    memory-saving side (every path), so that ``fit`` of the written config runs what was simulated rather than
+    choosing again."""
+    changes: dict[str, Any] = {}
     if config.activation_checkpointing == "auto":
-        return dataclasses.replace(config, activation_checkpointing=None)
-    return config
+        changes["activation_checkpointing"] = None
+    if config.memory_saving == AUTO:
+        changes["memory_saving"] = ALL_PATHS
+    return dataclasses.replace(config, **changes) if changes else config
 
 
 def fresh_copies(model: nn.Module) -> Callable[[], nn.Module]:

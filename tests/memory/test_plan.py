@@ -428,3 +428,20 @@ def test_cli_plan_with_reentrant_checkpointing_leaves_selective_out(tmp_path, ca
     assert "Chosen:" in printed and "selective" not in printed
     init_args = yaml.safe_load(out.read_text())["trainer"]["strategy"]["init_args"]
     assert init_args["checkpoint_impl"] == "reentrant" and init_args["checkpoint_mode"] == "full"
+
+
+def test_cli_plan_pins_memory_saving_so_the_written_config_estimates_what_was_planned(tmp_path, capsys):
+    """``memory_saving: auto`` is simulated on its memory-saving side; the written config says so, so that fit runs
+    those paths rather than choosing the faster side the plan never simulated (audit 64b #7)."""
+    strategy = {**LORA, "memory_saving": "auto", "activation_checkpointing": "auto"}
+    source = _write_config(tmp_path, batch_size=2, strategy=strategy)
+    out = tmp_path / "plan.yaml"
+    cli(["plan", "--config", str(source), "--memory", "64MiB", "--data.max_bytes", "60000", "--out", str(out)])
+    printed = capsys.readouterr().out
+    init_args = yaml.safe_load(out.read_text())["trainer"]["strategy"]["init_args"]
+    assert init_args["memory_saving"] is True  # every path, as simulated: not "auto"
+    assert init_args["activation_checkpointing"] != "auto"
+    chosen = float(printed.split("predicted peak ")[-1].split(" MiB")[0])
+    from pl_lowprec.cli.estimate import estimate_config
+
+    assert chosen == round(estimate_config(["--config", str(out)]).peak / 2**20, 2)
