@@ -145,6 +145,8 @@ def devices_of(trainer: Any) -> int:
     resolve as Lightning resolves them on this machine: one rank for a single-device strategy or on a CPU, every
     GPU here on CUDA. A CUDA config with DDP or FSDP, estimated on a machine without a GPU, is refused: the
     estimate is per rank of a known number (FSDP shards over the ranks; DDP all-reduces across them)."""
+    if _single_device(trainer):
+        return 1  # Lightning runs one process for a single-device strategy, whatever devices says
     devices = getattr(trainer, "devices", None)
     count = len(devices) if isinstance(devices, (list, tuple)) else devices
     if isinstance(count, str) and count.isdigit():
@@ -154,11 +156,13 @@ def devices_of(trainer: Any) -> int:
     return count * int(getattr(trainer, "num_nodes", None) or 1)
 
 
+def _single_device(trainer: Any) -> bool:
+    registered = registered_strategy(str(getattr(trainer, "strategy", None)))  # a name, as a config may give it
+    strategy_class = registered[0] if registered is not None else type(getattr(trainer, "strategy", None))
+    return isinstance(strategy_class, type) and issubclass(strategy_class, SingleDeviceStrategy)
+
+
 def _automatic_devices(trainer: Any, devices: Any) -> int:
-    registered = registered_strategy(str(trainer.strategy))  # a name, as a config may give it
-    strategy_class = registered[0] if registered is not None else type(trainer.strategy)
-    if isinstance(strategy_class, type) and issubclass(strategy_class, SingleDeviceStrategy):
-        return 1
     if device_of(trainer) == "cpu":
         return 1  # Lightning runs one CPU process for devices="auto"
     if torch.cuda.is_available():

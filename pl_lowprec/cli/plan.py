@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from pl_lowprec._checks import int_at_least
 from pl_lowprec.cli.arguments import options, read_config
@@ -220,6 +221,7 @@ def _sharded_alternative(
 
 
 FSDP_STRATEGY = "pl_lowprec.LowPrecisionFSDPStrategy"
+DDP_STRATEGY = "pl_lowprec.LowPrecisionDDPStrategy"
 
 
 def _steps(unsharded: StepTime, sharded: StepTime) -> str:
@@ -339,10 +341,16 @@ def write_plan(
     if not isinstance(node, dict):
         built = type(run.config_init.trainer.strategy)
         node = fields["trainer"]["strategy"] = {"class_path": f"{built.__module__}.{built.__qualname__}"}
-    if strategy is not None:
+    switch = (FSDP_STRATEGY, strategy) if strategy is not None else None
+    if switch is None and devices > 1 and isinstance(run.config_init.trainer.strategy, SingleDeviceStrategy):
+        # planned for several devices (--devices), simulated with DDP's all-reduce: a single-device strategy would
+        # run one process with 1/devices of the planned global batch
+        switch = (DDP_STRATEGY, {})
+        print(f"trainer.strategy: {DDP_STRATEGY}, as planned for {devices} devices (the config's runs one device).")
+    if switch is not None:
         model_arguments = inspect.signature(TransformArguments.__init__).parameters
         kept = {k: v for k, v in (node.get("init_args") or {}).items() if k in model_arguments}
-        node = fields["trainer"]["strategy"] = {"class_path": FSDP_STRATEGY, "init_args": {**kept, **strategy}}
+        node = fields["trainer"]["strategy"] = {"class_path": switch[0], "init_args": {**kept, **switch[1]}}
     planned = settings_config(config, settings, blocks)
     changes = {
         "trainer.accumulate_grad_batches": settings.accumulate,

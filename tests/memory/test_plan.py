@@ -445,3 +445,23 @@ def test_cli_plan_pins_memory_saving_so_the_written_config_estimates_what_was_pl
     from pl_lowprec.cli.estimate import estimate_config
 
     assert chosen == round(estimate_config(["--config", str(out)]).peak / 2**20, 2)
+
+
+def test_cli_plan_for_several_devices_writes_ddp_over_a_single_device_strategy(tmp_path, capsys):
+    """``--devices 2`` over ``LowPrecisionStrategy``: the plan simulated 2 DDP ranks, so it writes
+    ``LowPrecisionDDPStrategy`` with the model arguments kept; a single-device strategy would run one process
+    with half the planned batch (audit 64b #8)."""
+    source = _write_config(tmp_path, batch_size=1)
+    out = tmp_path / "plan.yaml"
+    common = ["--memory", "64MiB", "--data.max_bytes", "60000", "--out", str(out)]
+    cli(["plan", "--config", str(source), "--devices", "2", *common])
+    assert "pl_lowprec.LowPrecisionDDPStrategy, as planned for 2 devices" in capsys.readouterr().out
+    planned = yaml.safe_load(out.read_text())
+    assert planned["trainer"]["devices"] == 2
+    assert planned["trainer"]["strategy"]["class_path"] == "pl_lowprec.LowPrecisionDDPStrategy"
+    assert planned["trainer"]["strategy"]["init_args"]["lora"] == LORA["lora"]
+    from pl_lowprec.cli.estimate import devices_of
+    from pl_lowprec.cli.rebuild import rebuild_classes
+
+    single = rebuild_classes(["--config", str(source), "--trainer.devices", "2"]).config_init.trainer
+    assert devices_of(single) == 1  # what fit runs: one process
