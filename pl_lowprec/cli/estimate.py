@@ -25,6 +25,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from pl_lowprec._imports import import_matplotlib_pyplot
+from pl_lowprec.cli.config_errors import refuse, with_strategy_names
 from pl_lowprec.cli.own_options import check_own_options
 from pl_lowprec.cli.rebuild import passed_on, rebuild_classes
 from pl_lowprec.cli.subcommands import subcommand_parser
@@ -73,6 +74,7 @@ def estimate_arguments(cli_args: list[str], said: list[str] | None = None, gpu: 
     on that GPU, CUDA memory and ``precision: auto`` as ``AMPPrecision`` chooses it there."""
     run = rebuild_classes(cli_args)
     trainer = run.config_init.trainer
+    check_strategy(trainer)
     check_devices(trainer)
     first, source = first_config_batch(run.model, run.datamodule, "estimate")
     tokenizer_line = checked_tokenizer(run.model, run.datamodule)
@@ -114,6 +116,28 @@ def checked_tokenizer(model: Any, datamodule: Any) -> str | None:
     return (
         f"Tokenizer: {len(tokenizer):,} tokens for a model of vocab_size {vocab:,}, so not the model's own: the"
         " batch lengths, and the estimate, follow the tokenizer given (--data.tokenizer)."
+    )
+
+
+def check_strategy(trainer: Any) -> None:
+    """A ``strategy=`` string that names no registered strategy (a typo, or a class path given as an override,
+    which jsonargparse keeps as a plain string) refused in the paragraph ``fit`` refuses it with, rather than
+    estimated as an untransformed single-device run."""
+    strategy = getattr(trainer, "strategy", None)
+    if not isinstance(strategy, str) or strategy.lower() == "auto" or registered_strategy(strategy.lower()):
+        return
+    class_path_hint = (
+        " A class path is given as trainer.strategy.class_path (with its init_args), not as"
+        " --trainer.strategy=<class path>."
+    )
+    refuse(
+        with_strategy_names(
+            f"Trainer: You selected an invalid strategy name: `strategy={strategy.lower()!r}`. It must be either a"
+            " string or an instance of `lightning.pytorch.strategies.Strategy`. Example choices: auto, ddp,"
+            " ddp_spawn, deepspeed, ... Find a complete list of options in our documentation at https://lightning.ai"
+            "."
+        )
+        + (class_path_hint if "." in strategy else "")
     )
 
 

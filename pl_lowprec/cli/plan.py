@@ -32,7 +32,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from pl_lowprec._checks import int_at_least
 from pl_lowprec.cli.arguments import options, read_config
-from pl_lowprec.cli.estimate import check_devices, device_of, devices_of, precision_of
+from pl_lowprec.cli.estimate import check_devices, check_strategy, device_of, devices_of, precision_of
 from pl_lowprec.cli.own_options import check_own_options
 from pl_lowprec.cli.rebuild import config_files, passed_on, rebuild_classes
 from pl_lowprec.cli.subcommands import subcommand_parser
@@ -102,6 +102,7 @@ def main(args: list[str] | None = None) -> None:
         device_spec(options.gpu)  # an unknown GPU: refused before the config is read
     run = rebuild_classes(cli_args)
     trainer = run.config_init.trainer
+    check_strategy(trainer)
     check_devices(trainer)
     config = getattr(trainer.strategy, "transform_config", None)
     config = searched_config(config) if config is not None else None

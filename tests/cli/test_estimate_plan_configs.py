@@ -129,3 +129,23 @@ def test_estimate_checks_the_data_tokenizer_as_fit_does_and_says_when_it_is_not_
     with pytest.raises(SystemExit):
         main(["estimate", *finetune, f"--model.pretrained={own}", f"--data.tokenizer={other}"])
     assert "is not the tokenizer saved with the model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("strategy", "named", "hint"),
+    [
+        ("nonsense_strategy", "'nonsense_strategy'", False),
+        ("pl_lowprec.LowPrecisionFSDPStrategy", "'pl_lowprec.lowprecisionfsdpstrategy'", True),
+    ],
+)
+def test_estimate_refuses_a_strategy_name_fit_refuses(capsys, strategy, named, hint):
+    """A strategy string nobody registered (a typo, or a class path given as an override, which jsonargparse keeps
+    as a string) is refused in fit's paragraph, not estimated as an unquantized run without LoRA (audit 64b #9)."""
+    with pytest.raises(SystemExit) as refused:
+        main(["estimate", f"--config={QUICKSTART}", f"--trainer.strategy={strategy}"])
+    assert refused.value.code == 2
+    error = capsys.readouterr().err
+    assert f"invalid strategy name: `strategy={named}`" in error
+    assert "pl_lowprec's names: lowprec, lowprec_ddp" in error  # the fix: a registered name
+    assert ("trainer.strategy.class_path" in error) is hint
+    assert "PEAK" not in capsys.readouterr().out
