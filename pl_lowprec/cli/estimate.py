@@ -37,10 +37,12 @@ from pl_lowprec.memory.plan import fresh_copies
 from pl_lowprec.memory.plot import plot_step
 from pl_lowprec.memory.sizing_batch import first_config_batch, sizing_batch
 from pl_lowprec.strategy_names import registered_strategy
+from pl_lowprec.transforms.dtypes import unified_precision
 
 
 def precision_of(trainer: Any, gpu: str | None = None) -> str:
-    """The config's precision: a precision plugin's request, else the trainer's ``precision``, else ``"32-true"``.
+    """The config's precision: a precision plugin's request, else the trainer's ``precision``, else ``"32-true"``,
+    Lightning's aliases normalised as Lightning does (``unified_precision``: ``bf16`` is ``"bf16-mixed"``).
     ``AMPPrecision``'s ``"auto"`` stays (``estimate_memory`` chooses it for the device), or with ``gpu`` is chosen
     for that GPU (``resolved_precision``)."""
     requested = str(getattr(trainer, "precision", None) or "32-true")
@@ -48,7 +50,9 @@ def precision_of(trainer: Any, gpu: str | None = None) -> str:
         if isinstance(plugin, Precision):
             requested = str(getattr(plugin, "requested_precision", plugin.precision))
             break
-    return resolved_precision(requested, device_of(trainer, gpu), gpu) if gpu is not None else requested
+    if gpu is None:
+        return unified_precision(requested)  # Lightning's aliases as it runs them: "bf16" is "bf16-mixed"
+    return resolved_precision(requested, device_of(trainer, gpu), gpu)
 
 
 def device_of(trainer: Any, gpu: str | None = None) -> str:

@@ -47,7 +47,7 @@ from pl_lowprec.memory.simulated_transform import SimulatedTransform
 from pl_lowprec.memory.step_time import StepTime, predict_step_time
 from pl_lowprec.plugins.precision_choice import choose_precision
 from pl_lowprec.transforms.config import TransformConfig
-from pl_lowprec.transforms.dtypes import HALF_DTYPES, dtype_of_precision
+from pl_lowprec.transforms.dtypes import HALF_DTYPES, dtype_of_precision, unified_precision
 from pl_lowprec.transforms.nf4 import local
 from pl_lowprec.transforms.optimizers import swap_optimizer
 
@@ -265,9 +265,12 @@ def estimate_memory(
     return estimate
 
 
-def resolved_precision(precision: str, device: str | torch.device, gpu: str | None = None) -> str:
-    """``precision``, with ``"auto"`` as ``AMPPrecision("auto")`` chooses it: on the GPU named by ``gpu`` (bf16
-    where it computes bf16, else fp16 with loss scaling, as on a T4), else on ``device`` here."""
+def resolved_precision(precision: str | int, device: str | torch.device, gpu: str | None = None) -> str:
+    """``precision`` as Lightning runs it (``unified_precision``: ``"bf16"`` is ``"bf16-mixed"``, ``16`` is
+    ``"16-mixed"``; a value Lightning refuses is refused), with ``"auto"`` as ``AMPPrecision("auto")`` chooses it:
+    on the GPU named by ``gpu`` (bf16 where it computes bf16, else fp16 with loss scaling, as on a T4), else on
+    ``device`` here."""
+    precision = unified_precision(precision)
     if precision != "auto":
         return precision
     if gpu is not None and gpu.lower() != "cpu":

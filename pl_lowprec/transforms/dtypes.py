@@ -3,9 +3,11 @@ the one way a parameter is upcast in place."""
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 import torch
+from lightning.fabric.connector import _convert_precision_to_unified_args
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)  # what mixed precision computes in
 
@@ -29,17 +31,47 @@ PRECISION_DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def dtype_of_precision(precision: str) -> torch.dtype:
-    """The compute dtype of a Trainer precision string (``"bf16-mixed"`` -> bfloat16, unknown -> float32)."""
-    return PRECISION_DTYPES.get(str(precision), torch.float32)
+def unified_precision(precision: str | int) -> str:
+    """``precision`` as Lightning's Trainer runs it: its aliases normalised by Lightning's own
+    ``_convert_precision_to_unified_args`` (``"bf16"`` -> ``"bf16-mixed"``, ``"16"`` and ``16`` -> ``"16-mixed"``,
+    ``"32"`` and ``32`` -> ``"32-true"``, ``"64"`` -> ``"64-true"``); ``"auto"`` (``AMPPrecision``'s) stays. A value
+    Lightning refuses, or one with no dtype here (``"transformer-engine"``), is refused in one paragraph naming the
+    allowed values and the nearest one."""
+    if precision == "auto" or precision in PRECISION_DTYPES:
+        return str(precision)
+    try:
+        unified = str(_convert_precision_to_unified_args(precision))  # type: ignore[arg-type]
+    except ValueError:
+        unified = None
+    if unified in PRECISION_DTYPES:
+        return unified
+    allowed = [*PRECISION_DTYPES, *ALIASES, "auto"]
+    nearest = difflib.get_close_matches(str(precision).lower(), allowed, n=1, cutoff=0.5)
+    hint = f" Did you mean {nearest[0]!r}?" if nearest else ""
+    what = "is not a precision Lightning accepts" if unified is None else "has no dtype the estimate can simulate"
+    raise ValueError(
+        f"precision={precision!r} {what}.{hint} Allowed: {', '.join(repr(a) for a in PRECISION_DTYPES)}, Lightning's"
+        " aliases 'bf16' (= 'bf16-mixed'), '16' or 16 (= '16-mixed'), '32' or 32 (= '32-true') and '64' or 64"
+        " (= '64-true'), or 'auto' (AMPPrecision's choice for the device)."
+    )
+
+
+ALIASES = ("bf16", "16", "32", "64")  # Lightning's (_PRECISION_INPUT_STR_ALIAS), also as the ints 16, 32, 64
+
+
+def dtype_of_precision(precision: str | int) -> torch.dtype:
+    """The compute dtype of a Trainer precision (``"bf16-mixed"`` or its alias ``"bf16"`` -> bfloat16); a value
+    Lightning refuses is refused (``unified_precision``), never taken for fp32."""
+    return PRECISION_DTYPES[unified_precision(precision)]
 
 
 def compute_dtype_of(precision_plugin: Any) -> torch.dtype:
-    """The dtype a precision plugin computes in: its own ``compute_dtype``, else from its precision string."""
+    """The dtype a precision plugin computes in: its own ``compute_dtype``, else from its precision string (fp32
+    for a plugin of Lightning's with no such string here, such as ``"transformer-engine"``)."""
     own = getattr(precision_plugin, "compute_dtype", None)
     if isinstance(own, torch.dtype):
         return own
-    return dtype_of_precision(precision_plugin.precision)
+    return PRECISION_DTYPES.get(str(precision_plugin.precision), torch.float32)
 
 
 def to_dtype(value: torch.dtype | str | None) -> torch.dtype | None:

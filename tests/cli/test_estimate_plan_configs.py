@@ -149,3 +149,18 @@ def test_estimate_refuses_a_strategy_name_fit_refuses(capsys, strategy, named, h
     assert "pl_lowprec's names: lowprec, lowprec_ddp" in error  # the fix: a registered name
     assert ("trainer.strategy.class_path" in error) is hint
     assert "PEAK" not in capsys.readouterr().out
+
+
+def peak_line(capsys, *args: str) -> str:
+    main(["estimate", "--config", QUICKSTART, *args])
+    line = next(line for line in capsys.readouterr().out.splitlines() if "PEAK" in line)
+    return re.sub(r"estimated in [0-9.]+ s", "", line)
+
+
+@pytest.mark.filterwarnings("ignore:`precision=.*is supported for historical reasons")
+def test_trainer_precision_bf16_is_estimated_as_the_bf16_mixed_that_fit_runs(capsys):
+    """Lightning runs ``precision: bf16`` as bf16-mixed; the estimate took it for fp32 (+65%, audit 64b #1)."""
+    plain = ("--trainer.plugins=null", "--trainer.strategy.init_args.memory_saving=true")
+    alias = peak_line(capsys, *plain, "--trainer.precision=bf16")
+    assert alias == peak_line(capsys, *plain, "--trainer.precision=bf16-mixed")
+    assert alias != peak_line(capsys, *plain, "--trainer.precision=32-true")
