@@ -51,7 +51,10 @@ def precision_of(trainer: Any, gpu: str | None = None) -> str:
             requested = str(getattr(plugin, "requested_precision", plugin.precision))
             break
     if gpu is None:
-        return unified_precision(requested)  # Lightning's aliases as it runs them: "bf16" is "bf16-mixed"
+        precision = unified_precision(requested)  # Lightning's aliases as it runs them: "bf16" is "bf16-mixed"
+        if precision == "auto" and device_of(trainer) == "cuda" and not torch.cuda.is_available():
+            resolved_precision(precision, "cuda")  # refused here, before the config's data is read: --gpu NAME
+        return precision
     return resolved_precision(requested, device_of(trainer, gpu), gpu)
 
 
@@ -80,10 +83,10 @@ def estimate_arguments(cli_args: list[str], said: list[str] | None = None, gpu: 
     trainer = run.config_init.trainer
     check_strategy(trainer)
     check_devices(trainer)
+    precision = precision_of(trainer, gpu)
     first, source = first_config_batch(run.model, run.datamodule, "estimate")
     tokenizer_line = checked_tokenizer(run.model, run.datamodule)
     batch, shape = sizing_batch(first, source)
-    precision = precision_of(trainer, gpu)
     if said is not None:
         said.append(f"Batch: {shape}.")
         said += [tokenizer_line] if tokenizer_line else []

@@ -104,6 +104,7 @@ def main(args: list[str] | None = None) -> None:
     trainer = run.config_init.trainer
     check_strategy(trainer)
     check_devices(trainer)
+    precision, device = precision_of(trainer, options.gpu), device_of(trainer, options.gpu)
     config = getattr(trainer.strategy, "transform_config", None)
     config = searched_config(config) if config is not None else None
     if config is None:
@@ -123,7 +124,6 @@ def main(args: list[str] | None = None) -> None:
     rows = next(t.shape[0] for t in batch_tensors(batch))
     accumulate = int(getattr(trainer, "accumulate_grad_batches", None) or 1)
     devices = options.devices or devices_of(trainer)
-    precision, device = precision_of(trainer, options.gpu), device_of(trainer, options.gpu)
     build = fresh_copies(run.model)
     blocks = _block_names(build, config)
     strategy = trainer.strategy

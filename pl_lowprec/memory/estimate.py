@@ -39,7 +39,7 @@ from pl_lowprec.memory.collectives import Interconnect, count_ddp_all_reduce
 from pl_lowprec.memory.compiled_backward import LABEL as COMPILED_LABEL
 from pl_lowprec.memory.compiled_backward import compiled_backward_bytes
 from pl_lowprec.memory.depth import extrapolated, repeated_blocks
-from pl_lowprec.memory.devices import device_spec, gpu_named
+from pl_lowprec.memory.devices import GPUS, device_spec, gpu_named
 from pl_lowprec.memory.fake_distributed import fake_mesh
 from pl_lowprec.memory.fake_step import DryRunTrainer, SimulatedStep, attached, simulate_step
 from pl_lowprec.memory.op_counts import DTYPE_NAMES, OpProfile
@@ -269,12 +269,20 @@ def resolved_precision(precision: str | int, device: str | torch.device, gpu: st
     """``precision`` as Lightning runs it (``unified_precision``: ``"bf16"`` is ``"bf16-mixed"``, ``16`` is
     ``"16-mixed"``; a value Lightning refuses is refused), with ``"auto"`` as ``AMPPrecision("auto")`` chooses it:
     on the GPU named by ``gpu`` (bf16 where it computes bf16, else fp16 with loss scaling, as on a T4), else on
-    ``device`` here."""
+    ``device`` here. ``"auto"`` for CUDA, with no GPU named on a machine without one, is refused in one paragraph
+    that names the fix (``--gpu NAME``, ``time_on="NAME"``)."""
     precision = unified_precision(precision)
     if precision != "auto":
         return precision
     if gpu is not None and gpu.lower() != "cpu":
         return "bf16-mixed" if "bf16" in device_spec(gpu).flops else "16-mixed"
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "precision='auto' on CUDA is chosen for the GPU (bf16-mixed where it computes bf16, else 16-mixed with"
+            " loss scaling), and this machine has no GPU to ask. Name the GPU the run is for: --gpu NAME (estimate,"
+            f" plan) or time_on='NAME' (estimate_memory), NAME one of {', '.join(GPUS)}; or set the precision"
+            " ('bf16-mixed' or '16-mixed')."
+        )
     return choose_precision(device).precision
 
 
