@@ -36,6 +36,7 @@ from pl_lowprec.memory.fastest import COMPILED_CAVEAT, faster_settings_line
 from pl_lowprec.memory.plan import fresh_copies
 from pl_lowprec.memory.plot import plot_step
 from pl_lowprec.memory.sizing_batch import first_config_batch, sizing_batch
+from pl_lowprec.strategies.trainer_checks import check_accumulation, check_num_nodes
 from pl_lowprec.strategy_names import registered_strategy
 from pl_lowprec.transforms.dtypes import unified_precision
 
@@ -149,7 +150,12 @@ def check_strategy(trainer: Any) -> None:
 
 
 def check_devices(trainer: Any) -> None:
-    """``trainer.devices`` as Lightning accepts it (the Trainer, which would check it, is not built here)."""
+    """``trainer.devices`` as Lightning accepts it (the Trainer, which would check it, is not built here); and
+    ``accumulate_grad_batches`` and ``num_nodes`` refused as ``fit`` refuses them (0 is no count of either)."""
+    if getattr(trainer, "accumulate_grad_batches", None) is not None:  # None: Lightning's default, 1
+        check_accumulation(trainer.accumulate_grad_batches)
+    if getattr(trainer, "num_nodes", None) is not None:
+        check_num_nodes(trainer.num_nodes)
     devices = getattr(trainer, "devices", None)
     if not _valid_devices(devices):
         raise ValueError(

@@ -23,12 +23,7 @@ from torch.utils.data import DataLoader
 
 def check_trainer_arguments(trainer: Any) -> None:
     """``ValueError`` naming the first Trainer argument that would fail or mislead once training runs."""
-    accumulate = trainer.accumulate_grad_batches
-    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-        raise ValueError(
-            f"Trainer(accumulate_grad_batches={accumulate!r}) must be an integer >= 1 (1: an optimizer step every"
-            " batch; 4: one step every 4 batches, the effective batch 4x larger)."
-        )
+    check_accumulation(trainer.accumulate_grad_batches)
     every_n_epochs = trainer.check_val_every_n_epoch
     if every_n_epochs is not None and every_n_epochs < 1:
         raise ValueError(
@@ -51,6 +46,21 @@ def check_trainer_arguments(trainer: Any) -> None:
         raise ValueError(
             f"Trainer(num_sanity_val_steps={sanity!r}) must be >= 0, or -1 to check every validation batch."
         )
+
+
+def check_accumulation(accumulate: Any) -> None:
+    """``ValueError`` unless ``accumulate_grad_batches`` is an integer >= 1 (``fit``'s refusal, also ``estimate``'s)."""
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(
+            f"Trainer(accumulate_grad_batches={accumulate!r}) must be an integer >= 1 (1: an optimizer step every"
+            " batch; 4: one step every 4 batches, the effective batch 4x larger)."
+        )
+
+
+def check_num_nodes(num_nodes: Any) -> None:
+    """``ValueError`` unless ``num_nodes`` is an integer >= 1, in the words of Lightning's own refusal."""
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+        raise ValueError(f"`num_nodes` must be a positive integer, but got {num_nodes}.")
 
 
 def check_validation_interval(trainer: Any, loader: Callable[[], Any]) -> None:

@@ -57,3 +57,16 @@ def test_estimate_memory_refuses_auto_for_cuda_without_a_gpu_and_names_time_on(m
     build = functools.partial(TinyLlama, hidden_size=64, num_layers=2)
     with pytest.raises(ValueError, match=r"precision='auto' on CUDA .* time_on='NAME'"):
         estimate_memory(build, {"input_ids": torch.zeros(2, 64, dtype=torch.long)}, device="cuda", precision="auto")
+
+
+@pytest.mark.parametrize("command", [["estimate"], ["plan", "--memory", "8GiB"]])
+@pytest.mark.parametrize(
+    ("option", "said"),
+    [
+        ("--trainer.accumulate_grad_batches=0", "Trainer(accumulate_grad_batches=0) must be an integer >= 1"),
+        ("--trainer.num_nodes=0", "`num_nodes` must be a positive integer, but got 0."),
+    ],
+)
+def test_zero_accumulation_or_nodes_is_refused_as_fit_refuses_it(capsys, no_estimate, command, option, said):
+    """Both were read as 1 and estimated (finding 10); fit refuses them, in these words."""
+    assert said in refusal(capsys, *command, "--config", QUICKSTART, option)
