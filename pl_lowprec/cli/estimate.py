@@ -240,7 +240,7 @@ def main(args: list[str] | None = None) -> None:
     check_own_options(parser, unknown)
     if options.plot:
         import_matplotlib_pyplot()  # a missing matplotlib fails before the estimate runs
-    if options.gpu:
+    if options.gpu is not None:  # "" too: an empty name is refused here, not after the config is read
         device_spec(options.gpu)  # an unknown GPU is refused (``dispatch``'s refusals) before the estimate runs
     said: list[str] = []
     arguments = estimate_arguments(passed_on(parser, args), said, options.gpu)

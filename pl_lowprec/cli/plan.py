@@ -98,7 +98,7 @@ def main(args: list[str] | None = None) -> None:
         refuse_inputs(out, config_files(cli_args))  # never over a config it reads, --overwrite or not
         if out.exists() and not options.overwrite:
             raise ValueError(f"--out {out} exists: pass --overwrite to replace it, or another path.")
-    if options.gpu:
+    if options.gpu is not None:  # "" too: an empty name is refused here, not after the config is read
         device_spec(options.gpu)  # an unknown GPU: refused before the config is read
     run = rebuild_classes(cli_args)
     trainer = run.config_init.trainer

@@ -25,19 +25,21 @@ def parse_bytes(value: int | float | str, argument: str = "memory") -> int:
     if isinstance(value, bool):
         raise ValueError(_message(value, argument))
     if isinstance(value, (int, float)):
-        if value > 0:
-            return int(value)
+        nbytes = int(value) if math.isfinite(value) else 0
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        if match is None or match.group(2).lower() not in UNITS:
+            raise ValueError(_message(value, argument))
+        nbytes = int(float(match.group(1)) * UNITS[match.group(2).lower()])
+    if nbytes < 1:  # 0.5 or "0.9 B" is under a byte: no budget at all, not a 0-byte one
         raise ValueError(_message(value, argument))
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-    if match is None or match.group(2).lower() not in UNITS or float(match.group(1)) <= 0:
-        raise ValueError(_message(value, argument))
-    return int(float(match.group(1)) * UNITS[match.group(2).lower()])
+    return nbytes
 
 
 def _message(value: object, argument: str) -> str:
     return (
-        f"{argument}={value!r} is not a memory size: give a positive number of bytes or a number with a unit, such"
-        " as 24GiB, 80GB or 512MiB (GiB = 2**30 bytes, GB = 10**9, as GPU makers count)."
+        f"{argument}={value!r} is not a memory size: give a number of bytes (at least 1) or a number with a unit,"
+        " such as 24GiB, 80GB or 512MiB (GiB = 2**30 bytes, GB = 10**9, as GPU makers count)."
     )
 
 

@@ -70,3 +70,29 @@ def test_estimate_memory_refuses_auto_for_cuda_without_a_gpu_and_names_time_on(m
 def test_zero_accumulation_or_nodes_is_refused_as_fit_refuses_it(capsys, no_estimate, command, option, said):
     """Both were read as 1 and estimated (finding 10); fit refuses them, in these words."""
     assert said in refusal(capsys, *command, "--config", QUICKSTART, option)
+
+
+@pytest.mark.parametrize("size", [0.5, "0.5", "0.9 B", "0.0001KiB"])
+def test_a_memory_size_under_one_byte_is_refused_with_the_forms_allowed(size):
+    """They were a 0-byte budget, refused only after the whole plan search (finding 11)."""
+    from pl_lowprec.memory.sizes import parse_bytes
+
+    with pytest.raises(ValueError, match=r"is not a memory size: .*at least 1.* 24GiB, 80GB or 512MiB") as refused:
+        parse_bytes(size, "memory_budget")
+    assert f"memory_budget={size!r}" in str(refused.value)
+    assert parse_bytes("1 B") == parse_bytes(1.5) == 1
+
+
+def test_plan_memory_under_one_byte_is_refused_before_the_config_is_read(capsys, monkeypatch):
+    monkeypatch.setattr("pl_lowprec.cli.plan.rebuild_classes", lambda *a: pytest.fail("the config was read"))
+    error = refusal(capsys, "plan", "--config", QUICKSTART, "--memory", "0.5")
+    assert "--memory='0.5' is not a memory size" in error and "512MiB" in error
+
+
+@pytest.mark.parametrize("command", [["estimate"], ["plan", "--memory", "8GiB"]])
+def test_an_empty_gpu_name_is_refused_before_the_config_is_read(capsys, monkeypatch, command):
+    """``--gpu ''`` skipped the early check, so the unknown-GPU paragraph came after the data was read."""
+    for module in ("estimate", "plan"):
+        monkeypatch.setattr(f"pl_lowprec.cli.{module}.rebuild_classes", lambda *a: pytest.fail("the config was read"))
+    error = refusal(capsys, *command, "--config", QUICKSTART, "--gpu", "")
+    assert "No figures for a GPU named ''" in error and "--gpu H100" in error
