@@ -34,7 +34,7 @@ from pl_lowprec.memory.devices import GPUS, device_spec
 from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory, resolved_precision
 from pl_lowprec.memory.fastest import COMPILED_CAVEAT, faster_settings_line
 from pl_lowprec.memory.plan import fresh_copies
-from pl_lowprec.memory.plot import plot_step
+from pl_lowprec.memory.plot import check_plot_path, plot_step
 from pl_lowprec.memory.sizing_batch import first_config_batch, sizing_batch
 from pl_lowprec.strategies.trainer_checks import check_accumulation, check_num_nodes
 from pl_lowprec.strategy_names import registered_strategy
@@ -240,6 +240,7 @@ def main(args: list[str] | None = None) -> None:
     check_own_options(parser, unknown)
     if options.plot:
         import_matplotlib_pyplot()  # a missing matplotlib fails before the estimate runs
+        check_plot_path(options.plot)  # so does a directory that does not exist
     if options.gpu is not None:  # "" too: an empty name is refused here, not after the config is read
         device_spec(options.gpu)  # an unknown GPU is refused (``dispatch``'s refusals) before the estimate runs
     said: list[str] = []

@@ -11,9 +11,26 @@ from pl_lowprec._imports import import_matplotlib_pyplot
 STACK = ("weights", "gradients", "optimizer_state", "activations", "temporaries")
 
 
+def check_plot_path(path: str | Path) -> Path:
+    """``path`` as a file the plot can be written to: its directory exists and it is no directory itself; else
+    one paragraph saying what to do (checked before the estimate runs, not after)."""
+    path = Path(path)
+    directory = path.parent
+    if not directory.is_dir():
+        raise ValueError(
+            f"--plot {str(path)!r}: the directory {str(directory)!r} does not exist, so the plot could not be"
+            " written after the estimate. Create it (mkdir -p), or name a file in a directory that exists"
+            " (--plot step.png)."
+        )
+    if path.is_dir():
+        raise ValueError(f"--plot {str(path)!r} is a directory: name a file in it instead (--plot {path}/step.png).")
+    return path
+
+
 def plot_step(estimate: Any, path: str | Path) -> Path:
     """Write ``estimate``'s step (one point per allocating op) as a stacked area chart to ``path`` (PNG, SVG...)."""
     plt = import_matplotlib_pyplot()  # first: a missing matplotlib fails before any work
+    path = check_plot_path(path)
     if not estimate.samples:
         raise ValueError("This estimate holds no samples of the step to plot (it was not simulated).")
     mib = 2**20
@@ -37,7 +54,6 @@ def plot_step(estimate: Any, path: str | Path) -> Path:
     axes.set_ylabel("MiB live")
     axes.legend(loc="upper left", fontsize=8)
     figure.tight_layout()
-    path = Path(path)
     figure.savefig(path)
     plt.close(figure)
     return path

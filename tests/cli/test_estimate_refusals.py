@@ -96,3 +96,12 @@ def test_an_empty_gpu_name_is_refused_before_the_config_is_read(capsys, monkeypa
         monkeypatch.setattr(f"pl_lowprec.cli.{module}.rebuild_classes", lambda *a: pytest.fail("the config was read"))
     error = refusal(capsys, *command, "--config", QUICKSTART, "--gpu", "")
     assert "No figures for a GPU named ''" in error and "--gpu H100" in error
+
+
+def test_plot_into_a_missing_directory_is_refused_before_the_estimate(capsys, no_estimate, tmp_path):
+    """It ran the whole estimate, then failed with a raw ``[Errno 2]`` (finding 12)."""
+    pytest.importorskip("matplotlib")
+    missing = tmp_path / "no_such_dir" / "step.png"
+    error = refusal(capsys, "estimate", "--config", QUICKSTART, "--plot", str(missing))
+    assert f"the directory {str(missing.parent)!r} does not exist" in error
+    assert "Create it" in error and "Errno" not in error
