@@ -40,7 +40,7 @@ from pl_lowprec.memory.sizes import format_bytes, format_bytes_at_least
 from pl_lowprec.plugins.precision_choice import choose_precision
 from pl_lowprec.transforms.checkpointing import declared_blocks
 from pl_lowprec.transforms.config import TransformConfig
-from pl_lowprec.transforms.dtypes import dtype_of_precision
+from pl_lowprec.transforms.dtypes import dtype_of_precision, unified_precision
 from pl_lowprec.transforms.memory_saving import ALL_PATHS, AUTO, PATHS
 
 MARGIN = 0.1  # of the free memory, kept for what the estimate does not see: the allocator's fragmentation, scratch
@@ -209,6 +209,7 @@ def ladder(
 ) -> tuple[list[MemorySettings], list[str]]:
     """The candidates for ``config`` on the module ``build_model`` builds, fastest first, and the blocks the
     module declares (what ``activation_checkpointing="auto"`` checkpoints)."""
+    precision = unified_precision(precision)  # Lightning's aliases: "bf16" is "bf16-mixed"
     if precision == "auto":
         precision = choose_precision(device).precision
     model = configured(build_model)

@@ -33,7 +33,7 @@ from torch import nn
 from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.loading.sources import shapes_only
 from pl_lowprec.memory.devices import device_spec
-from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory, timed_device
+from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory, resolved_precision, timed_device
 from pl_lowprec.memory.fake_model import meta_copy
 from pl_lowprec.memory.quiet import quiet_setup_logs
 from pl_lowprec.memory.sizes import format_bytes
@@ -202,6 +202,7 @@ def plan_memory(
     """
     config = searched_config(config or TransformConfig())
     device = torch.device(device)
+    precision = resolved_precision(precision, device, time_on)  # "bf16" as "bf16-mixed"; "auto" as chosen there
     timed = timed_device(time_on, device, precision)
     mode = config.quantization.mode if config.quantization is not None else None
     plan = MemoryPlan(budget, margin, time_on=timed or ASSUMED_GPU, assumed=timed is None, quantization=mode)
