@@ -28,6 +28,21 @@ class SkipAwareScheduler:
             return None
         return super().step(*args, **kwargs)  # type: ignore[misc]
 
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        # Pickled as the scheduler's own class (the guard's class is made per fit and named as that one, which
+        # pickle refuses): the guard belongs to the fit, not to the object.
+        own = next(
+            c for c in type(self).__mro__ if c is not SkipAwareScheduler and not issubclass(c, SkipAwareScheduler)
+        )
+        return unguarded, (own, self.__dict__.copy())
+
+
+def unguarded(cls: type, state: dict[str, Any]) -> Any:
+    """A guarded scheduler unpickled: an object of its own class with its attributes."""
+    scheduler = cls.__new__(cls)
+    scheduler.__dict__.update(state)
+    return scheduler
+
 
 def guard_scheduler(scheduler: Any, step_was_skipped: Callable[[Optimizer], bool]) -> None:
     """Make ``scheduler`` skip-aware in place (again with the latest ``step_was_skipped`` if it already is).

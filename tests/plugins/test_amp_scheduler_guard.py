@@ -114,3 +114,17 @@ def test_the_guard_leaves_the_schedulers_class_name_and_state_alone():
     assert guarded.state_dict() == plain.state_dict()
     guarded.step(1.0)  # held
     assert guarded.state_dict() == plain.state_dict()
+
+
+def test_a_guarded_scheduler_pickles_as_its_own_class():
+    """The guard's class is named as the scheduler's, which pickle refused ("not the same object as
+    torch.optim.lr_scheduler.StepLR"): torch.save of a scheduler, or of an object holding one, failed."""
+    import pickle
+
+    optimizer = torch.optim.SGD(make_mlp().parameters(), lr=1.0)
+    config = SimpleNamespace(interval="step", scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5))
+    guard_step_schedulers([config], lambda optimizer: False)
+    config.scheduler.step()
+    restored = pickle.loads(pickle.dumps(config.scheduler))
+    assert type(restored) is torch.optim.lr_scheduler.StepLR
+    assert restored.state_dict() == config.scheduler.state_dict() and restored.get_last_lr() == [0.5]
