@@ -20,11 +20,11 @@ def refusal_line(capsys, args: list[str]) -> str:
 
     with pytest.raises(SystemExit) as exited:
         main(args)
-    err = capsys.readouterr().err
-    assert exited.value.code == 2, err[-3000:]
-    assert "Traceback" not in err, err[-3000:]
-    errors = [line for line in err.splitlines() if "error: " in line]
-    assert len(errors) == 1, err[-3000:]
+    text = "".join(capsys.readouterr())  # stdout too: nothing of a traceback anywhere
+    assert exited.value.code == 2, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    errors = [line for line in text.splitlines() if "error: " in line]
+    assert len(errors) == 1, text[-3000:]
     return errors[0]
 
 

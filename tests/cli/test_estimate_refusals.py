@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from pl_lowprec.cli import main
+from gguf_helpers import refusal_line
 
 pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
@@ -19,14 +18,7 @@ QUICKSTART = str(Path(__file__).resolve().parents[2] / "configs/quickstart.yaml"
 
 def refusal(capsys, *args: str) -> str:
     """``main(args)`` exits with status 2 and one error paragraph, no traceback; that paragraph."""
-    with pytest.raises(SystemExit) as exited:
-        main(list(args))
-    text = "".join(capsys.readouterr())
-    assert exited.value.code == 2, text[-3000:]
-    assert "Traceback" not in text, text[-3000:]
-    errors = [line for line in text.splitlines() if "error: " in line]
-    assert len(errors) == 1, text
-    return errors[0]
+    return refusal_line(capsys, list(args))
 
 
 @pytest.fixture
