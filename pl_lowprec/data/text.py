@@ -61,12 +61,13 @@ from pl_lowprec.data.row_facts import ready_rows, row_lengths
 from pl_lowprec.data.row_views import subset
 from pl_lowprec.data.sources import Source, describe_objects, is_dataset_object, resolve_sources
 from pl_lowprec.data.text_blocks import DocumentList, Documents, TextBlocks
-from pl_lowprec.data.token_table import TokenRows, tokenize
+from pl_lowprec.data.token_table import TokenRows, read_table, table_path, tokenize
 from pl_lowprec.data.validation_split import (
     DEFAULT_VAL_FRACTION,
     warn_unused_val_fraction,
     warn_validation_on_training_files,
 )
+from pl_lowprec.distributed.once_per_node import once_per_node
 from pl_lowprec.loading.tokenizer import load_tokenizer
 from pl_lowprec.models.token_loss import IGNORE_INDEX
 
@@ -231,9 +232,8 @@ class TextDataModule(pl.LightningDataModule):
                 report = FileReport(source.path)
                 parts.append(self._file_samples(source, report))
             else:
-                dataset, label = open_dataset(source, splits, argument, read_columns=columns_read(self.fields))
-                report = FileReport(label, unit="row indices")
-                parts.append(self._dataset_samples(dataset, report))
+                rows, report = self._dataset_samples(source, splits, argument)
+                parts.append(rows)
             self.reports.append(report)
             # a dataset's columns are checked before it is read; a file's once read: before its line, which would
             # count every record as unusable where a mapping names a column it lacks, or no column is known
@@ -260,13 +260,22 @@ class TextDataModule(pl.LightningDataModule):
         rows = [{"input_ids": torch.tensor(s.input_ids), "labels": torch.tensor(s.labels)} for s in samples]
         return SourceRows(rows, DocumentList([torch.tensor(d) for d in documents]))
 
-    def _dataset_samples(self, dataset: Any, report: FileReport) -> SourceRows:
-        """A ``datasets.Dataset``'s samples and ``text`` records, tokenized by ``Dataset.map`` into a memory-mapped
-        Arrow table."""
+    def _dataset_samples(self, source: Source, splits: tuple[str, ...], argument: str) -> tuple[SourceRows, FileReport]:
+        """A dataset's samples and ``text`` records from a memory-mapped Arrow table, and its report. Under
+        DDP/FSDP the node's first process tokenizes it, the others read its table and take its report
+        (``once_per_node``): the same rows as each tokenizing its own, once per node."""
+        path, report = once_per_node(self.trainer, lambda: self._tokenized_table(source, splits, argument))
+        rows = TokenRows(read_table(path))
+        return SourceRows(rows, rows.documents()), report
+
+    def _tokenized_table(self, source: Source, splits: tuple[str, ...], argument: str) -> tuple[str, FileReport]:
+        """A dataset tokenized by ``Dataset.map`` into an Arrow table: its file, and the dataset's report."""
+        dataset, label = open_dataset(source, splits, argument, read_columns=columns_read(self.fields))
+        report = FileReport(label, unit="row indices")
         report.columns.update(dataset.column_names)
         check_columns(report.columns, self.fields, str(report.path))
-        rows = TokenRows(tokenize(dataset, lambda records: self._encode_records(records, report), str(report.path)))
-        return SourceRows(rows, rows.documents())
+        table = tokenize(dataset, lambda records: self._encode_records(records, report), str(report.path))
+        return table_path(table), report
 
     def _blocks(self, documents: Documents) -> Sequence[Row]:
         """The ``seq_len`` blocks of ``text`` records, each knowing where its records start: a list for records in

@@ -8,7 +8,8 @@ name holds its process id, and the next tokenization removes the tables of proce
 (``remove_tables_of_dead_processes``). A batch gives its prompt/completion and chat samples, then its ``text``
 records (``document`` rows, whose labels are their ``input_ids`` and are not stored). ``TokenRows`` reads the samples
 back by index; ``TableDocuments`` reads slices of the records for the blocks ``text_blocks.TextBlocks`` cuts from
-them, as it cuts a ``.jsonl`` file's records, so both give the same batches.
+them, as it cuts a ``.jsonl`` file's records, so both give the same batches. Under DDP/FSDP a node tokenizes once,
+on its first process, and its other processes read that table (``read_table``; ``TextDataModule``).
 """
 
 from __future__ import annotations
@@ -72,6 +73,16 @@ def tokenize(dataset: Any, encode: EncodeRecords, description: str) -> Any:
         batch_size=MAP_BATCH_SIZE,
         desc=f"Tokenizing {description}",
     )
+
+
+def table_path(table: Any) -> str:
+    """The Arrow file of a ``tokenize`` table."""
+    return table.cache_files[0]["filename"]
+
+
+def read_table(path: str) -> Any:
+    """A ``tokenize`` table, memory-mapped from its Arrow file (another process's, on this node)."""
+    return import_datasets().Dataset.from_file(path)
 
 
 def remove_tables_of_dead_processes(root: str | None = None) -> list[str]:
