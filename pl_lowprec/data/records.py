@@ -218,6 +218,8 @@ def _note_carried(report: FileReport | None, tokenizer: Any, tokens: Tokens, sta
         report.note(f"records whose {start} begins with the BOS {tokenizer.bos_token!r}, not added a second time")
     if tokens.written_last(tokenizer.eos_token_id):
         report.note(f"records whose {end} ends with the EOS {tokenizer.eos_token!r}, not appended a second time")
+    if tokens.space_after_eos_dropped:
+        report.note(f"records whose {end} has whitespace after its final EOS, not trained (not content)")
 
 
 def record_kind(record: dict[str, Any]) -> str | None:

@@ -6,6 +6,10 @@ starts with ``<s>``, a completion may end with ``</s>``. A tokenizer may add the
 text trains ``<s> <s>`` at its start and ``</s> </s>`` at its end, and the model learns EOS -> EOS. So a token the
 tokenizer added next to the same token written in the text is dropped, and EOS is appended only where the ids do
 not end with one already (TRL's ``add_eos``).
+
+Whitespace after a text's final EOS (``"... </s>\n"``: a rendered chat template's last line ending, or a file's)
+is not content: kept, the ids ended with a newline, another EOS was appended, and the model learnt EOS -> newline
+-> EOS. So it is dropped, and the text ends with its own EOS (``without_space_after_eos``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ class Tokens:
     added: list[bool]
     offsets: list[tuple[int, int]]
     bos_kept_once: bool  # the text starts with the BOS the tokenizer adds too: the tokenizer's was dropped
+    space_after_eos_dropped: bool = False  # the text ended with EOS then whitespace, which was not tokenized
 
     def ends_with(self, token_id: int) -> bool:
         return bool(self.ids) and self.ids[-1] == token_id
@@ -34,8 +39,10 @@ class Tokens:
 
 def tokens_once(tokenizer: Any, text: str, offsets: bool = False) -> Tokens:
     """``text`` tokenized with the tokenizer's special tokens, less any it added next to the same token in the
-    text; with the character ``offsets`` of each token where asked (a fast tokenizer's)."""
-    encoded = tokenizer(text, return_special_tokens_mask=True, return_offsets_mapping=offsets)
+    text, and less any whitespace after its final EOS; with the character ``offsets`` of each token where asked (a
+    fast tokenizer's)."""
+    trimmed = without_space_after_eos(text, tokenizer.eos_token)
+    encoded = tokenizer(trimmed, return_special_tokens_mask=True, return_offsets_mapping=offsets)
     ids, added = list(encoded["input_ids"]), [bool(m) for m in encoded["special_tokens_mask"]]
     spans = [tuple(span) for span in encoded["offset_mapping"]] if offsets else [(0, 0)] * len(ids)
     doubled = [added[i] and _beside_in_text(ids, added, i) for i in range(len(ids))]
@@ -45,7 +52,14 @@ def tokens_once(tokenizer: Any, text: str, offsets: bool = False) -> Tokens:
         added=[added[i] for i in keep],
         offsets=[spans[i] for i in keep],
         bos_kept_once=bool(ids) and ids[0] == tokenizer.bos_token_id and doubled[0],
+        space_after_eos_dropped=trimmed != text,
     )
+
+
+def without_space_after_eos(text: str, eos_token: str | None) -> str:
+    """``text`` less the whitespace after its final ``eos_token``; as it is where it does not end so."""
+    content = text.rstrip()
+    return content if eos_token and content != text and content.endswith(eos_token) else text
 
 
 def _beside_in_text(ids: list[int], added: list[bool], i: int) -> bool:

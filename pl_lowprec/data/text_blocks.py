@@ -2,9 +2,9 @@
 a record starts.
 
 An EOS token does not mark where a record ends: a pre-rendered chat has its tokenizer's EOS at every turn's end
-(ChatML's ``<|im_end|>``, Llama-3's ``<|eot_id|>``), and ``encode_text`` appends one more. So the block does not
-look for EOS tokens: the records' lengths say where each starts, and packing (``packing.document_row``) cuts
-positions and attention there and nowhere else, as TRL's packing restarts ``position_ids`` per example.
+(ChatML's ``<|im_end|>``, Llama-3's ``<|eot_id|>``), and ``encode_text`` ends each record with one. So the block
+does not look for EOS tokens: the records' lengths say where each starts, and packing (``packing.document_row``)
+cuts positions and attention there and nowhere else, as TRL's packing restarts ``position_ids`` per example.
 
 The blocks are cut when read, from the records' lengths, so that the records are split into training and
 validation before any block is cut (``record_split``). The records stay where they are: a list in memory for a

@@ -79,12 +79,34 @@ def test_a_text_starting_with_bos_gets_no_second_one(tmp_path, byte_level_dir, c
         data = data_of_records(tmp_path / "rendered.jsonl", [{"text": text}], byte_level_dir)
     tokenizer = data.tokenizer
     (block,) = data.train_set
-    assert block["input_ids"].tolist() == [
-        *tokenizer(text, add_special_tokens=False)["input_ids"],
-        tokenizer.eos_token_id,
-    ]
+    # the line ending after the last </s> is not trained, and no EOS is appended after it
+    assert block["input_ids"].tolist() == tokenizer(text.removesuffix("\n"), add_special_tokens=False)["input_ids"]
     assert block["input_ids"].tolist().count(tokenizer.bos_token_id) == 1
     assert _said(caplog, "1 record whose text begins with the BOS '<s>', not added a second time")
+
+
+def test_whitespace_after_a_final_eos_is_not_content_and_gets_no_second_eos(tmp_path, byte_level_dir, caplog):
+    """A line ending after the last EOS (a JSONL writer's, a chat template's) trained EOS -> newline -> EOS."""
+    texts = [{"text": "x = 1</s>\n"}, {"text": "a</s>\nb</s> \n\n"}, {"text": "y = 2\n"}]
+    with caplog.at_level(logging.INFO):
+        data = data_of_records(tmp_path / "text.jsonl", texts, byte_level_dir)
+        pc = data_of_records(
+            tmp_path / "pc.jsonl", [{"prompt": "Q: hi\nA:", "completion": " hello</s>\n"}], byte_level_dir
+        )
+    tokenizer, eos = data.tokenizer, data.tokenizer.eos_token_id
+    (block,) = data.train_set
+    expected = [  # an EOS inside the text keeps the newline after it; a text not ending in EOS keeps its own
+        *tokenizer("x = 1</s>")["input_ids"],
+        *tokenizer("a</s>\nb</s>")["input_ids"],
+        *tokenizer("y = 2\n")["input_ids"],
+        eos,
+    ]
+    assert block["input_ids"].tolist() == expected
+    (sample,) = pc.train_set
+    assert sample["input_ids"].tolist() == tokenizer("Q: hi\nA: hello</s>")["input_ids"]
+    assert tokenizer.decode([t for t in sample["labels"].tolist() if t != -100]) == " hello</s>"
+    assert _said(caplog, "2 records whose text has whitespace after its final EOS, not trained (not content)")
+    assert _said(caplog, "1 record whose completion has whitespace after its final EOS, not trained (not content)")
 
 
 def test_a_tokenizer_that_appends_eos_puts_none_after_the_prompt_and_one_at_the_end(tmp_path, sentencepiece_dir):
@@ -103,3 +125,6 @@ def test_a_tokenizer_that_appends_eos_puts_none_after_the_prompt_and_one_at_the_
     (block,) = text.train_set
     assert block["input_ids"].tolist() == tokenizer("x = 1")["input_ids"]
     assert block["input_ids"].tolist().count(eos) == 1
+    # its EOS after the line ending was kept beside the text's own: two
+    (block,) = data_of_records(tmp_path / "eos_line.jsonl", [{"text": "x = 1</s>\n"}], str(appends)).train_set
+    assert block["input_ids"].tolist() == tokenizer("x = 1")["input_ids"]

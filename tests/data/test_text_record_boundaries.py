@@ -45,7 +45,9 @@ def _records(tokenizer_dir, n=6):
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     text = tokenizer.apply_chat_template(CHAT, tokenize=False)
     record = encode_text(tokenizer, text)
-    assert record.count(tokenizer.eos_token_id) == 4  # three turns' <|im_end|>, and the one encode_text appends
+    # three turns' <|im_end|>; the last ends the record: the template's line ending after it is not content, and no
+    # EOS is appended after it
+    assert record.count(tokenizer.eos_token_id) == 3 and record[-1] == tokenizer.eos_token_id
     return [{"text": text}] * n, record
 
 
