@@ -15,8 +15,8 @@ the strategy's own transform), and the first that fits is taken, so a device wit
    settings).
 
 A setting given explicitly is the same in every candidate, and candidates that differ only in paths that do not
-apply to the run (no LoRA under mixed precision: no fused MLP, no recomputed norms) are simulated once.
-``predicted_seconds`` orders them.
+apply to the run (no LoRA under mixed precision: no fused MLP, no recomputed norms) are simulated once; with
+``checkpoint_impl="reentrant"`` selective is left out, and the line says so. ``predicted_seconds`` orders them.
 """
 
 from __future__ import annotations
@@ -115,8 +115,8 @@ def candidates(config: TransformConfig, applicable: frozenset[str], blocks: list
             checkpointing = GIVEN
         elif checkpointing != "none" and not blocks:
             continue  # the model declares no blocks to checkpoint
-        elif checkpointing == "selective" and config.checkpoint_impl == "reentrant":
-            continue  # selective needs non-reentrant checkpointing (checkpointing.py); the user chose reentrant
+        elif checkpointing == "selective" and leaves_selective_out(config):
+            continue
         selective = checkpointing == "selective" or (checkpointing == GIVEN and config.checkpoint_mode == "selective")
         here = applicable - {"fused_mlp"} if selective else applicable  # ModelTransform.apply: not fused there
         chosen = paths if config.memory_saving == AUTO else config.memory_saving
@@ -124,6 +124,16 @@ def candidates(config: TransformConfig, applicable: frozenset[str], blocks: list
         if settings not in found:
             found.append(settings)
     return sorted(found, key=lambda s: predicted_seconds(None, s))
+
+
+def leaves_selective_out(config: TransformConfig) -> bool:
+    """Whether ``"auto"`` checkpointing goes without its selective candidate: selective runs non-reentrant only
+    (``checkpointing.py``), and the user chose ``checkpoint_impl="reentrant"``."""
+    return config.activation_checkpointing == AUTO and config.checkpoint_impl == "reentrant"
+
+
+SELECTIVE_LEFT_OUT = "selective checkpointing left out"
+SELECTIVE_WHY = "it runs non-reentrant only, and checkpoint_impl is reentrant"
 
 
 def settings_config(config: TransformConfig, settings: MemorySettings, blocks: list[str]) -> TransformConfig:
@@ -156,6 +166,7 @@ class Search:
     limit: int
     candidates: int = 0
     tried: list[tuple[MemorySettings, TransformConfig, MemoryEstimate]] = field(default_factory=list)
+    left_out: str = ""  # a candidate the user's own setting rules out, and why: said where it would have come
 
     @property
     def fits(self) -> bool:
@@ -183,7 +194,7 @@ class Search:
         if not self.fits:
             return (
                 f"No settings fit in {format_bytes(self.limit)} ({memory}): the most memory-saving"
-                f" ({self.settings.describe()}) has a {predicted}."
+                f" ({self.settings.describe()}) has a {predicted}{self._left_out()}."
             )
         if len(self.tried) == 1:
             gave_up = "the fastest settings: nothing is traded for memory"
@@ -191,8 +202,13 @@ class Search:
             faster, _, estimate = self.tried[-2]
             gave_up = f"faster settings would need {format_bytes(estimate.peak)} ({faster.describe()})"
         chosen = self.settings.describe()
-        line = f"Memory settings for {format_bytes(self.limit)} ({memory}): {chosen}; {predicted}; {gave_up}."
-        return line + (COMPILED_CAVEAT if self.config.compile_kwargs is not None else "")
+        line = f"Memory settings for {format_bytes(self.limit)} ({memory}): {chosen}; {predicted}; {gave_up}"
+        return line + self._left_out() + "." + (COMPILED_CAVEAT if self.config.compile_kwargs is not None else "")
+
+    def _left_out(self) -> str:
+        """The clause on a candidate left out, once the search reached the checkpointing it would have been among."""
+        reached = any(settings.checkpointing not in ("none", GIVEN) for settings, _, _ in self.tried)
+        return f"; {self.left_out}" if self.left_out and reached else ""
 
 
 # What the prediction under compile= adds and how well it held: compiled_backward.py.
@@ -265,7 +281,8 @@ def search_ladder(
     """``fastest_fitting`` over the candidates ``ladder`` gave (``order``, fastest first, and the declared
     ``blocks``): each one's config ``simulate``d (``estimate_memory`` with the run's model and batch bound) until
     one fits in ``limit``."""
-    search = Search(limit, len(order))
+    left_out = f"{SELECTIVE_LEFT_OUT}: {SELECTIVE_WHY}" if blocks and leaves_selective_out(config) else ""
+    search = Search(limit, len(order), left_out=left_out)
     with quiet_setup_logs():  # each simulated transform would repeat what the run says once
         for settings in order:
             chosen = settings_config(config, settings, blocks)

@@ -86,6 +86,29 @@ def test_explicit_settings_are_kept_under_a_budget(caplog):
     assert _in_effect(model) == ([True, True], False, False)
 
 
+def test_reentrant_checkpointing_says_selective_was_left_out(caplog, monkeypatch):
+    """``checkpoint_impl: reentrant`` leaves selective checkpointing out of the candidates (audit 64b #6): the line
+    says so where the search reached checkpointing, as it says what else it gave up; with room, nothing is said."""
+    batch = next(iter(ids_loader(batches=1, batch_size=4, seq_len=64)))
+    every_block = estimate_memory(
+        tiny_llama,
+        batch,
+        precision="bf16-mixed",
+        lora=LORA,
+        activation_checkpointing=["LlamaDecoderLayer"],
+        checkpoint_impl="reentrant",
+    )
+    lines, _, model = _fit(caplog, checkpoint_impl="reentrant", memory_budget=every_block.peak, **AUTO)
+    assert len(lines) == 1 and "activation checkpointing on every block" in lines[0]
+    assert lines[0].endswith(
+        "; selective checkpointing left out: it runs non-reentrant only, and checkpoint_impl is reentrant."
+    )
+    assert _in_effect(model) == ([True, True], True, True)
+    monkeypatch.setattr(auto_settings, "available_memory", lambda device: 64 * GiB)
+    lines, _, _ = _fit(caplog, checkpoint_impl="reentrant", **AUTO)
+    assert lines[0].endswith("the fastest settings: nothing is traded for memory.")
+
+
 def test_nothing_fits_free_memory_warns_and_trains_with_the_most_memory_saving(caplog, monkeypatch):
     monkeypatch.setattr(auto_settings, "available_memory", lambda device: 2**20)
     with pytest.warns(UserWarning, match=r"No settings fit in 0\.90 MiB \(1\.00 MiB of available host memory, less"):
