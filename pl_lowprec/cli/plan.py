@@ -10,9 +10,10 @@ go to the config, as for ``pl-lowprec fit``, whose ``--help`` lists them; the wr
 The config is read as ``pl-lowprec estimate`` reads it (``rebuild_classes``: no Trainer, the model on the meta
 device; several ``--config`` files and overrides merge as for ``fit``). Every candidate of
 ``pl_lowprec.memory.plan`` is simulated; the table ranked by predicted step time (on the config's device, or
-``--gpu``) is printed, and the fastest candidate that fits is written with ``--out`` as the same YAML (the configs
-merged) with only the searched settings changed, so ``pl-lowprec fit --config plan.yaml`` runs it as is; never over
-a config it reads. ``--maximize seq_len`` (or ``batch_size``) instead finds the longest sequence (or largest
+``--gpu``) is printed, then one "Chosen:" line naming what the plan chose and what it kept as the config gives it
+(pinned), and the fastest candidate that fits is written with ``--out`` as the same YAML (the configs merged) with
+only the searched settings changed, so ``pl-lowprec fit --config plan.yaml`` runs it as is; never over a config it
+reads. ``--maximize seq_len`` (or ``batch_size``) instead finds the longest sequence (or largest
 micro-batch) that fits with the most memory-saving settings the config allows.
 """
 
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
@@ -42,9 +44,10 @@ from pl_lowprec.loading.sources import shapes_only
 from pl_lowprec.memory.devices import GPUS, device_spec
 from pl_lowprec.memory.estimate import estimate_memory
 from pl_lowprec.memory.fake_step import batch_tensors
-from pl_lowprec.memory.fastest import configured
+from pl_lowprec.memory.fastest import MemorySettings, configured, ladder
 from pl_lowprec.memory.plan import (
     Settings,
+    checkpointed_blocks,
     doubling_bound,
     fresh_copies,
     largest_fitting,
@@ -62,7 +65,7 @@ from pl_lowprec.strategies.fsdp import check_fsdp_arguments
 from pl_lowprec.strategies.transform_args import TransformArguments
 from pl_lowprec.transforms.checkpointing import declared_blocks
 from pl_lowprec.transforms.config import TransformConfig
-from pl_lowprec.transforms.memory_saving import ALL_PATHS, PATHS
+from pl_lowprec.transforms.memory_saving import ALL_PATHS, AUTO, PATHS
 
 MAX_SEQ_LEN = 1 << 20
 
@@ -105,8 +108,8 @@ def main(args: list[str] | None = None) -> None:
     check_strategy(trainer)
     check_devices(trainer)
     precision, device = precision_of(trainer, options.gpu), device_of(trainer, options.gpu)
-    config = getattr(trainer.strategy, "transform_config", None)
-    config = searched_config(config) if config is not None else None
+    given = getattr(trainer.strategy, "transform_config", None)
+    config = searched_config(given) if given is not None else None
     if config is None:
         parser.exit(
             2,
@@ -127,7 +130,7 @@ def main(args: list[str] | None = None) -> None:
     build = fresh_copies(run.model)
     blocks = _block_names(build, config)
     strategy = trainer.strategy
-    sharding = strategy.transform_sharding(config) if hasattr(strategy, "transform_sharding") else None
+    sharding = strategy.transform_sharding(given) if hasattr(strategy, "transform_sharding") else None
     if options.maximize:
         shards = (sharding, devices)
         shape = (rows, accumulate)
@@ -168,15 +171,12 @@ def main(args: list[str] | None = None) -> None:
         print(line)
         if sharded is not None:  # nothing fits unsharded and sharding may change what it needs to: switch
             print(sharded.table())
-            plan, switch_to = sharded, {"shard_modules": _plain(config.activation_checkpointing or blocks)}
+            plan, switch_to = sharded, {"shard_modules": _plain(checkpointed_blocks(config, blocks))}
     chosen = plan.chosen
     if chosen is None:
         print(plan.nothing_fits(), file=sys.stderr)
         raise SystemExit(1)
-    print(
-        f"Chosen: {chosen.settings.describe()}, predicted peak {format_bytes(chosen.peak)}, step"
-        f" {chosen.step.seconds:.3f} s on {chosen.step.device}."
-    )
+    print(plan.chosen_line())
     if out is not None:
         write_plan(cli_args, out, chosen.settings, blocks, config, devices, run, strategy=switch_to, rows=rows)
         print(f"Wrote {out}: pl-lowprec fit --config {out}")
@@ -195,7 +195,7 @@ def _sharded_alternative(
     only when nothing fits unsharded, it fits, and switching changes nothing else: without 4-bit weights, or with
     ``--allow_quantization``, since FSDP2 stores them as torchao NF4 instead of bitsandbytes' (the same NF4 code
     book, other scale blocks)."""
-    units = config.activation_checkpointing or blocks
+    units = checkpointed_blocks(config, blocks)
     try:
         check_fsdp_arguments(config, 1)
         if not units:
@@ -251,10 +251,11 @@ def _maximize(options, build, batch, shape, budget, precision, device, config, b
     rows, accumulate = shape
     limit = int(budget * (1 - options.margin))
     longest = options.maximize == "seq_len"
+    rungs, _ = ladder(build, precision, torch.device(device), config, blocks)
     saving = Settings(
         micro_batch=1 if longest else rows,
         accumulate=rows * accumulate if longest else accumulate,
-        checkpointing="every block" if (config.activation_checkpointing or blocks) else "none",
+        memory=rungs[-1],  # the most memory-saving of fit's own candidates
         optimizer=_eight_bit(sharding) if config.optimizer in (None, "adamw") else config.optimizer,
         activation_offloading=device == "cuda",
         quantization="nf4-dq" if options.allow_quantization and config.quantization is None else None,
@@ -353,6 +354,7 @@ def write_plan(
         kept = {k: v for k, v in (node.get("init_args") or {}).items() if k in model_arguments}
         node = fields["trainer"]["strategy"] = {"class_path": switch[0], "init_args": {**kept, **switch[1]}}
     planned = settings_config(config, settings, blocks)
+    chosen_paths = planned.memory_saving if settings.memory.paths_given else _all_or_none(settings.memory)
     changes = {
         "trainer.accumulate_grad_batches": settings.accumulate,
         **({"data.init_args.batch_size": settings.micro_batch} if run.datamodule is not None else {}),
@@ -361,7 +363,7 @@ def write_plan(
         "trainer.strategy.init_args.checkpoint_mode": planned.checkpoint_mode,
         "trainer.strategy.init_args.optimizer": planned.optimizer,
         "trainer.strategy.init_args.activation_offloading": planned.activation_offloading,
-        "trainer.strategy.init_args.memory_saving": _memory_saving(planned.memory_saving),
+        "trainer.strategy.init_args.memory_saving": _memory_saving(chosen_paths),
         **(extra or {}),
     }
     if settings.quantization is not None:
@@ -375,6 +377,12 @@ def write_plan(
     sources = " + ".join(str(path) for path in config_files(cli_args).values())
     header = f"# Written by pl-lowprec plan from {sources}: {settings.describe()}.\n"
     out.write_text(header + yaml.safe_dump(fields, sort_keys=False))
+
+
+def _all_or_none(rung: MemorySettings) -> frozenset[str]:
+    """The paths a chosen rung turns on, as every path where it turns on all that apply to the run (the others
+    change nothing), so that the written config says ``true`` rather than a list."""
+    return ALL_PATHS if rung.paths and rung.paths == rung.applicable else rung.paths
 
 
 def _memory_saving(paths: frozenset[str]) -> bool | list[str]:
@@ -406,8 +414,9 @@ def rescaled_batch_counts(trainer: dict[str, Any], before: int, after: int) -> l
 
 
 def _block_names(build: Callable[[], Any], config: TransformConfig) -> list[str] | None:
-    """The block classes to checkpoint: the config's, else those the (configured) model declares."""
-    if config.activation_checkpointing is not None:
+    """The block classes the plan may checkpoint where the config leaves checkpointing to it
+    (``searched_config``): those the (configured) model declares."""
+    if config.activation_checkpointing != AUTO:
         return None
     return declared_blocks(configured(build)) or None
 

@@ -17,6 +17,7 @@ the strategy's own transform), and the first that fits is taken, so a device wit
 A setting given explicitly is the same in every candidate, and candidates that differ only in paths that do not
 apply to the run (no LoRA under mixed precision: no fused MLP, no recomputed norms) are simulated once; with
 ``checkpoint_impl="reentrant"`` selective is left out, and the line says so. ``predicted_seconds`` orders them.
+``plan_memory`` (``pl-lowprec plan``) searches these same candidates (``ladder``), at each micro-batch.
 """
 
 from __future__ import annotations
@@ -82,11 +83,25 @@ class MemorySettings:
     checkpointing: str  # a CHECKPOINTING_WORDS key, or GIVEN
     paths: frozenset[str]
     applicable: frozenset[str] = field(default=ALL_PATHS, compare=False)
+    paths_given: bool = field(default=False, compare=False)  # memory_saving set explicitly: kept, not chosen
 
     def describe(self) -> str:
-        parts = [] if self.checkpointing == GIVEN else [CHECKPOINTING_WORDS[self.checkpointing]]
-        parts += [PATH_WORDS[p][p in self.paths] for p in PATHS if p in self.applicable]
-        return ", ".join(parts) or "the settings as given"
+        return ", ".join(self.checkpointing_words() + self.path_words()) or "the settings as given"
+
+    def checkpointing_words(self) -> list[str]:
+        return [] if self.checkpointing == GIVEN else [CHECKPOINTING_WORDS[self.checkpointing]]
+
+    def path_words(self) -> list[str]:
+        """Each path that applies to the run, on or off, in words."""
+        return [PATH_WORDS[p][p in self.paths] for p in PATHS if p in self.applicable]
+
+    def chosen_words(self) -> list[str]:
+        """What the search chose (the settings given as ``"auto"``), in words."""
+        return self.checkpointing_words() + ([] if self.paths_given else self.path_words())
+
+    def pinned_words(self) -> list[str]:
+        """The memory-saving paths as the config gives them (``memory_saving`` not ``"auto"``), in words."""
+        return self.path_words() if self.paths_given else []
 
 
 def predicted_seconds(estimate: MemoryEstimate | None, settings: MemorySettings) -> float:
@@ -119,8 +134,8 @@ def candidates(config: TransformConfig, applicable: frozenset[str], blocks: list
             continue
         selective = checkpointing == "selective" or (checkpointing == GIVEN and config.checkpoint_mode == "selective")
         here = applicable - {"fused_mlp"} if selective else applicable  # ModelTransform.apply: not fused there
-        chosen = paths if config.memory_saving == AUTO else config.memory_saving
-        settings = MemorySettings(checkpointing, chosen & here, here)
+        given = config.memory_saving != AUTO
+        settings = MemorySettings(checkpointing, (config.memory_saving if given else paths) & here, here, given)
         if settings not in found:
             found.append(settings)
     return sorted(found, key=lambda s: predicted_seconds(None, s))
@@ -221,15 +236,20 @@ COMPILED_CAVEAT = (
 
 
 def ladder(
-    build_model: Callable[[], nn.Module], precision: str, device: torch.device, config: TransformConfig
+    build_model: Callable[[], nn.Module],
+    precision: str,
+    device: torch.device,
+    config: TransformConfig,
+    blocks: list[str] | None = None,
 ) -> tuple[list[MemorySettings], list[str]]:
-    """The candidates for ``config`` on the module ``build_model`` builds, fastest first, and the blocks the
-    module declares (what ``activation_checkpointing="auto"`` checkpoints)."""
+    """The candidates for ``config`` on the module ``build_model`` builds, fastest first, and the blocks
+    ``activation_checkpointing="auto"`` checkpoints: ``blocks`` where the caller names them (``plan_memory``'s
+    ``block_names``), else those the module declares."""
     precision = unified_precision(precision)  # Lightning's aliases: "bf16" is "bf16-mixed"
     if precision == "auto":
         precision = choose_precision(device).precision
     model = configured(build_model)
-    blocks = declared_blocks(model)
+    blocks = list(blocks) if blocks else declared_blocks(model)
     return candidates(config, applicable_paths(config, precision, model), blocks), blocks
 
 

@@ -5,25 +5,32 @@ has them; what is searched only trades memory for time and never changes what is
 
 - the micro-batch, with accumulation adjusted so the global batch stays the same (with a token-mean loss, as
   ``CausalLM``'s, the optimizer steps are the same);
-- activation checkpointing: none, every n-th block, every block, and ``checkpoint_mode="selective"``;
+- activation checkpointing and the memory-saving paths, as ``fit``'s ``"auto"`` chooses them: the candidates
+  of ``fastest.ladder`` (one list, fastest first: nothing traded, then the loss's paths, then every path, then
+  selective, every 2nd block and every block checkpointed), where the config says ``"auto"`` or, for
+  checkpointing, names no blocks; what the config gives explicitly is kept in every candidate (pinned);
 - the 8-bit AdamW (``optimizer="adamw8bit"``; under ``lowprec_fsdp`` ``"torchao_adamw8bit"``) in place of torch's;
 - activation offloading, on CUDA only.
 
 Quantization changes the model, so it is searched only where the config already quantizes (its mode is kept)
 or with ``allow_quantization`` (then nf4-dq is tried too); it is never switched on silently.
 
-Each candidate is simulated by ``estimate_memory`` (one fake step through the strategy's own transform), and
-ranked by the predicted time of its optimizer step on the device (``estimate.step_time_on``: each kernel's
-FLOPs, bytes and launch, ``step_time.py``), which sees what FLOPs alone did not: the recompute of memory-bound
-ops under selective checkpointing, and the launches of more, smaller micro-batches. Steps predicted within 5%
-of the fastest are ties (on a CPU the kernels are timed, and vary that much from run to run); ties go to the
-larger micro-batch, then to no checkpointing, then to fewer changes.
+Each candidate is simulated by ``estimate_memory`` (one fake step through the strategy's own transform). For
+each micro-batch the ladder is walked as ``fit`` walks it, from the fastest rung down, and stops at the first
+rung that fits without further changes: so at the config's micro-batch the plan holds exactly what ``"auto"``
+would choose for the same limit, and slower rungs of a micro-batch that already fits are not simulated. The
+fitting candidates are ranked by the predicted time of their optimizer step on the device
+(``estimate.step_time_on``: each kernel's FLOPs, bytes and launch, ``step_time.py``), which sees what FLOPs
+alone did not: the recompute of memory-bound ops under selective checkpointing, and the launches of more,
+smaller micro-batches. Steps predicted within 5% of the fastest are ties (on a CPU the kernels are timed, and
+vary that much from run to run); ties go to the larger micro-batch, then to the rung ``fit`` tries first, then
+to fewer changes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,29 +42,38 @@ from pl_lowprec.loading.sources import shapes_only
 from pl_lowprec.memory.devices import device_spec
 from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory, resolved_precision, timed_device
 from pl_lowprec.memory.fake_model import meta_copy
+from pl_lowprec.memory.fastest import SELECTIVE_LEFT_OUT, MemorySettings, ladder, leaves_selective_out
+from pl_lowprec.memory.fastest import predicted_seconds as rung_order
+from pl_lowprec.memory.fastest import settings_config as rung_config
 from pl_lowprec.memory.quiet import quiet_setup_logs
 from pl_lowprec.memory.sizes import format_bytes
 from pl_lowprec.memory.step_time import StepTime, predict_step_time
 from pl_lowprec.transforms.config import TransformConfig
-from pl_lowprec.transforms.memory_saving import ALL_PATHS, AUTO
+from pl_lowprec.transforms.memory_saving import AUTO
 
 ASSUMED_GPU = "H100"  # the GPU a CUDA plan is timed on when none is named and this machine has none
 
 
 @dataclass(frozen=True)
 class Settings:
-    """One point of the search: what the planned config sets."""
+    """One point of the search: what the planned config sets. ``memory``: a rung of ``fastest.ladder``, the
+    checkpointing and memory-saving paths that ``"auto"`` chooses among (``GIVEN``, as given, where pinned)."""
 
     micro_batch: int
     accumulate: int
-    checkpointing: str  # "none", "every 2nd block", "every block", "selective"
-    checkpoint_every_n: int = 1
+    memory: MemorySettings
     optimizer: str | None = None
     activation_offloading: bool = False
     quantization: str | None = None  # None: as the config has it; else switched on (allow_quantization)
 
+    @property
+    def checkpointing(self) -> str:
+        """``"none"``, ``"selective"``, ``"every 2nd block"``, ``"every block"``, or ``GIVEN``."""
+        return self.memory.checkpointing
+
     def describe(self) -> str:
-        parts = [f"micro-batch {self.micro_batch} x {self.accumulate}", f"checkpointing {self.checkpointing}"]
+        """What the search chose, in words (what the config pins is said once: ``MemoryPlan.pinned``)."""
+        parts = [f"micro-batch {self.micro_batch} x {self.accumulate}", *self.memory.chosen_words()]
         if self.optimizer:
             parts.append(f"optimizer {self.optimizer}")
         if self.activation_offloading:
@@ -90,6 +106,7 @@ class MemoryPlan:
     time_on: str = "cpu"
     assumed: bool = False
     quantization: str | None = None  # the config's mode: what the advice on weights may still offer
+    pinned: list[str] = field(default_factory=list)  # the config's own checkpointing, kept in every candidate
 
     @property
     def limit(self) -> int:
@@ -130,7 +147,19 @@ class MemoryPlan:
             return ""
         return (
             f" Steps within {TIED:.0%} of the fastest ({tied} here) are ties, as the timing varies that much: the"
-            " larger micro-batch first, then no checkpointing, then fewer changes."
+            " larger micro-batch first, then the settings fit's 'auto' tries first, then fewer changes."
+        )
+
+    def chosen_line(self) -> str:
+        """The chosen candidate in one line: what the plan chose, what it kept as the config gives it, the
+        prediction."""
+        chosen = self.chosen
+        if chosen is None:
+            raise ValueError("nothing fits: say nothing_fits() instead")
+        pinned = ", ".join(self.pinned + chosen.settings.memory.pinned_words()) or "nothing"
+        return (
+            f"Chosen: {chosen.settings.describe()}; pinned as the config gives them: {pinned}; predicted peak"
+            f" {format_bytes(chosen.peak)}, step {chosen.step.seconds:.3f} s on {chosen.step.device}."
         )
 
     def nothing_fits(self) -> str:
@@ -184,15 +213,18 @@ def plan_memory(
     time_on: str | None = None,
     micro_batch: int | None = None,
 ) -> MemoryPlan:
-    """Simulate every candidate and rank them by predicted step time.
+    """Simulate the candidates (``Settings``; per micro-batch down ``fastest.ladder`` to the first rung that
+    fits) and rank them by predicted step time.
 
     Args:
         build_model: Builds the module, untransformed, on each call (called on the meta device).
         make_batch: One micro-batch of the given number of rows, at the run's sequence length.
         budget: Bytes of device memory per device.
         global_batch: Rows per optimizer step over all devices (micro-batch x accumulation x devices).
-        config: The strategy's model arguments; the searched ones are replaced per candidate.
-        block_names: The block classes to checkpoint when the config names none (``_no_split_modules``).
+        config: The strategy's model arguments; the searched ones (``searched_config``) are replaced per
+            candidate, the others kept.
+        block_names: The block classes to checkpoint when the config names none (default: the module's
+            ``_no_split_modules``, as ``"auto"`` takes them).
         cache: Estimates by settings, kept across calls that differ only in ``budget`` or ``margin``.
         sharding: The config's FSDP2 sharding (``strategy.transform_sharding(config)``): every candidate is
             simulated per rank of ``devices``.
@@ -207,28 +239,36 @@ def plan_memory(
     mode = config.quantization.mode if config.quantization is not None else None
     plan = MemoryPlan(budget, margin, time_on=timed or ASSUMED_GPU, assumed=timed is None, quantization=mode)
     spec = device_spec(plan.time_on)
-    sharded = sharding is not None
-    groups = candidate_groups(config, global_batch, devices, device, allow_quantization, block_names, sharded)
-    for group in groups if micro_batch is None else (g for g in groups if g[0].micro_batch == micro_batch):
-        for settings in group:  # from the fewest changes: the first that fits ends the group
-            estimate = None if cache is None else cache.get(settings)
-            if estimate is None:
-                with quiet_setup_logs():  # the transform's setup lines, once per candidate otherwise
-                    estimate = estimate_memory(
-                        build_model,
-                        make_batch(settings.micro_batch),
-                        precision=precision,
-                        device=device,
-                        config=settings_config(config, settings, block_names),
-                        accumulate_grad_batches=settings.accumulate,
-                        sharding=sharding,
-                        world_size=devices,
-                    )
-                if cache is not None:
-                    cache[settings] = estimate
-            step = predict_step_time(estimate.ops, spec)
-            plan.candidates.append(Candidate(settings, estimate, estimate.peak <= plan.limit, step))
-            if plan.candidates[-1].fits:
+    rungs, blocks = ladder(build_model, precision, device, config, block_names)  # fit's own candidates
+    plan.pinned = pinned_checkpointing(config, blocks)
+    extras = variants(config, device, allow_quantization, sharded=sharding is not None)
+    per_device = rows_per_device(global_batch, devices)
+    for micro in micro_batches(per_device) if micro_batch is None else [micro_batch]:
+        worth = len(extras)  # the variants still worth simulating at slower rungs
+        for rung in rungs:  # fastest first, as fit walks them
+            for index, (optimizer, offloading, quantization) in enumerate(extras[:worth]):
+                settings = Settings(micro, per_device // micro, rung, optimizer, offloading, quantization)
+                estimate = None if cache is None else cache.get(settings)
+                if estimate is None:
+                    with quiet_setup_logs():  # the transform's setup lines, once per candidate otherwise
+                        estimate = estimate_memory(
+                            build_model,
+                            make_batch(settings.micro_batch),
+                            precision=precision,
+                            device=device,
+                            config=settings_config(config, settings, blocks),
+                            accumulate_grad_batches=settings.accumulate,
+                            sharding=sharding,
+                            world_size=devices,
+                        )
+                    if cache is not None:
+                        cache[settings] = estimate
+                step = predict_step_time(estimate.ops, spec)
+                plan.candidates.append(Candidate(settings, estimate, estimate.peak <= plan.limit, step))
+                if plan.candidates[-1].fits:  # slower rungs only for variants with fewer changes than this one
+                    worth = index
+                    break
+            if worth == 0:  # fits with no change but the rung: where fit's "auto" stops too
                 break
     plan.candidates.sort(key=_ranking(plan.candidates))
     return plan
@@ -244,19 +284,19 @@ def tied_with_the_fastest(candidates: list[Candidate]) -> list[Candidate]:
 
 
 def _ranking(candidates: list[Candidate]) -> Callable[[Candidate], tuple]:
-    """Fitting candidates first; those within ``TIED`` of the fastest, the larger micro-batch and fewer changes
-    first (no checkpointing before some); then the rest, fastest first."""
+    """Fitting candidates first; those within ``TIED`` of the fastest, the larger micro-batch first, then the rung
+    ``fit`` tries first (``fastest.predicted_seconds``: no checkpointing, fewer memory-saving paths), then fewer
+    changes; then the rest, fastest first."""
     tied_ones = {id(c) for c in tied_with_the_fastest(candidates)}
 
     def key(c: Candidate) -> tuple:
         tied = id(c) in tied_ones
-        checkpointed = c.settings.checkpointing != "none"
         return (
             not c.fits,
             not tied,
             0.0 if tied else c.step.seconds,
             -c.settings.micro_batch,
-            checkpointed,
+            rung_order(None, c.settings.memory),
             _changes(c),
             c.step.seconds,
         )
@@ -264,31 +304,29 @@ def _ranking(candidates: list[Candidate]) -> Callable[[Candidate], tuple]:
     return key
 
 
-def candidate_groups(
-    config: TransformConfig,
-    global_batch: int,
-    devices: int,
-    device: torch.device,
-    allow_quantization: bool,
-    block_names: list[str] | None,
-    sharded: bool = False,
-) -> Iterator[list[Settings]]:
-    """Per micro-batch and checkpointing policy, the variants from the fewest changes to the most (the 8-bit
-    optimizer, offloading on CUDA, then quantization where allowed): a variant is simulated only when the ones
-    before it do not fit. Sharded (``lowprec_fsdp``), the 8-bit optimizer is torchao's, which steps on shards."""
+def rows_per_device(global_batch: int, devices: int) -> int:
+    """The rows of one optimizer step on each device; ``ValueError`` where they do not split evenly."""
     per_device, rest = divmod(global_batch, devices)
     if rest or per_device < 1:
         raise ValueError(
             f"The global batch of {global_batch} rows does not split evenly over {devices} devices: make it a"
             " multiple of the device count (data batch_size x accumulate_grad_batches x devices)."
         )
-    micro_batches = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, per_device) if per_device % b == 0}, reverse=True)
-    blocks = list(config.activation_checkpointing or block_names or [])
-    checkpointing = [("none", 1)]
-    if blocks:
-        checkpointing += [("every 2nd block", 2), ("every block", 1)]
-        if config.checkpoint_impl != "reentrant":  # selective runs only non-reentrant (checkpointing.py)
-            checkpointing.append(("selective", 1))
+    return per_device
+
+
+def micro_batches(per_device: int) -> list[int]:
+    """The micro-batches searched, largest first: the powers of two and ``per_device`` itself that divide it."""
+    return sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, per_device) if per_device % b == 0}, reverse=True)
+
+
+def variants(
+    config: TransformConfig, device: torch.device, allow_quantization: bool, sharded: bool = False
+) -> list[tuple[str | None, bool, str | None]]:
+    """``(optimizer, activation_offloading, quantization)`` besides the rung, from the fewest changes to the most:
+    the 8-bit optimizer, offloading on CUDA, then quantization where allowed; a variant is simulated only when the
+    ones before it do not fit. Sharded (``lowprec_fsdp``), the 8-bit optimizer is torchao's, which steps on
+    shards."""
     optimizers = [config.optimizer]
     if config.optimizer in (None, "adamw"):
         optimizers.append("torchao_adamw8bit" if sharded else "adamw8bit")
@@ -296,42 +334,54 @@ def candidate_groups(
     quantization: list[str | None] = [None]  # None: the config's own (unquantized, or its mode)
     if allow_quantization and config.quantization is None:
         quantization.append("nf4-dq")
-    for micro in micro_batches:
-        for name, every_n in checkpointing:
-            yield [
-                Settings(micro, per_device // micro, name, every_n, optimizer, offload, quant)
-                for quant in quantization
-                for offload in offloading
-                for optimizer in optimizers
-            ]
+    return [(optimizer, offload, quant) for quant in quantization for offload in offloading for optimizer in optimizers]
 
 
-def settings_config(config: TransformConfig, settings: Settings, block_names: list[str] | None) -> TransformConfig:
-    """``config`` with the candidate's settings."""
-    blocks = config.activation_checkpointing or block_names
+def pinned_checkpointing(config: TransformConfig, blocks: list[str]) -> list[str]:
+    """The config's own checkpointing, in words, where the search keeps it (``fastest.GIVEN``), or the candidate
+    its ``checkpoint_impl`` rules out; nothing where the plan chooses it all."""
+    if config.activation_checkpointing == AUTO:
+        left_out = blocks and leaves_selective_out(config)
+        return [f"checkpoint_impl reentrant ({SELECTIVE_LEFT_OUT})"] if left_out else []
+    policy = config.activation_checkpointing
+    names = policy if isinstance(policy, (list, tuple, set, frozenset)) else [policy]
+    named = ", ".join(sorted(n if isinstance(n, str) else getattr(n, "__name__", str(n)) for n in names))
+    n = config.checkpoint_every_n
+    every = f", every {n}{ORDINAL_SUFFIX.get(n, 'th')} block" if n > 1 else ""
+    mode = ", selective" if config.checkpoint_mode == "selective" else ""
+    impl = ", reentrant" if config.checkpoint_impl == "reentrant" else ""
+    return [f"activation checkpointing on {named}{every}{mode}{impl}"]
+
+
+ORDINAL_SUFFIX = {2: "nd", 3: "rd"}
+
+
+def settings_config(config: TransformConfig, settings: Settings, blocks: list[str] | None) -> TransformConfig:
+    """``config`` (``searched_config``'s) with the candidate's settings: its rung as ``fit`` sets it
+    (``fastest.settings_config``, which leaves no ``"auto"``), and the plan's own variants."""
+    planned = rung_config(searched_config(config), settings.memory, list(blocks or []))
     changes: dict[str, Any] = {"optimizer": settings.optimizer, "activation_offloading": settings.activation_offloading}
     if settings.quantization is not None:
         changes["quantization"] = settings.quantization
-    if settings.checkpointing == "none":
-        changes.update(activation_checkpointing=None, checkpoint_every_n=1, checkpoint_mode="full")
-    else:
-        mode = "selective" if settings.checkpointing == "selective" else "full"
-        changes.update(activation_checkpointing=blocks, checkpoint_every_n=settings.checkpoint_every_n)
-        changes["checkpoint_mode"] = mode
-    return dataclasses.replace(config, **changes)
+    return dataclasses.replace(planned, **changes)
 
 
 def searched_config(config: TransformConfig) -> TransformConfig:
-    """``activation_checkpointing="auto"`` leaves the blocks to the plan, as a config that names none does (the
-    plan searches the blocks the model declares); ``memory_saving="auto"`` is simulated, and written, on its
-    memory-saving side (every path), so that ``fit`` of the written config runs what was simulated rather than
-    choosing again."""
-    changes: dict[str, Any] = {}
-    if config.activation_checkpointing == "auto":
-        changes["activation_checkpointing"] = None
-    if config.memory_saving == AUTO:
-        changes["memory_saving"] = ALL_PATHS
-    return dataclasses.replace(config, **changes) if changes else config
+    """The config as the plan searches it: its ``"auto"`` settings, and checkpointing where it names no blocks (a
+    config the plan may checkpoint, as the plan always read it), are chosen among ``fit``'s own candidates
+    (``fastest.ladder``); whatever else it gives is kept. The written config names what was chosen, never
+    ``"auto"``, so ``fit`` runs what was simulated rather than choosing again."""
+    if config.activation_checkpointing is None:
+        return dataclasses.replace(config, activation_checkpointing=AUTO)
+    return config
+
+
+def checkpointed_blocks(config: TransformConfig, block_names: list[str] | None) -> Any:
+    """The blocks checkpointing (and FSDP2's shard units) apply to: the config's, or ``block_names`` where it
+    leaves them to the plan."""
+    if config.activation_checkpointing in (None, AUTO):
+        return block_names
+    return config.activation_checkpointing
 
 
 def fresh_copies(model: nn.Module) -> Callable[[], nn.Module]:

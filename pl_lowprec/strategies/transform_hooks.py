@@ -123,7 +123,7 @@ class TransformHooks(TransformArguments):
             int(trainer.accumulate_grad_batches),
             str(plugin.precision),
             self.root_device,
-            self.transform_config,
+            config,  # as given: the refusal's plan searches its "auto" settings, not the choice that did not fit
             self.transform.sharding,
             self.world_size,
             estimate=search.estimate if search is not None else None,

@@ -84,6 +84,32 @@ def test_a_run_above_the_budget_stops_before_any_step_naming_the_plan():
         torch.testing.assert_close(param, before[name], rtol=0, atol=0, msg=name)  # nothing transformed
 
 
+def test_above_the_budget_the_plan_searches_the_auto_settings_as_given():
+    """With ``"auto"`` settings and nothing fitting at the run's micro-batch, the refusal's plan searches the
+    settings as the config gives them ("auto"), not the most memory-saving ones the choice ended on (every block
+    checkpointed, which the plan would keep as given): at one row a micro-batch every 2nd block is enough."""
+    build = lambda: tiny_llama(hidden_size=64)  # noqa: E731
+    blocks = {"activation_checkpointing": ["LlamaDecoderLayer"]}
+    saving = estimate_memory(build, next(iter(_loader(batch_size=2))), precision="bf16-mixed", lora=LORA, **blocks)
+    every_2nd_one_row = estimate_memory(
+        build,
+        next(iter(_loader(batch_size=1))),
+        precision="bf16-mixed",
+        lora=LORA,
+        checkpoint_every_n=2,
+        accumulate_grad_batches=2,
+        **blocks,
+    )
+    assert every_2nd_one_row.peak < saving.peak
+    auto = {"memory_saving": "auto", "activation_checkpointing": "auto"}
+    with pytest.raises(ValueError) as refused:
+        _fit(memory_budget=(every_2nd_one_row.peak + saving.peak) // 2, batch_size=2, **auto)
+    assert (
+        "The plan for this budget and the same global batch: micro-batch 1 x 2, activation checkpointing on every 2nd"
+        f" block, fused LoRA MLP, norms recomputed row-wise (predicted {every_2nd_one_row.peak / 2**20:.2f} MiB)"
+    ) in str(refused.value)
+
+
 def test_a_budget_below_anything_possible_says_what_dominates(caplog):
     expected = r"memory_budget=1\.00 KiB: .*Nothing fits in 1\.00 KiB.*The largest part is"  # not "0.00 MiB"
     with caplog.at_level("INFO"), pytest.raises(ValueError, match=expected):

@@ -17,6 +17,7 @@ from pl_lowprec import LowPrecisionStrategy, estimate_memory
 from pl_lowprec.cli.dispatch import main as cli
 from pl_lowprec.demo import StdlibTextDataModule, TinyLlama
 from pl_lowprec.distributed.sharding import Sharding
+from pl_lowprec.memory.fastest import MemorySettings
 from pl_lowprec.memory.plan import MemoryPlan, Settings, plan_memory, resized, settings_config
 from pl_lowprec.memory.sizes import parse_bytes
 from pl_lowprec.transforms.config import TransformConfig
@@ -25,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SIZES = {"hidden": 64, "layers": 2, "batch_size": 8, "seq_len": 64}
 LORA = {"lora": {"r": 8}}
 BLOCKS = ["LlamaDecoderLayer"]
+NONE, EVERY_BLOCK = MemorySettings("none", frozenset()), MemorySettings("every block", frozenset())
 
 
 def _measure(settings: dict, batch_size: int) -> int:
@@ -81,9 +83,10 @@ def test_nothing_fits_names_the_smallest_peak_and_what_dominates():
     message = plan.nothing_fits()
     assert f"smallest predicted peak of the {len(plan.candidates)} candidates is {smallest / 2**20:.2f} MiB" in message
     split = min(plan.candidates, key=lambda c: c.peak).estimate.peak_split
-    dominant = max(split, key=split.get).replace("_", " ")
-    assert f"The largest part is {dominant}:" in message
-    assert "shorter sequences" in message  # for activations: what to change
+    dominant = max(split, key=split.get)
+    assert f"The largest part is {dominant.replace('_', ' ')}:" in message
+    advice = {"activations": "shorter sequences", "weights": "quantize the base weights"}[dominant]
+    assert advice in message  # what to change for the largest part (with every block checkpointed: the weights)
 
 
 @pytest.mark.parametrize(
@@ -105,7 +108,7 @@ def test_nothing_fits_offers_quantization_only_where_the_weights_are_not_4bit(co
 
     estimate = SimpleNamespace(peak=3 * 2**20, peak_split={"weights": 2 * 2**20, "activations": 2**20})
     step = StepTime("cpu", 1.0, 1.0, 0.0, 0.0, 1, 1, 1)
-    smallest = Candidate(Settings(1, 8, "every block", quantization=searched), estimate, False, step)
+    smallest = Candidate(Settings(1, 8, EVERY_BLOCK, quantization=searched), estimate, False, step)
     plan = MemoryPlan(2**20, 0.1, [smallest], quantization=config_mode)
     message = plan.nothing_fits()
     assert f"The largest part is weights: {advice}" in message
@@ -204,7 +207,7 @@ def test_cli_writes_a_config_that_fit_runs_and_never_overwrites(tmp_path, capsys
         ]
     )
     printed = capsys.readouterr().out
-    assert "Chosen: micro-batch 4 x 1, checkpointing none" in printed  # everything fits: nothing to change
+    assert "Chosen: micro-batch 4 x 1, no activation checkpointing;" in printed  # everything fits: nothing to change
     planned = yaml.safe_load(out.read_text())
     assert planned["data"]["init_args"]["max_bytes"] == 150_000  # an override without init_args lands inside it
     assert planned["data"]["init_args"]["batch_size"] * planned["trainer"]["accumulate_grad_batches"] == 4
@@ -314,7 +317,7 @@ def test_cli_on_several_devices_also_says_what_sharding_would_fit(tmp_path, caps
     printed = capsys.readouterr().out
     line = next(x for x in printed.splitlines() if x.startswith("Sharded over 2 devices instead"))
     assert "pl_lowprec.LowPrecisionFSDPStrategy" in line
-    assert "the best candidate fits: micro-batch 1 x 1, checkpointing none" in line
+    assert "the best candidate fits: micro-batch 1 x 1, no activation checkpointing" in line
     said = float(line.split("predicted ")[1].split(" MiB per rank")[0])
     data = StdlibTextDataModule(seq_len=64, batch_size=1, max_bytes=60_000)
     data.setup("fit")
@@ -363,7 +366,7 @@ def test_sharding_is_not_chosen_where_it_changes_the_4bit_storage():
 
     sharded_step = StepTime("H100", 0.030, 0.02, 0.01, 0.0, 900, 10**12, 10**9, communication=0.001)
     sharded_step = dataclasses.replace(sharded_step, collectives=7, collective_seconds=0.004, interconnect="NVLink")
-    fitting = SimpleNamespace(peak=1, settings=Settings(1, 1, "none"), step=sharded_step)
+    fitting = SimpleNamespace(peak=1, settings=Settings(1, 1, NONE), step=sharded_step)
     make_plan = lambda *args, **kwargs: SimpleNamespace(chosen=fitting, candidates=[fitting])  # noqa: E731
     quantized = TransformConfig(quantization="nf4-dq", **LORA, activation_checkpointing=BLOCKS)
     options = SimpleNamespace(margin=0.1, allow_quantization=False)
@@ -380,7 +383,7 @@ def test_sharding_is_not_chosen_where_it_changes_the_4bit_storage():
     )
     untimed = dataclasses.replace(sharded_step, interconnect="")
     make_plan = lambda *args, **kwargs: SimpleNamespace(  # noqa: E731
-        chosen=SimpleNamespace(peak=1, settings=Settings(1, 1, "none"), step=untimed), candidates=[]
+        chosen=SimpleNamespace(peak=1, settings=Settings(1, 1, NONE), step=untimed), candidates=[]
     )
     plan, line = _sharded_alternative(make_plan, quantized, 2, options, BLOCKS, unsharded=unsharded)
     assert line.endswith("against 0.030 s sharded, its 7 collectives not timed).")
@@ -396,7 +399,8 @@ def test_steps_predicted_within_five_percent_are_tied_and_go_to_fewer_changes():
 
     def candidate(micro_batch: int, checkpointing: str, seconds: float, fits: bool = True) -> Candidate:
         step = StepTime("cpu", seconds, seconds, 0.0, 0.0, 1, 1, 1)
-        return Candidate(Settings(micro_batch, 8 // micro_batch, checkpointing), SimpleNamespace(peak=1), fits, step)
+        memory = MemorySettings(checkpointing, frozenset())
+        return Candidate(Settings(micro_batch, 8 // micro_batch, memory), SimpleNamespace(peak=1), fits, step)
 
     plain, selective = candidate(8, "none", 1.00), candidate(8, "selective", 0.97)
     smaller, slow, too_big = (
@@ -411,7 +415,7 @@ def test_steps_predicted_within_five_percent_are_tied_and_go_to_fewer_changes():
     header = MemoryPlan(budget=2**30, margin=0.1, candidates=ranked).table().splitlines()[0]
     assert header.endswith(
         "Steps within 5% of the fastest (3 here) are ties, as the timing varies that much: the"
-        " larger micro-batch first, then no checkpointing, then fewer changes."
+        " larger micro-batch first, then the settings fit's 'auto' tries first, then fewer changes."
     )
     alone = MemoryPlan(budget=2**30, margin=0.1, candidates=[plain, slow]).table().splitlines()[0]
     assert "ties" not in alone
@@ -419,32 +423,129 @@ def test_steps_predicted_within_five_percent_are_tied_and_go_to_fewer_changes():
 
 def test_cli_plan_with_reentrant_checkpointing_leaves_selective_out(tmp_path, capsys):
     """``checkpoint_impl: reentrant`` is kept; selective checkpointing, non-reentrant only, is not a candidate, so
-    the plan runs instead of refusing a ``checkpoint_mode`` the user never set (audit 64b #6)."""
+    the plan runs instead of refusing a ``checkpoint_mode`` the user never set (audit 64b #6); the Chosen line says
+    so where the plan chooses the checkpointing, and names the blocks where the config does."""
     strategy = {**LORA, "activation_checkpointing": BLOCKS, "checkpoint_impl": "reentrant"}
     source = _write_config(tmp_path, batch_size=1, strategy=strategy)
     out = tmp_path / "plan.yaml"
     cli(["plan", "--config", str(source), "--memory", "64MiB", "--data.max_bytes", "60000", "--out", str(out)])
     printed = capsys.readouterr().out
     assert "Chosen:" in printed and "selective" not in printed
+    assert "; pinned as the config gives them: activation checkpointing on LlamaDecoderLayer, reentrant;" in printed
     init_args = yaml.safe_load(out.read_text())["trainer"]["strategy"]["init_args"]
     assert init_args["checkpoint_impl"] == "reentrant" and init_args["checkpoint_mode"] == "full"
+    assert init_args["activation_checkpointing"] == BLOCKS  # as given: not varied
+    source = _write_config(tmp_path, batch_size=1, strategy={**strategy, "activation_checkpointing": "auto"})
+    cli(["plan", "--config", str(source), "--memory", "1.9MiB", "--data.max_bytes", "60000", "--margin", "0"])
+    chosen = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("Chosen:"))
+    assert chosen.startswith("Chosen: micro-batch 1 x 1, activation checkpointing on every 2nd block;"), chosen
+    assert "; pinned as the config gives them: checkpoint_impl reentrant (selective checkpointing left out);" in chosen
 
 
-def test_cli_plan_pins_memory_saving_so_the_written_config_estimates_what_was_planned(tmp_path, capsys):
-    """``memory_saving: auto`` is simulated on its memory-saving side; the written config says so, so that fit runs
-    those paths rather than choosing the faster side the plan never simulated (audit 64b #7)."""
-    strategy = {**LORA, "memory_saving": "auto", "activation_checkpointing": "auto"}
-    source = _write_config(tmp_path, batch_size=2, strategy=strategy)
-    out = tmp_path / "plan.yaml"
-    cli(["plan", "--config", str(source), "--memory", "64MiB", "--data.max_bytes", "60000", "--out", str(out)])
-    printed = capsys.readouterr().out
-    init_args = yaml.safe_load(out.read_text())["trainer"]["strategy"]["init_args"]
-    assert init_args["memory_saving"] is True  # every path, as simulated: not "auto"
-    assert init_args["activation_checkpointing"] != "auto"
-    chosen = float(printed.split("predicted peak ")[-1].split(" MiB")[0])
+def _bf16_config(tmp_path: Path, strategy: dict) -> Path:
+    """A tiny LoRA TinyLlama under bf16-mixed, one row a step: the strategy's memory-saving paths apply."""
+    source = _write_config(tmp_path, batch_size=1, strategy=strategy)
+    fields = yaml.safe_load(source.read_text())
+    fields["trainer"]["precision"] = "bf16-mixed"
+    source.write_text(yaml.safe_dump(fields))
+    return source
+
+
+def _plan_and_estimate(source: Path, out: Path, memory: str) -> tuple[dict, float]:
+    """Plan ``source`` for ``memory`` into ``out``: the written strategy arguments, and the written config's own
+    estimate in MiB (rounded as printed)."""
     from pl_lowprec.cli.estimate import estimate_config
 
-    assert chosen == round(estimate_config(["--config", str(out)]).peak / 2**20, 2)
+    common = ["--data.max_bytes", "60000", "--margin", "0", "--out", str(out), "--overwrite"]
+    cli(["plan", "--config", str(source), "--memory", memory, *common])
+    init_args = yaml.safe_load(out.read_text())["trainer"]["strategy"]["init_args"]
+    return init_args, round(estimate_config(["--config", str(out)]).peak / 2**20, 2)
+
+
+def _uncheckpointed_peak(source: Path, memory_saving: str) -> int:
+    """The estimate of ``source`` without checkpointing and with ``memory_saving`` as given."""
+    from pl_lowprec.cli.estimate import estimate_config
+
+    strategy = "--trainer.strategy.init_args."
+    overrides = [f"{strategy}memory_saving", memory_saving, f"{strategy}activation_checkpointing", "null"]
+    return estimate_config(["--config", str(source), *overrides]).peak
+
+
+MEMORY_SAVING_OFF = "MLP unfused, norms with their own backward"
+MEMORY_SAVING_ON = "fused LoRA MLP, norms recomputed row-wise"
+
+
+def test_cli_plan_takes_the_faster_side_of_memory_saving_auto_where_it_fits(tmp_path, capsys):
+    """``memory_saving: auto`` is searched as fit searches it (``fastest.ladder``): with room, the paths off (the
+    faster side, which the plan never simulated before) are chosen and written; for a budget of exactly the
+    paths-on peak, which the paths-off side exceeds, the paths are turned on. Either way the written config
+    estimates the peak the plan chose by, and names the paths (never "auto")."""
+    source = _bf16_config(tmp_path, {**LORA, "memory_saving": "auto", "activation_checkpointing": "auto"})
+    on, off = _uncheckpointed_peak(source, "true"), _uncheckpointed_peak(source, "false")
+    assert on < off
+    out = tmp_path / "plan.yaml"
+    for memory, expected, written in (("64MiB", MEMORY_SAVING_OFF, False), (str(on), MEMORY_SAVING_ON, True)):
+        init_args, estimated = _plan_and_estimate(source, out, memory)
+        printed = capsys.readouterr().out
+        chosen = next(line for line in printed.splitlines() if line.startswith("Chosen:"))
+        assert chosen.startswith(f"Chosen: micro-batch 1 x 1, no activation checkpointing, {expected};"), chosen
+        assert "; pinned as the config gives them: nothing;" in chosen
+        assert init_args["memory_saving"] is written and init_args["activation_checkpointing"] is None
+        assert estimated == float(chosen.split("predicted peak ")[1].split(" MiB")[0])
+
+
+def test_cli_plan_keeps_what_the_config_gives_and_says_so(tmp_path, capsys):
+    """An explicit ``memory_saving`` is not varied, though turning the paths on would fit without checkpointing:
+    checkpointing is chosen instead, and the Chosen line names the paths as pinned; explicit blocks are kept as
+    pinned while the paths are chosen."""
+    source = _bf16_config(tmp_path, {**LORA, "memory_saving": False, "activation_checkpointing": "auto"})
+    on = _uncheckpointed_peak(source, "true")
+    out = tmp_path / "plan.yaml"
+    init_args, _ = _plan_and_estimate(source, out, str(on))
+    printed = capsys.readouterr().out
+    chosen = next(line for line in printed.splitlines() if line.startswith("Chosen:"))
+    assert "fused LoRA MLP" not in printed and "norms recomputed" not in printed  # no candidate turns them on
+    assert chosen.startswith("Chosen: micro-batch 1 x 1, ") and "activation checkpointing" in chosen.split(";")[0]
+    assert MEMORY_SAVING_OFF not in chosen.split(";")[0]  # not among what the plan chose
+    assert f"; pinned as the config gives them: {MEMORY_SAVING_OFF};" in chosen
+    assert init_args["memory_saving"] is False and init_args["activation_checkpointing"] == BLOCKS
+
+    source = _bf16_config(tmp_path, {**LORA, "memory_saving": "auto", "activation_checkpointing": BLOCKS})
+    init_args, _ = _plan_and_estimate(source, out, "64MiB")
+    chosen = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("Chosen:"))
+    assert chosen.startswith(f"Chosen: micro-batch 1 x 1, {MEMORY_SAVING_OFF}; pinned as the config gives them:"
+                             " activation checkpointing on LlamaDecoderLayer;"), chosen  # fmt: skip
+    assert init_args["activation_checkpointing"] == BLOCKS and init_args["memory_saving"] is False
+
+
+def test_at_the_configs_micro_batch_the_plan_holds_what_auto_chooses_for_the_same_limit():
+    """The plan's candidates are fit's own (``fastest.ladder``), walked as ``fastest_fitting`` walks them: for a
+    budget at each candidate's peak (and just under it), the plan's fitting candidate at the config's micro-batch
+    without other changes has the settings and the peak that ``activation_checkpointing``/``memory_saving: auto``
+    choose for the same limit."""
+    from qlora_helpers import tiny_llama
+
+    from pl_lowprec.memory.fastest import fastest_fitting
+
+    build = lambda: tiny_llama(hidden_size=64)  # noqa: E731
+    batch = {"input_ids": torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))}
+    config = TransformConfig(lora={"r": 4, "lora_alpha": 8}, memory_saving="auto", activation_checkpointing="auto")
+    every = fastest_fitting(build, batch, 0, "bf16-mixed", "cpu", config)  # nothing fits: every candidate
+    peaks = sorted({estimate.peak for _, _, estimate in every.tried})
+    assert len(peaks) >= 4
+    cache: dict = {}
+    keys = ("activation_checkpointing", "checkpoint_every_n", "checkpoint_mode", "memory_saving")
+    for budget in [peaks[0], *(p for peak in peaks[1:] for p in (peak, peak - 1))]:  # under peaks[0] nothing fits
+        auto = fastest_fitting(build, batch, budget, "bf16-mixed", "cpu", config)
+        plan = plan_memory(
+            build, lambda rows: resized(batch, rows), budget, 4, "bf16-mixed", "cpu", config, margin=0.0,
+            cache=cache, time_on="H100", micro_batch=4,
+        )  # fmt: skip
+        plain = [c for c in plan.candidates if c.fits and c.settings.optimizer is None]
+        assert auto.fits and len(plain) == 1, (budget, plan.table())
+        planned = settings_config(config, plain[0].settings, BLOCKS)
+        assert {k: getattr(planned, k) for k in keys} == {k: getattr(auto.config, k) for k in keys}, budget
+        assert plain[0].peak == auto.estimate.peak
 
 
 def test_cli_plan_for_several_devices_writes_ddp_over_a_single_device_strategy(tmp_path, capsys):

@@ -15,6 +15,7 @@ from pl_lowprec.cli.estimate import main as estimate_cli
 from pl_lowprec.demo import TinyLlama
 from pl_lowprec.memory.devices import GPUS, DeviceSpec, device_spec, local_cpu
 from pl_lowprec.memory.estimate import resolved_precision
+from pl_lowprec.memory.fastest import MemorySettings
 from pl_lowprec.memory.op_counts import ATTENTION, MATMUL, CountingMode, OpProfile, family
 from pl_lowprec.memory.plan import Settings, plan_memory, resized
 from pl_lowprec.memory.step_time import predict_step_time
@@ -327,10 +328,11 @@ def test_plan_ranks_by_predicted_time_where_flops_disagree():
             _tiny, make, budget, 4, config=config, margin=0.0, block_names=blocks, cache=cache, time_on="H100"
         )
 
-    everything = {c.settings: c for c in plan(2**40).candidates}
-    every_2nd, smaller = Settings(4, 1, "every 2nd block", 2), Settings(2, 2, "none", 1)
+    everything = {c.settings: c for c in plan(0).candidates}  # nothing fits: every candidate simulated
+    none, every_2nd = MemorySettings("none", frozenset()), MemorySettings("every 2nd block", frozenset())
+    every_2nd, smaller = Settings(4, 1, every_2nd), Settings(2, 2, none)
     budget = everything[every_2nd].peak  # fits it and every smaller peak, not micro-batch 4 without recompute
-    assert max(everything[every_2nd].peak, everything[smaller].peak) <= budget < everything[Settings(4, 1, "none")].peak
+    assert max(everything[every_2nd].peak, everything[smaller].peak) <= budget < everything[Settings(4, 1, none)].peak
     planned = plan(budget)
     fitting = [c for c in planned.candidates if c.fits]
     assert [c.step.seconds for c in fitting] == sorted(c.step.seconds for c in fitting)
