@@ -8,13 +8,20 @@ And a run whose ``max_steps`` is off the grid (60 steps, every 20: fine; 50 step
 last steps: ``last.ckpt`` holds step 40, and ``pl-lowprec export`` of it exports the adapters of 10 steps before
 the end without a word. Hugging Face's ``Trainer`` saves at the end for the same reason (transformers#30160).
 
+A validation can run between the micro-batches of a step (an integer ``val_check_interval`` that is no multiple of
+``accumulate_grad_batches``), and Lightning saves at its end (the epoch schedule, or a step save that waited for
+the monitored metric): that file too lacks the gradients of the window's first micro-batches.
+
 And where ``max_steps`` stops a run inside an epoch, Lightning saves (an epoch schedule: its default) at the epoch's
 end, in a state that counts the epoch as complete: a resumption skips the rest of the epoch's batches.
 
 ``StepBoundaryCheckpoint`` saves only on a batch that stepped the optimizer, and saves the run's final step on its
 last batch, where it resumes exactly: off a step or time schedule's grid, and inside an epoch (the latest
 ``save_top_k`` files without a monitor; ``last.ckpt`` where ``save_last``; a monitored top-k is not ranked on a
-stale metric, and a monitored epoch schedule is Lightning's). It keeps Lightning's state key, so checkpoints resume
+stale metric, and a monitored epoch schedule is Lightning's). A validation's save without a monitor that falls inside
+a step is made where the step ends (a stop asked for in the validation, ``EarlyStopping``'s, saves at once: the run
+ends there); a monitored one is Lightning's, at once, so that the file holds the weights its metric scored, and a
+resumption from it says what it lacks (``mid_step_resumption``). It keeps Lightning's state key, so checkpoints resume
 across the two classes. ``pl-lowprec`` and the strategies turn Lightning's own ``ModelCheckpoint`` callbacks (that
 exact class: the same objects, arguments and state) into this one; its own name keeps
 ``--trainer.callbacks+=ModelCheckpoint`` meaning Lightning's on the command line.
@@ -40,6 +47,7 @@ class StepBoundaryCheckpoint(LightningModelCheckpoint):
     would miss."""
 
     _global_step_at_batch_start: int | None = None
+    _validation_save_pending: bool = False  # a validation ended inside a step: its save waits for the step's end
 
     def _generate_state_key(self, **kwargs: Any) -> str:
         return f"{LightningModelCheckpoint.__qualname__}{kwargs!r}"  # Lightning's key: either class resumes the other
@@ -52,6 +60,16 @@ class StepBoundaryCheckpoint(LightningModelCheckpoint):
         super().on_load_checkpoint(trainer, pl_module, checkpoint)
         if trainer.state.fn == TrainerFn.FITTING:
             as_saved_at_the_last_batch(checkpoint, trainer.max_steps)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Inside an accumulated step, an unmonitored save waits for the step's end: a file saved here would lack
+        the gradients of the step's micro-batches so far, and a resumption from it would take the step without
+        them."""
+        deferrable = self.monitor is None and pl_module.automatic_optimization and not trainer.should_stop
+        if deferrable and inside_an_accumulated_step(trainer):
+            self._validation_save_pending = True
+            return
+        super().on_validation_end(trainer, pl_module)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -67,6 +85,9 @@ class StepBoundaryCheckpoint(LightningModelCheckpoint):
         if trainer.global_step == self._global_step_at_batch_start:
             return  # a micro-batch of an accumulated step: its gradients would not be in the file
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self._validation_save_pending:
+            self._validation_save_pending = False
+            super().on_validation_end(trainer, pl_module)
         if run_ends_after_this_batch(trainer) and not self._should_skip_saving_checkpoint(trainer):
             self._save_final_step(trainer)
 
@@ -82,6 +103,14 @@ class StepBoundaryCheckpoint(LightningModelCheckpoint):
         if self.monitor is None:  # the latest k; a monitored top-k would rank the end on a stale metric
             self._save_topk_checkpoint(trainer, candidates)
         self._save_last_checkpoint(trainer, candidates)
+
+
+def inside_an_accumulated_step(trainer: pl.Trainer) -> bool:
+    """Whether the fit loop stands between the micro-batches of an optimizer step (at a validation inside the
+    epoch: the batch just trained did not step)."""
+    if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
+        return False
+    return trainer.fit_loop.epoch_loop._should_accumulate()
 
 
 def run_ends_after_this_batch(trainer: pl.Trainer) -> bool:

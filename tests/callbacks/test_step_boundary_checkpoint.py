@@ -174,3 +174,27 @@ def test_the_strategy_uses_it_for_lightnings_class(tmp_path):
     )
     trainer.fit(Regression())
     assert type(callback) is StepBoundaryCheckpoint and saved(tmp_path / "last.ckpt")[0] == 3
+
+
+@pytest.mark.parametrize(
+    ("checkpoint_class", "exact"),
+    [(LightningModelCheckpoint, False), (StepBoundaryCheckpoint, True)],
+    ids=["lightning", "pl_lowprec"],
+)
+def test_a_validation_inside_an_accumulated_step_saves_where_the_step_ends(tmp_path, checkpoint_class, exact):
+    """Validating every 3 batches while accumulating 2, the default schedule saves at each validation's end: after
+    batch 3, the first micro-batch of step 2, Lightning writes step 1 with the loop past that micro-batch and
+    without its gradients, and a resumption from it takes step 2 on batch 4 alone."""
+    schedule = {"save_top_k": -1}
+    uninterrupted = fit(tmp_path / "full", checkpoint_class, schedule=schedule, validate_every=3, max_steps=8)
+    files = sorted(p.name for p in (tmp_path / "full").glob("epoch=*.ckpt"))
+    steps = sorted(torch.load(tmp_path / "full" / name, weights_only=False)["global_step"] for name in files)
+    assert steps == ([2, 3, 5, 7, 8] if exact else [1, 3, 4, 6, 8])  # Lightning's steps 1 and 4: inside a step
+    for name in files:
+        progress = torch.load(tmp_path / "full" / name, weights_only=False)["loops"]["fit_loop"]
+        processed = progress["epoch_loop.batch_progress"]["current"]["processed"]
+        resume = {"ckpt_path": tmp_path / "full" / name, "schedule": schedule, "validate_every": 3, "max_steps": 8}
+        resumed = fit(tmp_path / name, checkpoint_class, **resume)
+        at_a_step_end = processed % ACCUMULATE == 0
+        assert torch.equal(resumed, uninterrupted) is at_a_step_end, name
+        assert at_a_step_end or not exact, name
