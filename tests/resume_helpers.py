@@ -65,11 +65,12 @@ def fit(
     validate_every=None,
     plain_loader=False,
     epoch_scheduler=False,
+    callbacks=(),
     **trainer_args,
 ) -> torch.Tensor:
     """Train to ``max_steps`` (or ``max_epochs``), the random generator from ``seed`` (after the weights' own),
     saving every 2 steps (or on ``schedule``'s arguments) and ``last.ckpt`` into ``directory``; validating every
-    ``validate_every`` batches where given. The final weights."""
+    ``validate_every`` batches where given, with ``callbacks`` besides. The final weights."""
     model = Regression(dropout, plain_loader, epoch_scheduler)
     torch.manual_seed(seed)
     schedule = {"every_n_train_steps": EVERY, "save_top_k": -1} if schedule is None else schedule
@@ -77,7 +78,7 @@ def fit(
         accelerator=trainer_args.pop("accelerator", "cpu"),
         strategy=strategy,
         accumulate_grad_batches=ACCUMULATE,
-        callbacks=[checkpoint_class(dirpath=directory, save_last=True, **schedule)],
+        callbacks=[*callbacks, checkpoint_class(dirpath=directory, save_last=True, **schedule)],
         val_check_interval=validate_every,
         limit_val_batches=1.0 if validate_every else 0,
         num_sanity_val_steps=0,

@@ -19,17 +19,19 @@ end, in a state that counts the epoch as complete: a resumption skips the rest o
 last batch, where it resumes exactly: off a step or time schedule's grid, and inside an epoch (the latest
 ``save_top_k`` files without a monitor; ``last.ckpt`` where ``save_last``; a monitored top-k is not ranked on a
 stale metric, and a monitored epoch schedule is Lightning's). A validation's save without a monitor that falls inside
-a step is made where the step ends (a stop asked for in the validation, ``EarlyStopping``'s, saves at once: the run
-ends there); a monitored one is Lightning's, at once, so that the file holds the weights its metric scored, and a
-resumption from it says what it lacks (``mid_step_resumption``). It keeps Lightning's state key, so checkpoints resume
-across the two classes. ``pl-lowprec`` and the strategies turn Lightning's own ``ModelCheckpoint`` callbacks (that
-exact class: the same objects, arguments and state) into this one; its own name keeps
-``--trainer.callbacks+=ModelCheckpoint`` meaning Lightning's on the command line.
+a step is made where the step ends. A run stopped inside a step (``max_time``, ``EarlyStopping`` or a callback's
+``trainer.should_stop``) saves its final step at once, and a monitored validation save inside a step is made at
+once (the file holds the weights its metric scored): both written as at the last step's end
+(``step_end_rewind.py``), so that a resumption trains the step's micro-batches again. It keeps Lightning's state
+key, so checkpoints resume across the two classes. ``pl-lowprec`` and the strategies turn Lightning's own
+``ModelCheckpoint`` callbacks (that exact class: the same objects, arguments and state) into this one; its own name
+keeps ``--trainer.callbacks+=ModelCheckpoint`` meaning Lightning's on the command line.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -38,7 +40,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 
 from pl_lowprec.callbacks.epoch_end_resumption import as_saved_at_the_last_batch
+from pl_lowprec.callbacks.step_end_rewind import can_set_back, micro_batches_into_the_step, random_states_as, set_back
 from pl_lowprec.callbacks.swap import in_place, swap_default_callbacks
+from pl_lowprec.generator_states import random_states
 
 
 class StepBoundaryCheckpoint(LightningModelCheckpoint):
@@ -48,6 +52,8 @@ class StepBoundaryCheckpoint(LightningModelCheckpoint):
 
     _global_step_at_batch_start: int | None = None
     _validation_save_pending: bool = False  # a validation ended inside a step: its save waits for the step's end
+    _step_end_random_states: dict[str, Any] | None = None  # where the latest step ended (``step_end_rewind.py``)
+    _micro_batches_to_set_back: int = 0  # set while this callback writes a file as at the last step's end
 
     def _generate_state_key(self, **kwargs: Any) -> str:
         return f"{LightningModelCheckpoint.__qualname__}{kwargs!r}"  # Lightning's key: either class resumes the other
@@ -65,11 +71,13 @@ class StepBoundaryCheckpoint(LightningModelCheckpoint):
         """Inside an accumulated step, an unmonitored save waits for the step's end: a file saved here would lack
         the gradients of the step's micro-batches so far, and a resumption from it would take the step without
         them."""
-        deferrable = self.monitor is None and pl_module.automatic_optimization and not trainer.should_stop
-        if deferrable and inside_an_accumulated_step(trainer):
+        if not (pl_module.automatic_optimization and inside_an_accumulated_step(trainer)):
+            super().on_validation_end(trainer, pl_module)
+        elif self.monitor is None and not trainer.should_stop:
             self._validation_save_pending = True
-            return
-        super().on_validation_end(trainer, pl_module)
+        else:
+            with self._as_at_the_last_step_end(trainer):
+                super().on_validation_end(trainer, pl_module)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -82,14 +90,45 @@ class StepBoundaryCheckpoint(LightningModelCheckpoint):
         if not pl_module.automatic_optimization:  # a manual loop steps as it likes
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
             return
-        if trainer.global_step == self._global_step_at_batch_start:
-            return  # a micro-batch of an accumulated step: its gradients would not be in the file
+        if trainer.global_step == self._global_step_at_batch_start:  # a micro-batch of an accumulated step
+            if trainer.should_stop and not self._should_skip_saving_checkpoint(trainer) and self._can_set_back(trainer):
+                with self._as_at_the_last_step_end(trainer):
+                    self._save_final_step(trainer)
+            return
+        self._step_end_random_states = random_states()
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self._validation_save_pending:
             self._validation_save_pending = False
             super().on_validation_end(trainer, pl_module)
         if run_ends_after_this_batch(trainer) and not self._should_skip_saving_checkpoint(trainer):
             self._save_final_step(trainer)
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        super().on_save_checkpoint(trainer, pl_module, checkpoint)
+        if self._micro_batches_to_set_back:
+            set_back(checkpoint, self._micro_batches_to_set_back)
+
+    def _can_set_back(self, trainer: pl.Trainer) -> bool:
+        """Whether a file saved now can be written as at the last step's end: a step ended in this epoch (its
+        random states were kept) and the training loaders' positions can be set back."""
+        into_the_step = micro_batches_into_the_step(trainer)
+        ended_in_this_epoch = trainer.fit_loop.epoch_loop.batch_progress.current.processed > into_the_step
+        return self._step_end_random_states is not None and ended_in_this_epoch and can_set_back(trainer)
+
+    @contextmanager
+    def _as_at_the_last_step_end(self, trainer: pl.Trainer) -> Iterator[None]:
+        """Saves in the block are written as at the last step's end where they can be (else as they stand)."""
+        if not self._can_set_back(trainer):
+            yield
+            return
+        self._micro_batches_to_set_back = micro_batches_into_the_step(trainer)
+        try:
+            with random_states_as(self._step_end_random_states):
+                yield
+        finally:
+            self._micro_batches_to_set_back = 0
 
     def _save_final_step(self, trainer: pl.Trainer) -> None:
         """The final step, where Lightning would not save it (a step or time schedule off its grid) or would save

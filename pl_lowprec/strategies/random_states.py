@@ -17,41 +17,24 @@ ones, so the data order and the dropout masks are the uninterrupted run's.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np  # torchmetrics, which Lightning requires, requires it
-import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
+from pl_lowprec.generator_states import random_states, set_random_states
 from pl_lowprec.strategies.unresumable_data import resumed_where_an_epoch_ended
 
 CHECKPOINT_KEY = "pl_lowprec_random_states"  # a list: one entry per rank
-
-
-def random_states() -> dict[str, Any]:
-    """This process's generator states, as ``weights_only`` loads them (NumPy's key array as a tensor)."""
-    version, internal, gauss = random.getstate()
-    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss]}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # this rank's device: each rank draws on its own
-        states["cuda"] = torch.cuda.get_rng_state()
-    name, keys, position, has_gauss, cached = np.random.get_state()
-    states["numpy"] = [name, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached]
-    return states
-
-
-def set_random_states(states: dict[str, Any]) -> None:
-    """Set what ``random_states`` returned (a generator it did not hold is left as it is)."""
-    torch.set_rng_state(states["torch"])
-    version, internal, gauss = states["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state(states["cuda"])
-    if "numpy" in states:
-        name, keys, position, has_gauss, cached = states["numpy"]
-        np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, cached))
+__all__ = [  # random_states and set_random_states live in generator_states.py, which the callbacks import too
+    "CHECKPOINT_KEY",
+    "every_ranks_random_states",
+    "own_random_states",
+    "random_states",
+    "restart_epoch_iterator",
+    "set_random_states",
+]
 
 
 def restart_epoch_iterator(trainer: Any) -> bool:

@@ -176,25 +176,70 @@ def test_the_strategy_uses_it_for_lightnings_class(tmp_path):
     assert type(callback) is StepBoundaryCheckpoint and saved(tmp_path / "last.ckpt")[0] == 3
 
 
+def with_dropout_on_the_strategy(checkpoint_class, dropout: float = 0.5) -> dict:
+    """This package's class: with dropout, under a strategy that keeps the random states (Lightning keeps none, so
+    no resumption with dropout is exact there); Lightning's reference: without either, on Lightning's strategy
+    (this package's would turn it into this one)."""
+    if checkpoint_class is StepBoundaryCheckpoint:
+        return {"dropout": dropout, "strategy": LowPrecisionStrategy()}
+    return {}
+
+
 @pytest.mark.parametrize(
-    ("checkpoint_class", "exact"),
+    ("checkpoint_class", "monitor", "saved_steps", "dropout"),
+    [
+        (LightningModelCheckpoint, None, [1, 3, 4, 6, 8], 0.0),
+        # saved where the step ends (step 5 at the epoch's last batch: without dropout, see audit65_resume.md)
+        (StepBoundaryCheckpoint, None, [2, 3, 5, 7, 8], 0.0),
+        (LightningModelCheckpoint, "val_loss", [1, 3, 4, 6, 8], 0.0),
+        (StepBoundaryCheckpoint, "val_loss", [1, 3, 4, 6, 8], 0.5),  # the validated weights, as at the step's end
+    ],
+    ids=["lightning", "pl_lowprec", "lightning-monitored", "pl_lowprec-monitored"],
+)
+def test_a_validation_inside_an_accumulated_step_saves_a_file_that_resumes_exactly(
+    tmp_path, checkpoint_class, monitor, saved_steps, dropout
+):
+    """Validating every 3 batches while accumulating 2, the default schedule saves at each validation's end: after
+    batch 3, the first micro-batch of step 2, Lightning writes step 1 with the loop past that micro-batch and
+    without its gradients, and a resumption from it takes step 2 on batch 4 alone (and so for steps 4 and 6)."""
+    run = {"schedule": {"save_top_k": -1, "monitor": monitor}, "validate_every": 3, "max_steps": 8}
+    uninterrupted = fit(
+        tmp_path / "full", checkpoint_class, **run, **with_dropout_on_the_strategy(checkpoint_class, dropout)
+    )
+    files = sorted((tmp_path / "full").glob("epoch=*.ckpt"))
+    assert sorted(torch.load(f, weights_only=False)["global_step"] for f in files) == saved_steps
+    for file in files:
+        on = with_dropout_on_the_strategy(checkpoint_class, dropout)
+        resumed = fit(tmp_path / file.stem, checkpoint_class, ckpt_path=file, **run, **on)
+        inside_a_step = checkpoint_class is LightningModelCheckpoint and file.stem.endswith(("=1", "=4", "=6"))
+        assert torch.equal(resumed, uninterrupted) is not inside_a_step, file.name
+
+
+class StopInsideAStep(pl.Callback):
+    """Asks the run to stop after batch 9, the first micro-batch of step 5, as ``max_time`` or a callback may."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.fit_loop.total_batch_idx == 8:
+            trainer.should_stop = True
+
+
+@pytest.mark.parametrize(
+    ("checkpoint_class", "holds_the_end"),
     [(LightningModelCheckpoint, False), (StepBoundaryCheckpoint, True)],
     ids=["lightning", "pl_lowprec"],
 )
-def test_a_validation_inside_an_accumulated_step_saves_where_the_step_ends(tmp_path, checkpoint_class, exact):
-    """Validating every 3 batches while accumulating 2, the default schedule saves at each validation's end: after
-    batch 3, the first micro-batch of step 2, Lightning writes step 1 with the loop past that micro-batch and
-    without its gradients, and a resumption from it takes step 2 on batch 4 alone."""
-    schedule = {"save_top_k": -1}
-    uninterrupted = fit(tmp_path / "full", checkpoint_class, schedule=schedule, validate_every=3, max_steps=8)
-    files = sorted(p.name for p in (tmp_path / "full").glob("epoch=*.ckpt"))
-    steps = sorted(torch.load(tmp_path / "full" / name, weights_only=False)["global_step"] for name in files)
-    assert steps == ([2, 3, 5, 7, 8] if exact else [1, 3, 4, 6, 8])  # Lightning's steps 1 and 4: inside a step
-    for name in files:
-        progress = torch.load(tmp_path / "full" / name, weights_only=False)["loops"]["fit_loop"]
-        processed = progress["epoch_loop.batch_progress"]["current"]["processed"]
-        resume = {"ckpt_path": tmp_path / "full" / name, "schedule": schedule, "validate_every": 3, "max_steps": 8}
-        resumed = fit(tmp_path / name, checkpoint_class, **resume)
-        at_a_step_end = processed % ACCUMULATE == 0
-        assert torch.equal(resumed, uninterrupted) is at_a_step_end, name
-        assert at_a_step_end or not exact, name
+def test_a_run_stopped_inside_a_step_saves_its_final_step_which_resumes_exactly(
+    tmp_path, checkpoint_class, holds_the_end
+):
+    """Saving every 3 steps, a run stopped inside step 5 ended at step 4: Lightning's last.ckpt holds step 3, and
+    an export of it the adapters of a step before the end. Here it holds step 4, written as at step 4's end (its
+    loop, data position and random states), so that a resumption trains batch 9 again, dropout masks and all."""
+    run = {"schedule": {"every_n_train_steps": 3, "save_top_k": -1}, "max_steps": 8}
+    uninterrupted = fit(tmp_path / "full", checkpoint_class, **run, **with_dropout_on_the_strategy(checkpoint_class))
+    on = with_dropout_on_the_strategy(checkpoint_class)
+    stopped = fit(tmp_path / "part", checkpoint_class, callbacks=[StopInsideAStep()], **run, **on)
+    step, weight = saved(tmp_path / "part/last.ckpt")
+    assert step == (4 if holds_the_end else 3) and torch.equal(weight, stopped) is holds_the_end
+    on = with_dropout_on_the_strategy(checkpoint_class)
+    resumed = fit(tmp_path / "part", checkpoint_class, ckpt_path=tmp_path / "part/last.ckpt", **run, **on)
+    assert torch.equal(resumed, uninterrupted)
