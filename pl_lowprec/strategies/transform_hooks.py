@@ -33,10 +33,15 @@ from pl_lowprec.strategies.random_states import (
     restart_epoch_iterator,
     set_random_states,
 )
+from pl_lowprec.strategies.skipped_validation import CHECKPOINT_KEY as VALIDATION_FOLLOWS
+from pl_lowprec.strategies.skipped_validation import (
+    hold_random_states_through_the_skipped_validation,
+    validation_follows,
+)
 from pl_lowprec.strategies.step_clock import StepClock
 from pl_lowprec.strategies.trainer_checks import check_trainer_arguments, check_validation_interval
 from pl_lowprec.strategies.transform_args import TransformArguments
-from pl_lowprec.strategies.unresumable_data import warn_unresumable_data
+from pl_lowprec.strategies.unresumable_data import resumed_where_an_epoch_ended, warn_unresumable_data
 from pl_lowprec.transforms.weight_sources import teardown_with_meta
 
 
@@ -50,6 +55,7 @@ class TransformHooks(TransformArguments):
     step_clock: StepClock | None = None  # the run's optimizer steps, where there is a prediction to set them beside
     _frozen: tuple[int, float] | None = None
     _random_states_to_set: dict[str, Any] | None = None
+    _validation_followed: bool | None = None  # after the checkpoint resumed from (``skipped_validation.py``)
     _resumed = False  # fit resumes from a checkpoint: on_train_start checks the training loader can
 
     def setup(self, trainer: pl.Trainer) -> None:
@@ -158,8 +164,11 @@ class TransformHooks(TransformArguments):
     def on_train_start(self) -> None:
         super().on_train_start()
         if self._random_states_to_set is not None:  # resumed: as the uninterrupted run stood at this step
+            trainer = self.lightning_module.trainer
             set_random_states(self._random_states_to_set)
-            restart_epoch_iterator(self.lightning_module.trainer)
+            restart_epoch_iterator(trainer)
+            if resumed_where_an_epoch_ended(trainer):
+                hold_random_states_through_the_skipped_validation(trainer, self._validation_followed)
             self._random_states_to_set = None
         if self._resumed:
             warn_unresumable_data(self.lightning_module.trainer)
@@ -197,6 +206,7 @@ class TransformHooks(TransformArguments):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         checkpoint[RANDOM_STATES] = every_ranks_random_states()  # every rank calls it, as it does this hook
+        checkpoint[VALIDATION_FOLLOWS] = validation_follows(self.lightning_module.trainer)
         checkpoint[OPTIMIZERS] = optimizer_record(self.optimizers, self.transform_config.optimizer)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
@@ -213,6 +223,7 @@ class TransformHooks(TransformArguments):
         if isinstance(checkpoint, MutableMapping):
             as_saved_at_the_last_batch(checkpoint, trainer.max_steps)
         self._random_states_to_set = own_random_states(checkpoint, self.global_rank, self.world_size)
+        self._validation_followed = checkpoint.get(VALIDATION_FOLLOWS)
         self._resumed = True
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

@@ -189,8 +189,7 @@ def with_dropout_on_the_strategy(checkpoint_class, dropout: float = 0.5) -> dict
     ("checkpoint_class", "monitor", "saved_steps", "dropout"),
     [
         (LightningModelCheckpoint, None, [1, 3, 4, 6, 8], 0.0),
-        # saved where the step ends (step 5 at the epoch's last batch: without dropout, see audit65_resume.md)
-        (StepBoundaryCheckpoint, None, [2, 3, 5, 7, 8], 0.0),
+        (StepBoundaryCheckpoint, None, [2, 3, 5, 7, 8], 0.5),  # saved where the step ends
         (LightningModelCheckpoint, "val_loss", [1, 3, 4, 6, 8], 0.0),
         (StepBoundaryCheckpoint, "val_loss", [1, 3, 4, 6, 8], 0.5),  # the validated weights, as at the step's end
     ],

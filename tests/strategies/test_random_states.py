@@ -96,3 +96,24 @@ def test_each_ddp_rank_resumes_its_own_masks(tmp_path):
     for rank in (0, 1):
         full, resumed = (torch.load(tmp_path / mode / f"weights{rank}.pt") for mode in ("full", "resumed"))
         assert torch.equal(resumed, full), rank
+
+
+@pytest.mark.parametrize(
+    "saved_at",
+    [
+        {"schedule": {}, "validate_every": 1.0},  # at the validation's end, after the epoch's last batch
+        {"schedule": {"every_n_train_steps": 5}, "validate_every": 3},  # the epoch's last batch, no validation after
+    ],
+    ids=["validated_at_the_epochs_end", "validated_inside_the_epoch"],
+)
+def test_a_run_resumed_where_an_epoch_ended_with_validation_draws_the_uninterrupted_masks(tmp_path, saved_at):
+    """Restarted at an epoch's boundary, Lightning skips a validation it takes to be pending (its counters set to
+    the validation's end), and opens the validation loader's iterator to do so: a draw from the global generator
+    that the uninterrupted run did not make after the checkpoint, which shifted every later dropout mask."""
+    run = {"dropout": 0.5, **saved_at}
+    uninterrupted = fit(tmp_path / "full", strategy=LowPrecisionStrategy(), max_steps=8, **run)
+    fit(tmp_path / "run", strategy=LowPrecisionStrategy(), max_steps=5, **run)
+    last = tmp_path / "run/last.ckpt"
+    assert torch.load(last, weights_only=False)["global_step"] == 5
+    resumed = fit(tmp_path / "run", strategy=LowPrecisionStrategy(), ckpt_path=last, max_steps=8, **run)
+    assert torch.equal(resumed, uninterrupted)
