@@ -67,6 +67,11 @@ class StepBoundaryCheckpoint(LightningModelCheckpoint):
         if trainer.state.fn == TrainerFn.FITTING:
             as_saved_at_the_last_batch(checkpoint, trainer.max_steps)
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._step_end_random_states = None  # an earlier fit's: no step of this one has ended yet
+        self._validation_save_pending = False
+
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Inside an accumulated step, an unmonitored save waits for the step's end: a file saved here would lack
         the gradients of the step's micro-batches so far, and a resumption from it would take the step without
