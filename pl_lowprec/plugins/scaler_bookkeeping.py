@@ -18,7 +18,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch.optim import LBFGS, Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from pl_lowprec.plugins.grad_scaler_internals import check_scaler_internals, forget_unscale
+from pl_lowprec.plugins.grad_scaler_internals import agree_on_overflow, check_scaler_internals, forget_unscale
 
 
 class ScalerBookkeeping:
@@ -67,10 +67,12 @@ class ScalerBookkeeping:
         self._applied.add(id(optimizer))
 
     def unscale_once(self, optimizer: Optimizer | LightningOptimizer) -> None:
-        """``scaler.unscale_`` unless already done since the last update, or there are no gradients."""
+        """``scaler.unscale_`` unless already done since the last update, or there are no gradients; then every
+        process agrees on whether the gradients overflowed (``agree_on_overflow``)."""
         optimizer = unwrap(optimizer)
         if id(optimizer) not in self.unscaled and has_gradients(optimizer):
             self.scaler.unscale_(optimizer)
+            agree_on_overflow(self.scaler, id(optimizer))
             self.unscaled.add(id(optimizer))
             self._unscaled_optimizers[id(optimizer)] = optimizer
 

@@ -93,3 +93,35 @@ def test_loss_scale_config_is_frozen_and_checked_when_built():
     with pytest.raises(ValueError, match=r"growth_factor=1\.0 must be > 1\.0"):
         LossScaleConfig("auto", growth_factor=1.0)
     assert LossScaleConfig("auto", growth_interval=50).changed_settings() == "growth_interval=50"
+
+
+def _step_with_inf_on_rank_one(rank, path, out):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 2)
+    before = layer.weight.detach().clone()
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    steps = ScalerBookkeeping(scaler)
+    steps.watch([optimizer])
+    scaler.scale(layer(torch.ones(1, 3)).sum()).backward()  # the same (all-reduced) gradients on both ranks...
+    if rank == 1:
+        layer.weight.grad[0, 0] = float("inf")  # ...then an inf on rank 1 only, after the all-reduce
+    steps.unscale_once(optimizer)
+    _, skipped = steps.step(optimizer)
+    steps.update()
+    steps.release()
+    dist.destroy_process_group()
+    unchanged = torch.equal(layer.weight, before)
+    torch.save({"skipped": skipped, "unchanged": unchanged, "scale": scaler.get_scale()}, out[rank])
+
+
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    """GradScaler decided per process: rank 1 skipped and halved its scale, rank 0 applied the step and kept its
+    scale, so the DDP replicas parted silently and rank zero (the one that logs) reported no skip."""
+    out = [str(tmp_path / f"rank{r}.pt") for r in range(2)]
+    torch.multiprocessing.spawn(_step_with_inf_on_rank_one, args=(str(tmp_path / "rendezvous"), out), nprocs=2)
+    ranks = [torch.load(path) for path in out]
+    assert ranks[0] == ranks[1] == {"skipped": True, "unchanged": True, "scale": 4.0}
