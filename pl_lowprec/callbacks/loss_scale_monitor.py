@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from pl_lowprec.callbacks.logger_step import last_training_step_logged
 from pl_lowprec.callbacks.overflow_locator import OverflowLocation, OverflowLocator
 from pl_lowprec.plugins.loss_scale import LossScaleState, LossScaleTracker
 
@@ -182,7 +183,7 @@ class LossScaleMonitor(pl.Callback):
         metrics = self._metrics(trainer, self._previous)
         final = {name.replace("loss_scale/", "loss_scale/final/"): value for name, value in metrics.items()}
         for logger in trainer.loggers:
-            logger.log_metrics(final, step=max(trainer.global_step - 1, 0))
+            logger.log_metrics(final, step=last_training_step_logged(trainer))
             logger.save()
         if self.print_summary:
             print(self.summary_line(trainer, self._previous))

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from pl_lowprec.callbacks.logger_step import batches_that_stepped, last_training_step_logged
 from pl_lowprec.memory.activations import count_saved_tensors
 from pl_lowprec.memory.breakdown import buffer_bytes, gradient_bytes, optimizer_state_bytes, parameter_bytes
 from pl_lowprec.memory.process import memory_stats, reset_peak
@@ -145,10 +146,9 @@ class MemoryTracker(pl.Callback):
         folder = Path(trainer.log_dir or trainer.default_root_dir)  # a collective: every rank must ask
         if not trainer.is_global_zero:
             return
+        step = last_training_step_logged(trainer) if stage == "fit" else batches_that_stepped(trainer)
         for logger in trainer.loggers:
-            logger.log_metrics(
-                {f"memory/{stage}/{k}": float(v) for k, v in entry["bytes"].items()}, trainer.global_step
-            )
+            logger.log_metrics({f"memory/{stage}/{k}": float(v) for k, v in entry["bytes"].items()}, step)
         self._write_json(folder)
         if self.print_summary:
             print(format_table(stage, entry))
