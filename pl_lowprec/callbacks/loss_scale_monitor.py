@@ -15,7 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from pl_lowprec.callbacks.logger_step import last_training_step_logged
 from pl_lowprec.callbacks.overflow_locator import OverflowLocation, OverflowLocator
@@ -107,6 +107,8 @@ class LossScaleMonitor(pl.Callback):
     # -- hooks ------------------------------------------------------------------------------------------
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.loggers:
+            rank_zero_info(self._without_logger())
         # After checkpoint restore: counts restored into AMPPrecision are history, not new overflows.
         self._seen_step = trainer.global_step
         plugin = trainer.precision_plugin
@@ -200,6 +202,14 @@ class LossScaleMonitor(pl.Callback):
         return (
             f"Loss scale: {state.scale:g} at the end; {state.skipped_steps} of {steps} optimizer steps skipped for"
             f" overflow; {self.growths} growths, {self.backoffs} back-offs.{where}"
+        )
+
+    def _without_logger(self) -> str:
+        totals = "the summary line at the end of fit gives the totals" if self.print_summary else "print_summary=False"
+        return (
+            "LossScaleMonitor: the Trainer has no logger (logger=False), so the loss_scale/* series is not recorded:"
+            f" trainer.callback_metrics holds the latest values and {totals}. Pass a logger (CSVLogger,"
+            " TensorBoardLogger) to keep the series."
         )
 
     # -- checkpoints: the counts go on where a resumed run starts -----------------------------------------

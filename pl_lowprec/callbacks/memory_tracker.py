@@ -152,6 +152,7 @@ class MemoryTracker(pl.Callback):
         self._write_json(folder)
         if self.print_summary:
             print(format_table(stage, entry))
+            print(destinations(stage, self._files[folder], trainer.loggers))
 
     def _write_json(self, folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
@@ -180,6 +181,15 @@ def gather_from_ranks(values: torch.Tensor) -> torch.Tensor:
     rows = [torch.empty_like(values) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, values)
     return torch.stack(rows)
+
+
+def destinations(stage: str, summary_file: Path, loggers: list[Any]) -> str:
+    """Where the table's figures went: the file always, the loggers if any (none under ``logger=False``)."""
+    if loggers:
+        logged = f"logged as memory/{stage}/* to {', '.join(type(logger).__name__ for logger in loggers)}"
+    else:
+        logged = "not logged (the Trainer has no logger)"
+    return f"  Exact bytes in {summary_file}; {logged}."
 
 
 def format_table(stage: str, entry: dict[str, Any]) -> str:

@@ -288,3 +288,14 @@ def _gather_on_two_ranks(rank, path):
 def test_a_location_only_another_rank_saw_is_the_one_reported(tmp_path):
     """Only rank zero warns, and an activation's inf stays on the rank whose batch made it: rank 1's find was lost."""
     torch.multiprocessing.spawn(_gather_on_two_ranks, args=(str(tmp_path / "rendezvous"),), nprocs=2)
+
+
+def test_without_a_logger_it_says_where_its_numbers_go(monkeypatch):
+    """Under logger=False the per-step series went nowhere, and nothing said so."""
+    said = []
+    monkeypatch.setattr("pl_lowprec.callbacks.loss_scale_monitor.rank_zero_info", said.append)
+    trainer = quiet_trainer(plugins=[AMPPrecision("16-mixed")], max_steps=2, callbacks=[LossScaleMonitor()])
+    trainer.fit(Classifier(make_mlp()), _loader(2))
+    assert len(said) == 1 and "no logger (logger=False), so the loss_scale/* series is not recorded" in said[0]
+    assert "trainer.callback_metrics holds the latest values and the summary line" in said[0]
+    assert trainer.callback_metrics["loss_scale/skipped_steps"] == 0

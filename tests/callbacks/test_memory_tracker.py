@@ -16,7 +16,7 @@ def _loader(n=64):
     return torch.utils.data.DataLoader(make_classification_data(n=n), batch_size=8)
 
 
-def test_breakdown_equals_independent_counts(tmp_path):
+def test_breakdown_equals_independent_counts(tmp_path, capsys):
     model = make_mlp()
     model[0].requires_grad_(False)  # frozen weights: no gradient, no Adam state
     tracker = MemoryTracker()
@@ -34,6 +34,7 @@ def test_breakdown_equals_independent_counts(tmp_path):
     assert figures["activations"] > 0 and figures["rss_peak"] >= figures["rss_current"] > 0
     assert all(isinstance(v, int) for v in figures.values())
 
+    assert "logged as memory/fit/* to CSVLogger." in capsys.readouterr().out
     on_disk = json.loads((tmp_path / "lightning_logs/version_0/memory_summary.json").read_text())
     assert on_disk == tracker.summary
     with open(tmp_path / "lightning_logs/version_0/metrics.csv") as f:
@@ -127,6 +128,9 @@ def test_one_entry_per_stage_with_its_own_peak_and_no_logger(tmp_path, capsys):
     assert json.loads((tmp_path / "memory_summary.json").read_text()).keys() == {"fit", "validate"}
     printed = capsys.readouterr().out
     assert "Memory, fit (cpu, 1 rank, max across ranks)" in printed and "Memory, validate" in printed
+    # where the figures went, said under each table (nothing did; without a logger nothing is logged)
+    where = f"Exact bytes in {tmp_path / 'memory_summary.json'}; not logged (the Trainer has no logger)."
+    assert printed.count(where) == 2
 
 
 def test_a_second_run_in_the_same_folder_keeps_the_first_runs_summary(tmp_path):
