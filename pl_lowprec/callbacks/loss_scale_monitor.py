@@ -97,11 +97,12 @@ class LossScaleMonitor(pl.Callback):
         scaler = self._scaler(trainer)
         scale = scaler.get_scale() if scaler is not None else 1.0
         if scaler is not None:  # Lightning's plugins: a dynamic scale falls only when a step was skipped
-            overflow = self._previous is not None and scale < self._previous.scale
+            previous = self._previous.scale if self._previous is not None else scale
+            overflows = backoffs_between(previous, scale, scaler.get_backoff_factor(), steps)
         else:
-            overflow = self._nonfinite is not None and bool(self._nonfinite)  # one sync per optimizer step
+            overflows = int(self._nonfinite is not None and bool(self._nonfinite))  # one sync per optimizer step
         for i in range(steps):
-            self._own_tracker.record(overflow and i == steps - 1, scale)
+            self._own_tracker.record(i >= steps - overflows, scale)
         return self._own_tracker.snapshot(scale)
 
     # -- hooks ------------------------------------------------------------------------------------------
@@ -137,7 +138,9 @@ class LossScaleMonitor(pl.Callback):
         overflowed = new_overflows > 0
         self._recent.extend([False] * max(0, steps - new_overflows) + [True] * min(steps, new_overflows))
         self.growths += state.scale > previous.scale
-        self.backoffs += state.scale < previous.scale
+        scaler = self._scaler(trainer)
+        if scaler is not None:  # AMPPrecision lowers the scale once a batch; Lightning's once per optimizer
+            self.backoffs += backoffs_between(previous.scale, state.scale, scaler.get_backoff_factor(), steps)
         self._previous = state
         self._nonfinite = None
 
@@ -326,3 +329,14 @@ def first_location_of_all_ranks(location: OverflowLocation | None, rank: int) ->
     found: list[OverflowLocation | None] = [None] * dist.get_world_size()
     dist.all_gather_object(found, None if location is None else dataclasses.replace(location, rank=rank))
     return next((f for f in found if f is not None), None)
+
+
+def backoffs_between(before: float, after: float, backoff_factor: float, steps: int) -> int:
+    """How many back-offs took a dynamic scale from ``before`` to ``after`` over ``steps`` optimizer steps: Lightning's
+    plugins update the scale after each optimizer's step, so two optimizers that both overflowed in one batch
+    lowered it twice. At least one when it fell, at most one per step."""
+    if not after < before:
+        return 0
+    if not 0.0 < backoff_factor < 1.0:
+        return 1
+    return min(max(round(math.log(after / before) / math.log(backoff_factor)), 1), steps)

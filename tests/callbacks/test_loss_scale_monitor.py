@@ -299,3 +299,45 @@ def test_without_a_logger_it_says_where_its_numbers_go(monkeypatch):
     assert len(said) == 1 and "no logger (logger=False), so the loss_scale/* series is not recorded" in said[0]
     assert "trainer.callback_metrics holds the latest values and the summary line" in said[0]
     assert trainer.callback_metrics["loss_scale/skipped_steps"] == 0
+
+
+class TwoOptimizersOverflowing(Classifier):
+    """Manual optimization, two optimizers, both overflowing on the second batch."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.manual_backward(torch.nn.functional.cross_entropy(self(x), y))
+        if batch_idx == 1:
+            for p in self.parameters():
+                p.grad.fill_(float("inf"))
+        for optimizer in self.optimizers():
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def configure_optimizers(self):
+        first, *rest = self.parameters()
+        return [torch.optim.SGD([first], lr=0.01), torch.optim.SGD(rest, lr=0.01)]
+
+
+@pytest.mark.parametrize(
+    ("plugin", "scale", "backoffs"),
+    [
+        (lambda: MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0)), 256.0, 2),
+        (lambda: AMPPrecision("16-mixed", init_scale=1024.0), 512.0, 1),  # one scale update per training_step
+    ],
+    ids=["lightning", "amp"],
+)
+def test_both_skips_of_a_batch_with_two_optimizers_are_counted(plugin, scale, backoffs):
+    """Lightning's plugin updates the scale after each optimizer's step: both skipped and the scale fell 4x, but
+    the monitor, which infers its skips from a falling scale, counted one skip and one back-off."""
+    plugin = plugin()
+    monitor = LossScaleMonitor(print_summary=False)
+    trainer = quiet_trainer(plugins=[plugin], max_steps=6, callbacks=[monitor])
+    trainer.fit(TwoOptimizersOverflowing(make_mlp()), _loader(3))
+    assert plugin.scaler.get_scale() == scale
+    assert trainer.callback_metrics["loss_scale/skipped_steps"] == 2 and monitor.backoffs == backoffs
+    assert list(monitor._recent) == [False, False, True, True, False, False]
