@@ -74,6 +74,7 @@ class LossScaleMonitor(pl.Callback):
         self.print_summary = print_summary
         self.last_location: OverflowLocation | None = None
         self.growths = 0
+        self.empty_steps = 0  # steps Lightning counted that applied nothing (training_step returned None)
         self.backoffs = 0
         self._recent: deque[bool] = deque(maxlen=window)
         self._own_tracker = LossScaleTracker()  # for plugins that keep no counts (Lightning's, or no scaler)
@@ -141,6 +142,8 @@ class LossScaleMonitor(pl.Callback):
         scaler = self._scaler(trainer)
         if scaler is not None:  # AMPPrecision lowers the scale once a batch; Lightning's once per optimizer
             self.backoffs += backoffs_between(previous.scale, state.scale, scaler.get_backoff_factor(), steps)
+        if self._previous is not None:  # AMPPrecision's count of the steps its scaler saw
+            self.empty_steps += max(steps - (state.optimizer_steps - self._previous.optimizer_steps), 0)
         self._previous = state
         self._nonfinite = None
 
@@ -194,8 +197,10 @@ class LossScaleMonitor(pl.Callback):
             print(self.summary_line(trainer, self._previous))
 
     def summary_line(self, trainer: pl.Trainer, state: LossScaleState) -> str:
-        steps = trainer.global_step
+        steps = trainer.global_step - self.empty_steps
         where = f" First non-finite value: {self.last_location}." if self.last_location is not None else ""
+        if self.empty_steps:
+            where += f" {self.empty_steps} more steps applied nothing (training_step returned None)."
         if self._scaler(trainer) is None:
             applied = " or gradients, and the optimizer applied them" if state.overflows else ""
             return (
@@ -221,6 +226,7 @@ class LossScaleMonitor(pl.Callback):
         location = self.last_location
         return {
             "growths": self.growths,
+            "empty_steps": self.empty_steps,
             "backoffs": self.backoffs,
             "recent": list(self._recent),
             "warned": sorted(self._warned),
@@ -232,6 +238,7 @@ class LossScaleMonitor(pl.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.growths = int(state_dict.get("growths", 0))
+        self.empty_steps = int(state_dict.get("empty_steps", 0))
         self.backoffs = int(state_dict.get("backoffs", 0))
         self._recent = deque((bool(r) for r in state_dict.get("recent", ())), maxlen=self.window)
         self._warned = set(state_dict.get("warned", ()))

@@ -29,6 +29,7 @@ class LossScaleState:
     skipped_steps: int
     consecutive_overflows: int
     last_step_skipped: bool
+    optimizer_steps: int = 0  # steps the scaler saw, applied or skipped (not a training_step that returned None)
 
 
 class LossScaleCollapseError(RuntimeError):
@@ -71,6 +72,7 @@ class LossScaleTracker:
             skipped_steps=self.skipped_steps,
             consecutive_overflows=self.consecutive_overflows,
             last_step_skipped=self.last_step_skipped,
+            optimizer_steps=self.optimizer_steps,
         )
 
     def describe_history(self) -> str:

@@ -341,3 +341,21 @@ def test_both_skips_of_a_batch_with_two_optimizers_are_counted(plugin, scale, ba
     assert plugin.scaler.get_scale() == scale
     assert trainer.callback_metrics["loss_scale/skipped_steps"] == 2 and monitor.backoffs == backoffs
     assert list(monitor._recent) == [False, False, True, True, False, False]
+
+
+class ReturnsNone(Classifier):
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx in (1, 2) else super().training_step(batch, batch_idx)
+
+
+def test_steps_that_applied_nothing_are_not_counted_as_optimizer_steps(capsys):
+    """Two training_steps returned None, so nothing was unscaled or applied (AMPPrecision counts no step), but the
+    summary said "0 of 6 optimizer steps skipped", as if all six had trained."""
+    plugin = AMPPrecision("16-mixed")
+    trainer = quiet_trainer(plugins=[plugin], max_steps=6, callbacks=[LossScaleMonitor()])
+    trainer.fit(ReturnsNone(make_mlp()), _loader())
+    assert trainer.global_step == 6 and plugin.loss_scale_state().optimizer_steps == 4
+    assert (
+        "Loss scale: 65536 at the end; 0 of 4 optimizer steps skipped for overflow; 0 growths, 0 back-offs."
+        " 2 more steps applied nothing (training_step returned None)." in capsys.readouterr().out
+    )
