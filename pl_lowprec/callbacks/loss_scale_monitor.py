@@ -15,11 +15,26 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from pl_lowprec.callbacks.logger_step import last_training_step_logged
 from pl_lowprec.callbacks.overflow_locator import OverflowLocation, OverflowLocator
 from pl_lowprec.plugins.loss_scale import LossScaleState, LossScaleTracker
+
+RANKS_MAY_DISAGREE = (
+    "LossScaleMonitor: Lightning's MixedPrecision decides on each of the {world_size} processes alone whether a step"
+    " overflowed. An inf that reaches one rank's gradients after DDP's all-reduce (a gradient hook, a fault) skips"
+    " the step there only: the replicas part, the values logged are rank zero's, and locating the overflow waits"
+    " for ranks that saw none. Use pl_lowprec.AMPPrecision('16-mixed'), whose ranks agree on every overflow."
+)
+
+
+def ranks_may_disagree_on_overflow(trainer: pl.Trainer) -> bool:
+    """Several processes with Lightning's fp16 ``MixedPrecision``, whose GradScaler reduces nothing across ranks
+    (``AMPPrecision`` all-reduces its found-inf; ``FSDPPrecision``'s ShardedGradScaler does too)."""
+    plugin = trainer.precision_plugin
+    return trainer.world_size > 1 and type(plugin) is MixedPrecision and getattr(plugin, "scaler", None) is not None
 
 
 class PersistentOverflowError(RuntimeError):
@@ -111,6 +126,8 @@ class LossScaleMonitor(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.loggers:
             rank_zero_info(self._without_logger())
+        if ranks_may_disagree_on_overflow(trainer):
+            rank_zero_warn(RANKS_MAY_DISAGREE.format(world_size=trainer.world_size), category=RuntimeWarning)
         # After checkpoint restore: counts restored into AMPPrecision are history, not new overflows.
         self._seen_step = trainer.global_step
         plugin = trainer.precision_plugin

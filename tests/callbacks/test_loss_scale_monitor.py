@@ -359,3 +359,25 @@ def test_steps_that_applied_nothing_are_not_counted_as_optimizer_steps(capsys):
         "Loss scale: 65536 at the end; 0 of 4 optimizer steps skipped for overflow; 0 growths, 0 back-offs."
         " 2 more steps applied nothing (training_step returned None)." in capsys.readouterr().out
     )
+
+
+def test_lightning_fp16_mixed_precision_on_several_ranks_is_named_as_unable_to_agree():
+    """Lightning's MixedPrecision lets one rank skip a step the others apply (its GradScaler reduces nothing): the
+    monitor's numbers are then rank zero's and its location gather can wait for ever, and nothing said so."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.plugins.precision import FSDPPrecision
+
+    from pl_lowprec.callbacks.loss_scale_monitor import ranks_may_disagree_on_overflow
+
+    def trainer(plugin, world_size=2):
+        return SimpleNamespace(precision_plugin=plugin, world_size=world_size, loggers=["a logger"], global_step=0)
+
+    lightning_fp16 = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    assert ranks_may_disagree_on_overflow(trainer(lightning_fp16))
+    assert not ranks_may_disagree_on_overflow(trainer(lightning_fp16, world_size=1))
+    assert not ranks_may_disagree_on_overflow(trainer(AMPPrecision("16-mixed")))  # all-reduces its found-inf
+    assert not ranks_may_disagree_on_overflow(trainer(MixedPrecision("bf16-mixed", "cpu")))  # no scaler
+    assert not ranks_may_disagree_on_overflow(trainer(FSDPPrecision("16-mixed")))  # ShardedGradScaler agrees
+    with pytest.warns(RuntimeWarning, match=r"decides on each of the 2 processes alone.*AMPPrecision\('16-mixed'\)"):
+        LossScaleMonitor().on_train_start(trainer(lightning_fp16), None)
