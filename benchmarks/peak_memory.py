@@ -102,8 +102,7 @@ def measure(precision: str, settings: dict, batch_size: int = 8, seq_len: int = 
         run_step(module, batch, optimizer, untracked_phases(), autocast, accumulate)
 
     with attached(module, trainer):
-        step()  # step 1 creates the optimizer state
-        return measured_peak(step)
+        return measured_peak(step, before=step)  # step 1 makes the optimizer state and the gradients step 2 frees
 
 
 def measure_and_predict(name: str, batch_size: int = 8, seq_len: int = 256, **model: int) -> dict:
@@ -178,8 +177,11 @@ def _fsdp_rank(rank: int, world: int, sizes: dict, port: int) -> None:
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-4)
     batch = {"input_ids": torch.randint(0, 256, (batch_size, seq_len))}
     with attached(module, DryRunTrainer(transform, 1, world)):
-        run_step(module, batch, optimizer, untracked_phases(), None)
-        peak = measured_peak(lambda: run_step(module, batch, optimizer, untracked_phases(), None))
+
+        def step() -> None:
+            run_step(module, batch, optimizer, untracked_phases(), None)
+
+        peak = measured_peak(step, before=step)  # step 1 makes the state and the gradients step 2 frees
     print(json.dumps({"rank": rank, "measured": peak}), flush=True)
     dist.destroy_process_group()
 

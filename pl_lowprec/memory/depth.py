@@ -68,19 +68,25 @@ def extrapolated(simulate: Callable[[], SimulatedStep], blocks: nn.ModuleList) -
     if depth == 4:
         return four
     straight = four.peak - three.peak == three.peak - two.peak and two.peak_phase == three.peak_phase == four.peak_phase
+    straight = straight and [n for n, _ in two.timeline] == [n for n, _ in three.timeline]
     straight = straight and [n for n, _ in two.timeline] == [n for n, _ in four.timeline]
     straight = straight and all(
         four.peak_split.get(k, 0) - three.peak_split.get(k, 0) == three.peak_split.get(k, 0) - two.peak_split.get(k, 0)
         for k in set(two.peak_split) | set(four.peak_split)
     )
+    if straight:  # another phase's line may overtake the peak's before the real depth (a full fine-tune's
+        # forward, which holds the last step's gradients, grows faster with depth than its backward): then too
+        timeline = [(n, _line(a, b, depth)) for (n, a), (_, b) in zip(two.timeline, three.timeline, strict=True)]
+        peak = _line(two.peak, three.peak, depth)
+        straight = max(value for _, value in timeline) <= peak
     if not straight:
         return simulate()
     categories = set(two.peak_split) | set(three.peak_split)
     return SimulatedStep(
-        peak=_line(two.peak, three.peak, depth),
+        peak=peak,
         peak_phase=three.peak_phase,
         peak_split={k: _line(two.peak_split.get(k, 0), three.peak_split.get(k, 0), depth) for k in categories},
-        timeline=[(n, _line(a, b, depth)) for (n, a), (_, b) in zip(two.timeline, three.timeline, strict=True)],
+        timeline=timeline,
         samples=three.samples,  # the shape of the step, for the plot, at 3 blocks
         saved_bytes=_line(two.saved_bytes, three.saved_bytes, depth),
         offloaded_bytes=_line(two.offloaded_bytes, three.offloaded_bytes, depth),

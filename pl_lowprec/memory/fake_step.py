@@ -1,11 +1,13 @@
 """One optimizer step on fake tensors, as Lightning's loop runs it, under a ``StepTracker``.
 
 The loop is the one Lightning's automatic optimization runs, written out: for each micro-batch of the window
-``training_step`` (under the precision's autocast) and ``backward``; then ``on_before_optimizer_step``, the
-optimizer step and ``zero_grad(set_to_none=True)``. No Trainer is built: the module sees a ``DryRunTrainer``
-that answers what training steps ask (accumulation, world size, a reduce that returns its input), and
-``self.log`` does nothing. Once two micro-batches in a row ran alike, the rest of the window is counted, not run
-(``accumulation.py``).
+``training_step`` (under the precision's autocast) and ``backward``; then ``on_before_optimizer_step`` and the
+optimizer step. Lightning frees the gradients (``zero_grad``, set to ``None``) inside the closure of the window's
+first micro-batch, after its ``training_step`` and before its ``backward``, so the last step's gradients are held
+through that forward: the step starts with them (``prime_optimizer`` leaves them), and they are freed there.
+No Trainer is built: the module sees a ``DryRunTrainer`` that answers what training steps ask (accumulation,
+world size, a reduce that returns its input), and ``self.log`` does nothing. Once two micro-batches in a row ran
+alike, the rest of the window is counted, not run (``accumulation.py``).
 """
 
 from __future__ import annotations
@@ -84,12 +86,12 @@ def quiet_fake_data_pointers() -> Iterator[None]:
 
 
 def prime_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer state as after step 1, without running step 1: zero gradients, one step."""
+    """The state after step 1, without running step 1: zero gradients, one step. The gradients stay, as the last
+    step's do when the next one starts under Lightning."""
     for group in optimizer.param_groups:
         for param in group["params"]:
             param.grad = torch.zeros_like(param)
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
 
 
 def run_step(
@@ -105,7 +107,8 @@ def run_step(
     """One optimizer step: ``accumulate_grad_batches`` forwards and backwards, then the optimizer step.
     ``step_context`` wraps each ``training_step`` (activation offloading, as the strategy does);
     ``first_forward`` the first one only. Once two micro-batches in a row ran alike, the rest are counted, not run
-    (``accumulation.py``): returns how many were."""
+    (``accumulation.py``): returns how many were. The last step's gradients are freed after the first
+    ``training_step`` and kept after the optimizer step, where Lightning frees and keeps them."""
     model.train()
     records: list[AfterMicroBatch] = []
     for index in range(accumulate_grad_batches):
@@ -117,11 +120,16 @@ def run_step(
             tracker.phase("forward"),
             first_forward if index == 0 and first_forward is not None else nullcontext(),
             step_context or nullcontext(),  # innermost saved-tensor hooks win: offloading reports to the counter
-            torch.autocast("cpu", dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None),
+            # as Lightning's MixedPrecision: no cache, so each weight's cast is freed when no longer needed
+            torch.autocast(
+                "cpu", dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None, cache_enabled=False
+            ),
         ):
             output = model.training_step(batch, index) if hasattr(model, "training_step") else model(batch)
         loss = output["loss"] if isinstance(output, Mapping) else output
         del output
+        if index == 0:  # Lightning's closure: zero_grad after the window's first training_step, before backward
+            optimizer.zero_grad(set_to_none=True)
         if loss.dim() > 0:  # a plain module's output, not a loss: reduced to one, as a loss function would
             loss = loss.sum()
         with tracker.phase("backward"):
@@ -135,7 +143,6 @@ def run_step(
         if hasattr(model, "on_before_optimizer_step"):
             model.on_before_optimizer_step(optimizer)
         optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
     return repeats
 
 

@@ -1,11 +1,12 @@
 """The measured peak of a training step on CPU, from PyTorch's profiler allocation records (the ground truth that
 ``estimate_memory`` is checked against; it does not come from this package's own counters).
 
-peak = the bytes of every live tensor storage at the step start (a walk of the objects the garbage collector
-knows, with last step's gradients already set to None) + the running maximum of the allocation records of the
-step. Measure step 2 or later (the optimizer state exists), one configuration per process: the profiler does not
-see frees of storages allocated before it started, so the step must not free tensors that existed before it.
-Allocations that bypass c10 (oneDNN or MKL scratch) are not tensor storages and are not counted.
+peak = the bytes of every live tensor storage before the profiler starts (a walk of the objects the garbage
+collector knows) + the running total of the allocation records from then on, at its highest inside the measured
+step. The profiler does not see frees of storages allocated before it started, so whatever the measured step
+frees must be made under it: ``before`` (step 1, say: it makes the gradients and the optimizer state that step 2
+frees and keeps) runs under the profiler, outside the measured range. One configuration per process. Allocations
+that bypass c10 (oneDNN or MKL scratch) are not tensor storages and are not counted.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from collections.abc import Callable
 
 import torch
 from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
+
+MEASURED = "measured_step"
 
 
 def live_storage_bytes() -> int:
@@ -32,23 +35,32 @@ def live_storage_bytes() -> int:
     return sum(seen.values())
 
 
-def _allocations(node: object, out: list[tuple[int, int]]) -> None:
+def _allocations(node: object, out: list[tuple[int, int]], windows: list[tuple[int, int]]) -> None:
     if node.tag == _EventType.Allocation and str(node.extra_fields.device) == "cpu":
         out.append((node.start_time_ns, node.extra_fields.alloc_size))
+    elif node.name == MEASURED:
+        windows.append((node.start_time_ns, node.end_time_ns))
     for child in node.children:
-        _allocations(child, out)
+        _allocations(child, out, windows)
 
 
-def measured_peak(step: Callable[[], None]) -> int:
-    """Run ``step`` once under the profiler; return its peak of live CPU tensor bytes."""
+def measured_peak(step: Callable[[], None], before: Callable[[], None] | None = None) -> int:
+    """Run ``before`` (if given) then ``step`` under the profiler; return ``step``'s peak of live CPU tensor bytes."""
     base = live_storage_bytes()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
-        step()
+        if before is not None:
+            before()
+        with record_function(MEASURED):
+            step()
     records: list[tuple[int, int]] = []
+    windows: list[tuple[int, int]] = []
     for root in prof.profiler.kineto_results.experimental_event_tree():
-        _allocations(root, records)
+        _allocations(root, records, windows)
+    start, end = windows[0]
     running = peak = 0
-    for _, size in sorted(records):
+    for time, size in sorted(records):
+        if time > end:
+            break
         running += size
-        peak = max(peak, running)
+        peak = max(peak, running) if time >= start else running  # from the bytes live when the step starts
     return base + peak

@@ -59,7 +59,7 @@ class StepTracker(TorchDispatchMode):
     """Live bytes by category over a fake step; ``peak``, the category split at the peak, and a timeline.
 
     Args:
-        model: Its parameters and buffers count as weights.
+        model: Its parameters and buffers count as weights, the gradients they hold as gradients.
         optimizer: Its state counts as optimizer state (re-read after each ``phase("optimizer step")``).
         inputs: Tensors alive at the step start that are not the model's (the batch).
         device_type: ``"cuda"`` rounds every allocation as the caching allocator does.
@@ -84,6 +84,9 @@ class StepTracker(TorchDispatchMode):
         self.optimizer = optimizer
         for tensor in [*model.parameters(), *model.buffers()]:
             self._add(tensor, "weights")
+        for param in model.parameters():  # the last step's, held until Lightning's zero_grad (fake_step.py)
+            if param.grad is not None:
+                self._add(param.grad, "gradients")
         for tensor in inputs:
             self._add(tensor, "inputs")
         self._track_optimizer_state()

@@ -1,0 +1,73 @@
+"""The measured peak of one training step through Lightning's own ``fit`` loop, for the estimate to be checked
+against: PyTorch's profiler allocation records from before the module is built, so every storage the run makes
+(weights, gradients, optimizer state, batches, activations) is counted from its allocation to its free; the
+measured peak is the highest running total over the last optimizer step's window (all its micro-batches and the
+optimizer step), the last step's gradients and the optimizer state included. Frees of storages made before the
+profiler started are not recorded, which is why the module is built inside it.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning_helpers import quiet_trainer
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
+
+WINDOW = "measured_window"
+
+
+class LastStepWindow(pl.Callback):
+    """A profiler range over optimizer step ``step`` (0-based): from its first micro-batch's start to the end of its
+    last micro-batch (which holds the optimizer step)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.range: Any = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        window = trainer.accumulate_grad_batches
+        if batch_idx == self.step * window:
+            self.range = torch.autograd.profiler.record_function(WINDOW)
+            self.range.__enter__()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        window = trainer.accumulate_grad_batches
+        if batch_idx == (self.step + 1) * window - 1 and self.range is not None:
+            self.range.__exit__(None, None, None)
+            self.range = None
+
+
+def _walk(node: Any, allocations: list[tuple[int, int]], windows: list[tuple[int, int]]) -> None:
+    if node.tag == _EventType.Allocation and str(node.extra_fields.device) == "cpu":
+        allocations.append((node.start_time_ns, node.extra_fields.alloc_size))
+    elif node.name == WINDOW:
+        windows.append((node.start_time_ns, node.end_time_ns))
+    for child in node.children:
+        _walk(child, allocations, windows)
+
+
+def measured_fit_peak(build: Callable[[], pl.LightningModule], loader: Any, steps: int = 3, **trainer: Any) -> int:
+    """The profiler's peak of live CPU tensor bytes over the last of ``steps`` optimizer steps of
+    ``Trainer.fit(build(), loader)`` (``trainer``: the Trainer's arguments, ``quiet_trainer``'s defaults)."""
+    gc.collect()  # garbage of earlier tests is not freed inside the window
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
+        torch.manual_seed(0)
+        module = build()
+        callbacks = [*trainer.pop("callbacks", []), LastStepWindow(steps - 1)]
+        quiet_trainer(max_steps=steps, callbacks=callbacks, **trainer).fit(module, loader)
+    allocations: list[tuple[int, int]] = []
+    windows: list[tuple[int, int]] = []
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        _walk(root, allocations, windows)
+    (start, end), running, peak = windows[0], 0, 0
+    for time, size in sorted(allocations):
+        if time > end:
+            break
+        running += size
+        peak = max(peak, running) if time >= start else running  # from the bytes live when the window opens
+    return peak
