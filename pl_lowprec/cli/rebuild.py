@@ -3,8 +3,10 @@
 
 The parser is ``LowPrecisionCLI``'s (the same classes, defaults, checks and one-paragraph refusals as ``fit``).
 Only what a rebuild needs is read from a config file: the model, the data module, and of the trainer its
-accelerator, devices, strategy and precision. Callbacks, loggers, the optimizer and the run's own keys
-(``ckpt_path``) are dropped, so a callback that cannot be imported where the export runs does not matter; a class
+accelerator, devices, strategy and precision; ``estimate`` and ``plan`` (``rebuild_classes``) also read the
+optimizer and LR scheduler (``--optimizer``), which the simulated step builds as ``fit`` does. Callbacks, loggers
+and the run's own keys (``ckpt_path``) are dropped, and so are the optimizer keys for ``export`` and
+``generate``, so a callback or optimizer that cannot be imported where the export runs does not matter; a class
 the rebuild needs and cannot import is named, with its file, in one line (``ConfigClassError``).
 """
 
@@ -24,6 +26,7 @@ from pl_lowprec.cli.run_paths import run_relative_overrides
 from pl_lowprec.loading.sources import shapes_only
 
 KEPT_KEYS = ("seed_everything", "trainer", "model", "data")
+OPTIMIZER_KEYS = ("optimizer", "lr_scheduler")  # LightningCLI's --optimizer and --lr_scheduler: what fit steps with
 KEPT_TRAINER_KEYS = (
     "accelerator",
     "devices",
@@ -46,10 +49,10 @@ def default_config(checkpoint: Path) -> Path | None:
     return candidate if candidate.is_file() else None
 
 
-def rebuild_config(fields: dict[str, Any]) -> dict[str, Any]:
+def rebuild_config(fields: dict[str, Any], kept_keys: tuple[str, ...] = KEPT_KEYS) -> dict[str, Any]:
     """What of a training config the rebuild reads: the model, the data, and the trainer's device, strategy and
-    precision settings; no callbacks, loggers, optimizer or run keys (``ckpt_path``)."""
-    kept = {key: fields[key] for key in KEPT_KEYS if key in fields}
+    precision settings (and the other ``kept_keys``); no callbacks, loggers or run keys (``ckpt_path``)."""
+    kept = {key: fields[key] for key in kept_keys if key in fields}
     trainer = fields.get("trainer")
     if isinstance(trainer, dict):
         kept["trainer"] = {key: trainer[key] for key in KEPT_TRAINER_KEYS if key in trainer} | QUIET_TRAINER
@@ -89,7 +92,7 @@ def check_importable(fields: dict[str, Any], source: str) -> None:
             )
 
 
-def without_run_keys(cli_args: list[str]) -> list[str]:
+def without_run_keys(cli_args: list[str], kept_keys: tuple[str, ...] = KEPT_KEYS) -> list[str]:
     """``cli_args`` with each ``--config`` file given inline as ``rebuild_config`` of it, after checking that the
     classes it names can be imported."""
     out: list[str] = []
@@ -99,7 +102,7 @@ def without_run_keys(cli_args: list[str]) -> list[str]:
             continue
         fields, source = read_config(option.value)
         if isinstance(fields, dict):
-            fields = rebuild_config(fields)
+            fields = rebuild_config(fields, kept_keys)
             check_importable(fields, source)
             out += ["--config", inline_from(fields, source)]
         else:
@@ -166,11 +169,14 @@ class _WithoutTrainer(LowPrecisionCLI):
 
 def rebuild_classes(cli_args: list[str]) -> LowPrecisionCLI:
     """As ``rebuild``, but no Trainer is built and the model is on the meta device; the trainer's arguments,
-    strategy and plugins built, are in ``config_init.trainer``."""
-    return _build(cli_args, _WithoutTrainer)
+    strategy and plugins built, are in ``config_init.trainer``. The config's ``optimizer`` and ``lr_scheduler``
+    are kept: they replace the module's ``configure_optimizers`` as in ``fit`` (``deferred_optimizer.py``)."""
+    return _build(cli_args, _WithoutTrainer, KEPT_KEYS + OPTIMIZER_KEYS)
 
 
-def _build(cli_args: list[str], cli_class: type[LowPrecisionCLI]) -> LowPrecisionCLI:
+def _build(
+    cli_args: list[str], cli_class: type[LowPrecisionCLI], kept_keys: tuple[str, ...] = KEPT_KEYS
+) -> LowPrecisionCLI:
     with warnings.catch_warnings():  # the subcommand's own arguments are meant to differ from sys.argv
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-        return build_cli(without_run_keys(cli_args), run=False, cli_class=cli_class)
+        return build_cli(without_run_keys(cli_args, kept_keys), run=False, cli_class=cli_class)

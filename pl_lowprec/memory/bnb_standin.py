@@ -194,19 +194,25 @@ def quantized_bytes(module: nn.Module) -> int:
 
 class FakeOptimizer8bit(torch.optim.Optimizer):
     """bitsandbytes' 8-bit optimizers in a fake step (their ``step`` reassigns ``p.data``, which fake parameters
-    refuse): the state they hold, with ``estimate.optimizer_state_bytes``' sizes (uint8 state and one fp32 absmax
-    per 256 elements for tensors of 4096+ elements, fp32 state below that), and a step that updates in place, as
-    the fused CUDA kernel does. bitsandbytes' CPU implementation makes fp32 temporaries this does not see.
+    refuse): the state they hold (uint8 state and one fp32 absmax per 256 elements for tensors of 4096+ elements,
+    with the shared 256-entry fp32 maps; fp32 state below that), and a step that updates in place, as the fused
+    CUDA kernel does. bitsandbytes' CPU implementation makes fp32 temporaries this does not see.
 
     ``torchao=True``: torchao's ``AdamW8bit`` instead (its real ``step`` crashes on fake tensors): the same blocks
     only where the element count is also a multiple of 256, each state with its own 256-entry fp32 map, and state
-    in the parameter's dtype elsewhere; under FSDP2, for this rank's shard."""
+    in the parameter's dtype elsewhere, and a fp32 step; under FSDP2, for this rank's shard."""
 
     def __init__(
         self, params: Any, states: int, min_8bit_size: int = 4096, block: int = 256, torchao: bool = False
     ) -> None:
         super().__init__(params, {"lr": 0.0})
         self.states, self.min_8bit_size, self.block, self.torchao = states, min_8bit_size, block, torchao
+        self._shared_maps: dict[int, torch.Tensor] = {}  # bitsandbytes' dynamic maps, one per state, shared
+
+    def _shared_map(self, index: int) -> torch.Tensor:
+        if index not in self._shared_maps:
+            self._shared_maps[index] = torch.empty(256, dtype=torch.float32)
+        return self._shared_maps[index]
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
@@ -223,9 +229,9 @@ class FakeOptimizer8bit(torch.optim.Optimizer):
                         if quantized:
                             state[f"state{index}"] = torch.empty(n, dtype=torch.uint8)
                             state[f"absmax{index}"] = torch.empty(math.ceil(n / self.block), dtype=torch.float32)
-                            if self.torchao:
-                                state[f"qmap{index}"] = torch.empty(256, dtype=torch.float32)
+                            own = torch.empty(256, dtype=torch.float32) if self.torchao else self._shared_map(index)
+                            state[f"qmap{index}"] = own
                         else:
                             state[f"state{index}"] = torch.empty(n, dtype=held.dtype if self.torchao else torch.float32)
-                    state["step"] = 0
+                    state["step"] = torch.zeros((), dtype=torch.float32) if self.torchao else 0  # torchao: fp32
                 state["step"] += 1

@@ -91,6 +91,7 @@ def extrapolated(simulate: Callable[[], SimulatedStep], blocks: nn.ModuleList) -
         saved_bytes=_line(two.saved_bytes, three.saved_bytes, depth),
         offloaded_bytes=_line(two.offloaded_bytes, three.offloaded_bytes, depth),
         host_peak=_line(two.host_peak, three.host_peak, depth),
+        optimizer_state=_line(two.optimizer_state, three.optimizer_state, depth),
         extrapolated=True,
         ops=OpProfile.line(two.ops, three.ops, depth - 2),
         repeated_micro_batches=three.repeated_micro_batches,

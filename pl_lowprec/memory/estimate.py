@@ -19,8 +19,6 @@ caching allocator's fragmentation: reserved memory is the predicted allocated pe
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,13 +26,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from pl_lowprec._checks import check_at_least
 from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.loading.sources import shapes_only
-from pl_lowprec.memory.bnb_standin import FakeOptimizer8bit, is_standin
+from pl_lowprec.memory.bnb_standin import is_standin
 from pl_lowprec.memory.collectives import Interconnect, count_ddp_all_reduce
 from pl_lowprec.memory.compiled_backward import LABEL as COMPILED_LABEL
 from pl_lowprec.memory.compiled_backward import compiled_backward_bytes
@@ -43,17 +41,13 @@ from pl_lowprec.memory.devices import GPUS, device_spec, gpu_named
 from pl_lowprec.memory.fake_distributed import fake_mesh
 from pl_lowprec.memory.fake_step import DryRunTrainer, SimulatedStep, attached, simulate_step
 from pl_lowprec.memory.op_counts import DTYPE_NAMES, OpProfile
+from pl_lowprec.memory.simulated_optimizer import SimulatedOptimizer
 from pl_lowprec.memory.simulated_transform import SimulatedTransform
 from pl_lowprec.memory.step_time import StepTime, predict_step_time
 from pl_lowprec.plugins.precision_choice import choose_precision
 from pl_lowprec.transforms.config import TransformConfig
 from pl_lowprec.transforms.dtypes import HALF_DTYPES, dtype_of_precision, unified_precision
 from pl_lowprec.transforms.nf4 import local
-from pl_lowprec.transforms.optimizers import swap_optimizer
-
-MIN_8BIT_SIZE = 4096  # bitsandbytes keeps 32-bit optimizer state below this many elements
-OPTIMIZER_BLOCK = 256  # bitsandbytes' blockwise 8-bit optimizer state: one fp32 absmax per block
-
 
 PHASES = ("forward", "backward", "optimizer step")
 
@@ -90,6 +84,7 @@ class MemoryEstimate:
     ops: OpProfile = field(default_factory=OpProfile, repr=False)
     time_on: str | None = None
     interconnect: Interconnect | None = None  # the run's own, measured (``collectives.measure_interconnect``)
+    optimizer: str = ""  # what the step simulated: "optimizer: AdamW (foreach), from configure_optimizers", ...
 
     @property
     def step_time(self) -> StepTime | None:
@@ -116,6 +111,7 @@ class MemoryEstimate:
         self.timeline, self.samples, self.host_peak = list(step.timeline), list(step.samples), step.host_peak
         self.extrapolated, self.ops = step.extrapolated, step.ops
         self.repeated_micro_batches = step.repeated_micro_batches
+        self.optimizer_state = step.optimizer_state
 
     def add_to_backward_peak(self, extra: int, label: str) -> None:
         """``extra`` bytes held at the backward peak that the simulated step did not run (``compiled_backward.py``):
@@ -153,6 +149,8 @@ class MemoryEstimate:
                 f"  (the last {self.repeated_micro_batches} micro-batches of the window counted as the one before:"
                 " two in a row ran alike)"
             )
+        if self.optimizer:
+            lines.append(f"  ({self.optimizer})")
         if self.device == "cuda":
             lines.append("  CUDA allocations rounded to 512 B; reserved memory adds the allocator's fragmentation.")
         if self.host_peak:
@@ -166,31 +164,6 @@ class MemoryEstimate:
         lines.append(f"    {'component':<26}{'MiB':>12}{'bytes':>16}")
         lines += [f"    {k:<26}{v / 2**20:>12.2f}{v:>16d}" for k, v in self.as_dict().items() if k != "peak"]
         return "\n".join(lines)
-
-
-def optimizer_state_bytes(trainable: list[nn.Parameter], optimizer: str) -> int:
-    """AdamW: two moments in the parameter dtype and a fp32 step per tensor. bitsandbytes: 8-bit blockwise state
-    for tensors of 4096+ elements (uint8 plus a fp32 absmax per 256), 32-bit below that. torchao's AdamW8bit: the
-    same blocks, with its own 256-entry fp32 map per state tensor, state in the parameter dtype below that, and a
-    fp32 step."""
-    states = 1 if optimizer == "lion8bit" else 2
-    total = 0
-    eight_bit = optimizer in ("adamw8bit", "paged_adamw8bit", "lion8bit")
-    for param in trainable:
-        n = param.numel()
-        if optimizer in (None, "adamw"):
-            total += 2 * n * param.element_size() + 4
-        elif optimizer == "torchao_adamw8bit":
-            quantized = n >= MIN_8BIT_SIZE and n % OPTIMIZER_BLOCK == 0
-            per_state = n + n // OPTIMIZER_BLOCK * 4 + 256 * 4 if quantized else n * param.element_size()
-            total += states * per_state + 4  # and a fp32 step
-        elif eight_bit and n >= MIN_8BIT_SIZE:
-            total += states * (n + math.ceil(n / OPTIMIZER_BLOCK) * 4)
-        else:
-            total += states * n * 4
-    if eight_bit and any(p.numel() >= MIN_8BIT_SIZE for p in trainable):
-        total += states * 256 * 4  # the shared dynamic quantization maps
-    return total
 
 
 @shapes_only()  # a pretrained= directory with only config.json: its shapes are all an estimate needs
@@ -333,15 +306,15 @@ def _estimate(
     estimate = MemoryEstimate(device=device.type)
     trainable = _count_parameters(model, estimate)
     estimate.gradients = sum(_nbytes(local(p)) for p in trainable)  # per rank under FSDP
-    estimate.optimizer_state = optimizer_state_bytes([local(p) for p in trainable], config.optimizer)
     autocast_dtype = compute_dtype if precision.endswith("-mixed") else None
+    make_optimizer = SimulatedOptimizer(config.optimizer, device)
 
     def simulate() -> SimulatedStep:
         return simulate_step(
             model,
             example_batch,
             trainer,
-            functools.partial(_optimizer, name=config.optimizer, device=device),
+            make_optimizer,
             autocast_dtype,
             config.activation_offloading,
             device.type,
@@ -353,6 +326,7 @@ def _estimate(
     step = simulate() if blocks is None else extrapolated(simulate, blocks)
     estimate.activations, estimate.activations_offloaded_to_host = step.saved_bytes, step.offloaded_bytes
     estimate.take_simulation(step)
+    estimate.optimizer = make_optimizer.said
     if config.compile_kwargs is not None:
         estimate.ops.compiled = True
         extra = compiled_backward_bytes(model, example_batch, autocast_dtype or compute_dtype)
@@ -423,17 +397,6 @@ def _count_parameters(model: nn.Module, estimate: MemoryEstimate) -> list[nn.Par
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-def _optimizer(trainable: list[nn.Parameter], name: str | None, device: torch.device) -> torch.optim.Optimizer:
-    """The module's torch AdamW, or the strategy's replacement (``optimizer=``), over the trainable weights."""
-    optimizer = torch.optim.AdamW(trainable, lr=1e-4)
-    if name is None:
-        return optimizer
-    if name in ("adamw8bit", "paged_adamw8bit", "lion8bit", "torchao_adamw8bit"):
-        return FakeOptimizer8bit(trainable, states=1 if name == "lion8bit" else 2, torchao=name.startswith("torchao"))
-    with unset_fake_temporarily():  # bitsandbytes builds its quantization maps from Python lists, for real
-        return swap_optimizer(optimizer, name, device)
 
 
 def _transform_config(config: TransformConfig | None, transform_args: dict[str, Any]) -> TransformConfig:

@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pl_lowprec.memory.accumulation import AfterMicroBatch, after_micro_batch, count_repeats, ran_alike
 from pl_lowprec.memory.activations import count_saved_tensors
+from pl_lowprec.memory.breakdown import optimizer_state_bytes
 from pl_lowprec.memory.fake_model import eager_attention_masks, fake_tensors
 from pl_lowprec.memory.op_counts import OpCounter, OpProfile
 from pl_lowprec.memory.tracker import StepTracker
@@ -85,12 +86,11 @@ def quiet_fake_data_pointers() -> Iterator[None]:
         yield
 
 
-def prime_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """The state after step 1, without running step 1: zero gradients, one step. The gradients stay, as the last
-    step's do when the next one starts under Lightning."""
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            param.grad = torch.zeros_like(param)
+def prime_optimizer(optimizer: torch.optim.Optimizer, trainable: list[nn.Parameter]) -> None:
+    """The state after step 1, without running step 1: zero gradients for the ``trainable`` parameters, one step.
+    The gradients stay, as the last step's do when the next one starts under Lightning."""
+    for param in trainable:
+        param.grad = torch.zeros_like(param)
     optimizer.step()
 
 
@@ -163,6 +163,7 @@ class SimulatedStep:
     saved_bytes: int
     offloaded_bytes: int
     host_peak: int = 0
+    optimizer_state: int = 0  # the bytes of the optimizer's state, each storage once (not rounded)
     extrapolated: bool = False  # from 2 and 3 identical blocks (depth.py)
     ops: OpProfile = field(default_factory=OpProfile)  # the kernels of the step, for its time (step_time.py)
     repeated_micro_batches: int = 0  # counted as the last simulated one, not run (accumulation.py)
@@ -172,7 +173,7 @@ def simulate_step(
     model: nn.Module,
     example_batch: Any,
     trainer: DryRunTrainer,
-    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
     autocast_dtype: torch.dtype | None,
     offloading: bool,
     device_type: str,
@@ -191,8 +192,9 @@ def simulate_step(
         quiet_fake_data_pointers(),
     ):
         batch = _to_fake(mode, example_batch)
-        optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
-        prime_optimizer(optimizer)
+        optimizer = make_optimizer(model)  # on the fake parameters, as configure_optimizers builds it
+        prime_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
+        state_bytes = optimizer_state_bytes([optimizer])
         counter = OpCounter()
         tracker = StepTracker(model, optimizer, batch_tensors(batch), device_type, counter)
         offload = SimulatedOffload(tracker, [*model.parameters(), *model.buffers()]) if offloading else None
@@ -220,6 +222,7 @@ def simulate_step(
         saved[0].nbytes,
         saved[0].offloaded_nbytes,
         tracker.host_peak,
+        optimizer_state=state_bytes,
         ops=counter.profile,
         repeated_micro_batches=repeated,
     )

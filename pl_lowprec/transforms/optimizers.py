@@ -74,6 +74,24 @@ def bitsandbytes_class(name: str, device: torch.device) -> type[Optimizer]:
 
 def swap_optimizer(optimizer: Optimizer, name: str, device: torch.device) -> Optimizer:
     """A bitsandbytes (or torchao) optimizer over the same parameter groups and hyperparameters as ``optimizer``."""
+    check_swappable(optimizer, name)
+    cls = optimizer_class(name, device)
+    carried = _HYPERPARAMETERS
+    groups = []
+    for group in optimizer.param_groups:
+        keys = [k for k in group if k not in optimizer.defaults or k in carried]
+        groups.append({k: group[k] for k in keys})  # params, hyperparameters, and extras such as initial_lr
+    defaults = {k: optimizer.defaults[k] for k in carried if k in optimizer.defaults}
+    if cls.__name__ == "Lion8bit":
+        defaults.pop("eps", None)
+        for group in groups:
+            group.pop("eps", None)
+    return cls(groups, **defaults)
+
+
+def check_swappable(optimizer: Optimizer, name: str) -> None:
+    """Refuse what ``optimizer=name`` cannot replace: an optimizer other than Adam/AdamW, Adam's L2 weight decay,
+    and the options the swapped optimizer lacks (``check_options_carry_over``)."""
     source = type(optimizer).__name__
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         raise ValueError(
@@ -87,18 +105,6 @@ def swap_optimizer(optimizer: Optimizer, name: str, device: torch.device) -> Opt
             " term. Use torch.optim.AdamW in configure_optimizers, or weight_decay=0."
         )
     check_options_carry_over(optimizer, name)
-    cls = optimizer_class(name, device)
-    carried = _HYPERPARAMETERS
-    groups = []
-    for group in optimizer.param_groups:
-        keys = [k for k in group if k not in optimizer.defaults or k in carried]
-        groups.append({k: group[k] for k in keys})  # params, hyperparameters, and extras such as initial_lr
-    defaults = {k: optimizer.defaults[k] for k in carried if k in optimizer.defaults}
-    if cls.__name__ == "Lion8bit":
-        defaults.pop("eps", None)
-        for group in groups:
-            group.pop("eps", None)
-    return cls(groups, **defaults)
 
 
 def check_options_carry_over(optimizer: Optimizer, name: str) -> None:

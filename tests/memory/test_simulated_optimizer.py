@@ -1,0 +1,104 @@
+"""The estimate simulates the optimizer the run builds (configure_optimizers on the fake parameters, with torch's
+loop for the device), against the profiler's peak of the same step through Lightning's fit loop."""
+
+import functools
+
+import pytest
+import torch
+from fit_peak_helpers import measured_fit_peak
+
+from pl_lowprec import LowPrecisionStrategy, estimate_memory
+from pl_lowprec.demo import TinyLlama
+
+ROWS, SEQ = 2, 16  # a small batch: the weights, gradients and optimizer state dominate, as in a full fine-tune
+
+
+class WithOptimizer(TinyLlama):
+    """TinyLlama whose ``configure_optimizers`` builds ``optimizer(trainable, **options)``."""
+
+    def __init__(self, optimizer: type[torch.optim.Optimizer], options: dict, **sizes: int) -> None:
+        super().__init__(**sizes)
+        self.optimizer_class, self.options = optimizer, options
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return self.optimizer_class([p for p in self.parameters() if p.requires_grad], lr=1e-3, **self.options)
+
+
+def _build(optimizer, options):
+    sizes = {"hidden_size": 128, "intermediate_size": 256, "num_layers": 2, "max_len": SEQ}
+    return functools.partial(WithOptimizer, optimizer, options, **sizes)
+
+
+def _loader():
+    rows = torch.randint(0, 256, (4 * ROWS, SEQ), generator=torch.Generator().manual_seed(0))
+    return torch.utils.data.DataLoader([{"input_ids": row} for row in rows], batch_size=ROWS)
+
+
+OPTIMIZERS = {  # state per fp32 trainable tensor: none; one buffer; three moments; two; two and a foreach copy
+    "SGD": (torch.optim.SGD, {}),
+    "SGD momentum": (torch.optim.SGD, {"momentum": 0.9}),
+    "Adam amsgrad": (torch.optim.Adam, {"amsgrad": True}),
+    "AdamW": (torch.optim.AdamW, {}),
+    "AdamW foreach": (torch.optim.AdamW, {"foreach": True}),
+}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS, ids=str)
+def test_the_estimate_is_the_measured_peak_for_each_optimizer(name):
+    build = _build(*OPTIMIZERS[name])
+    batch = {"input_ids": torch.zeros(ROWS, SEQ, dtype=torch.long)}
+    estimate = estimate_memory(build, batch, precision="32-true", device="cpu")
+    measured = measured_fit_peak(build, _loader(), strategy=LowPrecisionStrategy())
+    assert estimate.peak == pytest.approx(measured, rel=0.01), (estimate.peak, measured, estimate.table())
+    assert estimate.optimizer.startswith(f"optimizer: {OPTIMIZERS[name][0].__name__} (")
+
+
+def test_optimizer_state_is_what_each_optimizer_holds():
+    batch = {"input_ids": torch.zeros(ROWS, SEQ, dtype=torch.long)}
+    held = {}
+    for name, (optimizer, options) in OPTIMIZERS.items():
+        estimate = estimate_memory(_build(optimizer, options), batch, device="cpu")
+        held[name] = estimate.optimizer_state
+        tensors = len([p for p in _build(optimizer, options)().parameters() if p.requires_grad])
+    gradients = estimate.gradients  # every model alike: fp32 weights, all trainable
+    assert held["SGD"] == 0
+    assert held["SGD momentum"] == gradients
+    assert held["Adam amsgrad"] == 3 * gradients + 4 * tensors  # and one fp32 step each
+    assert held["AdamW"] == held["AdamW foreach"] == 2 * gradients + 4 * tensors
+
+
+def test_foreach_is_simulated_on_cuda_where_torch_picks_it():
+    """torch picks the foreach loop for CUDA tensors: AdamW then holds an fp32 copy of every exp_avg_sq in its
+    step; on a CPU it picks the single-tensor loop, unless foreach=True is given."""
+    batch = {"input_ids": torch.zeros(ROWS, SEQ, dtype=torch.long)}
+
+    def step_peak(device, options):
+        estimate = estimate_memory(_build(torch.optim.AdamW, options), batch, device=device)
+        return dict(estimate.timeline)["optimizer step peak"], estimate
+
+    cpu, on_cpu = step_peak("cpu", {})
+    forced, _ = step_peak("cpu", {"foreach": True})
+    cuda, on_cuda = step_peak("cuda", {})
+    single_on_cuda, _ = step_peak("cuda", {"foreach": False})
+    assert "(single-tensor)" in on_cpu.optimizer and "(foreach)" in on_cuda.optimizer
+    assert forced - cpu >= 0.7 * on_cpu.gradients  # a fp32 copy of the moments, less the single loop's temporaries
+    assert cuda - single_on_cuda >= 0.7 * on_cuda.gradients
+
+
+class NeedsATrainer(WithOptimizer):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3 / self.trainer.max_epochs)  # not on a dry-run trainer
+
+
+def test_an_optimizer_that_cannot_be_built_on_fake_parameters_is_assumed_and_said():
+    build = functools.partial(NeedsATrainer, torch.optim.SGD, {}, hidden_size=64, intermediate_size=128, max_len=SEQ)
+    estimate = estimate_memory(build, {"input_ids": torch.zeros(ROWS, SEQ, dtype=torch.long)}, device="cpu")
+    assert estimate.optimizer.startswith("optimizer assumed: AdamW (single-tensor): configure_optimizers failed")
+    assert "AttributeError" in estimate.optimizer and estimate.optimizer in estimate.table()
+    assert estimate.optimizer_state > 2 * estimate.gradients  # AdamW's two moments
+
+
+def test_the_strategy_swap_refuses_what_the_run_refuses():
+    build = _build(torch.optim.SGD, {})
+    with pytest.raises(ValueError, match="replaces Adam or AdamW, but configure_optimizers returned SGD"):
+        estimate_memory(build, {"input_ids": torch.zeros(ROWS, SEQ, dtype=torch.long)}, optimizer="adamw8bit")
