@@ -28,6 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from pl_lowprec.memory.input_buffer import sums_gradients_of_a_parameter
+
 if TYPE_CHECKING:
     from pl_lowprec.memory.op_counts import OpCounter
 
@@ -93,6 +95,7 @@ class StepTracker(TorchDispatchMode):
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._grad_hook) for p in model.parameters() if p.requires_grad
         ]
+        self._shapes = {tuple(p.shape) for p in model.parameters() if p.requires_grad}  # input_buffer.py
         self._depth = 0
         self.host_total = self.host_peak = 0
         self._on_host = 0
@@ -217,6 +220,8 @@ class StepTracker(TorchDispatchMode):
             return NotImplemented
         if func is torch.ops.aten._local_scalar_dense.default:  # .item(), bool(): fake tensors hold no values
             return _ASSUMED_VALUES.get(args[0].dtype, 1)
+        if self.phase_name == "backward" and sums_gradients_of_a_parameter(func, args, kwargs, self._shapes):
+            return args[0].add_(args[1])  # a tied weight's two gradients, summed in place as the engine does
         impl = DECOMPOSE.get(func)
         if impl is not None:  # the op's real composite implementation, so its temporaries are seen
             with self:
