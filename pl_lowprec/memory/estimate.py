@@ -33,7 +33,7 @@ from pl_lowprec._checks import check_at_least
 from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.loading.sources import shapes_only
 from pl_lowprec.memory.bnb_standin import is_standin
-from pl_lowprec.memory.collectives import Interconnect, count_ddp_all_reduce
+from pl_lowprec.memory.collectives import Interconnect, count_ddp_all_reduce, ddp_buckets
 from pl_lowprec.memory.compiled_backward import LABEL as COMPILED_LABEL
 from pl_lowprec.memory.compiled_backward import compiled_backward_bytes
 from pl_lowprec.memory.depth import extrapolated, repeated_blocks
@@ -44,10 +44,14 @@ from pl_lowprec.memory.op_counts import DTYPE_NAMES, OpProfile
 from pl_lowprec.memory.simulated_optimizer import SimulatedOptimizer
 from pl_lowprec.memory.simulated_transform import SimulatedTransform
 from pl_lowprec.memory.step_time import StepTime, predict_step_time
+from pl_lowprec.memory.tracker import allocated_bytes
 from pl_lowprec.plugins.precision_choice import choose_precision
 from pl_lowprec.transforms.config import TransformConfig
 from pl_lowprec.transforms.dtypes import HALF_DTYPES, dtype_of_precision, unified_precision
 from pl_lowprec.transforms.nf4 import local
+
+DDP_BUCKETS = "ddp_buckets"  # the peak split's label for DDP's gradient buckets
+
 
 PHASES = ("forward", "backward", "optimizer step")
 
@@ -112,6 +116,16 @@ class MemoryEstimate:
         self.extrapolated, self.ops = step.extrapolated, step.ops
         self.repeated_micro_batches = step.repeated_micro_batches
         self.optimizer_state = step.optimizer_state
+
+    def add_held_throughout(self, extra: int, label: str) -> None:
+        """``extra`` bytes held through the whole step that the simulated step does not allocate (DDP's gradient
+        buckets, made by its C++ reducer): every point of the timeline, the peak and each sample grow by them."""
+        if extra <= 0:
+            return
+        self.timeline = [(point, value + extra) for point, value in self.timeline]
+        self.peak += extra
+        self.peak_split = self.peak_split | {label: extra}
+        self.samples = [(phase, split | {label: extra}) for phase, split in self.samples]
 
     def add_to_backward_peak(self, extra: int, label: str) -> None:
         """``extra`` bytes held at the backward peak that the simulated step did not run (``compiled_backward.py``):
@@ -219,8 +233,11 @@ def estimate_memory(
             build_model, example_batch, precision, device, config, accumulate_grad_batches, extrapolate
         )
         estimate.time_on, estimate.ops.ranks = time_on, world_size
-        if world_size > 1:  # DDP: its reducer all-reduces the gradients, unseen by the simulated step
+        if world_size > 1:  # DDP: its reducer's buckets and all-reduce, unseen by the simulated step
+            estimate.world_size = world_size
             count_ddp_all_reduce(estimate.ops.collectives, estimate.gradients)
+            buckets = sum(allocated_bytes(nbytes, device.type) for nbytes in ddp_buckets(estimate.gradients))
+            estimate.add_held_throughout(buckets, DDP_BUCKETS)
         return estimate
     with fake_mesh(world_size) as mesh:
         estimate = _estimate(

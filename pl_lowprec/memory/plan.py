@@ -176,6 +176,8 @@ class MemoryPlan:
             " (CausalLM loss_chunk_size) where the logits dominate",
             "optimizer_state": "the 8-bit optimizer or fewer trainable parameters (a smaller LoRA rank)",
             "gradients": "fewer trainable parameters (LoRA instead of a full fine-tune)",
+            "ddp_buckets": "fewer trainable parameters (LoRA instead of a full fine-tune), or lowprec_fsdp, whose"
+            " ranks hold a shard of the gradients and no DDP buckets",
         }.get(top[0][0], "shorter sequences or more devices")
         return (
             f"Nothing fits in {format_bytes(self.limit)} (budget {format_bytes(self.budget)} less the"

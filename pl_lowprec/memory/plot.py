@@ -9,6 +9,7 @@ from typing import Any
 from pl_lowprec._imports import import_matplotlib_pyplot
 
 STACK = ("weights", "gradients", "optimizer_state", "activations", "temporaries")
+HELD_THROUGHOUT = ("ddp_buckets",)  # drawn where the estimate has them (``MemoryEstimate.add_held_throughout``)
 
 
 def check_plot_path(path: str | Path) -> Path:
@@ -34,14 +35,15 @@ def plot_step(estimate: Any, path: str | Path) -> Path:
     if not estimate.samples:
         raise ValueError("This estimate holds no samples of the step to plot (it was not simulated).")
     mib = 2**20
-    series = {name: [] for name in STACK}
+    stack = STACK + tuple(name for name in HELD_THROUGHOUT if estimate.samples[0][1].get(name))
+    series = {name: [] for name in stack}
     for _, split in estimate.samples:
-        for name in STACK:
+        for name in stack:
             extra = split.get("inputs", 0) if name == "activations" else 0  # the batch, with what forward makes
             series[name].append((split.get(name, 0) + extra) / mib)
     steps = range(len(estimate.samples))
     figure, axes = plt.subplots(figsize=(10, 4.5))
-    axes.stackplot(steps, *series.values(), labels=[name.replace("_", " ") for name in STACK])
+    axes.stackplot(steps, *series.values(), labels=[name.replace("_", " ") for name in stack])
     for index, phase in phase_starts(estimate.samples):
         if index:
             axes.axvline(index, color="grey", linewidth=0.6)

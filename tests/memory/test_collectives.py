@@ -56,7 +56,7 @@ def test_ddp_adds_its_gradient_all_reduce_and_one_process_has_none():
     two = _tiny_llama_estimate(lora=LORA, world_size=2)
     assert not one.ops.collectives and one.ops.ranks == 1
     assert two.ops.collectives == Counter({(ALL_REDUCE, one.gradients): 1}) and two.ops.ranks == 2
-    assert two.peak == one.peak and two.world_size == 1  # the memory is one process's: nothing is sharded
+    assert two.peak == one.peak + one.gradients and two.world_size == 2  # per rank: DDP's buckets added
     assert ddp_buckets(60 * MiB) == [MiB, 25 * MiB, 25 * MiB, 9 * MiB]  # DDP's first bucket, then 25 MiB ones
     assert ddp_buckets(MiB // 2) == [MiB // 2] and ddp_buckets(0) == []
 

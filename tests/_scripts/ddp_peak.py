@@ -1,0 +1,41 @@
+"""The measured peak of step 3 of a tiny Llama's full fine-tune on 2 DDP gloo processes, through Lightning's fit
+loop (``fit_peak_helpers.measured_fit_peak``: the profiler from before the module is built); each rank writes
+OUT_DIR/rank{N}.json. Run by tests/memory/test_ddp_buckets.py; Lightning's DDP launcher re-runs it for rank 1.
+
+Usage: python ddp_peak.py OUT_DIR
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: the shared helpers
+
+from fit_peak_helpers import measured_fit_peak
+
+from pl_lowprec import LowPrecisionDDPStrategy
+from pl_lowprec.demo import TinyLlama
+
+SIZES = {"hidden_size": 128, "intermediate_size": 256, "num_layers": 2, "max_len": 16}
+ROWS, SEQ = 2, 16  # per rank
+
+
+def build() -> TinyLlama:
+    return TinyLlama(**SIZES)
+
+
+def main(out: str) -> None:
+    torch.set_num_threads(1)
+    rows = torch.randint(0, 256, (8 * ROWS, SEQ), generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader([{"input_ids": row} for row in rows], batch_size=ROWS)
+    strategy = LowPrecisionDDPStrategy(process_group_backend="gloo")
+    peak = measured_fit_peak(build, loader, strategy=strategy, devices=2)
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps({"measured": peak}))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
