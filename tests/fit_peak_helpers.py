@@ -15,8 +15,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning_helpers import quiet_trainer
-from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
+
+from pl_lowprec.memory.profiled import peak_in_window
 
 WINDOW = "measured_window"
 
@@ -42,15 +43,6 @@ class LastStepWindow(pl.Callback):
             self.range = None
 
 
-def _walk(node: Any, allocations: list[tuple[int, int]], windows: list[tuple[int, int]]) -> None:
-    if node.tag == _EventType.Allocation and str(node.extra_fields.device) == "cpu":
-        allocations.append((node.start_time_ns, node.extra_fields.alloc_size))
-    elif node.name == WINDOW:
-        windows.append((node.start_time_ns, node.end_time_ns))
-    for child in node.children:
-        _walk(child, allocations, windows)
-
-
 def measured_fit_peak(build: Callable[[], pl.LightningModule], loader: Any, steps: int = 3, **trainer: Any) -> int:
     """The profiler's peak of live CPU tensor bytes over the last of ``steps`` optimizer steps of
     ``Trainer.fit(build(), loader)`` (``trainer``: the Trainer's arguments, ``quiet_trainer``'s defaults)."""
@@ -60,14 +52,4 @@ def measured_fit_peak(build: Callable[[], pl.LightningModule], loader: Any, step
         module = build()
         callbacks = [*trainer.pop("callbacks", []), LastStepWindow(steps - 1)]
         quiet_trainer(max_steps=steps, callbacks=callbacks, **trainer).fit(module, loader)
-    allocations: list[tuple[int, int]] = []
-    windows: list[tuple[int, int]] = []
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        _walk(root, allocations, windows)
-    (start, end), running, peak = windows[0], 0, 0
-    for time, size in sorted(allocations):
-        if time > end:
-            break
-        running += size
-        peak = max(peak, running) if time >= start else running  # from the bytes live when the window opens
-    return peak
+    return peak_in_window(prof, WINDOW)

@@ -50,6 +50,30 @@ class Classifier(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class TwoOptimizers(Classifier):
+    """Manual optimization stepping two optimizers a batch (``global_step`` counts both), every gradient made inf
+    at the batches in ``overflow_at_batches``."""
+
+    def __init__(self, model: nn.Module, overflow_at_batches: tuple[int, ...] = ()) -> None:
+        super().__init__(model)
+        self.automatic_optimization = False
+        self.overflow_at_batches = set(overflow_at_batches)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.manual_backward(F.cross_entropy(self(x), y))
+        if batch_idx in self.overflow_at_batches:
+            for p in self.parameters():
+                p.grad.fill_(float("inf"))
+        for optimizer in self.optimizers():
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def configure_optimizers(self):
+        first, *rest = self.parameters()
+        return [torch.optim.SGD([first], lr=0.01), torch.optim.SGD(rest, lr=0.01)]
+
+
 class StepRecorder(pl.Callback):
     """Records parameters, optimizer state and LR: entry k is the state after k optimizer steps."""
 

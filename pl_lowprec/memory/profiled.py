@@ -35,13 +35,31 @@ def live_storage_bytes() -> int:
     return sum(seen.values())
 
 
-def _allocations(node: object, out: list[tuple[int, int]], windows: list[tuple[int, int]]) -> None:
+def _allocations(node: object, window: str, out: list[tuple[int, int]], windows: list[tuple[int, int]]) -> None:
     if node.tag == _EventType.Allocation and str(node.extra_fields.device) == "cpu":
         out.append((node.start_time_ns, node.extra_fields.alloc_size))
-    elif node.name == MEASURED:
+    elif node.name == window:
         windows.append((node.start_time_ns, node.end_time_ns))
     for child in node.children:
-        _allocations(child, out, windows)
+        _allocations(child, window, out, windows)
+
+
+def peak_in_window(prof: profile, window: str) -> int:
+    """The highest running total of ``prof``'s CPU allocation records inside the first ``record_function(window)``
+    range, counted from the profiler's start (so the bytes it saw allocated and still live when the range opens are
+    in it)."""
+    records: list[tuple[int, int]] = []
+    windows: list[tuple[int, int]] = []
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        _allocations(root, window, records, windows)
+    start, end = windows[0]
+    running = peak = 0
+    for time, size in sorted(records):
+        if time > end:
+            break
+        running += size
+        peak = max(peak, running) if time >= start else running  # from the bytes live when the range opens
+    return peak
 
 
 def measured_peak(step: Callable[[], None], before: Callable[[], None] | None = None) -> int:
@@ -52,15 +70,4 @@ def measured_peak(step: Callable[[], None], before: Callable[[], None] | None = 
             before()
         with record_function(MEASURED):
             step()
-    records: list[tuple[int, int]] = []
-    windows: list[tuple[int, int]] = []
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        _allocations(root, records, windows)
-    start, end = windows[0]
-    running = peak = 0
-    for time, size in sorted(records):
-        if time > end:
-            break
-        running += size
-        peak = max(peak, running) if time >= start else running  # from the bytes live when the step starts
-    return base + peak
+    return base + peak_in_window(prof, MEASURED)

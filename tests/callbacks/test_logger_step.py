@@ -4,30 +4,10 @@ import csv
 
 import torch
 from lightning.pytorch.loggers import CSVLogger
-from lightning_helpers import Classifier, quiet_trainer
+from lightning_helpers import TwoOptimizers, quiet_trainer
 from plain_amp_loop import make_classification_data, make_mlp
-from torch.nn import functional as F
 
 from pl_lowprec import AMPPrecision, LossScaleMonitor, MemoryTracker
-
-
-class TwoOptimizers(Classifier):
-    """Manual optimization stepping two optimizers a batch: global_step counts both, Lightning's logger step one."""
-
-    def __init__(self, model):
-        super().__init__(model)
-        self.automatic_optimization = False
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        self.manual_backward(F.cross_entropy(self(x), y))
-        for optimizer in self.optimizers():
-            optimizer.step()
-            optimizer.zero_grad()
-
-    def configure_optimizers(self):
-        first, *rest = self.parameters()
-        return [torch.optim.SGD([first], lr=0.01), torch.optim.SGD(rest, lr=0.01)]
 
 
 def test_final_and_memory_figures_land_at_the_last_logged_step_with_two_optimizers(tmp_path):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning_helpers import Classifier, quiet_trainer
+from lightning_helpers import Classifier, TwoOptimizers, quiet_trainer
 from plain_amp_loop import make_classification_data, make_mlp
 from torch import nn
 
@@ -301,28 +301,6 @@ def test_without_a_logger_it_says_where_its_numbers_go(monkeypatch):
     assert trainer.callback_metrics["loss_scale/skipped_steps"] == 0
 
 
-class TwoOptimizersOverflowing(Classifier):
-    """Manual optimization, two optimizers, both overflowing on the second batch."""
-
-    def __init__(self, model):
-        super().__init__(model)
-        self.automatic_optimization = False
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        self.manual_backward(torch.nn.functional.cross_entropy(self(x), y))
-        if batch_idx == 1:
-            for p in self.parameters():
-                p.grad.fill_(float("inf"))
-        for optimizer in self.optimizers():
-            optimizer.step()
-            optimizer.zero_grad()
-
-    def configure_optimizers(self):
-        first, *rest = self.parameters()
-        return [torch.optim.SGD([first], lr=0.01), torch.optim.SGD(rest, lr=0.01)]
-
-
 @pytest.mark.parametrize(
     ("plugin", "scale", "backoffs"),
     [
@@ -337,7 +315,7 @@ def test_both_skips_of_a_batch_with_two_optimizers_are_counted(plugin, scale, ba
     plugin = plugin()
     monitor = LossScaleMonitor(print_summary=False)
     trainer = quiet_trainer(plugins=[plugin], max_steps=6, callbacks=[monitor])
-    trainer.fit(TwoOptimizersOverflowing(make_mlp()), _loader(3))
+    trainer.fit(TwoOptimizers(make_mlp(), overflow_at_batches=(1,)), _loader(3))
     assert plugin.scaler.get_scale() == scale
     assert trainer.callback_metrics["loss_scale/skipped_steps"] == 2 and monitor.backoffs == backoffs
     assert list(monitor._recent) == [False, False, True, True, False, False]
