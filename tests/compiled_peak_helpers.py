@@ -3,7 +3,8 @@ storage at the start of the step, other tests' included), beside the estimates t
 
 ``measure_compiled(setup)``: ``setup`` is Python that defines ``strategy`` (a ``LowPrecisionStrategy`` with
 ``compile=True``), ``build`` (the module, a fresh one per call), ``batch`` and ``estimates`` (a dict of predicted
-peaks); the helper fits two steps with them, profiles a third and returns ``estimates`` with ``"measured"`` added.
+peaks); the helper fits two steps with them, then profiles two more in Lightning's gradient order (the second is
+measured) and returns ``estimates`` with ``"measured"`` added.
 """
 
 import json
@@ -38,15 +39,20 @@ trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, en
     enable_progress_bar=False, enable_model_summary=False, strategy=strategy, plugins=[AMPPrecision("bf16-mixed")])
 trainer.fit(model, torch.utils.data.DataLoader([batch] * 2, batch_size=None))
 
-def step():
+def step():  # Lightning's order: the last step's gradients live through the forward, freed before the backward
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss, _ = model.loss_sum(batch)
-    loss.backward()
     for p in model.parameters():
         p.grad = None
+    loss.backward()
 
-step()
-print("RESULT " + json.dumps({**estimates, "measured": measured_peak(step)}))
+for p in model.parameters():
+    p.grad = None
+step()  # compiles outside the profiler
+for p in model.parameters():
+    p.grad = None
+# `before` makes, under the profiler, the gradients the measured step holds through its forward and frees
+print("RESULT " + json.dumps({**estimates, "measured": measured_peak(step, before=step)}))
 """
 
 
