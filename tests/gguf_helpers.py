@@ -28,6 +28,17 @@ def refusal_line(capsys, args: list[str]) -> str:
     return errors[0]
 
 
+def fail_if_called(monkeypatch, targets: list[str], what: str) -> None:
+    """Each of ``targets`` (dotted names, as ``monkeypatch.setattr`` takes them) fails the test if called: a refusal
+    must come before ``what`` (the slow step it guards)."""
+
+    def called(*args, **kwargs):
+        raise AssertionError(f"{what} before the refusal")
+
+    for target in targets:
+        monkeypatch.setattr(target, called)
+
+
 def shrunk_model(
     directory: Path, tokenizer_dir: Path, shape: dict, head_dim: int, rows: int, layers: int = 2, **overrides
 ) -> Path:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gguf_helpers import refusal_line
+from gguf_helpers import fail_if_called, refusal_line
 
 pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
@@ -24,12 +24,9 @@ def refusal(capsys, *args: str) -> str:
 @pytest.fixture
 def no_estimate(monkeypatch):
     """The estimate fails the test: every refusal here must come before it."""
-
-    def estimates(*args, **kwargs):
-        raise AssertionError("the estimate ran before the refusal")
-
-    monkeypatch.setattr("pl_lowprec.cli.estimate.estimate_memory", estimates)
-    monkeypatch.setattr("pl_lowprec.cli.plan.plan_memory", estimates)
+    fail_if_called(
+        monkeypatch, ["pl_lowprec.cli.estimate.estimate_memory", "pl_lowprec.cli.plan.plan_memory"], "the estimate ran"
+    )
 
 
 @pytest.mark.parametrize("command", [["estimate"], ["plan", "--memory", "8GiB"]])

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf_helpers import fail_if_called
 from loading_helpers import causal_lm_fit_args, save_pretrained_dir, write_prompt_completion
 
 import pl_lowprec._imports as imports
@@ -74,15 +75,9 @@ def refusal(capsys, args: list[str]) -> str:
 @pytest.fixture
 def nothing_loads(monkeypatch):
     """The slow steps of export and generate fail the test: every refusal must come before them."""
-
-    def loads(*args, **kwargs):
-        raise AssertionError("the model was loaded before the refusal")
-
-    monkeypatch.setattr("pl_lowprec.cli.export.restore", loads)
-    monkeypatch.setattr("pl_lowprec.cli.generate.from_checkpoint", loads)
-    monkeypatch.setattr("pl_lowprec.cli.generate.from_run", loads)
-    monkeypatch.setattr("pl_lowprec.cli.generate.from_directory", loads)
-    monkeypatch.setattr("pl_lowprec.cli.generate.load_tokenizer", loads)
+    loads = ["pl_lowprec.cli.export.restore", "pl_lowprec.cli.generate.load_tokenizer"]
+    loads += [f"pl_lowprec.cli.generate.{name}" for name in ("from_checkpoint", "from_run", "from_directory")]
+    fail_if_called(monkeypatch, loads, "the model was loaded")
 
 
 def _export_cases(tmp: Path, pretrained: Path, checkpoint: Path) -> list[tuple[list[str], list[str]]]:

@@ -20,6 +20,7 @@ import torch
 from gguf_helpers import (
     assert_completes_as_merged,
     convert,
+    fail_if_called,
     fit_and_export,
     gguf_dir,
     held_out_ids,
@@ -378,13 +379,9 @@ def test_a_model_directory_converts_to_the_file_its_checkpoint_exports(exported,
 
 
 def test_refusals_come_before_anything_loads_and_name_the_fix(trained, pretrained, tmp_path, monkeypatch, capsys):
-    import pl_lowprec.cli.export as cli_export
     import pl_lowprec.export.gguf_export as gguf_export
 
-    def no_restore(*args, **kwargs):
-        raise AssertionError("the checkpoint was restored before the refusal")
-
-    monkeypatch.setattr(cli_export, "restore", no_restore)
+    fail_if_called(monkeypatch, ["pl_lowprec.cli.export.restore"], "the checkpoint was restored")
     checkpoint, args, _ = trained
     out = tmp_path / "gguf"
     base = ["export", f"--ckpt_path={checkpoint}", f"--out={out}", *args]

@@ -17,6 +17,7 @@ import torch
 from gguf_helpers import (
     assert_completes_as_merged,
     convert,
+    fail_if_called,
     fit_and_export,
     gguf_dir,
     held_out_ids,
@@ -240,12 +241,7 @@ def test_the_modelfile_has_mistrals_template_and_stop_tokens(exported):
 def test_a_tokenizer_llama_cpp_would_split_otherwise_is_refused_before_the_checkpoint_loads(
     exported, spm_dir, tmp_path, monkeypatch, capsys
 ):
-    import pl_lowprec.cli.export as cli_export
-
-    def no_restore(*args, **kwargs):
-        raise AssertionError("the checkpoint was restored before the refusal")
-
-    monkeypatch.setattr(cli_export, "restore", no_restore)
+    fail_if_called(monkeypatch, ["pl_lowprec.cli.export.restore"], "the checkpoint was restored")
     _, _, checkpoint, args = exported
     broken = tmp_path / "broken_tokenizer"
     shutil.copytree(spm_dir, broken)

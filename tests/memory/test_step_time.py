@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf_helpers import fail_if_called
 from torch import nn
 
 from pl_lowprec import estimate_memory
@@ -303,10 +304,7 @@ def test_estimate_on_a_named_gpu_is_the_run_on_that_gpu(capsys):
 
 
 def test_estimate_refuses_an_unknown_gpu_in_one_paragraph_before_estimating(capsys, monkeypatch):
-    def must_not_run(*args, **kwargs):
-        raise AssertionError("the estimate ran before the unknown GPU was refused")
-
-    monkeypatch.setattr("pl_lowprec.cli.estimate.estimate_arguments", must_not_run)
+    fail_if_called(monkeypatch, ["pl_lowprec.cli.estimate.estimate_arguments"], "the estimate ran")
     with pytest.raises(SystemExit) as exit_:
         pl_lowprec_cli(["estimate", "--config", str(ROOT / "configs/quickstart.yaml"), "--gpu", "V100"])
     assert exit_.value.code == 2
