@@ -36,13 +36,16 @@ class ScalerBookkeeping:
     def __init__(self, scaler: torch.amp.GradScaler) -> None:
         check_scaler_internals()
         self.scaler = scaler
-        self.unscaled: set[int] = set()
         self.stepped: dict[int, int] = {}
         self._unscaled_optimizers: dict[int, Optimizer] = {}
         self._watched: set[int] = set()
         self._applied: set[int] = set()
         self._skipped: dict[int, bool] = {}
         self._hooks: list[RemovableHandle] = []
+
+    @property
+    def unscaled(self) -> set[int]:
+        return set(self._unscaled_optimizers)
 
     def watch(self, optimizers: list[Optimizer]) -> None:
         """Start a fit: refuse optimizers the scaler cannot drive, and see each one's steps. Whatever an earlier
@@ -70,10 +73,9 @@ class ScalerBookkeeping:
         """``scaler.unscale_`` unless already done since the last update, or there are no gradients; then every
         process agrees on whether the gradients overflowed (``agree_on_overflow``)."""
         optimizer = unwrap(optimizer)
-        if id(optimizer) not in self.unscaled and has_gradients(optimizer):
+        if id(optimizer) not in self._unscaled_optimizers and has_gradients(optimizer):
             self.scaler.unscale_(optimizer)
             agree_on_overflow(self.scaler, id(optimizer))
-            self.unscaled.add(id(optimizer))
             self._unscaled_optimizers[id(optimizer)] = optimizer
 
     def step(self, optimizer: Optimizer, mark: int = 0, **kwargs: Any) -> tuple[Any, bool]:
@@ -83,7 +85,6 @@ class ScalerBookkeeping:
         output = self.scaler.step(optimizer, **kwargs)
         skipped = id(optimizer) not in self._applied
         self._skipped[id(optimizer)] = skipped
-        self.unscaled.discard(id(optimizer))
         self._unscaled_optimizers.pop(id(optimizer), None)
         self.stepped[id(optimizer)] = mark
         return output, skipped
@@ -117,9 +118,7 @@ class ScalerBookkeeping:
 
     def forget_unscale(self, optimizer: Optimizer) -> None:
         """Return ``optimizer`` to GradScaler's ready state after an ``unscale_`` that no step followed."""
-        if id(optimizer) in self.unscaled:
-            self.unscaled.discard(id(optimizer))
-            self._unscaled_optimizers.pop(id(optimizer), None)
+        if self._unscaled_optimizers.pop(id(optimizer), None) is not None:
             forget_unscale(self.scaler, id(optimizer))
 
     def forget_unscales(self, only_without_gradients: bool = False) -> None:
@@ -130,7 +129,6 @@ class ScalerBookkeeping:
                 self.forget_unscale(optimizer)
 
     def _clear(self) -> None:
-        self.unscaled.clear()
         self._unscaled_optimizers.clear()
         self.stepped.clear()
 
