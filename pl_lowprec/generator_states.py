@@ -2,12 +2,14 @@
 
 The one place that knows which generators a training step may draw from: the strategies keep every rank's states in
 the checkpoint (``strategies/random_states.py``), and ``StepBoundaryCheckpoint`` keeps them where a step ends
-(``callbacks/step_end_rewind.py``).
+(``callbacks/step_end_rewind.py``); ``generators_held`` keeps a block's draws out of the run's sequence.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np  # torchmetrics, which Lightning requires, requires it
@@ -35,3 +37,16 @@ def set_random_states(states: dict[str, Any]) -> None:
     if "numpy" in states:
         name, keys, position, has_gauss, cached = states["numpy"]
         np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, cached))
+
+
+@contextmanager
+def generators_held(states: dict[str, Any] | None = None) -> Iterator[None]:
+    """The random generators set to ``states`` (where given) for the block, and given back their own after it:
+    whatever the block draws leaves the run's generators where they stood."""
+    own = random_states()
+    if states is not None:
+        set_random_states(states)
+    try:
+        yield
+    finally:
+        set_random_states(own)

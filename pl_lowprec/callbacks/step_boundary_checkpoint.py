@@ -40,9 +40,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 
 from pl_lowprec.callbacks.epoch_end_resumption import as_saved_at_the_last_batch
-from pl_lowprec.callbacks.step_end_rewind import can_set_back, micro_batches_into_the_step, random_states_as, set_back
+from pl_lowprec.callbacks.step_end_rewind import can_set_back, micro_batches_into_the_step, set_back
 from pl_lowprec.callbacks.swap import in_place, swap_default_callbacks
-from pl_lowprec.generator_states import random_states
+from pl_lowprec.generator_states import generators_held, random_states
 
 
 class StepBoundaryCheckpoint(LightningModelCheckpoint):
@@ -130,7 +130,7 @@ class StepBoundaryCheckpoint(LightningModelCheckpoint):
             return
         self._micro_batches_to_set_back = micro_batches_into_the_step(trainer)
         try:
-            with random_states_as(self._step_end_random_states):
+            with generators_held(self._step_end_random_states):
                 yield
         finally:
             self._micro_batches_to_set_back = 0

@@ -14,14 +14,12 @@ loader without state starts its epoch again on resumption whatever the loop says
 
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableMapping
-from contextlib import contextmanager
+from collections.abc import MutableMapping
 from typing import Any
 
 import lightning.pytorch as pl
 
 from pl_lowprec.data.resumable import ResumableDataLoader
-from pl_lowprec.generator_states import random_states, set_random_states
 
 PROGRESS_COUNTERS = ("ready", "started", "processed", "completed")
 
@@ -49,17 +47,3 @@ def set_back(checkpoint: MutableMapping[str, Any], micro_batches: int) -> None:
             counters[name] -= micro_batches
     for state in fit_loop.get("state_dict", {}).get("combined_loader", []):
         state["batches"] -= micro_batches
-
-
-@contextmanager
-def random_states_as(states: dict[str, Any] | None) -> Iterator[None]:
-    """The random generators set to ``states`` (where given) for the block, and given back their own after it."""
-    if states is None:
-        yield
-        return
-    own = random_states()
-    set_random_states(states)
-    try:
-        yield
-    finally:
-        set_random_states(own)

@@ -18,7 +18,7 @@ from typing import Any
 
 from lightning.pytorch.trainer.states import TrainerFn
 
-from pl_lowprec.generator_states import random_states, set_random_states
+from pl_lowprec.generator_states import generators_held
 
 CHECKPOINT_KEY = "pl_lowprec_validation_follows"
 
@@ -46,9 +46,8 @@ def hold_random_states_through_the_skipped_validation(trainer: Any, validation_f
 
     def skip_holding_the_generators() -> None:
         del val_loop.increment_progress_to_evaluation_end  # once: Lightning's own method again
-        states = random_states()
-        skip()
-        set_random_states(states)
+        with generators_held():
+            skip()
 
     val_loop.increment_progress_to_evaluation_end = skip_holding_the_generators
     return True
