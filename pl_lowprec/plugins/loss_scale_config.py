@@ -162,11 +162,7 @@ def resumed_scaler_state(
     ``growth_interval`` is set to one step short of it: GradScaler grows the scale only when the tracker reaches
     the interval exactly, so it would never grow again before an overflow.
     """
-    mine: dict[str, Any] = {
-        "growth_factor": scaler.get_growth_factor(),
-        "backoff_factor": scaler.get_backoff_factor(),
-        "growth_interval": scaler.get_growth_interval(),
-    }
+    mine: dict[str, Any] = {name: getattr(scaler, f"get_{name}")() for name in _SAVED_SETTINGS}
     changed = {k: (saved[k], mine[k]) for k in _SAVED_SETTINGS if k in saved and saved[k] != mine[k]}
     state = {**saved, **mine}
     tracker = saved.get("_growth_tracker")

@@ -31,9 +31,7 @@ class SkipAwareScheduler:
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         # Pickled as the scheduler's own class (the guard's class is made per fit and named as that one, which
         # pickle refuses): the guard belongs to the fit, not to the object.
-        own = next(
-            c for c in type(self).__mro__ if c is not SkipAwareScheduler and not issubclass(c, SkipAwareScheduler)
-        )
+        own = type(self).__bases__[1]  # guard_scheduler's (SkipAwareScheduler, the scheduler's class)
         return unguarded, (own, self.__dict__.copy())
 
 

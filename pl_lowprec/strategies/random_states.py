@@ -23,18 +23,10 @@ from typing import Any
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from pl_lowprec.generator_states import random_states, set_random_states
+from pl_lowprec.generator_states import random_states
 from pl_lowprec.strategies.unresumable_data import resumed_where_an_epoch_ended
 
 CHECKPOINT_KEY = "pl_lowprec_random_states"  # a list: one entry per rank
-__all__ = [  # random_states and set_random_states live in generator_states.py, which the callbacks import too
-    "CHECKPOINT_KEY",
-    "every_ranks_random_states",
-    "own_random_states",
-    "random_states",
-    "restart_epoch_iterator",
-    "set_random_states",
-]
 
 
 def restart_epoch_iterator(trainer: Any) -> bool:

@@ -20,6 +20,7 @@ from pl_lowprec.callbacks.epoch_end_resumption import as_saved_at_the_last_batch
 from pl_lowprec.callbacks.replacements import use_package_callbacks
 from pl_lowprec.callbacks.step_boundary_checkpoint import mid_step_resumption
 from pl_lowprec.distributed.launched_ranks import mark_failing
+from pl_lowprec.generator_states import set_random_states
 from pl_lowprec.memory.budget import check_memory_budget, first_training_batch, training_loader
 from pl_lowprec.memory.sizing_batch import sizing_batch
 from pl_lowprec.strategies.auto_settings import choose_memory_settings, run_interconnect
@@ -31,7 +32,6 @@ from pl_lowprec.strategies.random_states import (
     every_ranks_random_states,
     own_random_states,
     restart_epoch_iterator,
-    set_random_states,
 )
 from pl_lowprec.strategies.skipped_validation import CHECKPOINT_KEY as VALIDATION_FOLLOWS
 from pl_lowprec.strategies.skipped_validation import (

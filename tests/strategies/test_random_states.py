@@ -13,7 +13,8 @@ import warm_python
 from resume_helpers import fit
 
 from pl_lowprec import LowPrecisionStrategy
-from pl_lowprec.strategies.random_states import CHECKPOINT_KEY, random_states, set_random_states
+from pl_lowprec.generator_states import random_states, set_random_states
+from pl_lowprec.strategies.random_states import CHECKPOINT_KEY
 
 STOPS = {  # (first run's max_steps, validation interval in batches), in an epoch of 5 steps
     "off_grid": (3, None),
