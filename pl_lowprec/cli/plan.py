@@ -47,6 +47,7 @@ from pl_lowprec.memory.fake_step import batch_tensors
 from pl_lowprec.memory.fastest import MemorySettings, configured, ladder
 from pl_lowprec.memory.plan import (
     Settings,
+    block_names,
     checkpointed_blocks,
     doubling_bound,
     fresh_copies,
@@ -171,7 +172,7 @@ def main(args: list[str] | None = None) -> None:
         print(line)
         if sharded is not None:  # nothing fits unsharded and sharding may change what it needs to: switch
             print(sharded.table())
-            plan, switch_to = sharded, {"shard_modules": _plain(checkpointed_blocks(config, blocks))}
+            plan, switch_to = sharded, {"shard_modules": block_names(checkpointed_blocks(config, blocks))}
     chosen = plan.chosen
     if chosen is None:
         print(plan.nothing_fits(), file=sys.stderr)
@@ -358,7 +359,7 @@ def write_plan(
     changes = {
         "trainer.accumulate_grad_batches": settings.accumulate,
         **({"data.init_args.batch_size": settings.micro_batch} if run.datamodule is not None else {}),
-        "trainer.strategy.init_args.activation_checkpointing": _plain(planned.activation_checkpointing),
+        "trainer.strategy.init_args.activation_checkpointing": block_names(planned.activation_checkpointing),
         "trainer.strategy.init_args.checkpoint_every_n": planned.checkpoint_every_n,
         "trainer.strategy.init_args.checkpoint_mode": planned.checkpoint_mode,
         "trainer.strategy.init_args.optimizer": planned.optimizer,
@@ -465,9 +466,3 @@ def _into_init_args(node: dict[str, Any], key: str) -> dict[str, Any]:
             node["init_args"] = {}
         return node["init_args"]
     return node
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, (list, tuple)):
-        return [v if isinstance(v, str) else getattr(v, "__name__", str(v)) for v in value]
-    return value

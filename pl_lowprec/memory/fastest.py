@@ -34,14 +34,13 @@ import torch
 from torch import nn
 
 from pl_lowprec.distributed.sharding import Sharding
-from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
+from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory, resolved_precision
 from pl_lowprec.memory.fake_step import DryRunTrainer, attached
 from pl_lowprec.memory.quiet import quiet_setup_logs
 from pl_lowprec.memory.sizes import format_bytes, format_bytes_at_least
-from pl_lowprec.plugins.precision_choice import choose_precision
 from pl_lowprec.transforms.checkpointing import declared_blocks
 from pl_lowprec.transforms.config import TransformConfig
-from pl_lowprec.transforms.dtypes import dtype_of_precision, unified_precision
+from pl_lowprec.transforms.dtypes import dtype_of_precision
 from pl_lowprec.transforms.memory_saving import ALL_PATHS, AUTO, PATHS
 
 MARGIN = 0.1  # of the free memory, kept for what the estimate does not see: the allocator's fragmentation, scratch
@@ -130,7 +129,7 @@ def candidates(config: TransformConfig, applicable: frozenset[str], blocks: list
             checkpointing = GIVEN
         elif checkpointing != "none" and not blocks:
             continue  # the model declares no blocks to checkpoint
-        elif checkpointing == "selective" and leaves_selective_out(config):
+        elif checkpointing == "selective" and leaves_selective_out(config, blocks):
             continue
         selective = checkpointing == "selective" or (checkpointing == GIVEN and config.checkpoint_mode == "selective")
         here = applicable - {"fused_mlp"} if selective else applicable  # ModelTransform.apply: not fused there
@@ -141,10 +140,11 @@ def candidates(config: TransformConfig, applicable: frozenset[str], blocks: list
     return sorted(found, key=lambda s: predicted_seconds(None, s))
 
 
-def leaves_selective_out(config: TransformConfig) -> bool:
-    """Whether ``"auto"`` checkpointing goes without its selective candidate: selective runs non-reentrant only
-    (``checkpointing.py``), and the user chose ``checkpoint_impl="reentrant"``."""
-    return config.activation_checkpointing == AUTO and config.checkpoint_impl == "reentrant"
+def leaves_selective_out(config: TransformConfig, blocks: list[str]) -> bool:
+    """Whether ``"auto"`` checkpointing goes without its selective candidate: the model declares ``blocks`` to
+    checkpoint, selective runs non-reentrant only (``checkpointing.py``), and the user chose
+    ``checkpoint_impl="reentrant"``."""
+    return bool(blocks) and config.activation_checkpointing == AUTO and config.checkpoint_impl == "reentrant"
 
 
 SELECTIVE_LEFT_OUT = "selective checkpointing left out"
@@ -245,9 +245,7 @@ def ladder(
     """The candidates for ``config`` on the module ``build_model`` builds, fastest first, and the blocks
     ``activation_checkpointing="auto"`` checkpoints: ``blocks`` where the caller names them (``plan_memory``'s
     ``block_names``), else those the module declares."""
-    precision = unified_precision(precision)  # Lightning's aliases: "bf16" is "bf16-mixed"
-    if precision == "auto":
-        precision = choose_precision(device).precision
+    precision = resolved_precision(precision, device)  # Lightning's aliases ("bf16" is "bf16-mixed"), and "auto"
     model = configured(build_model)
     blocks = list(blocks) if blocks else declared_blocks(model)
     return candidates(config, applicable_paths(config, precision, model), blocks), blocks
@@ -301,7 +299,7 @@ def search_ladder(
     """``fastest_fitting`` over the candidates ``ladder`` gave (``order``, fastest first, and the declared
     ``blocks``): each one's config ``simulate``d (``estimate_memory`` with the run's model and batch bound) until
     one fits in ``limit``."""
-    left_out = f"{SELECTIVE_LEFT_OUT}: {SELECTIVE_WHY}" if blocks and leaves_selective_out(config) else ""
+    left_out = f"{SELECTIVE_LEFT_OUT}: {SELECTIVE_WHY}" if leaves_selective_out(config, blocks) else ""
     search = Search(limit, len(order), left_out=left_out)
     with quiet_setup_logs():  # each simulated transform would repeat what the run says once
         for settings in order:

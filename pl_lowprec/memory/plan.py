@@ -343,11 +343,10 @@ def pinned_checkpointing(config: TransformConfig, blocks: list[str]) -> list[str
     """The config's own checkpointing, in words, where the search keeps it (``fastest.GIVEN``), or the candidate
     its ``checkpoint_impl`` rules out; nothing where the plan chooses it all."""
     if config.activation_checkpointing == AUTO:
-        left_out = blocks and leaves_selective_out(config)
-        return [f"checkpoint_impl reentrant ({SELECTIVE_LEFT_OUT})"] if left_out else []
+        return [f"checkpoint_impl reentrant ({SELECTIVE_LEFT_OUT})"] if leaves_selective_out(config, blocks) else []
     policy = config.activation_checkpointing
     names = policy if isinstance(policy, (list, tuple, set, frozenset)) else [policy]
-    named = ", ".join(sorted(n if isinstance(n, str) else getattr(n, "__name__", str(n)) for n in names))
+    named = ", ".join(sorted(block_names(list(names))))
     n = config.checkpoint_every_n
     every = f", every {n}{ORDINAL_SUFFIX.get(n, 'th')} block" if n > 1 else ""
     mode = ", selective" if config.checkpoint_mode == "selective" else ""
@@ -356,6 +355,13 @@ def pinned_checkpointing(config: TransformConfig, blocks: list[str]) -> list[str
 
 
 ORDINAL_SUFFIX = {2: "nd", 3: "rd"}
+
+
+def block_names(value: Any) -> Any:
+    """A list of block classes or names as names (how a config writes them); anything else as it is."""
+    if isinstance(value, (list, tuple)):
+        return [v if isinstance(v, str) else getattr(v, "__name__", str(v)) for v in value]
+    return value
 
 
 def settings_config(config: TransformConfig, settings: Settings, blocks: list[str] | None) -> TransformConfig:

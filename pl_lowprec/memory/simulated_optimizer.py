@@ -47,7 +47,6 @@ class SimulatedOptimizer:
         picked = pick_loop_for_device(optimizer, self.device)
         built = type(optimizer).__name__ + (f" ({picked})" if picked else "")
         if self.swap is not None:
-            check_swappable(optimizer, self.swap)  # refused here as the run refuses it
             optimizer = swapped(optimizer, self.swap, self.device)
             built = f"{type(optimizer).__name__} (optimizer={self.swap!r}, replacing {built})"
         if why_assumed is not None:
@@ -97,8 +96,9 @@ def pick_loop_for_device(optimizer: torch.optim.Optimizer, device: torch.device)
 
 def swapped(optimizer: torch.optim.Optimizer, name: str, device: torch.device) -> torch.optim.Optimizer:
     """The strategy's ``optimizer=`` replacement of ``optimizer``, over the same parameter groups; the 8-bit ones as
-    their fake stand-in (their real steps refuse fake parameters)."""
+    their fake stand-in (their real steps refuse fake parameters). Refused here as the run refuses it."""
     if name in EIGHT_BIT:
+        check_swappable(optimizer, name)  # swap_optimizer checks the others
         groups: list[dict[str, Any]] = [{"params": group["params"]} for group in optimizer.param_groups]
         return FakeOptimizer8bit(groups, states=1 if name == "lion8bit" else 2, torchao=name.startswith("torchao"))
     with unset_fake_temporarily():  # bitsandbytes builds its quantization maps from Python lists, for real
