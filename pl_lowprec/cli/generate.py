@@ -181,6 +181,7 @@ def main(args: list[str] | None = None) -> None:
     dtype = parsed.dtype or "float32"
     if parsed.ckpt_path is None:
         check_generation_dtype(dtype)  # before anything loads
+    prompt_ids: list[list[int]] | None = None  # tokenized once: before the model loads where that can be
     if parsed.ckpt_path is not None:
         check_checkpoint(Path(parsed.ckpt_path))
         cli_args = with_config(Path(parsed.ckpt_path), cli_args, parser)
@@ -205,12 +206,14 @@ def main(args: list[str] | None = None) -> None:
         tokenizer = model_tokenizer(source)
         if chat:  # before the model loads
             check_chat_template(tokenizer, source)
-            all_prompt_ids(tokenizer, records, parsed.chat_template_kwargs or {})
+            prompt_ids = all_prompt_ids(tokenizer, records, parsed.chat_template_kwargs or {})
         generator = from_directory(model, base, device, tokenizer, dtype)
         print(f"Generating with --model {parsed.model} in {dtype} (--dtype).")
     if chat:
         check_chat_template(generator.tokenizer, parsed.tokenizer)
     if parsed.chat_template_kwargs is not None:
         generator.template_kwargs = parsed.chat_template_kwargs
-    completions = generator.complete_records(records, decoding, parsed.batch_size)
+    if prompt_ids is None:
+        prompt_ids = all_prompt_ids(generator.tokenizer, records, generator.template_kwargs)
+    completions = generator.complete_ids(prompt_ids, decoding, parsed.batch_size)
     print(write_completions(records, completions, Path(parsed.out)))

@@ -90,10 +90,6 @@ class Generator:
         """The completion of each prompt text (tokenized as the tokenizer does by default, BOS included)."""
         return self.complete_ids([self.tokenizer(p)["input_ids"] for p in prompts], decoding, batch_size)
 
-    def complete_records(self, records: list[dict[str, Any]], decoding: Decoding, batch_size: int = 8) -> list[str]:
-        """The completion of each record of ``read_prompts``: a chat record through the chat template."""
-        return self.complete_ids(all_prompt_ids(self.tokenizer, records, self.template_kwargs), decoding, batch_size)
-
     @torch.no_grad()
     def complete_ids(self, prompts: list[list[int]], decoding: Decoding, batch_size: int = 8) -> list[str]:
         """The completion of each prompt (new tokens only, special tokens dropped), batched with left padding."""
