@@ -45,15 +45,12 @@ def tokens_once(tokenizer: Any, text: str, offsets: bool = False) -> Tokens:
     encoded = tokenizer(trimmed, return_special_tokens_mask=True, return_offsets_mapping=offsets)
     ids, added = list(encoded["input_ids"]), [bool(m) for m in encoded["special_tokens_mask"]]
     spans = [tuple(span) for span in encoded["offset_mapping"]] if offsets else [(0, 0)] * len(ids)
-    doubled = [added[i] and _beside_in_text(ids, added, i) for i in range(len(ids))]
-    keep = [i for i in range(len(ids)) if not doubled[i]]
-    return Tokens(
-        ids=[ids[i] for i in keep],
-        added=[added[i] for i in keep],
-        offsets=[spans[i] for i in keep],
-        bos_kept_once=bool(ids) and ids[0] == tokenizer.bos_token_id and doubled[0],
-        space_after_eos_dropped=trimmed != text,
-    )
+    doubled = {i for i, was_added in enumerate(added) if was_added and _beside_in_text(ids, added, i)}
+    bos_kept_once = 0 in doubled and ids[0] == tokenizer.bos_token_id
+    if doubled:  # usually none: the lists stay as the tokenizer gave them
+        keep = [i for i in range(len(ids)) if i not in doubled]
+        ids, added, spans = [ids[i] for i in keep], [added[i] for i in keep], [spans[i] for i in keep]
+    return Tokens(ids, added, spans, bos_kept_once, space_after_eos_dropped=trimmed != text)
 
 
 def without_space_after_eos(text: str, eos_token: str | None) -> str:
