@@ -53,3 +53,10 @@ def measured_fit_peak(build: Callable[[], pl.LightningModule], loader: Any, step
         callbacks = [*trainer.pop("callbacks", []), LastStepWindow(steps - 1)]
         quiet_trainer(max_steps=steps, callbacks=callbacks, **trainer).fit(module, loader)
     return peak_in_window(prof, WINDOW)
+
+
+def ids_loader(batches: int, rows: int, seq: int, vocab: int = 256) -> torch.utils.data.DataLoader:
+    """``batches`` batches of ``rows`` x ``seq`` random token ids below ``vocab`` (seeded: the same every call), as
+    ``{"input_ids": ...}`` rows."""
+    ids = torch.randint(0, vocab, (batches * rows, seq), generator=torch.Generator().manual_seed(0))
+    return torch.utils.data.DataLoader([{"input_ids": row} for row in ids], batch_size=rows)

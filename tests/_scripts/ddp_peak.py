@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: the shared helpers
 
-from fit_peak_helpers import measured_fit_peak
+from fit_peak_helpers import ids_loader, measured_fit_peak
 
 from pl_lowprec import LowPrecisionDDPStrategy
 from pl_lowprec.demo import TinyLlama
@@ -29,8 +29,7 @@ def build() -> TinyLlama:
 
 def main(out: str) -> None:
     torch.set_num_threads(1)
-    rows = torch.randint(0, 256, (8 * ROWS, SEQ), generator=torch.Generator().manual_seed(0))
-    loader = torch.utils.data.DataLoader([{"input_ids": row} for row in rows], batch_size=ROWS)
+    loader = ids_loader(8, ROWS, SEQ)
     strategy = LowPrecisionDDPStrategy(process_group_backend="gloo")
     peak = measured_fit_peak(build, loader, strategy=strategy, devices=2)
     rank = int(os.environ.get("LOCAL_RANK", 0))

@@ -5,7 +5,7 @@ import functools
 
 import pytest
 import torch
-from fit_peak_helpers import measured_fit_peak
+from fit_peak_helpers import ids_loader, measured_fit_peak
 
 from pl_lowprec import LowPrecisionStrategy, estimate_memory
 from pl_lowprec.demo import TinyLlama
@@ -29,8 +29,7 @@ def test_a_full_fine_tune_peaks_in_the_forward_as_measured():
     """Weights, their gradients and AdamW's state (4x the weights) outweigh what backward adds here: the measured
     peak is in the forward, where the last step's gradients are still held."""
     estimate = _estimate(precision="32-true")
-    rows = torch.randint(0, 256, (4 * ROWS, SEQ), generator=torch.Generator().manual_seed(0))
-    loader = torch.utils.data.DataLoader([{"input_ids": row} for row in rows], batch_size=ROWS)
+    loader = ids_loader(4, ROWS, SEQ)
     measured = measured_fit_peak(BUILD, loader, strategy=LowPrecisionStrategy())
     assert estimate.peak_phase == "forward"
     assert estimate.peak == pytest.approx(measured, rel=0.01), (estimate.peak, measured, estimate.table())

@@ -6,7 +6,7 @@ import functools
 import lightning.pytorch as pl
 import pytest
 import torch
-from fit_peak_helpers import measured_fit_peak
+from fit_peak_helpers import ids_loader, measured_fit_peak
 from torch import nn
 from torch.nn import functional as F
 
@@ -56,9 +56,8 @@ HEADS = {
 
 @pytest.mark.parametrize("head", HEADS, ids=str)
 def test_a_tied_weight_is_estimated_as_the_measured_peak(head):
-    rows = torch.randint(0, VOCAB, (4 * ROWS, SEQ), generator=torch.Generator().manual_seed(0))
-    loader = torch.utils.data.DataLoader([{"input_ids": row} for row in rows], batch_size=ROWS)
+    loader = ids_loader(4, ROWS, SEQ, VOCAB)
     build = functools.partial(TiedLM, HEADS[head])
-    estimate = estimate_memory(build, {"input_ids": rows[:ROWS]}, device="cpu")
+    estimate = estimate_memory(build, next(iter(loader)), device="cpu")
     measured = measured_fit_peak(build, loader, strategy=LowPrecisionStrategy())
     assert estimate.peak == pytest.approx(measured, rel=0.01), (estimate.peak, measured, estimate.table())

@@ -5,7 +5,7 @@ import functools
 
 import pytest
 import torch
-from fit_peak_helpers import measured_fit_peak
+from fit_peak_helpers import ids_loader, measured_fit_peak
 
 from pl_lowprec import LowPrecisionStrategy, estimate_memory
 from pl_lowprec.demo import TinyLlama
@@ -29,11 +29,6 @@ def _build(optimizer, options):
     return functools.partial(WithOptimizer, optimizer, options, **sizes)
 
 
-def _loader():
-    rows = torch.randint(0, 256, (4 * ROWS, SEQ), generator=torch.Generator().manual_seed(0))
-    return torch.utils.data.DataLoader([{"input_ids": row} for row in rows], batch_size=ROWS)
-
-
 OPTIMIZERS = {  # state per fp32 trainable tensor: none; one buffer; three moments; two; two and a foreach copy
     "SGD": (torch.optim.SGD, {}),
     "SGD momentum": (torch.optim.SGD, {"momentum": 0.9}),
@@ -48,7 +43,7 @@ def test_the_estimate_is_the_measured_peak_for_each_optimizer(name):
     build = _build(*OPTIMIZERS[name])
     batch = {"input_ids": torch.zeros(ROWS, SEQ, dtype=torch.long)}
     estimate = estimate_memory(build, batch, precision="32-true", device="cpu")
-    measured = measured_fit_peak(build, _loader(), strategy=LowPrecisionStrategy())
+    measured = measured_fit_peak(build, ids_loader(4, ROWS, SEQ), strategy=LowPrecisionStrategy())
     assert estimate.peak == pytest.approx(measured, rel=0.01), (estimate.peak, measured, estimate.table())
     assert estimate.optimizer.startswith(f"optimizer: {OPTIMIZERS[name][0].__name__} (")
 
