@@ -45,6 +45,13 @@ def _environment_restored():
     os.environ.update(saved)
 
 
+@pytest.fixture
+def datasets_cache_in_tmp(tmp_path, monkeypatch):
+    """load_dataset's Arrow copies go to the test's directory, not to ~/.cache (``pytest.mark.usefixtures``)."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

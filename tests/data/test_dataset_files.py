@@ -60,10 +60,7 @@ def pretrained(tmp_path_factory):
     return save_pretrained_dir(tmp_path_factory.mktemp("pretrained"))
 
 
-@pytest.fixture(autouse=True)
-def _datasets_cache(tmp_path, monkeypatch):
-    """load_dataset's Arrow copies go to the test's directory, not to ~/.cache."""
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+pytestmark = pytest.mark.usefixtures("datasets_cache_in_tmp")
 
 
 def _table(records):

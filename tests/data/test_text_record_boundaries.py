@@ -80,11 +80,7 @@ def _cut_only_between_records(ids, positions, record, pad):
     return record[-len(first) :] == first and all(s == record for s in inner) and record[: len(last)] == last
 
 
-@pytest.fixture(autouse=True)
-def _datasets_cache(tmp_path, monkeypatch):
-    """load_dataset's Arrow copies go to the test's directory, not to ~/.cache."""
-    datasets = pytest.importorskip("datasets")
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+pytestmark = pytest.mark.usefixtures("datasets_cache_in_tmp")
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])

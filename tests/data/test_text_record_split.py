@@ -20,11 +20,7 @@ def tokenizer_dir(tmp_path_factory):
     return save_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
-@pytest.fixture(autouse=True)
-def _datasets_cache(tmp_path, monkeypatch):
-    """load_dataset's Arrow copies go to the test's directory, not to ~/.cache."""
-    datasets = pytest.importorskip("datasets")
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+pytestmark = pytest.mark.usefixtures("datasets_cache_in_tmp")
 
 
 def _document(name):

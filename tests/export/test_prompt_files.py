@@ -19,10 +19,7 @@ RECORDS = [
 FIELDS = {"prompt": "question", "completion": "answer"}
 
 
-@pytest.fixture(autouse=True)
-def _datasets_cache(tmp_path, monkeypatch):
-    """load_dataset's Arrow copies go to the test's directory, not to ~/.cache."""
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+pytestmark = pytest.mark.usefixtures("datasets_cache_in_tmp")
 
 
 def jsonl_of(directory: Path, records: list[dict]) -> Path:
