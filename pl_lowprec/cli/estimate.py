@@ -30,6 +30,7 @@ from pl_lowprec.cli.own_options import check_own_options
 from pl_lowprec.cli.rebuild import passed_on, rebuild_classes
 from pl_lowprec.cli.subcommands import subcommand_parser
 from pl_lowprec.loading.sources import shapes_only
+from pl_lowprec.memory.collectives import gradient_as_bucket_view
 from pl_lowprec.memory.devices import GPUS, device_spec
 from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory, resolved_precision
 from pl_lowprec.memory.fastest import COMPILED_CAVEAT, faster_settings_line
@@ -105,6 +106,7 @@ def estimate_arguments(cli_args: list[str], said: list[str] | None = None, gpu: 
         "accumulate_grad_batches": int(getattr(trainer, "accumulate_grad_batches", None) or 1),
         "sharding": sharding,
         "world_size": devices_of(trainer),  # sharded: the memory per rank; else DDP's all-reduce in the step time
+        "gradient_as_bucket_view": gradient_as_bucket_view(strategy),  # DDP's buckets are then the gradients
     }
 
 

@@ -41,6 +41,7 @@ from pl_lowprec.cli.subcommands import subcommand_parser
 from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.export.out_paths import refuse_inputs
 from pl_lowprec.loading.sources import shapes_only
+from pl_lowprec.memory.collectives import gradient_as_bucket_view
 from pl_lowprec.memory.devices import GPUS, device_spec
 from pl_lowprec.memory.estimate import estimate_memory
 from pl_lowprec.memory.fake_step import batch_tensors
@@ -132,8 +133,9 @@ def main(args: list[str] | None = None) -> None:
     blocks = _block_names(build, config)
     strategy = trainer.strategy
     sharding = strategy.transform_sharding(given) if hasattr(strategy, "transform_sharding") else None
+    bucket_view = gradient_as_bucket_view(strategy)  # DDP's buckets are then the gradients
     if options.maximize:
-        shards = (sharding, devices)
+        shards = (sharding, devices, bucket_view)
         shape = (rows, accumulate)
         _maximize(options, build, batch, shape, budget, precision, device, config, blocks, cli_args, run, shards)
         return
@@ -151,7 +153,8 @@ def main(args: list[str] | None = None) -> None:
         blocks,
         sharding=sharding,
         time_on=options.gpu,
-        micro_batch=None if run.datamodule is not None else rows,  # a module's own loader: its batch stays
+        micro_batch=None if run.datamodule is not None else rows,
+        gradient_as_bucket_view=bucket_view,  # a module's own loader: its batch stays
     )
     print(plan.table())
     switch_to: dict[str, Any] | None = None
@@ -243,12 +246,12 @@ def _eight_bit(sharding: Any) -> str:
 def _maximize(options, build, batch, shape, budget, precision, device, config, blocks, cli_args, run, shards) -> None:
     """The longest sequence (or largest micro-batch) that fits, with the most memory-saving settings allowed;
     ``shape``: the config's micro-batch rows and accumulation; ``shards``: the config's FSDP2 sharding (or
-    ``None``) and the number of ranks.
+    ``None``), the number of ranks and DDP's ``gradient_as_bucket_view``.
 
     ``seq_len`` keeps the global batch: it is searched at micro-batch 1 with the accumulation that makes up the
     config's rows per device, and written so. It stops at the model's ``max_position_embeddings`` (positions past
     it were never trained). ``batch_size`` changes the global batch by its nature, and says by how much."""
-    sharding, world_size = shards
+    sharding, world_size, bucket_view = shards
     rows, accumulate = shape
     limit = int(budget * (1 - options.margin))
     longest = options.maximize == "seq_len"
@@ -276,6 +279,7 @@ def _maximize(options, build, batch, shape, budget, precision, device, config, b
                 accumulate_grad_batches=saving.accumulate,
                 sharding=sharding,
                 world_size=world_size,
+                gradient_as_bucket_view=bucket_view,
             )
         return estimate.peak <= limit
 

@@ -51,6 +51,7 @@ def check_memory_budget(
     sharding: Any = None,
     world_size: int = 1,
     estimate: MemoryEstimate | None = None,
+    gradient_as_bucket_view: bool = False,
 ) -> MemoryEstimate:
     """Predict the peak of one optimizer step of ``batch`` (``first_training_batch``), ``accumulate`` micro-batches
     each, or take ``estimate``, made for ``config`` already; ``ValueError`` naming the plan's settings when it exceeds
@@ -67,6 +68,7 @@ def check_memory_budget(
                 accumulate_grad_batches=accumulate,
                 sharding=sharding,
                 world_size=world_size,
+                gradient_as_bucket_view=gradient_as_bucket_view,
             )
     per = " per rank" if sharding is not None else ""
     if estimate.peak <= budget:
@@ -77,11 +79,12 @@ def check_memory_budget(
         )
         return estimate
     split = sorted(((k, v) for k, v in estimate.peak_split.items() if v), key=lambda kv: -kv[1])[:3]
+    ranks = (sharding, world_size, gradient_as_bucket_view)
     parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in split)
     raise ValueError(
         f"memory_budget={format_bytes(budget)}: the predicted peak of this run is {format_bytes(estimate.peak)}{per}"
         f" (during the {estimate.peak_phase}; {parts}), above the budget, so it was stopped before loading any"
-        f" weight. {_suggestion(budget, build, batch, accumulate, precision, device, config, sharding, world_size)}"
+        f" weight. {_suggestion(budget, build, batch, accumulate, precision, device, config, ranks)}"
         " `pl-lowprec plan --config YOUR.yaml --memory BUDGET --out plan.yaml` writes such settings as a config;"
         " or raise memory_budget if the device has more memory."
     )
@@ -95,10 +98,11 @@ def _suggestion(
     precision: str,
     device: torch.device,
     config: TransformConfig,
-    sharding: Any,
-    world_size: int,
+    ranks: tuple[Any, int, bool],
 ) -> str:
-    """What ``plan_memory`` chooses for the same global batch, or why nothing fits."""
+    """What ``plan_memory`` chooses for the same global batch, or why nothing fits; ``ranks``: the sharding, the
+    number of ranks and DDP's ``gradient_as_bucket_view``."""
+    sharding, world_size, gradient_as_bucket_view = ranks
     rows = next(t.shape[0] for t in batch_tensors(batch))
     plan = plan_memory(
         build,
@@ -112,6 +116,7 @@ def _suggestion(
         margin=0.0,
         block_names=declared_blocks(build()),
         sharding=sharding,
+        gradient_as_bucket_view=gradient_as_bucket_view,
     )
     chosen = plan.chosen
     if chosen is None:

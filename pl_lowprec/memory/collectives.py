@@ -65,6 +65,14 @@ def collective_of(func: Any, inputs: list[torch.Tensor], outputs: list[torch.Ten
     return kind, sum(sizes) if kind == ALL_REDUCE else max(sizes)
 
 
+def gradient_as_bucket_view(strategy: Any) -> bool:
+    """Whether a DDP ``strategy`` (``lowprec_ddp``, Lightning's ``DDPStrategy``) makes the gradients views into
+    its buckets (its ``gradient_as_bucket_view=True``, passed on to torch's ``DistributedDataParallel``): then the
+    buckets are the gradients' only copy. ``False`` for any other strategy, and for a strategy name."""
+    ddp_kwargs = getattr(strategy, "_ddp_kwargs", None)
+    return isinstance(ddp_kwargs, dict) and bool(ddp_kwargs.get("gradient_as_bucket_view", False))
+
+
 def ddp_buckets(gradient_bytes: int) -> list[int]:
     """The all-reduces DDP runs for ``gradient_bytes`` of gradients: a first bucket of 1 MiB, then 25 MiB ones."""
     if gradient_bytes <= 0:

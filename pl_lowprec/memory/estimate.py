@@ -192,6 +192,7 @@ def estimate_memory(
     sharding: Sharding | None = None,
     world_size: int = 1,
     time_on: str | None = None,
+    gradient_as_bucket_view: bool = False,
     **transform_args: Any,
 ) -> MemoryEstimate:
     """Predict the peak memory of a training step without allocating the model.
@@ -217,6 +218,9 @@ def estimate_memory(
             measured once) or a GPU of ``devices.GPUS`` (``"H100"``, ``"H200"``, ``"A100"``, ``"L4"``,
             ``"RTX4090"``, ``"T4"``). ``None``: ``device``, this machine's GPU where it has one; a CUDA run
             estimated without a GPU then has no step time (``estimate.step_time_on("H100")`` gives one).
+        gradient_as_bucket_view: DDP's own argument (``world_size`` > 1 without ``sharding``;
+            ``gradient_as_bucket_view(strategy)`` reads it): the gradients are views into DDP's buckets, so the
+            buckets are held throughout and the gradients add nothing on top.
         **transform_args: Or the strategies' model arguments themselves (``quantization="nf4-dq"``,
             ``lora={"r": 16}``, ``activation_checkpointing=[...]``, ...: see ``TransformArguments``);
             ``optimizer="adamw"`` names the module's own torch AdamW, as no ``optimizer`` does.
@@ -229,9 +233,9 @@ def estimate_memory(
     check_at_least("estimate_memory", 1, world_size=world_size)
     time_on = timed_device(time_on, device, precision)
     if sharding is None:
-        estimate = _estimate(
-            build_model, example_batch, precision, device, config, accumulate_grad_batches, extrapolate
-        )
+        in_buckets = gradient_as_bucket_view and world_size > 1
+        args = (build_model, example_batch, precision, device, config, accumulate_grad_batches, extrapolate)
+        estimate = _estimate(*args, None, in_buckets)
         estimate.time_on, estimate.ops.ranks = time_on, world_size
         if world_size > 1:  # DDP: its reducer's buckets and all-reduce, unseen by the simulated step
             estimate.world_size = world_size
@@ -303,6 +307,7 @@ def _estimate(
     accumulate_grad_batches: int,
     extrapolate: bool,
     sharding: Sharding | None = None,
+    gradients_in_buckets: bool = False,
 ) -> MemoryEstimate:
     started = time.perf_counter()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -337,6 +342,7 @@ def _estimate(
             device.type,
             fake_mode,
             sharding is not None,
+            gradients_in_buckets,
         )
 
     blocks = repeated_blocks(model) if extrapolate else None

@@ -179,10 +179,12 @@ def simulate_step(
     device_type: str,
     mode: FakeTensorMode | None = None,
     sharded: bool = False,
+    gradients_in_buckets: bool = False,
 ) -> SimulatedStep:
     """Make the meta-device ``model`` fake, prime the optimizer, run one tracked step; the model is left on the
     meta device again, so this can run repeatedly (with fewer blocks, ``depth.py``). A ``sharded`` (FSDP2)
-    model is made fake by FSDP's own ``to_empty`` instead, for good: it runs once."""
+    model is made fake by FSDP's own ``to_empty`` instead, for good: it runs once. ``gradients_in_buckets``:
+    DDP's ``gradient_as_bucket_view=True`` (``StepTracker``), the buckets counted by the caller."""
     mode = mode or FakeTensorMode(allow_non_fake_inputs=True)
     with (
         eager_attention_masks(),
@@ -196,7 +198,7 @@ def simulate_step(
         prime_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
         state_bytes = optimizer_state_bytes([optimizer])
         counter = OpCounter()
-        tracker = StepTracker(model, optimizer, batch_tensors(batch), device_type, counter)
+        tracker = StepTracker(model, optimizer, batch_tensors(batch), device_type, counter, gradients_in_buckets)
         offload = SimulatedOffload(tracker, [*model.parameters(), *model.buffers()]) if offloading else None
         saved: list[Any] = []
 

@@ -271,6 +271,7 @@ def fastest_fitting(
     accumulate_grad_batches: int = 1,
     sharding: Sharding | None = None,
     world_size: int = 1,
+    gradient_as_bucket_view: bool = False,
 ) -> Search:
     """Simulate the candidates of ``config``'s ``"auto"`` settings from the fastest down, and stop at the first
     whose peak is at most ``limit`` bytes. The other arguments as ``estimate_memory`` takes them."""
@@ -285,6 +286,7 @@ def fastest_fitting(
         accumulate_grad_batches=accumulate_grad_batches,
         sharding=sharding,
         world_size=world_size,
+        gradient_as_bucket_view=gradient_as_bucket_view,
     )
     return search_ladder(order, blocks, config, limit, simulate)
 

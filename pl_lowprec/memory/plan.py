@@ -214,6 +214,7 @@ def plan_memory(
     sharding: Sharding | None = None,
     time_on: str | None = None,
     micro_batch: int | None = None,
+    gradient_as_bucket_view: bool = False,
 ) -> MemoryPlan:
     """Simulate the candidates (``Settings``; per micro-batch down ``fastest.ladder`` to the first rung that
     fits) and rank them by predicted step time.
@@ -233,6 +234,7 @@ def plan_memory(
         time_on: The device the steps are timed on (``estimate_memory``'s ``time_on``); ``None``: ``device``,
             and for CUDA without a GPU here, ``ASSUMED_GPU`` (the table says so).
         micro_batch: Search only this micro-batch (a module's own loader: nothing sets its batch size).
+        gradient_as_bucket_view: DDP's own argument, as ``estimate_memory`` takes it.
     """
     config = searched_config(config or TransformConfig())
     device = torch.device(device)
@@ -262,6 +264,7 @@ def plan_memory(
                             accumulate_grad_batches=settings.accumulate,
                             sharding=sharding,
                             world_size=devices,
+                            gradient_as_bucket_view=gradient_as_bucket_view,
                         )
                     if cache is not None:
                         cache[settings] = estimate

@@ -7,7 +7,10 @@ allocation records (``docs/design/peak-memory-research.md``): within 0.3% on 15 
 
 Categories: weights (parameters and buffers), gradients (moved there by a post-accumulate-grad hook),
 optimizer state (moved there after the step), inputs, activations (made in forward, or in a checkpointed
-block's recompute), temporaries (everything else made in backward and the optimizer step).
+block's recompute), temporaries (everything else made in backward and the optimizer step). Under DDP's
+``gradient_as_bucket_view=True`` the gradients are views into its buckets (counted by the caller as held
+throughout): a gradient the backward makes is counted until its accumulation hook, where DDP's reducer copies it
+into its bucket and drops it, and the gradients held at the step start are not counted again.
 
 Three pieces follow ``torch.distributed._tools.mem_tracker``: a DTensor is counted as its local shard, FSDP2's
 ``storage.resize_`` (which no dispatch mode sees) is followed, and DTensor ops are left to DTensor, whose local
@@ -34,6 +37,7 @@ if TYPE_CHECKING:
     from pl_lowprec.memory.op_counts import OpCounter
 
 CATEGORIES = ("weights", "gradients", "optimizer_state", "inputs", "activations", "temporaries")
+IN_BUCKET = "in DDP's bucket"  # a gradient stored in DDP's bucket (gradient_as_bucket_view): not counted here
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every request up to a multiple of 512 bytes
 
 # What a fake step reads where code asks a tensor for its value (``.item()``, ``if (mask).all()``): False for
@@ -66,6 +70,7 @@ class StepTracker(TorchDispatchMode):
         inputs: Tensors alive at the step start that are not the model's (the batch).
         device_type: ``"cuda"`` rounds every allocation as the caching allocator does.
         counter: Shown every op that runs on the device (``op_counts.OpCounter``: FLOPs, bytes, kernels).
+        gradients_in_buckets: DDP's ``gradient_as_bucket_view=True``: gradients live in its buckets, not here.
     """
 
     def __init__(
@@ -75,9 +80,11 @@ class StepTracker(TorchDispatchMode):
         inputs: list[torch.Tensor] = (),  # type: ignore[assignment]
         device_type: str = "cpu",
         counter: OpCounter | None = None,
+        gradients_in_buckets: bool = False,
     ) -> None:
         super().__init__()
         self.device_type = device_type
+        self.gradients_in_buckets = gradients_in_buckets
         self.counter = counter
         self.info: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> [bytes, category]
         self.current = dict.fromkeys(CATEGORIES, 0)
@@ -88,7 +95,7 @@ class StepTracker(TorchDispatchMode):
             self._add(tensor, "weights")
         for param in model.parameters():  # the last step's, held until Lightning's zero_grad (fake_step.py)
             if param.grad is not None:
-                self._add(param.grad, "gradients")
+                self._add(param.grad, IN_BUCKET if gradients_in_buckets else "gradients")
         for tensor in inputs:
             self._add(tensor, "inputs")
         self._track_optimizer_state()
@@ -139,6 +146,9 @@ class StepTracker(TorchDispatchMode):
         for storage in _storages(tensor):
             if storage in self.info:
                 continue
+            if category == IN_BUCKET:  # counted by the caller, as DDP's buckets
+                self.info[storage] = [storage.nbytes(), category]
+                continue
             if category == "host":
                 record = [storage.nbytes(), category]
                 self.info[storage] = record
@@ -153,6 +163,8 @@ class StepTracker(TorchDispatchMode):
             self.total += record[0]
 
     def _free(self, record: list) -> None:
+        if record[1] == IN_BUCKET:
+            return
         if record[1] == "host":
             self.host_total -= record[0]
             return
@@ -164,14 +176,29 @@ class StepTracker(TorchDispatchMode):
             record = self.info.get(storage)
             if record is None:
                 self._add(tensor, category)
-            elif record[1] != category and record[1] != "host":
+            elif record[1] not in (category, "host", IN_BUCKET):
                 self.current[record[1]] -= record[0]
                 self.current[category] += record[0]
                 record[1] = category
 
     def _grad_hook(self, param: torch.Tensor) -> None:
-        if param.grad is not None:
+        if param.grad is None:
+            return
+        if self.gradients_in_buckets:
+            self._into_bucket(param.grad)
+        else:
             self._move(param.grad, "gradients")
+
+    def _into_bucket(self, tensor: torch.Tensor) -> None:
+        """DDP's reducer copies ``tensor`` into its bucket and drops it (the gradient is a bucket view from now)."""
+        for storage in _storages(tensor):
+            record = self.info.get(storage)
+            if record is None:
+                self._add(tensor, IN_BUCKET)
+            elif record[1] not in (IN_BUCKET, "host"):
+                self.current[record[1]] -= record[0]
+                self.total -= record[0]
+                record[1] = IN_BUCKET
 
     def _track_optimizer_state(self) -> None:
         if self.optimizer is None:

@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from pl_lowprec._error_text import briefly, raised_under
-from pl_lowprec.memory.collectives import Interconnect, measure_interconnect
+from pl_lowprec.memory.collectives import Interconnect, gradient_as_bucket_view, measure_interconnect
 from pl_lowprec.memory.fastest import MARGIN, Search, fastest_fitting
 from pl_lowprec.memory.plan import fresh_copies
 from pl_lowprec.memory.process import available_memory
@@ -53,6 +53,7 @@ def choose_memory_settings(
             accumulate_grad_batches=int(trainer.accumulate_grad_batches),
             sharding=strategy.transform.sharding,
             world_size=strategy.world_size,
+            gradient_as_bucket_view=gradient_as_bucket_view(strategy),
         )
     except Exception as err:  # the real run meets it again where it has its own handling (a refusal, a traceback)
         if refused_by_the_transform(err):

@@ -22,6 +22,7 @@ from pl_lowprec.callbacks.step_boundary_checkpoint import mid_step_resumption
 from pl_lowprec.distributed.launched_ranks import mark_failing
 from pl_lowprec.generator_states import set_random_states
 from pl_lowprec.memory.budget import check_memory_budget, first_training_batch, training_loader
+from pl_lowprec.memory.collectives import gradient_as_bucket_view
 from pl_lowprec.memory.sizing_batch import sizing_batch
 from pl_lowprec.strategies.auto_settings import choose_memory_settings, run_interconnect
 from pl_lowprec.strategies.garbage_collection import freeze_long_lived_objects, unfreeze
@@ -133,6 +134,7 @@ class TransformHooks(TransformArguments):
             self.transform.sharding,
             self.world_size,
             estimate=search.estimate if search is not None else None,
+            gradient_as_bucket_view=gradient_as_bucket_view(self),
         )
         self.prediction.interconnect = links
 

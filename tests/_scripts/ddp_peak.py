@@ -1,8 +1,9 @@
 """The measured peak of step 3 of a tiny Llama's full fine-tune on 2 DDP gloo processes, through Lightning's fit
 loop (``fit_peak_helpers.measured_fit_peak``: the profiler from before the module is built); each rank writes
 OUT_DIR/rank{N}.json. Run by tests/memory/test_ddp_buckets.py; Lightning's DDP launcher re-runs it for rank 1.
+With ``view``, DDP runs with ``gradient_as_bucket_view=True`` (the gradients are views into its buckets).
 
-Usage: python ddp_peak.py OUT_DIR
+Usage: python ddp_peak.py OUT_DIR [view]
 """
 
 import json
@@ -27,10 +28,10 @@ def build() -> TinyLlama:
     return TinyLlama(**SIZES)
 
 
-def main(out: str) -> None:
+def main(out: str, view: str = "") -> None:
     torch.set_num_threads(1)
     loader = ids_loader(8, ROWS, SEQ)
-    strategy = LowPrecisionDDPStrategy(process_group_backend="gloo")
+    strategy = LowPrecisionDDPStrategy(process_group_backend="gloo", gradient_as_bucket_view=view == "view")
     peak = measured_fit_peak(build, loader, strategy=strategy, devices=2)
     rank = int(os.environ.get("LOCAL_RANK", 0))
     (Path(out) / f"rank{rank}.json").write_text(json.dumps({"measured": peak}))
