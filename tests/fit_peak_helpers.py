@@ -43,15 +43,18 @@ class LastStepWindow(pl.Callback):
             self.range = None
 
 
-def measured_fit_peak(build: Callable[[], pl.LightningModule], loader: Any, steps: int = 3, **trainer: Any) -> int:
+def measured_fit_peak(
+    build: Callable[[], pl.LightningModule], loader: Any, steps: int = 3, optimizers: int = 1, **trainer: Any
+) -> int:
     """The profiler's peak of live CPU tensor bytes over the last of ``steps`` optimizer steps of
-    ``Trainer.fit(build(), loader)`` (``trainer``: the Trainer's arguments, ``quiet_trainer``'s defaults)."""
+    ``Trainer.fit(build(), loader)`` (``trainer``: the Trainer's arguments, ``quiet_trainer``'s defaults). A manual
+    ``training_step`` stepping ``optimizers`` optimizers: Lightning counts each one's step in ``max_steps``."""
     gc.collect()  # garbage of earlier tests is not freed inside the window
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
         torch.manual_seed(0)
         module = build()
         callbacks = [*trainer.pop("callbacks", []), LastStepWindow(steps - 1)]
-        quiet_trainer(max_steps=steps, callbacks=callbacks, **trainer).fit(module, loader)
+        quiet_trainer(max_steps=steps * optimizers, callbacks=callbacks, **trainer).fit(module, loader)
     return peak_in_window(prof, WINDOW)
 
 

@@ -8,6 +8,11 @@ through that forward: the step starts with them (``prime_optimizer`` leaves them
 No Trainer is built: the module sees a ``DryRunTrainer`` that answers what training steps ask (accumulation,
 world size, a reduce that returns its input), and ``self.log`` does nothing. Once two micro-batches in a row ran
 alike, the rest of the window is counted, not run (``accumulation.py``).
+
+Under manual optimization (``automatic_optimization = False``, the only way Lightning runs several optimizers) the
+step is the module's own ``training_step``: ``self.optimizers()`` gives each optimizer (its ``step`` is the
+optimizer step phase) and ``manual_backward`` the backward phase. Its state and gradients at the step start are
+those the module's own step leaves: every optimizer primed, then one untracked ``training_step``.
 """
 
 from __future__ import annotations
@@ -35,9 +40,53 @@ from pl_lowprec.transforms.offloading import OffloadActivations
 class _DryRunStrategy:
     transform: Any
     world_size: int = 1
+    tracker: StepTracker | None = None  # the manual step's phases are marked on it
+    _lightning_optimizers: list[DryRunOptimizer] = field(default_factory=list)  # what self.optimizers() reads
 
     def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
         return tensor  # every rank sees the same batch shapes
+
+    def backward(self, loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        """``manual_backward``: the backward phase."""
+        with within_phase(self.tracker, "backward"):
+            loss.backward(*args, **kwargs)
+
+
+class DryRunOptimizer:
+    """What ``self.optimizers()`` gives a manual ``training_step``, as Lightning's ``LightningOptimizer``: its
+    ``step`` runs the closure, the module's ``on_before_optimizer_step`` and the step (the optimizer step phase);
+    anything else is the optimizer's."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, strategy: _DryRunStrategy, module: nn.Module) -> None:
+        self._optimizer, self._strategy, self._module = optimizer, strategy, module
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._optimizer
+
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        if closure is not None:
+            closure()
+        with within_phase(self._strategy.tracker, "optimizer step"):
+            if hasattr(self._module, "on_before_optimizer_step"):
+                self._module.on_before_optimizer_step(self._optimizer)
+            return self._optimizer.step(**kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._optimizer, name)
+
+
+@contextmanager
+def within_phase(tracker: StepTracker | None, name: str) -> Iterator[None]:
+    """``tracker.phase(name)`` inside a manual ``training_step``, back to the phase before afterwards (nothing
+    without a tracker: the untracked first step)."""
+    if tracker is None:
+        yield
+        return
+    before = tracker.phase_name
+    with tracker.phase(name):
+        yield
+    tracker.phase_name = before
 
 
 @dataclass
@@ -54,6 +103,8 @@ class DryRunTrainer:
     global_rank: int = 0
     local_rank: int = 0
     barebones: bool = True  # self.log() returns at once
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)  # toggle_optimizer reads them
+    lr_scheduler_configs: list[Any] = field(default_factory=list)  # what self.lr_schedulers() reads
 
     def __post_init__(self) -> None:
         self.strategy = _DryRunStrategy(self.transform, self.world_size)
@@ -146,6 +197,52 @@ def run_step(
     return repeats
 
 
+def run_manual_step(
+    model: nn.Module,
+    batch: Any,
+    tracker: StepTracker,
+    autocast_dtype: torch.dtype | None,
+    step_context: AbstractContextManager | None = None,
+    first_forward: AbstractContextManager | None = None,
+) -> None:
+    """One step under manual optimization: the module's ``training_step``, which backs up and steps its optimizers
+    itself (``DryRunOptimizer``, ``_DryRunStrategy.backward``)."""
+    model.train()
+    with (
+        tracker.phase("forward"),
+        first_forward or nullcontext(),
+        step_context or nullcontext(),
+        torch.autocast(
+            "cpu", dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None, cache_enabled=False
+        ),
+    ):
+        model.training_step(batch, 0)
+
+
+def manual_optimization(model: nn.Module) -> bool:
+    return hasattr(model, "training_step") and not getattr(model, "automatic_optimization", True)
+
+
+def prime_manual_step(
+    model: nn.Module, batch: Any, trainer: DryRunTrainer, optimizers: list[torch.optim.Optimizer], autocast: Any
+) -> None:
+    """The state after step 1 of a manual ``training_step``: every optimizer primed over its own parameters, then
+    one untracked step, which leaves the gradients where the module's own step leaves them."""
+    if trainer.accumulate_grad_batches != 1:
+        raise ValueError(
+            f"accumulate_grad_batches={trainer.accumulate_grad_batches} with manual optimization"
+            " (automatic_optimization = False), which Lightning refuses: the module's training_step accumulates"
+            " itself. Estimate with accumulate_grad_batches=1."
+        )
+    for optimizer in optimizers:
+        prime_optimizer(optimizer, [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad])
+    trainer.optimizers = optimizers
+    trainer.strategy._lightning_optimizers = [DryRunOptimizer(o, trainer.strategy, model) for o in optimizers]
+    model.train()
+    with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None, cache_enabled=False):
+        model.training_step(batch, 0)
+
+
 PHASES = ("forward", "backward", "optimizer step")
 
 
@@ -173,7 +270,7 @@ def simulate_step(
     model: nn.Module,
     example_batch: Any,
     trainer: DryRunTrainer,
-    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+    make_optimizer: Callable[[nn.Module], list[torch.optim.Optimizer]],
     autocast_dtype: torch.dtype | None,
     offloading: bool,
     device_type: str,
@@ -194,11 +291,16 @@ def simulate_step(
         quiet_fake_data_pointers(),
     ):
         batch = _to_fake(mode, example_batch)
-        optimizer = make_optimizer(model)  # on the fake parameters, as configure_optimizers builds it
-        prime_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
-        state_bytes = optimizer_state_bytes([optimizer])
+        optimizers = make_optimizer(model)  # on the fake parameters, as configure_optimizers builds them
+        manual = manual_optimization(model)
+        if manual:
+            trainer.lr_scheduler_configs = getattr(make_optimizer, "schedulers", [])
+            prime_manual_step(model, batch, trainer, optimizers, autocast_dtype)
+        else:
+            prime_optimizer(optimizers[0], [p for p in model.parameters() if p.requires_grad])
+        state_bytes = optimizer_state_bytes(optimizers)
         counter = OpCounter()
-        tracker = StepTracker(model, optimizer, batch_tensors(batch), device_type, counter, gradients_in_buckets)
+        tracker = StepTracker(model, optimizers, batch_tensors(batch), device_type, counter, gradients_in_buckets)
         offload = SimulatedOffload(tracker, [*model.parameters(), *model.buffers()]) if offloading else None
         saved: list[Any] = []
 
@@ -210,8 +312,13 @@ def simulate_step(
 
         with tracker:
             tracker.reset()
-            step_args = (autocast_dtype, trainer.accumulate_grad_batches, offload, count_first_forward())
-            repeated = run_step(model, batch, optimizer, tracker, *step_args)
+            if manual:
+                trainer.strategy.tracker, repeated = tracker, 0
+                run_manual_step(model, batch, tracker, autocast_dtype, offload, count_first_forward())
+                trainer.strategy.tracker = None
+            else:
+                step_args = (autocast_dtype, trainer.accumulate_grad_batches, offload, count_first_forward())
+                repeated = run_step(model, batch, optimizers[0], tracker, *step_args)
         tracker.remove_hooks()
     timeline = [tracker.timeline[0][:2]]
     timeline += [(f"{name} peak", tracker.phase_peaks[name][0]) for name in PHASES if name in tracker.phase_peaks]

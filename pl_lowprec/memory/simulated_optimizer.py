@@ -3,8 +3,10 @@
 Lightning builds it with the module's ``configure_optimizers`` (which ``--optimizer`` replaces under the CLI,
 ``cli/deferred_optimizer.py``), after the strategy's transform; the strategy's ``optimizer=`` then swaps an
 Adam/AdamW for its 8-bit form. The simulation does the same, so SGD without momentum holds no state, SGD with
-momentum one buffer, Adam with ``amsgrad`` a third moment. Where ``configure_optimizers`` cannot run on the fake
-parameters (or there is none), torch's AdamW is assumed, and ``said`` says so.
+momentum one buffer, Adam with ``amsgrad`` a third moment. Several optimizers (which Lightning runs under manual
+optimization only) are each built over their own parameters, and the module's ``training_step`` steps them
+(``fake_step.py``). Where ``configure_optimizers`` cannot run on the fake parameters (or there is none), or returns
+several under automatic optimization (which Lightning refuses), torch's AdamW is assumed, and ``said`` says so.
 
 torch picks the foreach loop for CUDA tensors when a group names neither (``_default_to_fused_or_foreach``), and
 foreach AdamW holds one more copy of every ``exp_avg_sq`` (``_foreach_sqrt``) during the step. Fake parameters are
@@ -19,57 +21,74 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.core.optimizer import _configure_optimizers
+from lightning.pytorch.core.optimizer import _configure_optimizers, _configure_schedulers_manual_opt
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.optim.optimizer import _get_foreach_kernels_supported_devices
 
 from pl_lowprec.memory.bnb_standin import FakeOptimizer8bit
-from pl_lowprec.transforms.optimizers import check_swappable, swap_optimizer
+from pl_lowprec.transforms.optimizers import check_swappable, rebind_schedulers, swap_optimizer
 
 EIGHT_BIT = ("adamw8bit", "paged_adamw8bit", "lion8bit", "torchao_adamw8bit")
 ASSUMED = "torch AdamW"
 
 
 class SimulatedOptimizer:
-    """Builds the run's optimizer over a fake model (``__call__``); ``said`` describes the last one built."""
+    """Builds the run's optimizers over a fake model (``__call__``); ``said`` describes the last ones built, and
+    ``schedulers`` holds their schedulers (what a manual ``training_step`` reads from ``self.lr_schedulers()``)."""
 
     def __init__(self, swap: str | None, device: torch.device) -> None:
         self.swap, self.device = swap, device
         self.said = ""
+        self.schedulers: list[LRSchedulerConfig] = []
 
-    def __call__(self, model: nn.Module) -> torch.optim.Optimizer:
-        optimizer, why_assumed = module_optimizer(model)
-        if optimizer is None:
+    def __call__(self, model: nn.Module) -> list[torch.optim.Optimizer]:
+        optimizers, self.schedulers, why_assumed = module_optimizers(model)
+        if not optimizers:
             trainable = [p for p in model.parameters() if p.requires_grad]
-            optimizer = torch.optim.AdamW(trainable, lr=1e-4)
-        picked = pick_loop_for_device(optimizer, self.device)
-        built = type(optimizer).__name__ + (f" ({picked})" if picked else "")
-        if self.swap is not None:
-            optimizer = swapped(optimizer, self.swap, self.device)
-            built = f"{type(optimizer).__name__} (optimizer={self.swap!r}, replacing {built})"
+            optimizers = [torch.optim.AdamW(trainable, lr=1e-4)]
+        built = []
+        for index, optimizer in enumerate(optimizers):
+            picked = pick_loop_for_device(optimizer, self.device)
+            said = type(optimizer).__name__ + (f" ({picked})" if picked else "")
+            if self.swap is not None:  # each one, as the strategy swaps them (``ModelTransform.swap_optimizers``)
+                optimizers[index] = swapped(optimizer, self.swap, self.device)
+                rebind_schedulers(self.schedulers, optimizer, optimizers[index])
+                said = f"{type(optimizers[index]).__name__} (optimizer={self.swap!r}, replacing {said})"
+            built.append(said)
         if why_assumed is not None:
-            self.said = f"optimizer assumed: {built}: {why_assumed}"
+            self.said = f"optimizer assumed: {built[0]}: {why_assumed}"
+        elif len(built) == 1:
+            self.said = f"optimizer: {built[0]}, from configure_optimizers"
         else:
-            self.said = f"optimizer: {built}, from configure_optimizers"
-        return optimizer
+            self.said = f"{len(built)} optimizers: {', '.join(built)}, from configure_optimizers"
+        return optimizers
 
 
-def module_optimizer(model: nn.Module) -> tuple[torch.optim.Optimizer | None, str | None]:
-    """The optimizer of ``model.configure_optimizers()`` (any form Lightning accepts), or ``None`` and why not."""
+def module_optimizers(
+    model: nn.Module,
+) -> tuple[list[torch.optim.Optimizer], list[LRSchedulerConfig], str | None]:
+    """The optimizers of ``model.configure_optimizers()`` (any form Lightning accepts) and, under manual
+    optimization, their schedulers; or none and why not."""
     if not _overrides_configure_optimizers(model):
-        return None, f"{type(model).__name__} has no configure_optimizers"
+        return [], [], f"{type(model).__name__} has no configure_optimizers"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Lightning's warnings about the returned form: the run says them
-            optimizers, _, _ = _configure_optimizers(model.configure_optimizers())
+            optimizers, schedulers, _ = _configure_optimizers(model.configure_optimizers())
+            manual = not getattr(model, "automatic_optimization", True)
+            configs = _configure_schedulers_manual_opt(schedulers) if manual else []
     except Exception as err:  # a module's own code on fake parameters and a dry-run trainer: anything may fail
         message = str(err).splitlines()[0] if str(err) else ""
-        return None, f"configure_optimizers failed on the fake parameters ({type(err).__name__}: {message})"
-    if len(optimizers) != 1 or not isinstance(optimizers[0], torch.optim.Optimizer):
-        return None, f"configure_optimizers returned {len(optimizers)} optimizers; the simulated step runs one"
-    return optimizers[0], None
+        return [], [], f"configure_optimizers failed on the fake parameters ({type(err).__name__}: {message})"
+    if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+        return [], [], "configure_optimizers returned no torch optimizer"
+    if len(optimizers) > 1 and not manual:
+        why = f"configure_optimizers returned {len(optimizers)} optimizers, which Lightning runs only under manual"
+        return [], [], f"{why} optimization (automatic_optimization = False)"
+    return list(optimizers), configs, None
 
 
 def _overrides_configure_optimizers(model: nn.Module) -> bool:

@@ -66,7 +66,7 @@ class StepTracker(TorchDispatchMode):
 
     Args:
         model: Its parameters and buffers count as weights, the gradients they hold as gradients.
-        optimizer: Its state counts as optimizer state (re-read after each ``phase("optimizer step")``).
+        optimizers: Their state counts as optimizer state (re-read after each ``phase("optimizer step")``).
         inputs: Tensors alive at the step start that are not the model's (the batch).
         device_type: ``"cuda"`` rounds every allocation as the caching allocator does.
         counter: Shown every op that runs on the device (``op_counts.OpCounter``: FLOPs, bytes, kernels).
@@ -76,7 +76,7 @@ class StepTracker(TorchDispatchMode):
     def __init__(
         self,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None,
+        optimizers: list[torch.optim.Optimizer] | None,
         inputs: list[torch.Tensor] = (),  # type: ignore[assignment]
         device_type: str = "cpu",
         counter: OpCounter | None = None,
@@ -90,7 +90,7 @@ class StepTracker(TorchDispatchMode):
         self.current = dict.fromkeys(CATEGORIES, 0)
         self.total = 0
         self.phase_name = "forward"
-        self.optimizer = optimizer
+        self.optimizers = optimizers or []
         for tensor in [*model.parameters(), *model.buffers()]:
             self._add(tensor, "weights")
         for param in model.parameters():  # the last step's, held until Lightning's zero_grad (fake_step.py)
@@ -201,12 +201,11 @@ class StepTracker(TorchDispatchMode):
                 record[1] = IN_BUCKET
 
     def _track_optimizer_state(self) -> None:
-        if self.optimizer is None:
-            return
-        for state in self.optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor):
-                    self._move(value, "optimizer_state")
+        for optimizer in self.optimizers:
+            for state in optimizer.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        self._move(value, "optimizer_state")
 
     def _note_peak(self) -> None:
         best = self.phase_peaks.get(self.phase_name)

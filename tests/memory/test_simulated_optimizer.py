@@ -1,5 +1,6 @@
-"""The estimate simulates the optimizer the run builds (configure_optimizers on the fake parameters, with torch's
-loop for the device), against the profiler's peak of the same step through Lightning's fit loop."""
+"""The estimate simulates the optimizers the run builds (configure_optimizers on the fake parameters, with torch's
+loop for the device; several under manual optimization, stepped by the module's training_step), against the
+profiler's peak of the same step through Lightning's fit loop."""
 
 import functools
 
@@ -97,3 +98,74 @@ def test_the_strategy_swap_refuses_what_the_run_refuses():
     build = _build(torch.optim.SGD, {})
     with pytest.raises(ValueError, match="replaces Adam or AdamW, but configure_optimizers returned SGD"):
         estimate_memory(build, {"input_ids": torch.zeros(ROWS, SEQ, dtype=torch.long)}, optimizer="adamw8bit")
+
+
+class TwoOptimizers(TinyLlama):
+    """Manual optimization, as Lightning runs several optimizers: AdamW over the blocks, SGD with momentum over the
+    embedding; ``zero_grad_first`` as Lightning's docs write the step (the gradients held from the last step until
+    the next backward, a scheduler stepped), else freed at the step's end."""
+
+    def __init__(self, zero_grad_first: bool, **sizes: int) -> None:
+        super().__init__(**sizes)
+        self.automatic_optimization = False
+        self.zero_grad_first = zero_grad_first
+
+    def configure_optimizers(self):
+        embedding = [p for name, p in self.named_parameters() if "embed" in name]
+        blocks = [p for name, p in self.named_parameters() if "embed" not in name]
+        adamw, sgd = torch.optim.AdamW(blocks, lr=1e-3), torch.optim.SGD(embedding, lr=1e-2, momentum=0.9)
+        if not self.zero_grad_first:
+            return adamw, sgd
+        return [adamw, sgd], [torch.optim.lr_scheduler.StepLR(adamw, step_size=1)]
+
+    def training_step(self, batch, batch_idx):
+        optimizers = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        loss = loss["loss"] if isinstance(loss, dict) else loss
+        if self.zero_grad_first:
+            for optimizer in optimizers:
+                optimizer.zero_grad()
+        self.manual_backward(loss)
+        for optimizer in optimizers:
+            optimizer.step()
+        if self.zero_grad_first:
+            self.lr_schedulers().step()
+        else:
+            for optimizer in optimizers:
+                optimizer.zero_grad()
+        return loss
+
+
+def _two(zero_grad_first):
+    sizes = {"hidden_size": 128, "intermediate_size": 256, "num_layers": 2, "max_len": SEQ}
+    return functools.partial(TwoOptimizers, zero_grad_first, **sizes)
+
+
+@pytest.mark.parametrize("zero_grad_first", [False, True], ids=["zero_grad-last", "zero_grad-first"])
+def test_each_of_several_optimizers_is_simulated_over_its_own_parameters(zero_grad_first):
+    build = _two(zero_grad_first)
+    batch = {"input_ids": torch.zeros(ROWS, SEQ, dtype=torch.long)}
+    estimate = estimate_memory(build, batch, precision="32-true", device="cpu")
+    assert estimate.optimizer.startswith("2 optimizers: AdamW (single-tensor), SGD (single-tensor)")
+    module = build()
+    embedding = sum(p.numel() * 4 for name, p in module.named_parameters() if "embed" in name)
+    blocks = [p for name, p in module.named_parameters() if "embed" not in name]
+    # AdamW's two moments and fp32 step over the blocks, SGD's momentum over the embedding: not AdamW over all
+    assert estimate.optimizer_state == 2 * sum(p.numel() * 4 for p in blocks) + 4 * len(blocks) + embedding
+    held_at_start = dict(estimate.timeline)["after load"] - estimate.optimizer_state - sum(estimate.weights.values())
+    assert (held_at_start >= estimate.gradients) is zero_grad_first  # else only the batch's ids
+    measured = measured_fit_peak(build, ids_loader(4, ROWS, SEQ), optimizers=2, strategy=LowPrecisionStrategy())
+    assert estimate.peak == pytest.approx(measured, rel=0.01), (estimate.peak, measured, estimate.table())
+
+
+class TwoAutomatic(WithOptimizer):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3), torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def test_several_optimizers_under_automatic_optimization_are_assumed_and_said():
+    """Lightning refuses the run; the estimate still gives one, on torch's AdamW, and says why."""
+    build = functools.partial(TwoAutomatic, torch.optim.SGD, {}, hidden_size=64, intermediate_size=128, max_len=SEQ)
+    estimate = estimate_memory(build, {"input_ids": torch.zeros(ROWS, SEQ, dtype=torch.long)}, device="cpu")
+    assert estimate.optimizer.startswith("optimizer assumed: AdamW (single-tensor): configure_optimizers returned 2")
+    assert "only under manual optimization" in estimate.optimizer
