@@ -34,6 +34,8 @@ from pl_lowprec.strategies.random_states import (
     own_random_states,
     restart_epoch_iterator,
 )
+from pl_lowprec.strategies.run_record import CHECKPOINT_KEY as RUN
+from pl_lowprec.strategies.run_record import run_record, warn_changed_run
 from pl_lowprec.strategies.skipped_validation import CHECKPOINT_KEY as VALIDATION_FOLLOWS
 from pl_lowprec.strategies.skipped_validation import (
     hold_random_states_through_the_skipped_validation,
@@ -58,6 +60,7 @@ class TransformHooks(TransformArguments):
     _random_states_to_set: dict[str, Any] | None = None
     _validation_followed: bool | None = None  # after the checkpoint resumed from (``skipped_validation.py``)
     _resumed = False  # fit resumes from a checkpoint: on_train_start checks the training loader can
+    _saved_run: dict[str, Any] | None = None  # the resumed checkpoint's settings (run_record.py)
 
     def setup(self, trainer: pl.Trainer) -> None:
         self.before_transform(trainer)
@@ -173,6 +176,7 @@ class TransformHooks(TransformArguments):
                 hold_random_states_through_the_skipped_validation(trainer, self._validation_followed)
             self._random_states_to_set = None
         if self._resumed:
+            warn_changed_run(self.lightning_module.trainer, self._saved_run)
             warn_unresumable_data(self.lightning_module.trainer)
             self._resumed = False
         predicted = getattr(self.prediction, "step_time", None)  # nothing timed where nothing was predicted
@@ -210,6 +214,7 @@ class TransformHooks(TransformArguments):
         checkpoint[RANDOM_STATES] = every_ranks_random_states()  # every rank calls it, as it does this hook
         checkpoint[VALIDATION_FOLLOWS] = validation_follows(self.lightning_module.trainer)
         checkpoint[OPTIMIZERS] = optimizer_record(self.optimizers, self.transform_config.optimizer)
+        checkpoint[RUN] = run_record(self.lightning_module.trainer)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def before_resuming(self, checkpoint: Mapping[str, Any]) -> None:
@@ -226,6 +231,7 @@ class TransformHooks(TransformArguments):
             as_saved_at_the_last_batch(checkpoint, trainer.max_steps)
         self._random_states_to_set = own_random_states(checkpoint, self.global_rank, self.world_size)
         self._validation_followed = checkpoint.get(VALIDATION_FOLLOWS)
+        self._saved_run = checkpoint.get(RUN)
         self._resumed = True
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
