@@ -17,7 +17,6 @@ its traceback instead.
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 import sys
@@ -30,6 +29,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from pl_lowprec._checks import CannotRunHere
+from pl_lowprec._did_you_mean import closest, did_you_mean
 from pl_lowprec._error_text import raised_in, raised_under
 from pl_lowprec.plugins.amp import MIXED_SPELLINGS
 from pl_lowprec.strategy_names import STRATEGY_NAMES
@@ -179,8 +179,7 @@ def with_strategy_names(message: str) -> str:
     given = _STRATEGY_NAME.search(message)
     if given is None:
         return message
-    closest = difflib.get_close_matches(given.group("name"), StrategyRegistry.available_strategies(), n=1, cutoff=0.6)
-    hint = f" Did you mean {closest[0]!r}?" if closest else ""
+    hint = did_you_mean(closest(given.group("name"), StrategyRegistry.available_strategies(), cutoff=0.6))
     return f"{message.rstrip('.')}.{hint} pl_lowprec's names: {', '.join(STRATEGY_NAMES)}."
 
 
@@ -289,8 +288,7 @@ PLUGIN_AUTO = (
 
 def _literal_paragraph(key: str | None, value: str, allowed: list[str], others: list[str]) -> str:
     shown = ", ".join(repr(a) for a in allowed) + "".join(f", {o}" for o in others)
-    meant = closest_allowed(value, allowed)
-    hint = f" Did you mean {meant!r}?" if meant else ""
+    hint = did_you_mean(closest_allowed(value, allowed))
     if key is not None and key.endswith("trainer.precision") and value.lower() == "auto":
         hint = PLUGIN_AUTO
     option = key or "the value"
@@ -300,10 +298,7 @@ def _literal_paragraph(key: str | None, value: str, allowed: list[str], others: 
 def closest_allowed(value: str, allowed: list[str]) -> str | None:
     """The allowed value meant: the same in another case ('AUTO'), another spelling of a precision ('fp16' for
     '16-mixed', as the plugin's own refusal suggests), else the nearest by spelling."""
-    same = [a for a in allowed if a.lower() == value.lower()]
-    spelled = [MIXED_SPELLINGS[value.lower()]] if MIXED_SPELLINGS.get(value.lower()) in allowed else []
-    nearest = difflib.get_close_matches(value, allowed, n=1, cutoff=0.5)
-    return next(iter(same + spelled + nearest), None)
+    return closest(value, allowed, cutoff=0.5, spellings=MIXED_SPELLINGS, ignore_case=True)
 
 
 def _clean(line: str) -> str:

@@ -10,13 +10,13 @@ is one line naming the option meant (``check_own_options``). A mistyped config k
 from __future__ import annotations
 
 import argparse
-import difflib
 import importlib
 import inspect
 import re
 
 from lightning.pytorch import Trainer
 
+from pl_lowprec._did_you_mean import closest
 from pl_lowprec.cli.arguments import options
 
 CLOSE = 0.8  # difflib's ratio: --max_new_token, --gguf-type, --overwrit; not --optimizer for --overwrite
@@ -34,8 +34,7 @@ def meant_option(name: str, own: list[str]) -> str | None:
     underscored = "--" + name[2:].replace("-", "_")
     if underscored in own:
         return underscored
-    close = difflib.get_close_matches(name, own, n=1, cutoff=CLOSE)
-    return close[0] if close else None
+    return closest(name, own, cutoff=CLOSE)
 
 
 def check_own_options(parser: argparse.ArgumentParser, unknown: list[str], takes_overrides: bool = True) -> None:

@@ -4,8 +4,9 @@ four), and an unknown or missing subcommand is refused with the list and the nea
 from __future__ import annotations
 
 import argparse
-from difflib import get_close_matches
 from typing import Any
+
+from pl_lowprec._did_you_mean import closest
 
 LIGHTNING_SUBCOMMANDS = {
     "fit": "train from a config",
@@ -63,8 +64,8 @@ def unknown_subcommand_paragraph(given: str | None) -> str:
     if given is None:
         start = "a subcommand is needed (pl-lowprec SUBCOMMAND ...)."
     else:
-        near = get_close_matches(given, names, n=1)
-        start = f"{given!r} is not a subcommand{f'; did you mean {near[0]!r}?' if near else '.'}"
+        near = closest(given, names)
+        start = f"{given!r} is not a subcommand{f'; did you mean {near!r}?' if near else '.'}"
     return (
         f"{start} The subcommands: {', '.join(names)}. `pl-lowprec --help` says what each does;"
         " `pl-lowprec SUBCOMMAND --help` lists its options."

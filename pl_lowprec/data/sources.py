@@ -14,7 +14,6 @@ lay them out) is refused: reading it all would train on the held-out split.
 
 from __future__ import annotations
 
-import difflib
 import glob
 import os
 import re
@@ -26,6 +25,7 @@ from typing import Any, Literal
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from pl_lowprec._did_you_mean import closest
 from pl_lowprec._imports import import_datasets
 
 NATIVE_SUFFIXES = (".txt", ".jsonl")
@@ -128,8 +128,8 @@ def path_sources(item: str | Path, argument: str) -> list[Source]:
         return [Source(f"hub dataset {text!r}", "hub", hub_id=text)]
     what = "does not exist" if not path.exists() else f"is not a file this module reads ({path.suffix!r})"
     if not path.exists() and path.parent.is_dir():
-        near = difflib.get_close_matches(path.name, [p.name for p in path.parent.iterdir()], n=1, cutoff=0.7)
-        what += f" (did you mean {str(path.parent / near[0])!r}?)" if near else ""
+        near = closest(path.name, [p.name for p in path.parent.iterdir()], cutoff=0.7)
+        what += f" (did you mean {str(path.parent / near)!r}?)" if near else ""
     held_out = " Or leave val_files out (None; --data.val_files null) to hold out val_fraction of the training samples."
     raise ValueError(
         f"{argument}: {text!r} {what}. Give {READ} files, directories of them, a directory written by"

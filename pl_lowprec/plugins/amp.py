@@ -40,6 +40,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
+from pl_lowprec._did_you_mean import closest, did_you_mean
 from pl_lowprec.plugins.dtype_checks import (
     format_names,
     half_trainable_parameters,
@@ -124,9 +125,10 @@ class AMPPrecision(MixedPrecision):
         scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         if precision not in get_args(AMPPrecisionInput):
-            lowered = str(precision).lower()
-            meant = lowered if lowered in get_args(AMPPrecisionInput) else MIXED_SPELLINGS.get(lowered)  # 'AUTO'
-            said = f" Did you mean {meant!r}?" if meant else ""
+            allowed = get_args(AMPPrecisionInput)  # 'AUTO' and 'fp16' are meant; no nearest by spelling
+            said = did_you_mean(
+                closest(str(precision), allowed, cutoff=None, spellings=MIXED_SPELLINGS, ignore_case=True)
+            )
             raise ValueError(
                 f"AMPPrecision(precision={precision!r}) is not supported.{said} Allowed: 'auto' (the fast choice for"
                 " the device), '16-mixed' (fp16 autocast with loss scaling) or 'bf16-mixed'. For fp32 or pure half"

@@ -3,11 +3,12 @@ the one way a parameter is upcast in place."""
 
 from __future__ import annotations
 
-import difflib
 from typing import Any
 
 import torch
 from lightning.fabric.connector import _convert_precision_to_unified_args
+
+from pl_lowprec._did_you_mean import closest, did_you_mean
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)  # what mixed precision computes in
 
@@ -46,8 +47,7 @@ def unified_precision(precision: str | int) -> str:
     if unified in PRECISION_DTYPES:
         return unified
     allowed = [*PRECISION_DTYPES, *ALIASES, "auto"]
-    nearest = difflib.get_close_matches(str(precision).lower(), allowed, n=1, cutoff=0.5)
-    hint = f" Did you mean {nearest[0]!r}?" if nearest else ""
+    hint = did_you_mean(closest(str(precision).lower(), allowed, cutoff=0.5))
     what = "is not a precision Lightning accepts" if unified is None else "has no dtype the estimate can simulate"
     raise ValueError(
         f"precision={precision!r} {what}.{hint} Allowed: {', '.join(repr(a) for a in PRECISION_DTYPES)}, Lightning's"
