@@ -46,10 +46,11 @@ def _environment_restored():
 
 
 @pytest.fixture
-def datasets_cache_in_tmp(tmp_path, monkeypatch):
-    """load_dataset's Arrow copies go to the test's directory, not to ~/.cache (``pytest.mark.usefixtures``)."""
+def datasets_cache_in_tmp(tmp_path_factory, monkeypatch):
+    """load_dataset's Arrow copies go to a temporary directory of their own, not to ~/.cache
+    (``pytest.mark.usefixtures``); not into ``tmp_path``, which a test may check holds only what it wrote."""
     datasets = pytest.importorskip("datasets")
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf-cache")))
 
 
 @pytest.fixture(autouse=True)

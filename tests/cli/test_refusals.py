@@ -132,6 +132,7 @@ def test_every_export_refusal_is_one_paragraph_before_the_model_loads(run, tmp_p
     assert not (tmp_path / "new_out").exists()  # a bad --dtype leaves no empty directory
 
 
+@pytest.mark.usefixtures("datasets_cache_in_tmp")  # the .csv prompts' Arrow copy
 def test_every_generate_refusal_is_one_paragraph_before_the_model_loads(run, tmp_path, capsys, nothing_loads):
     tmp, _, checkpoint = run
     prompts = {

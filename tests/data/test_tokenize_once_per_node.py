@@ -3,6 +3,7 @@ table: the batches each rank trains on are those of each process tokenizing the 
 the first process's tokenization stops every rank with its message instead of leaving them waiting."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -38,7 +39,8 @@ def _run_ranks(tmp_path: Path, tokenizer: Path, records: Path, reference: Path, 
     out = tmp_path / "out"
     out.mkdir()
     command = [sys.executable, str(SCRIPT), str(out), str(tokenizer), str(records), str(reference), strategy]
-    run = warm_python.run(command, TIMEOUT_S, ranks=2)
+    env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "hf-cache")}  # load_dataset's copies: not ~/.cache
+    run = warm_python.run(command, TIMEOUT_S, env=env, ranks=2)
     assert run.returncode == 0, run.stderr[-3000:]
     return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
 

@@ -222,6 +222,7 @@ def test_an_adapter_of_a_base_built_from_a_config_says_which_base_it_belongs_to(
     assert not torch.allclose(loaded(x), same_base[0].base_layer(x))  # the adapters count
 
 
+@pytest.mark.usefixtures("datasets_cache_in_tmp")  # the Parquet prompts' Arrow copy
 def test_generate_from_the_checkpoint_the_merged_model_and_the_adapter_agree(pretrained, lora_run, tmp_path):
     _, checkpoint, args = lora_run
     prompts = tmp_path / "prompts.jsonl"
