@@ -72,6 +72,17 @@ def _seq_len(trainer: Any) -> int | None:
     return value if isinstance(value, int) else None
 
 
+def saved_run(checkpoint: Mapping[str, Any], precision_plugin: Any) -> dict[str, Any] | None:
+    """The checkpoint's record, less its precision where this run's plugin says a change of it itself
+    (``AMPPrecision`` resuming its own state: with the loss scaler's fate and the plugin argument that keeps it)."""
+    record = checkpoint.get(CHECKPOINT_KEY)
+    if not isinstance(record, Mapping):
+        return None
+    plugin_state = checkpoint.get(type(precision_plugin).__qualname__)
+    says_itself = isinstance(plugin_state, Mapping) and "precision" in plugin_state
+    return {k: v for k, v in record.items() if not (says_itself and k == "precision")}
+
+
 def changed_settings(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
     """``name old -> new: what it means`` for each recorded setting that differs (unknown on either side: not
     compared)."""

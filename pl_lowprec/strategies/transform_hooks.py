@@ -35,7 +35,7 @@ from pl_lowprec.strategies.random_states import (
     restart_epoch_iterator,
 )
 from pl_lowprec.strategies.run_record import CHECKPOINT_KEY as RUN
-from pl_lowprec.strategies.run_record import run_record, warn_changed_run
+from pl_lowprec.strategies.run_record import run_record, saved_run, warn_changed_run
 from pl_lowprec.strategies.skipped_validation import CHECKPOINT_KEY as VALIDATION_FOLLOWS
 from pl_lowprec.strategies.skipped_validation import (
     hold_random_states_through_the_skipped_validation,
@@ -231,7 +231,7 @@ class TransformHooks(TransformArguments):
             as_saved_at_the_last_batch(checkpoint, trainer.max_steps)
         self._random_states_to_set = own_random_states(checkpoint, self.global_rank, self.world_size)
         self._validation_followed = checkpoint.get(VALIDATION_FOLLOWS)
-        self._saved_run = checkpoint.get(RUN)
+        self._saved_run = saved_run(checkpoint, self.precision_plugin)
         self._resumed = True
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

@@ -12,6 +12,7 @@ import torch
 from resume_helpers import Regression, _pairs
 from torch.utils.data import DataLoader
 
+from pl_lowprec import AMPPrecision
 from pl_lowprec.callbacks import StepBoundaryCheckpoint
 from pl_lowprec.data.resumable import resumable_loader
 from pl_lowprec.strategies.run_record import CHECKPOINT_KEY, changed_settings
@@ -41,12 +42,14 @@ class Configurable(Regression):
         return resumable_loader(_pairs(20, 1), self.batch_size, None, self.trainer)
 
 
-def fit(directory, max_steps, ckpt_path=None, accumulate=2, precision="32-true", **module):
+def fit(directory, max_steps, ckpt_path=None, accumulate=2, precision="32-true", plugins=None, everything=False, **kw):
+    """The warnings that say a changed run (``everything``: all warnings)."""
     trainer = pl.Trainer(
         accelerator="cpu",
         strategy="lowprec",
         accumulate_grad_batches=accumulate,
-        precision=precision,
+        precision=None if plugins else precision,
+        plugins=plugins,
         max_steps=max_steps,
         callbacks=[StepBoundaryCheckpoint(dirpath=directory, save_last=True, every_n_train_steps=1, save_top_k=-1)],
         limit_val_batches=0,
@@ -56,8 +59,8 @@ def fit(directory, max_steps, ckpt_path=None, accumulate=2, precision="32-true",
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(Configurable(**module), ckpt_path=ckpt_path)
-    return [str(w.message) for w in caught if SAID in str(w.message)]
+        trainer.fit(Configurable(**kw), ckpt_path=ckpt_path)
+    return [str(w.message) for w in caught if everything or SAID in str(w.message)]
 
 
 def test_the_checkpoint_records_the_runs_settings(tmp_path):
@@ -112,3 +115,11 @@ def test_another_number_of_processes_is_a_change():
         "world_size 2 -> 1: another number of processes: another global batch, each process another shard of the"
         " data, and the saved per-process random states are not restored (dropout masks and shuffles start anew)"
     ]
+
+
+def test_a_precision_change_that_amp_precision_says_itself_is_not_said_twice(tmp_path):
+    fit(tmp_path, max_steps=2, plugins=[AMPPrecision("bf16-mixed")])
+    said = fit(tmp_path, 4, tmp_path / "last.ckpt", accumulate=4, plugins=[AMPPrecision("16-mixed")], everything=True)
+    assert len([s for s in said if s.startswith("This checkpoint was trained with precision 'bf16-mixed'")]) == 1
+    (changed,) = [s for s in said if SAID in s]
+    assert "accumulate_grad_batches 2 -> 4" in changed and "precision bf16-mixed -> 16-mixed" not in changed
