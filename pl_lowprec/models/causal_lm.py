@@ -154,12 +154,22 @@ class CausalLM(pl.LightningModule):
         with empty_weights():
             self.model = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype_override)
         if not hasattr(self.trainer.strategy, "transform"):  # a plain Lightning strategy: load it here
-            load_pretrained(self, self.directory, PREFIX)
+            self.load_own_weights()
             rank_zero_info("CausalLM loaded its weights itself; LowPrecisionStrategy would quantize them as they load.")
             if self.device_mesh is not None:  # Lightning's ModelParallelStrategy: configure_model shards
                 blocks = shard_pretrained_blocks(self, self.model, self.device_mesh)
                 destroy_process_group_at_exit(self.trainer.strategy)  # Lightning: for NCCL only; gloo aborted at exit
                 rank_zero_info(f"CausalLM: FSDP2 on {len(blocks)} blocks and the module as the root.")
+
+    def load_own_weights(self) -> None:
+        """Under a plain Lightning strategy, stream the weights in here; a load that fails drops the model still on
+        the meta device, whose ``.cpu()`` in Lightning's teardown would otherwise fail ("Cannot copy out of meta
+        tensor") and hide this error (the bad checkpoint key or file) behind its own."""
+        try:
+            load_pretrained(self, self.directory, PREFIX)
+        except BaseException:
+            self.model = None
+            raise
 
     def on_fit_start(self) -> None:
         self.resolve_loss_kernel()

@@ -1,0 +1,55 @@
+"""``pl-lowprec fit`` with CausalLM under a plain Lightning strategy (no ``--trainer.strategy``), where CausalLM
+loads its own weights: a checkpoint that cannot load stops with one paragraph naming the key or file, no traceback.
+Lightning's teardown moved the module, still on the meta device, to the CPU, and its "Cannot copy out of meta
+tensor" replaced the cause."""
+
+from __future__ import annotations
+
+import pytest
+from loading_helpers import causal_lm_fit_args, save_pretrained_dir, write_prompt_completion
+
+from pl_lowprec.cli import main
+
+pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bad_pretrained")
+    return save_pretrained_dir(tmp / "model"), write_prompt_completion(tmp / "pc.jsonl")
+
+
+def refusal(capsys, model_dir, data, root) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main([*causal_lm_fit_args(model_dir, data), f"--trainer.default_root_dir={root}", "--trainer.max_steps=1"])
+    message = capsys.readouterr().err
+    assert "Traceback" not in message and "meta tensor" not in message, message[-2000:]
+    assert exit_info.value.code == 2
+    assert "fit stopped before its first step" in message
+    return " ".join(message.split())
+
+
+def test_a_missing_key_is_named_without_a_traceback(model, tmp_path, capsys):
+    model_dir, data = model
+    state = safetensors_torch.load_file(model_dir / "model.safetensors")
+    del state["model.layers.0.mlp.up_proj.weight"]
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for file in model_dir.iterdir():
+        (broken / file.name).write_bytes(file.read_bytes())
+    safetensors_torch.save_file(state, broken / "model.safetensors", metadata={"format": "pt"})
+    message = refusal(capsys, broken, data, tmp_path)
+    assert "Missing from the checkpoint: model.model.layers.0.mlp.up_proj.weight." in message
+
+
+def test_a_truncated_weights_file_is_named_without_a_traceback(model, tmp_path, capsys):
+    model_dir, data = model
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    for file in model_dir.iterdir():
+        (cut / file.name).write_bytes(file.read_bytes())
+    weights = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    message = refusal(capsys, cut, data, tmp_path)
+    assert "model.safetensors" in message and "is not a complete safetensors file" in message
