@@ -25,7 +25,7 @@ from torch import nn
 from pl_lowprec._imports import import_bitsandbytes
 from pl_lowprec.loading.empty import assert_no_meta, place_own, reset_on
 from pl_lowprec.loading.key_match import Prefix, Slot, fitting_index, slots
-from pl_lowprec.loading.sources import CheckpointIndex, open_safetensors
+from pl_lowprec.loading.sources import CheckpointIndex, TensorInfo, open_safetensors
 from pl_lowprec.transforms.conv1d import stored_transposed
 from pl_lowprec.transforms.quantization import (
     QuantizationConfig,
@@ -43,6 +43,19 @@ class LoadReport:
     tensors: int = 0
     bytes_read: int = 0
     quantized: list[str] = field(default_factory=list)
+    casts: dict[tuple[torch.dtype, torch.dtype], int] = field(default_factory=dict)  # (stored, loaded): tensors
+
+    def count_cast(self, stored: torch.dtype, loaded: torch.dtype) -> None:
+        self.casts[(stored, loaded)] = self.casts.get((stored, loaded), 0) + 1
+
+    def dtypes_line(self) -> str:
+        """What dtype the tensors were stored in and which the module took them in: a cast is said, never silent."""
+        changed = {pair: n for pair, n in self.casts.items() if pair[0] != pair[1]}
+        if not changed:
+            kept = sorted({_short(stored) for stored, _ in self.casts})
+            return f", in {'/'.join(kept)} as stored" if kept else ""
+        shown = "; ".join(f"{n} from {_short(a)} to {_short(b)}" for (a, b), n in sorted(changed.items(), key=str))
+        return f", cast to the dtypes the module declares ({shown})"
 
 
 def load_pretrained(
@@ -90,8 +103,11 @@ def load_pretrained(
                     if stored_transposed(owner, module_slots[first].attr):  # a Conv1D's [in, out] weight
                         loaded = loaded.T.contiguous()
                     tensor = loaded.to(device=device, dtype=declared.dtype)
-                    del loaded
                     is_param = module_slots[first].is_param
+                    if is_param:
+                        check_finite(tensor, loaded, index.tensors[chosen[first]])
+                    report.count_cast(loaded.dtype, tensor.dtype)
+                    del loaded
                     value = nn.Parameter(tensor, requires_grad=declared.requires_grad) if is_param else tensor
                     if is_param and place is not None and not quantizing:
                         value = place(value)
@@ -119,8 +135,34 @@ def load_pretrained(
         )
     assert_no_meta(model)
     mode = f"; quantized {len(report.quantized)} linear layers to {quantization.mode}" if quantization else ""
-    rank_zero_info(f"Loaded {report.tensors} tensors ({report.bytes_read / 2**20:.1f} MiB) from {index.source}{mode}.")
+    size = f"{report.bytes_read / 2**20:.1f} MiB"
+    rank_zero_info(f"Loaded {report.tensors} tensors ({size}) from {index.source}{report.dtypes_line()}{mode}.")
     return report
+
+
+def check_finite(tensor: torch.Tensor, stored: torch.Tensor, info: TensorInfo) -> None:
+    """Refuse a parameter with inf or NaN: stored so (a corrupt file), or made so by the cast to the module's dtype
+    (bfloat16 or float32 values past float16's 65504), which would otherwise train on inf without a word."""
+    if not tensor.is_floating_point() or bool(torch.isfinite(tensor).all()):
+        return
+    where = f"{info.key!r} in {info.file}"
+    if bool(torch.isfinite(stored).all()):
+        largest = float(stored.abs().max())
+        raise ValueError(
+            f"Checkpoint tensor {where} holds values up to {largest:.4g}, past {_short(tensor.dtype)}'s range, and"
+            f" became inf when cast from {_short(stored.dtype)} to {_short(tensor.dtype)}, the dtype the module"
+            " declares. Load it in bfloat16 or float32: precision='bf16-true' or 'bf16-mixed' instead of '16-true',"
+            " or CausalLM(dtype='bfloat16')."
+        )
+    bad = int((~torch.isfinite(stored)).sum())
+    raise ValueError(
+        f"Checkpoint tensor {where} holds {bad:,} inf or NaN values in the file itself: the checkpoint is damaged"
+        " or was saved after a diverged step. Use another copy or an earlier checkpoint."
+    )
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _initialize_fresh(
