@@ -118,23 +118,26 @@ def _checkpoint_shape(model: nn.Module, slot: Slot, tensor: torch.Tensor) -> tup
 
 
 def fitting_index(
-    model: nn.Module, source: str | Path, prefix: Prefix, new_heads: tuple = ()
+    model: nn.Module, source: str | Path, prefix: Prefix, new_heads: tuple = (), expected_prefix: str | None = None
 ) -> tuple[CheckpointIndex, KeyMatch, Prefix]:
     """The checkpoint's index under ``prefix``, where each tensor comes from, and the prefix used: the one given,
-    or, where none was given, the one prefix under which every key and shape matches."""
-    index = resolve_checkpoint(source, prefix)
+    or, where none was given, ``expected_prefix`` (what the module's keys usually need, taken without a word) and
+    else the one prefix under which every key and shape matches (a base model's checkpoint, a peft wrapper's)."""
+    first = prefix if prefix is not None else expected_prefix
+    index = resolve_checkpoint(source, first)
     try:
-        return index, check_against(model, index, prefix, new_heads=new_heads), prefix
+        return index, check_against(model, index, first, new_heads=new_heads), first
     except CheckpointMismatch as mismatch:
         guess = mismatch.suggested_prefix
-        if prefix is not None or not guess:
+        if prefix is not None or guess is None or guess == (first or ""):
             raise
     index = resolve_checkpoint(source, guess)
     match = check_against(model, index, guess, inferred=True, new_heads=new_heads)
     heads = " but for the heads named next" if match.fresh or match.unused else ""
+    usual = f", not the usual {expected_prefix!r}" if expected_prefix is not None else ""
     rank_zero_info(
-        f"pretrained={str(index.source)!r}: took pretrained_prefix={guess!r}, under which every key and shape of"
-        f" the checkpoint matches {type(model).__name__}'s{heads} (name pretrained_prefix to choose another)."
+        f"pretrained={str(index.source)!r}: took pretrained_prefix={guess!r}{usual}, under which every key and"
+        f" shape of the checkpoint matches {type(model).__name__}'s{heads} (name pretrained_prefix to choose another)."
     )
     return index, match, guess
 

@@ -166,10 +166,12 @@ def resolve_checkpoint(source: str | Path, prefix: str | Mapping[str, str] | Non
 @dataclass(frozen=True)
 class PretrainedWeights:
     """What to load into a module built on the meta device: ``path`` (see ``checkpoint_files``) and the
-    ``prefix`` that turns its keys into the module's (see ``prefix_map``). Checked when built."""
+    ``prefix`` that turns its keys into the module's (see ``prefix_map``). Without ``prefix``, ``expected_prefix``
+    is tried first (``CausalLM``'s ``"model."``), then the prefix under which every key fits. Checked when built."""
 
     path: str | Path
     prefix: str | Mapping[str, str] | None = None
+    expected_prefix: str | None = None
 
     def __post_init__(self) -> None:
         prefix_map(self.prefix)

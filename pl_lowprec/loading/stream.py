@@ -68,6 +68,7 @@ def load_pretrained(
     quantize_layer: Callable[[nn.Linear, QuantizationConfig, torch.dtype, torch.device], nn.Module] = quantize_linear,
     place: Callable[[nn.Parameter], nn.Parameter] | None = None,
     new_heads: tuple[str, ...] = (),
+    expected_prefix: str | None = None,
 ) -> LoadReport:
     """Fill every parameter and persistent buffer of ``model`` from ``source``, quantizing on the way.
 
@@ -77,9 +78,10 @@ def load_pretrained(
     module keeps (under FSDP: this rank's rows only), right after it is loaded, or after its layer is quantized.
     ``new_heads`` (LoRA's ``modules_to_save``) may be absent from the checkpoint: they start from their module's
     ``reset_parameters``, and a head of the checkpoint that the module lacks is left unread (``key_match.py``).
+    ``expected_prefix`` (without ``prefix``): the prefix tried first (``key_match.fitting_index``).
     """
     device = torch.device(device)
-    index, match, prefix = fitting_index(model, source, prefix, new_heads)
+    index, match, prefix = fitting_index(model, source, prefix, new_heads, expected_prefix)
     chosen = match.chosen
     if quantization is not None and not quantization.is_4bit:
         check_int8_trains(import_bitsandbytes(), device)

@@ -33,7 +33,7 @@ from pl_lowprec.models.tokenizer_check import check_tokenizer
 from pl_lowprec.transforms.dtypes import to_dtype
 from pl_lowprec.transforms.memory_saving import AUTO
 
-PREFIX = "model."  # the Hugging Face model is held as self.model
+PREFIX = "model."  # the Hugging Face model is held as self.model: tried first (a base model's keys need more)
 AUTO_LOSS_CHUNK = 256  # loss_chunk_size="auto" with the chunked_loss path on
 
 
@@ -122,7 +122,7 @@ class CausalLM(pl.LightningModule):
         builds the model (``estimate_memory`` needs nothing more), training needs the weights."""
         if self._pretrained_weights is None:
             try:
-                self._pretrained_weights = PretrainedWeights(self.directory, PREFIX)
+                self._pretrained_weights = PretrainedWeights(self.directory, expected_prefix=PREFIX)
             except FileNotFoundError as err:
                 raise FileNotFoundError(
                     f"CausalLM(pretrained={str(self.hparams.pretrained)!r}) has a config.json but no weights: that is"
@@ -166,7 +166,7 @@ class CausalLM(pl.LightningModule):
         the meta device, whose ``.cpu()`` in Lightning's teardown would otherwise fail ("Cannot copy out of meta
         tensor") and hide this error (the bad checkpoint key or file) behind its own."""
         try:
-            load_pretrained(self, self.directory, PREFIX)
+            load_pretrained(self, self.directory, expected_prefix=PREFIX)
         except BaseException:
             self.model = None
             raise

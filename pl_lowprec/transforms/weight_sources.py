@@ -69,7 +69,16 @@ def fill_meta_model(
         )
     place = sharding.placement() if sharding is not None else None
     report = load_pretrained(
-        model, weights.path, weights.prefix, quantization, compute_dtype, device, quantize_layer, place, new_heads
+        model,
+        weights.path,
+        weights.prefix,
+        quantization,
+        compute_dtype,
+        device,
+        quantize_layer,
+        place,
+        new_heads,
+        weights.expected_prefix,
     )
     setattr(model, _LOADED_FROM, dataclasses.replace(weights, prefix=report.prefix))
 
