@@ -67,6 +67,7 @@ class KeyMatch:
     chosen: dict[str, str]  # the first key of each tensor group: the checkpoint key it is read from
     fresh: list[str] = field(default_factory=list)  # keys of a new head (modules_to_save) in no checkpoint
     unused: list[str] = field(default_factory=list)  # the checkpoint's keys of a head the module does not have
+    computed: list[str] = field(default_factory=list)  # the checkpoint's copies of buffers the module computes
 
 
 def is_under(name: str, modules: tuple[str, ...]) -> bool:
@@ -96,7 +97,8 @@ def check_against(
             missing.append(keys[0])
     unexpected = [k for k in index.tensors if k not in module_slots]
     unused = [k for k in unexpected if new_heads and _is_head_key(k)]
-    unexpected = [k for k in unexpected if k not in unused]
+    computed = computed_buffer_copies([k for k in unexpected if k not in unused], model)
+    unexpected = [k for k in unexpected if k not in unused and k not in computed]
     shapes = {k: _checkpoint_shape(model, module_slots[k], state[k]) for k in chosen.values()}
     mis_shaped = [
         f"{k}: checkpoint {list(index.tensors[k].shape)}, module {list(shapes[k])}"
@@ -108,7 +110,18 @@ def check_against(
         hint = suggest_prefix(list(module_slots), file_keys) if missing and unexpected else None
         message = _mismatch_message(model, index, prefix, inferred, missing, unexpected, mis_shaped, hint)
         raise CheckpointMismatch(message, hint)
-    return KeyMatch(chosen, fresh, unused)
+    return KeyMatch(chosen, fresh, unused, computed)
+
+
+def computed_buffer_copies(keys: list[str], model: nn.Module) -> list[str]:
+    """The keys that name, by their last two parts, a buffer the module computes and never loads (non-persistent):
+    checkpoints of older transformers saved ``rotary_emb.inv_freq`` in every layer and ``position_ids``, which
+    ``from_pretrained`` leaves unread (``_adjust_missing_and_unexpected_keys``); so are they here."""
+    computed = set()
+    for name, module in model.named_modules():
+        for attr in module._non_persistent_buffers_set:
+            computed.add(".".join([*name.split(".")[-1:], attr]) if name else attr)
+    return [k for k in keys if ".".join(k.split(".")[-2:]) in computed or k.rpartition(".")[2] in computed]
 
 
 def _checkpoint_shape(model: nn.Module, slot: Slot, tensor: torch.Tensor) -> tuple[int, ...]:
@@ -174,6 +187,11 @@ def _mismatch_message(model, index, prefix, inferred, missing, unexpected, mis_s
         parts.append(f"The module's keys are the checkpoint's with another prefix: try pretrained_prefix={hint!r}.")
     elif mis_shaped:
         parts.append("Build the module with the checkpoint's config (sizes, vocabulary).")
+    elif unexpected and not missing:
+        parts.append(
+            "The module has no such tensors: build it from the checkpoint's own config.json; to drop tensors the"
+            " model does not use, load the checkpoint once with from_pretrained and save_pretrained it again."
+        )
     return " ".join(parts)
 
 

@@ -135,6 +135,11 @@ def load_pretrained(
             f"pretrained={str(index.source)!r}: {', '.join(match.fresh)} not in the checkpoint, a new head that trains"
             f" whole (modules_to_save): initialized by its module's reset_parameters{unused}."
         )
+    if match.computed:
+        rank_zero_info(
+            f"pretrained={str(index.source)!r}: {len(match.computed)} tensors left unread, copies of buffers the module"
+            f" computes itself ({match.computed[0]}, ...), which older transformers saved, as from_pretrained does."
+        )
     assert_no_meta(model)
     mode = f"; quantized {len(report.quantized)} linear layers to {quantization.mode}" if quantization else ""
     size = f"{report.bytes_read / 2**20:.1f} MiB"
