@@ -148,9 +148,10 @@ def fitting_index(
     match = check_against(model, index, guess, inferred=True, new_heads=new_heads)
     heads = " but for the heads named next" if match.fresh or match.unused else ""
     usual = f", not the usual {expected_prefix!r}" if expected_prefix is not None else ""
+    choose = "" if expected_prefix is not None else " (name pretrained_prefix to choose another)"
     rank_zero_info(
         f"pretrained={str(index.source)!r}: took pretrained_prefix={guess!r}{usual}, under which every key and"
-        f" shape of the checkpoint matches {type(model).__name__}'s{heads} (name pretrained_prefix to choose another)."
+        f" shape of the checkpoint matches {type(model).__name__}'s{heads}{choose}."
     )
     return index, match, guess
 

@@ -101,7 +101,10 @@ def checkpoint_files(source: str | Path) -> list[Path]:
         files = sorted({path / name for name in weight_map.values()})
         absent = [f.name for f in files if not f.is_file()]
         if absent:
-            raise FileNotFoundError(f"{index} names shards that are not in {path}: {', '.join(absent)}.")
+            raise FileNotFoundError(
+                f"{index} names shards that are not in {path}: {', '.join(absent)}. A download or copy that stopped"
+                " early does this: fetch every file the index names (or save the model again)."
+            )
         return files
     if (path / SINGLE_NAME).is_file():
         return [path / SINGLE_NAME]

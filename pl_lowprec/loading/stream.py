@@ -137,8 +137,9 @@ def load_pretrained(
         )
     if match.computed:
         rank_zero_info(
-            f"pretrained={str(index.source)!r}: {len(match.computed)} tensors left unread, copies of buffers the module"
-            f" computes itself ({match.computed[0]}, ...), which older transformers saved, as from_pretrained does."
+            f"pretrained={str(index.source)!r}: {len(match.computed)} tensor(s) left unread, copies of buffers the"
+            f" module computes itself ({match.computed[0]}, ...), which older transformers saved; from_pretrained"
+            " leaves them unread too."
         )
     assert_no_meta(model)
     mode = f"; quantized {len(report.quantized)} linear layers to {quantization.mode}" if quantization else ""

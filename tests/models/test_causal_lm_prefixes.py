@@ -65,6 +65,7 @@ def test_a_checkpoint_under_another_prefix_loads_the_weights_from_pretrained_loa
         model = _loaded(directory, None if plain else LowPrecisionStrategy())
     said = [r.getMessage() for r in caplog.records if "took pretrained_prefix=" in r.getMessage()]
     assert said and f"took pretrained_prefix={taken}, not the usual 'model.'" in said[0], said
+    assert "name pretrained_prefix" not in said[0]  # CausalLM takes no pretrained_prefix
     for key, value in reference.state_dict().items():
         assert torch.equal(model.model.state_dict()[key], value), key
 
