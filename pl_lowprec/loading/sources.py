@@ -111,7 +111,7 @@ def checkpoint_files(source: str | Path) -> list[Path]:
     found = sorted(path.glob("*.safetensors"))
     if len(found) == 1:
         return found
-    others = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt*"))
+    others = other_weight_files(path)
     hint = (
         f" It holds {', '.join(others[:4])}: convert them to safetensors first (load the model once and call"
         " save_pretrained(..., safe_serialization=True))."
@@ -122,6 +122,12 @@ def checkpoint_files(source: str | Path) -> list[Path]:
     raise FileNotFoundError(
         f"pretrained={str(source)!r} holds no {SINGLE_NAME} or {INDEX_NAME}.{many}{hint} {_ALLOWED}"
     )
+
+
+def other_weight_files(source: str | Path) -> list[str]:
+    """Weights in a format other than safetensors (``pytorch_model.bin``, its shards, ``.pt``): not streamed here."""
+    path = Path(source).expanduser()
+    return sorted(p.name for pattern in ("*.bin", "*.pt", "*.pth") for p in path.glob(pattern)) if path.is_dir() else []
 
 
 _ALLOWED = (
@@ -183,10 +189,10 @@ class PretrainedWeights:
         try:
             checkpoint_files(self.path)
         except FileNotFoundError as err:
-            if not config_only(self.path):
-                raise
+            if not config_only(self.path) or other_weight_files(self.path):
+                raise  # its message names the weights there (.bin) and how to convert them
             raise FileNotFoundError(
                 f"pretrained={str(self.path)!r} has a config.json but no weights: that is enough for `pl-lowprec"
-                " estimate` and `pl-lowprec plan` (the model's shapes), but training needs the safetensors files"
-                f" (save_pretrained writes them). {err}"
+                " estimate`, `pl-lowprec plan` and `estimate_memory` (the model's shapes), but training needs the"
+                f" safetensors files (save_pretrained writes them). {err}"
             ) from err

@@ -120,15 +120,8 @@ class CausalLM(pl.LightningModule):
     def pretrained_weights(self) -> PretrainedWeights:
         """The weights the strategy streams in, checked when first needed: a directory with only ``config.json``
         builds the model (``estimate_memory`` needs nothing more), training needs the weights."""
-        if self._pretrained_weights is None:
-            try:
-                self._pretrained_weights = PretrainedWeights(self.directory, expected_prefix=PREFIX)
-            except FileNotFoundError as err:
-                raise FileNotFoundError(
-                    f"CausalLM(pretrained={str(self.hparams.pretrained)!r}) has a config.json but no weights: that is"
-                    " enough for `estimate_memory` and `pl-lowprec estimate`, but training needs the safetensors files"
-                    f" (save_pretrained writes them). {err}"
-                ) from err
+        if self._pretrained_weights is None:  # its own error names the directory, what it lacks and the fix
+            self._pretrained_weights = PretrainedWeights(self.directory, expected_prefix=PREFIX)
         return self._pretrained_weights
 
     def setup(self, stage: str) -> None:

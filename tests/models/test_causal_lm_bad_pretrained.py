@@ -53,3 +53,26 @@ def test_a_truncated_weights_file_is_named_without_a_traceback(model, tmp_path, 
     (cut / "model.safetensors").write_bytes(weights[: len(weights) // 2])
     message = refusal(capsys, cut, data, tmp_path)
     assert "model.safetensors" in message and "is not a complete safetensors file" in message
+
+
+def test_pytorch_bin_weights_are_named_not_called_no_weights(model, tmp_path):
+    """A directory with config.json and pytorch_model.bin: the refusal names the .bin file and the conversion, where
+    it said twice that the directory has no weights."""
+    import torch
+
+    from pl_lowprec.models import CausalLM
+    from pl_lowprec.transforms.config import TransformConfig
+    from pl_lowprec.transforms.pipeline import ModelTransform
+
+    model_dir, _ = model
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for file in model_dir.iterdir():
+        if file.suffix != ".safetensors":
+            (bin_dir / file.name).write_bytes(file.read_bytes())
+    torch.save(safetensors_torch.load_file(model_dir / "model.safetensors"), bin_dir / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError) as refused:
+        ModelTransform(TransformConfig()).weights_for(CausalLM(str(bin_dir)))  # what fit asks before loading
+    message = str(refused.value)
+    assert "It holds pytorch_model.bin: convert them to safetensors" in message
+    assert "no weights" not in message
