@@ -6,7 +6,9 @@ declared for it (what ``load_state_dict`` into that module would give), put on t
 assigned. A linear layer that quantization will replace is quantized right away from its loaded weight, so
 the full-precision weights never exist all at once. Each file is opened per module and closed again:
 safetensors maps the file into memory, and a handle kept open leaves every page it read resident, which
-would put the whole checkpoint back into the process's resident memory.
+would put the whole checkpoint back into the process's resident memory. A tensor that keeps its stored dtype on
+the CPU is the mapping itself (as ``from_pretrained``'s are): its pages are the page cache's, and a checkpoint file
+rewritten in place while the model lives changes the weights not yet trained.
 
 Names and shapes are checked from the file headers before anything is read, and every mismatch is reported
 at once (``key_match.py``).
