@@ -180,6 +180,11 @@ def _mismatch_message(model, index, prefix, inferred, missing, unexpected, mis_s
             f" when LoRA names it: lora task_type 'SEQ_CLS' (a classifier's score or classifier), or"
             f" modules_to_save={last}."
         )
+        if not unexpected and "lm_head" in last:
+            parts.append(
+                "A checkpoint with no lm_head at all is a base model's (AutoModel.save_pretrained): a causal LM needs"
+                " its trained output head, so load the ForCausalLM checkpoint of the same model."
+            )
     elif hint == prefix:
         pass  # read with that prefix already
     elif hint == "" and prefix:

@@ -74,3 +74,15 @@ def test_the_usual_prefix_is_taken_without_a_word(pretrained, caplog):
     with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
         _loaded(pretrained, LowPrecisionStrategy())
     assert not [r for r in caplog.records if "took pretrained_prefix=" in r.getMessage()]
+
+
+def test_a_base_model_without_its_output_head_is_refused_saying_so(tmp_path):
+    """An untied model's base saved alone (AutoModel.save_pretrained) lacks lm_head: from_pretrained starts it at
+    random with a warning; here the load is refused, naming the head and what such a checkpoint is."""
+    untied = save_llama(tmp_path / "untied", hidden_size=32, layers=1)
+    directory = _renamed(untied, tmp_path / "base", lambda key: key.removeprefix("model."))
+    state = safetensors_torch.load_file(directory / "model.safetensors")
+    del state["lm_head.weight"]
+    safetensors_torch.save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"Missing from the checkpoint: model.lm_head.weight. .*a base model's"):
+        _loaded(directory, None)
