@@ -11,8 +11,10 @@ import torch
 from loading_helpers import save_llama
 from qlora_helpers import tiny_llama
 from safetensors.torch import load_file, save_file
+from torch.profiler import profile
 
 from pl_lowprec.loading import empty_weights, load_pretrained
+from pl_lowprec.loading.stream import FINITE_CHECK_SLICE, all_finite
 
 pytest.importorskip("transformers")
 NORM = "model.layers.0.post_attention_layernorm.weight"
@@ -62,3 +64,25 @@ def test_the_load_line_says_the_stored_dtype_and_any_cast(tmp_path, caplog, stor
         load_pretrained(_meta_llama(declared), directory, "model.")
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Loaded "))
     assert said in line, line
+
+
+def _largest_allocation(work) -> int:
+    with profile(profile_memory=True) as profiler:
+        work()
+    return max((event.cpu_memory_usage for event in profiler.key_averages()), default=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_finite_check_of_a_finite_tensor_allocates_nothing_tensor_sized(dtype):
+    weights = torch.randn(4 * FINITE_CHECK_SLICE).to(dtype)  # 8-16 MiB a tensor: a float32 copy or mask would show
+    assert all_finite(weights)
+    assert _largest_allocation(lambda: all_finite(weights)) < 1024
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_the_finite_check_finds_one_bad_value_in_the_last_slice_and_passes_an_overflowing_finite_sum(bad):
+    weights = torch.zeros(3 * FINITE_CHECK_SLICE, dtype=torch.float16)
+    weights[-1] = bad
+    assert not all_finite(weights)
+    large = torch.full((3 * FINITE_CHECK_SLICE,), 60000.0, dtype=torch.float16)  # finite; its sum is inf in fp16
+    assert not torch.isfinite(large.sum()) and all_finite(large)
