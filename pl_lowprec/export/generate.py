@@ -39,6 +39,7 @@ from pl_lowprec.export.prompt_files import chat_turns
 from pl_lowprec.export.restore import Restored
 from pl_lowprec.export.stop_tokens import stop_token_ids
 from pl_lowprec.export.write import pretrained_dir
+from pl_lowprec.loading.generation_config import load_generation_config
 from pl_lowprec.loading.hub import is_hub_id, local_or_downloaded, resolve_pretrained
 from pl_lowprec.loading.tokenizer import load_tokenizer
 
@@ -200,6 +201,7 @@ def from_restored(restored: Restored, tokenizer: str | None = None) -> Generator
             " one (pl_lowprec.models.CausalLM, or a module with a PreTrainedModel attribute)."
         )
     check_module_generates(model, type(restored.module).__name__)
+    load_generation_config(model, pretrained_dir(restored))  # a module of the user's built from_config: the files'
     source = tokenizer or restored.tokenizer_dir or pretrained_dir(restored)
     if source is None:
         raise ValueError("No tokenizer: the config names no data tokenizer or model directory; pass --tokenizer DIR.")

@@ -24,6 +24,7 @@ from pl_lowprec._checks import check_at_least, check_positive
 from pl_lowprec.distributed.process_group_exit import destroy_process_group_at_exit
 from pl_lowprec.distributed.shard import shard_pretrained_blocks
 from pl_lowprec.loading import PretrainedWeights, empty_weights, load_pretrained
+from pl_lowprec.loading.generation_config import load_generation_config
 from pl_lowprec.loading.hub import resolve_pretrained
 from pl_lowprec.models.chunked_loss import causal_lm_loss_sum, chunk_loss, compiled_chunk_loss_standin
 from pl_lowprec.models.forward_batch import forward_batch
@@ -146,6 +147,7 @@ class CausalLM(pl.LightningModule):
 
         with empty_weights():
             self.model = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype_override)
+        load_generation_config(self.model, self.directory)  # its EOS ids and defaults, as from_pretrained has them
         if not hasattr(self.trainer.strategy, "transform"):  # a plain Lightning strategy: load it here
             self.load_own_weights()
             rank_zero_info("CausalLM loaded its weights itself; LowPrecisionStrategy would quantize them as they load.")

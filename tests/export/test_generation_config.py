@@ -1,0 +1,111 @@
+"""The pretrained directory's ``generation_config.json`` reaches the model ``CausalLM`` builds: it was derived from
+``config.json`` (``from_config``), so ``generate --ckpt_path`` ignored the file's EOS ids and defaults
+(``repetition_penalty``) that ``generate --model`` of the merged export, and transformers' ``from_pretrained``,
+apply: the checkpoint's completions differed from the export's."""
+
+import json
+
+import pytest
+import torch
+from loading_helpers import save_llama, save_tokenizer
+from own_module_helpers import OWN_CAUSAL_LM, write_own_config, write_own_module
+
+from pl_lowprec.cli import build_cli, main
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+PENALTY = 1.8  # large, so greedy completions of a random tiny model change under it
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A 2-step LoRA run (no quantization, fp32) on a model whose directory has a generation_config.json."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    directory = save_tokenizer(tmp_path_factory.mktemp("pretrained"))
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    save_llama(directory, hidden_size=32, layers=1, vocab_size=len(tokenizer))
+    user = tokenizer.convert_tokens_to_ids("<|user|>")
+    GenerationConfig(eos_token_id=[tokenizer.eos_token_id, user], repetition_penalty=PENALTY).save_pretrained(directory)
+    root = tmp_path_factory.mktemp("run")
+    data = root / "pc.jsonl"
+    rows = [{"prompt": f"def f{i}(x):\n    return", "completion": f" x + {i}"} for i in range(16)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = [
+        "--config=configs/finetune-causal-lm.yaml",
+        f"--model.pretrained={directory}",
+        f"--data.tokenizer={directory}",
+        f"--data.train_files={data}",
+        "--data.val_files=null",
+        "--data.batch_size=4",
+        "--trainer.strategy.init_args.quantization=null",
+        "--trainer.strategy.init_args.activation_checkpointing=null",
+        "--trainer.plugins=[]",
+        "--trainer.precision=32-true",
+        "--model.lr=0.01",
+        "--trainer.limit_val_batches=0",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.logger=false",
+        f"--trainer.default_root_dir={root}",
+    ]
+    cli = build_cli(["fit", *args, "--trainer.max_steps=2", "--trainer.callbacks=[]"])
+    checkpoint = root / "trained.ckpt"
+    cli.trainer.save_checkpoint(checkpoint)
+    return cli.model, checkpoint, args, root
+
+
+def test_causal_lm_builds_its_model_with_the_directorys_generation_config(run):
+    model = run[0].model
+    assert model.generation_config.repetition_penalty == PENALTY
+    assert len(model.generation_config.eos_token_id) == 2
+
+
+def test_generate_from_the_checkpoint_completes_as_the_merged_export_and_transformers_do(run, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, checkpoint, args, _ = run
+    prompts = tmp_path / "prompts.txt"
+    lines = ["def f(x):", "import os", "class Parser(object):", "    return self._"]
+    prompts.write_text("\n".join(lines) + "\n")
+    merged = tmp_path / "merged"
+    main(["export", f"--ckpt_path={checkpoint}", f"--out={merged}", "--merged", "--dtype=float32", *args])
+    outputs = {}
+    for name, source in {"checkpoint": [f"--ckpt_path={checkpoint}", *args], "merged": [f"--model={merged}"]}.items():
+        out = tmp_path / f"{name}.jsonl"
+        main(["generate", *source, f"--prompts={prompts}", f"--out={out}", "--max_new_tokens=12", "--batch_size=1"])
+        outputs[name] = [json.loads(line)["completion"] for line in out.read_text().splitlines()]
+    model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    expected = []
+    for line in lines:
+        ids = tokenizer(line, return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**ids, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        expected.append(tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True))
+    assert outputs["merged"] == expected
+    assert outputs["checkpoint"] == expected
+
+
+def test_generate_from_a_checkpoint_of_the_users_own_module_takes_the_strategys_generation_config(
+    tmp_path, monkeypatch
+):
+    """A module of the user's that builds its model with ``from_config`` and lets the strategy fill it."""
+    from transformers import GenerationConfig
+
+    from pl_lowprec.cli.rebuild import rebuild
+    from pl_lowprec.export.generate import from_restored
+    from pl_lowprec.export.restore import restore
+
+    pretrained = save_tokenizer(tmp_path / "pretrained")
+    save_llama(pretrained)
+    GenerationConfig(eos_token_id=[1, 4], repetition_penalty=PENALTY).save_pretrained(pretrained)
+    write_own_module(tmp_path, "own_lm", OWN_CAUSAL_LM, monkeypatch)
+    write_own_config(tmp_path / "own.yaml", "own_lm.MyLM", "own_lm.Bytes", pretrained, {"lora": {"r": 4}})
+    main(["fit", "--config", "own.yaml"])
+    (checkpoint,) = tmp_path.glob("runs/lightning_logs/version_0/checkpoints/*.ckpt")
+    rebuilt = rebuild(["--config", "own.yaml"])
+    restored = restore(checkpoint, rebuilt.trainer, rebuilt.model, rebuilt.datamodule)
+    generator = from_restored(restored, tokenizer=str(pretrained))
+    assert generator.model.generation_config.repetition_penalty == PENALTY
+    assert generator.model.generation_config.eos_token_id == [1, 4]
