@@ -154,9 +154,10 @@ def main(args: list[str] | None = None) -> None:
     parser.add_argument("--batch_size", type=int_at_least(1), default=8)
     parser.add_argument("--max_new_tokens", type=int_at_least(1), default=64)
     parser.add_argument("--do_sample", action="store_true", help="Sample instead of greedy decoding.")
-    parser.add_argument("--temperature", type=float_in(0, math.inf), default=1.0, help="With --do_sample.")
-    parser.add_argument("--top_p", type=float_in(0, 1), default=1.0, help="With --do_sample (1.0: no filter).")
-    parser.add_argument("--top_k", type=int_at_least(0), default=50, help="With --do_sample (0: no filter).")
+    from_model = "default: the model's generation_config, as transformers' generate takes it"
+    parser.add_argument("--temperature", type=float_in(0, math.inf), help=f"With --do_sample ({from_model}).")
+    parser.add_argument("--top_p", type=float_in(0, 1), help=f"With --do_sample (1.0: no filter; {from_model}).")
+    parser.add_argument("--top_k", type=int_at_least(0), help=f"With --do_sample (0: no filter; {from_model}).")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--chat_template_kwargs",
@@ -215,5 +216,8 @@ def main(args: list[str] | None = None) -> None:
         generator.template_kwargs = parsed.chat_template_kwargs
     if prompt_ids is None:
         prompt_ids = all_prompt_ids(generator.tokenizer, records, generator.template_kwargs)
+    sampling = decoding.sampling_line(generator.model)
+    if sampling is not None:
+        print(sampling)
     completions = generator.complete_ids(prompt_ids, decoding, parsed.batch_size)
     print(write_completions(records, completions, Path(parsed.out)))

@@ -43,27 +43,33 @@ from pl_lowprec.loading.generation_config import load_generation_config
 from pl_lowprec.loading.hub import is_hub_id, local_or_downloaded, resolve_pretrained
 from pl_lowprec.loading.tokenizer import load_tokenizer
 
+SAMPLING = ("temperature", "top_p", "top_k")
+TRANSFORMERS_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 50}  # generate's where generation_config has none
+
 
 @dataclass
 class Decoding:
-    """transformers ``generate`` settings: greedy unless ``do_sample``."""
+    """transformers ``generate`` settings: greedy unless ``do_sample``. A sampling setting left ``None`` is the
+    model's ``generation_config``'s, as ``model.generate(do_sample=True)`` takes it (Llama-3.x-Instruct: temperature
+    0.6, top_p 0.9; Qwen2.5-Instruct: 0.7, 0.8, top_k 20); it was 1.0, 1.0 and 50 whatever the model said."""
 
     max_new_tokens: int = 64
     do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 50
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
         check_at_least("Decoding", 1, max_new_tokens=self.max_new_tokens)
-        check_at_least("Decoding", 0, "0 turns top-k filtering off.", top_k=self.top_k)
-        check_positive(
-            "Decoding", "1.0 samples from the model's distribution; lower is greedier.", temperature=self.temperature
-        )
-        check_fraction("Decoding", low_open=True, hint="1.0 keeps every token.", top_p=self.top_p)
-        defaults = {name: f.default for name, f in self.__dataclass_fields__.items()}
-        sampling = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k") if getattr(self, k) != defaults[k]}
+        if self.top_k is not None:
+            check_at_least("Decoding", 0, "0 turns top-k filtering off.", top_k=self.top_k)
+        if self.temperature is not None:
+            hint = "1.0 samples from the model's distribution; lower is greedier."
+            check_positive("Decoding", hint, temperature=self.temperature)
+        if self.top_p is not None:
+            check_fraction("Decoding", low_open=True, hint="1.0 keeps every token.", top_p=self.top_p)
+        sampling = self.given_sampling()
         if sampling and not self.do_sample:  # transformers' generate would decode greedily, ignoring them
             given = ", ".join(f"{k}={v}" for k, v in sampling.items())
             raise ValueError(
@@ -71,11 +77,32 @@ class Decoding:
                 " would ignore it. Add --do_sample (do_sample=True) to sample, or leave it out for greedy completions."
             )
 
+    def given_sampling(self) -> dict[str, float | int]:
+        """The sampling settings given here; the others are the model's ``generation_config``'s."""
+        return {k: getattr(self, k) for k in SAMPLING if getattr(self, k) is not None}
+
     def kwargs(self) -> dict[str, Any]:
         chosen: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "do_sample": self.do_sample}
         if self.do_sample:
-            chosen.update(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+            chosen.update(self.given_sampling())
         return chosen
+
+    def sampling_line(self, model: Any) -> str | None:
+        """What sampling runs with, and where each value came from; ``None`` for greedy decoding."""
+        if not self.do_sample:
+            return None
+        config = getattr(model, "generation_config", None)
+        given = self.given_sampling()
+        parts = []
+        for name in SAMPLING:
+            configured = getattr(config, name, None)
+            if name in given:
+                parts.append(f"{name} {given[name]}")
+            elif configured is not None:
+                parts.append(f"{name} {configured} (the model's generation_config)")
+            else:
+                parts.append(f"{name} {TRANSFORMERS_SAMPLING[name]} (transformers' default)")
+        return f"Sampling with {', '.join(parts)}, seed {self.seed}."
 
 
 @dataclass

@@ -109,3 +109,34 @@ def test_generate_from_a_checkpoint_of_the_users_own_module_takes_the_strategys_
     generator = from_restored(restored, tokenizer=str(pretrained))
     assert generator.model.generation_config.repetition_penalty == PENALTY
     assert generator.model.generation_config.eos_token_id == [1, 4]
+
+
+def test_sampling_takes_the_models_generation_config_as_transformers_generate_does(tmp_path, capsys):
+    """``--do_sample`` without ``--temperature``/``--top_p``/``--top_k`` samples as ``model.generate(do_sample=True)``
+    does, with the model's settings (they were 1.0, 1.0 and 50 whatever generation_config.json said); the output
+    says which it used. Three prompts of different lengths: one left-padded batch, as generate pads it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    directory = save_tokenizer(tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    save_llama(directory, hidden_size=32, layers=1, vocab_size=len(tokenizer))
+    eos = tokenizer.eos_token_id  # as a hub model's file names it (generate stops at the tokenizer's EOS too)
+    GenerationConfig(do_sample=True, temperature=0.3, top_p=0.6, top_k=7, eos_token_id=eos).save_pretrained(directory)
+    lines = ["def f(x):", "import os", "class Parser(object):"]
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "sampled.jsonl"
+    main(["generate", f"--model={directory}", f"--prompts={prompts}", f"--out={out}", "--do_sample", "--seed=3"])
+    said = capsys.readouterr().out
+    assert "Sampling with temperature 0.3 (the model's generation_config), top_p 0.6" in said
+    completions = [json.loads(line)["completion"] for line in out.read_text().splitlines()]
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    ids = [tokenizer(line)["input_ids"] for line in lines]
+    width, pad = max(map(len, ids)), tokenizer.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(i)) + i for i in ids])
+    mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids])
+    torch.manual_seed(3)
+    with torch.no_grad():
+        out_ids = model.generate(input_ids=input_ids, attention_mask=mask, pad_token_id=pad, max_new_tokens=64)
+    assert completions == tokenizer.batch_decode(out_ids[:, width:], skip_special_tokens=True)
