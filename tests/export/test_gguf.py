@@ -567,3 +567,18 @@ def test_a_truncated_weight_file_is_named_with_its_size_before_anything_is_writt
     with pytest.raises(ValueError, match=r"model\.safetensors \(100 bytes\) is not a complete safetensors file"):
         convert(model_dir, "bf16")
     assert not list(gguf_dir(model_dir).glob("*.gguf"))
+
+
+def test_generate_reads_a_llama3_gguf_with_its_rope_frequencies(tmp_path, tokenizer_dir):
+    """transformers' GGUF reader ignores rope_freqs.weight (Llama 3's rope scaling, which llama.cpp applies), so
+    ``generate --model X.gguf`` computed with the default frequencies; ``gguf_model`` applies them."""
+    from transformers import AutoModelForCausalLM
+
+    from pl_lowprec.export.gguf_read import gguf_model
+
+    model_dir = shrunk_model(tmp_path / "llama3.1", tokenizer_dir, "llama3.1")
+    convert(model_dir, "bf16")
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    read = gguf_model(gguf_dir(model_dir) / "model-bf16.gguf")
+    ids = torch.randint(6, 320, (1, 512), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(logits(read, ids), logits(reference, ids), rtol=0, atol=1e-5)  # same bf16 weights
