@@ -324,6 +324,23 @@ def gguf_files_beside(path: Path) -> str:
     return f" Its directory {what}: pass the .gguf file itself, {named}."
 
 
+def adapter_on_base(peft: Any, base_model: Any, adapter: Path, base_dir: Path) -> Any:
+    """``PeftModel.from_pretrained``; an adapter whose tensors do not fit the base (trained on another model)
+    refused naming both, where peft raised torch's size-mismatch traceback for every LoRA tensor."""
+    try:
+        return peft.PeftModel.from_pretrained(base_model, str(adapter))
+    except RuntimeError as err:
+        if "size mismatch" not in str(err):
+            raise
+        first = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), "")
+        first = first.removeprefix("size mismatch for ").rstrip(".")
+        raise ValueError(
+            f"The adapter {str(adapter)!r} does not fit the base model {str(base_dir)!r}: it was trained on a model"
+            f" of other shapes ({first}). Pass --base with the model it was"
+            " trained on (its adapter_config.json names it as base_model_name_or_path)."
+        ) from None
+
+
 GENERATION_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -361,7 +378,7 @@ def from_directory(
     elif base_dir is not None:
         peft = import_peft()
         base_model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch_dtype)
-        model = peft.PeftModel.from_pretrained(base_model, str(path))
+        model = adapter_on_base(peft, base_model, path, base_dir)
     else:  # check_model_dir: config.json is there
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
     if tokenizer is None:

@@ -140,3 +140,22 @@ def test_sampling_takes_the_models_generation_config_as_transformers_generate_do
     with torch.no_grad():
         out_ids = model.generate(input_ids=input_ids, attention_mask=mask, pad_token_id=pad, max_new_tokens=64)
     assert completions == tokenizer.batch_decode(out_ids[:, width:], skip_special_tokens=True)
+
+
+def test_an_adapter_on_a_base_of_other_shapes_is_refused_in_one_line(tmp_path, capsys):
+    """``--base`` naming another model: peft's size-mismatch RuntimeError was a traceback of every LoRA tensor."""
+    from gguf_helpers import refusal_line
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    trained_on = save_llama(tmp_path / "small", hidden_size=32, layers=1)
+    other = save_llama(tmp_path / "other", hidden_size=64, layers=1)
+    adapter = tmp_path / "adapter"
+    base = AutoModelForCausalLM.from_pretrained(trained_on)
+    get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(adapter)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def f(x):\n")
+    args = ["generate", f"--model={adapter}", f"--base={other}", f"--tokenizer={save_tokenizer(tmp_path / 'tok')}"]
+    line = refusal_line(capsys, [*args, f"--prompts={prompts}", f"--out={tmp_path / 'out.jsonl'}"])
+    assert f"The adapter '{adapter}' does not fit the base model '{other}'" in line
+    assert "Pass --base with the model it was trained on" in line
