@@ -383,4 +383,4 @@ def from_directory(
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
     if tokenizer is None:
         tokenizer = model_tokenizer(directory_tokenizer(path, base_dir and str(base_dir)))
-    return Generator(model.to(target, torch_dtype), tokenizer)
+    return Generator(model.to(target), tokenizer)  # loaded in dtype; rotary inv_freq (and peft's adapters) stay fp32

@@ -58,3 +58,28 @@ def test_the_dtype_is_said_and_bad_ones_are_refused(bf16_model, tmp_path, capsys
         main([*args, f"--ckpt_path={tmp_path / 'x.ckpt'}", f"--out={tmp_path / 'c.jsonl'}", "--dtype=float32"])
     assert "--dtype float32 applies to --model: a checkpoint runs as it trained" in capsys.readouterr().err
     assert not (tmp_path / "b.jsonl").exists() and not (tmp_path / "c.jsonl").exists()
+
+
+def test_bfloat16_computes_as_transformers_and_peft_load_it(bf16_model, tmp_path):
+    """``--dtype bfloat16`` loads in bf16 as ``from_pretrained(dtype=...)`` and ``PeftModel.from_pretrained`` do:
+    a ``.to(dtype)`` after loading also cast the rotary ``inv_freq`` (kept float32 by transformers) and peft's
+    adapters (kept float32 on a bf16 base) to bf16, and the logits differed from what users load."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    trained = get_peft_model(AutoModelForCausalLM.from_pretrained(bf16_model), LoraConfig(r=4, init_lora_weights=False))
+    trained.save_pretrained(tmp_path / "adapter")
+    ids = torch.randint(6, 300, (1, 48), generator=torch.Generator().manual_seed(0))
+
+    def logits(model):
+        with torch.no_grad():
+            return model.eval()(input_ids=ids).logits
+
+    merged = AutoModelForCausalLM.from_pretrained(bf16_model, dtype=torch.bfloat16)
+    torch.testing.assert_close(
+        logits(from_directory(bf16_model, device="cpu", dtype="bfloat16").model), logits(merged), rtol=0, atol=0
+    )
+    base = AutoModelForCausalLM.from_pretrained(bf16_model, dtype=torch.bfloat16)
+    adapter = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    ours = from_directory(tmp_path / "adapter", base=bf16_model, device="cpu", dtype="bfloat16").model
+    torch.testing.assert_close(logits(ours), logits(adapter), rtol=0, atol=0)
