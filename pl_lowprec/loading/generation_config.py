@@ -9,6 +9,7 @@ the file).
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -25,5 +26,10 @@ def load_generation_config(model: Any, directory: str | Path | None) -> bool:
         return False  # set by from_pretrained or by the user: theirs stands
     from transformers import GenerationConfig  # optional (pl_lowprec[hf])
 
-    model.generation_config = GenerationConfig.from_pretrained(str(directory), local_files_only=True)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(str(directory), local_files_only=True)
+    except (OSError, ValueError) as err:  # a file transformers cannot read must not stop a fit: it only generates
+        unread = f"{Path(directory) / GENERATION_CONFIG} is not read ({err}): generate uses config.json's ids."
+        warnings.warn(unread, stacklevel=2)
+        return False
     return True

@@ -159,3 +159,17 @@ def test_an_adapter_on_a_base_of_other_shapes_is_refused_in_one_line(tmp_path, c
     line = refusal_line(capsys, [*args, f"--prompts={prompts}", f"--out={tmp_path / 'out.jsonl'}"])
     assert f"The adapter '{adapter}' does not fit the base model '{other}'" in line
     assert "Pass --base with the model it was trained on" in line
+
+
+def test_an_unreadable_generation_config_warns_and_leaves_the_derived_one(tmp_path):
+    """The file only matters to generate: a broken one must not stop a fit."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pl_lowprec.loading.generation_config import load_generation_config
+
+    directory = save_llama(tmp_path / "model", hidden_size=32, layers=1)
+    (directory / "generation_config.json").write_text("{not json")
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+    with pytest.warns(UserWarning, match="generation_config.json is not read"):
+        assert load_generation_config(model, directory) is False
+    assert model.generation_config.eos_token_id == model.config.eos_token_id
