@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -125,3 +127,16 @@ def stand_in_hub(monkeypatch, cache: Path, repos: dict[str, Path]) -> None:
         return str(target)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+
+
+def rewrite_weights(directory: Path, edit: Callable[[dict], dict], copy_to: Path | None = None) -> Path:
+    """The checkpoint with its ``model.safetensors`` rewritten by ``edit`` (a state dict in, one out), in place or in
+    a copy of the directory at ``copy_to``: what a damaged or differently saved checkpoint holds."""
+    from safetensors.torch import load_file, save_file
+
+    if copy_to is not None:
+        shutil.copytree(directory, copy_to)
+        directory = copy_to
+    weights = directory / "model.safetensors"
+    save_file(edit(load_file(weights)), weights, metadata={"format": "pt"})
+    return directory

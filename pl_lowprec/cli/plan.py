@@ -153,8 +153,8 @@ def main(args: list[str] | None = None) -> None:
         blocks,
         sharding=sharding,
         time_on=options.gpu,
-        micro_batch=None if run.datamodule is not None else rows,
-        gradient_as_bucket_view=bucket_view,  # a module's own loader: its batch stays
+        micro_batch=None if run.datamodule is not None else rows,  # a module's own loader: its batch stays
+        gradient_as_bucket_view=bucket_view,
     )
     print(plan.table())
     switch_to: dict[str, Any] | None = None

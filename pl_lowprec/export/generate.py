@@ -31,7 +31,7 @@ import torch
 
 from pl_lowprec._checks import check_at_least, check_fraction, check_positive
 from pl_lowprec._imports import import_peft
-from pl_lowprec.adapters import recorded_base
+from pl_lowprec.adapters import mismatch_summary, recorded_base
 from pl_lowprec.data.chat import ChatTemplate, TemplateFieldError, UnusableChatRecord
 from pl_lowprec.export.generates_text import check_directory_generates, check_module_generates
 from pl_lowprec.export.gguf_read import check_gguf_file, gguf_model, gguf_tokenizer, is_gguf, starts_as_gguf
@@ -332,11 +332,9 @@ def adapter_on_base(peft: Any, base_model: Any, adapter: Path, base_dir: Path) -
     except RuntimeError as err:
         if "size mismatch" not in str(err):
             raise
-        first = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), "")
-        first = first.removeprefix("size mismatch for ").rstrip(".")
         raise ValueError(
             f"The adapter {str(adapter)!r} does not fit the base model {str(base_dir)!r}: it was trained on a model"
-            f" of other shapes ({first}). Pass --base with the model it was"
+            f" of other shapes ({mismatch_summary(err)}). Pass --base with the model it was"
             " trained on (its adapter_config.json names it as base_model_name_or_path)."
         ) from None
 

@@ -16,6 +16,7 @@ at once (``key_match.py``).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,10 +46,7 @@ class LoadReport:
     tensors: int = 0
     bytes_read: int = 0
     quantized: list[str] = field(default_factory=list)
-    casts: dict[tuple[torch.dtype, torch.dtype], int] = field(default_factory=dict)  # (stored, loaded): tensors
-
-    def count_cast(self, stored: torch.dtype, loaded: torch.dtype) -> None:
-        self.casts[(stored, loaded)] = self.casts.get((stored, loaded), 0) + 1
+    casts: Counter[tuple[torch.dtype, torch.dtype]] = field(default_factory=Counter)  # (stored, loaded): tensors
 
     def dtypes_line(self) -> str:
         """What dtype the tensors were stored in and which the module took them in: a cast is said, never silent."""
@@ -110,7 +108,7 @@ def load_pretrained(
                     is_param = module_slots[first].is_param
                     if is_param:
                         check_finite(tensor, loaded, index.tensors[chosen[first]])
-                    report.count_cast(loaded.dtype, tensor.dtype)
+                    report.casts[(loaded.dtype, tensor.dtype)] += 1
                     del loaded
                     value = nn.Parameter(tensor, requires_grad=declared.requires_grad) if is_param else tensor
                     if is_param and place is not None and not quantizing:

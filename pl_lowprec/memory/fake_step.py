@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -34,6 +34,9 @@ from pl_lowprec.memory.fake_model import eager_attention_masks, fake_tensors
 from pl_lowprec.memory.op_counts import OpCounter, OpProfile
 from pl_lowprec.memory.tracker import StepTracker
 from pl_lowprec.transforms.offloading import OffloadActivations
+
+if TYPE_CHECKING:  # simulated_optimizer imports this module
+    from pl_lowprec.memory.simulated_optimizer import SimulatedOptimizer
 
 
 @dataclass
@@ -200,16 +203,16 @@ def run_step(
 def run_manual_step(
     model: nn.Module,
     batch: Any,
-    tracker: StepTracker,
+    tracker: StepTracker | None,
     autocast_dtype: torch.dtype | None,
     step_context: AbstractContextManager | None = None,
     first_forward: AbstractContextManager | None = None,
 ) -> None:
     """One step under manual optimization: the module's ``training_step``, which backs up and steps its optimizers
-    itself (``DryRunOptimizer``, ``_DryRunStrategy.backward``)."""
+    itself (``DryRunOptimizer``, ``_DryRunStrategy.backward``); untracked without a ``tracker``."""
     model.train()
     with (
-        tracker.phase("forward"),
+        within_phase(tracker, "forward"),
         first_forward or nullcontext(),
         step_context or nullcontext(),
         torch.autocast(
@@ -238,9 +241,7 @@ def prime_manual_step(
         prime_optimizer(optimizer, [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad])
     trainer.optimizers = optimizers
     trainer.strategy._lightning_optimizers = [DryRunOptimizer(o, trainer.strategy, model) for o in optimizers]
-    model.train()
-    with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None, cache_enabled=False):
-        model.training_step(batch, 0)
+    run_manual_step(model, batch, None, autocast)
 
 
 PHASES = ("forward", "backward", "optimizer step")
@@ -270,7 +271,7 @@ def simulate_step(
     model: nn.Module,
     example_batch: Any,
     trainer: DryRunTrainer,
-    make_optimizer: Callable[[nn.Module], list[torch.optim.Optimizer]],
+    make_optimizer: SimulatedOptimizer,
     autocast_dtype: torch.dtype | None,
     offloading: bool,
     device_type: str,
@@ -294,7 +295,7 @@ def simulate_step(
         optimizers = make_optimizer(model)  # on the fake parameters, as configure_optimizers builds them
         manual = manual_optimization(model)
         if manual:
-            trainer.lr_scheduler_configs = getattr(make_optimizer, "schedulers", [])
+            trainer.lr_scheduler_configs = make_optimizer.schedulers
             prime_manual_step(model, batch, trainer, optimizers, autocast_dtype)
         else:
             prime_optimizer(optimizers[0], [p for p in model.parameters() if p.requires_grad])

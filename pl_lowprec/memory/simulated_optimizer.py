@@ -29,6 +29,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.optim.optimizer import _get_foreach_kernels_supported_devices
 
 from pl_lowprec.memory.bnb_standin import FakeOptimizer8bit
+from pl_lowprec.memory.fake_step import manual_optimization
 from pl_lowprec.transforms.optimizers import check_swappable, rebind_schedulers, swap_optimizer
 
 EIGHT_BIT = ("adamw8bit", "paged_adamw8bit", "lion8bit", "torchao_adamw8bit")
@@ -78,7 +79,7 @@ def module_optimizers(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Lightning's warnings about the returned form: the run says them
             optimizers, schedulers, _ = _configure_optimizers(model.configure_optimizers())
-            manual = not getattr(model, "automatic_optimization", True)
+            manual = manual_optimization(model)
             configs = _configure_schedulers_manual_opt(schedulers) if manual else []
     except Exception as err:  # a module's own code on fake parameters and a dry-run trainer: anything may fail
         message = str(err).splitlines()[0] if str(err) else ""

@@ -196,8 +196,7 @@ class StepTracker(TorchDispatchMode):
             if record is None:
                 self._add(tensor, IN_BUCKET)
             elif record[1] not in (IN_BUCKET, "host"):
-                self.current[record[1]] -= record[0]
-                self.total -= record[0]
+                self._free(record)
                 record[1] = IN_BUCKET
 
     def _track_optimizer_state(self) -> None:

@@ -8,8 +8,7 @@ import logging
 
 import pytest
 import torch
-from loading_helpers import LlamaModule, save_llama
-from safetensors.torch import load_file, save_file
+from loading_helpers import LlamaModule, rewrite_weights, save_llama
 
 from pl_lowprec.loading import empty_weights, load_pretrained
 from pl_lowprec.loading.key_match import CheckpointMismatch
@@ -18,9 +17,7 @@ pytest.importorskip("transformers")
 
 
 def _with_extra(directory, extra: dict[str, torch.Tensor]):
-    state = load_file(directory / "model.safetensors")
-    save_file({**state, **extra}, directory / "model.safetensors", metadata={"format": "pt"})
-    return directory
+    return rewrite_weights(directory, lambda state: {**state, **extra})
 
 
 def _meta_module() -> LlamaModule:

@@ -8,9 +8,8 @@ import logging
 
 import pytest
 import torch
-from loading_helpers import save_llama
+from loading_helpers import rewrite_weights, save_llama
 from qlora_helpers import tiny_llama
-from safetensors.torch import load_file, save_file
 from torch.profiler import profile
 
 from pl_lowprec.loading import empty_weights, load_pretrained
@@ -26,10 +25,11 @@ def _meta_llama(dtype: torch.dtype) -> torch.nn.Module:
 
 
 def _with_values(directory, values: list[float]):
-    state = load_file(directory / "model.safetensors")
-    state[NORM][: len(values)] = torch.tensor(values, dtype=state[NORM].dtype)
-    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
-    return directory
+    def edit(state):
+        state[NORM][: len(values)] = torch.tensor(values, dtype=state[NORM].dtype)
+        return state
+
+    return rewrite_weights(directory, edit)
 
 
 def test_values_past_float16s_range_are_refused_naming_the_key_the_file_and_the_fix(tmp_path):

@@ -5,8 +5,10 @@ tensor" replaced the cause."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
-from loading_helpers import causal_lm_fit_args, save_pretrained_dir, write_prompt_completion
+from loading_helpers import causal_lm_fit_args, rewrite_weights, save_pretrained_dir, write_prompt_completion
 
 from pl_lowprec.cli import main
 
@@ -32,23 +34,16 @@ def refusal(capsys, model_dir, data, root) -> str:
 
 def test_a_missing_key_is_named_without_a_traceback(model, tmp_path, capsys):
     model_dir, data = model
-    state = safetensors_torch.load_file(model_dir / "model.safetensors")
-    del state["model.layers.0.mlp.up_proj.weight"]
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    for file in model_dir.iterdir():
-        (broken / file.name).write_bytes(file.read_bytes())
-    safetensors_torch.save_file(state, broken / "model.safetensors", metadata={"format": "pt"})
+    gone = "model.layers.0.mlp.up_proj.weight"
+    edit = lambda state: {key: value for key, value in state.items() if key != gone}  # noqa: E731
+    broken = rewrite_weights(model_dir, edit, copy_to=tmp_path / "broken")
     message = refusal(capsys, broken, data, tmp_path)
     assert "Missing from the checkpoint: model.model.layers.0.mlp.up_proj.weight." in message
 
 
 def test_a_truncated_weights_file_is_named_without_a_traceback(model, tmp_path, capsys):
     model_dir, data = model
-    cut = tmp_path / "cut"
-    cut.mkdir()
-    for file in model_dir.iterdir():
-        (cut / file.name).write_bytes(file.read_bytes())
+    cut = shutil.copytree(model_dir, tmp_path / "cut")
     weights = (cut / "model.safetensors").read_bytes()
     (cut / "model.safetensors").write_bytes(weights[: len(weights) // 2])
     message = refusal(capsys, cut, data, tmp_path)
@@ -65,11 +60,7 @@ def test_pytorch_bin_weights_are_named_not_called_no_weights(model, tmp_path):
     from pl_lowprec.transforms.pipeline import ModelTransform
 
     model_dir, _ = model
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for file in model_dir.iterdir():
-        if file.suffix != ".safetensors":
-            (bin_dir / file.name).write_bytes(file.read_bytes())
+    bin_dir = shutil.copytree(model_dir, tmp_path / "bin", ignore=shutil.ignore_patterns("*.safetensors"))
     torch.save(safetensors_torch.load_file(model_dir / "model.safetensors"), bin_dir / "pytorch_model.bin")
     with pytest.raises(FileNotFoundError) as refused:
         ModelTransform(TransformConfig()).weights_for(CausalLM(str(bin_dir)))  # what fit asks before loading

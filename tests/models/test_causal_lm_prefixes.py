@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 from lightning_helpers import quiet_trainer
-from loading_helpers import save_llama
+from loading_helpers import rewrite_weights, save_llama
 
 from pl_lowprec import LowPrecisionStrategy
 from pl_lowprec.models import CausalLM
@@ -26,13 +26,7 @@ def pretrained(tmp_path_factory):
 
 def _renamed(pretrained, target, rename):
     """The same weights, every key renamed: what another wrapper's ``save_pretrained`` writes."""
-    target.mkdir()
-    for file in pretrained.iterdir():
-        (target / file.name).write_bytes(file.read_bytes())
-    state = safetensors_torch.load_file(pretrained / "model.safetensors")
-    renamed = {rename(key): value for key, value in state.items()}
-    safetensors_torch.save_file(renamed, target / "model.safetensors", metadata={"format": "pt"})
-    return target
+    return rewrite_weights(pretrained, lambda state: {rename(k): v for k, v in state.items()}, copy_to=target)
 
 
 def _loaded(directory, strategy):
