@@ -193,18 +193,30 @@ _INT8_OK: dict[str, bool] = {}
 
 
 def check_int8_trains(bnb: Any, device: torch.device) -> None:
-    """Run one tiny int8 forward and backward on ``device``; raise a clear error if bitsandbytes cannot."""
+    """Run one tiny int8 forward and backward on ``device``; raise a clear error if bitsandbytes cannot.
+
+    It runs on a fork of the random state: its draws (the layer's init, its test tensors) shifted every random init
+    that follows (LoRA's A) in the first fit of a process only, so the same seed gave other adapters than peft's
+    and than a second fit in the same process."""
     if _INT8_OK.get(str(device)):
         return
     try:
-        layer = bnb.nn.Linear8bitLt(64, 64, bias=False, has_fp16_weights=False)
-        layer.weight = bnb.nn.Int8Params(torch.randn(64, 64), requires_grad=False, has_fp16_weights=False)
-        layer = layer.to(device)
-        x = torch.randn(4, 64, device=device, requires_grad=True)
-        layer(x).float().sum().backward()
+        accelerator = [] if device.type == "cpu" else [torch.get_device_module(device.type).current_device()]
+        if device.index is not None and accelerator:
+            accelerator = [device.index]
+        with torch.random.fork_rng(devices=accelerator, device_type=device.type):
+            _int8_forward_backward(bnb, device)
     except Exception as err:  # any failure of the backend means the mode cannot train here
         raise ValueError(
             f"quantization='int8' cannot train on {device}: bitsandbytes failed a test forward and backward"
             f" ({type(err).__name__}: {err}). Modes that can run here: 'nf4', 'nf4-dq', 'fp4', 'fp4-dq'."
         ) from err
     _INT8_OK[str(device)] = True
+
+
+def _int8_forward_backward(bnb: Any, device: torch.device) -> None:
+    layer = bnb.nn.Linear8bitLt(64, 64, bias=False, has_fp16_weights=False)
+    layer.weight = bnb.nn.Int8Params(torch.randn(64, 64), requires_grad=False, has_fp16_weights=False)
+    layer = layer.to(device)
+    x = torch.randn(4, 64, device=device, requires_grad=True)
+    layer(x).float().sum().backward()

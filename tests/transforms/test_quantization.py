@@ -194,3 +194,18 @@ def test_4bit_weights_dequantize_to_the_compute_dtype():
     assert torch.equal(from_fp32.weight.data, from_bf16.weight.data)
     assert torch.equal(from_fp32.weight.quant_state.absmax, from_bf16.weight.quant_state.absmax)
     assert quantize_linear(linear, config, torch.float32, cpu).weight.quant_state.dtype == torch.float32  # 32-true
+
+
+def test_int8_self_test_leaves_the_global_random_state_alone():
+    """The int8 check drew its test tensors from the global RNG, once per process: with the same seed, LoRA's A
+    after int8 quantization differed from peft's (get_peft_model on BitsAndBytesConfig(load_in_8bit=True)) and
+    between the first and a second fit in one process."""
+    from pl_lowprec.transforms import quantization
+
+    bnb = pytest.importorskip("bitsandbytes")
+    quantization._INT8_OK.clear()
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    quantization.check_int8_trains(bnb, torch.device("cpu"))
+    assert quantization._INT8_OK["cpu"]
+    assert torch.equal(torch.get_rng_state(), before)
