@@ -21,6 +21,7 @@ from pl_lowprec.transforms.linear_filter import DEFAULT_SKIP, is_target_linear, 
 
 QuantMode = Literal["nf4", "nf4-dq", "fp4", "fp4-dq", "int8"]
 QUANT_MODES: tuple[str, ...] = get_args(QuantMode)
+LLM_INT8_THRESHOLD = 6.0  # transformers' llm_int8_threshold and Lightning's int8 layers; bitsandbytes' default is 0.0
 
 
 @dataclass(frozen=True)
@@ -33,12 +34,17 @@ class QuantizationConfig:
         compute_dtype: dtype of the 4-bit matmul; ``None`` takes the precision plugin's compute dtype.
         skip_modules: Glob patterns of module names to leave unquantized (default: output heads).
         quant_storage: Storage dtype of packed 4-bit weights (``uint8``; ``bfloat16`` for FSDP sharding).
+        int8_threshold: ``"int8"`` only: LLM.int8's outlier threshold. Input features with a value above it
+            are multiplied in 16-bit, the rest in int8: 6.0, as transformers' ``BitsAndBytesConfig``
+            (``llm_int8_threshold``) and Lightning's ``"int8-training"`` run it. ``0.0`` quantizes every feature
+            (bitsandbytes' own default: less memory, and more error where activations have outliers).
     """
 
     mode: QuantMode
     compute_dtype: torch.dtype | str | None = None
     skip_modules: Sequence[str] = field(default=DEFAULT_SKIP)
     quant_storage: torch.dtype | str = torch.uint8
+    int8_threshold: float = LLM_INT8_THRESHOLD
 
     def __post_init__(self) -> None:
         if self.mode not in QUANT_MODES:
@@ -49,6 +55,12 @@ class QuantizationConfig:
         object.__setattr__(self, "compute_dtype", to_dtype(self.compute_dtype))
         object.__setattr__(self, "quant_storage", to_dtype(self.quant_storage))
         object.__setattr__(self, "skip_modules", tuple(self.skip_modules))
+        threshold = self.int8_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold >= 0:
+            raise ValueError(
+                f"QuantizationConfig(int8_threshold={threshold!r}) is not valid: LLM.int8's outlier threshold is a"
+                f" number >= 0 ({LLM_INT8_THRESHOLD}, transformers' default; 0.0 quantizes every input feature)."
+            )
 
     @classmethod
     def from_mode(cls, mode: str, **overrides: Any) -> QuantizationConfig:
@@ -160,7 +172,12 @@ def _quantized_copy(
         layer.support_avx512bf16_for_cpu = False
     else:
         layer = bnb.nn.Linear8bitLt(
-            linear.in_features, linear.out_features, bias=has_bias, has_fp16_weights=False, device="meta"
+            linear.in_features,
+            linear.out_features,
+            bias=has_bias,
+            has_fp16_weights=False,
+            threshold=float(config.int8_threshold),
+            device="meta",
         )
         layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
     if has_bias:
@@ -215,8 +232,10 @@ def check_int8_trains(bnb: Any, device: torch.device) -> None:
 
 
 def _int8_forward_backward(bnb: Any, device: torch.device) -> None:
-    layer = bnb.nn.Linear8bitLt(64, 64, bias=False, has_fp16_weights=False)
+    """Both of LLM.int8's paths: an input feature above the outlier threshold, the rest in int8."""
+    layer = bnb.nn.Linear8bitLt(64, 64, bias=False, has_fp16_weights=False, threshold=LLM_INT8_THRESHOLD)
     layer.weight = bnb.nn.Int8Params(torch.randn(64, 64), requires_grad=False, has_fp16_weights=False)
     layer = layer.to(device)
-    x = torch.randn(4, 64, device=device, requires_grad=True)
-    layer(x).float().sum().backward()
+    x = torch.randn(4, 64, device=device)
+    x[:, 0] = 2 * LLM_INT8_THRESHOLD
+    layer(x.requires_grad_(True)).float().sum().backward()

@@ -209,3 +209,37 @@ def test_int8_self_test_leaves_the_global_random_state_alone():
     quantization.check_int8_trains(bnb, torch.device("cpu"))
     assert quantization._INT8_OK["cpu"]
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_int8_layers_keep_llm_int8_outliers_in_16_bit_as_transformers_does():
+    """quantization='int8' built bitsandbytes' Linear8bitLt with its default threshold 0.0: every input feature in
+    int8, where transformers' BitsAndBytesConfig(load_in_8bit=True) and Lightning's int8 layers use LLM.int8's
+    outlier threshold 6.0. Compared with the layer transformers builds (same weight, same input with an outlier
+    feature). Compared in eval mode: in training, bitsandbytes' CPU backend multiplies with the dequantized weight
+    (``MatMul8bitFp``), where the threshold plays no part; CUDA, and CPU inference, run LLM.int8's kernel."""
+    bnb = pytest.importorskip("bitsandbytes")
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(128, 64)
+    x = torch.randn(3, 128)
+    x[:, 5] = 40.0  # an outlier feature, as large models' activations have
+    ours = quantize_linear(linear, QuantizationConfig.from_mode("int8"), torch.float32, torch.device("cpu"))
+    theirs = bnb.nn.Linear8bitLt(
+        128, 64, has_fp16_weights=False, threshold=6.0
+    )  # transformers' replace_with_bnb_linear
+    theirs.weight = bnb.nn.Int8Params(linear.weight.data.clone(), requires_grad=False, has_fp16_weights=False)
+    theirs.bias = torch.nn.Parameter(linear.bias.data.clone(), requires_grad=False)
+    theirs = theirs.to("cpu").eval()
+    ours.eval()
+    assert ours.state.threshold == 6.0
+    torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=0)
+    exact = linear(x)
+    every_feature_int8 = quantize_linear(
+        linear, QuantizationConfig("int8", int8_threshold=0.0), torch.float32, torch.device("cpu")
+    ).eval()
+    assert (ours(x) - exact).abs().max() < (every_feature_int8(x) - exact).abs().max() / 2
+
+
+@pytest.mark.parametrize("threshold", [-1.0, "6", True])
+def test_int8_threshold_is_refused_unless_a_number_at_least_0(threshold):
+    with pytest.raises(ValueError, match=r"int8_threshold=.*number >= 0"):
+        QuantizationConfig("int8", int8_threshold=threshold)
