@@ -116,6 +116,7 @@ def resolve_targets(model: nn.Module, config: Any, skip: tuple[str, ...] = DEFAU
     else:
         suffixes = set(target or ())
         chosen = [n for n in linears if n in suffixes or n.rpartition(".")[2] in suffixes]
+    refuse_non_linear_targets(model, target)
     if not chosen:
         shown = sorted(target) if isinstance(target, (set, frozenset)) else target  # peft stores a set
         raise ValueError(
@@ -124,6 +125,34 @@ def resolve_targets(model: nn.Module, config: Any, skip: tuple[str, ...] = DEFAU
             " (e.g. ['q_proj', 'v_proj']), by a regular expression over full names, or use 'all-linear'."
         )
     return chosen
+
+
+# Modules besides linear layers that peft's get_peft_model gives LoRA layers of their own (lora.Embedding, Conv*d)
+NON_LINEAR_TARGETS = (nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def refuse_non_linear_targets(model: nn.Module, target: Any) -> None:
+    """Refuse ``target_modules`` that name an embedding or convolution: peft's ``get_peft_model`` adapts them, the
+    strategy adds LoRA to linear layers only, and dropped them in silence (fewer adapters than peft's)."""
+    if target in ("all-linear", "all_linear"):
+        return
+    if isinstance(target, str):
+        named = [n for n, m in model.named_modules() if isinstance(m, NON_LINEAR_TARGETS) and re.fullmatch(target, n)]
+    else:
+        suffixes = set(target or ())
+        named = [
+            n
+            for n, m in model.named_modules()
+            if isinstance(m, NON_LINEAR_TARGETS) and (n in suffixes or n.rpartition(".")[2] in suffixes)
+        ]
+    if named:
+        kinds = ", ".join(f"{n} ({type(model.get_submodule(n)).__name__})" for n in named[:4])
+        raise ValueError(
+            f"LoRA target_modules names {kinds}{', ...' if len(named) > 4 else ''}: peft's get_peft_model would"
+            " add LoRA there too, and the strategy adds LoRA to linear layers only, so it would be left out."
+            " Fix: drop it from target_modules, or train it whole with modules_to_save (e.g. modules_to_save:"
+            " [embed_tokens])."
+        )
 
 
 def peft_selected(config: Any, names: list[str]) -> list[str]:

@@ -54,6 +54,19 @@ def test_lora_targets_that_match_nothing_list_the_linear_layers():
     assert trainer.global_step == 0
 
 
+@pytest.mark.parametrize("target", [["embed_tokens", "q_proj"], r".*\.(embed_tokens|q_proj)"])
+def test_lora_targets_naming_an_embedding_are_refused_not_dropped(target):
+    """peft's get_peft_model adapts an nn.Embedding named in target_modules (lora.Embedding); the strategy adapts
+    linear layers only and left it out in silence: LoRA on the q_proj layers alone, fewer adapters than peft's."""
+    trainer = quiet_trainer(strategy=LowPrecisionStrategy(lora={"r": 4, "target_modules": target}), max_steps=1)
+    with pytest.raises(
+        ValueError,
+        match=r"target_modules names model.model.embed_tokens \(Embedding\).*linear layers only.*modules_to_save",
+    ):
+        trainer.fit(tiny_llama(), ids_loader())
+    assert trainer.global_step == 0
+
+
 def test_invalid_lora_field():
     with pytest.raises(ValueError, match=r"lora=\{'rank': 8\} is not a valid peft.LoraConfig"):
         LowPrecisionStrategy(lora={"rank": 8})
