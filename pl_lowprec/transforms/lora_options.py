@@ -71,6 +71,13 @@ ON_QUANTIZED = "True (peft's default: A random, B zero), 'gaussian', 'olora' or 
 
 def check_lora_options(config: Any, quantization_mode: str | None) -> None:
     """Refuse an option the strategy would not run as peft means it, naming the fix."""
+    if getattr(config, "inference_mode", False):
+        raise ValueError(
+            "lora: inference_mode=True freezes the adapters (peft's setting for loading an adapter to run it), so"
+            " nothing would train: the first step stopped in a traceback (an empty optimizer, or a loss without"
+            " gradients). A LoraConfig read from a saved adapter directory (LoraConfig.from_pretrained) has it set."
+            " Fix: inference_mode: false."
+        )
     for field, reasons in NOT_INJECTED.items():
         value = getattr(config, field, None)
         if value:

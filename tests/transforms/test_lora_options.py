@@ -61,3 +61,18 @@ def test_an_option_only_peft_model_applies_is_refused_when_built(field, value, s
         LowPrecisionStrategy(lora={"r": 4, field: value, "modules_to_save": ["embed_tokens"]})
     message = str(refused.value)
     assert message.startswith(f"lora: {field}={value!r} ") and says in message
+
+
+def test_inference_mode_is_refused_when_built(tmp_path):
+    """inference_mode=True (what a LoraConfig read from a saved adapter directory holds) froze every adapter: fit
+    stopped at its first step in a traceback instead of a refusal."""
+    import peft
+
+    # as PeftModel.save_pretrained and pl_lowprec's export_adapter write an adapter_config.json
+    peft.LoraConfig(r=4, target_modules=["q_proj"], inference_mode=True).save_pretrained(str(tmp_path))
+    saved = peft.LoraConfig.from_pretrained(str(tmp_path))
+    assert saved.inference_mode
+    for lora in (saved, {"r": 4, "inference_mode": True}):
+        with pytest.raises(ValueError, match=r"inference_mode=True freezes the adapters.*Fix: inference_mode: false"):
+            LowPrecisionStrategy(lora=lora)
+    LowPrecisionStrategy(lora={"r": 4, "inference_mode": False})
