@@ -10,7 +10,7 @@ or combination is refused before any step runs.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,6 +31,32 @@ from pl_lowprec.transforms.memory_saving import ALL_PATHS, AUTO, MemorySavingArg
 from pl_lowprec.transforms.optimizers import OptimizerName, validate_optimizer_name
 from pl_lowprec.transforms.qat import QATConfig, QATScheme
 from pl_lowprec.transforms.quantization import QuantizationConfig, QuantMode
+
+
+def linear_config(argument: str, value: Any, cls: type) -> Any:
+    """``value`` as given (a name, a ``cls``, ``None``), or a dict of ``cls``'s fields (as ``lora=`` takes one) built
+    into a ``cls``; anything else is refused naming what the argument takes (it failed later in an
+    ``AttributeError``)."""
+    if value is None or isinstance(value, (str, cls)):
+        return value
+    name = cls.__name__
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"{argument}= takes a mode name, a {name} or a dict of its fields, got {type(value).__name__} ({value!r})."
+        )
+    allowed = [f.name for f in fields(cls)]
+    unknown = [key for key in value if key not in allowed]
+    if unknown:
+        raise ValueError(
+            f"{argument}={dict(value)!r}: {', '.join(map(repr, unknown))} is no field of {name}. Its fields:"
+            f" {', '.join(allowed)}."
+        )
+    try:
+        return cls(**value)
+    except TypeError as err:  # a required field left out
+        raise ValueError(
+            f"{argument}={dict(value)!r} is not a valid {name}: {err}. Its fields: {', '.join(allowed)}."
+        ) from err
 
 
 @dataclass(frozen=True)
@@ -83,6 +109,9 @@ class TransformConfig:
             raise ValueError(f"pretrained_prefix={self.pretrained_prefix!r} was given without pretrained=.")
         if self.pretrained:
             object.__setattr__(self, "weights", PretrainedWeights(self.pretrained, self.pretrained_prefix))
+        object.__setattr__(self, "quantization", linear_config("quantization", self.quantization, QuantizationConfig))
+        object.__setattr__(self, "qat", linear_config("qat", self.qat, QATConfig))
+        object.__setattr__(self, "fp8", linear_config("fp8", self.fp8, FP8Config))
         if isinstance(self.quantization, str):
             object.__setattr__(self, "quantization", QuantizationConfig.from_mode(self.quantization))
         if self.optimizer is not None:

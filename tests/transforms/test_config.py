@@ -66,3 +66,28 @@ def test_one_linear_filter_decides_for_every_transform():
     assert is_target_linear(out_proj, "attn.out_proj", DEFAULT_SKIP, exact=False)  # LoRA adapts any linear
     for config in (QuantizationConfig("nf4"), QATConfig("int8-weight-only")):
         assert config.wants(nn.Linear(2, 2), "fc") and not config.wants(head, "lm_head")
+
+
+def test_quantization_qat_fp8_take_a_dict_of_fields_as_lora_does():
+    """quantization={"mode": "nf4"} (a dict, as lora= takes one) failed in an AttributeError inside the config."""
+    pytest.importorskip("bitsandbytes")
+    config = TransformConfig(quantization={"mode": "nf4", "compute_dtype": "bfloat16"}, lora={"r": 4})
+    assert config.quantization == QuantizationConfig("nf4", compute_dtype=torch.bfloat16)
+    assert TransformConfig(qat={"scheme": "int4-weight-only", "group_size": 64}).qat == QATConfig(
+        "int4-weight-only", group_size=64
+    )
+    strategy = LowPrecisionStrategy(quantization={"mode": "int8"})
+    assert strategy.transform_config.quantization.mode == "int8"
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "says"),
+    [
+        ({"mode": "nf4", "threshold": 1.0}, ValueError, r"'threshold' is no field of QuantizationConfig. Its fields"),
+        ({"compute_dtype": "bfloat16"}, ValueError, r"not a valid QuantizationConfig: .*'mode'"),
+        (["nf4"], TypeError, r"quantization= takes a mode name, a QuantizationConfig or a dict of its fields, got"),
+    ],
+)
+def test_a_bad_quantization_value_is_refused_naming_it(value, error, says):
+    with pytest.raises(error, match=says):
+        LowPrecisionStrategy(quantization=value)
