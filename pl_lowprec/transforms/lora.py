@@ -21,7 +21,7 @@ from torch import nn
 from pl_lowprec._checks import check_at_least, check_fraction, check_positive
 from pl_lowprec._imports import import_peft
 from pl_lowprec.transforms.dtypes import HALF_DTYPES, upcast_to_fp32
-from pl_lowprec.transforms.linear_filter import DEFAULT_SKIP, is_target_linear, linear_names
+from pl_lowprec.transforms.linear_filter import DEFAULT_SKIP, is_target_linear, linear_names, matches_any
 
 ADAPTER_NAME = "default"
 # The heads a task's model adds, trained whole beside the adapters: what peft's task models
@@ -153,6 +153,33 @@ def refuse_non_linear_targets(model: nn.Module, target: Any) -> None:
             " Fix: drop it from target_modules, or train it whole with modules_to_save (e.g. modules_to_save:"
             " [embed_tokens])."
         )
+
+
+def all_linear_against_peft(model: nn.Module, config: Any, skip: tuple[str, ...], adapted: list[str]) -> str:
+    """What ``target_modules="all-linear"`` adapts here unlike peft's, which takes every linear layer but the output
+    layer: under a quantization ``skip_modules`` of the user's, LoRA leaves its layers alone (peft adapts them) and
+    adapts an output head that list quantizes (peft never does). ``""`` where they agree. Said in the LoRA line:
+    the count alone did not show it."""
+    if config.target_modules not in ("all-linear", "all_linear") or tuple(skip) == DEFAULT_SKIP:
+        return ""
+    linears = [n for n, m in model.named_modules() if n and isinstance(m, nn.Linear) and "lora_" not in n]
+    kept_out = [n for n in linears if matches_any(n, skip) and not matches_any(n, DEFAULT_SKIP)]
+    heads = [n for n in adapted if matches_any(n, DEFAULT_SKIP)]
+    parts = []
+    if kept_out:
+        parts.append(f"leaves out the {len(kept_out)} layers skip_modules keeps unquantized ({_shown(kept_out)})")
+    if heads:
+        parts.append(f"adapts the output heads {_shown(heads)}, which it does not name")
+    if not parts:
+        return ""
+    return (
+        f" all-linear under quantization skip_modules={list(skip)} {' and '.join(parts)}; peft's all-linear adapts"
+        " every linear layer but the output layer: name the layers in target_modules to choose."
+    )
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f", ... ({len(names)})" if len(names) > 3 else "")
 
 
 def peft_selected(config: Any, names: list[str]) -> list[str]:

@@ -76,6 +76,7 @@ from pl_lowprec.transforms.half_trainable import warn_half_trainable
 from pl_lowprec.transforms.initial_adapters import keep_initial_adapters, rewrote_the_base_line
 from pl_lowprec.transforms.linear_filter import check_skip_modules
 from pl_lowprec.transforms.lora import (
+    all_linear_against_peft,
     has_lora,
     inject_lora,
     left_tied_to_originals,
@@ -172,7 +173,10 @@ class ModelTransform:
             )
             whole = f", with {', '.join(copies)} trained whole (modules_to_save{untied})" if copies else ""
             moved = rewrote_the_base_line(c.lora)
-            rank_zero_info(f"LoRA on {len(adapted)} layers{whole}; {trainable:,} trainable parameters.{moved}")
+            unlike_peft = all_linear_against_peft(model, c.lora, c.skip_modules, adapted)
+            rank_zero_info(
+                f"LoRA on {len(adapted)} layers{whole}; {trainable:,} trainable parameters.{unlike_peft}{moved}"
+            )
             warn_half_trainable(model, precision_plugin.precision)
         if c.lora_in_compute_dtype(precision_plugin_is_mixed(precision_plugin)):
             saved = cast_frozen_weights(model, compute_dtype)

@@ -171,3 +171,18 @@ def test_a_skip_pattern_that_names_no_layer_is_refused_before_the_first_step():
     ):
         trainer.fit(tiny_llama(), ids_loader(batches=1))
     assert trainer.global_step == 0
+
+
+def test_all_linear_under_a_users_skip_modules_says_where_it_differs_from_peft(caplog):
+    """Under quantization skip_modules=['model.model.layers.0.mlp.down_proj'] (a layer kept 16-bit, as transformers'
+    llm_int8_skip_modules), all-linear left that layer without LoRA and adapted the quantized lm_head; peft's
+    all-linear does the opposite of both. The LoRA line gave only a count."""
+    import logging
+
+    config = QuantizationConfig("nf4", skip_modules=["*.layers.0.mlp.down_proj"])
+    trainer = quiet_trainer(strategy=LowPrecisionStrategy(quantization=config, lora={"r": 4}), max_steps=1)
+    with caplog.at_level(logging.INFO):
+        trainer.fit(tiny_llama(), ids_loader(batches=1))
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("LoRA on"))
+    assert "leaves out the 1 layers skip_modules keeps unquantized (model.model.layers.0.mlp.down_proj)" in line
+    assert "adapts the output heads model.lm_head" in line and "peft's all-linear adapts every linear layer" in line
