@@ -182,6 +182,22 @@ def _shown(names: list[str]) -> str:
     return ", ".join(names[:3]) + (f", ... ({len(names)})" if len(names) > 3 else "")
 
 
+def refuse_packed_modules_to_save(model: nn.Module, modules_to_save: Any) -> None:
+    """Refuse ``modules_to_save`` naming a module whose weights quantization packed into integers: peft's trained copy
+    of it stopped in a traceback inside peft or bitsandbytes ("only Tensors of floating point dtype can require
+    gradients")."""
+    wanted = set(modules_to_save or ())
+    named = [n for n, _ in model.named_modules() if n and (n in wanted or n.rpartition(".")[2] in wanted)]
+    packed = [n for n in named if any(not p.is_floating_point() for p in model.get_submodule(n).parameters())]
+    if packed:
+        shown = ", ".join(packed[:4]) + (", ..." if len(packed) > 4 else "")
+        raise ValueError(
+            f"LoRA modules_to_save names {shown}, whose weights quantization has packed into 4/8-bit integers: a"
+            " module trained whole needs floating-point weights. Fix: add it to quantization's skip_modules (it"
+            " stays 16-bit and trains whole), or adapt it with LoRA instead (target_modules)."
+        )
+
+
 def peft_selected(config: Any, names: list[str]) -> list[str]:
     """``names`` as peft selects them from ``exclude_modules``, ``modules_to_save`` (never adapted) and
     ``layers_to_transform``/``layers_pattern``. Applied here because the injection names its targets exactly, by a
@@ -207,6 +223,7 @@ def inject_lora(model: nn.Module, lora: Any, skip: tuple[str, ...] = DEFAULT_SKI
     config = lora_config(lora)
     if has_lora(model):
         return sorted(n for n, m in model.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer))
+    refuse_packed_modules_to_save(model, config.modules_to_save)
     targets = peft_selected(config, resolve_targets(model, config, skip))
     layers = {"layers_to_transform": None, "layers_pattern": None}  # applied: peft takes them with name lists only
     exact = config.__class__(**{**config.to_dict(), **layers, "target_modules": _exact_regex(targets)})

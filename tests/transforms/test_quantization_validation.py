@@ -186,3 +186,16 @@ def test_all_linear_under_a_users_skip_modules_says_where_it_differs_from_peft(c
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("LoRA on"))
     assert "leaves out the 1 layers skip_modules keeps unquantized (model.model.layers.0.mlp.down_proj)" in line
     assert "adapts the output heads model.lm_head" in line and "peft's all-linear adapts every linear layer" in line
+
+
+@pytest.mark.parametrize("mode", ["nf4", "int8"])
+def test_modules_to_save_naming_a_quantized_layer_is_refused(mode):
+    """modules_to_save: [down_proj] under quantization stopped in a traceback inside peft or bitsandbytes ("only
+    Tensors of floating point dtype can require gradients"): the layer's weights are packed integers."""
+    lora = {"r": 4, "modules_to_save": ["down_proj"]}
+    trainer = quiet_trainer(strategy=LowPrecisionStrategy(quantization=mode, lora=lora), max_steps=1)
+    with pytest.raises(
+        ValueError, match=r"modules_to_save names model.model.layers.0.mlp.down_proj, .*Fix: add it to quantization's"
+    ):
+        trainer.fit(tiny_llama(), ids_loader(batches=1))
+    assert trainer.global_step == 0
