@@ -1,8 +1,9 @@
 """Adapter-only checkpoints and exports: what a fine-tune produced, without the frozen base it ran on.
 
-- ``trainable_state_dict`` / ``load_trainable_state_dict``: the Lightning checkpoint holds only trainable
-  weights; loading checks that exactly the frozen weights are missing, so a wrong checkpoint still fails, with
-  ``CheckpointMismatch``: one paragraph (``mismatch_summary`` shortens torch's line per tensor).
+- ``adapter_checkpoint_state_dict`` / ``load_trainable_state_dict``: the Lightning checkpoint holds only the
+  trainable weights and the module's buffers (``trainable_state_dict`` is the weights alone); loading checks that
+  exactly the frozen weights are missing, so a wrong checkpoint still fails, with ``CheckpointMismatch``: one
+  paragraph (``mismatch_summary`` shortens torch's line per tensor).
 - ``export_adapter``: a peft adapter directory (``adapter_config.json``, ``adapter_model.safetensors``) that
   ``peft.PeftModel.from_pretrained(base_model, directory)`` loads, with the heads and biases that trained whole.
 - ``lora_deltas``: each LoRA layer's weight delta (``scale * B @ A``, peft's ``get_delta_weight``) in fp32, and
@@ -41,6 +42,25 @@ from pl_lowprec.transforms.quantization import is_quantized
 def trainable_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     trainable = {name for name, p in module.named_parameters() if p.requires_grad}
     return {k: v for k, v in module.state_dict().items() if k in trainable}
+
+
+def persistent_buffer_names(module: nn.Module) -> set[str]:
+    """The buffers ``module.state_dict()`` holds: a BatchNorm's running statistics, a step count or an EMA the
+    module keeps. Training may change them, and no ``requires_grad`` says so."""
+    return {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, child in module.named_modules(remove_duplicate=False)
+        for name, buffer in child._buffers.items()
+        if buffer is not None and name not in child._non_persistent_buffers_set
+    }
+
+
+def adapter_checkpoint_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """What an adapter-only checkpoint holds: the trainable weights and the persistent buffers, so that a
+    resumed run starts from the running statistics the interrupted one had reached, not from their initial
+    values (the frozen weights come back from their source)."""
+    kept = {name for name, p in module.named_parameters() if p.requires_grad} | persistent_buffer_names(module)
+    return {k: v for k, v in module.state_dict().items() if k in kept}
 
 
 class CheckpointMismatch(ValueError):
@@ -83,7 +103,8 @@ def mismatch_summary(error: RuntimeError) -> str:
 
 
 def load_trainable_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-    """Load a checkpoint that may hold only the trainable weights; a trainable weight missing is an error. Keyed by
+    """Load a checkpoint that may hold only the trainable weights (and buffers, which older checkpoints lack); a
+    trainable weight missing is an error. Keyed by
     tensor, not by module: under ``bias='lora_only'`` a LoRA layer's base holds a trainable bias and its frozen
     (quantized) weight, which the checkpoint leaves out."""
     result = module.load_state_dict(state_dict, strict=False)

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from pl_lowprec.adapters import persistent_buffer_names
 from pl_lowprec.distributed.mesh import full_tensor
 
 
@@ -31,12 +32,12 @@ def gathered_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, tor
 def load_full_state_dict(
     module: nn.Module, state_dict: Mapping[str, torch.Tensor], adapter_only: bool, strict: bool = True
 ) -> None:
-    """Load whole tensors into a sharded module; with ``adapter_only`` the frozen weights may be missing,
-    every trainable one must be there."""
+    """Load whole tensors into a sharded module; with ``adapter_only`` the frozen weights may be missing (and the
+    buffers, in a checkpoint written before they were kept), every trainable one must be there."""
     expected = {n for n, p in module.named_parameters() if p.requires_grad} if adapter_only else None
     if expected is not None and strict:
         missing = sorted(expected - set(state_dict))
-        unexpected = sorted(set(state_dict) - expected)
+        unexpected = sorted(set(state_dict) - expected - persistent_buffer_names(module))
         if missing or unexpected:
             raise RuntimeError(
                 "The checkpoint does not fit this model's trainable weights."

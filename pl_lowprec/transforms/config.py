@@ -153,5 +153,5 @@ class TransformConfig:
 
     @property
     def adapter_only(self) -> bool:
-        """Whether checkpoints hold only the trainable (adapter) weights."""
+        """Whether checkpoints hold only the trainable (adapter) weights and the buffers."""
         return self.lora is not None and self.adapter_only_checkpoint

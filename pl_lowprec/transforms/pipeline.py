@@ -8,7 +8,7 @@ and activations stay in the compute dtype: ``frozen_dtype.py``, ``autocast_activ
 activations, shard (FSDP2) and last compile each block (``compile=``, ``transforms/compiling.py``). During each
 training step it may offload saved activations to host memory; at the end of fit it converts a QAT model
 to its real quantized form. After ``configure_optimizers`` it may swap the optimizer for a bitsandbytes one.
-With LoRA, checkpoints hold only the trainable weights.
+With LoRA, checkpoints hold only the trainable weights and the buffers.
 
 Where it runs, in ``Trainer._run`` order:
 
@@ -50,9 +50,9 @@ from torch.optim import Optimizer
 from pl_lowprec._imports import import_bitsandbytes, import_torchao
 from pl_lowprec.adapters import (
     CheckpointMismatch,
+    adapter_checkpoint_state_dict,
     load_trainable_state_dict,
     mismatch_summary,
-    trainable_state_dict,
 )
 from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.loading import PretrainedWeights, has_meta_tensors
@@ -313,7 +313,7 @@ class ModelTransform:
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         if self.config.qat is not None and is_converted(model):
             return model.state_dict()  # adapters merged into the quantized weights: nothing trains any more
-        return trainable_state_dict(model) if self.config.adapter_only else model.state_dict()
+        return adapter_checkpoint_state_dict(model) if self.config.adapter_only else model.state_dict()
 
     def load_state_dict(self, model: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool) -> None:
         """``CheckpointMismatch`` (one paragraph) when the checkpoint's tensors do not fit the model."""
