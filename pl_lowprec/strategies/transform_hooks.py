@@ -26,6 +26,7 @@ from pl_lowprec.memory.collectives import gradient_as_bucket_view
 from pl_lowprec.memory.sizing_batch import sizing_batch
 from pl_lowprec.strategies.auto_settings import choose_memory_settings, run_interconnect
 from pl_lowprec.strategies.garbage_collection import freeze_long_lived_objects, unfreeze
+from pl_lowprec.strategies.optimized_parameters import check_optimizers_train_the_model
 from pl_lowprec.strategies.optimizer_record import CHECKPOINT_KEY as OPTIMIZERS
 from pl_lowprec.strategies.optimizer_record import check_same_optimizer, optimizer_record
 from pl_lowprec.strategies.random_states import CHECKPOINT_KEY as RANDOM_STATES
@@ -153,6 +154,7 @@ class TransformHooks(TransformArguments):
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
+        check_optimizers_train_the_model(self.lightning_module, self.optimizers)
         self.optimizers = self.transform.swap_optimizers(self.optimizers, self.lr_scheduler_configs, self.root_device)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
