@@ -92,6 +92,7 @@ from pl_lowprec.transforms.optimizers import (
 )
 from pl_lowprec.transforms.qat import convert_qat, is_converted, prepare_qat
 from pl_lowprec.transforms.quantization import QuantizationConfig, quantize_linear, quantize_model
+from pl_lowprec.transforms.tied_linears import check_tied_layers_stay_tied
 from pl_lowprec.transforms.trainable import without_lora_line
 from pl_lowprec.transforms.trainable_bias import keep_trainable_biases
 from pl_lowprec.transforms.weight_sources import fill_meta_model, meta_init_context, weights_for
@@ -140,6 +141,8 @@ class ModelTransform:
         for owner, part in (("QuantizationConfig", c.quantization), ("QATConfig", c.qat), ("FP8Config", c.fp8)):
             if part is not None:
                 check_skip_modules(model, part.skip_modules, owner)
+        if c.quantization is not None and c.lora is None:  # with lora= the tied weight is frozen like the copy
+            check_tied_layers_stay_tied(model, c.quantization)
         if self.sharding is not None:
             self.sharding.check(model, c.quantization)
         streamed = has_meta_tensors(model)  # pretrained= quantizes as it loads
