@@ -3,7 +3,8 @@
 Autocast reads every frozen weight in the compute dtype anyway (a linear layer casts its weight for each matmul),
 so holding a frozen embedding or head in fp32 only costs memory: on Llama-3.1-8B shapes the untied embedding and
 head are 3.9 GiB in fp32 against 2.0 GiB in bf16. A bf16 checkpoint built into a fp32 module would otherwise stay
-upcast for the whole run. Trainable parameters and norm weights stay in fp32 (``prepare_for_kbit_training``);
+upcast for the whole run. Trainable parameters and norm weights stay in fp32 (``prepare_for_kbit_training``), and
+so do the scalars and vectors that scale activations elementwise (``read_elementwise``);
 quantized weights are not floating point and are left alone; under ``32-true`` nothing changes.
 
 Outside autocast (an evaluation loop, a notebook, a comparison after training) a half-precision frozen layer
@@ -43,6 +44,8 @@ def cast_frozen_weights(model: nn.Module, compute_dtype: torch.dtype) -> int:
             local = data.to_local() if isinstance(data, DTensor) else data  # a rank's rows, streamed in under FSDP2
             if param.requires_grad or type(local) is not torch.Tensor or not local.is_floating_point():
                 continue  # trainable, a tensor subclass (torchao NF4), or quantized integers
+            if read_elementwise(module, local):
+                continue  # a temperature, a layer scale: autocast would not cast it, so bf16 would round it
             if local.element_size() > torch.finfo(compute_dtype).bits // 8:
                 cast = data.to(compute_dtype)  # a DTensor stays one, with its placements
                 cast_local = cast.to_local() if isinstance(cast, DTensor) else cast
@@ -60,6 +63,13 @@ def cast_frozen_weights(model: nn.Module, compute_dtype: torch.dtype) -> int:
         if frozen_half:
             cast_inputs(module, compute_dtype)
     return saved
+
+
+def read_elementwise(module: nn.Module, param: torch.Tensor) -> bool:
+    """A scalar or vector of a module other than a linear layer or an embedding (a logit temperature, a LayerScale
+    gamma, attention sinks): no matmul reads it in the compute dtype, it scales activations in fp32, and it is too
+    small to matter to memory. A linear layer's bias is cast as autocast casts it."""
+    return param.ndim <= 1 and not isinstance(module, (nn.Linear, nn.Embedding))
 
 
 def cast_inputs(module: nn.Module, weight_dtype: torch.dtype) -> None:

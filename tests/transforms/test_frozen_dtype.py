@@ -47,6 +47,34 @@ def test_frozen_weights_cast_trainable_and_norms_kept():
     assert cast_frozen_weights(model, torch.float32) == 0  # 32-true: nothing changes
 
 
+def test_frozen_scalars_and_vectors_read_elementwise_keep_fp32():
+    """A module of one's own with a frozen logit temperature and LayerScale gamma: bf16 would round exp(scale) from
+    14.2857 to 14.25, which no autocast op would; the matmul weights, their biases and the embedding are cast."""
+    import math
+
+    from torch import nn
+
+    class LayerScaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(8, 4)
+            self.proj = nn.Linear(4, 4)
+            self.gamma = nn.Parameter(torch.full((4,), 0.101))
+            self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+
+    model = LayerScaled().requires_grad_(False)
+    cast_frozen_weights(model, torch.bfloat16)
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    assert dtypes == {
+        "emb.weight": torch.bfloat16,
+        "proj.weight": torch.bfloat16,
+        "proj.bias": torch.bfloat16,
+        "gamma": torch.float32,
+        "logit_scale": torch.float32,
+    }
+    assert float(model.logit_scale.exp()) == pytest.approx(1 / 0.07, rel=1e-6)
+
+
 def test_fp16_overflow_is_refused_naming_the_weight():
     from transformers import LlamaForCausalLM
 
