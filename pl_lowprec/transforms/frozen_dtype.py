@@ -4,7 +4,8 @@ Autocast reads every frozen weight in the compute dtype anyway (a linear layer c
 so holding a frozen embedding or head in fp32 only costs memory: on Llama-3.1-8B shapes the untied embedding and
 head are 3.9 GiB in fp32 against 2.0 GiB in bf16. A bf16 checkpoint built into a fp32 module would otherwise stay
 upcast for the whole run. Trainable parameters and norm weights stay in fp32 (``prepare_for_kbit_training``), and
-so do the scalars and vectors that scale activations elementwise (``read_elementwise``);
+so do the scalars and vectors that scale activations elementwise (``read_elementwise``) and what a transformers
+model declares it keeps in fp32 (``declared_fp32_parameters``);
 quantized weights are not floating point and are left alone; under ``32-true`` nothing changes.
 
 Outside autocast (an evaluation loop, a notebook, a comparison after training) a half-precision frozen layer
@@ -14,6 +15,7 @@ weight's dtype and its output back to the input's. Under autocast the hooks do n
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -34,6 +36,7 @@ def cast_frozen_weights(model: nn.Module, compute_dtype: torch.dtype) -> int:
     module left with frozen weights in ``compute_dtype`` casts its inputs outside autocast (``cast_inputs``)."""
     if compute_dtype not in HALF_DTYPES:
         return 0
+    declared_fp32 = declared_fp32_parameters(model, compute_dtype)
     saved = 0
     for name, module in model.named_modules():
         if is_norm(module):
@@ -46,6 +49,8 @@ def cast_frozen_weights(model: nn.Module, compute_dtype: torch.dtype) -> int:
                 continue  # trainable, a tensor subclass (torchao NF4), or quantized integers
             if read_elementwise(module, local):
                 continue  # a temperature, a layer scale: autocast would not cast it, so bf16 would round it
+            if declared_fp32 is not None and declared_fp32.search(f"{name}.{param_name}" if name else param_name):
+                continue  # the model reads it in fp32 (an MoE router), as its from_pretrained keeps it
             if local.element_size() > torch.finfo(compute_dtype).bits // 8:
                 cast = data.to(compute_dtype)  # a DTensor stays one, with its placements
                 cast_local = cast.to_local() if isinstance(cast, DTensor) else cast
@@ -63,6 +68,19 @@ def cast_frozen_weights(model: nn.Module, compute_dtype: torch.dtype) -> int:
         if frozen_half:
             cast_inputs(module, compute_dtype)
     return saved
+
+
+def declared_fp32_parameters(model: nn.Module, compute_dtype: torch.dtype) -> re.Pattern[str] | None:
+    """The parameters a transformers model inside declares must stay fp32 in ``compute_dtype``, matched as its
+    ``from_pretrained`` matches them (a regular-expression search, ``*`` any text): ``_keep_in_fp32_modules_strict``
+    under bf16 and fp16, ``_keep_in_fp32_modules`` under fp16 too. An MoE router's weight (Ernie-4.5-MoE's
+    ``gate.weight``) is read in fp32 with autocast off: rounded to bf16, it would route tokens otherwise."""
+    patterns: set[str] = set()
+    for module in model.modules():
+        patterns.update(getattr(module, "_keep_in_fp32_modules_strict", None) or ())
+        if compute_dtype == torch.float16:
+            patterns.update(getattr(module, "_keep_in_fp32_modules", None) or ())
+    return re.compile("|".join(p.replace("*", ".*") for p in sorted(patterns))) if patterns else None
 
 
 def read_elementwise(module: nn.Module, param: torch.Tensor) -> bool:

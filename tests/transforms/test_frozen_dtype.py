@@ -75,6 +75,33 @@ def test_frozen_scalars_and_vectors_read_elementwise_keep_fp32():
     assert float(model.logit_scale.exp()) == pytest.approx(1 / 0.07, rel=1e-6)
 
 
+def test_what_a_transformers_model_keeps_in_fp32_stays_fp32():
+    """Ernie-4.5-MoE declares its router weight and expert-score bias fp32 (``_keep_in_fp32_modules_strict``) and
+    reads them with autocast off; its experts and projections are cast."""
+    from transformers import Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM
+
+    config = Ernie4_5_MoeConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        moe_num_experts=4,
+        moe_k=2,
+        moe_layer_start_index=0,
+    )
+    model = Ernie4_5_MoeForCausalLM(config).requires_grad_(False)
+    cast_frozen_weights(model, torch.bfloat16)
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    assert dtypes["model.layers.0.mlp.gate.weight"] == torch.float32
+    assert dtypes["model.layers.0.mlp.gate.moe_statics.e_score_correction_bias"] == torch.float32
+    assert dtypes["model.layers.0.mlp.experts.gate_up_proj"] == torch.bfloat16
+    assert dtypes["model.layers.0.mlp.shared_experts.gate_proj.weight"] == torch.bfloat16
+    assert dtypes["model.embed_tokens.weight"] == torch.bfloat16
+
+
 def test_fp16_overflow_is_refused_naming_the_weight():
     from transformers import LlamaForCausalLM
 
