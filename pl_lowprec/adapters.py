@@ -27,6 +27,7 @@ from torch import nn
 
 from pl_lowprec._imports import import_peft
 from pl_lowprec.distributed.mesh import full_tensor
+from pl_lowprec.loading.key_match import slots
 from pl_lowprec.transforms.conv1d import conv1d_weights, to_checkpoint_layout
 from pl_lowprec.transforms.initial_adapters import (
     check_convertible,
@@ -47,19 +48,18 @@ def trainable_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
 def persistent_buffer_names(module: nn.Module) -> set[str]:
     """The buffers ``module.state_dict()`` holds: a BatchNorm's running statistics, a step count or an EMA the
     module keeps. Training may change them, and no ``requires_grad`` says so."""
-    return {
-        f"{prefix}.{name}" if prefix else name
-        for prefix, child in module.named_modules(remove_duplicate=False)
-        for name, buffer in child._buffers.items()
-        if buffer is not None and name not in child._non_persistent_buffers_set
-    }
+    return {key for key, slot in slots(module)[0].items() if not slot.is_param}
 
 
-def adapter_checkpoint_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+def adapter_checkpoint_keys(module: nn.Module) -> set[str]:
     """What an adapter-only checkpoint holds: the trainable weights and the persistent buffers, so that a
     resumed run starts from the running statistics the interrupted one had reached, not from their initial
     values (the frozen weights come back from their source)."""
-    kept = {name for name, p in module.named_parameters() if p.requires_grad} | persistent_buffer_names(module)
+    return {name for name, p in module.named_parameters() if p.requires_grad} | persistent_buffer_names(module)
+
+
+def adapter_checkpoint_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    kept = adapter_checkpoint_keys(module)
     return {k: v for k, v in module.state_dict().items() if k in kept}
 
 

@@ -111,3 +111,13 @@ def quiet_trainer(**kwargs: Any) -> pl.Trainer:
         default_root_dir=tempfile.mkdtemp(prefix="trainer_", dir=TRAINER_ROOTS.name),
     )
     return pl.Trainer(**{**defaults, **kwargs})
+
+
+HIDDEN_LORA = {"r": 2, "lora_alpha": 4, "target_modules": ["hidden"]}  # for a small module's nn.Linear `hidden`
+
+
+def classification_loader() -> torch.utils.data.DataLoader:
+    """8 seeded rows of 8 features with 2 classes, in 2 batches of 4 (2 steps an epoch)."""
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 8, generator=generator), torch.randint(0, 2, (8,), generator=generator)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)

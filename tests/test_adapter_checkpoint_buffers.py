@@ -3,7 +3,7 @@
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning_helpers import quiet_trainer
+from lightning_helpers import HIDDEN_LORA, classification_loader, quiet_trainer
 from torch import nn
 from torch.nn import functional as F
 
@@ -11,8 +11,6 @@ from pl_lowprec import LowPrecisionStrategy
 from pl_lowprec.adapters import adapter_checkpoint_state_dict, persistent_buffer_names
 
 pytest.importorskip("peft")
-
-LORA = {"r": 2, "lora_alpha": 4, "target_modules": ["hidden"]}
 
 
 class WithRunningStats(pl.LightningModule):
@@ -36,17 +34,11 @@ class WithRunningStats(pl.LightningModule):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
 
 
-def _loader():
-    generator = torch.Generator().manual_seed(0)
-    x, y = torch.randn(8, 8, generator=generator), torch.randint(0, 2, (8,), generator=generator)
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)  # 2 steps an epoch
-
-
 def _fit(epochs, ckpt_path=None):
     torch.manual_seed(0)
     module = WithRunningStats()
-    trainer = quiet_trainer(strategy=LowPrecisionStrategy(lora=LORA), max_epochs=epochs)
-    trainer.fit(module, _loader(), ckpt_path=ckpt_path)
+    trainer = quiet_trainer(strategy=LowPrecisionStrategy(lora=HIDDEN_LORA), max_epochs=epochs)
+    trainer.fit(module, classification_loader(), ckpt_path=ckpt_path)
     return trainer, module
 
 

@@ -20,7 +20,7 @@ import torch
 from lightning.pytorch.trainer.call import _call_configure_model
 from torch import nn
 
-from pl_lowprec.adapters import CheckpointMismatch, held_hf_model, persistent_buffer_names
+from pl_lowprec.adapters import CheckpointMismatch, adapter_checkpoint_keys, held_hf_model
 from pl_lowprec.loading import PretrainedWeights
 from pl_lowprec.memory.fastest import nothing_traded
 from pl_lowprec.transforms.lora import has_lora
@@ -96,13 +96,12 @@ def sources(trainer: Any, module: nn.Module, datamodule: Any = None) -> tuple[Pr
 
 def _load(module: nn.Module, transform: ModelTransform, state_dict: dict[str, torch.Tensor], path: Path) -> None:
     """Adapter-only or full, whichever the checkpoint holds; a mismatch names the checkpoint and the config."""
-    trainable = {n for n, p in module.named_parameters() if p.requires_grad}
     if not any("lora_" in key for key in state_dict) and transform.config.qat is None:
         raise ValueError(
             f"{str(path)!r} holds no LoRA weights ({len(state_dict)} tensors, e.g. {sorted(state_dict)[:3]}): it was"
             " not written by a run with lora=, so there are no adapters to export."
         )
-    adapter_only = set(state_dict) <= trainable | persistent_buffer_names(module)
+    adapter_only = set(state_dict) <= adapter_checkpoint_keys(module)
     try:
         as_saved = dataclasses.replace(transform.config, adapter_only_checkpoint=adapter_only)
         ModelTransform(as_saved).load_state_dict(module, state_dict, strict=True)

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from pl_lowprec.adapters import persistent_buffer_names
+from pl_lowprec.adapters import adapter_checkpoint_keys
 from pl_lowprec.distributed.mesh import full_tensor
 
 
@@ -37,7 +37,7 @@ def load_full_state_dict(
     expected = {n for n, p in module.named_parameters() if p.requires_grad} if adapter_only else None
     if expected is not None and strict:
         missing = sorted(expected - set(state_dict))
-        unexpected = sorted(set(state_dict) - expected - persistent_buffer_names(module))
+        unexpected = sorted(set(state_dict) - adapter_checkpoint_keys(module))
         if missing or unexpected:
             raise RuntimeError(
                 "The checkpoint does not fit this model's trainable weights."

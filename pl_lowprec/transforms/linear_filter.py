@@ -31,8 +31,14 @@ def unmatched_skip_patterns(model: nn.Module, patterns: Sequence[str]) -> list[s
     lack, and is not checked."""
     if tuple(patterns) == DEFAULT_SKIP:
         return []
+    matched = matched_patterns(model, patterns)
+    return [p for p in patterns if p not in matched]
+
+
+def matched_patterns(model: nn.Module, patterns: Sequence[str]) -> list[str]:
+    """The ``skip_modules`` patterns that name a linear layer of ``model``."""
     names = linear_names(model)
-    return [p for p in patterns if not any(matches_any(name, [p]) for name in names)]
+    return [p for p in patterns if any(matches_any(name, [p]) for name in names)]
 
 
 def check_skip_modules(model: nn.Module, patterns: Sequence[str], owner: str) -> None:

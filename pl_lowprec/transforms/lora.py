@@ -111,11 +111,8 @@ def resolve_targets(model: nn.Module, config: Any, skip: tuple[str, ...] = DEFAU
     target = config.target_modules
     if target in ("all-linear", "all_linear"):
         chosen = [n for n, m in model.named_modules() if n and is_target_linear(m, n, skip, exact=False)]
-    elif isinstance(target, str):
-        chosen = [n for n in linears if re.fullmatch(target, n)]
     else:
-        suffixes = set(target or ())
-        chosen = [n for n in linears if n in suffixes or n.rpartition(".")[2] in suffixes]
+        chosen = [n for n in linears if named_by(target, n)]
     refuse_non_linear_targets(model, target)
     if not chosen:
         shown = sorted(target) if isinstance(target, (set, frozenset)) else target  # peft stores a set
@@ -127,6 +124,15 @@ def resolve_targets(model: nn.Module, config: Any, skip: tuple[str, ...] = DEFAU
     return chosen
 
 
+def named_by(target: Any, name: str) -> bool:
+    """Whether peft's ``target_modules`` (or ``modules_to_save``) names module ``name``: a string is a regular
+    expression over full names, a list names modules in full or by their last part."""
+    if isinstance(target, str):
+        return re.fullmatch(target, name) is not None
+    names = set(target or ())
+    return name in names or name.rpartition(".")[2] in names
+
+
 # Modules besides linear layers that peft's get_peft_model gives LoRA layers of their own (lora.Embedding, Conv*d)
 NON_LINEAR_TARGETS = (nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -136,15 +142,7 @@ def refuse_non_linear_targets(model: nn.Module, target: Any) -> None:
     strategy adds LoRA to linear layers only, and dropped them in silence (fewer adapters than peft's)."""
     if target in ("all-linear", "all_linear"):
         return
-    if isinstance(target, str):
-        named = [n for n, m in model.named_modules() if isinstance(m, NON_LINEAR_TARGETS) and re.fullmatch(target, n)]
-    else:
-        suffixes = set(target or ())
-        named = [
-            n
-            for n, m in model.named_modules()
-            if isinstance(m, NON_LINEAR_TARGETS) and (n in suffixes or n.rpartition(".")[2] in suffixes)
-        ]
+    named = [n for n, m in model.named_modules() if isinstance(m, NON_LINEAR_TARGETS) and named_by(target, n)]
     if named:
         kinds = ", ".join(f"{n} ({type(model.get_submodule(n)).__name__})" for n in named[:4])
         raise ValueError(
@@ -162,7 +160,7 @@ def all_linear_against_peft(model: nn.Module, config: Any, skip: tuple[str, ...]
     the count alone did not show it."""
     if config.target_modules not in ("all-linear", "all_linear") or tuple(skip) == DEFAULT_SKIP:
         return ""
-    linears = [n for n, m in model.named_modules() if n and isinstance(m, nn.Linear) and "lora_" not in n]
+    linears = [n for n in linear_names(model) if "lora_" not in n]
     kept_out = [n for n in linears if matches_any(n, skip) and not matches_any(n, DEFAULT_SKIP)]
     heads = [n for n in adapted if matches_any(n, DEFAULT_SKIP)]
     parts = []
@@ -186,8 +184,7 @@ def refuse_packed_modules_to_save(model: nn.Module, modules_to_save: Any) -> Non
     """Refuse ``modules_to_save`` naming a module whose weights quantization packed into integers: peft's trained copy
     of it stopped in a traceback inside peft or bitsandbytes ("only Tensors of floating point dtype can require
     gradients")."""
-    wanted = set(modules_to_save or ())
-    named = [n for n, _ in model.named_modules() if n and (n in wanted or n.rpartition(".")[2] in wanted)]
+    named = [n for n, _ in model.named_modules() if n and named_by(list(modules_to_save or ()), n)]
     packed = [n for n in named if any(not p.is_floating_point() for p in model.get_submodule(n).parameters())]
     if packed:
         shown = ", ".join(packed[:4]) + (", ..." if len(packed) > 4 else "")

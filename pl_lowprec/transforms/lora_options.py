@@ -40,6 +40,12 @@ PEFT_MODEL_ONLY = (
     " inject_adapter_in_model) that the strategy runs, where it would be ignored or fail inside peft."
 )
 NOT_INJECTED = {  # field: (why, fix)
+    "inference_mode": (
+        "freezes the adapters (peft's setting for loading an adapter to run it), so nothing would train: the first"
+        " step stopped in a traceback (an empty optimizer, or a loss without gradients). A LoraConfig read from a"
+        " saved adapter directory (LoraConfig.from_pretrained) has it set.",
+        "inference_mode: false.",
+    ),
     "trainable_token_indices": (
         PEFT_MODEL_ONLY,
         "modules_to_save: [embed_tokens] trains the whole input embedding, and a merged export writes it as trained.",
@@ -71,13 +77,6 @@ ON_QUANTIZED = "True (peft's default: A random, B zero), 'gaussian', 'olora' or 
 
 def check_lora_options(config: Any, quantization_mode: str | None) -> None:
     """Refuse an option the strategy would not run as peft means it, naming the fix."""
-    if getattr(config, "inference_mode", False):
-        raise ValueError(
-            "lora: inference_mode=True freezes the adapters (peft's setting for loading an adapter to run it), so"
-            " nothing would train: the first step stopped in a traceback (an empty optimizer, or a loss without"
-            " gradients). A LoraConfig read from a saved adapter directory (LoraConfig.from_pretrained) has it set."
-            " Fix: inference_mode: false."
-        )
     for field, reasons in NOT_INJECTED.items():
         value = getattr(config, field, None)
         if value:

@@ -218,10 +218,8 @@ def check_int8_trains(bnb: Any, device: torch.device) -> None:
     if _INT8_OK.get(str(device)):
         return
     try:
-        accelerator = [] if device.type == "cpu" else [torch.get_device_module(device.type).current_device()]
-        if device.index is not None and accelerator:
-            accelerator = [device.index]
-        with torch.random.fork_rng(devices=accelerator, device_type=device.type):
+        index = device.index if device.index is not None else torch.get_device_module(device.type).current_device()
+        with torch.random.fork_rng(devices=[] if device.type == "cpu" else [index], device_type=device.type):
             _int8_forward_backward(bnb, device)
     except Exception as err:  # any failure of the backend means the mode cannot train here
         raise ValueError(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from pl_lowprec.transforms.linear_filter import DEFAULT_SKIP, linear_names, matches_any
+from pl_lowprec.transforms.linear_filter import matched_patterns
 from pl_lowprec.transforms.quantization import QuantizationConfig, will_quantize
 
 
@@ -26,10 +26,7 @@ def tied_holders(model: nn.Module) -> dict[int, list[str]]:
 def matched_skip_patterns(model: nn.Module, config: QuantizationConfig) -> list[str]:
     """``config.skip_modules`` as a list to extend: the user's as given, of the default only the patterns that name a
     layer of ``model`` (a pattern that names none is refused once the list is the user's)."""
-    if tuple(config.skip_modules) != DEFAULT_SKIP:
-        return list(config.skip_modules)
-    names = linear_names(model)
-    return [p for p in config.skip_modules if any(matches_any(n, [p]) for n in names)]
+    return matched_patterns(model, config.skip_modules)
 
 
 def check_tied_layers_stay_tied(model: nn.Module, config: QuantizationConfig) -> None:

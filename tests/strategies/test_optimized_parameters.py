@@ -3,15 +3,13 @@
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning_helpers import quiet_trainer
+from lightning_helpers import HIDDEN_LORA, classification_loader, quiet_trainer
 from torch import nn
 from torch.nn import functional as F
 
 from pl_lowprec import LowPrecisionStrategy
 
 pytest.importorskip("peft")
-
-LORA = {"r": 2, "lora_alpha": 4, "target_modules": ["hidden"]}
 
 
 class ParamsFromInit(pl.LightningModule):
@@ -41,15 +39,9 @@ class ParamsFromInit(pl.LightningModule):
         return torch.optim.AdamW(groups, lr=1e-2)
 
 
-def _loader():
-    generator = torch.Generator().manual_seed(0)
-    x, y = torch.randn(8, 8, generator=generator), torch.randint(0, 2, (8,), generator=generator)
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
-
-
 @pytest.mark.parametrize(
     ("strategy", "foreign"),
-    [({"lora": LORA}, ""), ({"quantization": "nf4", "lora": LORA}, r", 4 of them no longer the model's")],
+    [({"lora": HIDDEN_LORA}, ""), ({"quantization": "nf4", "lora": HIDDEN_LORA}, r", 4 of them no longer the model's")],
 )
 def test_parameters_collected_before_the_transform_are_refused_before_the_first_step(strategy, foreign):
     if "quantization" in strategy:
@@ -62,14 +54,14 @@ def test_parameters_collected_before_the_transform_are_refused_before_the_first_
         r" trainable parameters are in none of them \(e\.g\. hidden\.lora_A\.default\.weight\).*build the"
         r" optimizer from self\.parameters\(\)",
     ):
-        trainer.fit(module, _loader())
+        trainer.fit(module, classification_loader())
     assert trainer.global_step == 0
 
 
 def test_parameters_read_in_configure_optimizers_train_the_adapters():
     module = ParamsFromInit(early=False)
-    trainer = quiet_trainer(strategy=LowPrecisionStrategy(lora=LORA), max_steps=2)
-    trainer.fit(module, _loader())
+    trainer = quiet_trainer(strategy=LowPrecisionStrategy(lora=HIDDEN_LORA), max_steps=2)
+    trainer.fit(module, classification_loader())
     assert trainer.global_step == 2
     assert module.hidden.lora_B.default.weight.abs().max() > 0  # B starts at zero: it trained
     assert [g["weight_decay"] for g in trainer.optimizers[0].param_groups] == [0.1, 0.0]
@@ -83,5 +75,5 @@ def test_a_module_that_optimizes_only_part_of_what_it_trains_without_lora_is_lef
             return torch.optim.SGD(self.out.parameters(), lr=0.1)
 
     trainer = quiet_trainer(strategy=LowPrecisionStrategy(), max_steps=1)
-    trainer.fit(OnlyTheHead(early=False), _loader())
+    trainer.fit(OnlyTheHead(early=False), classification_loader())
     assert trainer.global_step == 1
