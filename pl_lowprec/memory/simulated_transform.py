@@ -50,6 +50,10 @@ class SimulatedTransform(ModelTransform):
     def load_pretrained(self, model: nn.Module, compute_dtype: torch.dtype, device: torch.device) -> None:
         """Nothing to load: the step needs shapes and dtypes, which the meta-device module has."""
 
+    def load_adapter(self, model: nn.Module) -> int:
+        """Nothing to load: ``pretrained_adapter=``'s config gave the LoRA its shapes, which are all the step needs."""
+        return 0
+
     def quantize(self, model: nn.Module, compute_dtype: torch.dtype, device: torch.device) -> list[str]:
         if self.sharding is not None:  # torchao NF4 quantizes fake tensors, in the mode the step then runs in
             with self.fake_mode:

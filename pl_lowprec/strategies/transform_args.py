@@ -42,7 +42,7 @@ class TransformArguments:
             or a ``QuantizationConfig`` (under ``lowprec_fsdp``: ``"nf4"`` or ``"nf4-dq"``, stored as torchao
             NF4 tensors, which shard with their constants).
         lora: LoRA adapters: a ``peft.LoraConfig`` or a dict of its fields (``target_modules`` defaults to
-            ``"all-linear"``). Base weights are frozen.
+            ``"all-linear"``). Base weights are frozen. To continue a saved adapter: ``pretrained_adapter``.
         optimizer: Swap the configured AdamW for ``"adamw8bit"``, ``"paged_adamw8bit"``,
             ``"paged_adamw32bit"`` or ``"lion8bit"`` (bitsandbytes), or ``"torchao_adamw8bit"`` (torchao's
             8-bit AdamW, which also steps on FSDP2's shards; ``lowprec_fsdp`` takes only this one).
@@ -55,6 +55,13 @@ class TransformArguments:
         pretrained_prefix: Turns checkpoint keys into module keys: ``"model."`` prepends to every key (a Hugging
             Face model held as ``self.model``); ``{"model.": "net.model."}`` rewrites a prefix. Not given: the
             keys as they are, or the one prefix under which every key and shape matches (said in one line).
+        pretrained_adapter: Continue training a saved peft LoRA adapter (axolotl's ``lora_model_dir``, peft's
+            ``PeftModel.from_pretrained(base, dir, is_trainable=True)``): a directory with ``adapter_config.json``
+            and ``adapter_model.safetensors`` (``PeftModel.save_pretrained``, ``pl-lowprec export`` without
+            ``--merged``), or a hub id (downloaded where there is network). Its own ``LoraConfig`` is used (rank,
+            alpha, targets, rsLoRA, DoRA, modules_to_save) and ``lora`` may be left out; values ``lora`` sets beside
+            it must agree with the saved ones (``lora_dropout`` may differ). Works with ``quantization``; the base
+            (``pretrained``) must be the one the adapter was trained on.
         qat: Quantization-aware training (torchao): ``"int8-dynamic-int4-weight"``, ``"int4-weight-only"``,
             ``"int8-weight-only"``, or a ``QATConfig`` (group size, skipped modules). Converts to the real
             quantized form at the end of fit. Not with ``quantization``.
@@ -106,6 +113,7 @@ class TransformArguments:
         adapter_only_checkpoint: bool = True,
         pretrained: str | Path | None = None,
         pretrained_prefix: str | dict[str, str] | None = None,
+        pretrained_adapter: str | Path | None = None,
         qat: QATScheme | QATConfig | None = None,
         fp8: FP8Recipe | FP8Config | None = None,
         activation_offloading: bool = False,
@@ -125,6 +133,7 @@ class TransformArguments:
             adapter_only_checkpoint=adapter_only_checkpoint,
             pretrained=pretrained,
             pretrained_prefix=pretrained_prefix,
+            pretrained_adapter=pretrained_adapter,
             qat=qat,
             fp8=fp8,
             activation_offloading=activation_offloading,

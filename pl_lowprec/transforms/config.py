@@ -3,7 +3,8 @@
 Every strategy (``pl_lowprec.strategies.transform_args.TransformArguments``), ``ModelTransform`` and
 ``estimate_memory`` take this one config, so an argument is declared, documented and checked in one place.
 Short names are normalised when it is built (``quantization="nf4-dq"`` becomes a ``QuantizationConfig``,
-``lora={"r": 8}`` a ``peft.LoraConfig``, ``compile=True`` the arguments of ``torch.compile``), and a bad value
+``lora={"r": 8}`` a ``peft.LoraConfig`` (``pretrained_adapter=`` the one its directory saved), ``compile=True``
+the arguments of ``torch.compile``), and a bad value
 or combination is refused before any step runs.
 """
 
@@ -29,6 +30,7 @@ from pl_lowprec.transforms.lora import lora_config
 from pl_lowprec.transforms.lora_options import check_lora_options
 from pl_lowprec.transforms.memory_saving import ALL_PATHS, AUTO, MemorySavingArg, memory_saving_paths
 from pl_lowprec.transforms.optimizers import OptimizerName, validate_optimizer_name
+from pl_lowprec.transforms.pretrained_adapter import adapter_lora_config, resolve_adapter
 from pl_lowprec.transforms.qat import QATConfig, QATScheme
 from pl_lowprec.transforms.quantization import QuantizationConfig, QuantMode
 
@@ -75,6 +77,7 @@ class TransformConfig:
     adapter_only_checkpoint: bool = True
     pretrained: str | Path | None = None
     pretrained_prefix: str | Mapping[str, str] | None = None
+    pretrained_adapter: str | Path | None = None
     qat: QATScheme | QATConfig | None = None
     fp8: FP8Recipe | FP8Config | None = None
     activation_offloading: bool = False
@@ -82,6 +85,7 @@ class TransformConfig:
     memory_saving: MemorySavingArg = True
     weights: PretrainedWeights | None = field(init=False, default=None, repr=False, compare=False)
     compile_kwargs: dict[str, Any] | None = field(init=False, default=None, repr=False, compare=False)
+    adapter_directory: Path | None = field(init=False, default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         validate_checkpoint_args(self.checkpoint_every_n, self.checkpoint_impl, self.checkpoint_mode)
@@ -116,6 +120,10 @@ class TransformConfig:
             object.__setattr__(self, "quantization", QuantizationConfig.from_mode(self.quantization))
         if self.optimizer is not None:
             validate_optimizer_name(self.optimizer)
+        if self.pretrained_adapter is not None:
+            directory = resolve_adapter(self.pretrained_adapter)
+            object.__setattr__(self, "adapter_directory", directory)
+            object.__setattr__(self, "lora", adapter_lora_config(directory, self.lora, self.pretrained_adapter))
         if self.lora is not None:
             object.__setattr__(self, "lora", lora_config(self.lora))
             check_lora_options(self.lora, self.quantization.mode if self.quantization is not None else None)

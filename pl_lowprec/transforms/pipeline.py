@@ -51,6 +51,7 @@ from pl_lowprec._imports import import_bitsandbytes, import_torchao
 from pl_lowprec.adapters import (
     CheckpointMismatch,
     adapter_checkpoint_state_dict,
+    find_base_model,
     load_trainable_state_dict,
     mismatch_summary,
 )
@@ -90,6 +91,7 @@ from pl_lowprec.transforms.optimizers import (
     swap_line,
     swap_optimizer,
 )
+from pl_lowprec.transforms.pretrained_adapter import load_adapter_weights, rooted_targets
 from pl_lowprec.transforms.qat import convert_qat, is_converted, prepare_qat
 from pl_lowprec.transforms.quantization import QuantizationConfig, quantize_linear, quantize_model
 from pl_lowprec.transforms.tied_linears import check_tied_layers_stay_tied
@@ -162,11 +164,19 @@ class ModelTransform:
             if swapped:
                 rank_zero_info(f"FP8 training ({c.fp8.recipe}) on {len(swapped)} linear layers.")
         if c.lora is not None and not has_lora(model):
-            adapted = inject_lora(model, c.lora, c.skip_modules)
+            lora = c.lora if c.adapter_directory is None else rooted_targets(c.lora, find_base_model(model)[0])
+            adapted = inject_lora(model, lora, c.skip_modules)
             added = prepare_for_kbit_training(model, mixed_precision=precision_plugin_is_mixed(precision_plugin))
             if added:
                 rank_zero_info(f"Upcast trainable and norm weights to fp32 for mixed precision (+{added} bytes).")
             keep_trainable_biases(model)  # bitsandbytes would cast them to the compute dtype in place
+            if c.adapter_directory is not None:  # after the upcast: the saved fp32 values stay exact
+                loaded = self.load_adapter(model)
+                rank_zero_info(
+                    f"LoRA continues the adapter {str(c.pretrained_adapter)!r}: {loaded} tensors loaded, its config"
+                    f" (r={c.lora.r}, lora_alpha={c.lora.lora_alpha}, use_rslora={c.lora.use_rslora},"
+                    f" use_dora={c.lora.use_dora})."
+                )
             keep_initial_adapters(model)  # PiSSA's, OLoRA's A0 and B0: their adapter export for the original base
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             copies = sorted(trained_copies(model))
@@ -274,6 +284,14 @@ class ModelTransform:
         )
         if weights is not None:
             release_freed_host_memory()
+
+    def load_adapter(self, model: nn.Module) -> int:
+        """``pretrained_adapter=``: the saved tensors into the LoRA just injected (``pretrained_adapter.py``)."""
+        c = self.config
+        _, base = find_base_model(model)
+        source = str(c.pretrained or "") or getattr(getattr(base, "config", None), "_name_or_path", "")
+        base_name = f"{type(base).__name__} from {source!r}" if source else type(base).__name__
+        return load_adapter_weights(model, c.adapter_directory, c.pretrained_adapter, base_name)
 
     def weights_for(self, model: nn.Module) -> PretrainedWeights | None:
         """The strategy's ``pretrained=``, else what the module names as its ``pretrained_weights``."""
