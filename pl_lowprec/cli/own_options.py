@@ -20,6 +20,7 @@ from pl_lowprec._did_you_mean import closest
 from pl_lowprec.cli.arguments import options
 
 CLOSE = 0.8  # difflib's ratio: --max_new_token, --gguf-type, --overwrit; not --optimizer for --overwrite
+OTHER_TOOLS_NAMES = {"--lora_model_dir": "--pretrained_adapter"}  # axolotl's name for continuing a saved adapter
 
 
 def own_option_names(parser: argparse.ArgumentParser) -> list[str]:
@@ -34,7 +35,7 @@ def meant_option(name: str, own: list[str]) -> str | None:
     underscored = "--" + name[2:].replace("-", "_")
     if underscored in own:
         return underscored
-    return closest(name, own, cutoff=CLOSE)
+    return closest(name, own, cutoff=CLOSE, spellings=OTHER_TOOLS_NAMES)
 
 
 def check_own_options(parser: argparse.ArgumentParser, unknown: list[str], takes_overrides: bool = True) -> None:

@@ -46,6 +46,10 @@ QUICKSTART_CASES = {
             "'quantisation' is not accepted: did you mean --trainer.strategy.quantization?",
         ),
         ("--model.hiden_size=64", "Option 'hiden_size' is not accepted: did you mean --model.hidden_size?"),
+        (  # axolotl's name for continuing a saved adapter
+            f"{STRATEGY}.lora_model_dir=runs/adapter",
+            "'lora_model_dir' is not accepted: did you mean --trainer.strategy.pretrained_adapter?",
+        ),
     ],
     "readability": [
         (f"{STRATEGY}.checkpoint_every_n=0", "checkpoint_every_n=0"),

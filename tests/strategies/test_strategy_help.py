@@ -53,4 +53,5 @@ def test_fit_help_documents_every_argument(strategy, capsys):
         assert name in helps, f"--trainer.strategy.{name} is not in the help of {strategy.__name__}"
         assert helps[name], f"--trainer.strategy.{name} has no help text for {strategy.__name__}"
     assert "torchao_adamw8bit" in helps["optimizer"]
+    assert "axolotl's ``lora_model_dir``" in helps["pretrained_adapter"]  # continuing a saved peft adapter
     assert helps["checkpoint_every_n"] == "Checkpoint only every n-th selected block: less recompute, more memory."
