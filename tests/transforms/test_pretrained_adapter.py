@@ -193,15 +193,16 @@ def test_qlora_continues_the_adapter_on_the_quantized_base(base_dir, tmp_path, m
 
 def test_the_memory_estimate_takes_the_adapters_shapes(base_dir, tmp_path):
     """The estimator runs the strategy's transform on a meta-device model: the adapter's config gives the LoRA its
-    shapes, and nothing is loaded."""
+    shapes, and nothing is loaded (before the adapter's weights are downloaded, as for pretrained=)."""
     from pl_lowprec import estimate_memory
 
     adapter = _save_adapter(base_dir, tmp_path / "adapter", r=8, use_dora=True, modules_to_save=["lm_head"])
+    in_peft = sum(p.numel() for p in _peft_reference(base_dir, adapter).parameters() if p.requires_grad)
+    (adapter / "adapter_model.safetensors").unlink()  # adapter_config.json is all an estimate needs
     batch = {"input_ids": IDS}
     saved = estimate_memory(LlamaModule, batch, pretrained_adapter=adapter)
     alike = {**TRAINED_BEFORE, "r": 8, "use_dora": True, "modules_to_save": ["lm_head"]}
     assert saved.trainable_parameters == estimate_memory(LlamaModule, batch, lora=alike).trainable_parameters
-    in_peft = sum(p.numel() for p in _peft_reference(base_dir, adapter).parameters() if p.requires_grad)
     assert saved.trainable_parameters == in_peft
     assert saved.peak == estimate_memory(LlamaModule, batch, lora=alike).peak
 
