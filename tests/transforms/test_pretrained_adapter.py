@@ -248,3 +248,26 @@ def test_pl_lowprec_fit_continues_the_adapter_named_in_the_yaml(base_dir, tmp_pa
     main(["export", "--ckpt_path", str(checkpoint), "--out", "exported"])
     exported = peft.LoraConfig.from_pretrained(tmp_path / "exported")
     assert (exported.r, exported.lora_alpha, exported.use_rslora) == (4, 8, True)
+
+
+@pytest.mark.slow
+def test_lowprec_fsdp_on_two_ranks_continues_the_adapter(base_dir, tmp_path):
+    """Each rank holds only its rows of the base when LoRA is added; the adapter (with a head trained whole) loads
+    on every rank, and the first loss is peft's for the adapter as saved."""
+    import sys
+    from pathlib import Path
+
+    import warm_python
+
+    pytest.importorskip("torchao")
+    adapter = _save_adapter(base_dir, tmp_path / "adapter", modules_to_save=["lm_head"])
+    script = Path(__file__).parents[1] / "_scripts" / "fsdp_adapter.py"
+    command = [sys.executable, str(script), str(base_dir), str(adapter), str(tmp_path / "out")]
+    result = warm_python.run(command, timeout=600, ranks=2)
+    assert result.returncode == 0, result.stderr[-4000:]
+    ids = next(iter(ids_loader(batches=1)))["input_ids"]
+    with torch.no_grad():
+        first = float(_peft_reference(base_dir, adapter)(input_ids=ids, labels=ids).loss)
+    for rank in range(2):
+        losses = torch.load(tmp_path / "out" / f"rank{rank}.pt")["losses"]
+        assert losses == [pytest.approx(first, rel=1e-6)]
