@@ -1,11 +1,17 @@
-"""The README stays short and its example parses; every relative link in README, CONTRIBUTING and docs/ resolves."""
+"""The README stays short and its example parses; every relative link in README, CONTRIBUTING and docs/ resolves;
+every Python and YAML example parses, and every option a page gives a subcommand is one it takes."""
 
+import ast
+import io
 import re
+import textwrap
+from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
+import yaml
 
-from pl_lowprec.cli import build_cli
+from pl_lowprec.cli import build_cli, main
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -54,3 +60,49 @@ def test_readme_yaml_example_parses_with_the_cli(tmp_path, capsys):
     assert exit_info.value.code == 0
     printed = capsys.readouterr().out
     assert "LowPrecisionStrategy" in printed and "nf4-dq" in printed and "CausalLM" in printed
+
+
+FENCE = re.compile(r"^( *)```(\w*)\n(.*?)^\1```", flags=re.S | re.M)
+COMMAND = re.compile(r"pl-lowprec (export|generate|estimate|plan|make-demo-model)\b([^`|;#\n]*)")
+OVERRIDE = ("--model.", "--data.", "--trainer.", "--optimizer", "--lr_scheduler", "--config")
+
+
+def _blocks(language: str) -> list[tuple[str, str]]:
+    """Each fenced block of ``language`` in README and docs/, dedented (a block inside a list item is indented)."""
+    return [
+        (f"{page.relative_to(ROOT)}:{page.read_text()[: m.start()].count(chr(10)) + 1}", textwrap.dedent(m[3]))
+        for page in PAGES
+        for m in FENCE.finditer(page.read_text())
+        if m[2] == language
+    ]
+
+
+@pytest.mark.parametrize(("where", "code"), _blocks("python"), ids=lambda v: v if ":" in v else "")
+def test_every_python_example_parses(where, code):
+    ast.parse(code, filename=where)
+
+
+@pytest.mark.parametrize(("where", "text"), _blocks("yaml"), ids=lambda v: v if ":" in v else "")
+def test_every_yaml_example_parses(where, text):
+    assert isinstance(yaml.safe_load(text), dict), where
+
+
+def _subcommand_options(name: str) -> set[str]:
+    with redirect_stdout(io.StringIO()) as out, pytest.raises(SystemExit):
+        main([name, "--help"])
+    return set(re.findall(r"(?<![\w-])--[\w-]+", out.getvalue()))
+
+
+def test_every_subcommand_option_the_docs_use_exists():
+    """``pl-lowprec export --gguf-type`` in a page (or an option renamed since) would stop a reader's first try."""
+    used = [
+        (f"{page.relative_to(ROOT)}:{number}", command, option)
+        for page in [*PAGES, *sorted(ROOT.joinpath("configs").glob("*.yaml"))]
+        for number, line in enumerate(page.read_text().splitlines(), 1)
+        for command, rest in COMMAND.findall(line)
+        for option in re.findall(r"(?<![\w-])--[a-z][\w.-]*", rest)
+        if not option.startswith(OVERRIDE)
+    ]
+    assert len(used) > 20
+    options = {name: _subcommand_options(name) for name in {command for _, command, _ in used}}
+    assert [(where, f"pl-lowprec {c} {o}") for where, c, o in used if o not in options[c]] == []
