@@ -2,6 +2,8 @@
 every Python and YAML example parses, and every option a page gives a subcommand is one it takes."""
 
 import ast
+import importlib
+import inspect
 import io
 import re
 import textwrap
@@ -106,3 +108,33 @@ def test_every_subcommand_option_the_docs_use_exists():
     assert len(used) > 20
     options = {name: _subcommand_options(name) for name in {command for _, command, _ in used}}
     assert [(where, f"pl-lowprec {c} {o}") for where, c, o in used if o not in options[c]] == []
+
+
+def _class_arguments(class_path: str) -> set[str] | None:
+    """The ``init_args`` a ``class_path`` takes: every ``__init__`` along its MRO (the strategies pass ``**kwargs``
+    up to ``TransformArguments`` and Lightning's strategy); ``None`` for a class this test cannot import."""
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+    return {p for c in cls.__mro__ if "__init__" in vars(c) for p in inspect.signature(c.__init__).parameters}
+
+
+def _init_args(node: object) -> list[tuple[str, str]]:
+    if isinstance(node, list):
+        return [pair for item in node for pair in _init_args(item)]
+    if not isinstance(node, dict):
+        return []
+    here = node.get("init_args") if isinstance(node.get("class_path"), str) else None
+    named = [(node["class_path"], key) for key in here] if isinstance(here, dict) else []
+    return named + [pair for value in node.values() for pair in _init_args(value)]
+
+
+def test_every_init_arg_of_a_yaml_example_is_one_its_class_takes():
+    """A page's YAML that names an argument a class no longer takes (renamed since) fails in the reader's run."""
+    used = [(where, path, key) for where, text in _blocks("yaml") for path, key in _init_args(yaml.safe_load(text))]
+    assert len(used) > 30
+    taken = {path: _class_arguments(path) for _, path, _ in used}
+    assert [path for path, args in taken.items() if args is None] == []
+    assert [(where, f"{path}({key}=...)") for where, path, key in used if key not in taken[path]] == []
