@@ -152,3 +152,18 @@ def test_the_readmes_estimate_accuracy_covers_every_row_it_links_to():
     errors = [abs(float(e)) for e in re.findall(r"\| ([+-]\d+\.\d+)% \|", table)]
     assert len(errors) >= 10
     assert max(errors) <= float(claimed[1]), (max(errors), claimed[1])
+
+
+TOP = "tests|pl_lowprec|benchmarks|examples|configs|docs"
+SUB = "memory|transforms|strategies|plugins|callbacks|loading|export|data|models|cli"
+PATH_NAMED = re.compile(rf"(?<![\w/.])((?:{TOP})/[\w/.-]+\.(?:py|yaml|md|sh))")
+MODULE_NAMED = re.compile(rf"`((?:{SUB})/\w+\.py)`")
+
+
+def test_every_file_a_page_names_exists():
+    """``tests/memory/test_x.py`` or ``memory/fake_step.py`` (under pl_lowprec/) in a page: a reader opens it."""
+    pages = [*PAGES, *sorted(ROOT.joinpath("configs").glob("*.yaml"))]
+    named = [(page, path) for page in pages for path in PATH_NAMED.findall(page.read_text())]
+    named += [(page, f"pl_lowprec/{path}") for page in pages for path in MODULE_NAMED.findall(page.read_text())]
+    assert len(named) > 200
+    assert [(str(page.relative_to(ROOT)), path) for page, path in named if not (ROOT / path).exists()] == []
