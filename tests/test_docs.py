@@ -14,6 +14,8 @@ import pytest
 import yaml
 
 from pl_lowprec.cli import build_cli, main
+from pl_lowprec.transforms.optimizers import OPTIMIZER_NAMES
+from pl_lowprec.transforms.quantization import QUANT_MODES
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -167,3 +169,19 @@ def test_every_file_a_page_names_exists():
     named += [(page, f"pl_lowprec/{path}") for page in pages for path in MODULE_NAMED.findall(page.read_text())]
     assert len(named) > 200
     assert [(str(page.relative_to(ROOT)), path) for page, path in named if not (ROOT / path).exists()] == []
+
+
+def test_every_list_of_the_allowed_names_is_complete():
+    """``# adamw8bit | paged_adamw8bit | ...`` beside an option: the names it takes, all of them (torchao_adamw8bit
+    was missing from two such lists)."""
+    allowed = {"optimizer": set(OPTIMIZER_NAMES), "quantization": set(QUANT_MODES), "mode": set(QUANT_MODES)}
+    pages = [*PAGES, *sorted(ROOT.joinpath("configs").glob("*.yaml"))]
+    lists = [
+        (f"{page.relative_to(ROOT)}:{number}", option, set(re.findall(r"[\w-]+", names)))
+        for page in pages
+        for number, line in enumerate(page.read_text().splitlines(), 1)
+        for option, names in re.findall(r"(\w+)[=:] ?\S+\s+# ([\w-]+(?: \| [\w-]+){3,})", line)
+        if option in allowed
+    ]
+    assert len(lists) >= 4
+    assert [(where, allowed[option] - names) for where, option, names in lists if names != allowed[option]] == []
