@@ -140,3 +140,36 @@ def rewrite_weights(directory: Path, edit: Callable[[dict], dict], copy_to: Path
     weights = directory / "model.safetensors"
     save_file(edit(load_file(weights)), weights, metadata={"format": "pt"})
     return directory
+
+
+def bin_copy(directory: Path, copy_to: Path, shards: int = 1, tied_key: bool = False) -> Path:
+    """The model directory with its weights as transformers < 5 saved them without safetensors: one
+    ``pytorch_model.bin``, or ``shards`` files ``pytorch_model-0000i-of-0000n.bin`` and
+    ``pytorch_model.bin.index.json``.
+    ``tied_key``: ``lm_head.weight`` saved too, sharing the embedding's storage (as ``torch.save`` of a tied
+    ``state_dict`` writes it)."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    shutil.copytree(directory, copy_to, ignore=shutil.ignore_patterns("*.safetensors", "model.safetensors.index.json"))
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        state |= load_file(file)
+    if tied_key:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    if shards == 1:
+        torch.save(state, copy_to / "pytorch_model.bin")
+        return copy_to
+    keys = list(state)
+    weight_map = {}
+    for i in range(shards):
+        name = f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin"
+        part = keys[i * len(keys) // shards : (i + 1) * len(keys) // shards]
+        torch.save({k: state[k] for k in part}, copy_to / name)
+        weight_map |= dict.fromkeys(part, name)
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (copy_to / "pytorch_model.bin.index.json").write_text(json.dumps(index, indent=2))
+    return copy_to

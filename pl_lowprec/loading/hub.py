@@ -9,6 +9,9 @@ from pl_lowprec._error_text import briefly
 # What a model repository needs here: config and tokenizer files, weights, and the chat template, which
 # transformers >= 4.43 saves beside the tokenizer as chat_template.jinja (tokenizer_config.json no longer holds it).
 HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+# Fetched only where a repository has no safetensors (as from_pretrained falls back to them): older checkpoints
+# hold only pytorch_model.bin or its shards, and a repository with both would otherwise be downloaded twice.
+BIN_FILES = ["pytorch_model*.bin"]
 # huggingface_hub's own command line (``hf``; ``huggingface-cli`` is gone since huggingface_hub 1.0).
 DOWNLOAD_COMMAND = "hf download"
 
@@ -24,7 +27,8 @@ def is_hub_id(name: str | Path) -> bool:
 
 
 def resolve_pretrained(pretrained: str | Path, check_config: bool = True) -> Path:
-    """A local model directory as is; a hub id downloaded (config, tokenizer, safetensors) where there is network."""
+    """A local model directory as is; a hub id downloaded (config, tokenizer, safetensors, else pytorch_model.bin)
+    where there is network."""
     path = Path(pretrained).expanduser()
     if path.is_dir():
         if check_config and not (path / "config.json").is_file():
@@ -42,12 +46,16 @@ def resolve_pretrained(pretrained: str | Path, check_config: bool = True) -> Pat
         )
         raise ValueError(
             f"pretrained={str(pretrained)!r} is neither a model directory nor a hub id such as 'org/name': the path"
-            f" {what}. Name a Hugging Face model directory (config.json and *.safetensors) or a hub id.{demo}"
+            f" {what}. Name a Hugging Face model directory (config.json and *.safetensors or pytorch_model.bin) or a"
+            f" hub id.{demo}"
         )
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(str(pretrained), allow_patterns=HUB_FILES))
+        snapshot = Path(snapshot_download(str(pretrained), allow_patterns=HUB_FILES))
+        if not any(snapshot.glob("*.safetensors")):
+            snapshot = Path(snapshot_download(str(pretrained), allow_patterns=BIN_FILES))
+        return snapshot
     except Exception as err:  # offline, unknown repo, gated model: every one needs the same advice
         raise ValueError(
             f"pretrained={str(pretrained)!r} is not a local directory, and downloading it from the Hugging Face Hub"

@@ -1,5 +1,8 @@
 """Where pretrained tensors are: a safetensors file, a sharded directory, or a Hugging Face model directory.
 
+A directory of ``pytorch_model.bin`` (or its shards and ``pytorch_model.bin.index.json``) is read as well, mapped
+by ``torch_files.py``; where a directory holds both formats, safetensors is read, as ``from_pretrained`` does.
+
 Only headers are read here (key, shape, dtype per tensor), so every check on names and shapes runs before a
 single weight is loaded. ``prefix_map`` turns checkpoint keys into the module's keys: a LightningModule that
 holds the Hugging Face model as ``self.model`` needs ``"model."`` in front of every checkpoint key.
@@ -16,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pl_lowprec._imports import import_safetensors
+from pl_lowprec.loading.torch_files import BIN_INDEX_NAME, BIN_SINGLE_NAME, TORCH_SUFFIXES, open_torch_file
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -39,7 +43,12 @@ def shapes_only() -> Iterator[None]:
 def config_only(source: str | Path) -> bool:
     """A model directory with its ``config.json`` and no weights (a model's shapes, for an estimate)."""
     path = Path(source).expanduser()
-    return path.is_dir() and (path / "config.json").is_file() and not any(path.glob("*.safetensors"))
+    return path.is_dir() and (path / "config.json").is_file() and not has_weights(path)
+
+
+def has_weights(directory: Path) -> bool:
+    """Weights this package reads: safetensors, or ``pytorch_model.bin`` and its shards."""
+    return any(directory.glob("*.safetensors")) or any(directory.glob("pytorch_model*.bin"))
 
 
 def prefix_map(prefix: str | Mapping[str, str] | None) -> PrefixMap:
@@ -85,55 +94,78 @@ class CheckpointIndex:
 
 
 def checkpoint_files(source: str | Path) -> list[Path]:
-    """The safetensors files that make up ``source``; a clear error for anything else."""
+    """The weight files that make up ``source`` (safetensors preferred, else ``pytorch_model.bin`` or its shards);
+    a clear error for anything else."""
     path = Path(source).expanduser()
     if path.is_file():
-        if path.suffix != ".safetensors":
-            raise ValueError(f"pretrained={str(source)!r} is not a .safetensors file. {_ALLOWED}")
+        if path.suffix != ".safetensors" and path.suffix not in TORCH_SUFFIXES:
+            raise ValueError(f"pretrained={str(source)!r} is not a .safetensors (or torch .bin) file. {_ALLOWED}")
         return [path]
     if not path.is_dir():
         raise FileNotFoundError(f"pretrained={str(source)!r} does not exist. {_ALLOWED}")
-    index = path / INDEX_NAME
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index} has no 'weight_map': it is not a safetensors index.")
-        files = sorted({path / name for name in weight_map.values()})
-        absent = [f.name for f in files if not f.is_file()]
-        if absent:
-            raise FileNotFoundError(
-                f"{index} names shards that are not in {path}: {', '.join(absent)}. A download or copy that stopped"
-                " early does this: fetch every file the index names (or save the model again)."
-            )
-        return files
+    if (path / INDEX_NAME).is_file():
+        return indexed_files(path / INDEX_NAME)
     if (path / SINGLE_NAME).is_file():
         return [path / SINGLE_NAME]
     found = sorted(path.glob("*.safetensors"))
     if len(found) == 1:
         return found
+    if (path / BIN_INDEX_NAME).is_file():
+        return indexed_files(path / BIN_INDEX_NAME)
+    if (path / BIN_SINGLE_NAME).is_file():
+        return [path / BIN_SINGLE_NAME]
     others = other_weight_files(path)
     hint = (
         f" It holds {', '.join(others[:4])}: convert them to safetensors first (load the model once and call"
-        " save_pretrained(..., safe_serialization=True))."
+        " save_pretrained)."
         if others
         else ""
     )
     many = f" It holds {len(found)} .safetensors files but no index to tell which belong together." if found else ""
     raise FileNotFoundError(
-        f"pretrained={str(source)!r} holds no {SINGLE_NAME} or {INDEX_NAME}.{many}{hint} {_ALLOWED}"
+        f"pretrained={str(source)!r} holds no {SINGLE_NAME}, {INDEX_NAME}, {BIN_SINGLE_NAME} or {BIN_INDEX_NAME}."
+        f"{many}{hint} {_ALLOWED}"
     )
 
 
+def indexed_files(index: Path) -> list[Path]:
+    """The shards an index (``model.safetensors.index.json`` or ``pytorch_model.bin.index.json``) names, each once."""
+    weight_map = json.loads(index.read_text()).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index} has no 'weight_map': it is not a weights index.")
+    files = sorted({index.parent / name for name in weight_map.values()})
+    absent = [f.name for f in files if not f.is_file()]
+    if absent:
+        raise FileNotFoundError(
+            f"{index} names shards that are not in {index.parent}: {', '.join(absent)}. A download or copy that"
+            " stopped early does this: fetch every file the index names (or save the model again)."
+        )
+    return files
+
+
 def other_weight_files(source: str | Path) -> list[str]:
-    """Weights in a format other than safetensors (``pytorch_model.bin``, its shards, ``.pt``): not streamed here."""
+    """Weights in a format not read from a directory here (``.pt``, ``.pth``, a ``.bin`` not named
+    ``pytorch_model``): named in the refusal, with the conversion."""
     path = Path(source).expanduser()
     return sorted(p.name for pattern in ("*.bin", "*.pt", "*.pth") for p in path.glob(pattern)) if path.is_dir() else []
 
 
 _ALLOWED = (
-    "Allowed: a .safetensors file, a directory with model.safetensors.index.json and its shards,"
-    " or a Hugging Face model directory (save_pretrained)."
+    "Allowed: a .safetensors (or torch .bin) file, a directory with model.safetensors.index.json (or"
+    " pytorch_model.bin.index.json) and its shards, or a Hugging Face model directory (save_pretrained)."
 )
+
+
+@contextmanager
+def open_weights(file: Path, device: str | None = None) -> Iterator[Any]:
+    """A weights file opened for reading by key: ``safe_open`` for safetensors, else the torch file mapped
+    (``torch_files.open_torch_file``), which answers the same methods."""
+    if file.suffix == ".safetensors":
+        with open_safetensors(file, device) as handle:
+            yield handle
+    else:
+        with open_torch_file(file) as handle:
+            yield handle
 
 
 @contextmanager
@@ -159,7 +191,7 @@ def resolve_checkpoint(source: str | Path, prefix: str | Mapping[str, str] | Non
     prefixes = prefix_map(prefix)
     tensors: dict[str, TensorInfo] = {}
     for file in checkpoint_files(source):
-        with open_safetensors(file) as handle:
+        with open_weights(file) as handle:
             for key in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
                 tensor = handle.get_slice(key)
                 mapped = map_key(key, prefixes)
@@ -190,9 +222,9 @@ class PretrainedWeights:
             checkpoint_files(self.path)
         except FileNotFoundError as err:
             if not config_only(self.path) or other_weight_files(self.path):
-                raise  # its message names the weights there (.bin) and how to convert them
+                raise  # its message names the weights there (.pt, .pth) and how to convert them
             raise FileNotFoundError(
                 f"pretrained={str(self.path)!r} has a config.json but no weights: that is enough for `pl-lowprec"
                 " estimate`, `pl-lowprec plan` and `estimate_memory` (the model's shapes), but training needs the"
-                f" safetensors files (save_pretrained writes them). {err}"
+                f" safetensors (or pytorch_model.bin) weights, which save_pretrained writes. {err}"
             ) from err

@@ -1,14 +1,16 @@
-"""Materialize a module built on the meta device from safetensors files, one module's tensors at a time.
+"""Materialize a module built on the meta device from safetensors (or mapped torch .bin) files, one module's tensors
+at a time.
 
 As torchtune's ``load_from_full_model_state_dict`` and transformers' loading behind ``from_pretrained`` do,
 the model is walked module by module: each tensor is read from its file, cast to the dtype the module
 declared for it (what ``load_state_dict`` into that module would give), put on the target device and
 assigned. A linear layer that quantization will replace is quantized right away from its loaded weight, so
 the full-precision weights never exist all at once. Each file is opened per module and closed again:
-safetensors maps the file into memory, and a handle kept open leaves every page it read resident, which
-would put the whole checkpoint back into the process's resident memory. A tensor that keeps its stored dtype on
-the CPU is the mapping itself (as ``from_pretrained``'s are): its pages are the page cache's, and a checkpoint file
-rewritten in place while the model lives changes the weights not yet trained.
+safetensors maps the file into memory (as ``torch.load(mmap=True)`` maps a ``.bin``), and a handle kept open
+leaves every page it read resident, which would put the whole checkpoint back into the process's resident memory.
+A tensor that keeps its stored dtype on the CPU is the mapping itself (as ``from_pretrained``'s are): its pages
+are the page cache's, and a checkpoint file rewritten in place while the model lives changes the weights not yet
+trained.
 
 Names and shapes are checked from the file headers before anything is read, and every mismatch is reported
 at once (``key_match.py``).
@@ -28,7 +30,7 @@ from torch import nn
 from pl_lowprec._imports import import_bitsandbytes
 from pl_lowprec.loading.empty import assert_no_meta, place_own, reset_on
 from pl_lowprec.loading.key_match import Prefix, Slot, fitting_index, slots
-from pl_lowprec.loading.sources import CheckpointIndex, TensorInfo, open_safetensors
+from pl_lowprec.loading.sources import CheckpointIndex, TensorInfo, open_weights
 from pl_lowprec.transforms.conv1d import stored_transposed
 from pl_lowprec.transforms.quantization import (
     QuantizationConfig,
@@ -97,7 +99,7 @@ def load_pretrained(
         quantizing = quantization is not None and will_quantize(owner, owner_name, quantization)
         firsts = by_owner.get(owner_name, [])
         for file, keys in _by_file(firsts, chosen, index).items():
-            with open_safetensors(file, device="cpu") as handle:
+            with open_weights(file, device="cpu") as handle:
                 for first in keys:
                     declared = _current(model, module_slots[first])
                     loaded = handle.get_tensor(index.tensors[chosen[first]].key)

@@ -109,9 +109,10 @@ def test_path_that_does_not_exist():
         LowPrecisionStrategy(pretrained="/no/such/dir")
 
 
-def test_directory_with_pytorch_bin_only(tmp_path):
-    torch.save({}, tmp_path / "pytorch_model.bin")
-    with pytest.raises(FileNotFoundError, match=r"holds no model.safetensors.*pytorch_model.bin: convert them"):
+def test_directory_with_weights_in_a_format_not_read(tmp_path):
+    """pytorch_model.bin is read (test_torch_bin.py); Meta's consolidated.00.pth is not, and is named."""
+    torch.save({}, tmp_path / "consolidated.00.pth")
+    with pytest.raises(FileNotFoundError, match=r"holds no model.safetensors.*consolidated.00.pth: convert them"):
         LowPrecisionStrategy(pretrained=tmp_path)
 
 

@@ -50,9 +50,9 @@ def test_a_truncated_weights_file_is_named_without_a_traceback(model, tmp_path, 
     assert "model.safetensors" in message and "is not a complete safetensors file" in message
 
 
-def test_pytorch_bin_weights_are_named_not_called_no_weights(model, tmp_path):
-    """A directory with config.json and pytorch_model.bin: the refusal names the .bin file and the conversion, where
-    it said twice that the directory has no weights."""
+def test_weights_in_a_format_not_read_are_named_not_called_no_weights(model, tmp_path):
+    """A directory with config.json and weights only as a .pth (pytorch_model.bin is read: test_torch_bin.py): the
+    refusal names the file and the conversion, where it said twice that the directory has no weights."""
     import torch
 
     from pl_lowprec.models import CausalLM
@@ -60,10 +60,10 @@ def test_pytorch_bin_weights_are_named_not_called_no_weights(model, tmp_path):
     from pl_lowprec.transforms.pipeline import ModelTransform
 
     model_dir, _ = model
-    bin_dir = shutil.copytree(model_dir, tmp_path / "bin", ignore=shutil.ignore_patterns("*.safetensors"))
-    torch.save(safetensors_torch.load_file(model_dir / "model.safetensors"), bin_dir / "pytorch_model.bin")
+    pth_dir = shutil.copytree(model_dir, tmp_path / "pth", ignore=shutil.ignore_patterns("*.safetensors"))
+    torch.save(safetensors_torch.load_file(model_dir / "model.safetensors"), pth_dir / "consolidated.00.pth")
     with pytest.raises(FileNotFoundError) as refused:
-        ModelTransform(TransformConfig()).weights_for(CausalLM(str(bin_dir)))  # what fit asks before loading
+        ModelTransform(TransformConfig()).weights_for(CausalLM(str(pth_dir)))  # what fit asks before loading
     message = str(refused.value)
-    assert "It holds pytorch_model.bin: convert them to safetensors" in message
+    assert "It holds consolidated.00.pth: convert them to safetensors" in message
     assert "no weights" not in message
