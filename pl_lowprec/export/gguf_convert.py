@@ -3,13 +3,12 @@
 What ``convert_hf_to_gguf.py`` does for the architectures of ``gguf_arch``, with the ``gguf`` package's writer:
 the hyperparameters, the tokenizer and chat template (``gguf_vocab``), then every tensor under its llama.cpp name
 in the type ``gguf_types`` chooses. The tensors are streamed: their names, shapes and types are written first
-(from the safetensors headers), then each is loaded, converted and written in turn, so the peak is one tensor,
-not the model (llama.cpp's converter gets the same from lazy tensors).
+(from the safetensors headers, or a mapped ``pytorch_model.bin``), then each is loaded, converted and written in
+turn, so the peak is one tensor, not the model (llama.cpp's converter gets the same from lazy tensors).
 """
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -30,7 +29,7 @@ from pl_lowprec.export.gguf_arch import (
 )
 from pl_lowprec.export.gguf_types import K_MIXES, MixModel, encode, file_type, stored_as, tensor_types
 from pl_lowprec.export.gguf_vocab import add_vocabulary
-from pl_lowprec.loading.sources import INDEX_NAME, open_safetensors
+from pl_lowprec.loading.sources import checkpoint_files, open_weights
 
 
 @dataclass(frozen=True)
@@ -50,21 +49,18 @@ def model_config(model_dir: Path) -> Any:
     return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
 
 
-def safetensors_files(model_dir: Path) -> list[Path]:
-    """The weight files of ``model_dir`` in the order of its index (or its one ``model.safetensors``)."""
-    index = model_dir / INDEX_NAME
-    if index.is_file():
-        names = dict.fromkeys(json.loads(index.read_text())["weight_map"].values())
-        return [model_dir / name for name in names]
-    single = model_dir / "model.safetensors"
-    if not single.is_file():
-        raise ValueError(f"{str(model_dir)!r} holds no model.safetensors (or index) to convert to GGUF.")
-    return [single]
+def weight_files(model_dir: Path) -> list[Path]:
+    """The weight files of ``model_dir`` as the streamed load finds them (safetensors preferred, else
+    ``pytorch_model.bin`` or its shards), in the order of their names, which is the order of the shards."""
+    try:
+        return checkpoint_files(model_dir)
+    except FileNotFoundError as err:
+        raise ValueError(f"{str(model_dir)!r} holds no weights to convert to GGUF: {err}") from err
 
 
 def auto_type(model_dir: Path) -> str:
     """``--gguf_type auto``: bf16 for bf16 weights, else f16 (llama.cpp's converter reads the first matrix too)."""
-    with open_safetensors(safetensors_files(model_dir)[0]) as handle:
+    with open_weights(weight_files(model_dir)[0]) as handle:
         for key in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
             tensor = handle.get_slice(key)
             if len(tensor.get_shape()) >= 2:
@@ -73,11 +69,11 @@ def auto_type(model_dir: Path) -> str:
 
 
 def plan(gguf: Any, model_dir: Path, config: Any, arch: Architecture, gguf_type: str) -> list[Planned]:
-    """Every tensor the file will hold, from the safetensors headers (nothing is loaded)."""
+    """Every tensor the file will hold, from the files' headers (nothing is loaded)."""
 
     def headers() -> Iterator[tuple[Path, str, tuple[int, ...]]]:
-        for file in safetensors_files(model_dir):
-            with open_safetensors(file) as handle:
+        for file in weight_files(model_dir):
+            with open_weights(file) as handle:
                 for key in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
                     yield file, key, tuple(handle.get_slice(key).get_shape())
 
@@ -141,7 +137,7 @@ def tensor_values(planned: list[Planned], config: Any, arch: Architecture) -> It
         if file is None:
             yield from (llama3_rope_factors(config) for _ in items)
             continue
-        with open_safetensors(file) as handle:
+        with open_weights(file) as handle:
             for item in items:
                 yield permute_qk(item.key, handle.get_tensor(item.key).float().numpy(), config, arch)
 
@@ -155,7 +151,7 @@ def writing_progress(out_file: Path, total: int) -> Any:
 
 
 def convert_to_gguf(model_dir: Path, out_file: Path, gguf_type: str, name: str) -> dict[str, Any]:
-    """Write ``model_dir`` (config, safetensors, tokenizer) to ``out_file``; return what was written."""
+    """Write ``model_dir`` (config, safetensors or .bin, tokenizer) to ``out_file``; return what was written."""
     gguf = import_gguf()
     model_dir = Path(model_dir)
     config = model_config(model_dir)

@@ -110,9 +110,9 @@ def check_model_for_gguf(model_dir: Path) -> None:
         adapter = (model_dir / "adapter_config.json").is_file()
         why = "is a peft adapter" if adapter else "holds no config.json" if model_dir.is_dir() else "is not a directory"
         raise ValueError(
-            f"--model {str(model_dir)!r} {why}: --model converts a model directory (config.json, safetensors and"
-            " the tokenizer; a `pl-lowprec export --merged` output is one) to GGUF. For a training checkpoint pass"
-            " --ckpt_path instead, which merges the adapters first."
+            f"--model {str(model_dir)!r} {why}: --model converts a model directory (config.json, safetensors or"
+            " pytorch_model.bin, and the tokenizer; a `pl-lowprec export --merged` output is one) to GGUF. For a"
+            " training checkpoint pass --ckpt_path instead, which merges the adapters first."
         )
     config = model_config(model_dir)
     if getattr(config, "quantization_config", None):

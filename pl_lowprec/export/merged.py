@@ -4,8 +4,10 @@ Not the 4-bit weights the adapters trained on: a QLoRA fine-tune ends in the ful
 from plus ``scale * B @ A``, as axolotl's and torchtune's merges do (and as peft's ``merge_and_unload`` would on an
 unquantized base). The original safetensors are streamed file by file (one shard in memory at a time), each
 adapted weight is merged in fp32 and rounded once to the output dtype, and every file keeps its name, keys and
-order, so ``AutoModelForCausalLM.from_pretrained`` loads the result as it loaded the original. The other files of
-the model directory (``config.json``, ``generation_config.json``, the tokenizer) are copied.
+order, so ``AutoModelForCausalLM.from_pretrained`` loads the result as it loaded the original; a base of
+``pytorch_model.bin`` files is written as safetensors (``pytorch_model-00001-of-00002.bin`` as
+``model-00001-of-00002.safetensors``, with ``model.safetensors.index.json``), as ``save_pretrained`` writes it.
+The other files of the model directory (``config.json``, ``generation_config.json``, the tokenizer) are copied.
 
 Weights trained whole (a task's head in LoRA's ``modules_to_save``, biases under ``bias='all'``) are written as
 they trained, replacing the original tensor, or added where the checkpoint had none (a classifier's new
@@ -42,7 +44,8 @@ from pl_lowprec.adapters import (
 )
 from pl_lowprec.export.trained_whole import file_key_of, trained_whole, untied_heads, without_absent_modules
 from pl_lowprec.loading import PretrainedWeights, resolve_checkpoint
-from pl_lowprec.loading.sources import INDEX_NAME, open_safetensors
+from pl_lowprec.loading.sources import INDEX_NAME, open_weights
+from pl_lowprec.loading.torch_files import BIN_INDEX_NAME
 from pl_lowprec.transforms.conv1d import conv1d_weights
 from pl_lowprec.transforms.dtypes import to_dtype
 from pl_lowprec.transforms.lora import base_changing_init, lora_layers
@@ -85,7 +88,7 @@ def merge_into_pretrained(
     floating = torch.float32
     for position, (file, keys) in enumerate(by_file.items()):
         tensors: dict[str, torch.Tensor] = {}
-        with open_safetensors(file, device="cpu") as handle:
+        with open_weights(file, device="cpu") as handle:
             metadata = handle.metadata()
             for file_key in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
                 module_key = keys.get(file_key, "")
@@ -106,22 +109,33 @@ def merge_into_pretrained(
             tensors |= {k: whole[m].to(cast or floating).contiguous() for k, m in new_keys.items()}
         sizes |= {k: t.numel() * t.element_size() for k, t in tensors.items()}
         written += len(tensors)
-        save_file(tensors, str(out_dir / file.name), metadata=metadata or {"format": "pt"})
+        save_file(tensors, str(out_dir / written_name(file.name)), metadata=metadata or {"format": "pt"})
         del tensors
     if source.is_dir():
         _copy_model_files(source, out_dir)
         _describe_the_trained_model(module, out_dir, set(new_keys), dtype)
-        if (source / INDEX_NAME).is_file():
-            index_json = json.loads((source / INDEX_NAME).read_text())
+        read_as = INDEX_NAME if next(iter(by_file)).suffix == ".safetensors" else BIN_INDEX_NAME  # the one read
+        source_index = source / read_as
+        if source_index.is_file():
+            index_json = json.loads(source_index.read_text())
             index_json.setdefault("metadata", {})["total_size"] = sum(sizes.values())
-            last_file = list(by_file)[-1].name
+            last_file = written_name(list(by_file)[-1].name)
             weight_map = index_json.get("weight_map", {})
-            index_json["weight_map"] = {k: f for k, f in weight_map.items() if k in sizes} | dict.fromkeys(
-                new_keys, last_file
-            )
+            kept_map = {k: written_name(f) for k, f in weight_map.items() if k in sizes}
+            index_json["weight_map"] = kept_map | dict.fromkeys(new_keys, last_file)
             (out_dir / INDEX_NAME).write_text(json.dumps(index_json, indent=2, sort_keys=True) + "\n")
     left_out = len(index.tensors) - len(kept)
     return {"merged": merged, "tensors": written, "whole": replaced + len(new_keys), "left_out": left_out}
+
+
+def written_name(name: str) -> str:
+    """The merged file's name for a file of the base: a safetensors name as it is; ``pytorch_model*.bin`` (or any
+    torch file) as the safetensors name ``save_pretrained`` gives it (``model-00001-of-00002.safetensors``)."""
+    path = Path(name)
+    if path.suffix == ".safetensors":
+        return name
+    stem = path.stem
+    return ("model" + stem.removeprefix("pytorch_model") if stem.startswith("pytorch_model") else stem) + ".safetensors"
 
 
 def residual_bases(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -168,5 +182,5 @@ def _describe_the_trained_model(module: nn.Module, out_dir: Path, new_keys: set[
 def _copy_model_files(source: Path, out_dir: Path) -> None:
     """Everything of the model directory but its weights (config, generation config, tokenizer, templates)."""
     for path in sorted(source.iterdir()):
-        if path.is_file() and path.suffix not in WEIGHT_SUFFIXES and path.name != INDEX_NAME:
+        if path.is_file() and path.suffix not in WEIGHT_SUFFIXES and path.name not in (INDEX_NAME, BIN_INDEX_NAME):
             shutil.copy(path, out_dir / path.name)
