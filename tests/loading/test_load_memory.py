@@ -42,3 +42,23 @@ def test_streamed_load_peaks_well_under_the_full_precision_model(tmp_path):
         f" streamed {streamed['added_peak_bytes'] / 2**20:.0f} MiB,"
         f" full load then quantize {full['added_peak_bytes'] / 2**20:.0f} MiB"
     )
+
+
+@pytest.mark.slow
+def test_streamed_load_of_pytorch_model_bin_peaks_as_from_safetensors(tmp_path):
+    """torch.load(mmap=True) maps each .bin shard, so the load reads one tensor at a time as from safetensors: a
+    load that read the shard whole (no mmap) would add the shard to the peak."""
+    from loading_helpers import bin_copy
+
+    _run("write", tmp_path / "st")
+    bin_dir = bin_copy(tmp_path / "st", tmp_path / "bin", shards=2)
+    from_bin, from_safetensors = _run("stream", bin_dir), _run("stream", tmp_path / "st")
+    size = from_bin["fp32_model_bytes"]
+    assert from_bin["added_peak_bytes"] < 0.35 * size, from_bin
+    both = (from_bin, from_safetensors)
+    assert from_bin["added_peak_bytes"] < from_safetensors["added_peak_bytes"] + 16 * 2**20, both
+    print(
+        f"\nfp32 model {size / 2**20:.0f} MiB; nf4-dq streamed load adds: from 2 .bin shards"
+        f" {from_bin['added_peak_bytes'] / 2**20:.0f} MiB, from safetensors"
+        f" {from_safetensors['added_peak_bytes'] / 2**20:.0f} MiB"
+    )
