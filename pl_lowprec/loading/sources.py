@@ -99,7 +99,10 @@ def checkpoint_files(source: str | Path) -> list[Path]:
     path = Path(source).expanduser()
     if path.is_file():
         if path.suffix != ".safetensors" and path.suffix not in TORCH_SUFFIXES:
-            raise ValueError(f"pretrained={str(source)!r} is not a .safetensors (or torch .bin) file. {_ALLOWED}")
+            raise ValueError(
+                f"pretrained={str(source)!r} is not a .safetensors file or a torch state dict (.bin, .pt, .pth)."
+                f" {_ALLOWED}"
+            )
         return [path]
     if not path.is_dir():
         raise FileNotFoundError(f"pretrained={str(source)!r} does not exist. {_ALLOWED}")
@@ -151,8 +154,9 @@ def other_weight_files(source: str | Path) -> list[str]:
 
 
 _ALLOWED = (
-    "Allowed: a .safetensors (or torch .bin) file, a directory with model.safetensors.index.json (or"
-    " pytorch_model.bin.index.json) and its shards, or a Hugging Face model directory (save_pretrained)."
+    "Allowed: a .safetensors file (or a torch state dict: .bin, .pt, .pth), a directory with"
+    " model.safetensors.index.json (or pytorch_model.bin.index.json) and its shards, or a Hugging Face model"
+    " directory (save_pretrained)."
 )
 
 

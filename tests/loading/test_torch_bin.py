@@ -162,3 +162,12 @@ def test_a_hub_repository_with_only_bin_weights_downloads_them_and_one_with_both
     _assert_same_bytes(_streamed(old).state_dict(), reference.state_dict())
     fetched = resolve_pretrained("org/both")
     assert not list(fetched.glob("*.bin")) and (fetched / "model.safetensors").is_file()
+
+
+def test_a_single_state_dict_file_loads_as_its_directory_does(tmp_path):
+    """pretrained= a .bin or .pt file itself (torch.save(model.state_dict())), as a .safetensors file is taken."""
+    directory = save_llama(tmp_path / "st", hidden_size=64)
+    bin_dir = bin_copy(directory, tmp_path / "bin")
+    state_file = (bin_dir / "pytorch_model.bin").rename(tmp_path / "weights.pt")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    _assert_same_bytes(_streamed(state_file).state_dict(), reference.state_dict())
