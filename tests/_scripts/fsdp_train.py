@@ -18,6 +18,7 @@ DEVICE: cpu (gloo, default) | gpu (nccl) | gpu-offload (nccl, cpu_offload=True))
 - full: LoRA on an unquantized base with full (gathered) checkpoints: 4 steps, then a resume from step 2.
 - overflow: 16-mixed; after the backward of step 2, rank 1 (only) writes inf into its shard of one gradient.
 - bad: one Trainer per bad input; records each error message.
+- pretrained_bin: pretrained from the same base saved as pytorch_model.bin; records the adapters.
 - biases: pretrained's streamed load of a base with attention biases, LoRA bias='lora_only'; records the
   trainable parameters' local dtypes and the trained biases.
 - compiled: train's first step with compile=True and checkpointed blocks (compiled after fully_shard); records
@@ -212,6 +213,34 @@ def pretrained(world, out, precision) -> dict:
         "largest_nf4_layer": max(nf4_bytes(p) * world for p in weights),
         "initialized": initialized(world, out, precision),  # the same launch: one process group start less
     }
+
+
+def pretrained_bin(world, out, precision) -> dict:
+    """pretrained, from the same base saved as ``pytorch_model.bin`` (as older hub checkpoints are): each rank maps
+    the file with torch.load(mmap=True) and keeps its rows."""
+    directory = _saved(TinyLlama(**SIZES).model, out)
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    if rank == 0 or not torch.distributed.is_initialized():
+        from safetensors.torch import load_file
+
+        torch.save(load_file(directory / "model.safetensors"), directory / "pytorch_model.bin")
+        (directory / "model.safetensors").unlink()
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    strategy = LowPrecisionFSDPStrategy(
+        quantization="nf4",
+        lora=LORA,
+        shard_modules="LlamaDecoderLayer",
+        nf4_scaler_block_size=32,
+        pretrained=directory,
+        pretrained_prefix="model.",
+    )
+    trainer = _trainer(world, out, precision, strategy=strategy)
+    with trainer.init_module(empty_init=True):
+        model = SGDTinyLlama(**SIZES)
+    torch.manual_seed(0)
+    trainer.fit(model, _loader(world))
+    return {"adapters": _adapters(model), "read": sorted(p.name for p in directory.iterdir())}
 
 
 class BiasedLlama(SGDTinyLlama):
@@ -531,6 +560,7 @@ def main(world: str, out: str, precision: str, scenario_names: str) -> None:
         "train": train,
         "resume": resume,
         "pretrained": pretrained,
+        "pretrained_bin": pretrained_bin,
         "full": full,
         "overflow": overflow,
         "options": options,

@@ -76,6 +76,16 @@ def test_meta_module_filled_from_pretrained_or_initialized_holds_its_rows_only(f
 
 
 @pytest.mark.slow
+def test_a_pytorch_model_bin_base_trains_as_its_safetensors_copy_under_fsdp(tmp_path):
+    """The same base as pytorch_model.bin: every rank streams its rows from the mapped file, and the adapters
+    after training equal those from the safetensors base, bit for bit."""
+    runs = _run_many(2, tmp_path, "32-true", ["pretrained", "pretrained_bin"])
+    for from_safetensors, from_bin in zip(runs["pretrained"], runs["pretrained_bin"], strict=True):
+        assert "pytorch_model.bin" in from_bin["read"] and "model.safetensors" not in from_bin["read"]
+        _assert_all_close(from_bin["adapters"], from_safetensors["adapters"], rtol=0, atol=0)
+
+
+@pytest.mark.slow
 def test_blocks_compiled_after_fully_shard_give_the_eager_gradients(two_process):
     # compile=True with checkpointed blocks, NF4 and LoRA under FSDP2: step 1's gradients equal train's (eager,
     # unchecked blocks; checkpointing changes no gradient) to fp32 reordering (measured: 1.1e-8 of 0.046).
