@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -104,7 +105,10 @@ def merge_into_pretrained(
                     tensor, merged = (tensor.T if flip else tensor), merged + 1
                 elif module_key in whole:
                     tensor, replaced = (whole[module_key].T if flip else whole[module_key]), replaced + 1
-                tensors[file_key] = tensor.to(target).contiguous()
+                tensor = tensor.to(target).contiguous()
+                if _same_memory(tensor, tensors.values()):
+                    continue  # a tied weight that torch.save wrote under both keys: saved once, as save_pretrained does
+                tensors[file_key] = tensor
         if position == len(by_file) - 1:  # new heads go into the last file, as save_pretrained puts the head last
             tensors |= {k: whole[m].to(cast or floating).contiguous() for k, m in new_keys.items()}
         sizes |= {k: t.numel() * t.element_size() for k, t in tensors.items()}
@@ -126,6 +130,15 @@ def merge_into_pretrained(
             (out_dir / INDEX_NAME).write_text(json.dumps(index_json, indent=2, sort_keys=True) + "\n")
     left_out = len(index.tensors) - len(kept)
     return {"merged": merged, "tensors": written, "whole": replaced + len(new_keys), "left_out": left_out}
+
+
+def _same_memory(tensor: torch.Tensor, written: Any) -> bool:
+    """``tensor`` is a tensor already written, under another key: a ``pytorch_model.bin`` of a tied model holds
+    ``lm_head.weight`` and the embedding as one storage, which safetensors refuses to save twice."""
+    if tensor.numel() == 0:
+        return False
+    where = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape, tensor.dtype)
+    return any((t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.dtype) == where for t in written)
 
 
 def written_name(name: str) -> str:

@@ -70,3 +70,25 @@ def test_gguf_of_a_bin_model_directory_holds_the_tensors_of_the_safetensors_one(
     assert {k: v for k, v in fields_bin.items() if k != "general.name"} == {
         k: v for k, v in fields_st.items() if k != "general.name"
     }
+
+
+def test_merged_export_of_a_tied_bin_base_saves_the_shared_weight_once(tmp_path):
+    """torch.save of a tied model writes lm_head.weight and the embedding as one storage, which safetensors refuses
+    to save twice: the merge writes it once, as save_pretrained does, and loads as the safetensors base merged."""
+    directory = save_llama(tmp_path / "st", hidden_size=64, tie=True)
+    bin_dir = bin_copy(directory, tmp_path / "bin", tied_key=True)
+    lora = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
+    trainer = quiet_trainer(strategy=LowPrecisionStrategy(pretrained=bin_dir, lora=lora), max_steps=1)
+    with trainer.init_module(empty_init=True):
+        model = LlamaModule(hidden_size=64, tie=True)
+    trainer.fit(model, ids_loader(batches=1))
+    loaded = {}
+    for name, source in (("from_bin", bin_dir), ("from_safetensors", directory)):
+        (tmp_path / name).mkdir()
+        merge_into_pretrained(model, PretrainedWeights(source, prefix="model."), tmp_path / name)
+        loaded[name] = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name).state_dict()
+    from safetensors.torch import load_file
+
+    assert "lm_head.weight" not in load_file(tmp_path / "from_bin" / "model.safetensors")
+    for key, tensor in loaded["from_safetensors"].items():
+        assert torch.equal(loaded["from_bin"][key], tensor), key
