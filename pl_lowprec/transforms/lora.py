@@ -16,12 +16,14 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from pl_lowprec._checks import check_at_least, check_fraction, check_positive
 from pl_lowprec._imports import import_peft
 from pl_lowprec.transforms.dtypes import HALF_DTYPES, upcast_to_fp32
 from pl_lowprec.transforms.linear_filter import DEFAULT_SKIP, is_target_linear, linear_names, matches_any
+from pl_lowprec.transforms.nf4 import is_nf4
 
 ADAPTER_NAME = "default"
 # The heads a task's model adds, trained whole beside the adapters: what peft's task models
@@ -183,9 +185,10 @@ def _shown(names: list[str]) -> str:
 def refuse_packed_modules_to_save(model: nn.Module, modules_to_save: Any) -> None:
     """Refuse ``modules_to_save`` naming a module whose weights quantization packed into integers: peft's trained copy
     of it stopped in a traceback inside peft or bitsandbytes ("only Tensors of floating point dtype can require
-    gradients")."""
+    gradients"), or, for torchao's NF4 (``lowprec_fsdp``), whose tensors say they are floating point, inside
+    torchao's re-quantizing copy ("Number of scalers must be divisible by scaler block size")."""
     named = [n for n, _ in model.named_modules() if n and named_by(list(modules_to_save or ()), n)]
-    packed = [n for n in named if any(not p.is_floating_point() for p in model.get_submodule(n).parameters())]
+    packed = [n for n in named if any(_is_packed(p) for p in model.get_submodule(n).parameters())]
     if packed:
         shown = ", ".join(packed[:4]) + (", ..." if len(packed) > 4 else "")
         raise ValueError(
@@ -193,6 +196,11 @@ def refuse_packed_modules_to_save(model: nn.Module, modules_to_save: Any) -> Non
             " module trained whole needs floating-point weights. Fix: add it to quantization's skip_modules (it"
             " stays 16-bit and trains whole), or adapt it with LoRA instead (target_modules)."
         )
+
+
+def _is_packed(param: torch.Tensor) -> bool:
+    """Integer storage (bitsandbytes) or an NF4 tensor (torchao, sharded or not): not a weight to train whole."""
+    return not param.is_floating_point() or is_nf4(param)
 
 
 def peft_selected(config: Any, names: list[str]) -> list[str]:
