@@ -59,4 +59,29 @@ def load_optimizer_states(module: nn.Module, optimizers: Sequence[Optimizer], st
         raise RuntimeError(f"The checkpoint holds {len(states)} optimizer states; the module has {len(optimizers)}.")
     for optimizer, state in zip(optimizers, states, strict=True):
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
+        state = keyed_by_name(module, optimizer, state)
         set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def keyed_by_name(module: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state keyed by position (``Optimizer.state_dict()``: what one device and ``lowprec_ddp`` save)
+    keyed by parameter name, as this strategy saves it: ``set_optimizer_state_dict`` takes names only, and stopped
+    in ``KeyError: 'state.0.step'``. Positions map to this optimizer's parameters in order, as
+    ``Optimizer.load_state_dict`` maps them; a state keyed by name is returned as it is."""
+    saved = [key for group in state.get("param_groups", ()) for key in group["params"]]
+    if not saved or not all(isinstance(key, int) for key in saved):
+        return state
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    sizes = [len(group["params"]) for group in optimizer.param_groups]
+    saved_sizes = [len(group["params"]) for group in state["param_groups"]]
+    if sizes != saved_sizes:
+        raise ValueError(
+            f"The checkpoint's optimizer state holds parameter groups of {saved_sizes} parameters; this run's optimizer"
+            f" has {sizes}. It was saved by another configure_optimizers or other lora=/modules_to_save settings:"
+            " resume with the ones it was saved with, or load only its weights (ckpt_path=None and load the"
+            " checkpoint's state_dict into the module)."
+        )
+    names = {id(param): name for name, param in module.named_parameters()}
+    name_of = {key: names[id(param)] for key, param in zip(saved, params, strict=True)}
+    groups = [{**group, "params": [name_of[key] for key in group["params"]]} for group in state["param_groups"]]
+    return {"state": {name_of[key]: value for key, value in state["state"].items()}, "param_groups": groups}
