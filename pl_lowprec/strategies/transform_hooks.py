@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from pl_lowprec.callbacks.epoch_end_resumption import as_saved_at_the_last_batch
 from pl_lowprec.callbacks.replacements import use_package_callbacks
 from pl_lowprec.callbacks.step_boundary_checkpoint import mid_step_resumption
+from pl_lowprec.distributed.equal_batches import check_equal_batches
 from pl_lowprec.distributed.launched_ranks import mark_failing
 from pl_lowprec.generator_states import set_random_states
 from pl_lowprec.memory.budget import check_memory_budget, first_training_batch, training_loader
@@ -170,6 +171,7 @@ class TransformHooks(TransformArguments):
 
     def on_train_start(self) -> None:
         super().on_train_start()
+        check_equal_batches(self.lightning_module.trainer)
         if self._random_states_to_set is not None:  # resumed: as the uninterrupted run stood at this step
             trainer = self.lightning_module.trainer
             set_random_states(self._random_states_to_set)
