@@ -17,10 +17,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from pl_lowprec.callbacks.logger_step import batches_that_stepped, last_training_step_logged
+from pl_lowprec.distributed.gather import gather_from_ranks
 from pl_lowprec.memory.activations import count_saved_tensors
 from pl_lowprec.memory.breakdown import buffer_bytes, gradient_bytes, optimizer_state_bytes, parameter_bytes
 from pl_lowprec.memory.process import memory_stats, reset_peak
@@ -170,17 +170,6 @@ def unused_summary_path(folder: Path) -> Path:
         version += 1
         path = folder / f"{Path(SUMMARY_FILE).stem}-v{version}.json"
     return path
-
-
-def gather_from_ranks(values: torch.Tensor) -> torch.Tensor:
-    """Every rank's ``values`` as rows, in rank order. ``torch.distributed.all_gather``'s list form: Lightning's
-    ``strategy.all_gather`` goes through ``torch.distributed.nn``'s, which torch 2.13 deprecates with a warning
-    on every rank, and the tensor form (``all_gather_into_tensor``) is deprecated there too."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return values[None]
-    rows = [torch.empty_like(values) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, values)
-    return torch.stack(rows)
 
 
 def destinations(stage: str, summary_file: Path, loggers: list[Any]) -> str:

@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from pl_lowprec.distributed.gather import gather_from_ranks
 
 
 def check_equal_batches(trainer: Any) -> None:
@@ -23,9 +24,7 @@ def check_equal_batches(trainer: Any) -> None:
     if strategy.world_size < 2:
         return
     count = torch.tensor([float(trainer.num_training_batches)], dtype=torch.float64, device=strategy.root_device)
-    rows = [torch.empty_like(count) for _ in range(strategy.world_size)]
-    dist.all_gather(rows, count)  # the list form: Lightning's strategy.all_gather warns on torch 2.13 (deprecated)
-    counts = [float(row.item()) for row in rows]
+    counts = gather_from_ranks(count).flatten().tolist()
     if len(set(counts)) == 1:
         return
     needed = trainer.max_steps * trainer.accumulate_grad_batches

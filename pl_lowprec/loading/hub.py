@@ -49,18 +49,24 @@ def resolve_pretrained(pretrained: str | Path, check_config: bool = True) -> Pat
             f" {what}. Name a Hugging Face model directory (config.json and *.safetensors or pytorch_model.bin) or a"
             f" hub id.{demo}"
         )
+    snapshot = hub_snapshot(str(pretrained), HUB_FILES, "pretrained=")
+    if not any(snapshot.glob("*.safetensors")):
+        snapshot = hub_snapshot(str(pretrained), BIN_FILES, "pretrained=")
+    return snapshot
+
+
+def hub_snapshot(hub_id: str, patterns: list[str], option: str) -> Path:
+    """The files of ``hub_id`` that match ``patterns``, downloaded into the Hugging Face cache; one paragraph with
+    the command to fetch them elsewhere where that fails (offline, unknown repo, gated)."""
     from huggingface_hub import snapshot_download
 
     try:
-        snapshot = Path(snapshot_download(str(pretrained), allow_patterns=HUB_FILES))
-        if not any(snapshot.glob("*.safetensors")):
-            snapshot = Path(snapshot_download(str(pretrained), allow_patterns=BIN_FILES))
-        return snapshot
+        return Path(snapshot_download(hub_id, allow_patterns=patterns))
     except Exception as err:  # offline, unknown repo, gated model: every one needs the same advice
         raise ValueError(
-            f"pretrained={str(pretrained)!r} is not a local directory, and downloading it from the Hugging Face Hub"
+            f"{option}{hub_id!r} is not a local directory, and downloading it from the Hugging Face Hub"
             f" failed ({briefly(err, 200)}). Download it on a machine with network access"
-            f" (`{DOWNLOAD_COMMAND} {pretrained} --local-dir DIR`) and pass pretrained=DIR."
+            f" (`{DOWNLOAD_COMMAND} {hub_id} --local-dir DIR`) and pass {option}DIR."
         ) from err
 
 

@@ -21,11 +21,10 @@ from typing import Any
 
 from torch import nn
 
-from pl_lowprec._error_text import briefly
 from pl_lowprec._imports import import_peft
 from pl_lowprec.adapters import find_base_model, mismatch_summary, recorded_base
-from pl_lowprec.loading.hub import DOWNLOAD_COMMAND, is_hub_id
-from pl_lowprec.transforms.lora import ADAPTER_NAME, base_changing_init, with_task_heads
+from pl_lowprec.loading.hub import hub_snapshot, is_hub_id
+from pl_lowprec.transforms.lora import ADAPTER_NAME, base_changing_init, lora_config, with_task_heads
 
 ADAPTER_FILES = ["adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"]
 TRAINING_ONLY = ("lora_dropout",)  # may differ from the saved config: it changes training, not the adapter's output
@@ -53,16 +52,7 @@ def resolve_adapter(source: str | Path) -> Path:
             f"{shown} is neither an adapter directory nor a hub id such as 'org/name': the path {what}. Name a peft"
             " adapter directory (adapter_config.json and adapter_model.safetensors) or a hub id."
         )
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(str(source), allow_patterns=ADAPTER_FILES))
-    except Exception as err:  # offline, unknown repo, gated: the same advice
-        raise ValueError(
-            f"{shown} is not a local directory, and downloading it from the Hugging Face Hub failed"
-            f" ({briefly(err, 200)}). Download it on a machine with network access"
-            f" (`{DOWNLOAD_COMMAND} {source} --local-dir DIR`) and pass pretrained_adapter=DIR."
-        ) from err
+    return hub_snapshot(str(source), ADAPTER_FILES, "pretrained_adapter=")
 
 
 def adapter_lora_config(directory: Path, lora: Any, source: str | Path) -> Any:
@@ -97,10 +87,8 @@ def _given_fields(lora: Any) -> dict[str, Any]:
         return {}
     if isinstance(lora, Mapping):
         return dict(lora)
-    peft = import_peft()
-    if not isinstance(lora, peft.LoraConfig):
-        raise TypeError(f"lora= takes a peft.LoraConfig or a dict of its fields, got {type(lora).__name__}.")
-    default = peft.LoraConfig()
+    lora = lora_config(lora)  # a LoraConfig as it is; anything else refused, naming what lora= takes
+    default = import_peft().LoraConfig()
     return {
         f.name: getattr(lora, f.name)
         for f in fields(lora)

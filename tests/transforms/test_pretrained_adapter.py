@@ -90,9 +90,9 @@ def test_logits_before_training_equal_peft_from_pretrained(base_dir, tmp_path, l
     assert not torch.equal(_logits(module.model), _logits(_base(base_dir)))  # the adapter's B is not zero
 
 
-def _fit(base_dir, adapter, steps=3, **strategy_args):
+def _fit(base_dir, adapter, steps=3, strategy_class=LowPrecisionStrategy, **strategy_args):
     recorder = LossRecorder()
-    strategy = LowPrecisionStrategy(pretrained=base_dir, pretrained_adapter=adapter, **strategy_args)
+    strategy = strategy_class(pretrained=base_dir, pretrained_adapter=adapter, **strategy_args)
     trainer = quiet_trainer(strategy=strategy, max_steps=steps, callbacks=[recorder])
     with trainer.init_module(empty_init=True):
         module = LlamaModule()
@@ -214,16 +214,11 @@ def test_every_strategy_continues_the_adapter(base_dir, tmp_path, strategy_name)
 
     adapter = _save_adapter(base_dir, tmp_path / "adapter")
     cls = {"lowprec_ddp": LowPrecisionDDPStrategy, "lowprec_fsdp": LowPrecisionFSDPStrategy}[strategy_name]
-    recorder = LossRecorder()
-    strategy = cls(pretrained=base_dir, pretrained_adapter=adapter)
-    trainer = quiet_trainer(strategy=strategy, max_steps=1, callbacks=[recorder])
-    with trainer.init_module(empty_init=True):
-        module = LlamaModule()
-    trainer.fit(module, ids_loader(batches=1))
+    _, losses = _fit(base_dir, adapter, steps=1, strategy_class=cls)
     ids = next(iter(ids_loader(batches=1)))["input_ids"]
     with torch.no_grad():
         first = _peft_reference(base_dir, adapter)(input_ids=ids, labels=ids).loss
-    assert recorder.losses == [pytest.approx(float(first), rel=1e-6)]  # the loss of the adapter as saved
+    assert losses == [pytest.approx(float(first), rel=1e-6)]  # the loss of the adapter as saved
 
 
 def test_pl_lowprec_fit_continues_the_adapter_named_in_the_yaml(base_dir, tmp_path, monkeypatch, caplog):
