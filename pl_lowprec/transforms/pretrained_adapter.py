@@ -31,6 +31,8 @@ TRAINING_ONLY = ("lora_dropout",)  # may differ from the saved config: it change
 NOT_COMPARED = ("inference_mode",)  # turned off here; inference_mode=True in lora= is refused by check_lora_options
 PEFT_PREFIX = "base_model.model."  # the saved names are those under PeftModel, which wraps the base as base_model.model
 DATA_DRIVEN_INITS = ("eva", "lora_ga")  # only start A and B, which the saved tensors replace
+# what the saved tensors' shapes and scale follow: compared at any value when lora= is a LoraConfig object
+ADAPTER_DEFINING = ("r", "lora_alpha", "use_rslora", "use_dora", "target_modules", "rank_pattern", "alpha_pattern")
 
 
 def resolve_adapter(source: str | Path) -> Path:
@@ -82,7 +84,9 @@ def adapter_lora_config(directory: Path, lora: Any, source: str | Path) -> Any:
 
 
 def _given_fields(lora: Any) -> dict[str, Any]:
-    """What ``lora=`` sets: a dict's keys, or a ``LoraConfig``'s fields that differ from peft's defaults."""
+    """What ``lora=`` sets: a dict's keys; of a ``LoraConfig``, the fields that differ from peft's defaults and, at
+    any value, those that make the adapter what it is (``ADAPTER_DEFINING``): an object cannot say which fields were
+    left at their defaults, and ``LoraConfig(r=8)`` beside a rank-4 adapter must not train rank 4 in silence."""
     if lora is None:
         return {}
     if isinstance(lora, Mapping):
@@ -92,7 +96,7 @@ def _given_fields(lora: Any) -> dict[str, Any]:
     return {
         f.name: getattr(lora, f.name)
         for f in fields(lora)
-        if f.init and getattr(lora, f.name) != getattr(default, f.name)
+        if f.init and (f.name in ADAPTER_DEFINING or getattr(lora, f.name) != getattr(default, f.name))
     }
 
 
@@ -114,7 +118,8 @@ def _with_agreeing(saved: Any, given: dict[str, Any], shown: str) -> Any:
             f" {', '.join(differ)}."
             " The saved tensors have the saved ranks, targets and scale, so training under other options would not"
             " continue that adapter. Fix: drop these from lora= (the saved values are used; lora= may set"
-            " lora_dropout), or leave out pretrained_adapter to train a new adapter with them."
+            " lora_dropout; a LoraConfig object sets every field, so give lora= as a dict of the fields to set), or"
+            " leave out pretrained_adapter to train a new adapter with them."
         )
     return merged
 

@@ -8,6 +8,8 @@ adapter of another base, and a directory that is no adapter are refused in one p
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import Precision
@@ -147,6 +149,20 @@ def test_lora_options_that_differ_from_the_saved_config_are_refused(base_dir, tm
     # the same values, and lora_dropout, which changes training only, are taken
     strategy = LowPrecisionStrategy(pretrained_adapter=adapter, lora={"r": 4, "lora_dropout": 0.1})
     assert (strategy.transform_config.lora.r, strategy.transform_config.lora.lora_dropout) == (4, 0.1)
+
+
+def test_a_lora_config_object_beside_the_adapter_is_compared_at_its_default_rank_too(base_dir, tmp_path):
+    """LoraConfig(r=8) holds peft's default rank, which a dict of fields would leave unset: against a rank-4 adapter
+    it is refused, not trained at rank 4 in silence; an object equal to the saved config is taken."""
+    from peft import LoraConfig
+
+    adapter = _save_adapter(base_dir, tmp_path / "adapter")
+    with pytest.raises(ValueError, match=r"r=8 \(saved: 4\).* give lora= as a dict of the fields to set"):
+        LowPrecisionStrategy(pretrained_adapter=adapter, lora=LoraConfig(**{**TRAINED_BEFORE, "r": 8}))
+    strategy = LowPrecisionStrategy(pretrained_adapter=adapter, lora=LoraConfig(**TRAINED_BEFORE, lora_dropout=0.1))
+    assert (strategy.transform_config.lora.r, strategy.transform_config.lora.lora_dropout) == (4, 0.1)
+    again = dataclasses.replace(strategy.transform_config, memory_saving=True)  # as plan and auto try candidates
+    assert again.lora.r == 4
 
 
 def test_an_adapter_of_another_base_is_refused_naming_the_adapter_the_base_and_a_tensor(base_dir, tmp_path):
