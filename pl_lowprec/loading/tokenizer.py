@@ -22,7 +22,10 @@ def load_tokenizer(pretrained: str | Path) -> Any:
     """The tokenizer of a model directory (or hub id); a clear error when there is none or it lacks EOS."""
     from transformers import AutoTokenizer  # optional (pl_lowprec[hf])
 
-    path = resolve_pretrained(pretrained, check_config=False)
+    try:
+        path = resolve_pretrained(pretrained, check_config=False)
+    except ValueError as err:  # worded for the tokenizer, not for pretrained=
+        raise ValueError(str(err).replace("pretrained=", "tokenizer=")) from None
     if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(
             f"tokenizer={str(pretrained)!r} holds no tokenizer file ({', '.join(TOKENIZER_FILES)}): it is not a"

@@ -46,18 +46,23 @@ def check_tokenizer(tokenizer: Any, source: str | None, config: Any, model_dir: 
     mean other tokens than to the tokenizer saved with the model in ``model_dir``."""
     rows = embedding_rows(config)
     where = f"--data.tokenizer {source!r}" if source else "The data's tokenizer"
-    fix = f"Use the model's own tokenizer (--data.tokenizer {str(model_dir)!r})" if model_dir else "Use the model's own"
+    own = source is not None and model_dir is not None and Path(source).expanduser().resolve() == model_dir.resolve()
+    named = f" (--data.tokenizer {str(model_dir)!r})" if model_dir is not None else ""
     missing = out_of_range_ids(tokenizer, rows)
     if missing:
         shown = ", ".join(f"{k!r}: {v}" for k, v in sorted(missing.items(), key=lambda kv: kv[1])[:5])
+        fix = (
+            f"It is the model directory's own, as transformers loads it (the tokenizer class follows the config's"
+            f" model_type, which can add tokens the embedding lacks): use a tokenizer whose ids all stay below {rows}."
+            if own
+            else f"Use the model's own tokenizer{named}, or one whose ids all stay below {rows}."
+        )
         raise ValueError(
             f"{where} has {len(tokenizer)} tokens with ids up to {max(missing.values())}, but the model has"
             f" {rows} embedding rows (config vocab_size): {len(missing)} ids have no row ({shown}) and would fail"
-            f" in step 1. {fix} tokenizer, or one whose ids all stay below {rows}."
+            f" in step 1. {fix}"
         )
-    if model_dir is None or not (model_dir / "tokenizer_config.json").is_file():
-        return
-    if source is not None and Path(source).expanduser().resolve() == model_dir.resolve():
+    if own or model_dir is None or not (model_dir / "tokenizer_config.json").is_file():
         return
     renamed = renamed_ids(tokenizer, load_tokenizer(model_dir))
     if renamed:
@@ -65,5 +70,5 @@ def check_tokenizer(tokenizer: Any, source: str | None, config: Any, model_dir: 
         raise ValueError(
             f"{where} is not the tokenizer saved with the model in {str(model_dir)!r}: {len(renamed)} of its"
             f" {len(tokenizer)} ids name other tokens there (id: data vs model, {shown}), so the model would train"
-            f" on text it reads as something else. {fix} tokenizer."
+            f" on text it reads as something else. Use the model's own tokenizer{named}."
         )

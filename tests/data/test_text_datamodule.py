@@ -211,7 +211,7 @@ def test_bad_arguments_fail_when_built(tmp_path, tokenizer_dir):
     with pytest.raises(ValueError, match=r"is not a file this module reads \('.tsv'\)"):
         TextDataModule(train_files=tmp_path / "x.tsv", tokenizer=str(tokenizer_dir))
     (tmp_path / "a.txt").write_text("text")
-    with pytest.raises(ValueError, match=r"pretrained=./nope. is neither a model directory nor a hub id"):
+    with pytest.raises(ValueError, match=r"tokenizer=./nope. is neither a model directory nor a hub id"):
         _setup(train_files=tmp_path / "a.txt", tokenizer="/nope")
 
 

@@ -87,3 +87,27 @@ def test_padded_embeddings_and_the_models_own_tokenizer_pass(model, tmp_path):
     tokenizer.save_pretrained(copy)
     check_tokenizer(tokenizer, str(copy), AutoConfig.from_pretrained(model_dir), model_dir)
     fit(model_dir, data, model_dir, tmp_path)
+
+
+def test_the_models_own_tokenizer_past_its_rows_is_not_told_to_use_itself(tmp_path):
+    """transformers loads a directory's tokenizer by the config's model_type, which can add a token past the rows:
+    the refusal says so, instead of advising the very directory it was given (with 'tokenizer' said twice)."""
+    from transformers import AutoTokenizer, LlamaConfig
+
+    directory = save_tokenizer(tmp_path / "model", vocab_size=400)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    with pytest.raises(ValueError) as refused:
+        check_tokenizer(tokenizer, str(directory), LlamaConfig(vocab_size=320), directory)
+    message = str(refused.value)
+    assert "It is the model directory's own, as transformers loads it" in message
+    assert f"--data.tokenizer {str(directory)!r})" not in message and "tokenizer tokenizer" not in message
+    with pytest.raises(ValueError) as other:  # another directory's: told to use the model's own, named once
+        check_tokenizer(tokenizer, str(directory), LlamaConfig(vocab_size=320), tmp_path / "elsewhere")
+    assert f"Use the model's own tokenizer (--data.tokenizer '{tmp_path / 'elsewhere'}')," in str(other.value)
+
+
+def test_a_missing_tokenizer_path_is_refused_as_the_tokenizer_not_as_pretrained(tmp_path):
+    from pl_lowprec.loading.tokenizer import load_tokenizer
+
+    with pytest.raises(ValueError, match=r"^tokenizer='[^']*nowhere' is neither a model directory nor a hub id"):
+        load_tokenizer(tmp_path / "nowhere")
