@@ -53,6 +53,15 @@ def datasets_cache_in_tmp(tmp_path_factory, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf-cache")))
 
 
+@pytest.fixture
+def no_process_group_left():
+    """A DDP or FSDP strategy's fit in this process starts a one-process group, which Lightning leaves: destroyed
+    afterwards, so that the next test file on this worker can start its own."""
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

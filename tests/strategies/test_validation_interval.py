@@ -2,21 +2,12 @@
 (``strategies/trainer_checks.py``); Lightning itself refuses it only once its fit loop starts."""
 
 import pytest
-import torch
 from lightning_helpers import quiet_trainer
 from qlora_helpers import ids_loader, tiny_llama
 
 import pl_lowprec
 from pl_lowprec import LowPrecisionStrategy
 from pl_lowprec.transforms.pipeline import ModelTransform
-
-
-@pytest.fixture
-def no_process_group_left():
-    """The FSDP strategy's setup started a one-process group; a refused fit leaves it, as Lightning does."""
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.usefixtures("no_process_group_left")

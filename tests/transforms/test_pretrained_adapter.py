@@ -223,6 +223,7 @@ def test_the_memory_estimate_takes_the_adapters_shapes(base_dir, tmp_path):
     assert saved.peak == estimate_memory(LlamaModule, batch, lora=alike).peak
 
 
+@pytest.mark.usefixtures("no_process_group_left")
 @pytest.mark.parametrize("strategy_name", ["lowprec_ddp", "lowprec_fsdp"])
 def test_every_strategy_continues_the_adapter(base_dir, tmp_path, strategy_name):
     """One process each: the same transform loads the adapter under DDP's and FSDP2's strategies."""
