@@ -190,21 +190,9 @@ def _saved(base: torch.nn.Module, out: str) -> Path:
 
 def pretrained(world, out, precision) -> dict:
     directory = _saved(TinyLlama(**SIZES).model, out)  # the base every other run starts from (init_seed=0)
-    strategy = LowPrecisionFSDPStrategy(
-        quantization="nf4",
-        lora=LORA,
-        shard_modules="LlamaDecoderLayer",
-        nf4_scaler_block_size=32,
-        pretrained=directory,
-        pretrained_prefix="model.",
-    )
+    strategy = _nf4_from(directory)
     held = _track_nf4_held(strategy.sharding)
-    trainer = _trainer(world, out, precision, strategy=strategy)
-    with trainer.init_module(empty_init=True):
-        model = SGDTinyLlama(**SIZES)
-    assert all(p.device.type == "meta" for p in model.parameters())
-    torch.manual_seed(0)
-    trainer.fit(model, _loader(world))
+    model = _fit_from_meta(strategy, world, out, precision)
     weights = [p for p in model.parameters() if not p.requires_grad]
     return {
         "adapters": _adapters(model),
@@ -227,7 +215,13 @@ def pretrained_bin(world, out, precision) -> dict:
         (directory / "model.safetensors").unlink()
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-    strategy = LowPrecisionFSDPStrategy(
+    model = _fit_from_meta(_nf4_from(directory), world, out, precision)
+    return {"adapters": _adapters(model), "read": sorted(p.name for p in directory.iterdir())}
+
+
+def _nf4_from(directory: Path) -> LowPrecisionFSDPStrategy:
+    """QLoRA nf4 with LoRA, sharded by decoder layer, streamed in from the checkpoint in ``directory``."""
+    return LowPrecisionFSDPStrategy(
         quantization="nf4",
         lora=LORA,
         shard_modules="LlamaDecoderLayer",
@@ -235,12 +229,17 @@ def pretrained_bin(world, out, precision) -> dict:
         pretrained=directory,
         pretrained_prefix="model.",
     )
+
+
+def _fit_from_meta(strategy: LowPrecisionFSDPStrategy, world, out, precision) -> pl.LightningModule:
+    """The module built on the meta device (the strategy fills it from its checkpoint), then fitted."""
     trainer = _trainer(world, out, precision, strategy=strategy)
     with trainer.init_module(empty_init=True):
         model = SGDTinyLlama(**SIZES)
+    assert all(p.device.type == "meta" for p in model.parameters())
     torch.manual_seed(0)
     trainer.fit(model, _loader(world))
-    return {"adapters": _adapters(model), "read": sorted(p.name for p in directory.iterdir())}
+    return model
 
 
 class BiasedLlama(SGDTinyLlama):
