@@ -66,10 +66,5 @@ def test_the_per_rank_estimate_is_the_measured_peak_of_two_gloo_ranks(tmp_path, 
     assert result.returncode == 0, result.stderr[-4000:]
     measured = [json.loads((tmp_path / f"rank{rank}.json").read_text())["measured"] for rank in (0, 1)]
     estimate = _estimate(2, view)
-    # Now and then one rank (either) holds one more buffer of the parameters' bytes through the step (seen on
-    # rank 1, and on rank 0 in a fresh-clone run: 10,163,988 against 8,588,444; DDP's broadcast of rank 0's
-    # weights at wrap time, unconfirmed): the estimate is the other rank's peak, and the extra is that buffer only.
-    low, high = sorted(measured)
-    assert estimate.peak == pytest.approx(low, rel=0.01), (estimate.peak, measured, estimate.table())
-    parameter_bytes = 4 * estimate.trainable_parameters  # fp32
-    assert high - low < 0.01 * low or abs(high - low - parameter_bytes) < 0.01 * parameter_bytes, measured
+    for peak in measured:  # both ranks: the script skips DDP's wrap-time broadcast (see its docstring)
+        assert estimate.peak == pytest.approx(peak, rel=0.01), (estimate.peak, measured, estimate.table())
