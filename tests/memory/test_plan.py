@@ -518,15 +518,24 @@ def test_cli_plan_keeps_what_the_config_gives_and_says_so(tmp_path, capsys):
     assert init_args["activation_checkpointing"] == BLOCKS and init_args["memory_saving"] is False
 
 
-def test_at_the_configs_micro_batch_the_plan_holds_what_auto_chooses_for_the_same_limit():
+def test_at_the_configs_micro_batch_the_plan_holds_what_auto_chooses_for_the_same_limit(monkeypatch):
     """The plan's candidates are fit's own (``fastest.ladder``), walked as ``fastest_fitting`` walks them: for a
     budget at each candidate's peak (and just under it), the plan's fitting candidate at the config's micro-batch
     without other changes has the settings and the peak that ``activation_checkpointing``/``memory_saving: auto``
     choose for the same limit."""
     from qlora_helpers import tiny_llama
 
+    from pl_lowprec.memory import fastest
     from pl_lowprec.memory.fastest import fastest_fitting
 
+    simulated: dict = {}  # each candidate simulated once for all budgets (the search itself runs every time)
+
+    def estimate_once(*args, config, **kwargs):
+        if repr(config) not in simulated:
+            simulated[repr(config)] = estimate_memory(*args, config=config, **kwargs)
+        return simulated[repr(config)]
+
+    monkeypatch.setattr(fastest, "estimate_memory", estimate_once)
     build = lambda: tiny_llama(hidden_size=64)  # noqa: E731
     batch = {"input_ids": torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))}
     config = TransformConfig(lora={"r": 4, "lora_alpha": 8}, memory_saving="auto", activation_checkpointing="auto")
