@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from pl_lowprec.callbacks.logger_step import last_training_step_logged
 from pl_lowprec.callbacks.overflow_locator import OverflowLocation, OverflowLocator
-from pl_lowprec.plugins.loss_scale import LossScaleState, LossScaleTracker
+from pl_lowprec.plugins.loss_scale import LossScaleState, LossScaleTracker, steps_in_a_row
 
 RANKS_MAY_DISAGREE = (
     "LossScaleMonitor: Lightning's MixedPrecision decides on each of the {world_size} processes alone whether a step"
@@ -49,7 +49,8 @@ class LossScaleMonitor(pl.Callback):
         warn_skip_rate: Warn once when the skip rate over a full window exceeds this.
         warn_scale_below: Warn once when the loss scale falls below this.
         max_consecutive_overflows: Stop with ``PersistentOverflowError`` after this many overflowing steps in a
-            row. ``None`` never stops.
+            row of one optimizer (each optimizer counts its own steps: one that skips every step stops the run even
+            while another applies). ``None`` never stops.
         locate_overflow: After an overflow, hook every module for one step to find where the first non-finite
             value appears (module, forward or backward, dtype). No hooks run on healthy steps.
         check_gradients: Without a loss scaler, check the gradient norm for inf/NaN before each step.
@@ -117,8 +118,10 @@ class LossScaleMonitor(pl.Callback):
             overflows = backoffs_between(previous, scale, scaler.get_backoff_factor(), steps)
         else:
             overflows = int(self._nonfinite is not None and bool(self._nonfinite))  # one sync per optimizer step
+        # The scale says how many steps of the batch skipped, not whose: the last ones, each the step at its place
+        # in the batch (in manual optimization the same optimizer steps at the same place every batch).
         for i in range(steps):
-            self._own_tracker.record(i >= steps - overflows, scale)
+            self._own_tracker.record(i >= steps - overflows, scale, optimizer=i)
         return self._own_tracker.snapshot(scale)
 
     # -- hooks ------------------------------------------------------------------------------------------
@@ -314,8 +317,11 @@ class LossScaleMonitor(pl.Callback):
             else:  # no scaler: nothing was skipped, and the run is not fp16
                 what, counts = "had a non-finite loss or gradients, and the optimizer applied them", ""
                 advice = "; the parameters may already hold NaN, so resume from a checkpoint before the first one."
+            in_a_row = steps_in_a_row(
+                state.consecutive_overflows, state.consecutive_overflows_optimizer, len(trainer.optimizers)
+            )
             raise PersistentOverflowError(
-                f"{state.consecutive_overflows} optimizer steps in a row {what}"
+                f"{in_a_row} {what}"
                 f" (max_consecutive_overflows={self.max_consecutive_overflows}{counts}).{self._where()} Check that"
                 f" module's inputs and dtype, the data for NaN, and the learning rate{advice}"
             )

@@ -94,7 +94,7 @@ def test_collapse_below_min_scale_stops_with_history():
         _fit(plugin, steps=10, overflow_at=tuple(range(10)))
     msg = str(err.value)
     assert "fell to 1, below min_scale=2" in msg
-    assert "4 consecutive optimizer steps" in msg
+    assert "4 optimizer steps in a row" in msg
     assert "step 1 -> 8, step 2 -> 4, step 3 -> 2, step 4 -> 1" in msg
     assert "bf16-mixed" in msg  # offers a fix
 
