@@ -2,6 +2,7 @@
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from pl_lowprec.callbacks import StepLimitedRichProgressBar, StepLimitedTQDMProgressBar
@@ -104,3 +105,46 @@ def test_a_plain_trainer_on_the_package_strategy_labels_its_bar_by_max_steps():
     bar = trainer.progress_bar_callback
     assert type(bar) is StepLimitedRichProgressBar
     assert bar._get_train_description(0).strip() == "Epoch 0 (max_steps=2)"
+
+
+class ManualOptimizers(BoringModel):
+    """Manual optimization: optimizer 0 steps every batch, optimizer 1 every ``second_every``-th batch."""
+
+    def __init__(self, second_every: int = 1) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.second_every = second_every
+
+    def training_step(self, batch, batch_idx):
+        first, second = self.optimizers()
+        self.manual_backward(self.step(batch))
+        first.step()
+        if batch_idx % self.second_every == 0:
+            second.step()
+        first.zero_grad()
+        second.zero_grad()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([self.layer.weight], lr=0.1), torch.optim.SGD([self.layer.bias], lr=0.1)
+
+
+@pytest.mark.parametrize("bar_class", BARS)
+@pytest.mark.parametrize(("second_every", "max_steps", "final"), [(1, 8, (4, 4)), (2, 9, (6, 6)), (1, 200, (36, 36))])
+def test_two_manual_optimizers_end_the_bar_full(bar_class, second_every, max_steps, final):
+    """global_step counts both optimizers' steps: 8 steps are 4 batches, but the bar's total was 8 and it ended at
+    4/8. Where one optimizer steps every other batch the total follows the steps the batches took (9 in 6); 200
+    steps take the first epoch's 64 batches (128 steps) and 36 of the second."""
+    bar = bar_class()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=[bar],
+    )
+    trainer.fit(ManualOptimizers(second_every))
+    assert bar.final == final
+    if bar_class is RecordingRichBar and max_steps < 200:
+        assert f"(max_steps={max_steps}, " in bar._get_train_description(0)
