@@ -1,8 +1,9 @@
 """``LossScaleMonitor``: logs loss-scale health, warns once, stops on persistent overflow, names the culprit.
 
 It reads ``AMPPrecision.loss_scale_state()``; for Lightning's own ``MixedPrecision`` and ``FSDPPrecision`` it
-reads their ``scaler`` and counts skipped steps itself (a dynamic scale only falls on an overflow). Without a
-scaler (bf16, fp32) it watches the loss and the gradient norm for non-finite values instead.
+reads their ``scaler`` and counts skipped steps itself, seeing which optimizer steps the scaler let through
+(``step_outcomes.py``). Without a scaler (bf16, fp32) it watches the loss and the gradient norm for non-finite
+values instead.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from pl_lowprec.callbacks.logger_step import last_training_step_logged
 from pl_lowprec.callbacks.overflow_locator import OverflowLocation, OverflowLocator
+from pl_lowprec.callbacks.step_outcomes import StepOutcomes
 from pl_lowprec.plugins.loss_scale import LossScaleState, LossScaleTracker, steps_in_a_row
 
 RANKS_MAY_DISAGREE = (
@@ -94,6 +96,7 @@ class LossScaleMonitor(pl.Callback):
         self.backoffs = 0
         self._recent: deque[bool] = deque(maxlen=window)
         self._own_tracker = LossScaleTracker()  # for plugins that keep no counts (Lightning's, or no scaler)
+        self._outcomes = StepOutcomes()  # the steps Lightning's scaler applied or skipped
         self._previous: LossScaleState | None = None
         self._seen_step = 0
         self._nonfinite: torch.Tensor | None = None  # device flag: no host sync until the step ends
@@ -113,14 +116,12 @@ class LossScaleMonitor(pl.Callback):
             return plugin.loss_scale_state()
         scaler = self._scaler(trainer)
         scale = scaler.get_scale() if scaler is not None else 1.0
-        if scaler is not None:  # Lightning's plugins: a dynamic scale falls only when a step was skipped
-            previous = self._previous.scale if self._previous is not None else scale
-            overflows = backoffs_between(previous, scale, scaler.get_backoff_factor(), steps)
-        else:
-            overflows = int(self._nonfinite is not None and bool(self._nonfinite))  # one sync per optimizer step
-        # The scale says how many steps of the batch skipped, not whose: the last ones, each the step at its place
-        # in the batch (in manual optimization the same optimizer steps at the same place every batch).
-        for i in range(steps):
+        if scaler is not None:  # Lightning's plugins: the steps their scaler let through, and whose
+            for optimizer, applied in self._outcomes.take():
+                self._own_tracker.record(not applied, scale, optimizer=optimizer)
+            return self._own_tracker.snapshot(scale)
+        overflows = int(self._nonfinite is not None and bool(self._nonfinite))  # one sync per optimizer step
+        for i in range(steps):  # not known whose: the batch's last steps, each at its place in the batch
             self._own_tracker.record(i >= steps - overflows, scale, optimizer=i)
         return self._own_tracker.snapshot(scale)
 
@@ -135,20 +136,23 @@ class LossScaleMonitor(pl.Callback):
         self._seen_step = trainer.global_step
         plugin = trainer.precision_plugin
         scaler = self._scaler(trainer)
+        self._outcomes.release()
         if scaler is not None and hasattr(plugin, "loss_scale_state"):
             self._previous = plugin.loss_scale_state()
         elif scaler is not None:  # Lightning's scaler: an overflow on the first step lowers it from this one
             self._previous = self._own_tracker.snapshot(scaler.get_scale())
+            self._outcomes.watch(trainer.optimizers)
         else:
             self._previous = None
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._scaler(trainer) is None:
-            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-            if isinstance(loss, torch.Tensor):
-                self._flag_nonfinite(loss.detach())
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if self._scaler(trainer) is None and isinstance(loss, torch.Tensor):
+            self._flag_nonfinite(loss.detach())
+        if pl_module.automatic_optimization and loss is None:
+            self._outcomes.take()  # training_step returned None: Lightning's plugin stepped nothing through the scaler
         steps = trainer.global_step - self._seen_step
         if steps <= 0:
             return  # inside an accumulation window
@@ -158,10 +162,13 @@ class LossScaleMonitor(pl.Callback):
         new_overflows = state.overflows - (self._previous.overflows if self._previous else 0)
         overflowed = new_overflows > 0
         self._recent.extend([False] * max(0, steps - new_overflows) + [True] * min(steps, new_overflows))
-        self.growths += state.scale > previous.scale
         scaler = self._scaler(trainer)
-        if scaler is not None:  # AMPPrecision lowers the scale once a batch; Lightning's once per optimizer
+        if self._outcomes.watching:  # Lightning's plugins update after each step: every skip backed off once
+            self.backoffs += new_overflows
+            self.growths += growths_between(previous.scale, state.scale, new_overflows, scaler)
+        elif scaler is not None:  # AMPPrecision updates the scale once a training_step
             self.backoffs += backoffs_between(previous.scale, state.scale, scaler.get_backoff_factor(), steps)
+            self.growths += state.scale > previous.scale
         if self._previous is not None:  # AMPPrecision's count of the steps its scaler saw
             self.empty_steps += max(steps - (state.optimizer_steps - self._previous.optimizer_steps), 0)
         self._previous = state
@@ -193,6 +200,8 @@ class LossScaleMonitor(pl.Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
+        if self._outcomes.watching:
+            self._outcomes.attempt(optimizer)
         if not self.check_gradients or self._scaler(trainer) is not None:
             return
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
@@ -205,6 +214,7 @@ class LossScaleMonitor(pl.Callback):
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._locator.disarm()
+        self._outcomes.release()
         if self._previous is None or not trainer.is_global_zero:
             return
         # Lightning passes self.log's values on only every log_every_n_steps-th step: the final counts, always
@@ -270,6 +280,7 @@ class LossScaleMonitor(pl.Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._locator.disarm()
+        self._outcomes.release()
 
     # -- reporting --------------------------------------------------------------------------------------
 
@@ -359,6 +370,15 @@ def first_location_of_all_ranks(location: OverflowLocation | None, rank: int) ->
     found: list[OverflowLocation | None] = [None] * dist.get_world_size()
     dist.all_gather_object(found, None if location is None else dataclasses.replace(location, rank=rank))
     return next((f for f in found if f is not None), None)
+
+
+def growths_between(before: float, after: float, backoffs: int, scaler: Any) -> int:
+    """How many growths took a dynamic scale from ``before`` to ``after`` past ``backoffs`` back-offs: a growth
+    and a back-off in one batch (Lightning updates after each optimizer's step) leave the scale as it was."""
+    growth, backoff = scaler.get_growth_factor(), scaler.get_backoff_factor()
+    if not (before > 0 and after > 0 and growth > 1.0 and 0.0 < backoff < 1.0):
+        return int(after > before)
+    return max(round(math.log(after / (before * backoff**backoffs)) / math.log(growth)), 0)
 
 
 def backoffs_between(before: float, after: float, backoff_factor: float, steps: int) -> int:

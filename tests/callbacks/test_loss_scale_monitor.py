@@ -349,7 +349,9 @@ def test_lightning_fp16_mixed_precision_on_several_ranks_is_named_as_unable_to_a
     from pl_lowprec.callbacks.loss_scale_monitor import ranks_may_disagree_on_overflow
 
     def trainer(plugin, world_size=2):
-        return SimpleNamespace(precision_plugin=plugin, world_size=world_size, loggers=["a logger"], global_step=0)
+        return SimpleNamespace(
+            precision_plugin=plugin, world_size=world_size, loggers=["a logger"], global_step=0, optimizers=[]
+        )
 
     lightning_fp16 = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
     assert ranks_may_disagree_on_overflow(trainer(lightning_fp16))
@@ -359,3 +361,26 @@ def test_lightning_fp16_mixed_precision_on_several_ranks_is_named_as_unable_to_a
     assert not ranks_may_disagree_on_overflow(trainer(FSDPPrecision("16-mixed")))  # ShardedGradScaler agrees
     with pytest.warns(RuntimeWarning, match=r"decides on each of the 2 processes alone.*AMPPrecision\('16-mixed'\)"):
         LossScaleMonitor().on_train_start(trainer(lightning_fp16), None)
+
+
+class SecondOptimizerOverflowsAtBatch1(TwoOptimizers):
+    def on_after_backward(self) -> None:
+        if self.trainer.fit_loop.epoch_loop.batch_idx == 1:
+            for p in list(self.parameters())[1:]:  # the second optimizer's parameters only
+                p.grad.fill_(float("inf"))
+
+
+def test_a_growth_and_a_skip_in_one_batch_are_both_counted_under_lightnings_plugin():
+    """Lightning's plugin updates the scale after each optimizer's step: with growth_interval=1 the first optimizer's
+    clean step doubled the scale and the second one's overflow halved it, so the scale read unchanged and the monitor,
+    inferring skips from a falling scale, said "0 of 6 optimizer steps skipped; 2 growths, 0 back-offs"."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+    monitor = LossScaleMonitor(locate_overflow=False, print_summary=False)
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
+    trainer = quiet_trainer(plugins=[plugin], max_steps=6, callbacks=[monitor])
+    trainer.fit(SecondOptimizerOverflowsAtBatch1(make_mlp()), _loader(3))
+    assert scaler.get_scale() == 1024.0 * 2**5 * 0.5  # five clean updates, one overflow
+    assert trainer.callback_metrics["loss_scale/skipped_steps"] == 1
+    assert (monitor.growths, monitor.backoffs) == (5, 1)
+    assert list(monitor._recent) == [False, False, False, True, False, False]
+    assert monitor._previous.optimizer_steps == 6 and monitor.empty_steps == 0
