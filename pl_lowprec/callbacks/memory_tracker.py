@@ -33,7 +33,9 @@ class MemoryTracker(pl.Callback):
 
     Args:
         activation_sample_step: The optimizer step whose first micro-batch is measured for activation bytes (and
-            whose gradients are counted); a run resumed after it measures its own first step instead.
+            whose gradients are counted): the first batch that starts at or past it (with two manual optimizers
+            ``global_step`` moves two a batch); a run resumed after it measures its own first step instead, and a
+            run that ends before it says so.
         print_summary: Print the table at the end of each stage (rank zero).
     """
 
@@ -48,6 +50,7 @@ class MemoryTracker(pl.Callback):
         self._peak_is_per_stage = True
         self._sampling = ExitStack()
         self._counter: Any = None
+        self._gradients_pending = False  # the sampled batch began; its optimizer step has not come yet
         self._sample_step = activation_sample_step  # this run's: a resumed run may start after the one asked for
 
     # -- stage boundaries -------------------------------------------------------------------------------
@@ -65,6 +68,7 @@ class MemoryTracker(pl.Callback):
 
     def _start(self, trainer: pl.Trainer) -> None:
         self._figures = {}
+        self._gradients_pending = False
         self._peak_is_per_stage = reset_peak(trainer.strategy.root_device)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -86,17 +90,20 @@ class MemoryTracker(pl.Callback):
         self._sample_step = max(self.activation_sample_step, trainer.global_step)  # restored by now
 
     def _is_sample_step(self, trainer: pl.Trainer) -> bool:
-        return trainer.global_step == self._sample_step and "activations" not in self._figures
+        # The first batch at or past the step: with two manual optimizers global_step is 0, 2, 4 at batch starts.
+        return trainer.global_step >= self._sample_step and "activations" not in self._figures
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
         if self._is_sample_step(trainer) and self._counter is None:
             self._counter = self._sampling.enter_context(count_saved_tensors(pl_module))
+            self._gradients_pending = True
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stop_sampling()
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if trainer.global_step == self._sample_step:
+        if self._gradients_pending:  # the first step after the sampled batch began: its gradients
+            self._gradients_pending = False
             self._figures["gradients"] = gradient_bytes(pl_module)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -124,6 +131,12 @@ class MemoryTracker(pl.Callback):
         if stage == "fit":
             figures["optimizer_state"] = optimizer_state_bytes(trainer.optimizers)
             figures.update(self._figures)
+            if "activations" not in self._figures and trainer.global_step > 0:
+                rank_zero_warn(
+                    f"MemoryTracker(activation_sample_step={self.activation_sample_step}): the run ended at optimizer"
+                    f" step {trainer.global_step} before reaching it, so there are no activations or gradients"
+                    " figures. Pass a step the run reaches (0 measures the first)."
+                )
         return figures
 
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

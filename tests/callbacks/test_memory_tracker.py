@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from lightning_helpers import Classifier, quiet_trainer
@@ -177,3 +178,24 @@ def test_the_fit_peak_includes_building_the_model(tmp_path):
     fit = tracker.summary["fit"]["bytes"]
     assert tracker.summary["fit"]["peak_is_per_stage"]
     assert fit["rss_peak"] - fit["rss_current"] > 200 * 2**20
+
+
+def test_two_manual_optimizers_measure_the_first_batch_past_the_sample_step():
+    """With two optimizers stepped each batch, global_step is 0, 2, 4 at batch starts: sampling step 1 waited for a
+    batch starting at step 1, which never came, and the table had no activations row."""
+    from lightning_helpers import TwoOptimizers
+
+    sampled = MemoryTracker(activation_sample_step=1, print_summary=False)
+    quiet_trainer(max_steps=6, callbacks=[sampled]).fit(TwoOptimizers(make_mlp()), _loader())
+    first = MemoryTracker(print_summary=False)
+    quiet_trainer(max_steps=6, callbacks=[first]).fit(TwoOptimizers(make_mlp()), _loader())
+    figures = sampled.summary["fit"]["bytes"]
+    assert figures["activations"] == first.summary["fit"]["bytes"]["activations"] > 0
+    assert figures["gradients"] == sum(p.numel() * 4 for p in make_mlp().parameters())
+
+
+def test_a_sample_step_the_run_never_reaches_is_said():
+    tracker = MemoryTracker(activation_sample_step=100, print_summary=False)
+    with pytest.warns(UserWarning, match=r"activation_sample_step=100\): the run ended at optimizer step 2"):
+        quiet_trainer(max_steps=2, callbacks=[tracker]).fit(Classifier(make_mlp()), _loader())
+    assert "activations" not in tracker.summary["fit"]["bytes"]
