@@ -79,7 +79,7 @@ class _BatchesToMaxSteps(ProgressBar):
         in automatic optimization; in manual optimization, whatever this epoch's batches stepped so far, and before
         the first one each optimizer once (Lightning's GAN example): two optimizers end a run in half the batches."""
         trainer = self.trainer
-        if trainer.lightning_module.automatic_optimization:
+        if _automatic(trainer):
             return 1 / trainer.accumulate_grad_batches
         if self._epoch_start is not None:
             first_batch, first_step = self._epoch_start
@@ -89,12 +89,18 @@ class _BatchesToMaxSteps(ProgressBar):
         return max(len(trainer.optimizers), 1)
 
     def _batches_for(self, steps: int) -> int:
-        if self.trainer.lightning_module.automatic_optimization:
+        if _automatic(self.trainer):
             return steps * self.trainer.accumulate_grad_batches
         return math.ceil(steps / self.steps_per_batch())
 
     def _show_total(self, total: int | float) -> None:
         raise NotImplementedError
+
+
+def _automatic(trainer: pl.Trainer) -> bool:
+    """Automatic optimization, also before a module is attached (the label asked for before fit)."""
+    module = trainer.lightning_module
+    return module is None or module.automatic_optimization
 
 
 class StepLimitedRichProgressBar(_BatchesToMaxSteps, RichProgressBar):
