@@ -22,8 +22,15 @@ def _pairs(n: int, seed: int) -> TensorDataset:
 class Regression(pl.LightningModule):
     """20 samples in batches of 2: 10 batches, 5 steps an epoch accumulating 2; 4 validation samples."""
 
-    def __init__(self, dropout: float = 0.0, plain_loader: bool = False, epoch_scheduler: bool = False) -> None:
+    def __init__(
+        self,
+        dropout: float = 0.0,
+        plain_loader: bool = False,
+        epoch_scheduler: bool = False,
+        shuffled_validation: bool = False,
+    ) -> None:
         super().__init__()
+        self.shuffled_validation = shuffled_validation  # a RandomSampler without generator: draws at each validation
         self.epoch_scheduler = epoch_scheduler  # halve the learning rate at each epoch's end
         self.plain_loader = plain_loader  # a shuffled DataLoader without state or generator: draws at each epoch
         torch.manual_seed(0)
@@ -51,7 +58,7 @@ class Regression(pl.LightningModule):
         return resumable_loader(_pairs(20, 1), 2, None, self.trainer)
 
     def val_dataloader(self):
-        return DataLoader(_pairs(4, 2), batch_size=2)
+        return DataLoader(_pairs(4, 2), batch_size=2, shuffle=self.shuffled_validation)
 
 
 def fit(
@@ -65,13 +72,14 @@ def fit(
     validate_every=None,
     plain_loader=False,
     epoch_scheduler=False,
+    shuffled_validation=False,
     callbacks=(),
     **trainer_args,
 ) -> torch.Tensor:
     """Train to ``max_steps`` (or ``max_epochs``), the random generator from ``seed`` (after the weights' own),
     saving every 2 steps (or on ``schedule``'s arguments) and ``last.ckpt`` into ``directory``; validating every
     ``validate_every`` batches where given, with ``callbacks`` besides. The final weights."""
-    model = Regression(dropout, plain_loader, epoch_scheduler)
+    model = Regression(dropout, plain_loader, epoch_scheduler, shuffled_validation)
     torch.manual_seed(seed)
     schedule = {"every_n_train_steps": EVERY, "save_top_k": -1} if schedule is None else schedule
     trainer = pl.Trainer(

@@ -11,6 +11,13 @@ epoch from its first batch. The two states differ only in counters that the epoc
 counted as completed, the epoch counted as processed, and the logging step. ``as_saved_at_the_last_batch``
 sets those back, in the checkpoint as it is read, before Lightning restores its loops.
 
+A file written after the epoch's end also counts the epoch as completed: ``ModelCheckpoint``'s ``save_last`` in
+``on_train_end`` where no save fell on the run's last epoch end (``check_val_every_n_epoch=2`` and ``max_steps`` in
+an epoch without validation), or ``trainer.save_checkpoint`` after ``fit``. Lightning resumes it with an empty epoch
+(its counters say every batch ran) and trains from the epoch after: the epoch counter runs one ahead of the
+uninterrupted run's, so every epoch-based decision (``check_val_every_n_epoch``, an epoch scheduler, a sampler's
+``set_epoch``) falls an epoch off. It is set back the same way.
+
 Checked against the uninterrupted run (``tests/callbacks/test_step_boundary_checkpoint.py``): the weights, with an
 epoch-interval learning-rate scheduler too, which steps once at that epoch's end in both.
 """
@@ -24,13 +31,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 
 def saved_at_a_training_epochs_end(fit_loop: MutableMapping[str, Any]) -> bool:
-    """Whether ``fit_loop`` (a checkpoint's ``loops.fit_loop``) was saved in ``on_train_epoch_end``: every batch of
-    the epoch completed, the epoch processed and not yet completed."""
+    """Whether ``fit_loop`` (a checkpoint's ``loops.fit_loop``) was saved in ``on_train_epoch_end`` or after it:
+    every batch of the epoch completed, the epoch processed (and maybe completed: ``on_train_end``)."""
     epochs = fit_loop.get("epoch_progress", {}).get("total", {})
     batches = fit_loop.get("epoch_loop.batch_progress", {})
     total, current = batches.get("total", {}), batches.get("current", {})
     epoch_processed = epochs.get("ready") == epochs.get("started") == epochs.get("processed", 0) > 0
-    epoch_open = epochs.get("completed") == epochs.get("processed", 0) - 1
+    epoch_open = epochs.get("completed") in (epochs.get("processed", 0) - 1, epochs.get("processed"))
     counters = ("ready", "started", "processed", "completed")
     batches_done = all(total.get(c) == total.get("ready") for c in counters) and current.get("completed", 0) > 0
     batches_done = batches_done and all(current.get(c) == current.get("ready") for c in counters)
@@ -49,8 +56,7 @@ def as_saved_at_the_last_batch(checkpoint: MutableMapping[str, Any], max_steps: 
     for counters in (batches["total"], batches["current"]):
         counters["completed"] -= 1
     for counters in (fit_loop["epoch_progress"]["total"], fit_loop["epoch_progress"]["current"]):
-        if counters.get("processed", 0) > counters.get("completed", 0):
-            counters["processed"] -= 1
+        counters["processed"] = counters["completed"] = counters["started"] - 1  # started, as at its last batch
     state = fit_loop.get("epoch_loop.state_dict", {})
     if "_batches_that_stepped" in state:
         state["_batches_that_stepped"] -= 1

@@ -10,6 +10,14 @@ was written (the epoch's last batch on the validation grid); saved at a validati
 Lightning's default checkpoint schedule) or off the grid, it did not, and the resumed run's dropout masks were shifted
 by one draw from then on. So the checkpoint says whether a validation followed it, and where none did, the skipped
 one is made with the generators held.
+
+Where one did follow (a step save on the validation grid, at an epoch's end or inside it), the uninterrupted run drew
+more than the skip does: a shuffled validation loader's ``RandomSampler`` without its own generator draws its seed
+from the global generator at the first batch, which the skip never fetches; a second validation loader's iterator
+is never opened; and with ``check_val_every_n_epoch > 1`` Lightning does not ask (the epoch it resumes in is not
+one that validates), so nothing is drawn. Inside an epoch the skip then makes the missing draws; at an epoch's end
+they are all made as training starts, before the next epoch's loader draws (as in the uninterrupted run), and the
+skip, if Lightning makes one, draws nothing.
 """
 
 from __future__ import annotations
@@ -17,8 +25,10 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.utils.data import DataLoader
 
 from pl_lowprec.generator_states import generators_held
+from pl_lowprec.strategies.unresumable_data import resumed_where_an_epoch_ended
 
 CHECKPOINT_KEY = "pl_lowprec_validation_follows"
 
@@ -35,19 +45,52 @@ def validation_follows(trainer: Any) -> bool:
     return bool(loop._should_check_val_fx(trainer.fit_loop._data_fetcher))
 
 
-def hold_random_states_through_the_skipped_validation(trainer: Any, validation_followed: bool | None) -> bool:
-    """Where no validation followed the checkpoint (its ``CHECKPOINT_KEY``), make the validation Lightning skips
-    next draw nothing (once); whether it did. A checkpoint that does not say (``None``: written before this check
-    existed) is left to Lightning."""
-    if validation_followed is not False:
+def replay_the_skipped_validations_draws(trainer: Any, validation_followed: bool | None) -> bool:
+    """Make the random generators, from the restored states on, draw what the uninterrupted run drew through the
+    validation Lightning skips on this restart (``CHECKPOINT_KEY``: whether one followed the checkpoint); whether it
+    changed anything. Call it as training starts, before the training loader's iterator is opened again. A
+    checkpoint that does not say (``None``: written before this check existed) is left to Lightning."""
+    if validation_followed is None:
         return False
     val_loop = trainer.fit_loop.epoch_loop.val_loop
+    at_an_epochs_end = resumed_where_an_epoch_ended(trainer)
+    if not (validation_followed or at_an_epochs_end):
+        return False  # inside an epoch, Lightning skips only a validation that followed the checkpoint
+    if validation_followed and at_an_epochs_end:
+        draw_as_the_validation(trainer, val_loop, opened=0)
     skip = val_loop.increment_progress_to_evaluation_end
 
-    def skip_holding_the_generators() -> None:
+    def skip_drawing_as_the_uninterrupted_run() -> None:
         del val_loop.increment_progress_to_evaluation_end  # once: Lightning's own method again
-        with generators_held():
-            skip()
+        if at_an_epochs_end:
+            with generators_held():
+                skip()
+            return
+        skip()
+        draw_as_the_validation(trainer, val_loop, opened=1)
 
-    val_loop.increment_progress_to_evaluation_end = skip_holding_the_generators
+    val_loop.increment_progress_to_evaluation_end = skip_drawing_as_the_uninterrupted_run
     return True
+
+
+def draw_as_the_validation(trainer: Any, val_loop: Any, opened: int) -> None:
+    """What a validation draws before its first step, less the first ``opened`` loaders' base seeds (drawn where
+    Lightning's skip opened the first loader's iterator): for every loader, the base seed as its iterator opens and
+    the first index of its sampler (a ``RandomSampler`` without a generator draws its seed there; with workers, as
+    the iterator opens). A loader that is no ``DataLoader`` is left alone (its draws are unknown)."""
+    if val_loop._combined_loader is None:  # Lightning loads it where the resumed epoch validates: load it as it does
+        trainer.validating = True
+        val_loop.setup_data()
+        trainer.training = True
+    combined = val_loop._combined_loader
+    if combined is None or val_loop.skip:
+        return
+    iterators = getattr(getattr(combined, "_iterator", None), "iterators", None) or []
+    limits = combined.limits or [None] * len(combined.flattened)
+    for number, (loader, limit) in enumerate(zip(combined.flattened, limits, strict=True)):
+        if not isinstance(loader, DataLoader) or limit == 0:
+            continue
+        iterator = iterators[0] if number < opened and iterators else iter(loader)
+        indices = getattr(iterator, "_sampler_iter", None)
+        if indices is not None:
+            next(indices, None)

@@ -40,13 +40,13 @@ from pl_lowprec.strategies.run_record import CHECKPOINT_KEY as RUN
 from pl_lowprec.strategies.run_record import run_record, saved_run, warn_changed_run
 from pl_lowprec.strategies.skipped_validation import CHECKPOINT_KEY as VALIDATION_FOLLOWS
 from pl_lowprec.strategies.skipped_validation import (
-    hold_random_states_through_the_skipped_validation,
+    replay_the_skipped_validations_draws,
     validation_follows,
 )
 from pl_lowprec.strategies.step_clock import StepClock
 from pl_lowprec.strategies.trainer_checks import check_trainer_arguments, check_validation_interval
 from pl_lowprec.strategies.transform_args import TransformArguments
-from pl_lowprec.strategies.unresumable_data import resumed_where_an_epoch_ended, warn_unresumable_data
+from pl_lowprec.strategies.unresumable_data import warn_unresumable_data
 from pl_lowprec.transforms.weight_sources import teardown_with_meta
 
 
@@ -175,9 +175,8 @@ class TransformHooks(TransformArguments):
         if self._random_states_to_set is not None:  # resumed: as the uninterrupted run stood at this step
             trainer = self.lightning_module.trainer
             set_random_states(self._random_states_to_set)
+            replay_the_skipped_validations_draws(trainer, self._validation_followed)  # before the next epoch's draws
             restart_epoch_iterator(trainer)
-            if resumed_where_an_epoch_ended(trainer):
-                hold_random_states_through_the_skipped_validation(trainer, self._validation_followed)
             self._random_states_to_set = None
         if self._resumed:
             warn_changed_run(self.lightning_module.trainer, self._saved_run)

@@ -6,6 +6,7 @@ import random
 import sys
 from pathlib import Path
 
+import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
@@ -118,3 +119,53 @@ def test_a_run_resumed_where_an_epoch_ended_with_validation_draws_the_uninterrup
     assert torch.load(last, weights_only=False)["global_step"] == 5
     resumed = fit(tmp_path / "run", strategy=LowPrecisionStrategy(), ckpt_path=last, max_steps=8, **run)
     assert torch.equal(resumed, uninterrupted)
+
+
+class TrainingLosses(pl.Callback):
+    """Every training batch's loss, by the batch's place in the run (``global_step`` and the micro-batch)."""
+
+    def __init__(self) -> None:
+        self.losses: dict[tuple[int, int, int], float] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses[(trainer.current_epoch, batch_idx, trainer.global_step)] = outputs["loss"].item()
+
+
+VALIDATION_AFTER_THE_CHECKPOINT = {  # (first run's max_steps, whole run's max_steps, fit's arguments)
+    # a step save that a validation follows, which a shuffled validation loader draws through
+    "shuffled_at_the_epochs_end": (5, 12, {"schedule": {"every_n_train_steps": 5}, "validate_every": 1.0}),
+    "shuffled_inside_the_epoch": (8, 12, {"schedule": {"every_n_train_steps": 8}, "validate_every": 3}),
+    # every other epoch validates: a step save at epoch 1's end, followed by its validation
+    "every_second_epoch_at_a_validating_epochs_end": (
+        10,
+        17,
+        {"schedule": {"every_n_train_steps": 5}, "validate_every": 1.0, "check_val_every_n_epoch": 2},
+    ),
+    # the run stops at epoch 0's end, where no validation is due: Lightning's save_last at the train's end
+    "every_second_epoch_saved_after_the_fit": (
+        5,
+        12,
+        {"schedule": {}, "validate_every": 1.0, "check_val_every_n_epoch": 2},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", VALIDATION_AFTER_THE_CHECKPOINT)
+def test_a_run_resumed_before_a_validation_trains_with_the_uninterrupted_losses(tmp_path, case):
+    """The uninterrupted run validated right after the checkpoint was written, drawing from the global generator
+    (a shuffled loader's ``RandomSampler`` seed at its first batch) or counting an epoch; the resumed run skips or
+    shifts that validation, so its dropout masks were one draw off (and, from a file saved after the fit ended, its
+    epochs one off): every resumed loss must be the uninterrupted run's, bit for bit."""
+    stop, total, run = VALIDATION_AFTER_THE_CHECKPOINT[case]
+    run = {"dropout": 0.5, "shuffled_validation": True, **run}
+    full, resumed = TrainingLosses(), TrainingLosses()
+    uninterrupted = fit(tmp_path / "full", strategy=LowPrecisionStrategy(), max_steps=total, callbacks=[full], **run)
+    fit(tmp_path / "run", strategy=LowPrecisionStrategy(), max_steps=stop, **run)
+    last = tmp_path / "run/last.ckpt"
+    assert torch.load(last, weights_only=False)["global_step"] == stop
+    weights = fit(
+        tmp_path / "run", strategy=LowPrecisionStrategy(), ckpt_path=last, max_steps=total, callbacks=[resumed], **run
+    )
+    assert len(resumed.losses) == 2 * (total - stop)
+    assert resumed.losses == {place: full.losses[place] for place in resumed.losses}
+    assert torch.equal(weights, uninterrupted)
