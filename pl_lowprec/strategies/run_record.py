@@ -8,7 +8,9 @@ So the strategies record these settings in every checkpoint (``CHECKPOINT_KEY``)
 step, say in one warning what changed (old and new values), what it means, and how to resume exactly. A changed
 ``max_steps`` is said only where it moves the learning rate: a schedule rebuilt from it (``LambdaLR`` over
 ``estimated_stepping_batches``, as ``CausalLM``'s) no longer gives the saved run's rate at the saved step; raising
-``max_steps`` with a schedule that goes on is the documented way to train on.
+``max_steps`` with a schedule that goes on is the documented way to train on. Another scheduler keeps its saved
+arguments (``T_max``, ``total_steps``) over the ones this run built from the new length: said too, with both values
+(``scheduler_arguments.py``).
 
 Warned, not refused: each change is also a deliberate way to go on training (more devices, a batch that fits
 another GPU, bf16 where the hardware has it, a longer run), and the run works; it only is not the saved one
@@ -24,6 +26,8 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim.lr_scheduler import LambdaLR
+
+from pl_lowprec.strategies.scheduler_arguments import kept_arguments
 
 CHECKPOINT_KEY = "pl_lowprec_run"
 
@@ -114,20 +118,31 @@ def _rates(rates: list[float]) -> str:
     return ", ".join(f"{rate:.4g}" for rate in rates)
 
 
-def changed_run_paragraph(trainer: Any, saved: Mapping[str, Any] | None) -> str | None:
-    """The warning for a resumption whose settings differ from the checkpoint's (``saved``: its record), or
-    ``None`` where it continues the saved run (or the checkpoint holds no record)."""
+def changed_run_paragraph(
+    trainer: Any, saved: Mapping[str, Any] | None, built_schedulers: list[dict[str, Any]] | None = None
+) -> str | None:
+    """The warning for a resumption whose settings differ from the checkpoint's (``saved``: its record;
+    ``built_schedulers``: the schedulers' arguments as this run built them, ``scheduler_arguments.py``), or ``None``
+    where it continues the saved run (or the checkpoint holds no record)."""
     if not saved:
         return None
     now = run_record(trainer)
     changes = changed_settings(saved, now)
     jumps = schedule_jumps(trainer)
+    kept = kept_arguments(getattr(trainer, "lr_scheduler_configs", []), built_schedulers)
+    steps_changed = saved.get("max_steps") != now["max_steps"]
+    steps = f"max_steps {saved.get('max_steps')} -> {now['max_steps']}, " if steps_changed else ""
     if jumps:
-        old_steps = saved.get("max_steps")
-        steps = f"max_steps {old_steps} -> {now['max_steps']}, " if old_steps != now["max_steps"] else ""
         changes.append(
             f"{steps}the learning rate at step {trainer.global_step}: {'; '.join(jumps)} (the schedule"
             " configure_optimizers builds from this run's length, estimated_stepping_batches, is not the saved one's)"
+        )
+    if kept:
+        changes.append(
+            f"{'' if jumps else steps}the restored scheduler keeps the checkpoint's arguments, not those"
+            f" configure_optimizers built for this run: {', '.join(kept)}; the saved schedule goes on and ends where"
+            " the saved run's ended (past that a cosine's rate climbs back up and OneCycleLR stops the run with an"
+            " error)"
         )
     if not changes:
         return None
@@ -137,20 +152,25 @@ def changed_run_paragraph(trainer: Any, saved: Mapping[str, Any] | None) -> str 
         if saved.get(name) is not None and now.get(name) is not None and saved[name] != now[name]
     ]
     fix = f"To resume exactly, run with the saved values ({', '.join(keep)})" if keep else ""
-    if jumps and saved.get("max_steps") != now["max_steps"]:
+    if (jumps or kept) and steps_changed:
         fix += "; " if fix else ""
         fix += (
             f"a schedule built from max_steps keeps the saved run's rates only at its saved max_steps"
             f" ({saved.get('max_steps')}): to train longer on one schedule, start anew with the longer max_steps"
         )
+    elif kept:
+        fix += "; " if fix else ""
+        fix += "to follow this run's scheduler arguments, start anew (a resumed scheduler is the saved one)"
     return (
         f"This run resumes from {trainer.ckpt_path} at step {trainer.global_step} with other settings than that"
         f" checkpoint was saved with, so it does not continue the saved run exactly: {'; '.join(changes)}."
-        f"{f' {fix}.' if fix else ''} If the change is meant, it trains on as set."
+        f"{f' {fix[0].upper()}{fix[1:]}.' if fix else ''} If the change is meant, it trains on as set."
     )
 
 
-def warn_changed_run(trainer: Any, saved: Mapping[str, Any] | None) -> None:
-    paragraph = changed_run_paragraph(trainer, saved)
+def warn_changed_run(
+    trainer: Any, saved: Mapping[str, Any] | None, built_schedulers: list[dict[str, Any]] | None = None
+) -> None:
+    paragraph = changed_run_paragraph(trainer, saved, built_schedulers)
     if paragraph:
         rank_zero_warn(paragraph)

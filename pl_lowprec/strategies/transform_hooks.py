@@ -38,6 +38,7 @@ from pl_lowprec.strategies.random_states import (
 )
 from pl_lowprec.strategies.run_record import CHECKPOINT_KEY as RUN
 from pl_lowprec.strategies.run_record import run_record, saved_run, warn_changed_run
+from pl_lowprec.strategies.scheduler_arguments import built_arguments
 from pl_lowprec.strategies.skipped_validation import CHECKPOINT_KEY as VALIDATION_FOLLOWS
 from pl_lowprec.strategies.skipped_validation import (
     replay_the_skipped_validations_draws,
@@ -63,6 +64,7 @@ class TransformHooks(TransformArguments):
     _validation_followed: bool | None = None  # after the checkpoint resumed from (``skipped_validation.py``)
     _resumed = False  # fit resumes from a checkpoint: on_train_start checks the training loader can
     _saved_run: dict[str, Any] | None = None  # the resumed checkpoint's settings (run_record.py)
+    _built_schedulers: list[dict[str, Any]] | None = None  # as configure_optimizers built them (scheduler_arguments.py)
 
     def setup(self, trainer: pl.Trainer) -> None:
         self.before_transform(trainer)
@@ -155,6 +157,7 @@ class TransformHooks(TransformArguments):
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
+        self._built_schedulers = built_arguments(self.lr_scheduler_configs)  # before a checkpoint's state replaces them
         check_optimizers_train_the_model(self.lightning_module, self.optimizers)
         self.optimizers = self.transform.swap_optimizers(self.optimizers, self.lr_scheduler_configs, self.root_device)
 
@@ -179,7 +182,7 @@ class TransformHooks(TransformArguments):
             restart_epoch_iterator(trainer)
             self._random_states_to_set = None
         if self._resumed:
-            warn_changed_run(self.lightning_module.trainer, self._saved_run)
+            warn_changed_run(self.lightning_module.trainer, self._saved_run, self._built_schedulers)
             warn_unresumable_data(self.lightning_module.trainer)
             self._resumed = False
         predicted = getattr(self.prediction, "step_time", None)  # nothing timed where nothing was predicted

@@ -6,8 +6,10 @@ get none."""
 from __future__ import annotations
 
 import warnings
+from contextlib import nullcontext
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from resume_helpers import Regression, _pairs
 from torch.utils.data import DataLoader
@@ -15,6 +17,7 @@ from torch.utils.data import DataLoader
 from pl_lowprec import AMPPrecision
 from pl_lowprec.callbacks import StepBoundaryCheckpoint
 from pl_lowprec.data.resumable import resumable_loader
+from pl_lowprec.strategies import run_record
 from pl_lowprec.strategies.run_record import CHECKPOINT_KEY, changed_settings
 
 SAID = "with other settings than that checkpoint was saved with"
@@ -42,8 +45,19 @@ class Configurable(Regression):
         return resumable_loader(_pairs(20, 1), self.batch_size, None, self.trainer)
 
 
-def fit(directory, max_steps, ckpt_path=None, accumulate=2, precision="32-true", plugins=None, everything=False, **kw):
-    """The warnings that say a changed run (``everything``: all warnings)."""
+def fit(
+    directory,
+    max_steps,
+    ckpt_path=None,
+    accumulate=2,
+    precision="32-true",
+    plugins=None,
+    everything=False,
+    model=None,
+    **kw,
+):
+    """The warnings that say a changed run (``everything``: all warnings); ``model`` in place of a
+    ``Configurable(**kw)``."""
     trainer = pl.Trainer(
         accelerator="cpu",
         strategy="lowprec",
@@ -59,7 +73,7 @@ def fit(directory, max_steps, ckpt_path=None, accumulate=2, precision="32-true",
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(Configurable(**kw), ckpt_path=ckpt_path)
+        trainer.fit(model or Configurable(**kw), ckpt_path=ckpt_path)
     return [str(w.message) for w in caught if everything or SAID in str(w.message)]
 
 
@@ -103,7 +117,7 @@ def test_a_schedule_rebuilt_from_a_raised_max_steps_is_said_with_the_learning_ra
     assert len(said) == 1, said
     assert "max_steps 2 -> 4, the learning rate at step 2: 0 -> 0.05" in said[0]
     assert said[0].endswith(
-        "a schedule built from max_steps keeps the saved run's rates only at its saved max_steps (2): to train"
+        "A schedule built from max_steps keeps the saved run's rates only at its saved max_steps (2): to train"
         " longer on one schedule, start anew with the longer max_steps. If the change is meant, it trains on as set."
     )
 
@@ -123,3 +137,48 @@ def test_a_precision_change_that_amp_precision_says_itself_is_not_said_twice(tmp
     assert len([s for s in said if s.startswith("This checkpoint was trained with precision 'bf16-mixed'")]) == 1
     (changed,) = [s for s in said if SAID in s]
     assert "accumulate_grad_batches 2 -> 4" in changed and "precision bf16-mixed -> 16-mixed" not in changed
+
+
+class Cosine(Configurable):
+    """``Configurable`` with a torch scheduler whose length is ``max_steps``: its state saves that length."""
+
+    def __init__(self, scheduler: str = "cosine") -> None:
+        super().__init__()
+        self.scheduler = scheduler
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        steps = self.trainer.max_steps
+        if self.scheduler == "cosine":
+            schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
+        else:
+            schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "argument"), [("cosine", "CosineAnnealingLR T_max"), ("one_cycle", "OneCycleLR total_steps")]
+)
+def test_a_scheduler_that_keeps_its_saved_length_over_a_raised_max_steps_is_said(
+    tmp_path, monkeypatch, scheduler, argument
+):
+    """torch restores ``T_max`` / ``total_steps`` from the checkpoint over the ones ``configure_optimizers`` built
+    from the raised ``max_steps``: the run follows the saved schedule (a cosine climbs back up after it, OneCycleLR
+    fails past it), which the warning says before the first step, with both values and the fix."""
+    said = []
+    monkeypatch.setattr(run_record, "rank_zero_warn", said.append)  # kept where OneCycleLR's error ends the fit
+    fit(tmp_path, max_steps=2, model=Cosine(scheduler))
+    failing = pytest.raises(ValueError, match="Tried to step 3 times") if scheduler == "one_cycle" else nullcontext()
+    with failing:
+        fit(tmp_path, 4, tmp_path / "last.ckpt", model=Cosine(scheduler))
+    assert len(said) == 1, said
+    assert (
+        f"max_steps 2 -> 4, the restored scheduler keeps the checkpoint's arguments, not those configure_optimizers"
+        f" built for this run: {argument}=2 (this run built 4); the saved schedule goes on" in said[0]
+    )
+    assert "start anew with the longer max_steps" in said[0]
+
+
+def test_a_scheduler_resumed_with_its_saved_length_is_not_said(tmp_path):
+    fit(tmp_path, max_steps=4, model=Cosine())
+    assert fit(tmp_path, 4, tmp_path / "epoch=0-step=2.ckpt", model=Cosine()) == []
