@@ -5,12 +5,17 @@ get none."""
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from contextlib import nullcontext
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+import resume_helpers
 import torch
+import warm_python
 from resume_helpers import Regression, _pairs
 from torch.utils.data import DataLoader
 
@@ -182,3 +187,30 @@ def test_a_scheduler_that_keeps_its_saved_length_over_a_raised_max_steps_is_said
 def test_a_scheduler_resumed_with_its_saved_length_is_not_said(tmp_path):
     fit(tmp_path, max_steps=4, model=Cosine())
     assert fit(tmp_path, 4, tmp_path / "epoch=0-step=2.ckpt", model=Cosine()) == []
+
+
+def test_another_number_of_processes_is_said_end_to_end(tmp_path):
+    """1 process -> 2 DDP ranks (gloo) and 2 -> 1: the checkpoint records the world size, and the resumed fit says
+    the change once (on rank 0 only), with the saved value to resume exactly with."""
+    checkpoints = tmp_path / "one"
+    resume_helpers.fit(checkpoints, strategy="lowprec", max_steps=5, plain_loader=True)  # an epoch
+    script = Path(__file__).parents[1] / "_scripts" / "run_record_ddp.py"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    run = [sys.executable, str(script), str(checkpoints / "last.ckpt"), str(tmp_path)]
+    result = warm_python.run(run, 120, env=env, ranks=2)
+    assert result.returncode == 0, result.stderr[-4000:]
+    said = (tmp_path / "said0.txt").read_text()
+    assert said.startswith(f"This run resumes from {checkpoints / 'last.ckpt'} at step 5 {SAID}")
+    assert "world_size 1 -> 2: another number of processes" in said and "trainer.devices x trainer.num_nodes=1" in said
+    assert (tmp_path / "said1.txt").read_text() == ""  # rank_zero_warn: one warning, not one a rank
+
+    two_processes = tmp_path / "two/last.ckpt"  # the 2 ranks' run, saved at its end
+    assert torch.load(two_processes, weights_only=True)[CHECKPOINT_KEY]["world_size"] == 2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resume_helpers.fit(
+            tmp_path / "one", strategy="lowprec", ckpt_path=two_processes, max_steps=7, plain_loader=True
+        )
+    (said,) = [str(w.message) for w in caught if SAID in str(w.message)]
+    assert "world_size 2 -> 1: another number of processes" in said
+    assert "To resume exactly, run with the saved values (trainer.devices x trainer.num_nodes=2)" in said
