@@ -22,7 +22,8 @@ stale metric, and a monitored epoch schedule is Lightning's). A validation's sav
 a step is made where the step ends. A run stopped inside a step (``max_time``, ``EarlyStopping`` or a callback's
 ``trainer.should_stop``) saves its final step at once, and a monitored validation save inside a step is made at
 once (the file holds the weights its metric scored): both written as at the last step's end
-(``step_end_rewind.py``), so that a resumption trains the step's micro-batches again. It keeps Lightning's state
+(``step_end_rewind.py``), so that a resumption trains the step's micro-batches again; so is a ``save_on_exception``
+file (the exception's batch, whose random draws it leaves out, is trained again too). It keeps Lightning's state
 key, so checkpoints resume across the two classes. ``pl-lowprec`` and the strategies turn Lightning's own
 ``ModelCheckpoint`` callbacks (that exact class: the same objects, arguments and state) into this one; its own name
 keeps ``--trainer.callbacks+=ModelCheckpoint`` meaning Lightning's on the command line.
@@ -53,6 +54,7 @@ class StepBoundaryCheckpoint(LightningModelCheckpoint):
     _global_step_at_batch_start: int | None = None
     _validation_save_pending: bool = False  # a validation ended inside a step: its save waits for the step's end
     _step_end_random_states: dict[str, Any] | None = None  # where the latest step ended (``step_end_rewind.py``)
+    _step_end_global_step: int | None = None  # that step's global_step
     _micro_batches_to_set_back: int = 0  # set while this callback writes a file as at the last step's end
 
     def _generate_state_key(self, **kwargs: Any) -> str:
@@ -69,7 +71,7 @@ class StepBoundaryCheckpoint(LightningModelCheckpoint):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
-        self._step_end_random_states = None  # an earlier fit's: no step of this one has ended yet
+        self._step_end_random_states = self._step_end_global_step = None  # an earlier fit's: none of this one yet
         self._validation_save_pending = False
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -83,6 +85,16 @@ class StepBoundaryCheckpoint(LightningModelCheckpoint):
         else:
             with self._as_at_the_last_step_end(trainer):
                 super().on_validation_end(trainer, pl_module)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """``save_on_exception``: the file is written as at the last step's end. As it stands, it holds the loop
+        inside a step (the micro-batches so far counted, their gradients in no file: the step resumed on the rest
+        alone) and the random generators after the failed batch's draws (its retry draws other dropout masks)."""
+        if trainer.state.fn == TrainerFn.FITTING and pl_module.automatic_optimization:
+            with self._as_at_the_last_step_end(trainer):
+                super().on_exception(trainer, pl_module, exception)
+        else:
+            super().on_exception(trainer, pl_module, exception)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -100,7 +112,7 @@ class StepBoundaryCheckpoint(LightningModelCheckpoint):
                 with self._as_at_the_last_step_end(trainer):
                     self._save_final_step(trainer)
             return
-        self._step_end_random_states = random_states()
+        self._step_end_random_states, self._step_end_global_step = random_states(), trainer.global_step
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self._validation_save_pending:
             self._validation_save_pending = False
@@ -116,11 +128,14 @@ class StepBoundaryCheckpoint(LightningModelCheckpoint):
             set_back(checkpoint, self._micro_batches_to_set_back)
 
     def _can_set_back(self, trainer: pl.Trainer) -> bool:
-        """Whether a file saved now can be written as at the last step's end: a step ended in this epoch (its
-        random states were kept) and the training loaders' positions can be set back."""
+        """Whether a file saved now can be written as at the last step's end: a step ended in this epoch, its
+        random states were kept (not so where an exception ended the step's batch before this callback's
+        ``on_train_batch_end``: the generators stand at that step's end then), and the training loaders' positions
+        can be set back."""
         into_the_step = micro_batches_into_the_step(trainer)
         ended_in_this_epoch = trainer.fit_loop.epoch_loop.batch_progress.current.processed > into_the_step
-        return self._step_end_random_states is not None and ended_in_this_epoch and can_set_back(trainer)
+        kept = self._step_end_random_states is not None and self._step_end_global_step == trainer.global_step
+        return kept and ended_in_this_epoch and can_set_back(trainer)
 
     @contextmanager
     def _as_at_the_last_step_end(self, trainer: pl.Trainer) -> Iterator[None]:

@@ -242,3 +242,61 @@ def test_a_run_stopped_inside_a_step_saves_its_final_step_which_resumes_exactly(
     on = with_dropout_on_the_strategy(checkpoint_class)
     resumed = fit(tmp_path / "part", checkpoint_class, ckpt_path=tmp_path / "part/last.ckpt", **run, **on)
     assert torch.equal(resumed, uninterrupted)
+
+
+class Failure(Exception):
+    pass
+
+
+class FailAt(pl.Callback):
+    """Raises in ``hook`` on the run's batch ``batch`` (accumulating 2: batch 4 opens step 3, batch 5 ends it)."""
+
+    def __init__(self, hook: str, batch: int) -> None:
+        self.hook, self.batch, self.index = hook, batch, -1
+
+    def _fail_in(self, hook: str) -> None:
+        if hook == self.hook and self.index == self.batch:
+            raise Failure(f"{hook} at batch {self.batch}")
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.index = trainer.fit_loop.total_batch_idx
+        self._fail_in("on_train_batch_start")
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self._fail_in("on_before_backward")
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self._fail_in("on_before_optimizer_step")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._fail_in("on_train_batch_end")  # before the checkpoint's own (Lightning calls checkpoints last)
+
+
+@pytest.mark.parametrize(
+    ("hook", "batch"),
+    [
+        ("on_before_backward", 4),  # in step 3's first micro-batch: the file is at step 2's end but for the draws
+        ("on_before_backward", 5),  # its second: step 3 would be taken on batch 5 alone
+        ("on_before_optimizer_step", 5),
+        ("on_train_batch_start", 5),
+        ("on_train_batch_end", 4),
+        ("on_train_batch_end", 5),  # step 3 ended, the callback did not see its end
+    ],
+)
+def test_a_file_saved_on_an_exception_resumes_exactly(tmp_path, hook, batch):
+    """``save_on_exception`` writes the failed run's state as it stands (Lightning's own ``OnExceptionCheckpoint``
+    too): inside an accumulated step, the loop counts the step's micro-batches so far, whose gradients no file
+    keeps, and the random generators stand after the failed batch's draws. Written as at the last step's end, the
+    resumption trains the step's micro-batches again, with the uninterrupted run's dropout masks."""
+    run = {"schedule": {"every_n_train_steps": 4, "save_on_exception": True}, "max_steps": 8}
+    uninterrupted = fit(tmp_path / "full", **run, **with_dropout_on_the_strategy(StepBoundaryCheckpoint))
+    with pytest.raises(Failure):
+        on = with_dropout_on_the_strategy(StepBoundaryCheckpoint)
+        fit(tmp_path / "part", callbacks=[FailAt(hook, batch)], **run, **on)
+    assert saved(tmp_path / "part/last.ckpt")[0] == 2 + (hook == "on_train_batch_end" and batch == 5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        on = with_dropout_on_the_strategy(StepBoundaryCheckpoint)
+        resumed = fit(tmp_path / "part", ckpt_path=tmp_path / "part/last.ckpt", **run, **on)
+    assert not [w for w in caught if "micro-batches of optimizer step" in str(w.message)]
+    assert torch.equal(resumed, uninterrupted)
