@@ -41,7 +41,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 
 from pl_lowprec.callbacks.epoch_end_resumption import as_saved_at_the_last_batch
-from pl_lowprec.callbacks.step_end_rewind import can_set_back, micro_batches_into_the_step, set_back
+from pl_lowprec.callbacks.step_end_rewind import AS_AT_THE_STEP_END, can_set_back, micro_batches_into_the_step, set_back
 from pl_lowprec.callbacks.swap import in_place, swap_default_callbacks
 from pl_lowprec.generator_states import generators_held, random_states
 
@@ -55,7 +55,7 @@ class StepBoundaryCheckpoint(LightningModelCheckpoint):
     _validation_save_pending: bool = False  # a validation ended inside a step: its save waits for the step's end
     _step_end_random_states: dict[str, Any] | None = None  # where the latest step ended (``step_end_rewind.py``)
     _step_end_global_step: int | None = None  # that step's global_step
-    _micro_batches_to_set_back: int = 0  # set while this callback writes a file as at the last step's end
+    _micro_batches_to_set_back: int | None = None  # set while this callback writes a file as at the last step's end
 
     def _generate_state_key(self, **kwargs: Any) -> str:
         return f"{LightningModelCheckpoint.__qualname__}{kwargs!r}"  # Lightning's key: either class resumes the other
@@ -124,7 +124,8 @@ class StepBoundaryCheckpoint(LightningModelCheckpoint):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         super().on_save_checkpoint(trainer, pl_module, checkpoint)
-        if self._micro_batches_to_set_back:
+        if self._micro_batches_to_set_back is not None:
+            checkpoint[AS_AT_THE_STEP_END] = True
             set_back(checkpoint, self._micro_batches_to_set_back)
 
     def _can_set_back(self, trainer: pl.Trainer) -> bool:
@@ -148,7 +149,7 @@ class StepBoundaryCheckpoint(LightningModelCheckpoint):
             with generators_held(self._step_end_random_states):
                 yield
         finally:
-            self._micro_batches_to_set_back = 0
+            self._micro_batches_to_set_back = None
 
     def _save_final_step(self, trainer: pl.Trainer) -> None:
         """The final step, where Lightning would not save it (a step or time schedule off its grid) or would save

@@ -22,6 +22,7 @@ import lightning.pytorch as pl
 from pl_lowprec.data.resumable import ResumableDataLoader
 
 PROGRESS_COUNTERS = ("ready", "started", "processed", "completed")
+AS_AT_THE_STEP_END = "pl_lowprec_as_at_the_step_end"  # a checkpoint's key: written so (not as the run stood)
 
 
 def micro_batches_into_the_step(trainer: pl.Trainer) -> int:

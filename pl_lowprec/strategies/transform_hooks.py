@@ -27,6 +27,8 @@ from pl_lowprec.memory.collectives import gradient_as_bucket_view
 from pl_lowprec.memory.sizing_batch import sizing_batch
 from pl_lowprec.strategies.auto_settings import choose_memory_settings, run_interconnect
 from pl_lowprec.strategies.garbage_collection import freeze_long_lived_objects, unfreeze
+from pl_lowprec.strategies.interrupted_batch import CHECKPOINT_KEY as INTERRUPTED_BATCH
+from pl_lowprec.strategies.interrupted_batch import interrupted_batch, interrupted_batch_paragraph
 from pl_lowprec.strategies.optimized_parameters import check_optimizers_train_the_model
 from pl_lowprec.strategies.optimizer_record import CHECKPOINT_KEY as OPTIMIZERS
 from pl_lowprec.strategies.optimizer_record import check_same_optimizer, optimizer_record
@@ -221,6 +223,7 @@ class TransformHooks(TransformArguments):
         checkpoint[VALIDATION_FOLLOWS] = validation_follows(self.lightning_module.trainer)
         checkpoint[OPTIMIZERS] = optimizer_record(self.optimizers, self.transform_config.optimizer)
         checkpoint[RUN] = run_record(self.lightning_module.trainer)
+        checkpoint[INTERRUPTED_BATCH] = interrupted_batch(self.lightning_module.trainer, checkpoint)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def before_resuming(self, checkpoint: Mapping[str, Any]) -> None:
@@ -230,7 +233,9 @@ class TransformHooks(TransformArguments):
         trainer = self.lightning_module.trainer
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        warning = mid_step_resumption(checkpoint, trainer.accumulate_grad_batches)
+        warning = interrupted_batch_paragraph(checkpoint, trainer.accumulate_grad_batches) or mid_step_resumption(
+            checkpoint, trainer.accumulate_grad_batches
+        )
         if warning:
             rank_zero_warn(warning)
         if isinstance(checkpoint, MutableMapping):

@@ -8,6 +8,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from resume_helpers import ACCUMULATE, EVERY, Regression, fit
 
 from pl_lowprec import LowPrecisionStrategy
@@ -299,4 +300,34 @@ def test_a_file_saved_on_an_exception_resumes_exactly(tmp_path, hook, batch):
         on = with_dropout_on_the_strategy(StepBoundaryCheckpoint)
         resumed = fit(tmp_path / "part", ckpt_path=tmp_path / "part/last.ckpt", **run, **on)
     assert not [w for w in caught if "micro-batches of optimizer step" in str(w.message)]
+    assert not [w for w in caught if "exception interrupted" in str(w.message)]
     assert torch.equal(resumed, uninterrupted)
+
+
+@pytest.mark.parametrize("batch", [4, 5])
+def test_a_file_lightnings_on_exception_checkpoint_wrote_inside_a_batch_is_said_on_resumption(tmp_path, batch):
+    """Lightning's ``OnExceptionCheckpoint`` (another class: left as it is) writes the failed run as it stood: the
+    failed batch is trained again, but with the generators past its first try's draws (and, inside a step, without
+    the step's earlier micro-batches' gradients). Resuming from it was silent on a window's first micro-batch."""
+    run = {"schedule": {"every_n_train_steps": 4}, "max_steps": 8, "dropout": 0.5}
+    uninterrupted = fit(tmp_path / "full", strategy=LowPrecisionStrategy(), **run)
+    on_exception = OnExceptionCheckpoint(tmp_path / "part")
+    with pytest.raises(Failure):
+        fit(
+            tmp_path / "part",
+            strategy=LowPrecisionStrategy(),
+            callbacks=[FailAt("on_before_backward", batch), on_exception],
+            **run,
+        )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = fit(tmp_path / "part", strategy=LowPrecisionStrategy(), ckpt_path=on_exception.ckpt_path, **run)
+    (said,) = [str(w.message) for w in caught if "exception interrupted" in str(w.message)]
+    assert said.startswith(
+        f"This checkpoint was written as an exception interrupted training batch {batch} of epoch 0, with the run's"
+        " state as it stood (Lightning's OnExceptionCheckpoint"
+    )
+    assert ("after 1 of its 2 micro-batches" in said) is (batch == 5)
+    assert "StepBoundaryCheckpoint(save_on_exception=True)" in said
+    assert not [w for w in caught if "micro-batches of optimizer step" in str(w.message)]  # one paragraph, not two
+    assert not torch.equal(resumed, uninterrupted)
