@@ -29,6 +29,7 @@ from pl_lowprec.data.chat import (
     ChatTemplateMismatch,
     TemplateFieldError,
     UnusableChatRecord,
+    empty_answer_reason,
     no_answer_reason,
     turns_problem,
 )
@@ -360,6 +361,9 @@ class TextDataModule(pl.LightningDataModule):
             if isinstance(prompt, list) and isinstance(completion, list):
                 if turns_problem(prompt) or turns_problem(completion):
                     return "records whose 'prompt' or 'completion' list is not of {role, content} turns"
+                empty = empty_answer_reason(completion)
+                if empty:
+                    return empty
                 sample = self._chat(record).encode_completion(prompt, completion)
             elif not isinstance(prompt, str) or not isinstance(completion, str):
                 return "records with 'prompt' and 'completion' not both strings or both lists of turns"
@@ -370,7 +374,7 @@ class TextDataModule(pl.LightningDataModule):
         else:
             if turns_problem(record["messages"]):
                 return "records whose 'messages' is not a list of {role, content} turns"
-            no_answer = no_answer_reason(record["messages"])
+            no_answer = no_answer_reason(record["messages"]) or empty_answer_reason(record["messages"])
             if no_answer:
                 return no_answer
             sample = self._chat(record).encode_messages(record["messages"])

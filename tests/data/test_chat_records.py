@@ -301,3 +301,28 @@ def test_template_arguments_stored_as_json_text_are_read(tmp_path, tokenizer_dir
     record = {"messages": TURNS[1:3], "chat_template_kwargs": json.dumps({"persona": "terse"})}
     data = data_of_records(tmp_path / "chat.jsonl", [record], tokenizer)
     assert data.tokenizer.decode(data.train_set[0]["input_ids"]).startswith("<|persona|>terse</s>")
+
+
+def test_an_empty_answer_is_refused_as_an_empty_completion_is(tmp_path, tokenizer_dir):
+    """An empty assistant turn (a blank alpaca ``output`` too) left only its end-of-turn token as a target: the
+    model learnt to end its answer at once, where an empty string completion was refused. A tool-call-only answer
+    is not empty."""
+    call = {"type": "function", "function": {"name": "get_time", "arguments": {}}}
+    records = [
+        {"messages": TURNS[1:3]},  # 1: used
+        {"messages": [TURNS[1], {"role": "assistant", "content": "  "}]},  # 2
+        {"messages": [*TURNS[1:3], TURNS[3], {"role": "assistant", "content": ""}]},  # 3: the second answer empty
+        {"instruction": "Greet.", "input": "", "output": ""},  # 4: alpaca
+        {"prompt": [TURNS[1]], "completion": [{"role": "assistant", "content": "\n"}]},  # 5
+        {"messages": [TURNS[1], {"role": "assistant", "content": "", "tool_calls": [call]}]},  # 6: used
+    ]
+    template = _with_template(tokenizer_dir, WITH_TOOLS, tmp_path / "t")
+    data = data_of_records(tmp_path / "chat.jsonl", records, template, max_skipped_fraction=1)
+    (report,) = data.reports
+    assert report.used == 2
+    reason = (
+        "records with an empty assistant turn (it would train the model to end its answer at once): drop them or"
+        " write their answers"
+    )
+    assert report.first_lines == {reason: [2, 3, 4, 5]}
+    assert [_targets(data, s) for s in data.train_set] == ["<think>greet</think>hi</s>", "call get_time</s>"]
