@@ -5,9 +5,10 @@ A record is read by its fields: ``text``; ``prompt`` + ``completion``; ``message
 "completion": "answer"}``. With a mapping, only the columns it names are read, and the chat template's ``tools`` and
 ``chat_template_kwargs``. ShareGPT chats (a ``conversations`` column of ``{from, value}`` turns, roles
 ``human``/``gpt``/``system``) are read as ``messages`` with the roles ``user``/``assistant``/``system``, as TRL's
-``maybe_convert_to_chatml`` does; under another column name, map it with ``{"messages": COLUMN}``. Alpaca records
-(``instruction``, ``output``, optionally ``input``, ``system`` and ``history``, the format of Stanford Alpaca and of
-LLaMA-Factory's datasets) are read as ``messages`` as LLaMA-Factory reads them: the instruction and its input
+``maybe_convert_to_chatml`` does, and a ``system`` column beside them as their first turn (LLaMA-Factory's
+ShareGPT); under another column name, map it with ``{"messages": COLUMN}``. Alpaca records (``instruction``,
+``output``, optionally ``input``, ``system`` and ``history``, the format of Stanford Alpaca and of LLaMA-Factory's
+datasets) are read as ``messages`` as LLaMA-Factory reads them: the instruction and its input
 joined by a newline as the user's turn, the output as the answer, the history's pairs before them. A value that is
 absent (``None``, as Arrow tables hold for a field a record lacks) is read as a missing field, so a ``.jsonl`` file
 and its Parquet copy give the same records.
@@ -57,10 +58,13 @@ def read_fields(record: dict[str, Any], fields: dict[str, str] | None) -> dict[s
         extras = {name: record[name] for name in TEMPLATE_FIELDS if name in record}
         record = {name: record[column] for name, column in fields.items() if column in record} | extras
     record = {key: value for key, value in record.items() if value is not None}
-    if fields is None and "messages" not in record and SHAREGPT_COLUMN in record:
+    sharegpt = fields is None and "messages" not in record and SHAREGPT_COLUMN in record
+    if sharegpt:
         record["messages"] = record.pop(SHAREGPT_COLUMN)
     if isinstance(record.get("messages"), str):  # a CSV cell, or a table that stores the turns as JSON text
         record["messages"] = json_list(record["messages"])
+    if sharegpt:
+        record["messages"] = with_system_column(record["messages"], record.get("system"))
     if fields is None and not {"messages", "prompt", "completion"} & record.keys() and is_alpaca(record):
         record["messages"] = alpaca_turns(record)
     if isinstance(record.get("messages"), list):
@@ -76,6 +80,18 @@ def json_list(text: str) -> Any:
         return json.loads(text)
     except ValueError:
         return text
+
+
+def with_system_column(turns: Any, system: Any) -> Any:
+    """ShareGPT ``turns`` with the record's ``system`` column as their first turn, as LLaMA-Factory reads its
+    ShareGPT format (a system turn of the conversation's own comes first instead). Left unread, the template
+    rendered its default system prompt, or none, in its place."""
+    if not isinstance(turns, list) or not isinstance(system, str) or not system.strip():
+        return turns
+    first = turns[0] if turns else None
+    if isinstance(first, dict) and "system" in (first.get("role"), first.get("from")):
+        return turns
+    return [{"role": "system", "content": system}, *turns]
 
 
 def is_alpaca(record: dict[str, Any]) -> bool:

@@ -118,9 +118,10 @@ class TextDataModule(pl.LightningDataModule):
             (``pl_lowprec.models.forward_batch``); the first packed batches check that it keeps samples apart.
         fields: Your column names for the fields read, instead of renaming them by hand: ``{"prompt":
             "question", "completion": "answer"}``, ``{"text": "content"}`` or ``{"messages": "dialog"}``; only the
-            named columns are read. ShareGPT's ``conversations`` (``from``/``value`` turns, roles human/gpt/system)
-            are read as ``messages`` without a mapping, and so are alpaca records (``instruction``, ``input``,
-            ``output``, ``system``, ``history``), as LLaMA-Factory reads them.
+            named columns are read. ShareGPT's ``conversations`` (``from``/``value`` turns, roles human/gpt/system;
+            a ``system`` column beside them is the first turn) are read as ``messages`` without a mapping, and so
+            are alpaca records (``instruction``, ``input``, ``output``, ``system``, ``history``), as LLaMA-Factory
+            reads them.
         train_split: The split of a ``DatasetDict`` (hub id, saved or in Python) in ``train_files`` to train on.
         val_split: The split of a ``DatasetDict`` in ``val_files``; ``None``: ``validation``, else ``test``.
         chat_template_kwargs: Arguments of the chat template for every chat record (``{"enable_thinking":

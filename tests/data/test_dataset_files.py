@@ -282,6 +282,22 @@ def test_sharegpt_conversations_read_as_messages(pretrained, tmp_path):
     assert _rows(data.train_set) == expected
 
 
+def test_a_sharegpt_system_column_is_the_first_turn(pretrained, tmp_path):
+    """LLaMA-Factory's ShareGPT format keeps the system prompt in a ``system`` column beside ``conversations``;
+    it was dropped, and the chats trained without it. A system turn of the conversation's own comes first."""
+    roles = {"user": "human", "assistant": "gpt", "system": "system"}
+    sharegpt, as_messages = [], []
+    for i, chat in enumerate(CHATS):
+        turns = [{"from": roles[m["role"]], "value": m["content"]} for m in chat["messages"]]
+        own = chat["messages"][0]["role"] == "system"
+        sharegpt.append({"conversations": turns, "system": "Not read: the chat has its own." if own else f"S{i}"})
+        system = [] if own else [{"role": "system", "content": f"S{i}"}]
+        as_messages.append({"messages": [*system, *chat["messages"]]})
+    expected = _rows(_data(_write("jsonl", as_messages, tmp_path / "chat"), pretrained, seq_len=64).train_set)
+    for fmt in ("parquet", "jsonl"):
+        assert _rows(_data(_write(fmt, sharegpt, tmp_path / fmt), pretrained, seq_len=64).train_set) == expected
+
+
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
 def test_a_mapping_naming_a_missing_column_is_refused_with_the_columns(fmt, pretrained, tmp_path, caplog):
     path = _write(fmt, [{"question": "q", "answer_text": "a"}], tmp_path)
