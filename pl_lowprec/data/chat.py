@@ -289,9 +289,20 @@ def turns_problem(turns: Any) -> str | None:
     for turn in turns:
         if not isinstance(turn, dict) or not isinstance(turn.get("role"), str):
             return "a turn without a string 'role'"
+        if is_content_parts(turn.get("content")):
+            return (
+                "a turn whose 'content' is a list of parts ([{'type': 'text', 'text': ...}], OpenAI's and the vision"
+                " models' form), which a text model's chat template writes as the list's Python text: join the"
+                " parts' text into one string"
+            )
         if not isinstance(turn.get("content"), str) and not turn.get("tool_calls"):
             return "a turn without a string 'content' (or an assistant's 'tool_calls')"
     return None
+
+
+def is_content_parts(content: Any) -> bool:
+    """Whether a turn's ``content`` is a list of typed parts (``{"type": "text", "text": ...}``)."""
+    return isinstance(content, list) and bool(content) and all(isinstance(p, dict) and "type" in p for p in content)
 
 
 def empty_answer_reason(turns: list[dict[str, Any]]) -> str | None:

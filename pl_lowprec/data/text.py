@@ -360,8 +360,9 @@ class TextDataModule(pl.LightningDataModule):
             if prompt is None or completion is None:
                 return missing_field_reason("completion" if completion is None else "prompt", given, self.fields)
             if isinstance(prompt, list) and isinstance(completion, list):
-                if turns_problem(prompt) or turns_problem(completion):
-                    return "records whose 'prompt' or 'completion' list is not of {role, content} turns"
+                problem = turns_problem(prompt) or turns_problem(completion)
+                if problem:
+                    return f"records whose 'prompt' or 'completion' list is not of {{role, content}} turns ({problem})"
                 empty = empty_answer_reason(completion)
                 if empty:
                     return empty
@@ -373,8 +374,9 @@ class TextDataModule(pl.LightningDataModule):
             else:
                 sample = encode_prompt_completion(self.tokenizer, prompt, completion, report)
         else:
-            if turns_problem(record["messages"]):
-                return "records whose 'messages' is not a list of {role, content} turns"
+            problem = turns_problem(record["messages"])
+            if problem:
+                return f"records whose 'messages' is not a list of {{role, content}} turns ({problem})"
             no_answer = no_answer_reason(record["messages"]) or empty_answer_reason(record["messages"])
             if no_answer:
                 return no_answer

@@ -326,3 +326,14 @@ def test_an_empty_answer_is_refused_as_an_empty_completion_is(tmp_path, tokenize
     )
     assert report.first_lines == {reason: [2, 3, 4, 5]}
     assert [_targets(data, s) for s in data.train_set] == ["<think>greet</think>hi</s>", "call get_time</s>"]
+
+
+def test_content_as_a_list_of_parts_is_refused_with_the_fix(tmp_path, tokenizer_dir):
+    """OpenAI's and the vision models' turns hold ``content`` as typed parts; a text template would write the
+    list's Python text. The reason said only "not a list of {role, content} turns", which they seem to be."""
+    parts = [{"type": "text", "text": "hello"}]
+    records = [{"messages": TURNS[1:3]}, {"messages": [{"role": "user", "content": parts}, TURNS[2]]}]
+    data = data_of_records(tmp_path / "chat.jsonl", records, str(tokenizer_dir), max_skipped_fraction=1)
+    (reason,) = data.reports[0].bad
+    assert reason.startswith("records whose 'messages' is not a list of {role, content} turns (a turn whose")
+    assert "'content' is a list of parts" in reason and "join the parts' text into one string" in reason

@@ -189,7 +189,8 @@ def test_chats_stored_as_json_text_in_a_csv_give_the_samples_of_the_jsonl_file(p
     assert _rows(_data(_write("csv", as_text, tmp_path / "csv"), pretrained, seq_len=64).train_set) == expected
     not_json = [{"messages": "[not JSON"}, *as_text]
     data = _data(_write("csv", not_json, tmp_path / "bad"), pretrained, seq_len=64)
-    assert data.reports[0].bad == {"records whose 'messages' is not a list of {role, content} turns": 1}
+    reason = "records whose 'messages' is not a list of {role, content} turns (not a non-empty list of turns)"
+    assert data.reports[0].bad == {reason: 1}
 
 
 @pytest.fixture(scope="module")

@@ -154,8 +154,9 @@ def test_bad_records_are_counted_with_their_lines(tmp_path, tokenizer_dir):
         "records with no turn of role 'assistant' (roles seen: user)": [7],
         "records with no target tokens within seq_len=32": [8],
         "records with 'prompt' and 'completion' not both strings or both lists of turns": [10],
-        "records whose 'messages' is not a list of {role, content} turns": [9],
-        "records whose 'prompt' or 'completion' list is not of {role, content} turns": [11],
+        "records whose 'messages' is not a list of {role, content} turns (not a non-empty list of turns)": [9],
+        "records whose 'prompt' or 'completion' list is not of {role, content} turns (a turn without a string"
+        " 'role')": [11],
     }
     said = report.describe()  # one record, in the singular
     assert "1 record used, 10 skipped: 1 invalid JSON (lines [2]); 1 record without a 'text'" in said
