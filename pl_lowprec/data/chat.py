@@ -194,6 +194,23 @@ class ChatTemplate:
         return start + len(text) if any(token and text.endswith(token) for token in special) else end
 
 
+def without_doubled_eos(sample: Sample, eos: int) -> tuple[Sample, bool]:
+    """``sample`` less the second of two EOS targets side by side, and whether there was one: an answer whose text
+    ends with the EOS string the template writes after it too (``"Yo</s>"`` rendered ``Yo</s></s>``) taught the
+    model EOS -> EOS, where a completion's own EOS is kept once. An answer that ends with the EOS under a template
+    that writes none keeps it: it is the only one."""
+    ids, labels = sample.input_ids, sample.labels
+    doubled = {
+        i
+        for i in range(1, len(ids))
+        if ids[i] == ids[i - 1] == eos and labels[i] != IGNORE_INDEX and labels[i - 1] != IGNORE_INDEX
+    }
+    if not doubled:
+        return sample, False
+    keep = [i for i in range(len(ids)) if i not in doubled]
+    return Sample([ids[i] for i in keep], [labels[i] for i in keep]), True
+
+
 def in_span(begin: int, finish: int, start: int, end: int) -> bool:
     """Whether the token of characters ``[begin, finish)`` is the span ``[start, end)``'s: it starts inside, or
     it straddles the start (the space a generation prompt ends with, and the answer's first characters)."""

@@ -32,6 +32,7 @@ from pl_lowprec.data.chat import (
     empty_answer_reason,
     no_answer_reason,
     turns_problem,
+    without_doubled_eos,
 )
 from pl_lowprec.data.collate import PackedCollate, PadCollate
 from pl_lowprec.data.context_length import check_seq_len_with_model
@@ -366,7 +367,7 @@ class TextDataModule(pl.LightningDataModule):
                 empty = empty_answer_reason(completion)
                 if empty:
                     return empty
-                sample = self._chat(record).encode_completion(prompt, completion)
+                sample = self._eos_once(self._chat(record).encode_completion(prompt, completion), report)
             elif not isinstance(prompt, str) or not isinstance(completion, str):
                 return "records with 'prompt' and 'completion' not both strings or both lists of turns"
             elif not completion.strip():
@@ -380,11 +381,21 @@ class TextDataModule(pl.LightningDataModule):
             no_answer = no_answer_reason(record["messages"]) or empty_answer_reason(record["messages"])
             if no_answer:
                 return no_answer
-            sample = self._chat(record).encode_messages(record["messages"])
+            sample = self._eos_once(self._chat(record).encode_messages(record["messages"]), report)
         report.count_targets(sample.labels, self.seq_len)
         sample = Sample(sample.input_ids[: self.seq_len], sample.labels[: self.seq_len])
         if all(label == IGNORE_INDEX for label in sample.labels[1:]):
             return self._cut_away()
+        return sample
+
+    def _eos_once(self, sample: Sample, report: FileReport) -> Sample:
+        """A chat sample whose answer ends with the EOS the template writes too, with that EOS trained once."""
+        sample, doubled = without_doubled_eos(sample, self.tokenizer.eos_token_id)
+        if doubled:
+            report.note(
+                f"records whose assistant turn ends with the EOS {self.tokenizer.eos_token!r} that the chat template"
+                " writes after it too, not trained a second time"
+            )
         return sample
 
     def _chat(self, record: dict[str, Any]) -> ChatTemplate:

@@ -337,3 +337,27 @@ def test_content_as_a_list_of_parts_is_refused_with_the_fix(tmp_path, tokenizer_
     (reason,) = data.reports[0].bad
     assert reason.startswith("records whose 'messages' is not a list of {role, content} turns (a turn whose")
     assert "'content' is a list of parts" in reason and "join the parts' text into one string" in reason
+
+
+def test_an_answer_ending_with_the_eos_the_template_writes_trains_it_once(tmp_path, tokenizer_dir):
+    """``"hi</s>"`` under a template that writes ``</s>`` after each turn was trained ``hi</s></s>`` (EOS -> EOS),
+    where a string completion's own EOS is kept once. Under a template that writes no end token the answer's EOS
+    is its only one, and stays."""
+    user, answer = TURNS[1], {"role": "assistant", "content": "hi"}
+    ending = {**answer, "content": "hi</s>"}
+    plain = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    plain = _with_template(tokenizer_dir, plain + "{% if add_generation_prompt %}assistant: {% endif %}", tmp_path)
+    as_given = [{"messages": [user, answer]}, {"prompt": [user], "completion": [answer]}]
+    ending_eos = [{"messages": [user, ending]}, {"prompt": [user], "completion": [ending]}]
+    expected = data_of_records(tmp_path / "given.jsonl", as_given, str(tokenizer_dir))
+    data = data_of_records(tmp_path / "ending.jsonl", ending_eos, str(tokenizer_dir))
+    assert [{k: v.tolist() for k, v in s.items()} for s in data.train_set] == [
+        {k: v.tolist() for k, v in s.items()} for s in expected.train_set
+    ]
+    assert [_targets(data, s) for s in data.train_set] == ["hi</s>", "hi</s>"]
+    assert (
+        "2 records whose assistant turn ends with the EOS '</s>' that the chat template"
+        in data.reports[0].describe_notes()
+    )
+    kept = data_of_records(tmp_path / "plain.jsonl", ending_eos[:1], plain)
+    assert _targets(kept, kept.train_set[0]) == "hi</s>"  # its one EOS, kept
