@@ -62,7 +62,7 @@ from pl_lowprec.data.resumable import resumable_loader
 from pl_lowprec.data.row_facts import ready_rows, row_lengths
 from pl_lowprec.data.row_views import subset
 from pl_lowprec.data.sources import Source, describe_objects, is_dataset_object, resolve_sources
-from pl_lowprec.data.text_blocks import DocumentList, Documents, TextBlocks
+from pl_lowprec.data.text_blocks import DocumentList, Documents, TextBlocks, records_cut
 from pl_lowprec.data.token_table import TokenRows, read_table, table_path, tokenize
 from pl_lowprec.data.validation_split import (
     DEFAULT_VAL_FRACTION,
@@ -127,6 +127,11 @@ class TextDataModule(pl.LightningDataModule):
         val_split: The split of a ``DatasetDict`` in ``val_files``; ``None``: ``validation``, else ``test``.
         chat_template_kwargs: Arguments of the chat template for every chat record (``{"enable_thinking":
             false}`` for Qwen3); a record's own ``chat_template_kwargs`` take precedence.
+        join_text: ``text`` records joined and cut into ``seq_len`` blocks (``True``: a pretraining corpus, as
+            Hugging Face's ``run_clm`` groups texts), or each one sample, truncated at ``seq_len`` and packed whole
+            with ``packing`` (``False``: SFT on whole records, e.g. chats rendered to text, as TRL's
+            ``SFTTrainer`` reads its text field). ``None``: joined, with a warning where a record that would fit
+            one block is cut across two.
         max_skipped_fraction: Share of a file's records that may be unusable (counted by reason in the log); above
             it the file is refused with the reasons (1.0 accepts any loss). 0.05, as for truncation: scattered bad
             records pass, a format the module does not read for a large part of the file does not.
@@ -149,6 +154,7 @@ class TextDataModule(pl.LightningDataModule):
         val_split: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         max_skipped_fraction: float = 0.05,
+        join_text: bool | None = None,
     ) -> None:
         super().__init__()
         if seq_len < 2:
@@ -188,6 +194,8 @@ class TextDataModule(pl.LightningDataModule):
         self.max_truncated_fraction = max_truncated_fraction
         self.max_skipped_fraction = max_skipped_fraction
         self.packing = packing
+        self.join_text = join_text
+        self.text_records_cut = 0
         self.tokenizer: Any = None
         self.reports: list[FileReport] = []
         self.train_set: Dataset | None = None
@@ -211,8 +219,21 @@ class TextDataModule(pl.LightningDataModule):
         else:
             self.train_set, self.val_set = split_records(train, self._blocks, self.val_fraction, self.seed)
         rank_zero_info(f"TextDataModule: {len(self.train_set)} training and {len(self.val_set)} validation samples.")
+        self._warn_text_cut()
         if self.packing:
             self._pack()
+
+    def _warn_text_cut(self) -> None:
+        """Say, unless ``join_text`` was chosen, how many ``text`` records that fit one block were cut across two."""
+        if self.join_text is None and self.text_records_cut:
+            rank_zero_warn(
+                f"TextDataModule: {self.text_records_cut} text records that would each fit in seq_len={self.seq_len}"
+                " tokens are cut across two blocks, as text records are joined and cut into seq_len blocks (a"
+                " pretraining corpus): each one's second part trains without its first, e.g. a chat rendered to"
+                " text whose answer is cut from its question. For SFT on whole records, as TRL's SFTTrainer reads"
+                " a text field, pass join_text=False (--data.join_text false): each record one sample, truncated"
+                " at seq_len; join_text=True keeps the blocks without this warning."
+            )
 
     def _pack(self) -> None:
         """Replace the sample lists by packed rows, and log what packing saves."""
@@ -283,6 +304,7 @@ class TextDataModule(pl.LightningDataModule):
     def _blocks(self, documents: Documents) -> Sequence[Row]:
         """The ``seq_len`` blocks of ``text`` records, each knowing where its records start: a list for records in
         memory, a view that cuts each block when read for records in an Arrow table."""
+        self.text_records_cut += records_cut(documents.lengths(), self.seq_len)
         blocks = TextBlocks(documents, self.seq_len, self.packing)
         return [blocks[i] for i in range(len(blocks))] if isinstance(documents, DocumentList) else blocks
 
@@ -355,8 +377,11 @@ class TextDataModule(pl.LightningDataModule):
         if kind == "text":
             if not isinstance(record["text"], str) or not record["text"].strip():
                 return "records with empty text"
-            return encode_text(self.tokenizer, record["text"], report)
-        if kind == "prompt_completion":
+            ids = encode_text(self.tokenizer, record["text"], report)
+            if self.join_text is not False:
+                return ids
+            sample = Sample(ids, list(ids))  # every token a target, as a record of its own
+        elif kind == "prompt_completion":
             prompt, completion = record.get("prompt"), record.get("completion")
             if prompt is None or completion is None:
                 return missing_field_reason("completion" if completion is None else "prompt", given, self.fields)

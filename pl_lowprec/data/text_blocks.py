@@ -106,3 +106,14 @@ class TextBlocks(Dataset):
         if self.packing:
             return document_row(ids, starts)
         return {"input_ids": ids, "labels": ids.clone()}
+
+
+def records_cut(lengths: Sequence[int], seq_len: int) -> int:
+    """How many records that would fit one block lie across two blocks of the joined stream: the second part of
+    each trains without the first (a rendered chat's answer without its question)."""
+    cut, start = 0, 0
+    for length in lengths:
+        end = start + length
+        cut += length <= seq_len and start // seq_len != (end - 1) // seq_len
+        start = end
+    return cut

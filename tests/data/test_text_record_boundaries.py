@@ -4,6 +4,7 @@ its question. From a ``.jsonl`` file and from a Parquet file (an Arrow table), a
 
 import itertools
 import json
+import warnings
 
 import pytest
 import torch
@@ -122,3 +123,46 @@ def test_a_resumed_epoch_gives_the_uninterrupted_runs_packed_text_batches(fmt, c
     pad = data.tokenizer.pad_token_id
     rows = [row for b in batches for row in zip(b["input_ids"], b["position_ids"], strict=True)]
     assert len(rows) == 6 and all(_cut_only_between_records(*row, record, pad) for row in rows)
+
+
+def _chat_texts(tokenizer_dir: str, n: int) -> list[dict[str, str]]:
+    """Chats rendered to ``text`` (as ``apply_chat_template(tokenize=False)`` writes a TRL text field)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    turns = [
+        [{"role": "user", "content": f"question {i}?"}, {"role": "assistant", "content": f"answer {i}"}]
+        for i in range(n)
+    ]
+    return [{"text": tokenizer.apply_chat_template(chat, tokenize=False)} for chat in turns]
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_join_text_false_keeps_each_text_record_one_whole_sample(tmp_path, chatml_dir, packing):
+    """Text records are joined and cut into seq_len blocks (a pretraining corpus): a chat rendered to text was cut
+    across two blocks, its answer trained without its question, with nothing said. The cut is now warned about,
+    and join_text=False makes each record one sample (truncated at seq_len, packed whole), as TRL's SFTTrainer
+    reads a text field."""
+    records = _chat_texts(str(chatml_dir), 12)
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    kwargs = {"train_files": path, "tokenizer": str(chatml_dir), "val_fraction": 0, "seq_len": 48}
+    joined = TextDataModule(**kwargs, packing=packing)
+    with pytest.warns(UserWarning, match=r"text records that would each fit in seq_len=48 tokens are cut across"):
+        joined.setup("fit")
+    whole = TextDataModule(**kwargs, packing=packing, join_text=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        whole.setup("fit")
+    tokenizer = whole.tokenizer
+    expected = sorted(tokenizer(r["text"].rstrip())["input_ids"] for r in records)
+    samples = []
+    for row in (whole.train_set[i] for i in range(len(whole.train_set))):
+        ids, labels = row["input_ids"].tolist(), row["labels"].tolist()
+        starts = [i for i, p in enumerate(row["position_ids"].tolist()) if p == 0] if packing else [0]
+        for start, end in zip(starts, [*starts[1:], len(ids)], strict=True):
+            if set(labels[start:end]) == {-100}:
+                continue  # the padding that ends a packed row: a segment of its own
+            assert labels[start + 1 : end] == ids[start + 1 : end]  # every token a target, none across records
+            samples.append(ids[start:end])
+    assert sorted(samples) == expected
