@@ -394,7 +394,7 @@ class TextDataModule(pl.LightningDataModule):
                     return empty
                 sample = self._eos_once(self._chat(record).encode_completion(prompt, completion), report)
             elif not isinstance(prompt, str) or not isinstance(completion, str):
-                return "records with 'prompt' and 'completion' not both strings or both lists of turns"
+                return mixed_prompt_completion_reason(prompt, completion)
             elif not completion.strip():
                 return "records with an empty completion"
             else:
@@ -487,6 +487,18 @@ class TextDataModule(pl.LightningDataModule):
         pad = self.tokenizer.pad_token_id
         pad = self.tokenizer.eos_token_id if pad is None else pad
         return PackedCollate(pad) if self.packing else PadCollate(pad)
+
+
+def mixed_prompt_completion_reason(prompt: Any, completion: Any) -> str:
+    """Why a prompt/completion record of other types is unusable, naming them: a Parquet column of numbers (an
+    answer ``42``) was told only "not both strings"."""
+    reason = (
+        "records with 'prompt' and 'completion' not both strings or both lists of turns"
+        f" (prompt: {type(prompt).__name__}, completion: {type(completion).__name__}"
+    )
+    if any(isinstance(value, (int, float)) for value in (prompt, completion)):
+        return reason + "): a number is not text; store that column as strings"
+    return reason + ")"
 
 
 class NoChatTemplate(ValueError):

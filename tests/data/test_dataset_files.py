@@ -299,6 +299,17 @@ def test_a_sharegpt_system_column_is_the_first_turn(pretrained, tmp_path):
         assert _rows(_data(_write(fmt, sharegpt, tmp_path / fmt), pretrained, seq_len=64).train_set) == expected
 
 
+def test_a_column_of_numbers_is_named_as_such(pretrained, tmp_path):
+    """A Parquet answer column of integers (GSM8K-style) was told only "not both strings"."""
+    records = [{"prompt": f"{i} + 1 =", "completion": i + 1} for i in range(4)]
+    with pytest.raises(ValueError) as error:
+        _data(_write("parquet", records, tmp_path), pretrained)
+    assert (
+        "not both strings or both lists of turns (prompt: str, completion: int): a number is not text; store that"
+        " column as strings (row indices [0, 1, 2" in str(error.value)
+    )
+
+
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
 def test_a_mapping_naming_a_missing_column_is_refused_with_the_columns(fmt, pretrained, tmp_path, caplog):
     path = _write(fmt, [{"question": "q", "answer_text": "a"}], tmp_path)

@@ -153,7 +153,8 @@ def test_bad_records_are_counted_with_their_lines(tmp_path, tokenizer_dir):
         "records with no 'completion' field (they have ['prompt'])": [6],
         "records with no turn of role 'assistant' (roles seen: user)": [7],
         "records with no target tokens within seq_len=32": [8],
-        "records with 'prompt' and 'completion' not both strings or both lists of turns": [10],
+        "records with 'prompt' and 'completion' not both strings or both lists of turns (prompt: list,"
+        " completion: str)": [10],
         "records whose 'messages' is not a list of {role, content} turns (not a non-empty list of turns)": [9],
         "records whose 'prompt' or 'completion' list is not of {role, content} turns (a turn without a string"
         " 'role')": [11],
