@@ -322,16 +322,17 @@ def is_content_parts(content: Any) -> bool:
     return isinstance(content, list) and bool(content) and all(isinstance(p, dict) and "type" in p for p in content)
 
 
-def empty_answer_reason(turns: list[dict[str, Any]]) -> str | None:
-    """Why a record whose answer turns (``assistant``) include an empty one is unusable, or ``None``. An empty
-    answer trains the model to end its turn at once (only the end-of-turn token is a target), where an empty
-    string completion is refused; an answer with only ``tool_calls`` (or a reasoning field) is not empty."""
+def empty_answer_reason(turns: list[dict[str, Any]], eos_token: str | None = None) -> str | None:
+    """Why a record whose answer turns (``assistant``) include an empty one (blank, or the ``eos_token`` alone) is
+    unusable, or ``None``. An empty answer trains the model to end its turn at once (only the end-of-turn token is
+    a target), where an empty string completion is refused; an answer with only ``tool_calls`` (or a reasoning
+    field) is not empty."""
     for turn in turns:
         if turn.get("role") != "assistant":
             continue
         others = [value for key, value in turn.items() if key not in ("role", "content") and value]
         content = turn.get("content")
-        if not others and (content is None or (isinstance(content, str) and not content.strip())):
+        if not others and (content is None or (isinstance(content, str) and content.strip() in ("", eos_token))):
             return (
                 "records with an empty assistant turn (it would train the model to end its answer at once): drop"
                 " them or write their answers"

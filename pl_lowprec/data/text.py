@@ -389,7 +389,7 @@ class TextDataModule(pl.LightningDataModule):
                 problem = turns_problem(prompt) or turns_problem(completion)
                 if problem:
                     return f"records whose 'prompt' or 'completion' list is not of {{role, content}} turns ({problem})"
-                empty = empty_answer_reason(completion)
+                empty = empty_answer_reason(completion, self.tokenizer.eos_token)
                 if empty:
                     return empty
                 sample = self._eos_once(self._chat(record).encode_completion(prompt, completion), report)
@@ -403,7 +403,8 @@ class TextDataModule(pl.LightningDataModule):
             problem = turns_problem(record["messages"])
             if problem:
                 return f"records whose 'messages' is not a list of {{role, content}} turns ({problem})"
-            no_answer = no_answer_reason(record["messages"]) or empty_answer_reason(record["messages"])
+            turns = record["messages"]
+            no_answer = no_answer_reason(turns) or empty_answer_reason(turns, self.tokenizer.eos_token)
             if no_answer:
                 return no_answer
             sample = self._eos_once(self._chat(record).encode_messages(record["messages"]), report)

@@ -315,6 +315,7 @@ def test_an_empty_answer_is_refused_as_an_empty_completion_is(tmp_path, tokenize
         {"instruction": "Greet.", "input": "", "output": ""},  # 4: alpaca
         {"prompt": [TURNS[1]], "completion": [{"role": "assistant", "content": "\n"}]},  # 5
         {"messages": [TURNS[1], {"role": "assistant", "content": "", "tool_calls": [call]}]},  # 6: used
+        {"messages": [TURNS[1], {"role": "assistant", "content": "</s>"}]},  # 7: the EOS alone
     ]
     template = _with_template(tokenizer_dir, WITH_TOOLS, tmp_path / "t")
     data = data_of_records(tmp_path / "chat.jsonl", records, template, max_skipped_fraction=1)
@@ -324,7 +325,7 @@ def test_an_empty_answer_is_refused_as_an_empty_completion_is(tmp_path, tokenize
         "records with an empty assistant turn (it would train the model to end its answer at once): drop them or"
         " write their answers"
     )
-    assert report.first_lines == {reason: [2, 3, 4, 5]}
+    assert report.first_lines == {reason: [2, 3, 4, 5, 7]}
     assert [_targets(data, s) for s in data.train_set] == ["<think>greet</think>hi</s>", "call get_time</s>"]
 
 
