@@ -5,13 +5,17 @@ Lightning's ``MixedPrecision`` and ``FSDPPrecision`` keep no count of skipped st
 optimizers may grow the scale after the first and back it off after the second: the scale reads unchanged and a
 count inferred from it misses the skip (and the growth). ``StepOutcomes`` sees each step the plugin attempts
 (``on_before_optimizer_step``, which Lightning calls before ``scaler.step``) and each one the optimizer really took
-(its step post-hook), so it knows which optimizer skipped, exactly.
+(its step post-hook; for a fused optimizer, which GradScaler steps even on an overflow, the ``found_inf`` it
+was handed: ``step_applied``), so it knows which optimizer skipped, exactly.
 """
 
 from __future__ import annotations
 
+import torch
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
+
+from pl_lowprec.plugins.step_applied import step_applied
 
 
 class StepOutcomes:
@@ -20,7 +24,7 @@ class StepOutcomes:
     def __init__(self) -> None:
         self._numbers: dict[int, int] = {}  # id(optimizer) -> its index in trainer.optimizers
         self._hooks: list[RemovableHandle] = []
-        self._steps: list[list[int | bool]] = []
+        self._steps: list[list[int | bool | torch.Tensor]] = []  # [index, applied]
 
     @property
     def watching(self) -> bool:
@@ -44,7 +48,7 @@ class StepOutcomes:
     def _applied(self, optimizer: Optimizer, args: object, kwargs: object) -> None:
         number = self._numbers.get(id(optimizer))
         if self._steps and self._steps[-1][0] == number:
-            self._steps[-1][1] = True
+            self._steps[-1][1] = step_applied(optimizer)
 
     def take(self) -> list[tuple[int, bool]]:
         """The steps attempted since the last call, in order, each with whether the optimizer applied it."""

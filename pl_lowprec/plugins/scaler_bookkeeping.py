@@ -6,7 +6,8 @@ already unscaled (clipping and the step must not unscale twice), whether ``scale
 update or skipped it on an overflow, which optimizers have stepped since the last ``update()`` (the plain loop
 updates once, after every optimizer of the iteration stepped), and how to drop an unscale that no step followed.
 ``ScalerBookkeeping`` keeps these answers for ``AMPPrecision``. It sees a step through the optimizer's own step
-post-hook, so an overflow that GradScaler turned into a no-op is known exactly, not guessed from the scale.
+post-hook (and, for an optimizer GradScaler steps even on an overflow, the ``found_inf`` it was handed:
+``step_applied``), so an overflow that GradScaler turned into a no-op is known exactly, not guessed from the scale.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch.optim import LBFGS, Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from pl_lowprec.plugins.grad_scaler_internals import agree_on_overflow, check_scaler_internals, forget_unscale
+from pl_lowprec.plugins.step_applied import step_applied
 
 
 class ScalerBookkeeping:
@@ -39,7 +41,7 @@ class ScalerBookkeeping:
         self.stepped: dict[int, int] = {}
         self._unscaled_optimizers: dict[int, Optimizer] = {}
         self._watched: set[int] = set()
-        self._applied: set[int] = set()
+        self._applied: dict[int, bool | torch.Tensor] = {}  # id(optimizer) -> whether its step applied
         self._skipped: dict[int, bool] = {}
         self._hooks: list[RemovableHandle] = []
 
@@ -67,7 +69,7 @@ class ScalerBookkeeping:
         self._clear()
 
     def _on_optimizer_stepped(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        self._applied.add(id(optimizer))
+        self._applied[id(optimizer)] = step_applied(optimizer)
 
     def unscale_once(self, optimizer: Optimizer | LightningOptimizer) -> None:
         """``scaler.unscale_`` unless already done since the last update, or there are no gradients; then every
@@ -81,9 +83,9 @@ class ScalerBookkeeping:
     def step(self, optimizer: Optimizer, mark: int = 0, **kwargs: Any) -> tuple[Any, bool]:
         """``scaler.step``; returns its output and whether the step was skipped (the optimizer did not step).
         ``optimizer`` then waits for ``update`` (``stepped``), with ``mark``."""
-        self._applied.discard(id(optimizer))
+        self._applied.pop(id(optimizer), None)
         output = self.scaler.step(optimizer, **kwargs)
-        skipped = id(optimizer) not in self._applied
+        skipped = not bool(self._applied.pop(id(optimizer), False))
         self._skipped[id(optimizer)] = skipped
         self._unscaled_optimizers.pop(id(optimizer), None)
         self.stepped[id(optimizer)] = mark

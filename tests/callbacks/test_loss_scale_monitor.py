@@ -6,7 +6,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning_helpers import Classifier, TwoOptimizers, quiet_trainer
+from lightning_helpers import Classifier, StepRecorder, TwoOptimizers, quiet_trainer
 from plain_amp_loop import make_classification_data, make_mlp
 from torch import nn
 
@@ -390,3 +390,23 @@ def test_a_growth_and_a_skip_in_one_batch_are_both_counted_under_lightnings_plug
     assert (monitor.growths, monitor.backoffs) == (5, 1)
     assert list(monitor._recent) == [False, False, False, True, False, False]
     assert monitor._previous.optimizer_steps == 6 and monitor.empty_steps == 0
+
+
+def test_a_fused_optimizers_skipped_step_is_counted_under_lightnings_plugin():
+    """GradScaler calls a fused optimizer's step() even on an overflow (its kernel reads ``optimizer.found_inf`` and
+    skips the update), so its step post-hook fires: the monitor counted the skipped step as applied and read
+    "0 of 4 optimizer steps skipped" while the parameters stood still."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    monitor = LossScaleMonitor(locate_overflow=False, print_summary=False)
+    recorder = StepRecorder()
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
+    trainer = quiet_trainer(plugins=[plugin], max_steps=4, callbacks=[monitor, recorder])
+    module = Classifier(make_mlp(), overflow_at_steps=(1,), optimizer_kwargs={"fused": True})
+    trainer.fit(module, _loader(4))
+    assert trainer.optimizers[0].defaults["fused"]
+    assert all(torch.equal(recorder.params[1][k], recorder.params[2][k]) for k in recorder.params[1])  # skipped
+    assert not torch.equal(recorder.params[2]["model.0.weight"], recorder.params[3]["model.0.weight"])  # applied
+    assert scaler.get_scale() == 512.0
+    assert trainer.callback_metrics["loss_scale/skipped_steps"] == 1
+    assert list(monitor._recent) == [False, True, False, False]
+    assert (monitor.growths, monitor.backoffs) == (0, 1)
