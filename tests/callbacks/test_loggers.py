@@ -1,5 +1,8 @@
 """Loss scale, skipped steps and memory figures reach every Lightning logger at Lightning's logger step: one per
-batch that stepped (under gradient accumulation, one per window; with two manual optimizers, one per batch)."""
+batch that stepped (under gradient accumulation, one per window; with two manual optimizers, one per batch).
+
+The end-of-stage figures (``loss_scale/final/*``, ``memory/*``) went to ``global_step - 1`` and ``global_step``:
+steps 7 and 8 with two optimizers, after a per-step series that ended at step 3."""
 
 import csv
 from collections import defaultdict
@@ -87,6 +90,7 @@ def test_figures_arrive_in_the_logger_at_the_step_of_the_batch_that_stepped(kind
         **trainer_kwargs,
     )
     trainer.fit(module(), _loader(8))
+    assert trainer.global_step == max_steps
     series = read(logger)
 
     assert series["loss_scale/scale"] == [(0, 1024.0), (1, 512.0), (2, 512.0), (3, 512.0)]
