@@ -51,19 +51,23 @@ class Classifier(pl.LightningModule):
 
 
 class TwoOptimizers(Classifier):
-    """Manual optimization stepping two optimizers a batch (``global_step`` counts both), every gradient made inf
-    at the batches in ``overflow_at_batches``."""
+    """Manual optimization stepping two optimizers a batch (``global_step`` counts both); at the batches in
+    ``overflow_at_batches`` the gradients of the parameters ``poisoned`` picks (all by default; ``slice(1, None)``:
+    the second optimizer's only, as it holds all but the first) are made inf."""
 
-    def __init__(self, model: nn.Module, overflow_at_batches: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, model: nn.Module, overflow_at_batches: tuple[int, ...] = (), poisoned: slice = slice(None)
+    ) -> None:
         super().__init__(model)
         self.automatic_optimization = False
         self.overflow_at_batches = set(overflow_at_batches)
+        self.poisoned = poisoned
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         self.manual_backward(F.cross_entropy(self(x), y))
         if batch_idx in self.overflow_at_batches:
-            for p in self.parameters():
+            for p in list(self.parameters())[self.poisoned]:
                 p.grad.fill_(float("inf"))
         for optimizer in self.optimizers():
             optimizer.step()
@@ -121,3 +125,11 @@ def classification_loader() -> torch.utils.data.DataLoader:
     generator = torch.Generator().manual_seed(0)
     x, y = torch.randn(8, 8, generator=generator), torch.randint(0, 2, (8,), generator=generator)
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+
+
+def mlp_batches(batches: int) -> torch.utils.data.DataLoader:
+    """``batches`` batches of 8 rows of ``make_classification_data``, the input of ``make_mlp``."""
+    # Imported here: the scripts in tests/_scripts import this module with tests/ alone on sys.path (no examples/).
+    from plain_amp_loop import make_classification_data
+
+    return torch.utils.data.DataLoader(make_classification_data(n=batches * 8), batch_size=8)

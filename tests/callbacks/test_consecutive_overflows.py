@@ -4,25 +4,11 @@ under its one scale: an optimizer that skips every step is stopped for even whil
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning_helpers import TwoOptimizers, quiet_trainer
-from plain_amp_loop import make_classification_data, make_mlp
+from lightning_helpers import TwoOptimizers, mlp_batches, quiet_trainer
+from plain_amp_loop import make_mlp
 
 from pl_lowprec import AMPPrecision, LossScaleMonitor, PersistentOverflowError
 from pl_lowprec.plugins.loss_scale import LossScaleTracker
-
-
-class SecondOptimizerOverflows(TwoOptimizers):
-    """From batch 1 on, the gradients of the second optimizer's parameters (all but the first) are inf."""
-
-    def on_after_backward(self) -> None:
-        if self.trainer.fit_loop.epoch_loop.batch_idx >= 1:
-            for p in list(self.parameters())[1:]:
-                p.grad.fill_(float("inf"))
-
-
-def _loader(batches: int) -> torch.utils.data.DataLoader:
-    return torch.utils.data.DataLoader(make_classification_data(n=batches * 8), batch_size=8)
-
 
 PLUGINS = {
     # A static scale never collapses: nothing but the monitor can stop a run whose one optimizer never steps.
@@ -37,8 +23,10 @@ def test_one_optimizer_skipping_every_step_stops_the_run_while_the_other_applies
     optimizer never stepped again and max_consecutive_overflows never stopped the run."""
     monitor = LossScaleMonitor(max_consecutive_overflows=3, locate_overflow=False, print_summary=False)
     trainer = quiet_trainer(plugins=[plugin()], max_steps=20, callbacks=[monitor])
+    # From batch 1 on, the gradients of the second optimizer's parameters (all but the first) are inf.
+    module = TwoOptimizers(make_mlp(), overflow_at_batches=tuple(range(1, 10)), poisoned=slice(1, None))
     with pytest.raises(PersistentOverflowError) as err:
-        trainer.fit(SecondOptimizerOverflows(make_mlp()), _loader(10))
+        trainer.fit(module, mlp_batches(10))
     assert trainer.global_step == 8  # batches 0-3: the second optimizer skipped at batches 1, 2 and 3
     assert "3 steps in a row of optimizer 1 (of 2, each counted in its own steps)" in str(err.value)
     assert (monitor._previous.consecutive_overflows, monitor._previous.consecutive_overflows_optimizer) == (3, 1)
@@ -55,7 +43,7 @@ def test_both_optimizers_skipping_count_their_own_steps_not_the_sum():
         def on_train_batch_end(self, outputs, batch, batch_idx):
             consecutive.append(plugin.loss_scale_state().consecutive_overflows)
 
-    trainer.fit(Recorded(make_mlp(), overflow_at_batches=(1, 2)), _loader(3))
+    trainer.fit(Recorded(make_mlp(), overflow_at_batches=(1, 2)), mlp_batches(3))
     assert consecutive == [0, 1, 2]
     state = plugin.loss_scale_state()
     assert state.skipped_steps == 4 and state.consecutive_overflows_optimizer == 0

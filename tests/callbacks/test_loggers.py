@@ -10,8 +10,8 @@ from collections import defaultdict
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
-from lightning_helpers import Classifier, TwoOptimizers, quiet_trainer
-from plain_amp_loop import make_classification_data, make_mlp
+from lightning_helpers import Classifier, TwoOptimizers, mlp_batches, quiet_trainer
+from plain_amp_loop import make_mlp
 
 from pl_lowprec import AMPPrecision, LossScaleMonitor, MemoryTracker
 
@@ -63,10 +63,6 @@ def _logger(kind: str, tmp_path):
     return recording, lambda logger: logger.series
 
 
-def _loader(batches: int) -> torch.utils.data.DataLoader:
-    return torch.utils.data.DataLoader(make_classification_data(n=batches * 8), batch_size=8)
-
-
 RUNS = {
     # 8 batches in windows of 2: 4 optimizer steps, the second skipped.
     "accumulate_2": (lambda: Classifier(make_mlp(), overflow_at_steps=(1,)), {"accumulate_grad_batches": 2}, 4, 1),
@@ -89,7 +85,7 @@ def test_figures_arrive_in_the_logger_at_the_step_of_the_batch_that_stepped(kind
         log_every_n_steps=1,
         **trainer_kwargs,
     )
-    trainer.fit(module(), _loader(8))
+    trainer.fit(module(), mlp_batches(8))
     assert trainer.global_step == max_steps
     series = read(logger)
 

@@ -6,15 +6,11 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning_helpers import Classifier, StepRecorder, TwoOptimizers, quiet_trainer
-from plain_amp_loop import make_classification_data, make_mlp
+from lightning_helpers import Classifier, StepRecorder, TwoOptimizers, mlp_batches, quiet_trainer
+from plain_amp_loop import make_mlp
 from torch import nn
 
 from pl_lowprec import AMPPrecision, LossScaleMonitor, PersistentOverflowError
-
-
-def _loader(steps=10):
-    return torch.utils.data.DataLoader(make_classification_data(n=steps * 8), batch_size=8)
 
 
 def _rows(trainer):
@@ -32,7 +28,7 @@ def test_series_in_csv_match_loss_scale_state(tmp_path):
         log_every_n_steps=1,
     )
     with pytest.warns(RuntimeWarning, match=r"50% of the last 4 optimizer steps were skipped"):
-        trainer.fit(Classifier(make_mlp(), overflow_at_steps=(2, 3)), _loader())
+        trainer.fit(Classifier(make_mlp(), overflow_at_steps=(2, 3)), mlp_batches(10))
     rows = _rows(trainer)
     assert len(rows) == 10
     state = plugin.loss_scale_state()
@@ -79,7 +75,7 @@ def test_persistent_overflow_stops_and_names_the_module(culprit, phase, dtype):
     monitor = LossScaleMonitor(max_consecutive_overflows=3)
     trainer = quiet_trainer(plugins=[AMPPrecision("16-mixed")], max_steps=10, callbacks=[monitor])
     with pytest.raises(PersistentOverflowError) as err:
-        trainer.fit(Classifier(model), _loader())
+        trainer.fit(Classifier(model), mlp_batches(10))
     message = str(err.value)
     assert "3 optimizer steps in a row had inf/NaN gradients and were skipped" in message
     assert f"'model.1' ({dtype}" in message and f"in {phase}" in message
@@ -115,7 +111,7 @@ def test_a_validation_pass_after_an_overflow_is_neither_located_nor_checked():
         limit_val_batches=1,
         num_sanity_val_steps=0,
     )
-    trainer.fit(Validated(model, overflow_at_steps=(0, 1, 2)), _loader(), _loader(1))
+    trainer.fit(Validated(model, overflow_at_steps=(0, 1, 2)), mlp_batches(10), mlp_batches(1))
     assert trainer.callback_metrics["loss_scale/skipped_steps"] == 3
     assert hooks_in_validation == [0, 0, 0, 0]
     assert monitor.last_location is None  # the poisoned gradients came from no module's forward or backward
@@ -132,7 +128,7 @@ def test_no_hooks_on_healthy_steps():
             return super().training_step(batch, batch_idx)
 
     quiet_trainer(plugins=[AMPPrecision("16-mixed")], max_steps=6, callbacks=[monitor]).fit(
-        Spy(model, overflow_at_steps=(2,)), _loader()
+        Spy(model, overflow_at_steps=(2,)), mlp_batches(10)
     )
     assert seen_hooks == [0, 0, 0, len(list(model.modules())) * 2, 0, 0]  # armed only on the step after the overflow
 
@@ -143,7 +139,7 @@ def test_lightning_mixed_precision_is_monitored(tmp_path):
     trainer = quiet_trainer(
         plugins=[plugin], max_steps=5, callbacks=[monitor], logger=CSVLogger(tmp_path), log_every_n_steps=1
     )
-    trainer.fit(Classifier(make_mlp(), overflow_at_steps=(1,)), _loader())
+    trainer.fit(Classifier(make_mlp(), overflow_at_steps=(1,)), mlp_batches(10))
     last = _rows(trainer)[-1]
     assert float(last["loss_scale/scale"]) == 128.0
     assert float(last["loss_scale/skipped_steps"]) == 1 and monitor.backoffs == 1
@@ -167,7 +163,7 @@ def test_bf16_without_scaler_warns_then_stops_and_locates():
             r".*'model.0' \(bfloat16 output in forward\)",
         ) as stopped,
     ):
-        trainer.fit(NaNLoss(model := make_mlp(), overflow_at_steps=(1,)), _loader())
+        trainer.fit(NaNLoss(model := make_mlp(), overflow_at_steps=(1,)), mlp_batches(10))
     # it was "3 steps skipped in all", with bf16 as the advice, to a bf16 run that skipped nothing
     assert "skipped" not in str(stopped.value) and "bf16" not in str(stopped.value)
     assert "and the optimizer applied them" in str(stopped.value)
@@ -180,7 +176,7 @@ def test_scale_warning_comes_once_and_works_without_logger(recwarn):
     plugin = AMPPrecision("16-mixed", init_scale=4.0, min_scale=None)
     monitor = LossScaleMonitor(warn_scale_below=2.0, max_consecutive_overflows=None)
     trainer = quiet_trainer(plugins=[plugin], max_steps=6, callbacks=[monitor], logger=False)
-    trainer.fit(Classifier(make_mlp(), overflow_at_steps=(1, 2, 3)), _loader())
+    trainer.fit(Classifier(make_mlp(), overflow_at_steps=(1, 2, 3)), mlp_batches(10))
     scale_warnings = [w for w in recwarn if "The loss scale fell to" in str(w.message)]
     assert len(scale_warnings) == 1 and "fell to 1 (below 2)" in str(scale_warnings[0].message)
     assert trainer.callback_metrics["loss_scale/skipped_steps"] == 3
@@ -225,7 +221,7 @@ def test_lightning_mixed_precision_counts_an_overflow_on_the_first_step(tmp_path
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=256.0))
     monitor = LossScaleMonitor()
     trainer = quiet_trainer(plugins=[plugin], max_steps=5, callbacks=[monitor], logger=False)
-    trainer.fit(Classifier(make_mlp(), overflow_at_steps=(0, 3)), _loader())
+    trainer.fit(Classifier(make_mlp(), overflow_at_steps=(0, 3)), mlp_batches(10))
     assert trainer.callback_metrics["loss_scale/skipped_steps"] == 2 and monitor.backoffs == 2
 
 
@@ -243,7 +239,7 @@ def test_counts_go_on_where_a_resumed_run_starts(tmp_path):
             default_root_dir=tmp_path,
             **kwargs,
         )
-        trainer.fit(Classifier(make_mlp(), overflow_at_steps=(1, 5)), _loader(), ckpt_path=ckpt_path)
+        trainer.fit(Classifier(make_mlp(), overflow_at_steps=(1, 5)), mlp_batches(10), ckpt_path=ckpt_path)
         return monitor
 
     whole = run(8, logger=False)
@@ -265,7 +261,7 @@ def test_the_final_counts_reach_the_logger_whatever_log_every_n_steps(tmp_path):
     trainer = quiet_trainer(
         plugins=[plugin], max_steps=6, callbacks=[LossScaleMonitor()], logger=CSVLogger(tmp_path), log_every_n_steps=50
     )
-    trainer.fit(Classifier(make_mlp(), overflow_at_steps=(4,)), _loader())
+    trainer.fit(Classifier(make_mlp(), overflow_at_steps=(4,)), mlp_batches(10))
     with open(f"{trainer.logger.log_dir}/metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("loss_scale/final/skipped_steps")]
     assert len(rows) == 1 and float(rows[0]["loss_scale/final/skipped_steps"]) == 1
@@ -295,7 +291,7 @@ def test_without_a_logger_it_says_where_its_numbers_go(monkeypatch):
     said = []
     monkeypatch.setattr("pl_lowprec.callbacks.loss_scale_monitor.rank_zero_info", said.append)
     trainer = quiet_trainer(plugins=[AMPPrecision("16-mixed")], max_steps=2, callbacks=[LossScaleMonitor()])
-    trainer.fit(Classifier(make_mlp()), _loader(2))
+    trainer.fit(Classifier(make_mlp()), mlp_batches(2))
     assert len(said) == 1 and "no logger (logger=False), so the loss_scale/* series is not recorded" in said[0]
     assert "trainer.callback_metrics holds the latest values and the summary line" in said[0]
     assert trainer.callback_metrics["loss_scale/skipped_steps"] == 0
@@ -315,7 +311,7 @@ def test_both_skips_of_a_batch_with_two_optimizers_are_counted(plugin, scale, ba
     plugin = plugin()
     monitor = LossScaleMonitor(print_summary=False)
     trainer = quiet_trainer(plugins=[plugin], max_steps=6, callbacks=[monitor])
-    trainer.fit(TwoOptimizers(make_mlp(), overflow_at_batches=(1,)), _loader(3))
+    trainer.fit(TwoOptimizers(make_mlp(), overflow_at_batches=(1,)), mlp_batches(3))
     assert plugin.scaler.get_scale() == scale
     assert trainer.callback_metrics["loss_scale/skipped_steps"] == 2 and monitor.backoffs == backoffs
     assert list(monitor._recent) == [False, False, True, True, False, False]
@@ -336,7 +332,7 @@ def test_steps_that_applied_nothing_are_not_counted_as_optimizer_steps(capsys, p
     plugin calls no scaler.step), but the summary said "0 of 6 optimizer steps skipped", as if all six had trained."""
     plugin = plugin()
     trainer = quiet_trainer(plugins=[plugin], max_steps=6, callbacks=[LossScaleMonitor()])
-    trainer.fit(ReturnsNone(make_mlp()), _loader())
+    trainer.fit(ReturnsNone(make_mlp()), mlp_batches(10))
     assert trainer.global_step == 6
     assert not isinstance(plugin, AMPPrecision) or plugin.loss_scale_state().optimizer_steps == 4
     assert (
@@ -369,13 +365,6 @@ def test_lightning_fp16_mixed_precision_on_several_ranks_is_named_as_unable_to_a
         LossScaleMonitor().on_train_start(trainer(lightning_fp16), None)
 
 
-class SecondOptimizerOverflowsAtBatch1(TwoOptimizers):
-    def on_after_backward(self) -> None:
-        if self.trainer.fit_loop.epoch_loop.batch_idx == 1:
-            for p in list(self.parameters())[1:]:  # the second optimizer's parameters only
-                p.grad.fill_(float("inf"))
-
-
 def test_a_growth_and_a_skip_in_one_batch_are_both_counted_under_lightnings_plugin():
     """Lightning's plugin updates the scale after each optimizer's step: with growth_interval=1 the first optimizer's
     clean step doubled the scale and the second one's overflow halved it, so the scale read unchanged and the monitor,
@@ -384,7 +373,8 @@ def test_a_growth_and_a_skip_in_one_batch_are_both_counted_under_lightnings_plug
     monitor = LossScaleMonitor(locate_overflow=False, print_summary=False)
     plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
     trainer = quiet_trainer(plugins=[plugin], max_steps=6, callbacks=[monitor])
-    trainer.fit(SecondOptimizerOverflowsAtBatch1(make_mlp()), _loader(3))
+    second_overflows_at_batch_1 = TwoOptimizers(make_mlp(), overflow_at_batches=(1,), poisoned=slice(1, None))
+    trainer.fit(second_overflows_at_batch_1, mlp_batches(3))
     assert scaler.get_scale() == 1024.0 * 2**5 * 0.5  # five clean updates, one overflow
     assert trainer.callback_metrics["loss_scale/skipped_steps"] == 1
     assert (monitor.growths, monitor.backoffs) == (5, 1)
@@ -402,7 +392,7 @@ def test_a_fused_optimizers_skipped_step_is_counted_under_lightnings_plugin():
     plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
     trainer = quiet_trainer(plugins=[plugin], max_steps=4, callbacks=[monitor, recorder])
     module = Classifier(make_mlp(), overflow_at_steps=(1,), optimizer_kwargs={"fused": True})
-    trainer.fit(module, _loader(4))
+    trainer.fit(module, mlp_batches(4))
     assert trainer.optimizers[0].defaults["fused"]
     assert all(torch.equal(recorder.params[1][k], recorder.params[2][k]) for k in recorder.params[1])  # skipped
     assert not torch.equal(recorder.params[2]["model.0.weight"], recorder.params[3]["model.0.weight"])  # applied

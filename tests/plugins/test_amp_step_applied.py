@@ -3,8 +3,8 @@ from the ``found_inf`` GradScaler handed it, not from its step post-hook having 
 
 import pytest
 import torch
-from lightning_helpers import Classifier, StepRecorder, quiet_trainer
-from plain_amp_loop import make_classification_data, make_mlp
+from lightning_helpers import Classifier, StepRecorder, mlp_batches, quiet_trainer
+from plain_amp_loop import make_mlp
 
 from pl_lowprec import AMPPrecision
 
@@ -40,8 +40,7 @@ def test_a_step_the_optimizer_skipped_on_found_inf_is_counted_as_skipped():
     plugin = AMPPrecision("16-mixed", init_scale=1024.0)
     recorder = StepRecorder()
     trainer = quiet_trainer(plugins=[plugin], max_steps=3, callbacks=[recorder])
-    loader = torch.utils.data.DataLoader(make_classification_data(n=24), batch_size=8)
-    trainer.fit(WithScalesInItsStep(make_mlp(), overflow_at_steps=(1,)), loader)
+    trainer.fit(WithScalesInItsStep(make_mlp(), overflow_at_steps=(1,)), mlp_batches(3))
     assert all(torch.equal(recorder.params[1][k], recorder.params[2][k]) for k in recorder.params[1])
     assert not torch.equal(recorder.params[2]["model.0.weight"], recorder.params[3]["model.0.weight"])
     state = plugin.loss_scale_state()
@@ -52,6 +51,5 @@ def test_a_fused_torch_optimizer_is_refused_naming_the_fix():
     plugin = AMPPrecision("16-mixed")
     trainer = quiet_trainer(plugins=[plugin], max_steps=1)
     module = Classifier(make_mlp(), optimizer_kwargs={"fused": True})
-    loader = torch.utils.data.DataLoader(make_classification_data(n=8), batch_size=8)
     with pytest.raises(ValueError, match=r"AdamW\(fused=True\) unscales and skips inside.*fused=False"):
-        trainer.fit(module, loader)
+        trainer.fit(module, mlp_batches(1))
