@@ -26,7 +26,7 @@ class RecordingTQDMBar(StepLimitedTQDMProgressBar):
 BARS = [RecordingRichBar, RecordingTQDMBar]
 
 
-def _fit(bar_class, max_steps, accumulate, ckpt_path=None):
+def _fit(bar_class, max_steps, accumulate=1, ckpt_path=None, module=None):
     bar = bar_class()
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -38,7 +38,7 @@ def _fit(bar_class, max_steps, accumulate, ckpt_path=None):
         enable_model_summary=False,
         callbacks=[bar],
     )
-    trainer.fit(BoringModel(), ckpt_path=ckpt_path)  # 64 batches an epoch
+    trainer.fit(BoringModel() if module is None else module, ckpt_path=ckpt_path)  # 64 batches an epoch
     return trainer, bar
 
 
@@ -134,17 +134,7 @@ def test_two_manual_optimizers_end_the_bar_full(bar_class, second_every, max_ste
     """global_step counts both optimizers' steps: 8 steps are 4 batches, but the bar's total was 8 and it ended at
     4/8. Where one optimizer steps every other batch the total follows the steps the batches took (9 in 6); 200
     steps take the first epoch's 64 batches (128 steps) and 36 of the second."""
-    bar = bar_class()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_steps=max_steps,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        callbacks=[bar],
-    )
-    trainer.fit(ManualOptimizers(second_every))
+    _, bar = _fit(bar_class, max_steps, module=ManualOptimizers(second_every))
     assert bar.final == final
     if bar_class is RecordingRichBar and max_steps < 200:
         assert f"(max_steps={max_steps}, " in bar._get_train_description(0)
