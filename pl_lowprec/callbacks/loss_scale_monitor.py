@@ -110,20 +110,18 @@ class LossScaleMonitor(pl.Callback):
     def _scaler(trainer: pl.Trainer) -> Any:
         return getattr(trainer.precision_plugin, "scaler", None)
 
-    def _read_state(self, trainer: pl.Trainer, steps: int) -> LossScaleState:
-        plugin = trainer.precision_plugin
-        if hasattr(plugin, "loss_scale_state") and self._scaler(trainer) is not None:
-            return plugin.loss_scale_state()
-        scaler = self._scaler(trainer)
-        scale = scaler.get_scale() if scaler is not None else 1.0
-        if scaler is not None:  # Lightning's plugins: the steps their scaler let through, and whose
+    def _read_state(self, trainer: pl.Trainer, scaler: Any, steps: int) -> LossScaleState:
+        if self._outcomes.watching:  # Lightning's plugins: the steps their scaler let through, and whose
+            scale = scaler.get_scale()
             for optimizer, applied in self._outcomes.take():
                 self._own_tracker.record(not applied, scale, optimizer=optimizer)
             return self._own_tracker.snapshot(scale)
+        if scaler is not None:  # AMPPrecision keeps its own counts
+            return trainer.precision_plugin.loss_scale_state()
         overflows = int(self._nonfinite is not None and bool(self._nonfinite))  # one sync per optimizer step
         for i in range(steps):  # not known whose: the batch's last steps, each at its place in the batch
-            self._own_tracker.record(i >= steps - overflows, scale, optimizer=i)
-        return self._own_tracker.snapshot(scale)
+            self._own_tracker.record(i >= steps - overflows, 1.0, optimizer=i)
+        return self._own_tracker.snapshot(1.0)
 
     # -- hooks ------------------------------------------------------------------------------------------
 
@@ -148,8 +146,9 @@ class LossScaleMonitor(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        scaler = self._scaler(trainer)
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if self._scaler(trainer) is None and isinstance(loss, torch.Tensor):
+        if scaler is None and isinstance(loss, torch.Tensor):
             self._flag_nonfinite(loss.detach())
         if pl_module.automatic_optimization and loss is None:
             self._outcomes.take()  # training_step returned None: Lightning's plugin stepped nothing through the scaler
@@ -157,12 +156,11 @@ class LossScaleMonitor(pl.Callback):
         if steps <= 0:
             return  # inside an accumulation window
         self._seen_step = trainer.global_step
-        state = self._read_state(trainer, steps)
+        state = self._read_state(trainer, scaler, steps)
         previous = self._previous or state
         new_overflows = state.overflows - (self._previous.overflows if self._previous else 0)
         overflowed = new_overflows > 0
         self._recent.extend([False] * max(0, steps - new_overflows) + [True] * min(steps, new_overflows))
-        scaler = self._scaler(trainer)
         if self._outcomes.watching:  # Lightning's plugins update after each step: every skip backed off once
             self.backoffs += new_overflows
             self.growths += growths_between(previous.scale, state.scale, new_overflows, scaler)
@@ -176,7 +174,7 @@ class LossScaleMonitor(pl.Callback):
 
         if self._locator.armed:
             location = self._locator.location if overflowed else None
-            if self._scaler(trainer) is not None and trainer.world_size > 1:
+            if scaler is not None and trainer.world_size > 1:
                 location = first_location_of_all_ranks(location, trainer.global_rank)
             if location is not None:
                 self.last_location = location
