@@ -157,7 +157,6 @@ class AMPPrecision(MixedPrecision):
         self.float32_matmul_precision = float32_matmul_precision
         self._matmul_precision_before: str | None = None
         self._tracker = LossScaleTracker()
-        self._optimizer_numbers: dict[int, int] = {}  # id(optimizer) -> its index, set in connect
         self._backwards = 0  # backward passes so far: a backward between a step and its update shows
         self._noted_cpu_fp16 = False
         if precision == "auto":
@@ -279,8 +278,6 @@ class AMPPrecision(MixedPrecision):
     def connect(
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
-        # Overflow runs are counted per optimizer, by its place in configure_optimizers' list.
-        self._optimizer_numbers = {id(optimizer): i for i, optimizer in enumerate(optimizers)}
         if self._steps is not None:
             self._steps.watch(optimizers)  # a previous fit that stopped mid-step leaves nothing behind
             if self.skip_scheduler_on_overflow:
@@ -351,7 +348,7 @@ class AMPPrecision(MixedPrecision):
         except BaseException:
             steps.forget_unscale(optimizer)  # the scaler must not keep a half-done step into the next one
             raise
-        self._tracker.record(skipped, optimizer=self._optimizer_numbers.get(id(unwrap(optimizer)), 0))
+        self._tracker.record(skipped, optimizer=steps.number(optimizer))
         if model.automatic_optimization:
             self._update_scale()  # one optimizer, one step per window; manual optimization: train_step_context
         return output
@@ -420,7 +417,7 @@ class AMPPrecision(MixedPrecision):
         if self.min_scale is None or scale >= self.min_scale:
             return
         t = self._tracker
-        optimizers = len(self._optimizer_numbers)
+        optimizers = self._steps.optimizer_count
         in_a_row = steps_in_a_row(t.consecutive_overflows, t.consecutive_overflows_optimizer, optimizers)
         raise LossScaleCollapseError(
             f"The loss scale fell to {scale:g}, below min_scale={self.min_scale:g}: the gradients held inf/NaN"

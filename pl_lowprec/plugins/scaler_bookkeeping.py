@@ -40,7 +40,7 @@ class ScalerBookkeeping:
         self.scaler = scaler
         self.stepped: dict[int, int] = {}
         self._unscaled_optimizers: dict[int, Optimizer] = {}
-        self._watched: set[int] = set()
+        self._watched: dict[int, int] = {}  # id(optimizer) -> its index in configure_optimizers' list
         self._applied: dict[int, bool | torch.Tensor] = {}  # id(optimizer) -> whether its step applied
         self._skipped: dict[int, bool] = {}
         self._hooks: list[RemovableHandle] = []
@@ -56,17 +56,26 @@ class ScalerBookkeeping:
         for optimizer in optimizers:
             check_optimizer_supports_scaling(optimizer)
             self._hooks.append(optimizer.register_step_post_hook(self._on_optimizer_stepped))
-        self._watched = {id(optimizer) for optimizer in optimizers}
+        self._watched = {id(optimizer): i for i, optimizer in enumerate(optimizers)}
 
     def release(self) -> None:
         """Remove the step hooks and forget every pending unscale and step (teardown, or a new fit)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        self._watched = set()
+        self._watched = {}
         for optimizer_id in self.unscaled | self.stepped.keys():
             forget_unscale(self.scaler, optimizer_id)
         self._clear()
+
+    def number(self, optimizer: Optimizer | LightningOptimizer) -> int:
+        """``optimizer``'s index in the list ``watch`` was given (overflow runs are counted per optimizer by it);
+        0 for one not watched."""
+        return self._watched.get(id(unwrap(optimizer)), 0)
+
+    @property
+    def optimizer_count(self) -> int:
+        return len(self._watched)
 
     def _on_optimizer_stepped(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         self._applied[id(optimizer)] = step_applied(optimizer)
@@ -97,7 +106,7 @@ class ScalerBookkeeping:
 
     def all_stepped(self) -> bool:
         """Whether every watched optimizer stepped since the last update: the iteration is complete."""
-        return bool(self._watched) and self._watched <= self.stepped.keys()
+        return bool(self._watched) and self._watched.keys() <= self.stepped.keys()
 
     def mark_skipped(self, optimizer: Optimizer) -> None:
         """Record a step that had nothing to apply (no gradients), without asking the scaler."""

@@ -7,7 +7,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning_helpers import TwoOptimizers, mlp_batches, quiet_trainer
 from plain_amp_loop import make_mlp
 
-from pl_lowprec import AMPPrecision, LossScaleMonitor, PersistentOverflowError
+from pl_lowprec import AMPPrecision, LossScaleCollapseError, LossScaleMonitor, PersistentOverflowError
 from pl_lowprec.plugins.loss_scale import LossScaleTracker
 
 PLUGINS = {
@@ -30,6 +30,15 @@ def test_one_optimizer_skipping_every_step_stops_the_run_while_the_other_applies
     assert trainer.global_step == 8  # batches 0-3: the second optimizer skipped at batches 1, 2 and 3
     assert "3 steps in a row of optimizer 1 (of 2, each counted in its own steps)" in str(err.value)
     assert (monitor._previous.consecutive_overflows, monitor._previous.consecutive_overflows_optimizer) == (3, 1)
+
+
+def test_a_scale_collapse_names_the_optimizer_that_kept_skipping():
+    """AMPPrecision's LossScaleCollapseError counts the run in that optimizer's own steps, with how many there are."""
+    plugin = AMPPrecision("16-mixed", init_scale=4.0, min_scale=1.0)
+    module = TwoOptimizers(make_mlp(), overflow_at_batches=tuple(range(1, 10)), poisoned=slice(1, None))
+    with pytest.raises(LossScaleCollapseError) as err:
+        quiet_trainer(plugins=[plugin], max_steps=20).fit(module, mlp_batches(10))
+    assert "on 3 steps in a row of optimizer 1 (of 2, each counted in its own steps)" in str(err.value)
 
 
 def test_both_optimizers_skipping_count_their_own_steps_not_the_sum():
