@@ -380,9 +380,10 @@ def growths_between(before: float, after: float, backoffs: int, scaler: Any) -> 
 
 
 def backoffs_between(before: float, after: float, backoff_factor: float, steps: int) -> int:
-    """How many back-offs took a dynamic scale from ``before`` to ``after`` over ``steps`` optimizer steps: Lightning's
-    plugins update the scale after each optimizer's step, so two optimizers that both overflowed in one batch
-    lowered it twice. At least one when it fell, at most one per step."""
+    """How many back-offs took ``AMPPrecision``'s dynamic scale from ``before`` to ``after`` over ``steps`` optimizer
+    steps. It updates once a ``training_step``, so more than once a batch only where a manual ``training_step``
+    steps one optimizer twice (an update comes between the two steps). At least one when it fell, at most one per
+    step. (Lightning's plugins need no inference: their skips are seen, ``step_outcomes.py``.)"""
     if not after < before:
         return 0
     if not 0.0 < backoff_factor < 1.0:
