@@ -1,7 +1,7 @@
 """An optimizer that handles GradScaler's scaling in its own step is stepped even on an overflow: its skip is read
-from the ``found_inf`` GradScaler handed it, not from its step post-hook having fired."""
+from the ``found_inf`` GradScaler handed it, not from its step post-hook having fired. (torch's own fused optimizers
+are refused: test_lightning_amp_contract.py's test_refuses_a_fused_optimizer_with_its_reason.)"""
 
-import pytest
 import torch
 from lightning_helpers import Classifier, StepRecorder, mlp_batches, quiet_trainer
 from plain_amp_loop import make_mlp
@@ -45,11 +45,3 @@ def test_a_step_the_optimizer_skipped_on_found_inf_is_counted_as_skipped():
     assert not torch.equal(recorder.params[2]["model.0.weight"], recorder.params[3]["model.0.weight"])
     state = plugin.loss_scale_state()
     assert (state.skipped_steps, state.optimizer_steps, state.scale) == (1, 3, 512.0)
-
-
-def test_a_fused_torch_optimizer_is_refused_naming_the_fix():
-    plugin = AMPPrecision("16-mixed")
-    trainer = quiet_trainer(plugins=[plugin], max_steps=1)
-    module = Classifier(make_mlp(), optimizer_kwargs={"fused": True})
-    with pytest.raises(ValueError, match=r"AdamW\(fused=True\) unscales and skips inside.*fused=False"):
-        trainer.fit(module, mlp_batches(1))
