@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import Precision
 from lightning_helpers import quiet_trainer
 from loading_helpers import LlamaModule, save_llama, stand_in_hub
@@ -283,3 +285,48 @@ def test_lowprec_fsdp_on_two_ranks_continues_the_adapter(base_dir, tmp_path):
     for rank in range(2):
         losses = torch.load(tmp_path / "out" / f"rank{rank}.pt")["losses"]
         assert losses == [pytest.approx(first, rel=1e-6)]
+
+
+class _StartWeights(pl.Callback):
+    """The trainable tensors as the first step will see them (after a resume has restored its checkpoint)."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.weights = {n: p.detach().clone() for n, p in pl_module.named_parameters() if p.requires_grad}
+
+
+def _fit_from(base_dir, adapter, max_steps, ckpt_path=None, save_in=None):
+    """2 steps an epoch, so that a run saved after 2 steps resumes at an epoch's start; ``save_in``: ``last.ckpt``
+    there, as ``ModelCheckpoint`` writes it during fit."""
+    recorder, start = LossRecorder(), _StartWeights()
+    callbacks = [recorder, start] + ([ModelCheckpoint(dirpath=save_in, save_last=True)] if save_in else [])
+    strategy = LowPrecisionStrategy(pretrained=base_dir, pretrained_adapter=adapter)
+    trainer = quiet_trainer(
+        strategy=strategy, max_steps=max_steps, callbacks=callbacks, enable_checkpointing=bool(save_in)
+    )
+    with trainer.init_module(empty_init=True):
+        module = LlamaModule()
+    trainer.fit(module, ids_loader(batches=2), ckpt_path=ckpt_path)
+    return module, recorder.losses, start.weights
+
+
+def test_a_resumed_fit_trains_on_from_the_checkpoints_adapter_not_the_pretrained_one(base_dir, tmp_path):
+    """``Trainer.fit(ckpt_path=)`` with ``pretrained_adapter=``: the strategy loads the saved adapter when it builds
+    the model, then Lightning restores the checkpoint over it; the steps after the resume see the checkpoint's
+    adapter (trained two steps) and their losses equal the unbroken run's."""
+    adapter = _save_adapter(base_dir, tmp_path / "adapter")
+    unbroken, unbroken_losses, _ = _fit_from(base_dir, adapter, max_steps=4)
+    _, first_losses, _ = _fit_from(base_dir, adapter, max_steps=2, save_in=tmp_path / "run")
+    checkpoint = tmp_path / "run" / "last.ckpt"
+    resumed, resumed_losses, at_resume = _fit_from(base_dir, adapter, max_steps=4, ckpt_path=checkpoint)
+
+    saved = torch.load(checkpoint, weights_only=True)["state_dict"]
+    assert set(at_resume) <= set(saved) and any("lora_B" in n for n in at_resume)
+    for name, tensor in at_resume.items():
+        assert torch.equal(tensor, saved[name]), name
+    fresh = _transformed(base_dir, pretrained_adapter=adapter)  # the adapter as saved by peft
+    q_b = "model.model.layers.0.self_attn.q_proj.lora_B.default.weight"
+    assert not torch.equal(at_resume[q_b], dict(fresh.named_parameters())[q_b].detach())
+    torch.testing.assert_close(first_losses + resumed_losses, unbroken_losses, rtol=1e-6, atol=0)
+    for (name, a), (_, b) in zip(resumed.named_parameters(), unbroken.named_parameters(), strict=True):
+        if a.requires_grad:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
