@@ -5,6 +5,9 @@ A model built with ``from_config`` (its weights streamed in afterwards) gets a g
 Qwen2.5-Instruct sets one. Its ``generate`` then stopped and scored differently from the same weights loaded with
 ``from_pretrained``, and ``pl-lowprec generate --ckpt_path`` from ``--model`` of the merged export (which copies
 the file).
+
+``generation_default`` is the one reader of a model's generation defaults: ``pl-lowprec generate`` takes its stop
+ids (``stop_tokens``) and its sampling settings (``generate.Decoding``) from it.
 """
 
 from __future__ import annotations
@@ -33,3 +36,9 @@ def load_generation_config(model: Any, directory: str | Path | None) -> bool:
         warnings.warn(unread, stacklevel=2)
         return False
     return True
+
+
+def generation_default(model: Any, name: str) -> Any:
+    """The model's ``generation_config`` value of ``name`` (``eos_token_id``, ``temperature``, ...), what
+    transformers' ``generate`` takes where the call does not set it; ``None`` where the model has none."""
+    return getattr(getattr(model, "generation_config", None), name, None)

@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from pl_lowprec.loading.sources import CheckpointIndex, resolve_checkpoint
+from pl_lowprec.loading.sources import CheckpointIndex, WeightFiles, resolve_checkpoint
 from pl_lowprec.transforms.conv1d import stored_transposed
 from pl_lowprec.transforms.linear_filter import DEFAULT_SKIP, matches_any
 
@@ -131,20 +131,25 @@ def _checkpoint_shape(model: nn.Module, slot: Slot, tensor: torch.Tensor) -> tup
 
 
 def fitting_index(
-    model: nn.Module, source: str | Path, prefix: Prefix, new_heads: tuple = (), expected_prefix: str | None = None
+    model: nn.Module,
+    source: str | Path,
+    prefix: Prefix,
+    new_heads: tuple = (),
+    expected_prefix: str | None = None,
+    files: WeightFiles | None = None,
 ) -> tuple[CheckpointIndex, KeyMatch, Prefix]:
     """The checkpoint's index under ``prefix``, where each tensor comes from, and the prefix used: the one given,
     or, where none was given, ``expected_prefix`` (what the module's keys usually need, taken without a word) and
     else the one prefix under which every key and shape matches (a base model's checkpoint, a peft wrapper's)."""
     first = prefix if prefix is not None else expected_prefix
-    index = resolve_checkpoint(source, first)
+    index = resolve_checkpoint(source, first, files)
     try:
         return index, check_against(model, index, first, new_heads=new_heads), first
     except CheckpointMismatch as mismatch:
         guess = mismatch.suggested_prefix
         if prefix is not None or guess is None or guess == (first or ""):
             raise
-    index = resolve_checkpoint(source, guess)
+    index = resolve_checkpoint(source, guess, files)
     match = check_against(model, index, guess, inferred=True, new_heads=new_heads)
     heads = " but for the heads named next" if match.fresh or match.unused else ""
     usual = f", not the usual {expected_prefix!r}" if expected_prefix is not None else ""

@@ -12,14 +12,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pl_lowprec._imports import import_safetensors
-from pl_lowprec.loading.torch_files import BIN_INDEX_NAME, BIN_SINGLE_NAME, TORCH_SUFFIXES, open_torch_file
+from pl_lowprec.loading.torch_files import (
+    BIN_INDEX_NAME,
+    BIN_SINGLE_NAME,
+    TORCH_SUFFIXES,
+    TorchWeights,
+    open_torch_file,
+)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -172,6 +178,41 @@ def open_weights(file: Path, device: str | None = None) -> Iterator[Any]:
             yield handle
 
 
+class WeightFiles:
+    """The weight files of one load, as ``open_weights`` opens them, except that a torch file is unpickled once and
+    kept mapped until ``close`` (unpickling took ~20 ms each time a module read from it); ``release`` drops a read
+    tensor's pages from it. A safetensors file is opened per use, as before: opening one reads only its header."""
+
+    def __init__(self) -> None:
+        self._torch = ExitStack()
+        self._opened: dict[Path, TorchWeights] = {}
+
+    @contextmanager
+    def open(self, file: Path, device: str | None = None) -> Iterator[Any]:
+        if file.suffix == ".safetensors":
+            with open_safetensors(file, device) as handle:
+                yield handle
+            return
+        if file not in self._opened:
+            self._opened[file] = self._torch.enter_context(open_torch_file(file))
+        yield self._opened[file]
+
+    def release(self, file: Path, key: str) -> None:
+        """Drop the pages of ``key`` read from a kept torch file (a safetensors handle is closed after each use)."""
+        if file in self._opened:
+            self._opened[file].release(key)
+
+    def close(self) -> None:
+        self._opened.clear()
+        self._torch.close()
+
+    def __enter__(self) -> WeightFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 @contextmanager
 def open_safetensors(file: Path, device: str | None = None) -> Iterator[Any]:
     """``safetensors.safe_open``; a file that is not a complete safetensors file fails naming it and its size."""
@@ -190,12 +231,15 @@ def open_safetensors(file: Path, device: str | None = None) -> Iterator[Any]:
         yield handle
 
 
-def resolve_checkpoint(source: str | Path, prefix: str | Mapping[str, str] | None = None) -> CheckpointIndex:
-    """Read the headers of every file of ``source``; keys are mapped through ``prefix`` (see ``prefix_map``)."""
+def resolve_checkpoint(
+    source: str | Path, prefix: str | Mapping[str, str] | None = None, files: WeightFiles | None = None
+) -> CheckpointIndex:
+    """Read the headers of every file of ``source``; keys are mapped through ``prefix`` (see ``prefix_map``).
+    ``files``: the load's open files, which keep a torch file unpickled for the tensors read next."""
     prefixes = prefix_map(prefix)
     tensors: dict[str, TensorInfo] = {}
     for file in checkpoint_files(source):
-        with open_weights(file) as handle:
+        with open_weights(file) if files is None else files.open(file) as handle:
             for key in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
                 tensor = handle.get_slice(key)
                 mapped = map_key(key, prefixes)

@@ -5,9 +5,11 @@ As torchtune's ``load_from_full_model_state_dict`` and transformers' loading beh
 the model is walked module by module: each tensor is read from its file, cast to the dtype the module
 declared for it (what ``load_state_dict`` into that module would give), put on the target device and
 assigned. A linear layer that quantization will replace is quantized right away from its loaded weight, so
-the full-precision weights never exist all at once. Each file is opened per module and closed again:
-safetensors maps the file into memory (as ``torch.load(mmap=True)`` maps a ``.bin``), and a handle kept open
-leaves every page it read resident, which would put the whole checkpoint back into the process's resident memory.
+the full-precision weights never exist all at once. A safetensors file is opened per module and closed again:
+it maps the file into memory, and a handle kept open leaves every page it read resident, which would put the
+whole checkpoint back into the process's resident memory. A ``.bin`` is unpickled once per load (tens of
+milliseconds a time) and kept mapped (``sources.WeightFiles``); each module's tensors are dropped from its
+resident pages once consumed, to the same effect.
 A tensor that keeps its stored dtype on the CPU is the mapping itself (as ``from_pretrained``'s are): its pages
 are the page cache's, and a checkpoint file rewritten in place while the model lives changes the weights not yet
 trained.
@@ -30,7 +32,7 @@ from torch import nn
 from pl_lowprec._imports import import_bitsandbytes
 from pl_lowprec.loading.empty import assert_no_meta, place_own, reset_on
 from pl_lowprec.loading.key_match import Prefix, Slot, fitting_index, slots
-from pl_lowprec.loading.sources import CheckpointIndex, TensorInfo, open_weights
+from pl_lowprec.loading.sources import CheckpointIndex, TensorInfo, WeightFiles
 from pl_lowprec.transforms.conv1d import stored_transposed
 from pl_lowprec.transforms.quantization import (
     QuantizationConfig,
@@ -83,51 +85,56 @@ def load_pretrained(
     ``expected_prefix`` (without ``prefix``): the prefix tried first (``key_match.fitting_index``).
     """
     device = torch.device(device)
-    index, match, prefix = fitting_index(model, source, prefix, new_heads, expected_prefix)
-    chosen = match.chosen
-    if quantization is not None and not quantization.is_4bit:
-        check_int8_trains(import_bitsandbytes(), device)
-    module_slots, groups = slots(model)
-    aliases = {keys[0]: keys for keys in groups}
-    by_owner: dict[str, list[str]] = {}
-    for first in chosen:
-        by_owner.setdefault(module_slots[first].owner, []).append(first)
-    report = LoadReport(index.source, prefix)
-    # Names, not modules: a list of modules would keep every replaced layer's full-precision weight alive.
-    for owner_name in [name for name, _ in model.named_modules()]:
-        owner = model.get_submodule(owner_name)
-        quantizing = quantization is not None and will_quantize(owner, owner_name, quantization)
-        firsts = by_owner.get(owner_name, [])
-        for file, keys in _by_file(firsts, chosen, index).items():
-            with open_weights(file, device="cpu") as handle:
+    with WeightFiles() as files:  # a .bin shard is unpickled once for the whole load
+        index, match, prefix = fitting_index(model, source, prefix, new_heads, expected_prefix, files)
+        chosen = match.chosen
+        if quantization is not None and not quantization.is_4bit:
+            check_int8_trains(import_bitsandbytes(), device)
+        module_slots, groups = slots(model)
+        aliases = {keys[0]: keys for keys in groups}
+        by_owner: dict[str, list[str]] = {}
+        for first in chosen:
+            by_owner.setdefault(module_slots[first].owner, []).append(first)
+        report = LoadReport(index.source, prefix)
+        # Names, not modules: a list of modules would keep every replaced layer's full-precision weight alive.
+        for owner_name in [name for name, _ in model.named_modules()]:
+            owner = model.get_submodule(owner_name)
+            quantizing = quantization is not None and will_quantize(owner, owner_name, quantization)
+            firsts = by_owner.get(owner_name, [])
+            read = _by_file(firsts, chosen, index)
+            for file, keys in read.items():
+                with files.open(file, device="cpu") as handle:
+                    for first in keys:
+                        declared = _current(model, module_slots[first])
+                        loaded = handle.get_tensor(index.tensors[chosen[first]].key)
+                        report.bytes_read += loaded.numel() * loaded.element_size()
+                        if stored_transposed(owner, module_slots[first].attr):  # a Conv1D's [in, out] weight
+                            loaded = loaded.T.contiguous()
+                        tensor = loaded.to(device=device, dtype=declared.dtype)
+                        is_param = module_slots[first].is_param
+                        if is_param:
+                            check_finite(tensor, loaded, index.tensors[chosen[first]])
+                        report.casts[(loaded.dtype, tensor.dtype)] += 1
+                        del loaded
+                        value = nn.Parameter(tensor, requires_grad=declared.requires_grad) if is_param else tensor
+                        if is_param and place is not None and not quantizing:
+                            value = place(value)
+                        for key in aliases[first]:  # tied weights stay one tensor
+                            _assign(model, module_slots[key], value)
+                        report.tensors += 1
+            if quantizing:
+                parent_name, _, child = owner_name.rpartition(".")
+                parent = model.get_submodule(parent_name) if parent_name else model
+                layer = quantize_layer(owner, quantization, compute_dtype, device)
+                if place is not None:
+                    place_own(layer, place)
+                setattr(parent, child, layer)
+                report.quantized.append(owner_name)
+                del layer
+            for file, keys in read.items():  # consumed: copied, quantized, or kept as the mapping (read again if used)
                 for first in keys:
-                    declared = _current(model, module_slots[first])
-                    loaded = handle.get_tensor(index.tensors[chosen[first]].key)
-                    report.bytes_read += loaded.numel() * loaded.element_size()
-                    if stored_transposed(owner, module_slots[first].attr):  # a Conv1D's [in, out] weight
-                        loaded = loaded.T.contiguous()
-                    tensor = loaded.to(device=device, dtype=declared.dtype)
-                    is_param = module_slots[first].is_param
-                    if is_param:
-                        check_finite(tensor, loaded, index.tensors[chosen[first]])
-                    report.casts[(loaded.dtype, tensor.dtype)] += 1
-                    del loaded
-                    value = nn.Parameter(tensor, requires_grad=declared.requires_grad) if is_param else tensor
-                    if is_param and place is not None and not quantizing:
-                        value = place(value)
-                    for key in aliases[first]:  # tied weights stay one tensor
-                        _assign(model, module_slots[key], value)
-                    report.tensors += 1
-        if quantizing:
-            parent_name, _, child = owner_name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            layer = quantize_layer(owner, quantization, compute_dtype, device)
-            if place is not None:
-                place_own(layer, place)
-            setattr(parent, child, layer)
-            report.quantized.append(owner_name)
-            del layer
-        del owner
+                    files.release(file, index.tensors[chosen[first]].key)
+            del owner
     if report.quantized:
         share_code_books(model)
     _initialize_fresh(model, match.fresh, module_slots, device, place)

@@ -6,6 +6,9 @@ the streamed load still holds the model plus one tensor. ``weights_only=True`` s
 code when it is loaded, and one that holds more than plain tensors is refused, not trusted. A file in torch's
 legacy format (saved before torch 1.6) cannot be mapped: it would be read whole, so it is refused with the
 conversion.
+
+Unpickling a file takes tens of milliseconds, so one load unpickles each file once (``sources.WeightFiles``) and
+keeps it mapped, dropping each tensor's pages once it is consumed (``TorchWeights.release``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from pl_lowprec.loading.host_memory import release_mapped_pages
 
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 BIN_INDEX_NAME = "pytorch_model.bin.index.json"
@@ -76,6 +81,11 @@ class TorchWeights:
 
     def metadata(self) -> dict[str, str]:
         return {"format": "pt"}
+
+    def release(self, key: str) -> None:
+        """Drop the resident pages of ``key``'s tensor once it is consumed: the file stays mapped for the next
+        module's tensors, and would otherwise keep every page read from it resident until the load ends."""
+        release_mapped_pages(self._tensors[key])
 
 
 @contextmanager

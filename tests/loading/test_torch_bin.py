@@ -171,3 +171,19 @@ def test_a_single_state_dict_file_loads_as_its_directory_does(tmp_path):
     state_file = (bin_dir / "pytorch_model.bin").rename(tmp_path / "weights.pt")
     reference = transformers.AutoModelForCausalLM.from_pretrained(directory)
     _assert_same_bytes(_streamed(state_file).state_dict(), reference.state_dict())
+
+
+def test_each_bin_shard_is_unpickled_once_per_load(tmp_path, monkeypatch):
+    """A 2-shard .bin was unpickled (~20 ms each) for every module that read from it, and twice more for its
+    headers: once a file now, the tensors' bytes unchanged."""
+    import pl_lowprec.loading.torch_files as torch_files
+
+    directory = save_llama(tmp_path / "st", hidden_size=64)
+    bin_dir = bin_copy(directory, tmp_path / "bin", shards=2)
+    loads = []
+    real_load = torch.load
+    monkeypatch.setattr(torch_files.torch, "load", lambda file, **kw: loads.append(file) or real_load(file, **kw))
+    streamed = _streamed(bin_dir)
+    assert sorted(loads) == checkpoint_files(bin_dir)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(bin_dir)
+    _assert_same_bytes(streamed.state_dict(), reference.state_dict())
