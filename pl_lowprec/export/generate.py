@@ -39,7 +39,7 @@ from pl_lowprec.export.prompt_files import chat_turns
 from pl_lowprec.export.restore import Restored
 from pl_lowprec.export.stop_tokens import stop_token_ids
 from pl_lowprec.export.write import pretrained_dir
-from pl_lowprec.loading.generation_config import load_generation_config
+from pl_lowprec.loading.generation_config import generation_default, load_generation_config
 from pl_lowprec.loading.hub import is_hub_id, local_or_downloaded, resolve_pretrained
 from pl_lowprec.loading.tokenizer import load_tokenizer
 
@@ -91,11 +91,10 @@ class Decoding:
         """What sampling runs with, and where each value came from; ``None`` for greedy decoding."""
         if not self.do_sample:
             return None
-        config = getattr(model, "generation_config", None)
         given = self.given_sampling()
         parts = []
         for name in SAMPLING:
-            configured = getattr(config, name, None)
+            configured = generation_default(model, name)
             if name in given:
                 parts.append(f"{name} {given[name]}")
             elif configured is not None:

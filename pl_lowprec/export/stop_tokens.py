@@ -12,6 +12,7 @@ from typing import Any
 
 from pl_lowprec.data.chat import special_token_texts
 from pl_lowprec.export.modelfile import chat_parts
+from pl_lowprec.loading.generation_config import generation_default
 
 
 def configured_ids(value: Any) -> list[int]:
@@ -36,9 +37,8 @@ def end_of_turn_id(tokenizer: Any) -> int | None:
 def stop_token_ids(model: Any, tokenizer: Any) -> list[int]:
     """The ids generation stops at, each once: the model's ``generation_config``, the tokenizer's EOS and the
     chat template's end-of-turn token."""
-    config = getattr(model, "generation_config", None)
     found = [
-        *configured_ids(getattr(config, "eos_token_id", None)),
+        *configured_ids(generation_default(model, "eos_token_id")),
         *configured_ids(tokenizer.eos_token_id),
         *configured_ids(end_of_turn_id(tokenizer)),
     ]

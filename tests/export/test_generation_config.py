@@ -173,3 +173,29 @@ def test_an_unreadable_generation_config_warns_and_leaves_the_derived_one(tmp_pa
     with pytest.warns(UserWarning, match="generation_config.json is not read"):
         assert load_generation_config(model, directory) is False
     assert model.generation_config.eos_token_id == model.config.eos_token_id
+
+
+def test_one_function_reads_the_models_generation_defaults_for_stops_and_sampling(tmp_path):
+    """``generate``'s stop ids and its sampling line read the model's ``generation_config`` through
+    ``generation_default`` (each read it on its own before): the file's EOS list and temperature reach both."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from pl_lowprec.export.generate import Decoding
+    from pl_lowprec.export.stop_tokens import stop_token_ids
+    from pl_lowprec.loading.generation_config import generation_default, load_generation_config
+
+    directory = save_tokenizer(tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    save_llama(directory, hidden_size=32, layers=1, vocab_size=len(tokenizer))
+    user = tokenizer.convert_tokens_to_ids("<|user|>")
+    GenerationConfig(eos_token_id=[user, tokenizer.eos_token_id], do_sample=True, temperature=0.6).save_pretrained(
+        directory
+    )
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+    assert generation_default(model, "temperature") in (None, 1.0)  # derived from config.json
+    assert load_generation_config(model, directory)
+    assert generation_default(model, "eos_token_id") == [user, tokenizer.eos_token_id]
+    assert generation_default(object(), "eos_token_id") is None  # no generation_config at all
+    assert stop_token_ids(model, tokenizer)[:2] == [user, tokenizer.eos_token_id]
+    line = Decoding(do_sample=True).sampling_line(model)
+    assert line.startswith("Sampling with temperature 0.6 (the model's generation_config), top_p 1.0")
