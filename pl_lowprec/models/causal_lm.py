@@ -29,6 +29,7 @@ from pl_lowprec.loading.hub import resolve_pretrained
 from pl_lowprec.models.chunked_loss import causal_lm_loss_sum, chunk_loss, compiled_chunk_loss_standin
 from pl_lowprec.models.forward_batch import forward_batch
 from pl_lowprec.models.liger_loss import LossKernel, check_head, check_loss_kernel, choose_loss_kernel, liger_loss_sum
+from pl_lowprec.models.standalone_load import check_loads_without_strategy
 from pl_lowprec.models.token_loss import TokenMeanLoss
 from pl_lowprec.models.tokenizer_check import check_tokenizer
 from pl_lowprec.transforms.dtypes import to_dtype
@@ -148,6 +149,8 @@ class CausalLM(pl.LightningModule):
         with empty_weights():
             self.model = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype_override)
         load_generation_config(self.model, self.directory)  # its EOS ids and defaults, as from_pretrained has them
+        if self._trainer is None:
+            return  # load_from_checkpoint: on_load_checkpoint loads the weights once the checkpoint is seen to fit
         if not hasattr(self.trainer.strategy, "transform"):  # a plain Lightning strategy: load it here
             self.load_own_weights()
             rank_zero_info("CausalLM loaded its weights itself; LowPrecisionStrategy would quantize them as they load.")
@@ -165,6 +168,15 @@ class CausalLM(pl.LightningModule):
         except BaseException:
             self.model = None
             raise
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Outside a Trainer (``CausalLM.load_from_checkpoint``): a checkpoint of the whole model loads over the
+        pretrained weights; one only the strategy can load (adapters, quantized weights) is refused in one paragraph
+        (``standalone_load``). Under a Trainer the strategy restores the checkpoint."""
+        if self._trainer is not None or self.model is None:
+            return
+        check_loads_without_strategy(set(self.state_dict()), checkpoint, self.directory)
+        self.load_own_weights()
 
     def on_fit_start(self) -> None:
         self.resolve_loss_kernel()
