@@ -113,6 +113,16 @@ def _classes() -> dict[str, type]:
                 state2=nested,
             )
 
+        @property
+        def W_q(self) -> torch.Tensor:
+            """peft's mark of a layer that dequantizes itself (``dequantize_module_weight``): DoRA's weight norm
+            reads the whole weight, which peft finds on ``Params4bit`` alone, and this weight is a plain tensor."""
+            return self.weight
+
+        def dequantize(self) -> torch.Tensor:
+            """The [out, in] weight in ``weight_dtype``, as ``bnb.functional.dequantize_4bit`` gives it."""
+            return bnb.functional.dequantize_4bit(self.weight, self.quant_state)
+
         def forward(self, x: torch.Tensor) -> torch.Tensor:  # Linear4bit.forward in training
             inp_dtype = x.dtype
             bias = None if self.bias is None else self.bias.to(self.compute_dtype)
