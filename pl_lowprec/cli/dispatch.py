@@ -10,6 +10,7 @@ from pl_lowprec.cli.arguments import empty_config_paragraph
 from pl_lowprec.cli.config_errors import refusals
 from pl_lowprec.cli.lightning_cli import build_cli
 from pl_lowprec.cli.subcommands import LIGHTNING_SUBCOMMANDS, unknown_subcommand_paragraph
+from pl_lowprec.transforms.pretrained_adapter import adapters_resolved_once
 
 SUBCOMMANDS: dict[str, Callable[[list[str]], None]] = {
     "export": export.main,
@@ -29,6 +30,11 @@ def main(args: list[str] | None = None) -> None:
     ``generate`` (completions of a file of prompts). A refusal of any of them is one paragraph and exit status 2
     (``config_errors.refusals``).
     """
+    with adapters_resolved_once():  # plan and fit's "auto" rebuild the strategy's config per candidate
+        _run(args)
+
+
+def _run(args: list[str] | None) -> None:
     argv = sys.argv[1:] if args is None else args
     empty = empty_config_paragraph(argv[1:])
     if empty is not None:

@@ -85,9 +85,7 @@ class TransformConfig:
     memory_saving: MemorySavingArg = True
     weights: PretrainedWeights | None = field(init=False, default=None, repr=False, compare=False)
     compile_kwargs: dict[str, Any] | None = field(init=False, default=None, repr=False, compare=False)
-    # (pretrained_adapter, its directory): resolved (a hub id downloaded) once, and carried by dataclasses.replace,
-    # which plan and fit's "auto" call per candidate, so that a hub adapter is fetched once a command, not a candidate
-    resolved_adapter: tuple[str, Path] | None = field(default=None, repr=False, compare=False)
+    adapter_directory: Path | None = field(init=False, default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         validate_checkpoint_args(self.checkpoint_every_n, self.checkpoint_impl, self.checkpoint_mode)
@@ -122,10 +120,10 @@ class TransformConfig:
             object.__setattr__(self, "quantization", QuantizationConfig.from_mode(self.quantization))
         if self.optimizer is not None:
             validate_optimizer_name(self.optimizer)
-        object.__setattr__(self, "resolved_adapter", self._resolved_adapter())
-        if self.adapter_directory is not None:
-            lora = adapter_lora_config(self.adapter_directory, self.lora, self.pretrained_adapter)
-            object.__setattr__(self, "lora", lora)
+        if self.pretrained_adapter is not None:
+            directory = resolve_adapter(self.pretrained_adapter)
+            object.__setattr__(self, "adapter_directory", directory)
+            object.__setattr__(self, "lora", adapter_lora_config(directory, self.lora, self.pretrained_adapter))
         if self.lora is not None:
             object.__setattr__(self, "lora", lora_config(self.lora))
             check_lora_options(self.lora, self.quantization.mode if self.quantization is not None else None)
@@ -139,20 +137,6 @@ class TransformConfig:
         object.__setattr__(self, "compile_kwargs", compile_options(self.compile))
         mode = self.quantization.mode if self.quantization is not None else None
         check_compile_combination(self.compile_kwargs, self.checkpoint_impl, mode)
-
-    def _resolved_adapter(self) -> tuple[str, Path] | None:
-        """``pretrained_adapter`` and its directory: the one a replaced config carries for the same source."""
-        if self.pretrained_adapter is None:
-            return None
-        source = str(self.pretrained_adapter)
-        if self.resolved_adapter is not None and self.resolved_adapter[0] == source:
-            return self.resolved_adapter
-        return source, resolve_adapter(self.pretrained_adapter)
-
-    @property
-    def adapter_directory(self) -> Path | None:
-        """Where ``pretrained_adapter``'s files are (``None`` without it)."""
-        return self.resolved_adapter[1] if self.resolved_adapter is not None else None
 
     @property
     def skip_modules(self) -> tuple[str, ...]:

@@ -14,7 +14,9 @@ loads nothing.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -35,8 +37,33 @@ DATA_DRIVEN_INITS = ("eva", "lora_ga")  # only start A and B, which the saved te
 ADAPTER_DEFINING = ("r", "lora_alpha", "use_rslora", "use_dora", "target_modules", "rank_pattern", "alpha_pattern")
 
 
+_RESOLVED: ContextVar[dict[str, Path] | None] = ContextVar("resolved_adapters", default=None)
+
+
+@contextmanager
+def adapters_resolved_once() -> Iterator[None]:
+    """Within (each ``pl-lowprec`` command): a ``pretrained_adapter`` is resolved once and its directory reused.
+    ``plan`` and ``fit``'s ``"auto"`` rebuild the strategy's config for every candidate (``dataclasses.replace``),
+    and each rebuild resolved the adapter again: a hub round trip per candidate. Nested, the outer one's stand."""
+    token = _RESOLVED.set({} if _RESOLVED.get() is None else _RESOLVED.get())
+    try:
+        yield
+    finally:
+        _RESOLVED.reset(token)
+
+
 def resolve_adapter(source: str | Path) -> Path:
-    """A local adapter directory as it is; a hub id downloaded (adapter files only) where there is network."""
+    """A local adapter directory as it is; a hub id downloaded (adapter files only) where there is network; the
+    directory found before for the same source inside ``adapters_resolved_once``."""
+    resolved = _RESOLVED.get()
+    if resolved is None:
+        return _resolved(source)
+    if str(source) not in resolved:
+        resolved[str(source)] = _resolved(source)
+    return resolved[str(source)]
+
+
+def _resolved(source: str | Path) -> Path:
     path = Path(source).expanduser()
     shown = f"pretrained_adapter={str(source)!r}"
     if path.is_dir():
