@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, Callable[[list[str]], None]] = {
 }
 
 
+@adapters_resolved_once()  # the strategy LightningCLI builds, and plan's candidates: the adapter resolved once
 def main(args: list[str] | None = None) -> None:
     """The ``pl-lowprec`` console script; ``args`` replaces ``sys.argv[1:]``.
 
@@ -30,11 +31,6 @@ def main(args: list[str] | None = None) -> None:
     ``generate`` (completions of a file of prompts). A refusal of any of them is one paragraph and exit status 2
     (``config_errors.refusals``).
     """
-    with adapters_resolved_once():  # plan and fit's "auto" rebuild the strategy's config per candidate
-        _run(args)
-
-
-def _run(args: list[str] | None) -> None:
     argv = sys.argv[1:] if args is None else args
     empty = empty_config_paragraph(argv[1:])
     if empty is not None:

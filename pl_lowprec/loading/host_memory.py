@@ -18,8 +18,6 @@ from functools import cache
 
 import torch
 
-MADV_DONTNEED = 4  # Linux: a private file mapping's clean pages are dropped, read again from the file if touched
-
 
 @cache
 def _libc() -> ctypes.CDLL | None:
@@ -55,4 +53,4 @@ def release_mapped_pages(tensor: torch.Tensor) -> bool:
     first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
     if last <= first:
         return False
-    return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED) == 0
+    return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED) == 0

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pl_lowprec._imports import import_safetensors
+from pl_lowprec.loading.host_memory import release_mapped_pages
 from pl_lowprec.loading.torch_files import (
     BIN_INDEX_NAME,
     BIN_SINGLE_NAME,
@@ -198,9 +199,11 @@ class WeightFiles:
         yield self._opened[file]
 
     def release(self, file: Path, key: str) -> None:
-        """Drop the pages of ``key`` read from a kept torch file (a safetensors handle is closed after each use)."""
+        """Drop the pages of ``key`` read from a kept torch file once it is consumed: the file stays mapped for the
+        next module's tensors, and would otherwise keep every page read from it resident until the load ends (a
+        safetensors handle is closed after each use)."""
         if file in self._opened:
-            self._opened[file].release(key)
+            release_mapped_pages(self._opened[file].get_tensor(key))
 
     def close(self) -> None:
         self._opened.clear()

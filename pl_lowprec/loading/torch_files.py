@@ -8,7 +8,7 @@ legacy format (saved before torch 1.6) cannot be mapped: it would be read whole,
 conversion.
 
 Unpickling a file takes tens of milliseconds, so one load unpickles each file once (``sources.WeightFiles``) and
-keeps it mapped, dropping each tensor's pages once it is consumed (``TorchWeights.release``).
+keeps it mapped, dropping each tensor's pages once it is consumed (``WeightFiles.release``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-
-from pl_lowprec.loading.host_memory import release_mapped_pages
 
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 BIN_INDEX_NAME = "pytorch_model.bin.index.json"
@@ -81,11 +79,6 @@ class TorchWeights:
 
     def metadata(self) -> dict[str, str]:
         return {"format": "pt"}
-
-    def release(self, key: str) -> None:
-        """Drop the resident pages of ``key``'s tensor once it is consumed: the file stays mapped for the next
-        module's tensors, and would otherwise keep every page read from it resident until the load ends."""
-        release_mapped_pages(self._tensors[key])
 
 
 @contextmanager

@@ -42,6 +42,7 @@ from pl_lowprec.transforms.checkpointing import declared_blocks
 from pl_lowprec.transforms.config import TransformConfig
 from pl_lowprec.transforms.dtypes import dtype_of_precision
 from pl_lowprec.transforms.memory_saving import ALL_PATHS, AUTO, PATHS
+from pl_lowprec.transforms.pretrained_adapter import adapters_resolved_once
 
 MARGIN = 0.1  # of the free memory, kept for what the estimate does not see: the allocator's fragmentation, scratch
 GIVEN = "as given"  # activation checkpointing set explicitly: the same in every candidate
@@ -291,6 +292,7 @@ def fastest_fitting(
     return search_ladder(order, blocks, config, limit, simulate)
 
 
+@adapters_resolved_once()  # each candidate rebuilds the config: a pretrained_adapter resolved once, not per candidate
 def search_ladder(
     order: list[MemorySettings],
     blocks: list[str],

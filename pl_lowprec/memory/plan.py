@@ -50,6 +50,7 @@ from pl_lowprec.memory.sizes import format_bytes
 from pl_lowprec.memory.step_time import StepTime, predict_step_time
 from pl_lowprec.transforms.config import TransformConfig
 from pl_lowprec.transforms.memory_saving import AUTO
+from pl_lowprec.transforms.pretrained_adapter import adapters_resolved_once
 
 ASSUMED_GPU = "H100"  # the GPU a CUDA plan is timed on when none is named and this machine has none
 
@@ -197,6 +198,7 @@ def weights_advice(quantization: str | None) -> str:
     return f"the base weights are 4-bit already (quantization: {quantization}): {shard}, or take a smaller model"
 
 
+@adapters_resolved_once()  # each candidate rebuilds the config: a pretrained_adapter resolved once, not per candidate
 @shapes_only()  # a pretrained= directory with only config.json: its shapes are all an estimate needs
 def plan_memory(
     build_model: Callable[[], nn.Module],

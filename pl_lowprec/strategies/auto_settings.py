@@ -22,7 +22,6 @@ from pl_lowprec.memory.fastest import MARGIN, Search, fastest_fitting
 from pl_lowprec.memory.plan import fresh_copies
 from pl_lowprec.memory.process import available_memory
 from pl_lowprec.memory.sizes import format_bytes
-from pl_lowprec.transforms.pretrained_adapter import adapters_resolved_once
 
 
 def choose_memory_settings(
@@ -44,19 +43,18 @@ def choose_memory_settings(
         return None
     config = strategy.transform_config
     try:
-        with adapters_resolved_once():  # each candidate rebuilds the config: pretrained_adapter is resolved once
-            search = fastest_fitting(
-                fresh_copies(strategy.lightning_module),  # each call a meta copy: the estimate transforms its own
-                batch,
-                limit,
-                precision,
-                device,
-                config,
-                accumulate_grad_batches=int(trainer.accumulate_grad_batches),
-                sharding=strategy.transform.sharding,
-                world_size=strategy.world_size,
-                gradient_as_bucket_view=gradient_as_bucket_view(strategy),
-            )
+        search = fastest_fitting(
+            fresh_copies(strategy.lightning_module),  # each call a meta copy: the estimate transforms its own
+            batch,
+            limit,
+            precision,
+            device,
+            config,
+            accumulate_grad_batches=int(trainer.accumulate_grad_batches),
+            sharding=strategy.transform.sharding,
+            world_size=strategy.world_size,
+            gradient_as_bucket_view=gradient_as_bucket_view(strategy),
+        )
     except Exception as err:  # the real run meets it again where it has its own handling (a refusal, a traceback)
         if refused_by_the_transform(err):
             raise  # the transform's own refusal (a group size, a layer float8 cannot take): said once, as it is

@@ -3,13 +3,11 @@ checkpoint of the whole model loads (the weights equal the trained ones); the st
 refused in one paragraph naming what it holds and how to load it (it failed with "CausalLM is not attached to a
 `Trainer`", and a module built by hand with torch's missing/unexpected-key lines)."""
 
-import json
-
 import pytest
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning_helpers import quiet_trainer
-from loading_helpers import save_pretrained_dir
+from loading_helpers import save_pretrained_dir, write_prompt_completion
 
 from pl_lowprec import LowPrecisionStrategy
 from pl_lowprec.data import TextDataModule
@@ -25,9 +23,7 @@ def pretrained(tmp_path_factory):
 
 
 def _trained(pretrained, tmp_path, strategy):
-    path = tmp_path / "pc.jsonl"
-    rows = [{"prompt": f"def f{i}(x):\n    return", "completion": f" x + {i}"} for i in range(8)]
-    path.write_text("\n".join(json.dumps(r) for r in rows))
+    path = write_prompt_completion(tmp_path / "pc.jsonl", n=8)
     data = TextDataModule(train_files=str(path), tokenizer=str(pretrained), batch_size=4, val_fraction=0)
     trainer = quiet_trainer(strategy=strategy, max_steps=1, limit_val_batches=0)
     model = CausalLM(str(pretrained), lr=1e-2, warmup_steps=0)
