@@ -62,7 +62,7 @@ from pl_lowprec.data.resumable import resumable_loader
 from pl_lowprec.data.row_facts import ready_rows, row_lengths
 from pl_lowprec.data.row_views import subset
 from pl_lowprec.data.sources import Source, describe_objects, is_dataset_object, resolve_sources
-from pl_lowprec.data.text_blocks import DocumentList, Documents, TextBlocks, records_cut
+from pl_lowprec.data.text_blocks import DocumentList, Documents, TextBlocks
 from pl_lowprec.data.token_table import TokenRows, read_table, table_path, tokenize
 from pl_lowprec.data.validation_split import (
     DEFAULT_VAL_FRACTION,
@@ -304,8 +304,9 @@ class TextDataModule(pl.LightningDataModule):
     def _blocks(self, documents: Documents) -> Sequence[Row]:
         """The ``seq_len`` blocks of ``text`` records, each knowing where its records start: a list for records in
         memory, a view that cuts each block when read for records in an Arrow table."""
-        self.text_records_cut += records_cut(documents.lengths(), self.seq_len)
         blocks = TextBlocks(documents, self.seq_len, self.packing)
+        if self.join_text is None:  # the warning's count (``_warn_text_cut``)
+            self.text_records_cut += blocks.records_cut()
         return [blocks[i] for i in range(len(blocks))] if isinstance(documents, DocumentList) else blocks
 
     def _encode_records(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from itertools import accumulate
+from itertools import accumulate, pairwise
 from typing import Protocol
 
 import torch
@@ -107,13 +107,10 @@ class TextBlocks(Dataset):
             return document_row(ids, starts)
         return {"input_ids": ids, "labels": ids.clone()}
 
-
-def records_cut(lengths: Sequence[int], seq_len: int) -> int:
-    """How many records that would fit one block lie across two blocks of the joined stream: the second part of
-    each trains without the first (a rendered chat's answer without its question)."""
-    cut, start = 0, 0
-    for length in lengths:
-        end = start + length
-        cut += length <= seq_len and start // seq_len != (end - 1) // seq_len
-        start = end
-    return cut
+    def records_cut(self) -> int:
+        """How many records that would fit one block lie across two blocks: the second part of each trains
+        without the first (a rendered chat's answer without its question)."""
+        return sum(
+            e - s <= self.seq_len and s // self.seq_len != (e - 1) // self.seq_len
+            for s, e in pairwise([0, *self.ends])  # each record's [start, end) in the stream
+        )
