@@ -200,14 +200,13 @@ def without_doubled_eos(sample: Sample, eos: int) -> tuple[Sample, bool]:
     model EOS -> EOS, where a completion's own EOS is kept once. An answer that ends with the EOS under a template
     that writes none keeps it: it is the only one."""
     ids, labels = sample.input_ids, sample.labels
-    doubled = {
+    keep = [
         i
-        for i in range(1, len(ids))
-        if ids[i] == ids[i - 1] == eos and labels[i] != IGNORE_INDEX and labels[i - 1] != IGNORE_INDEX
-    }
-    if not doubled:
+        for i in range(len(ids))
+        if not (i and ids[i] == ids[i - 1] == eos and IGNORE_INDEX not in (labels[i], labels[i - 1]))
+    ]
+    if len(keep) == len(ids):
         return sample, False
-    keep = [i for i in range(len(ids)) if i not in doubled]
     return Sample([ids[i] for i in keep], [labels[i] for i in keep]), True
 
 
