@@ -63,12 +63,12 @@ def read_fields(record: dict[str, Any], fields: dict[str, str] | None) -> dict[s
         record["messages"] = record.pop(SHAREGPT_COLUMN)
     if isinstance(record.get("messages"), str):  # a CSV cell, or a table that stores the turns as JSON text
         record["messages"] = json_list(record["messages"])
-    if sharegpt:
-        record["messages"] = with_system_column(record["messages"], record.get("system"))
     if fields is None and not {"messages", "prompt", "completion"} & record.keys() and is_alpaca(record):
         record["messages"] = alpaca_turns(record)
     if isinstance(record.get("messages"), list):
         record["messages"] = [chat_turn(turn) for turn in record["messages"]]
+    if sharegpt:  # after chat_turn: a system turn of the conversation's own has its role by now
+        record["messages"] = with_system_column(record["messages"], record.get("system"))
     return record
 
 
@@ -89,7 +89,7 @@ def with_system_column(turns: Any, system: Any) -> Any:
     if not isinstance(turns, list) or not isinstance(system, str) or not system.strip():
         return turns
     first = turns[0] if turns else None
-    if isinstance(first, dict) and "system" in (first.get("role"), first.get("from")):
+    if isinstance(first, dict) and first.get("role") == "system":
         return turns
     return [{"role": "system", "content": system}, *turns]
 
