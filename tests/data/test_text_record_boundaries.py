@@ -13,7 +13,7 @@ from loading_helpers import save_tokenizer
 from pl_lowprec.data import TextDataModule
 from pl_lowprec.data.records import encode_text
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -30,26 +30,27 @@ CHAT = [
 def chatml_dir(tmp_path_factory):
     """The tests' BPE with ChatML's special tokens and template, whose EOS ends every turn (as Qwen2.5-Instruct's
     and SmolLM2-Instruct's does)."""
-    from transformers import AutoTokenizer
-
     directory = tmp_path_factory.mktemp("chatml")
-    tokenizer = AutoTokenizer.from_pretrained(save_tokenizer(directory))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(save_tokenizer(directory))
     tokenizer.add_special_tokens({"eos_token": "<|im_end|>", "additional_special_tokens": ["<|im_start|>"]})
     tokenizer.chat_template = CHATML
     tokenizer.save_pretrained(directory)
     return directory
 
 
-def _records(tokenizer_dir, n=6):
-    from transformers import AutoTokenizer
+def _render(tokenizer, chats):
+    """Chats rendered to ``text`` records (as ``apply_chat_template(tokenize=False)`` writes a TRL text field)."""
+    return [{"text": tokenizer.apply_chat_template(chat, tokenize=False)} for chat in chats]
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    text = tokenizer.apply_chat_template(CHAT, tokenize=False)
-    record = encode_text(tokenizer, text)
+
+def _records(tokenizer_dir, n=6):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    (rendered,) = _render(tokenizer, [CHAT])
+    record = encode_text(tokenizer, rendered["text"])
     # three turns' <|im_end|>; the last ends the record: the template's line ending after it is not content, and no
     # EOS is appended after it
     assert record.count(tokenizer.eos_token_id) == 3 and record[-1] == tokenizer.eos_token_id
-    return [{"text": text}] * n, record
+    return [rendered] * n, record
 
 
 def _write(fmt, records, tmp_path):
@@ -71,12 +72,16 @@ def _data(path, tokenizer_dir, seq_len, **kwargs):
     return data
 
 
+def _segments(values, positions):
+    """A packed row's ``values`` (its ids or labels) cut where its ``positions`` restart at 0: its records."""
+    starts = [i for i, p in enumerate(positions[: len(values)]) if p == 0] + [len(values)]
+    return [values[a:b] for a, b in itertools.pairwise(starts)]
+
+
 def _cut_only_between_records(ids, positions, record, pad):
     """Whether a packed row (its padding stripped) is cut only where a record ends: the segments inside it are
     whole records, the first ends one and the last begins one."""
-    ids = [t for t in ids if t != pad]
-    starts = [i for i, p in enumerate(positions[: len(ids)]) if p == 0] + [len(ids)]
-    segments = [ids[a:b] for a, b in itertools.pairwise(starts)]
+    segments = _segments([t for t in ids if t != pad], positions)
     first, *inner, last = segments if len(segments) > 1 else [*segments, []]
     return record[-len(first) :] == first and all(s == record for s in inner) and record[: len(last)] == last
 
@@ -125,27 +130,18 @@ def test_a_resumed_epoch_gives_the_uninterrupted_runs_packed_text_batches(fmt, c
     assert len(rows) == 6 and all(_cut_only_between_records(*row, record, pad) for row in rows)
 
 
-def _chat_texts(tokenizer_dir: str, n: int) -> list[dict[str, str]]:
-    """Chats rendered to ``text`` (as ``apply_chat_template(tokenize=False)`` writes a TRL text field)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    turns = [
-        [{"role": "user", "content": f"question {i}?"}, {"role": "assistant", "content": f"answer {i}"}]
-        for i in range(n)
-    ]
-    return [{"text": tokenizer.apply_chat_template(chat, tokenize=False)} for chat in turns]
-
-
 @pytest.mark.parametrize("packing", [False, True])
 def test_join_text_false_keeps_each_text_record_one_whole_sample(tmp_path, chatml_dir, packing):
     """Text records are joined and cut into seq_len blocks (a pretraining corpus): a chat rendered to text was cut
     across two blocks, its answer trained without its question, with nothing said. The cut is now warned about,
     and join_text=False makes each record one sample (truncated at seq_len, packed whole), as TRL's SFTTrainer
     reads a text field."""
-    records = _chat_texts(str(chatml_dir), 12)
-    path = tmp_path / "chats.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    chats = [
+        [{"role": "user", "content": f"question {i}?"}, {"role": "assistant", "content": f"answer {i}"}]
+        for i in range(12)
+    ]
+    records = _render(transformers.AutoTokenizer.from_pretrained(chatml_dir), chats)
+    path = _write("jsonl", records, tmp_path)
     kwargs = {"train_files": path, "tokenizer": str(chatml_dir), "val_fraction": 0, "seq_len": 48}
     joined = TextDataModule(**kwargs, packing=packing)
     with pytest.warns(UserWarning, match=r"text records that would each fit in seq_len=48 tokens are cut across"):
@@ -159,10 +155,10 @@ def test_join_text_false_keeps_each_text_record_one_whole_sample(tmp_path, chatm
     samples = []
     for row in (whole.train_set[i] for i in range(len(whole.train_set))):
         ids, labels = row["input_ids"].tolist(), row["labels"].tolist()
-        starts = [i for i, p in enumerate(row["position_ids"].tolist()) if p == 0] if packing else [0]
-        for start, end in zip(starts, [*starts[1:], len(ids)], strict=True):
-            if set(labels[start:end]) == {-100}:
+        positions = row["position_ids"].tolist() if packing else [0]  # unpacked: the row is one sample
+        for segment, targets in zip(_segments(ids, positions), _segments(labels, positions), strict=True):
+            if set(targets) == {-100}:
                 continue  # the padding that ends a packed row: a segment of its own
-            assert labels[start + 1 : end] == ids[start + 1 : end]  # every token a target, none across records
-            samples.append(ids[start:end])
+            assert targets[1:] == segment[1:]  # every token a target, none across records
+            samples.append(segment)
     assert sorted(samples) == expected
