@@ -1,4 +1,5 @@
-"""Records written to a ``.jsonl`` file and read by ``TextDataModule``, as a test of the record paths sets them up."""
+"""Records written to a ``.jsonl`` file and read by ``TextDataModule``, as a test of the record paths sets them up;
+its rows as plain lists, to compare."""
 
 from __future__ import annotations
 
@@ -15,3 +16,9 @@ def data_of_records(path: Path, records: list[dict[str, Any]], tokenizer: str, *
     data = TextDataModule(train_files=path, tokenizer=tokenizer, val_fraction=0, **kwargs)
     data.setup("fit")
     return data
+
+
+def rows_as_lists(rows: Any) -> list[dict[str, list[int]]]:
+    """Every row of ``rows`` (a list or a dataset of token tensors) as lists: rows compare with ``==`` and a
+    failure prints the tokens."""
+    return [{key: value.tolist() for key, value in rows[i].items()} for i in range(len(rows))]

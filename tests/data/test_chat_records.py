@@ -5,7 +5,7 @@ import json
 
 import pytest
 from loading_helpers import save_tokenizer
-from records_helpers import data_of_records
+from records_helpers import data_of_records, rows_as_lists
 
 from pl_lowprec.data import TextDataModule
 
@@ -149,8 +149,7 @@ def test_alpaca_records_are_read_as_llama_factory_reads_them(tmp_path, tokenizer
     ]
     data = data_of_records(tmp_path / "alpaca.jsonl", alpaca, str(tokenizer_dir))
     chats = data_of_records(tmp_path / "chats.jsonl", as_chats, str(tokenizer_dir))
-    for read, expected in zip(data.train_set, chats.train_set, strict=True):
-        assert {k: v.tolist() for k, v in read.items()} == {k: v.tolist() for k, v in expected.items()}
+    assert rows_as_lists(data.train_set) == rows_as_lists(chats.train_set)
     assert [_targets(data, s) for s in data.train_set] == ["5</s>", "pl</s>hi</s>"]  # not the text column
 
 
@@ -352,9 +351,7 @@ def test_an_answer_ending_with_the_eos_the_template_writes_trains_it_once(tmp_pa
     ending_eos = [{"messages": [user, ending]}, {"prompt": [user], "completion": [ending]}]
     expected = data_of_records(tmp_path / "given.jsonl", as_given, str(tokenizer_dir))
     data = data_of_records(tmp_path / "ending.jsonl", ending_eos, str(tokenizer_dir))
-    assert [{k: v.tolist() for k, v in s.items()} for s in data.train_set] == [
-        {k: v.tolist() for k, v in s.items()} for s in expected.train_set
-    ]
+    assert rows_as_lists(data.train_set) == rows_as_lists(expected.train_set)
     assert [_targets(data, s) for s in data.train_set] == ["hi</s>", "hi</s>"]
     assert (
         "2 records whose assistant turn ends with the EOS '</s>' that the chat template"

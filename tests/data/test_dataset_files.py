@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 from loading_helpers import save_pretrained_dir
+from records_helpers import rows_as_lists
 
 from pl_lowprec.data import TextDataModule, token_table
 from pl_lowprec.data.text_blocks import TextBlocks
@@ -116,10 +117,6 @@ def _batches(data, epoch=1):
     return [{k: v.tolist() for k, v in b.items()} for b in loader]
 
 
-def _rows(rows):
-    return [{k: v.tolist() for k, v in rows[i].items()} for i in range(len(rows))]
-
-
 def _in_the_table(rows):
     """Whether ``rows`` are views (``Subset``, ``ConcatDataset``) of the Arrow table's samples and of the ``text``
     blocks cut from its records when read: no row is copied out of it."""
@@ -155,7 +152,7 @@ def _first_loss(data, pretrained):
 def reference(pretrained, tmp_path_factory):
     """What the .jsonl file gives: batches of two epochs, validation rows, first loss, the report."""
     data = _data(_write("jsonl", RECORDS, tmp_path_factory.mktemp("jsonl")), pretrained)
-    return data, _batches(data, 0) + _batches(data, 1), _rows(data.val_set), _first_loss(data, pretrained)
+    return data, _batches(data, 0) + _batches(data, 1), rows_as_lists(data.val_set), _first_loss(data, pretrained)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -166,7 +163,7 @@ def test_every_format_gives_the_batches_and_first_loss_of_the_jsonl_file(
     expected, batches, val_rows, loss = reference
     data = _data(_write(fmt, RECORDS, tmp_path), pretrained)
     assert _batches(data, 0) + _batches(data, 1) == batches
-    assert _rows(data.val_set) == val_rows
+    assert rows_as_lists(data.val_set) == val_rows
     assert _first_loss(data, pretrained) == loss
     (report,) = data.reports
     assert report.used == expected.reports[0].used == 28 and report.bad == expected.reports[0].bad
@@ -178,15 +175,15 @@ def test_every_format_gives_the_batches_and_first_loss_of_the_jsonl_file(
 
 @pytest.mark.parametrize("fmt", ["parquet", "json", "arrow", "saved", "Dataset"])
 def test_chats_in_every_format_give_the_samples_of_the_jsonl_file(fmt, pretrained, tmp_path):
-    expected = _rows(_data(_write("jsonl", CHATS, tmp_path / "jsonl"), pretrained, seq_len=64).train_set)
-    assert _rows(_data(_write(fmt, CHATS, tmp_path / fmt), pretrained, seq_len=64).train_set) == expected
+    expected = rows_as_lists(_data(_write("jsonl", CHATS, tmp_path / "jsonl"), pretrained, seq_len=64).train_set)
+    assert rows_as_lists(_data(_write(fmt, CHATS, tmp_path / fmt), pretrained, seq_len=64).train_set) == expected
 
 
 def test_chats_stored_as_json_text_in_a_csv_give_the_samples_of_the_jsonl_file(pretrained, tmp_path):
     """A CSV cell holds text: the turns stored as JSON text are read as the list they are."""
-    expected = _rows(_data(_write("jsonl", CHATS, tmp_path / "jsonl"), pretrained, seq_len=64).train_set)
+    expected = rows_as_lists(_data(_write("jsonl", CHATS, tmp_path / "jsonl"), pretrained, seq_len=64).train_set)
     as_text = [{"messages": json.dumps(record["messages"])} for record in CHATS]
-    assert _rows(_data(_write("csv", as_text, tmp_path / "csv"), pretrained, seq_len=64).train_set) == expected
+    assert rows_as_lists(_data(_write("csv", as_text, tmp_path / "csv"), pretrained, seq_len=64).train_set) == expected
     not_json = [{"messages": "[not JSON"}, *as_text]
     data = _data(_write("csv", not_json, tmp_path / "bad"), pretrained, seq_len=64)
     reason = "records whose 'messages' is not a list of {role, content} turns (not a non-empty list of turns)"
@@ -213,13 +210,13 @@ def tool_tokenizer(pretrained, tmp_path_factory):
 @pytest.mark.parametrize("fmt", ["parquet", "json", "saved", "Dataset"])
 def test_conversational_records_in_every_format_give_the_samples_of_the_jsonl_file(fmt, tool_tokenizer, tmp_path):
     jsonl = _data(_write("jsonl", CONVERSATIONAL, tmp_path / "jsonl"), tool_tokenizer, seq_len=96, val_fraction=0)
-    expected = _rows(jsonl.train_set)
+    expected = rows_as_lists(jsonl.train_set)
     assert jsonl.reports[0].used == len(expected) == len(CONVERSATIONAL)
     called = jsonl.tokenizer.decode(expected[-1]["input_ids"])
     tool_call = "<|user|>\n1 + 1?</s>\n<|assistant|>\ncall add</s>\n<|tool|>\n2</s>\n<|assistant|>\n2.</s>\n"
     assert called == "<|tools|>add</s>\n" + tool_call
     data = _data(_write(fmt, CONVERSATIONAL, tmp_path / fmt), tool_tokenizer, seq_len=96, val_fraction=0)
-    assert _rows(data.train_set) == expected
+    assert rows_as_lists(data.train_set) == expected
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "Dataset"])
@@ -227,7 +224,7 @@ def test_alpaca_records_in_a_table_give_the_samples_of_the_jsonl_file(fmt, pretr
     jsonl = _data(_write("jsonl", ALPACA, tmp_path / "jsonl"), pretrained, seq_len=64, val_fraction=0)
     assert jsonl.reports[0].used == len(ALPACA)
     data = _data(_write(fmt, ALPACA, tmp_path / fmt), pretrained, seq_len=64, val_fraction=0)
-    assert _rows(data.train_set) == _rows(jsonl.train_set)
+    assert rows_as_lists(data.train_set) == rows_as_lists(jsonl.train_set)
 
 
 def test_packing_a_parquet_file_gives_the_rows_of_the_jsonl_file(pretrained, tmp_path, monkeypatch):
@@ -246,7 +243,7 @@ def test_packing_a_parquet_file_gives_the_rows_of_the_jsonl_file(pretrained, tmp
     assert data.train_set.row_lengths() == expected.train_set.row_lengths()
     for epoch in (0, 1):
         assert _batches(data, epoch) == _batches(expected, epoch)
-    assert _rows(data.val_set) == _rows(expected.val_set)
+    assert rows_as_lists(data.val_set) == rows_as_lists(expected.val_set)
 
 
 def test_workers_read_the_memory_mapped_rows(pretrained, tmp_path):
@@ -265,9 +262,9 @@ def test_a_field_mapping_equals_the_renamed_file(pretrained, tmp_path, caplog):
         assert f"fields={fields} leaves the columns ['id'] unread." in caplog.text  # named, not lost in silence
         caplog.clear()
     text = [{"content": r["text"], "prompt": "ignored: not named by the mapping"} for r in RECORDS[14:20]]
-    expected = _rows(_data(_write("jsonl", RECORDS[14:20], tmp_path / "text"), pretrained).train_set)
+    expected = rows_as_lists(_data(_write("jsonl", RECORDS[14:20], tmp_path / "text"), pretrained).train_set)
     data = _data(_write("parquet", text, tmp_path / "content"), pretrained, fields={"text": "content"})
-    assert _rows(data.train_set) == expected
+    assert rows_as_lists(data.train_set) == expected
 
 
 def test_sharegpt_conversations_read_as_messages(pretrained, tmp_path):
@@ -275,12 +272,12 @@ def test_sharegpt_conversations_read_as_messages(pretrained, tmp_path):
     sharegpt = [
         {"conversations": [{"from": roles[m["role"]], "value": m["content"]} for m in r["messages"]]} for r in CHATS
     ]
-    expected = _rows(_data(_write("jsonl", CHATS, tmp_path / "chat"), pretrained, seq_len=64).train_set)
+    expected = rows_as_lists(_data(_write("jsonl", CHATS, tmp_path / "chat"), pretrained, seq_len=64).train_set)
     for fmt in ("parquet", "jsonl"):
-        assert _rows(_data(_write(fmt, sharegpt, tmp_path / fmt), pretrained, seq_len=64).train_set) == expected
+        assert rows_as_lists(_data(_write(fmt, sharegpt, tmp_path / fmt), pretrained, seq_len=64).train_set) == expected
     dialog = [{"dialog": r["conversations"]} for r in sharegpt]
     data = _data(_write("parquet", dialog, tmp_path / "dialog"), pretrained, seq_len=64, fields={"messages": "dialog"})
-    assert _rows(data.train_set) == expected
+    assert rows_as_lists(data.train_set) == expected
 
 
 def test_a_sharegpt_system_column_is_the_first_turn(pretrained, tmp_path):
@@ -294,9 +291,9 @@ def test_a_sharegpt_system_column_is_the_first_turn(pretrained, tmp_path):
         sharegpt.append({"conversations": turns, "system": "Not read: the chat has its own." if own else f"S{i}"})
         system = [] if own else [{"role": "system", "content": f"S{i}"}]
         as_messages.append({"messages": [*system, *chat["messages"]]})
-    expected = _rows(_data(_write("jsonl", as_messages, tmp_path / "chat"), pretrained, seq_len=64).train_set)
+    expected = rows_as_lists(_data(_write("jsonl", as_messages, tmp_path / "chat"), pretrained, seq_len=64).train_set)
     for fmt in ("parquet", "jsonl"):
-        assert _rows(_data(_write(fmt, sharegpt, tmp_path / fmt), pretrained, seq_len=64).train_set) == expected
+        assert rows_as_lists(_data(_write(fmt, sharegpt, tmp_path / fmt), pretrained, seq_len=64).train_set) == expected
 
 
 def test_a_column_of_numbers_is_named_as_such(pretrained, tmp_path):
@@ -337,19 +334,21 @@ def test_a_table_with_no_column_to_read_is_refused_with_a_mapping_example(fmt, p
 def test_a_json_object_with_its_records_under_a_key_reads_them(pretrained, tmp_path, caplog):
     """SQuAD-style ``{"version": 1, "data": [...]}``: the records under the one key that lists them, as
     ``load_dataset("json", field="data")`` reads them; a one-record chat file is still one record."""
-    expected = _rows(_data(_write("jsonl", RECORDS[:14], tmp_path / "jsonl"), pretrained, val_fraction=0).train_set)
+    expected = rows_as_lists(
+        _data(_write("jsonl", RECORDS[:14], tmp_path / "jsonl"), pretrained, val_fraction=0).train_set
+    )
     nested = tmp_path / "squad.json"
     nested.write_text(json.dumps({"version": 1, "data": RECORDS[:14]}))
     with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
         data = _data(nested, pretrained, val_fraction=0)
-    assert _rows(data.train_set) == expected
+    assert rows_as_lists(data.train_set) == expected
     assert "squad.json: one JSON object; read the records listed under its key 'data'; not read: ['version']." in (
         caplog.text
     )
     renamed = tmp_path / "renamed.json"
     renamed.write_text(json.dumps({"rows": [{"q": r["prompt"], "a": r["completion"]} for r in RECORDS[:14]]}))
     fields = {"prompt": "q", "completion": "a"}
-    assert _rows(_data(renamed, pretrained, val_fraction=0, fields=fields).train_set) == expected
+    assert rows_as_lists(_data(renamed, pretrained, val_fraction=0, fields=fields).train_set) == expected
     one_chat = tmp_path / "chat.json"
     one_chat.write_text(json.dumps(CHATS[0]))  # a list of turns under "messages": a record, not a list of them
     assert len(_data(one_chat, pretrained, val_fraction=0, seq_len=64).train_set) == 1
