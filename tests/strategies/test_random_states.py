@@ -100,27 +100,6 @@ def test_each_ddp_rank_resumes_its_own_masks(tmp_path):
         assert torch.equal(resumed, full), rank
 
 
-@pytest.mark.parametrize(
-    "saved_at",
-    [
-        {"schedule": {}, "validate_every": 1.0},  # at the validation's end, after the epoch's last batch
-        {"schedule": {"every_n_train_steps": 5}, "validate_every": 3},  # the epoch's last batch, no validation after
-    ],
-    ids=["validated_at_the_epochs_end", "validated_inside_the_epoch"],
-)
-def test_a_run_resumed_where_an_epoch_ended_with_validation_draws_the_uninterrupted_masks(tmp_path, saved_at):
-    """Restarted at an epoch's boundary, Lightning skips a validation it takes to be pending (its counters set to
-    the validation's end), and opens the validation loader's iterator to do so: a draw from the global generator
-    that the uninterrupted run did not make after the checkpoint, which shifted every later dropout mask."""
-    run = {"dropout": 0.5, **saved_at}
-    uninterrupted = fit(tmp_path / "full", strategy=LowPrecisionStrategy(), max_steps=8, **run)
-    fit(tmp_path / "run", strategy=LowPrecisionStrategy(), max_steps=5, **run)
-    last = tmp_path / "run/last.ckpt"
-    assert torch.load(last, weights_only=False)["global_step"] == 5
-    resumed = fit(tmp_path / "run", strategy=LowPrecisionStrategy(), ckpt_path=last, max_steps=8, **run)
-    assert torch.equal(resumed, uninterrupted)
-
-
 class TrainingLosses(pl.Callback):
     """Every training batch's loss, by the batch's place in the run (``global_step`` and the micro-batch)."""
 
@@ -132,6 +111,19 @@ class TrainingLosses(pl.Callback):
 
 
 VALIDATION_AFTER_THE_CHECKPOINT = {  # (first run's max_steps, whole run's max_steps, fit's arguments)
+    # saved at an epoch's boundary, restarted there: Lightning skips a validation it takes to be pending, and opens
+    # the validation loader's iterator to do so (a draw from the global generator); the uninterrupted run made it
+    # only where a validation followed the checkpoint
+    "at_the_validations_end_after_the_epochs_last_batch": (
+        5,
+        8,
+        {"schedule": {}, "validate_every": 1.0, "shuffled_validation": False},
+    ),
+    "the_epochs_last_batch_without_a_validation_after": (
+        5,
+        8,
+        {"schedule": {"every_n_train_steps": 5}, "validate_every": 3, "shuffled_validation": False},
+    ),
     # a step save that a validation follows, which a shuffled validation loader draws through
     "shuffled_at_the_epochs_end": (5, 12, {"schedule": {"every_n_train_steps": 5}, "validate_every": 1.0}),
     "shuffled_inside_the_epoch": (8, 12, {"schedule": {"every_n_train_steps": 8}, "validate_every": 3}),
@@ -152,10 +144,11 @@ VALIDATION_AFTER_THE_CHECKPOINT = {  # (first run's max_steps, whole run's max_s
 
 @pytest.mark.parametrize("case", VALIDATION_AFTER_THE_CHECKPOINT)
 def test_a_run_resumed_before_a_validation_trains_with_the_uninterrupted_losses(tmp_path, case):
-    """The uninterrupted run validated right after the checkpoint was written, drawing from the global generator
-    (a shuffled loader's ``RandomSampler`` seed at its first batch) or counting an epoch; the resumed run skips or
-    shifts that validation, so its dropout masks were one draw off (and, from a file saved after the fit ended, its
-    epochs one off): every resumed loss must be the uninterrupted run's, bit for bit."""
+    """Restarted at an epoch's boundary, Lightning skips a validation it takes to be pending and opens the
+    validation loader's iterator to do so, a draw the uninterrupted run made only where it validated right after the
+    checkpoint; there it drew more (a shuffled loader's ``RandomSampler`` seed at its first batch) or counted an
+    epoch, inside an epoch too. The resumed run's dropout masks were one draw off (and, from a file saved after the
+    fit ended, its epochs one off): every resumed loss must be the uninterrupted run's, bit for bit."""
     stop, total, run = VALIDATION_AFTER_THE_CHECKPOINT[case]
     run = {"dropout": 0.5, "shuffled_validation": True, **run}
     full, resumed = TrainingLosses(), TrainingLosses()
