@@ -90,10 +90,7 @@ class StepBoundaryCheckpoint(LightningModelCheckpoint):
         """``save_on_exception``: the file is written as at the last step's end. As it stands, it holds the loop
         inside a step (the micro-batches so far counted, their gradients in no file: the step resumed on the rest
         alone) and the random generators after the failed batch's draws (its retry draws other dropout masks)."""
-        if trainer.state.fn == TrainerFn.FITTING and pl_module.automatic_optimization:
-            with self._as_at_the_last_step_end(trainer):
-                super().on_exception(trainer, pl_module, exception)
-        else:
+        with self._as_at_the_last_step_end(trainer):
             super().on_exception(trainer, pl_module, exception)
 
     def on_train_batch_start(
@@ -129,14 +126,15 @@ class StepBoundaryCheckpoint(LightningModelCheckpoint):
             set_back(checkpoint, self._micro_batches_to_set_back)
 
     def _can_set_back(self, trainer: pl.Trainer) -> bool:
-        """Whether a file saved now can be written as at the last step's end: a step ended in this epoch, its
-        random states were kept (not so where an exception ended the step's batch before this callback's
-        ``on_train_batch_end``: the generators stand at that step's end then), and the training loaders' positions
-        can be set back."""
+        """Whether a file saved now can be written as at the last step's end: while fitting, a step ended in this
+        epoch, its random states were kept (not so where an exception ended the step's batch before this callback's
+        ``on_train_batch_end``: the generators stand at that step's end then; nor under manual optimization, whose
+        steps this callback does not follow), and the training loaders' positions can be set back."""
+        if trainer.state.fn != TrainerFn.FITTING or self._step_end_global_step != trainer.global_step:
+            return False  # the random states are kept and cleared together with their global_step
         into_the_step = micro_batches_into_the_step(trainer)
         ended_in_this_epoch = trainer.fit_loop.epoch_loop.batch_progress.current.processed > into_the_step
-        kept = self._step_end_random_states is not None and self._step_end_global_step == trainer.global_step
-        return kept and ended_in_this_epoch and can_set_back(trainer)
+        return ended_in_this_epoch and can_set_back(trainer)
 
     @contextmanager
     def _as_at_the_last_step_end(self, trainer: pl.Trainer) -> Iterator[None]:
