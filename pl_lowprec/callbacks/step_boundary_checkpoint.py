@@ -41,7 +41,14 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 
 from pl_lowprec.callbacks.epoch_end_resumption import as_saved_at_the_last_batch
-from pl_lowprec.callbacks.step_end_rewind import AS_AT_THE_STEP_END, can_set_back, micro_batches_into_the_step, set_back
+from pl_lowprec.callbacks.step_end_rewind import (
+    AS_AT_THE_STEP_END,
+    can_set_back,
+    micro_batches_into_the_step,
+    saved_batch_progress,
+    saved_step_window,
+    set_back,
+)
 from pl_lowprec.callbacks.swap import in_place, swap_default_callbacks
 from pl_lowprec.generator_states import generators_held, random_states
 
@@ -188,11 +195,9 @@ def use_step_boundary_checkpoints(trainer: pl.Trainer) -> None:
 def mid_step_resumption(checkpoint: Mapping[str, Any], accumulate_grad_batches: int) -> str | None:
     """A warning's text where ``checkpoint`` was saved between the micro-batches of an accumulated step (as
     Lightning's class does on a resumed run's first batch); ``None`` where it was saved where a step ended."""
-    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress", {})
-    done = progress.get("current", {}).get("processed", 0) % accumulate_grad_batches
-    if not done or progress.get("is_last_batch", False):
+    done, step = saved_step_window(checkpoint, accumulate_grad_batches)
+    if not done or saved_batch_progress(checkpoint).get("is_last_batch", False):
         return None
-    step = checkpoint.get("global_step", 0) + 1
     return (
         f"This checkpoint was saved after {done} of the {accumulate_grad_batches} micro-batches of optimizer step"
         f" {step} (Lightning's ModelCheckpoint saves such a file on the first batch of a run resumed with"

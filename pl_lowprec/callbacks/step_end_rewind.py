@@ -14,7 +14,7 @@ loader without state starts its epoch again on resumption whatever the loop says
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -29,6 +29,18 @@ def micro_batches_into_the_step(trainer: pl.Trainer) -> int:
     """The micro-batches of the current epoch trained since its last optimizer step (0 where one just ended)."""
     done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
     return done % trainer.accumulate_grad_batches
+
+
+def saved_batch_progress(checkpoint: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The fit loop's batch counters in ``checkpoint`` (empty where it holds none)."""
+    return checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress", {})
+
+
+def saved_step_window(checkpoint: Mapping[str, Any], accumulate_grad_batches: int) -> tuple[int, int]:
+    """Where ``checkpoint`` stands in the run's optimizer steps, as ``(done, step)``: inside step ``step`` (counted
+    from 1: the one taken next) after ``done`` of its micro-batches (0 where a step had just ended)."""
+    done = saved_batch_progress(checkpoint).get("current", {}).get("processed", 0) % accumulate_grad_batches
+    return done, checkpoint.get("global_step", 0) + 1
 
 
 def can_set_back(trainer: pl.Trainer) -> bool:

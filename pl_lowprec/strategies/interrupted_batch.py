@@ -17,7 +17,7 @@ from typing import Any
 
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
-from pl_lowprec.callbacks.step_end_rewind import AS_AT_THE_STEP_END
+from pl_lowprec.callbacks.step_end_rewind import AS_AT_THE_STEP_END, saved_step_window
 
 CHECKPOINT_KEY = "pl_lowprec_interrupted_batch"
 
@@ -38,8 +38,7 @@ def interrupted_batch_paragraph(checkpoint: Mapping[str, Any], accumulate_grad_b
     batch = checkpoint.get(CHECKPOINT_KEY)
     if batch is None:
         return None
-    done = batch % accumulate_grad_batches
-    step = checkpoint.get("global_step", 0) + 1
+    done, step = saved_step_window(checkpoint, accumulate_grad_batches)  # the loop stands before the failed batch
     lacking = (
         f" It was inside optimizer step {step}, after {done} of its {accumulate_grad_batches} micro-batches, whose"
         " gradients no file holds: the step is taken without them."
