@@ -45,19 +45,19 @@ def validation_follows(trainer: Any) -> bool:
     return bool(loop._should_check_val_fx(trainer.fit_loop._data_fetcher))
 
 
-def replay_the_skipped_validations_draws(trainer: Any, validation_followed: bool | None) -> bool:
+def replay_the_skipped_validations_draws(trainer: Any, validation_followed: bool | None) -> None:
     """Make the random generators, from the restored states on, draw what the uninterrupted run drew through the
-    validation Lightning skips on this restart (``CHECKPOINT_KEY``: whether one followed the checkpoint); whether it
-    changed anything. Call it as training starts, before the training loader's iterator is opened again. A
-    checkpoint that does not say (``None``: written before this check existed) is left to Lightning."""
+    validation Lightning skips on this restart (``CHECKPOINT_KEY``: whether one followed the checkpoint). Call it as
+    training starts, before the training loader's iterator is opened again. A checkpoint that does not say
+    (``None``: written before this check existed) is left to Lightning."""
     if validation_followed is None:
-        return False
+        return
     val_loop = trainer.fit_loop.epoch_loop.val_loop
     at_an_epochs_end = resumed_where_an_epoch_ended(trainer)
     if not (validation_followed or at_an_epochs_end):
-        return False  # inside an epoch, Lightning skips only a validation that followed the checkpoint
+        return  # inside an epoch, Lightning skips only a validation that followed the checkpoint
     if validation_followed and at_an_epochs_end:
-        draw_as_the_validation(trainer, val_loop, opened=0)
+        draw_as_the_validation(trainer, val_loop, first_opened=False)
     skip = val_loop.increment_progress_to_evaluation_end
 
     def skip_drawing_as_the_uninterrupted_run() -> None:
@@ -67,17 +67,16 @@ def replay_the_skipped_validations_draws(trainer: Any, validation_followed: bool
                 skip()
             return
         skip()
-        draw_as_the_validation(trainer, val_loop, opened=1)
+        draw_as_the_validation(trainer, val_loop, first_opened=True)
 
     val_loop.increment_progress_to_evaluation_end = skip_drawing_as_the_uninterrupted_run
-    return True
 
 
-def draw_as_the_validation(trainer: Any, val_loop: Any, opened: int) -> None:
-    """What a validation draws before its first step, less the first ``opened`` loaders' base seeds (drawn where
-    Lightning's skip opened the first loader's iterator): for every loader, the base seed as its iterator opens and
-    the first index of its sampler (a ``RandomSampler`` without a generator draws its seed there; with workers, as
-    the iterator opens). A loader that is no ``DataLoader`` is left alone (its draws are unknown)."""
+def draw_as_the_validation(trainer: Any, val_loop: Any, first_opened: bool) -> None:
+    """What a validation draws before its first step, less the first loader's base seed where ``first_opened``
+    (drawn as Lightning's skip opened that loader's iterator): for every loader, the base seed as its iterator
+    opens and the first index of its sampler (a ``RandomSampler`` without a generator draws its seed there; with
+    workers, as the iterator opens). A loader that is no ``DataLoader`` is left alone (its draws are unknown)."""
     if val_loop._combined_loader is None:  # Lightning loads it where the resumed epoch validates: load it as it does
         trainer.validating = True
         val_loop.setup_data()
@@ -90,7 +89,7 @@ def draw_as_the_validation(trainer: Any, val_loop: Any, opened: int) -> None:
     for number, (loader, limit) in enumerate(zip(combined.flattened, limits, strict=True)):
         if not isinstance(loader, DataLoader) or limit == 0:
             continue
-        iterator = iterators[0] if number < opened and iterators else iter(loader)
+        iterator = iterators[0] if number == 0 and first_opened and iterators else iter(loader)
         indices = getattr(iterator, "_sampler_iter", None)
         if indices is not None:
             next(indices, None)
