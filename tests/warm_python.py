@@ -146,6 +146,14 @@ class WarmRanks:
         return "".join(out for out, _ in outputs), "".join(err for _, err in outputs)
 
 
+def with_pythonpath(folder: str | Path, env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (this process's environment by default) with ``folder`` first on ``PYTHONPATH``: a script beside
+    the tests imports their helpers from there."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join([str(folder), env.get("PYTHONPATH", "")])
+    return env
+
+
 def run(
     command: list[str],
     timeout: float | None = None,
@@ -154,11 +162,14 @@ def run(
     capture_output: bool = True,
     text: bool = True,
     ranks: int = 1,
+    pythonpath: str | Path | None = None,
 ) -> subprocess.CompletedProcess:
     """``subprocess.run(command, capture_output=True, text=True, ...)`` in a warm child, or in ``ranks`` of them
-    (it always captures text)."""
+    (it always captures text); ``pythonpath`` goes first on the environment's ``PYTHONPATH``."""
     if not (capture_output and text):
         raise ValueError("a warm child's output is always captured as text")
+    if pythonpath is not None:
+        env = with_pythonpath(pythonpath, env)
     process = WarmProcess(command, env=env, cwd=cwd) if ranks == 1 else WarmRanks(command, ranks, env=env, cwd=cwd)
     stdout, stderr = process.communicate(timeout)
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)

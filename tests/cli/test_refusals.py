@@ -9,7 +9,6 @@ model) is replaced by a failure, so a refusal that came after it fails the test.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 from gguf_helpers import fail_if_called
 from loading_helpers import causal_lm_fit_args, save_pretrained_dir, write_prompt_completion
 
@@ -275,7 +275,7 @@ def test_fit_refusals_of_the_machine_and_of_a_checkpoint_from_another_model(run,
 
 
 def _shell(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = warm_python.with_pythonpath(ROOT)  # the CLI from a shell, a fresh interpreter: no warm child
     return subprocess.run(
         [sys.executable, "-m", "pl_lowprec", *args], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env
     )

@@ -73,8 +73,7 @@ def launch(root: Path, steps: list[str], ranks: int | None = None) -> warm_pytho
     """One process, whose 2-device fits Lightning's launcher expands to 2 ranks as for `pl-lowprec fit`; or
     ``ranks`` processes, started as torchrun starts them."""
     env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]),
+        **warm_python.with_pythonpath(SCRIPTS),
         # MKL's reproducible mode. Without it, on an Intel Xeon with 2 threads, FSDP's first micro-batch after
         # a resume came out 2.4e-7 (relative) off the killed run's, though the weights were the same bits (the
         # next micro-batch was equal): MKL may round differently with its inputs' alignment and threads.

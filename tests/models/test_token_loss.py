@@ -1,7 +1,6 @@
 """Token-normalised loss: a window's gradient is that of one big batch's mean over every target token,
 across gradient accumulation (1 process) and across ranks (2 DDP CPU processes)."""
 
-import os
 import sys
 from pathlib import Path
 
@@ -62,8 +61,7 @@ def test_backward_carries_the_magnitude_of_the_plain_loops_mean_loss():
 def test_two_ddp_processes_equal_one_big_batch(tmp_path):
     script = Path(__file__).parents[1] / "_scripts" / "token_loss_ddp.py"
     helpers = script.parents[1]  # token_loss_helpers.py, beside the tests
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(helpers), os.environ.get("PYTHONPATH", "")])}
-    result = warm_python.run([sys.executable, str(script), str(tmp_path)], timeout=300, env=env, ranks=2)
+    result = warm_python.run([sys.executable, str(script), str(tmp_path)], timeout=300, ranks=2, pythonpath=helpers)
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     reference = big_batch_step(uneven_rows(8))

@@ -1,7 +1,6 @@
 """A resumed run draws the dropout masks of the uninterrupted run: the strategies keep every rank's random states
 in the checkpoint and set them as training starts; Lightning's own strategy is the reference that fails."""
 
-import os
 import random
 import sys
 from pathlib import Path
@@ -91,9 +90,9 @@ def test_the_states_load_with_weights_only_and_set_every_generator(tmp_path):
 @pytest.mark.slow
 def test_each_ddp_rank_resumes_its_own_masks(tmp_path):
     script = Path(__file__).parents[1] / "_scripts" / "random_states_ddp.py"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parents[1]), os.environ.get("PYTHONPATH", "")])}
     for mode in ("full", "resumed"):
-        result = warm_python.run([sys.executable, str(script), mode, str(tmp_path / mode)], 300, env=env, ranks=2)
+        command = [sys.executable, str(script), mode, str(tmp_path / mode)]
+        result = warm_python.run(command, 300, ranks=2, pythonpath=script.parents[1])
         assert result.returncode == 0, result.stderr[-4000:]
     for rank in (0, 1):
         full, resumed = (torch.load(tmp_path / mode / f"weights{rank}.pt") for mode in ("full", "resumed"))

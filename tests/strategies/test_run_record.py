@@ -5,7 +5,6 @@ get none."""
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 from contextlib import nullcontext
@@ -195,9 +194,8 @@ def test_another_number_of_processes_is_said_end_to_end(tmp_path):
     checkpoints = tmp_path / "one"
     resume_helpers.fit(checkpoints, strategy="lowprec", max_steps=5, plain_loader=True)  # an epoch
     script = Path(__file__).parents[1] / "_scripts" / "run_record_ddp.py"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parents[1]), os.environ.get("PYTHONPATH", "")])}
     run = [sys.executable, str(script), str(checkpoints / "last.ckpt"), str(tmp_path)]
-    result = warm_python.run(run, 120, env=env, ranks=2)
+    result = warm_python.run(run, 120, ranks=2, pythonpath=script.parents[1])
     assert result.returncode == 0, result.stderr[-4000:]
     said = (tmp_path / "said0.txt").read_text()
     assert said.startswith(f"This run resumes from {checkpoints / 'last.ckpt'} at step 5 {SAID}")
