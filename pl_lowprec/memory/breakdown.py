@@ -43,7 +43,10 @@ class StorageSet:
 
     def forget(self, tensor: torch.Tensor) -> None:
         """Count ``tensor``'s storage again if seen later: it is about to be freed, and its address reused."""
-        self._seen.discard(tensor.untyped_storage()._cdata)
+        self.forget_address(tensor.untyped_storage()._cdata)
+
+    def forget_address(self, address: int) -> None:
+        self._seen.discard(address)
 
 
 def quantization_kind(param: torch.Tensor) -> str | None:

@@ -51,6 +51,11 @@ CASES = {
         "bf16-mixed",
         {"lora": {"r": 32, "lora_alpha": 64}, "optimizer": "torchao_adamw8bit"},
     ),
+    "llama qlora dora": (  # DoRA dequantizes the 4-bit weight itself; its lora_B(lora_A(eye)) graph dies at once
+        functools.partial(TinyLlama, hidden_size=64, intermediate_size=192),
+        "bf16-mixed",
+        {"quantization": "nf4", "lora": {"r": 8, "use_dora": True}},
+    ),
     "llama lora bf16-true": (
         functools.partial(TinyLlama, hidden_size=64, intermediate_size=192),
         "bf16-true",
@@ -69,22 +74,6 @@ def test_estimate_matches_the_measured_breakdown(case):
     for key in [k for k in measured if k.startswith("params_")] + ["gradients", "optimizer_state"]:
         assert estimate[key] == measured[key], key  # exact counts
     assert abs(estimate["activations"] - measured["activations"]) <= 0.25 * measured["activations"]
-
-
-def test_qlora_with_dora_is_estimated_with_the_measured_counts():
-    """DoRA's weight norm dequantizes the 4-bit weight (peft's ``dequantize_module_weight``), which the stand-in
-    layer could not: the estimate failed with a shape error while fit ran. Weights, gradients (the magnitude vectors
-    included) and optimizer state are exact; activations are estimated about 27% under the measured (6.3-6.6 MB
-    against 4.6-4.9 MB here), a gap not found yet, so they are held to 35% here, not the 25% of the table above."""
-    pytest.importorskip("bitsandbytes")
-    build = functools.partial(TinyLlama, hidden_size=64, intermediate_size=192)
-    strategy = {"quantization": "nf4", "lora": {"r": 8, "use_dora": True}}
-    batch = {"input_ids": torch.zeros(8, 65, dtype=torch.long)}
-    estimate = estimate_memory(build, batch, precision="bf16-mixed", optimizer="adamw", **strategy).as_dict()
-    measured = _measure(build, "bf16-mixed", **strategy)
-    for key in [k for k in measured if k.startswith("params_")] + ["gradients", "optimizer_state"]:
-        assert estimate[key] == measured[key], key
-    assert abs(estimate["activations"] - measured["activations"]) <= 0.35 * measured["activations"]
 
 
 def test_a_billion_parameter_model_is_estimated_without_allocating_it():
