@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 from pl_lowprec._checks import check_at_least
+from pl_lowprec._hparams import paths_as_strings
 from pl_lowprec.data.chat import (
     ChatTemplate,
     ChatTemplateMismatch,
@@ -181,6 +182,7 @@ class TextDataModule(pl.LightningDataModule):
         objects = {name: value for name, value in objects.items() if value is not None and is_dataset_object(value)}
         self.save_hyperparameters(ignore=list(objects))
         self.hparams.update({name: describe_objects(value) for name, value in objects.items()})
+        paths_as_strings(self.hparams)
         self.train_sources = resolve_sources(train_files, "train_files")
         self.val_sources = resolve_sources(val_files, "val_files") if val_files is not None else None
         self.train_splits = (train_split,)

@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torchmetrics import MeanMetric
 
 from pl_lowprec._checks import check_at_least, check_positive
+from pl_lowprec._hparams import paths_as_strings
 from pl_lowprec.distributed.process_group_exit import destroy_process_group_at_exit
 from pl_lowprec.distributed.shard import shard_pretrained_blocks
 from pl_lowprec.loading import PretrainedWeights, empty_weights, load_pretrained
@@ -101,6 +102,7 @@ class CausalLM(pl.LightningModule):
         received |= {"min_lr_ratio": min_lr_ratio, "loss_chunk_size": loss_chunk_size, "dtype": dtype}
         for name, value in (received | {"loss_kernel": loss_kernel}).items():
             self.hparams.setdefault(name, value)
+        paths_as_strings(self.hparams)
         config_file = Path(pretrained).expanduser()
         if config_file.suffix == ".json" and config_file.is_file():  # shapes only, for estimate_memory
             self.directory = config_file.parent
