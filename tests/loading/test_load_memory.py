@@ -26,11 +26,23 @@ def _run(mode: str, directory: Path) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1]) if mode != "write" else {}
 
 
+@pytest.fixture(scope="module")
+def written(tmp_path_factory) -> Path:
+    """The 200+ MiB checkpoint, written once for both tests (a fresh process each run: ~5 s)."""
+    directory = tmp_path_factory.mktemp("st")
+    _run("write", directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def streamed(written) -> dict:
+    """Its nf4-dq streamed load from safetensors, measured once for both tests."""
+    return _run("stream", written)
+
+
 @pytest.mark.slow
-def test_streamed_load_peaks_well_under_the_full_precision_model(tmp_path):
-    _run("write", tmp_path)
-    streamed = _run("stream", tmp_path)
-    full = _run("full", tmp_path)
+def test_streamed_load_peaks_well_under_the_full_precision_model(written, streamed):
+    full = _run("full", written)
     size = streamed["fp32_model_bytes"]
     assert size > 200 * 2**20
     # Streamed: the quantized model (0.14x) plus one tensor and its quantization temporaries, well under the fp32 model.
@@ -45,14 +57,13 @@ def test_streamed_load_peaks_well_under_the_full_precision_model(tmp_path):
 
 
 @pytest.mark.slow
-def test_streamed_load_of_pytorch_model_bin_peaks_as_from_safetensors(tmp_path):
+def test_streamed_load_of_pytorch_model_bin_peaks_as_from_safetensors(tmp_path, written, streamed):
     """torch.load(mmap=True) maps each .bin shard, so the load reads one tensor at a time as from safetensors: a
     load that read the shard whole (no mmap) would add the shard to the peak."""
     from loading_helpers import bin_copy
 
-    _run("write", tmp_path / "st")
-    bin_dir = bin_copy(tmp_path / "st", tmp_path / "bin", shards=2)
-    from_bin, from_safetensors = _run("stream", bin_dir), _run("stream", tmp_path / "st")
+    bin_dir = bin_copy(written, tmp_path / "bin", shards=2)
+    from_bin, from_safetensors = _run("stream", bin_dir), streamed
     size = from_bin["fp32_model_bytes"]
     assert from_bin["added_peak_bytes"] < 0.35 * size, from_bin
     both = (from_bin, from_safetensors)

@@ -76,8 +76,8 @@ def test_the_chosen_settings_measure_within_the_budget():
 
 
 def test_nothing_fits_names_the_smallest_peak_and_what_dominates():
-    batch = {"input_ids": torch.randint(0, 256, (8, 64))}
-    plan = plan_memory(_build, lambda rows: resized(batch, rows), 2**20, 8, config=TransformConfig(**LORA))
+    batch = {"input_ids": torch.randint(0, 256, (2, 64))}  # 2 rows: 2 micro-batch sizes, every candidate simulated
+    plan = plan_memory(_build, lambda rows: resized(batch, rows), 2**20, 2, config=TransformConfig(**LORA))
     assert plan.chosen is None
     smallest = min(c.peak for c in plan.candidates)
     message = plan.nothing_fits()
