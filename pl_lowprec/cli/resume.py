@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from pl_lowprec._hparams import path_globals
+
 RUN_ONLY = {"num_workers"}  # arguments that may change between a run and its resumption
 
 
@@ -173,7 +175,8 @@ def hparam_differences(saved: dict[str, Any], configured: Any, key: str) -> list
 def check_same_run(checkpoint: Path, config: Any, allow_changed_hparams: bool, resuming: bool = True) -> list[str]:
     """The model and data arguments saved in ``checkpoint`` against ``config``'s; an error when they differ.
     ``resuming=False`` (validate, test, predict): only the model's, since scoring other data is the point."""
-    saved = torch.load(checkpoint, weights_only=True, map_location="cpu", mmap=True)
+    with path_globals():
+        saved = torch.load(checkpoint, weights_only=True, map_location="cpu", mmap=True)
     differences = hparam_differences(saved.get("hyper_parameters", {}), config.get("model"), "model")
     if resuming:
         differences += hparam_differences(saved.get("datamodule_hyper_parameters", {}), config.get("data"), "data")
@@ -194,7 +197,8 @@ def finished_run_line(checkpoint: Path, max_steps: int) -> str | None:
     resumes itself (``--ckpt_path last``) may start again after it finished."""
     if max_steps is None or max_steps < 0:
         return None
-    step = torch.load(checkpoint, weights_only=True, map_location="cpu", mmap=True).get("global_step")
+    with path_globals():
+        step = torch.load(checkpoint, weights_only=True, map_location="cpu", mmap=True).get("global_step")
     if not isinstance(step, int) or step < max_steps:
         return None
     return (

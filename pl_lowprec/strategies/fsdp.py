@@ -30,6 +30,7 @@ from lightning.pytorch.strategies.strategy import _StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 
+from pl_lowprec._hparams import path_globals
 from pl_lowprec.distributed.mesh import data_parallel_mesh, is_sharded
 from pl_lowprec.distributed.precision import check_precision
 from pl_lowprec.distributed.process_group_exit import destroy_process_group_at_exit
@@ -196,7 +197,8 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
-        return torch.load(path, map_location="cpu", weights_only=weights_only)
+        with path_globals():  # pathlib paths in the hyperparameters, as TransformHooks.load_checkpoint reads them
+            return torch.load(path, map_location="cpu", weights_only=weights_only)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         self.before_resuming(checkpoint)

@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from pl_lowprec._hparams import path_globals
 from pl_lowprec.callbacks.epoch_end_resumption import as_saved_at_the_last_batch
 from pl_lowprec.callbacks.replacements import use_package_callbacks
 from pl_lowprec.callbacks.step_boundary_checkpoint import mid_step_resumption
@@ -225,6 +226,12 @@ class TransformHooks(TransformArguments):
         checkpoint[RUN] = run_record(self.lightning_module.trainer)
         checkpoint[INTERRUPTED_BATCH] = interrupted_batch(self.lightning_module.trainer, checkpoint)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's, with ``pathlib`` paths in the hyperparameters readable under ``weights_only``
+        (``_hparams.path_globals``)."""
+        with path_globals():
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     def before_resuming(self, checkpoint: Mapping[str, Any]) -> None:
         """Where ``fit`` resumes from ``checkpoint``: a warning if it was saved inside an accumulated step, the loop

@@ -4,12 +4,16 @@ checkpoints with ``weights_only=True`` by default, which refuses that class: ``T
 ``load_from_checkpoint`` and the package's own readers (``pl-lowprec fit --ckpt_path``) failed with an
 ``UnpicklingError``. Paths are saved as strings."""
 
+import pickle
+from pathlib import Path
+
 import pytest
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
-from lightning_helpers import quiet_trainer
+from lightning_helpers import Classifier, classification_loader, quiet_trainer
 from loading_helpers import save_pretrained_dir, write_prompt_completion
 
+from pl_lowprec import LowPrecisionFSDPStrategy
 from pl_lowprec.cli.resume import finished_run_line
 from pl_lowprec.data import TextDataModule
 from pl_lowprec.models import CausalLM
@@ -44,3 +48,32 @@ def test_a_run_given_paths_resumes_and_loads_with_weights_only(tmp_path):
     )
     assert CausalLM.load_from_checkpoint(checkpoint).hparams.pretrained == str(pretrained)
     assert finished_run_line(checkpoint, max_steps=1) is not None  # the CLI's own reader
+
+
+class OwnModule(Classifier):
+    """A user's own module that saves a ``Path`` argument among its hyperparameters, as Lightning lets it."""
+
+    def __init__(self, data_dir: Path) -> None:
+        super().__init__(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)))
+        self.save_hyperparameters()
+
+
+STRATEGIES = {"lowprec": lambda: "lowprec", "lowprec_fsdp": lambda: LowPrecisionFSDPStrategy(shard_modules=["Linear"])}
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_a_checkpoint_holding_paths_resumes_under_the_strategies(tmp_path, strategy):
+    """A file that holds a ``PosixPath`` (a user's own module, or written before paths were saved as strings) is
+    read by the strategy and by ``pl-lowprec``'s own reader with the path classes allowed; Lightning's own strategy
+    refuses it under torch's ``weights_only=True``."""
+    checkpoint = tmp_path / "step2.ckpt"
+    trainer = quiet_trainer(strategy=STRATEGIES[strategy](), max_steps=2)
+    trainer.fit(OwnModule(tmp_path), classification_loader())
+    trainer.save_checkpoint(checkpoint)
+    with pytest.raises(pickle.UnpicklingError, match="PosixPath"):
+        torch.load(checkpoint, weights_only=True)
+
+    resumed = quiet_trainer(strategy=STRATEGIES[strategy](), max_steps=4)
+    resumed.fit(OwnModule(tmp_path), classification_loader(), ckpt_path=checkpoint)
+    assert resumed.global_step == 4
+    assert finished_run_line(checkpoint, max_steps=2) is not None  # the CLI's own reader
