@@ -8,8 +8,9 @@ checkpointing keeps some op outputs in its own cache, outside autograd's saved t
 here (``note_kept_outputs``).
 
 Activation offloading (``pl_lowprec.transforms.offloading``) installs its own hooks inside the counter's, and only the
-innermost hooks run; it reports each saved tensor here (``note_saved``) with where it went: moved tensors count
-as ``offloaded_nbytes`` (host memory, one copy per move) instead of ``nbytes`` (the compute device).
+innermost hooks run; it reports each saved tensor here (``note_saved``) with where it went and keeps what that
+returns: the counter's holder instead of a tensor that stays (``nbytes``, the compute device), or, with a moved
+tensor's host copy, a holder that counts the copy as ``offloaded_nbytes`` (host memory) while it lives.
 
 A saved tensor counts while the graph that saved it is alive: the counter's pack hook hands autograd a small
 holder and learns when autograd drops it. The figure is the most bytes alive at once (the end of the forward).
@@ -24,8 +25,7 @@ branch and the residual stream hold it), but where nothing else does, the figure
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -38,79 +38,115 @@ from pl_lowprec.memory.breakdown import StorageSet
 _ACTIVE: list[SavedTensorCounter] = []
 
 
+class _Live:
+    """Bytes held by holders alive now, and the most ever alive at once; ``on_free(key)`` when a key's last dies."""
+
+    def __init__(self, on_free: Callable[[object], None] = lambda key: None) -> None:
+        self._entries: dict[object, list[int]] = {}  # key -> [holders alive, bytes]
+        self._on_free = on_free
+        self.nbytes = 0
+        self.peak = 0
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def hold(self, key: object, size: int = 0) -> None:
+        """One more holder of ``key``; the first holder of a new key adds its ``size``."""
+        entry = self._entries.get(key)
+        if entry is not None:
+            entry[0] += 1
+            return
+        self._entries[key] = [1, size]
+        self.nbytes += size
+        self.peak = max(self.peak, self.nbytes)
+
+    def release(self, key: object) -> None:
+        entry = self._entries[key]
+        entry[0] -= 1
+        if not entry[0]:
+            del self._entries[key]
+            self.nbytes -= entry[1]
+            self._on_free(key)
+
+
 class _Saved:
-    """What autograd holds instead of a counted tensor: its death says the graph that saved the tensor is gone."""
+    """What autograd (or an offloaded tensor's host copy) holds instead of a counted tensor: its death says the
+    graph that saved the tensor is gone. ``tensor`` may be another counter's holder (nested counters)."""
 
-    __slots__ = ("__weakref__", "tensor")
+    __slots__ = ("key", "live", "tensor")
 
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
+    def __init__(self, tensor: object, live: _Live, key: object, size: int = 0) -> None:
+        self.tensor, self.live, self.key = tensor, live, key
+        live.hold(key, size)
+
+    def __del__(self) -> None:
+        self.live.release(self.key)
 
 
-def _unpack(saved: object) -> object:
-    return saved.tensor if isinstance(saved, _Saved) else saved
+def unpack_saved(saved: object) -> object:
+    """The tensor inside the holders ``SavedTensorCounter.hold`` returned, or ``saved`` itself."""
+    while isinstance(saved, _Saved):
+        saved = saved.tensor
+    return saved
 
 
 class SavedTensorCounter:
     """Counts unique saved-tensor storages; read ``nbytes`` (device) and ``offloaded_nbytes`` (host) after the
-    forward pass. ``nbytes``: the tensors reported by checkpointing and offloading (held until backward), plus the
-    most bytes the counter's own hook saw saved and alive at once."""
+    forward pass. ``nbytes``: the tensors reported by checkpointing (held until backward), plus the most bytes
+    saved and alive at once. ``offloaded_nbytes``: the most bytes of host copies alive at once."""
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
         self._storages = StorageSet(exclude)
         self._on_device: dict[int, int] = {}
-        self._noted = 0  # reported by checkpointing and offloading, held until backward
-        self._live: dict[int, list[int]] = {}  # storage address -> [holders alive, bytes]
-        self._live_bytes = 0
-        self._peak_live = 0
+        self._noted = 0  # reported by checkpointing, held until backward
+        self._live = _Live(self._storages.forget_address)  # by storage address: a later storage may take it
+        self._on_host = _Live()  # by move
+        self._moves = 0
         self.largest = 0  # the largest storage kept on the device: a weight-sized one would show here
-        self.offloaded_nbytes = 0
 
     @property
     def nbytes(self) -> int:
-        return self._noted + self._peak_live
+        return self._noted + self._live.peak
 
-    def add(self, tensor: torch.Tensor) -> None:
+    @property
+    def offloaded_nbytes(self) -> int:
+        return self._on_host.peak
+
+    def add(self, tensor: object) -> None:
+        """Count ``tensor``'s storage until backward (a checkpointed block's input, a kept op output)."""
         size = self._storages.nbytes(tensor)
         if size:
             self._on_device[tensor.untyped_storage()._cdata] = size
             self._noted += size
             self.largest = max(self.largest, size)
 
-    def add_offloaded(self, tensor: torch.Tensor) -> None:
-        """A host copy of ``tensor`` was made; its storage no longer stays on the device for backward."""
+    def hold(self, tensor: object) -> object:
+        """What autograd should keep for a saved ``tensor``: a holder that counts its storage while alive, or the
+        tensor itself where there is nothing to follow (counted until backward: a tensor subclass's inner storages;
+        not counted: a parameter's, a sparse layout, already reported by checkpointing). ``tensor`` may be another
+        counter's holder."""
+        inner = unpack_saved(tensor)
+        if not isinstance(inner, torch.Tensor) or inner.layout != torch.strided or is_traceable_wrapper_subclass(inner):
+            self.add(inner)
+            return tensor
+        key = inner.untyped_storage()._cdata
+        if key in self._live:  # saved again while alive: one more holder, no more bytes
+            return _Saved(tensor, self._live, key)
+        size = self._storages.nbytes(inner)
+        if not size:  # a parameter's, or reported by checkpointing
+            return tensor
+        self.largest = max(self.largest, size)
+        return _Saved(tensor, self._live, key, size)
+
+    def hold_offloaded(self, tensor: torch.Tensor) -> object:
+        """A host copy of ``tensor`` was made: its storage no longer stays on the device for backward. Returns a
+        holder for the host copy to keep: its bytes count while it lives."""
         # Counted on the device before it moved (a checkpointed block's input)? Not any more. Its device storage
         # is freed after the copy, and a new one may take its address: forget it.
         self._noted -= self._on_device.pop(tensor.untyped_storage()._cdata, 0)
         self._storages.forget(tensor)
-        self.offloaded_nbytes += tensor.numel() * tensor.element_size()
-
-    def _pack(self, tensor: torch.Tensor) -> object:
-        if not isinstance(tensor, torch.Tensor) or is_traceable_wrapper_subclass(tensor):
-            self.add(tensor)  # held as it is (a subclass's inner storages are counted until backward)
-            return tensor
-        key = tensor.untyped_storage()._cdata
-        if key in self._live:
-            self._live[key][0] += 1
-        else:
-            size = self._storages.nbytes(tensor)
-            if not size:  # a parameter's, an uncounted layout, or reported by checkpointing
-                return tensor
-            self._live[key] = [1, size]
-            self._live_bytes += size
-            self._peak_live = max(self._peak_live, self._live_bytes)
-            self.largest = max(self.largest, size)
-        saved = _Saved(tensor)
-        weakref.finalize(saved, self._release, key)
-        return saved
-
-    def _release(self, key: int) -> None:
-        entry = self._live[key]
-        entry[0] -= 1
-        if not entry[0]:
-            del self._live[key]
-            self._live_bytes -= entry[1]
-            self._storages.forget_address(key)  # a later storage may take it
+        self._moves += 1
+        return _Saved(None, self._on_host, self._moves, tensor.numel() * tensor.element_size())
 
 
 @contextmanager
@@ -120,7 +156,7 @@ def count_saved_tensors(model: nn.Module | None = None) -> Iterator[SavedTensorC
     counter = SavedTensorCounter(exclude)
     _ACTIVE.append(counter)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(counter._pack, _unpack):
+        with torch.autograd.graph.saved_tensors_hooks(counter.hold, unpack_saved):
             yield counter
     finally:
         _ACTIVE.remove(counter)
@@ -142,10 +178,13 @@ def note_kept_outputs(output: object) -> None:
         note_checkpoint_inputs(tree_leaves(output))
 
 
-def note_saved(tensor: torch.Tensor, offloaded: bool) -> None:
-    """Called by activation offloading for each tensor autograd saves, moved to host or not."""
+def note_saved(tensor: torch.Tensor, offloaded: bool = False) -> object:
+    """Called by activation offloading for each tensor autograd saves, moved to host or not. Returns what to keep
+    so that the counters see when it dies: for a tensor that stays, what autograd keeps instead of it (``unpack_saved``
+    gives the tensor back); for a moved one, what its host copy keeps."""
+    if offloaded:
+        return [counter.hold_offloaded(tensor) for counter in _ACTIVE]
+    kept: object = tensor
     for counter in _ACTIVE:
-        if offloaded:
-            counter.add_offloaded(tensor)
-        else:
-            counter.add(tensor)
+        kept = counter.hold(kept)
+    return kept

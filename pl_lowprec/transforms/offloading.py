@@ -14,8 +14,9 @@ With activation checkpointing, a checkpointed block saves only its inputs (its o
 away from these hooks), so only block inputs, and what runs outside the blocks (embeddings, head, loss), move.
 
 Not moved: tensor subclasses (float8 or quantized tensors), tensors smaller than ``min_bytes`` and parameters.
-Each move is reported to the active saved-tensor counters (``pl_lowprec.memory.activations``), which then count
-it as host bytes instead of device bytes.
+Each saved tensor is reported to the active saved-tensor counters (``pl_lowprec.memory.activations``), which count
+a moved one as host bytes instead of device bytes; what they hand back is kept (by autograd, or by the host copy),
+so that a tensor counts only while the graph that saved it lives.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.graph import saved_tensors_hooks
 
-from pl_lowprec.memory.activations import note_saved
+from pl_lowprec.memory.activations import note_saved, unpack_saved
 
 MIN_OFFLOAD_BYTES = 1024  # smaller tensors cost more in copy overhead than they free (torchtune's threshold)
 
@@ -37,6 +38,7 @@ MIN_OFFLOAD_BYTES = 1024  # smaller tensors cost more in copy overhead than they
 class _OnHost:
     tensor: torch.Tensor
     device: torch.device
+    counted: object = None  # the saved-tensor counters' holder: the copy counts as host bytes while it lives
 
 
 class OffloadActivations(saved_tensors_hooks):
@@ -68,22 +70,21 @@ class OffloadActivations(saved_tensors_hooks):
             and tensor.untyped_storage()._cdata not in self._excluded
         )
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _OnHost:
+    def _pack(self, tensor: torch.Tensor) -> object:
         if not self._moves(tensor):
-            note_saved(tensor, offloaded=False)
-            return tensor
+            return note_saved(tensor, offloaded=False)  # the tensor, or the counters' holder of it
         owner, key = _identity(tensor)
         known = self._copies.get(key)
         if known is not None and known[0]() is owner:  # the same memory, still alive, saved again by another op
             return known[1]
-        note_saved(tensor, offloaded=True)
-        packed = _OnHost(self._to_host(tensor), tensor.device)
+        counted = note_saved(tensor, offloaded=True)
+        packed = _OnHost(self._to_host(tensor), tensor.device, counted)
         self._copies[key] = (weakref.ref(owner), packed)
         return packed
 
-    def _unpack(self, packed: torch.Tensor | _OnHost) -> torch.Tensor:
+    def _unpack(self, packed: object) -> torch.Tensor:
         self._copies.clear()  # backward has begun: each host copy now lives only as long as autograd needs it
-        return self._to_device(packed) if isinstance(packed, _OnHost) else packed
+        return self._to_device(packed) if isinstance(packed, _OnHost) else unpack_saved(packed)
 
     @torch.no_grad()
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
