@@ -98,7 +98,9 @@ class MemoryTracker(pl.Callback):
             self._counter = self._sampling.enter_context(count_saved_tensors(pl_module))
             self._gradients_pending = True
 
-    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        # The forward's figure, as the estimator counts it: reentrant checkpointing recomputes each block in backward
+        # without hooks of its own, and those saves would reach the counter too.
         self._stop_sampling()
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
