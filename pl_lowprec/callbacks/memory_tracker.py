@@ -98,17 +98,15 @@ class MemoryTracker(pl.Callback):
             self._counter = self._sampling.enter_context(count_saved_tensors(pl_module))
             self._gradients_pending = True
 
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        # The forward's figure, as the estimator counts it: reentrant checkpointing recomputes each block in backward
-        # without hooks of its own, and those saves would reach the counter too.
-        self._stop_sampling()
-
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self._gradients_pending:  # the first step after the sampled batch began: its gradients
             self._gradients_pending = False
             self._figures["gradients"] = gradient_bytes(pl_module)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        # Here, not before backward: the counter's hooks are closed outside the strategy's own (activation
+        # offloading's, around a manual training_step), which closing them inside would pop. Saves made during
+        # backward (reentrant checkpointing's recompute) are not counted (activations.in_backward).
         self._stop_sampling()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

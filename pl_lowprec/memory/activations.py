@@ -123,8 +123,10 @@ class SavedTensorCounter:
     def hold(self, tensor: object) -> object:
         """What autograd should keep for a saved ``tensor``: a holder that counts its storage while alive, or the
         tensor itself where there is nothing to follow (counted until backward: a tensor subclass's inner storages;
-        not counted: a parameter's, a sparse layout, already reported by checkpointing). ``tensor`` may be another
-        counter's holder."""
+        not counted: a parameter's, a sparse layout, already reported by checkpointing, a save made during
+        backward). ``tensor`` may be another counter's holder."""
+        if in_backward():
+            return tensor
         inner = unpack_saved(tensor)
         if not isinstance(inner, torch.Tensor) or inner.layout != torch.strided or is_traceable_wrapper_subclass(inner):
             self.add(inner)
@@ -147,6 +149,13 @@ class SavedTensorCounter:
         self._storages.forget(tensor)
         self._moves += 1
         return _Saved(None, self._on_host, self._moves, tensor.numel() * tensor.element_size())
+
+
+def in_backward() -> bool:
+    """Whether autograd's backward is running: reentrant checkpointing recomputes each block there, without hooks
+    of its own, and those saves live for one block's backward; the figure is the forward's (as the estimate, whose
+    manual-optimization step runs ``manual_backward`` inside its count, and ``MemoryTracker`` read it)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 @contextmanager
@@ -181,7 +190,10 @@ def note_kept_outputs(output: object) -> None:
 def note_saved(tensor: torch.Tensor, offloaded: bool = False) -> object:
     """Called by activation offloading for each tensor autograd saves, moved to host or not. Returns what to keep
     so that the counters see when it dies: for a tensor that stays, what autograd keeps instead of it (``unpack_saved``
-    gives the tensor back); for a moved one, what its host copy keeps."""
+    gives the tensor back); for a moved one, what its host copy keeps. Nothing is counted during backward
+    (``in_backward``)."""
+    if in_backward():
+        return [] if offloaded else tensor
     if offloaded:
         return [counter.hold_offloaded(tensor) for counter in _ACTIVE]
     kept: object = tensor

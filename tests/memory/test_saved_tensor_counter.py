@@ -54,3 +54,23 @@ def test_a_moved_tensor_counts_on_the_host_while_its_copy_lives():
         assert counter.offloaded_nbytes == 16_000 and counter.nbytes == 0
     kept.sum().backward()
     assert counter.offloaded_nbytes == 16_000
+
+
+def _reentrant_blocks(x: torch.Tensor, blocks: int = 4) -> torch.Tensor:
+    for _ in range(blocks):
+        x = torch.utils.checkpoint.checkpoint(lambda t: (t * 3).sin().cos(), x, use_reentrant=True)
+    return x
+
+
+def test_saves_made_during_backward_are_not_counted():
+    """Reentrant checkpointing keeps only each block's input in the forward, and recomputes the block in backward
+    without hooks of its own: those saves live for one block's backward and are not the forward's figure. The
+    estimate's manual-optimization step runs ``manual_backward`` inside its count, and ``MemoryTracker`` closes its
+    counter after backward: both read the forward's."""
+    x = torch.ones(1000, requires_grad=True)
+    with count_saved_tensors() as forward_only:
+        out = _reentrant_blocks(x)
+    out.sum().backward()
+    with count_saved_tensors() as with_backward:
+        _reentrant_blocks(x).sum().backward()
+    assert with_backward.nbytes == forward_only.nbytes
