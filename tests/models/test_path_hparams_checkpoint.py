@@ -61,6 +61,7 @@ class OwnModule(Classifier):
 STRATEGIES = {"lowprec": lambda: "lowprec", "lowprec_fsdp": lambda: LowPrecisionFSDPStrategy(shard_modules=["Linear"])}
 
 
+@pytest.mark.usefixtures("no_process_group_left")  # lowprec_fsdp's fit starts a one-process group
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_a_checkpoint_holding_paths_resumes_under_the_strategies(tmp_path, strategy):
     """A file that holds a ``PosixPath`` (a user's own module, or written before paths were saved as strings) is
