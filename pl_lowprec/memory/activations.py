@@ -100,8 +100,7 @@ class SavedTensorCounter:
         self._on_device: dict[int, int] = {}
         self._noted = 0  # reported by checkpointing, held until backward
         self._live = _Live(self._storages.forget_address)  # by storage address: a later storage may take it
-        self._on_host = _Live()  # by move
-        self._moves = 0
+        self._on_host = _Live()  # by move: each host copy its own key
         self.largest = 0  # the largest storage kept on the device: a weight-sized one would show here
 
     @property
@@ -147,8 +146,7 @@ class SavedTensorCounter:
         # is freed after the copy, and a new one may take its address: forget it.
         self._noted -= self._on_device.pop(tensor.untyped_storage()._cdata, 0)
         self._storages.forget(tensor)
-        self._moves += 1
-        return _Saved(None, self._on_host, self._moves, tensor.numel() * tensor.element_size())
+        return _Saved(None, self._on_host, object(), tensor.numel() * tensor.element_size())
 
 
 def in_backward() -> bool:
