@@ -53,13 +53,36 @@ def datasets_cache_in_tmp(tmp_path_factory, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf-cache")))
 
 
+def _process_group_started() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 @pytest.fixture
 def no_process_group_left():
-    """A DDP or FSDP strategy's fit in this process starts a one-process group, which Lightning leaves: destroyed
-    afterwards, so that the next test file on this worker can start its own."""
+    """A DDP or FSDP strategy's fit in this process starts a one-process group, which Lightning leaves: a test that
+    runs one names this fixture, which destroys the group afterwards, so the next test on this worker can start
+    its own."""
     yield
-    if torch.distributed.is_initialized():
+    if _process_group_started():
         torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_leaked():
+    """A test that leaves a process group started, without naming ``no_process_group_left``, fails at its own
+    teardown (the group destroyed), instead of a later test on the same xdist worker.
+
+    Why: a leaked one-process group broke the next test file on its worker ('trying to initialize the default
+    process group twice'), far from the test that leaked it. The check is one ``is_initialized()`` call a test."""
+    yield
+    if _process_group_started():
+        torch.distributed.destroy_process_group()
+        pytest.fail(
+            "This test left a torch.distributed process group started (a DDP or FSDP strategy's fit in the test"
+            " process starts a one-process group, which Lightning leaves). It was destroyed now; name the fixture"
+            " no_process_group_left (@pytest.mark.usefixtures) in the test, or destroy the group in it.",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(autouse=True)
