@@ -4,7 +4,9 @@ What ``convert_hf_to_gguf.py`` does for the architectures of ``gguf_arch``, with
 the hyperparameters, the tokenizer and chat template (``gguf_vocab``), then every tensor under its llama.cpp name
 in the type ``gguf_types`` chooses. The tensors are streamed: their names, shapes and types are written first
 (from the safetensors headers, or a mapped ``pytorch_model.bin``), then each is loaded, converted and written in
-turn, so the peak is one tensor, not the model (llama.cpp's converter gets the same from lazy tensors).
+turn, so the peak is one tensor, not the model (llama.cpp's converter gets the same from lazy tensors). A
+``pytorch_model.bin`` is unpickled once for all of that, and for each further type of the same export, as the
+streamed load reads it (``loading.sources.WeightFiles``, each tensor's pages dropped once written).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from pl_lowprec.export.gguf_arch import (
 )
 from pl_lowprec.export.gguf_types import K_MIXES, MixModel, encode, file_type, stored_as, tensor_types
 from pl_lowprec.export.gguf_vocab import add_vocabulary
-from pl_lowprec.loading.sources import checkpoint_files, open_weights
+from pl_lowprec.loading.sources import WeightFiles, checkpoint_files
 
 
 @dataclass(frozen=True)
@@ -58,9 +60,9 @@ def weight_files(model_dir: Path) -> list[Path]:
         raise ValueError(f"{str(model_dir)!r} holds no weights to convert to GGUF: {err}") from err
 
 
-def auto_type(model_dir: Path) -> str:
+def auto_type(model_dir: Path, files: WeightFiles) -> str:
     """``--gguf_type auto``: bf16 for bf16 weights, else f16 (llama.cpp's converter reads the first matrix too)."""
-    with open_weights(weight_files(model_dir)[0]) as handle:
+    with files.open(weight_files(model_dir)[0]) as handle:
         for key in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
             tensor = handle.get_slice(key)
             if len(tensor.get_shape()) >= 2:
@@ -68,12 +70,14 @@ def auto_type(model_dir: Path) -> str:
     return "f16"
 
 
-def plan(gguf: Any, model_dir: Path, config: Any, arch: Architecture, gguf_type: str) -> list[Planned]:
+def plan(
+    gguf: Any, model_dir: Path, config: Any, arch: Architecture, gguf_type: str, files: WeightFiles
+) -> list[Planned]:
     """Every tensor the file will hold, from the files' headers (nothing is loaded)."""
 
     def headers() -> Iterator[tuple[Path, str, tuple[int, ...]]]:
         for file in weight_files(model_dir):
-            with open_weights(file) as handle:
+            with files.open(file) as handle:
                 for key in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
                     yield file, key, tuple(handle.get_slice(key).get_shape())
 
@@ -131,15 +135,16 @@ def mix_model(config: Any, arch: Architecture) -> MixModel:
     return MixModel(layers, heads // kv_heads, seventy_b)
 
 
-def tensor_values(planned: list[Planned], config: Any, arch: Architecture) -> Iterator[np.ndarray]:
+def tensor_values(planned: list[Planned], config: Any, arch: Architecture, files: WeightFiles) -> Iterator[np.ndarray]:
     """Each planned tensor as float32 values in llama.cpp's layout, one file open at a time."""
     for file, items in groupby(planned, key=lambda item: item.file):
         if file is None:
             yield from (llama3_rope_factors(config) for _ in items)
             continue
-        with open_weights(file) as handle:
+        with files.open(file) as handle:
             for item in items:
                 yield permute_qk(item.key, handle.get_tensor(item.key).float().numpy(), config, arch)
+                files.release(file, item.key)  # written: a kept .bin mapping gives back its pages
 
 
 def writing_progress(out_file: Path, total: int) -> Any:
@@ -150,13 +155,19 @@ def writing_progress(out_file: Path, total: int) -> Any:
     return tqdm(total=total, unit="B", unit_scale=True, desc=f"Writing {out_file.name}", disable=None, leave=False)
 
 
-def convert_to_gguf(model_dir: Path, out_file: Path, gguf_type: str, name: str) -> dict[str, Any]:
-    """Write ``model_dir`` (config, safetensors or .bin, tokenizer) to ``out_file``; return what was written."""
+def convert_to_gguf(
+    model_dir: Path, out_file: Path, gguf_type: str, name: str, files: WeightFiles | None = None
+) -> dict[str, Any]:
+    """Write ``model_dir`` (config, safetensors or .bin, tokenizer) to ``out_file``; return what was written.
+    ``files``: the export's open weight files, where it writes more than one type (a .bin is unpickled once)."""
+    if files is None:
+        with WeightFiles() as own:
+            return convert_to_gguf(model_dir, out_file, gguf_type, name, own)
     gguf = import_gguf()
     model_dir = Path(model_dir)
     config = model_config(model_dir)
     arch = architecture(config)
-    planned = plan(gguf, model_dir, config, arch, gguf_type)
+    planned = plan(gguf, model_dir, config, arch, gguf_type, files)
     writer = gguf.GGUFWriter(str(out_file), gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, arch.gguf_arch)])
     parameters = sum(int(np.prod(item.shape)) for item in planned if item.file is not None)
     writer.add_type(gguf.GGUFType.MODEL)
@@ -175,7 +186,7 @@ def convert_to_gguf(model_dir: Path, out_file: Path, gguf_type: str, name: str) 
     writer.write_ti_data_to_file()
     try:
         with writing_progress(out_file, sum(sizes)) as progress:
-            for item, nbytes, values in zip(planned, sizes, tensor_values(planned, config, arch), strict=True):
+            for item, nbytes, values in zip(planned, sizes, tensor_values(planned, config, arch, files), strict=True):
                 progress.set_postfix_str(f"{item.gguf_name} {item.qtype.name}")
                 writer.write_tensor_data(encode(gguf, values, item.qtype))
                 progress.update(nbytes)

@@ -25,6 +25,7 @@ from pl_lowprec.export.restore import Restored
 from pl_lowprec.export.write import check_merged, export, pretrained_dir, read_paths
 from pl_lowprec.loading import PretrainedWeights
 from pl_lowprec.loading.hub import local_or_downloaded
+from pl_lowprec.loading.sources import WeightFiles
 from pl_lowprec.loading.tokenizer import load_tokenizer
 
 
@@ -145,11 +146,12 @@ def model_name(model: str) -> str:
 def write_ggufs(model_dir: Path, out: Path, requested: list[str], source: str, name: str) -> str:
     """Each requested type of ``model_dir`` as ``out/model-<type>.gguf``, the ``Modelfile`` for the first, and the
     summary: a paragraph for the first file, a line for each other. ``name`` is the files' ``general.name``."""
-    resolved = [auto_type(model_dir) if asked == "auto" else asked for asked in requested]
     files = []
-    for gguf_type in dict.fromkeys(resolved):  # each once (auto may resolve to a type also asked for)
-        gguf_file = out / f"model-{gguf_type}.gguf"
-        files.append((gguf_file, convert_to_gguf(model_dir, gguf_file, gguf_type, name=name)))
+    with WeightFiles() as weights:  # a .bin shard is unpickled once for every type
+        resolved = [auto_type(model_dir, weights) if asked == "auto" else asked for asked in requested]
+        for gguf_type in dict.fromkeys(resolved):  # each once (auto may resolve to a type also asked for)
+            gguf_file = out / f"model-{gguf_type}.gguf"
+            files.append((gguf_file, convert_to_gguf(model_dir, gguf_file, gguf_type, name, weights)))
     tokenizer = load_tokenizer(model_dir)
     (gguf_file, written), others = files[0], files[1:]
     vocab = written["vocab"]

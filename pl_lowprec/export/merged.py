@@ -5,8 +5,10 @@ from plus ``scale * B @ A``, as axolotl's and torchtune's merges do (and as peft
 unquantized base). The original safetensors are streamed file by file (one shard in memory at a time), each
 adapted weight is merged in fp32 and rounded once to the output dtype, and every file keeps its name, keys and
 order, so ``AutoModelForCausalLM.from_pretrained`` loads the result as it loaded the original; a base of
-``pytorch_model.bin`` files is written as safetensors (``pytorch_model-00001-of-00002.bin`` as
-``model-00001-of-00002.safetensors``, with ``model.safetensors.index.json``), as ``save_pretrained`` writes it.
+``pytorch_model.bin`` files is unpickled once per shard, as the streamed load reads it (``loading.sources.WeightFiles``:
+headers and tensors from the one mapping, each tensor's pages dropped once written), and written as safetensors
+(``pytorch_model-00001-of-00002.bin`` as ``model-00001-of-00002.safetensors``, with ``model.safetensors.index.json``),
+as ``save_pretrained`` writes it.
 The other files of the model directory (``config.json``, ``generation_config.json``, the tokenizer) are copied.
 
 Weights trained whole (a task's head in LoRA's ``modules_to_save``, biases under ``bias='all'``) are written as
@@ -45,7 +47,7 @@ from pl_lowprec.adapters import (
 )
 from pl_lowprec.export.trained_whole import file_key_of, trained_whole, untied_heads, without_absent_modules
 from pl_lowprec.loading import PretrainedWeights, resolve_checkpoint
-from pl_lowprec.loading.sources import INDEX_NAME, open_weights
+from pl_lowprec.loading.sources import INDEX_NAME, WeightFiles
 from pl_lowprec.loading.torch_files import BIN_INDEX_NAME
 from pl_lowprec.transforms.conv1d import conv1d_weights
 from pl_lowprec.transforms.dtypes import to_dtype
@@ -60,13 +62,20 @@ def merge_into_pretrained(
 ) -> dict[str, int]:
     """Write the merged model to ``out_dir`` (which must exist and be empty); return how many tensors were
     ``merged`` (LoRA), written ``whole`` as they trained, ``left_out`` (heads the module lacks), ``tensors`` in all."""
+    with WeightFiles() as files:  # a .bin shard is unpickled once: its headers, then its tensors
+        return _write_merged(module, weights, out_dir, dtype, files)
+
+
+def _write_merged(
+    module: nn.Module, weights: PretrainedWeights, out_dir: Path, dtype: str | None, files: WeightFiles
+) -> dict[str, int]:
     from safetensors.torch import save_file
 
     cast = to_dtype(dtype) if dtype is not None else None
     source = Path(weights.path)
     deltas = {f"{name}.weight": delta.cpu() for name, delta in lora_deltas(module).items()}
     bias_deltas = {f"{name}.bias": delta.cpu() for name, delta in lora_bias_deltas(module).items()}
-    index = resolve_checkpoint(source, weights.prefix)
+    index = resolve_checkpoint(source, weights.prefix, files)
     check_biases_to_merge_into([key.removesuffix(".bias") for key in bias_deltas if key not in index.tensors])
     deltas |= bias_deltas
     absent = sorted(set(deltas) - set(index.tensors))
@@ -89,7 +98,7 @@ def merge_into_pretrained(
     floating = torch.float32
     for position, (file, keys) in enumerate(by_file.items()):
         tensors: dict[str, torch.Tensor] = {}
-        with open_weights(file, device="cpu") as handle:
+        with files.open(file, device="cpu") as handle:
             metadata = handle.metadata()
             for file_key in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
                 module_key = keys.get(file_key, "")
@@ -115,6 +124,8 @@ def merge_into_pretrained(
         written += len(tensors)
         save_file(tensors, str(out_dir / written_name(file.name)), metadata=metadata or {"format": "pt"})
         del tensors
+        for file_key in keys:  # written: a kept .bin mapping gives back the pages read from it
+            files.release(file, file_key)
     if source.is_dir():
         _copy_model_files(source, out_dir)
         _describe_the_trained_model(module, out_dir, set(new_keys), dtype)

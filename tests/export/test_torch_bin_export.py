@@ -92,3 +92,60 @@ def test_merged_export_of_a_tied_bin_base_saves_the_shared_weight_once(tmp_path)
     assert "lm_head.weight" not in load_file(tmp_path / "from_bin" / "model.safetensors")
     for key, tensor in loaded["from_safetensors"].items():
         assert torch.equal(loaded["from_bin"][key], tensor), key
+
+
+def _counting_unpickles(monkeypatch) -> list:
+    """Every file ``torch.load`` opens from now on (each unpickles a whole .bin shard's pickle)."""
+    loads = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda file, *args, **kw: loads.append(file) or real_load(file, *args, **kw))
+    return loads
+
+
+def test_the_merged_export_unpickles_each_bin_shard_once(tmp_path, monkeypatch):
+    """It read each shard twice (its headers, then its tensors), as the streamed load did before
+    ``WeightFiles``: once now, the written tensors equal to those merged from the same weights as safetensors."""
+    from safetensors.torch import load_file
+
+    from pl_lowprec.loading.sources import checkpoint_files
+
+    directory = save_llama(tmp_path / "st", hidden_size=64)
+    bin_dir = bin_copy(directory, tmp_path / "bin", shards=2)
+    lora = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
+    trainer = quiet_trainer(strategy=LowPrecisionStrategy(pretrained=bin_dir, lora=lora), max_steps=1)
+    with trainer.init_module(empty_init=True):
+        model = LlamaModule(hidden_size=64)
+    trainer.fit(model, ids_loader(batches=1))
+    (tmp_path / "from_safetensors").mkdir()
+    merge_into_pretrained(model, PretrainedWeights(directory, prefix="model."), tmp_path / "from_safetensors")
+    loads = _counting_unpickles(monkeypatch)
+    (tmp_path / "from_bin").mkdir()
+    merge_into_pretrained(model, PretrainedWeights(bin_dir, prefix="model."), tmp_path / "from_bin")
+    assert sorted(loads) == checkpoint_files(bin_dir)
+    written = {}
+    for name in ("from_bin", "from_safetensors"):
+        written[name] = {k: v for f in sorted((tmp_path / name).glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert set(written["from_bin"]) == set(written["from_safetensors"])
+    for key, tensor in written["from_safetensors"].items():
+        assert torch.equal(written["from_bin"][key], tensor), key
+
+
+def test_gguf_of_a_bin_model_directory_unpickles_each_shard_once_for_every_type(tmp_path, monkeypatch):
+    """``--gguf_type auto,q8_0`` read the first shard 5 times and the second 4 (the auto type, then each type's
+    headers and tensors): once each now, the files' tensors those of the safetensors directory."""
+    pytest.importorskip("gguf")
+    from pl_lowprec.cli import main
+    from pl_lowprec.loading.sources import checkpoint_files
+
+    tokenizer = save_tokenizer(tmp_path / "tokenizer")
+    directory = shrunk(tmp_path / "st", tokenizer, SMOLLM2_135M, 32, 320, bos_token_id=0, eos_token_id=1)
+    bin_dir = bin_copy(directory, tmp_path / "bin", shards=2, tied_key=True)
+    main(["export", f"--model={directory}", f"--out={tmp_path / 'st-gguf'}", "--format=gguf", "--gguf_type=auto,q8_0"])
+    loads = _counting_unpickles(monkeypatch)
+    main(["export", f"--model={bin_dir}", f"--out={tmp_path / 'bin-gguf'}", "--format=gguf", "--gguf_type=auto,q8_0"])
+    assert sorted(loads) == checkpoint_files(bin_dir)
+    for name in ("model-bf16.gguf", "model-q8_0.gguf"):
+        tensors_st, tensors_bin = (metadata(tmp_path / d / name)[1] for d in ("st-gguf", "bin-gguf"))
+        assert list(tensors_bin) == list(tensors_st)
+        for key, tensor in tensors_st.items():
+            assert np.array_equal(np.asarray(tensors_bin[key].data), np.asarray(tensor.data)), key
