@@ -69,6 +69,20 @@ def reset_on(module: nn.Module, device: torch.device) -> None:
         module.reset_parameters()
 
 
+def storage_to_fill(module: nn.Module, device: torch.device | str = "cpu") -> None:
+    """Give every meta parameter uninitialized storage on ``device``, in its dtype, tied parameters staying one: for
+    a load that copies every value in next (Lightning's ``load_state_dict`` of a checkpoint holding every weight),
+    so that nothing is read twice."""
+    made: dict[int, nn.Parameter] = {}
+    for owner in module.modules():
+        for attr, param in list(owner._parameters.items()):
+            if param is None or not is_meta(param):
+                continue
+            if id(param) not in made:
+                made[id(param)] = nn.Parameter(torch.empty_like(param, device=device), param.requires_grad)
+            owner._parameters[attr] = made[id(param)]
+
+
 def place_own(module: nn.Module, place: Callable[[nn.Parameter], nn.Parameter]) -> None:
     """Replace each of a module's own parameters by what ``place`` keeps of it (under FSDP2, this rank's rows)."""
     for attr, param in list(module.named_parameters(recurse=False)):

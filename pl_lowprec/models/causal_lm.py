@@ -25,12 +25,13 @@ from pl_lowprec._hparams import paths_as_strings
 from pl_lowprec.distributed.process_group_exit import destroy_process_group_at_exit
 from pl_lowprec.distributed.shard import shard_pretrained_blocks
 from pl_lowprec.loading import PretrainedWeights, empty_weights, load_pretrained
+from pl_lowprec.loading.empty import storage_to_fill
 from pl_lowprec.loading.generation_config import load_generation_config
 from pl_lowprec.loading.hub import resolve_pretrained
 from pl_lowprec.models.chunked_loss import causal_lm_loss_sum, chunk_loss, compiled_chunk_loss_standin
 from pl_lowprec.models.forward_batch import forward_batch
 from pl_lowprec.models.liger_loss import LossKernel, check_head, check_loss_kernel, choose_loss_kernel, liger_loss_sum
-from pl_lowprec.models.standalone_load import check_loads_without_strategy
+from pl_lowprec.models.standalone_load import check_loads_without_strategy, holds_every_weight
 from pl_lowprec.models.token_loss import TokenMeanLoss
 from pl_lowprec.models.tokenizer_check import check_tokenizer
 from pl_lowprec.transforms.dtypes import to_dtype
@@ -172,13 +173,18 @@ class CausalLM(pl.LightningModule):
             raise
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Outside a Trainer (``CausalLM.load_from_checkpoint``): a checkpoint of the whole model loads over the
-        pretrained weights; one only the strategy can load (adapters, quantized weights) is refused in one paragraph
-        (``standalone_load``). Under a Trainer the strategy restores the checkpoint."""
+        """Outside a Trainer (``CausalLM.load_from_checkpoint``): a checkpoint of the whole model loads, without
+        reading the pretrained weights it replaces where it holds every one; one only the strategy can load
+        (adapters, quantized weights) is refused in one paragraph (``standalone_load``). Under a Trainer the strategy
+        restores the checkpoint."""
         if self._trainer is not None or self.model is None:
             return
-        check_loads_without_strategy(set(self.state_dict()), checkpoint, self.directory)
-        self.load_own_weights()
+        module_keys = set(self.state_dict())
+        check_loads_without_strategy(module_keys, checkpoint, self.directory)
+        if holds_every_weight(module_keys, checkpoint):
+            storage_to_fill(self.model)  # Lightning's load_state_dict copies every weight in next
+        else:
+            self.load_own_weights()
 
     def on_fit_start(self) -> None:
         self.resolve_loss_kernel()

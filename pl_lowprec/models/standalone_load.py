@@ -1,11 +1,14 @@
 """``CausalLM.load_from_checkpoint(path)``: Lightning builds the module and loads the checkpoint without a Trainer,
 so without the strategy that quantized the base and added the LoRA adapters while training.
 
-A checkpoint of a full model (no LoRA, or ``adapter_only_checkpoint=False`` without quantization) loads: the model
-is built and filled from ``pretrained=`` first, then Lightning loads the checkpoint over it. One that holds tensors
-the plain model lacks (the strategy's adapter-only checkpoint: LoRA weights only; or quantized weights) was
-refused by torch's missing/unexpected-key error, a line per tensor; it is refused here in one paragraph that says
-what the checkpoint holds and how to load it.
+A checkpoint of a full model (no LoRA, or ``adapter_only_checkpoint=False`` without quantization) loads. Where it
+holds every weight of the module, the pretrained files are not read: the model gets empty storage, which Lightning's
+``load_state_dict`` fills from the checkpoint (streaming ``pretrained=`` first read every weight twice), and a
+``pretrained=`` of ``config.json`` alone (the shapes) is enough. Where it holds fewer (saved without some, loaded
+with ``strict=False``), the model is filled from ``pretrained=`` first, then Lightning loads the checkpoint over it.
+One that holds tensors the plain model lacks (the strategy's adapter-only checkpoint: LoRA weights only; or
+quantized weights) was refused by torch's missing/unexpected-key error, a line per tensor; it is refused here in
+one paragraph that says what the checkpoint holds and how to load it.
 """
 
 from __future__ import annotations
@@ -45,3 +48,9 @@ def check_loads_without_strategy(module_keys: set[str], checkpoint: Mapping[str,
         " elsewhere, `pl-lowprec export --ckpt_path PATH` writes the adapter (or the merged model) that peft and"
         " transformers load; `pl-lowprec generate --ckpt_path PATH` completes prompts with it."
     )
+
+
+def holds_every_weight(module_keys: set[str], checkpoint: Mapping[str, Any]) -> bool:
+    """The checkpoint's ``state_dict`` has a value for every key of the module: nothing from ``pretrained=`` would
+    survive its load."""
+    return module_keys <= set(checkpoint.get("state_dict", {}))

@@ -3,11 +3,14 @@ checkpoint of the whole model loads (the weights equal the trained ones); the st
 refused in one paragraph naming what it holds and how to load it (it failed with "CausalLM is not attached to a
 `Trainer`", and a module built by hand with torch's missing/unexpected-key lines)."""
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning_helpers import quiet_trainer
-from loading_helpers import save_pretrained_dir, write_prompt_completion
+from loading_helpers import save_llama, save_pretrained_dir, save_tokenizer, write_prompt_completion
 
 from pl_lowprec import LowPrecisionStrategy
 from pl_lowprec.data import TextDataModule
@@ -58,3 +61,66 @@ def test_a_whole_model_checkpoint_loads_the_trained_weights(pretrained, tmp_path
     assert any(not torch.equal(base[k], v) for k, v in expected.items() if k in base)  # it trained: not the base
     for key, tensor in expected.items():
         assert torch.equal(got[key], tensor), key
+
+
+def _pretrained_files_opened(monkeypatch, pretrained) -> list[str]:
+    """The names of the files of ``pretrained`` that safetensors opens from now on (the streamed load opens each
+    for its headers and again for each module's tensors)."""
+    import safetensors
+
+    opened = []
+    real_open = safetensors.safe_open
+
+    def counting(file, *args, **kwargs):
+        if Path(file).parent == Path(pretrained):
+            opened.append(Path(file).name)
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors, "safe_open", counting)
+    return opened
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_checkpoint_holding_every_weight_loads_without_reading_the_pretrained_files(tmp_path, monkeypatch, tied):
+    """Every weight was streamed from pretrained= and then overwritten by the checkpoint's (read twice): the
+    checkpoint alone fills the model now, to the trained weights, tied ones staying one tensor."""
+    pretrained = save_tokenizer(tmp_path / "pretrained")
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(pretrained))
+    save_llama(pretrained, hidden_size=32, layers=2, vocab_size=vocab, tie=tied)
+    trained, checkpoint = _trained(pretrained, tmp_path, SingleDeviceStrategy(torch.device("cpu")))
+    opened = _pretrained_files_opened(monkeypatch, pretrained)
+    loaded = CausalLM.load_from_checkpoint(checkpoint)
+    assert opened == []
+    expected, got = trained.state_dict(), loaded.state_dict()
+    assert set(got) == set(expected)
+    for key, tensor in expected.items():
+        assert torch.equal(got[key], tensor), key
+    head, embeddings = loaded.model.get_output_embeddings().weight, loaded.model.get_input_embeddings().weight
+    assert (head is embeddings) == tied
+    assert all(not p.is_meta for p in loaded.parameters())
+    shapes = tmp_path / "shapes"  # config.json alone: all this load needs (it said the directory held no weights)
+    shapes.mkdir()
+    shutil.copy(pretrained / "config.json", shapes / "config.json")
+    from_shapes = CausalLM.load_from_checkpoint(checkpoint, pretrained=str(shapes)).state_dict()
+    assert all(torch.equal(from_shapes[key], tensor) for key, tensor in expected.items())
+
+
+def test_a_checkpoint_without_some_weights_takes_them_from_the_pretrained_files(pretrained, tmp_path, monkeypatch):
+    """Loaded with strict=False, a checkpoint saved without a weight still gets it from pretrained=, as before."""
+    trained, checkpoint = _trained(pretrained, tmp_path, SingleDeviceStrategy(torch.device("cpu")))
+    saved = torch.load(checkpoint, weights_only=True)
+    del saved["state_dict"]["model.model.norm.weight"]
+    partial = tmp_path / "partial.ckpt"
+    torch.save(saved, partial)
+    opened = _pretrained_files_opened(monkeypatch, pretrained)
+    loaded = CausalLM.load_from_checkpoint(partial, strict=False)
+    assert "model.safetensors" in opened
+    from transformers import AutoModelForCausalLM
+
+    original = AutoModelForCausalLM.from_pretrained(pretrained).model.norm.weight
+    assert torch.equal(loaded.model.model.norm.weight, original)
+    for key, tensor in trained.state_dict().items():
+        if key != "model.model.norm.weight":
+            assert torch.equal(loaded.state_dict()[key], tensor), key
