@@ -26,25 +26,20 @@ import torch
 
 MiB = 2**20
 CPU = torch.device("cpu")
+TESTS = Path(__file__).resolve().parents[1] / "tests"
 
 
 def config():
+    """The Llama of tests/_scripts/load_memory.py (its plain values, without that script's imports)."""
+    sys.path.insert(0, str(TESTS / "_scripts"))
+    from load_memory_llama import LOAD_MEMORY_LLAMA
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=256,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=8,
-        num_attention_heads=12,
-        num_key_value_heads=12,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
+    return LlamaConfig(**LOAD_MEMORY_LLAMA)
 
 
 def write(root: Path) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(TESTS))
     from loading_helpers import bin_copy
     from transformers import LlamaForCausalLM
 

@@ -15,6 +15,7 @@ import json
 import sys
 
 import torch
+from load_memory_llama import LOAD_MEMORY_LLAMA
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pl_lowprec.loading import empty_weights, load_pretrained
@@ -22,15 +23,7 @@ from pl_lowprec.memory.process import memory_stats, reset_peak
 from pl_lowprec.transforms.quantization import QuantizationConfig, quantize_linear, quantize_model
 
 CPU = torch.device("cpu")
-CONFIG = LlamaConfig(
-    vocab_size=256,
-    hidden_size=768,
-    intermediate_size=2048,
-    num_hidden_layers=8,
-    num_attention_heads=12,
-    num_key_value_heads=12,
-    max_position_embeddings=64,
-)
+CONFIG = LlamaConfig(**LOAD_MEMORY_LLAMA)  # the model benchmarks/bin_load_memory.py loads too
 
 
 def tensor_bytes(model: torch.nn.Module) -> int:
