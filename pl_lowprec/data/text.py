@@ -63,6 +63,7 @@ from pl_lowprec.data.resumable import resumable_loader
 from pl_lowprec.data.row_facts import ready_rows, row_lengths
 from pl_lowprec.data.row_views import subset
 from pl_lowprec.data.sources import Source, describe_objects, is_dataset_object, resolve_sources
+from pl_lowprec.data.split_options import check_split, validation_sources
 from pl_lowprec.data.text_blocks import DocumentList, Documents, TextBlocks
 from pl_lowprec.data.token_table import TokenRows, read_table, table_path, tokenize
 from pl_lowprec.data.validation_split import (
@@ -125,7 +126,10 @@ class TextDataModule(pl.LightningDataModule):
             are alpaca records (``instruction``, ``input``, ``output``, ``system``, ``history``), as LLaMA-Factory
             reads them.
         train_split: The split of a ``DatasetDict`` (hub id, saved or in Python) in ``train_files`` to train on.
+            A file or a single ``Dataset`` is one split, ``train``: another name for it is refused.
         val_split: The split of a ``DatasetDict`` in ``val_files``; ``None``: ``validation``, else ``test``.
+            Without ``val_files``, that split of ``train_files``' dataset dicts validates (TRL's
+            ``dataset_test_split``) instead of ``val_fraction`` of the training records.
         chat_template_kwargs: Arguments of the chat template for every chat record (``{"enable_thinking":
             false}`` for Qwen3); a record's own ``chat_template_kwargs`` take precedence.
         join_text: ``text`` records joined and cut into ``seq_len`` blocks (``True``: a pretraining corpus, as
@@ -185,6 +189,11 @@ class TextDataModule(pl.LightningDataModule):
         paths_as_strings(self.hparams)
         self.train_sources = resolve_sources(train_files, "train_files")
         self.val_sources = resolve_sources(val_files, "val_files") if val_files is not None else None
+        check_split("train_split", train_split, self.train_sources, "train_files")
+        if self.val_sources is not None:
+            check_split("val_split", val_split, self.val_sources, "val_files")
+        elif val_split is not None:
+            self.val_sources = validation_sources(val_split, self.train_sources)
         self.train_splits = (train_split,)
         self.val_splits = (val_split,) if val_split is not None else VAL_SPLITS
         self.tokenizer_dir = tokenizer

@@ -207,6 +207,8 @@ FINETUNE_CASES = {
         ("--data.train_files=DIR/records.tsv", "records.tsv", "'.tsv'"),
         ('--data.fields={"prompt":"q"}', "fields={'prompt': 'q'}", "is not one format"),
         ("--data.val_files=DIR/missing.jsonl", "val_files", "missing.jsonl"),
+        ("--data.train_split=test", "train_split='test'", "has no splits", "Fix: leave train_split out"),
+        ("--data.val_split=validation", "val_split='validation') without val_files", "--data.val_files FILE"),
         ("--model.pretrained=DIR/no-model", "no-model"),
         ("--data.tokenizer=DIR", "tokenizer="),
         (

@@ -479,6 +479,46 @@ def test_a_dataset_dict_gives_the_split_asked_for(pretrained, tmp_path):
         _data(splits, pretrained, val_files=splits, val_split="dev")
 
 
+def test_a_split_named_for_sources_without_splits_is_refused(pretrained, tmp_path):
+    """A file or a single Dataset is one split, 'train', as datasets.load_dataset reads it; train_split='test' or
+    val_split='validation' on one was ignored without a word, and the whole file trained (or validated)."""
+    path = _write("jsonl", RECORDS, tmp_path)
+    held_out = _write("jsonl", RECORDS[20:], tmp_path / "held_out")
+    for split_argument in ({"train_split": "test"}, {"train_split": "validation", "val_files": held_out}):
+        with pytest.raises(ValueError) as error:
+            TextDataModule(train_files=path, tokenizer=str(pretrained), **split_argument)
+        said = str(error.value)
+        option, value = next(iter(split_argument.items()))
+        assert (
+            said.startswith(f"TextDataModule({option}={value!r}): train_files ({path}) has no splits")
+            and (
+                f"Fix: leave {option} out (a file is read whole), or name the {value!r} split's own files as train_files"
+            )
+            in said
+        )
+    with pytest.raises(ValueError, match=r"^TextDataModule\(train_split='test'\): train_files \(the Dataset given"):
+        TextDataModule(train_files=_table(RECORDS), tokenizer=str(pretrained), train_split="test")
+    with pytest.raises(ValueError, match=r"^TextDataModule\(val_split='validation'\): val_files \(.*held_out"):
+        TextDataModule(train_files=path, val_files=held_out, tokenizer=str(pretrained), val_split="validation")
+    with pytest.raises(ValueError) as error:  # no val_files: the split of train_files' dataset dicts, and none here
+        TextDataModule(train_files=path, tokenizer=str(pretrained), val_split="validation")
+    assert "without val_files reads that split of train_files' dataset dicts, and train_files" in str(error.value)
+    assert "Fix: give the validation records as val_files (--data.val_files FILE)" in str(error.value)
+    data = _data(path, pretrained, val_files=held_out, train_split="train", val_split="train")  # datasets' one split
+    assert [r.used for r in data.reports] == [28, 8]
+
+
+def test_val_split_without_val_files_validates_on_that_split_of_the_training_dataset_dict(pretrained, tmp_path):
+    """As TRL's scripts read dataset_test_split of the one dataset_name; it held out val_fraction instead."""
+    splits = datasets.DatasetDict({"train": _table(RECORDS[:14]), "test": _table(RECORDS[20:])})
+    for train_files in (splits, splits.save_to_disk(tmp_path / "saved") or tmp_path / "saved"):
+        data = _data(train_files, pretrained, val_split="test")
+        assert (len(data.train_set), len(data.val_set)) == (14, 8)
+        assert data.reports[1].path.endswith("given as train_files (split 'test')") or data.reports[1].path == (
+            f"{tmp_path / 'saved'} (split 'test')"
+        )
+
+
 def test_a_hub_id_is_loaded_with_load_dataset_and_offline_says_what_to_do(pretrained, monkeypatch):
     """Only the wiring: these machines have no network, so load_dataset is replaced."""
     splits = datasets.DatasetDict({"train": _table(RECORDS[:14])})
