@@ -40,6 +40,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pl_lowprec.data.chat_roles import unknown_role_reason, unwritten_turn_reason
 from pl_lowprec.data.records import Sample
 from pl_lowprec.models.token_loss import IGNORE_INDEX
 
@@ -106,6 +107,14 @@ class ChatTemplate:
         """The turns and the generation prompt as token ids, without extra special tokens (the template has them)."""
         return self.tokenizer(self.render(turns, generation_prompt=True), add_special_tokens=False)["input_ids"]
 
+    def check_turns(self, turns: list[dict[str, Any]]) -> None:
+        """``UnusableChatRecord`` for turns of a role the template does not know, or that it does not write
+        (``chat_roles``): each would train silently wrong."""
+        reason = unknown_role_reason(turns, self.tokenizer.get_chat_template(None, self.tools))
+        reason = reason or unwritten_turn_reason(turns, self.render(turns))
+        if reason:
+            raise UnusableChatRecord(reason)
+
     def has_generation_marks(self) -> bool:
         """Whether the template this record renders with (a tokenizer may hold several by name: ``tool_use`` is
         taken where a record has tools) marks the assistant's text."""
@@ -114,6 +123,7 @@ class ChatTemplate:
     def encode_messages(self, messages: list[dict[str, Any]]) -> Sample:
         """Every assistant turn a target: by the template's ``{% generation %}`` marks where it has them, else by
         the text each turn's prefix renders to."""
+        self.check_turns(messages)
         if self.has_generation_marks():
             encoded = self._apply(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
             ids = list(encoded["input_ids"])
@@ -133,6 +143,7 @@ class ChatTemplate:
 
     def encode_completion(self, prompt: list[dict[str, Any]], completion: list[dict[str, Any]]) -> Sample:
         """The completion's turns the target: the text after the prompt rendered with the generation prompt."""
+        self.check_turns(prompt + completion)
         full = self.render(prompt + completion)
         start = self._prefix_of(full, prompt, generation_prompt=True)
         return self._encode_spans(full, [(start, len(full))])
@@ -339,7 +350,8 @@ def empty_answer_reason(turns: list[dict[str, Any]], eos_token: str | None = Non
     return None
 
 
-ANSWER_ROLES = ("assistant", "model", "gpt", "bot", "ai", "chatbot")  # the answers in other data ("Assistant")
+# the answers in other data ("Assistant"); ShareGPT dumps name some by the model that wrote them
+ANSWER_ROLES = ("assistant", "model", "gpt", "bot", "ai", "chatbot", "chatgpt", "bing", "bard")
 
 
 def no_answer_reason(turns: list[dict[str, Any]]) -> str | None:

@@ -5,16 +5,17 @@ A record is read by its fields: ``text``; ``prompt`` + ``completion``; ``message
 "completion": "answer"}``. With a mapping, only the columns it names are read, and the chat template's ``tools`` and
 ``chat_template_kwargs``. ShareGPT chats (a ``conversations`` column of ``{from, value}`` turns, roles
 ``human``/``gpt``/``system``) are read as ``messages`` with the roles ``user``/``assistant``/``system``, as TRL's
-``maybe_convert_to_chatml`` does, and a ``system`` column beside them as their first turn (LLaMA-Factory's
-ShareGPT); under another column name, map it with ``{"messages": COLUMN}``. Alpaca records (``instruction``,
-``output``, optionally ``input``, ``system`` and ``history``, the format of Stanford Alpaca and of LLaMA-Factory's
-datasets) are read as ``messages`` as LLaMA-Factory reads them: the instruction and its input
-joined by a newline as the user's turn, the output as the answer, the history's pairs before them. A value that is
-absent (``None``, as Arrow tables hold for a field a record lacks) is read as a missing field, so a ``.jsonl`` file
-and its Parquet copy give the same records.
-A prompt/completion record that lacks one of the two is told the columns it has and the mapping that reads the
-missing field from them (``missing_field_reason``): a file whose answers are under ``response`` was told
-"'prompt' and 'completion' not both strings".
+``maybe_convert_to_chatml`` does, LLaMA-Factory's tool-use roles ``function_call``/``observation`` as an assistant
+turn's ``tool_calls`` and a ``tool`` turn (``sharegpt_tools``), and a ``system`` column beside them as their first turn
+(LLaMA-Factory's ShareGPT); under another column name, map it with ``{"messages": COLUMN}``. Roles outside
+system/user/assistant/tool that the template does not name are refused (``chat_roles``). Alpaca records
+(``instruction``, ``output``, optionally ``input``, ``system`` and ``history``, the format of Stanford Alpaca and of
+LLaMA-Factory's datasets) are read as ``messages`` as LLaMA-Factory reads them: the instruction and its input joined by
+a newline as the user's turn, the output as the answer, the history's pairs before them. A value that is absent
+(``None``, as Arrow tables hold for a field a record lacks) is read as a missing field, so a ``.jsonl`` file and its
+Parquet copy give the same records. A prompt/completion record that lacks one of the two is told the columns it has and
+the mapping that reads the missing field from them (``missing_field_reason``): a file whose answers are under
+``response`` was told "'prompt' and 'completion' not both strings".
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from pl_lowprec.data.chat import TEMPLATE_FIELDS
+from pl_lowprec.data.sharegpt_tools import tool_use_turn
 
 FIELD_NAMES = ("text", "prompt", "completion", "messages")
 FORMATS = ({"text"}, {"prompt", "completion"}, {"messages"})
@@ -115,7 +117,8 @@ def chat_turn(turn: Any) -> Any:
         return turn
     turn = {key: value for key, value in turn.items() if value is not None}
     if "role" not in turn and "from" in turn and "value" in turn:
-        return {"role": SHAREGPT_ROLES.get(turn["from"], turn["from"]), "content": turn["value"]}
+        tool_use = tool_use_turn(turn["from"], turn["value"])
+        return tool_use or {"role": SHAREGPT_ROLES.get(turn["from"], turn["from"]), "content": turn["value"]}
     return turn
 
 

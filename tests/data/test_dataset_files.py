@@ -296,6 +296,88 @@ def test_a_sharegpt_system_column_is_the_first_turn(pretrained, tmp_path):
         assert rows_as_lists(_data(_write(fmt, sharegpt, tmp_path / fmt), pretrained, seq_len=64).train_set) == expected
 
 
+ADD_CALL = {"name": "add", "arguments": {"a": 1, "b": 1}}
+ANSWER = {"from": "gpt", "value": "2"}
+ADD_TOOLS = json.dumps([{"type": "function", "function": {"name": "add", "description": "sum", "parameters": {}}}])
+
+
+def test_sharegpt_tool_use_turns_read_as_llama_factory_reads_them(tool_tokenizer, tmp_path):
+    """LLaMA-Factory's ``function_call``/``observation`` turns were passed on under their own names: the template
+    wrote ``<|function_call|>``, a role the model never meets, and the call trained as the text of no answer."""
+    turns = [("human", "1 + 1?"), ("function_call", json.dumps(ADD_CALL)), ("observation", "2"), ("gpt", "2.")]
+    sharegpt = [{"conversations": [{"from": role, "value": value} for role, value in turns], "tools": ADD_TOOLS}]
+    call = {"role": "assistant", "tool_calls": [{"type": "function", "function": ADD_CALL}]}
+    as_messages = [
+        {"role": "user", "content": "1 + 1?"},
+        call,
+        {"role": "tool", "content": "2"},
+        {"role": "assistant", "content": "2."},
+    ]
+    expected = _data(
+        _write("jsonl", [{"messages": as_messages, "tools": ADD_TOOLS}], tmp_path / "messages"),
+        tool_tokenizer,
+        seq_len=96,
+        val_fraction=0,
+    )
+    for fmt in ("jsonl", "parquet"):
+        data = _data(_write(fmt, sharegpt, tmp_path / fmt), tool_tokenizer, seq_len=96, val_fraction=0)
+        assert rows_as_lists(data.train_set) == rows_as_lists(expected.train_set)
+    labels = [t for t in data.train_set[0]["labels"].tolist() if t != -100]
+    assert data.tokenizer.decode(labels) == "call add</s>2.</s>"  # the call trained, the observation context
+    several = json.dumps([ADD_CALL, {**ADD_CALL, "name": "mul"}])  # LLaMA-Factory's several calls in one turn,
+    # read as two tool_calls; this template writes only the first, which is said, not trained without the second
+    turns[1] = ("function_call", several)
+    record = {"conversations": [{"from": role, "value": value} for role, value in turns]}
+    with pytest.raises(ValueError, match=r"1 record with an assistant tool call \('mul'\) the chat template does"):
+        _data(_write("jsonl", [record], tmp_path / "several"), tool_tokenizer, seq_len=96)  # it writes the first
+
+
+def test_a_role_the_template_does_not_name_is_refused_naming_it_and_the_rename(pretrained, tmp_path):
+    """Roles outside system/user/assistant/tool went to the template as they were: a generic template wrote them as
+    roles of their own (``<|human|>`` beside ``<|assistant|>``), and the model learnt roles it never meets."""
+    bad = [
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "bing", "value": "hello"}, ANSWER]},
+        {"messages": [{"role": "human", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+        {"conversations": [{"from": "human", "value": "1+1?"}, {"from": "function_call", "value": "add(1)"}, ANSWER]},
+    ]
+    good = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
+    data = _data(_write("jsonl", bad + good, tmp_path / "all"), pretrained, seq_len=64, val_fraction=0)
+    reasons = {reason: lines for reason, lines in data.reports[0].bad.items()}
+    assert data.reports[0].used == 1 and len(reasons) == 3, reasons
+    said = data.reports[0].describe()
+    assert "1 record with turns of role 'bing', which the chat template does not name" in said
+    assert "rename the role 'bing' to 'assistant'" in said and "rename the role 'human' to 'user'" in said
+    assert "role 'function_call'" in said and "write each call as an assistant turn's tool_calls" in said
+    with pytest.raises(ValueError, match=r"turns of role 'bing'.*max_skipped_fraction=0.05"):
+        _data(_write("jsonl", bad[:1] + good * 3, tmp_path / "refused"), pretrained, max_skipped_fraction=0.05)
+
+
+def test_a_turn_or_tool_call_the_template_does_not_write_is_refused(pretrained, tmp_path):
+    """A template that names its roles writes nothing for another (a tool's answer, as Zephyr's drops it), and one
+    that writes ``content`` only drops an assistant's ``tool_calls``: the record trained without them."""
+    from transformers import AutoTokenizer
+
+    named = (
+        "{% for m in messages %}{% if m.role == 'user' %}<|user|>\n{{ m.content }}</s>\n"
+        "{% elif m.role == 'assistant' %}<|assistant|>\n{{ m.content }}</s>\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+    tokenizer = AutoTokenizer.from_pretrained(pretrained)
+    tokenizer.chat_template = named
+    tokenizer.save_pretrained(tmp_path / "named")
+    call = {"role": "assistant", "tool_calls": [{"type": "function", "function": ADD_CALL}]}
+    records = [
+        {"messages": [{"role": "user", "content": "1+1?"}, {"role": "tool", "content": "two"}, call]},
+        {"messages": [{"role": "user", "content": "1+1?"}, call]},
+        {"messages": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]},
+    ]
+    data = _data(_write("jsonl", records, tmp_path / "chat"), tmp_path / "named", seq_len=64, val_fraction=0)
+    said = data.reports[0].describe()
+    assert data.reports[0].used == 1, said
+    assert "1 record with a 'tool' turn whose text the chat template does not write" in said
+    assert "1 record with an assistant tool call ('add') the chat template does not write" in said
+
+
 def test_a_column_of_numbers_is_named_as_such(pretrained, tmp_path):
     """A Parquet answer column of integers (GSM8K-style) was told only "not both strings"."""
     records = [{"prompt": f"{i} + 1 =", "completion": i + 1} for i in range(4)]
@@ -491,10 +573,7 @@ def test_a_split_named_for_sources_without_splits_is_refused(pretrained, tmp_pat
         option, value = next(iter(split_argument.items()))
         assert (
             said.startswith(f"TextDataModule({option}={value!r}): train_files ({path}) has no splits")
-            and (
-                f"Fix: leave {option} out (a file is read whole), or name the {value!r} split's own files as train_files"
-            )
-            in said
+            and (f"Fix: leave {option} out (a file is read whole), or name the {value!r} split's own files as") in said
         )
     with pytest.raises(ValueError, match=r"^TextDataModule\(train_split='test'\): train_files \(the Dataset given"):
         TextDataModule(train_files=_table(RECORDS), tokenizer=str(pretrained), train_split="test")
