@@ -42,6 +42,7 @@ from typing import Any
 
 from pl_lowprec.data.chat_roles import unknown_role_reason, unwritten_turn_reason
 from pl_lowprec.data.records import Sample
+from pl_lowprec.data.turn_end import ended_marks, ended_spans
 from pl_lowprec.models.token_loss import IGNORE_INDEX
 
 GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")  # transformers' own test for the marks
@@ -80,15 +81,20 @@ class ChatTemplate:
     tokenizer: Any
     tools: list[Any] | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
+    eos_after_turns: bool | None = None  # an assistant turn without an end token: refused, or EOS, or kept (turn_end)
 
     @classmethod
     def for_record(
-        cls, tokenizer: Any, record: dict[str, Any], defaults: Mapping[str, Any] | None = None
+        cls,
+        tokenizer: Any,
+        record: dict[str, Any],
+        defaults: Mapping[str, Any] | None = None,
+        eos_after_turns: bool | None = None,
     ) -> ChatTemplate:
         """The template with the record's ``tools`` and its ``chat_template_kwargs`` over ``defaults`` (the data
         module's or ``generate``'s ``chat_template_kwargs``)."""
         own = record_kwargs(record.get("chat_template_kwargs"))
-        return cls(tokenizer, record_tools(record.get("tools")), {**(defaults or {}), **own})
+        return cls(tokenizer, record_tools(record.get("tools")), {**(defaults or {}), **own}, eos_after_turns)
 
     def render(self, turns: list[dict[str, Any]], generation_prompt: bool = False) -> str:
         return self._apply(turns, tokenize=False, add_generation_prompt=generation_prompt)
@@ -127,8 +133,9 @@ class ChatTemplate:
         if self.has_generation_marks():
             encoded = self._apply(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
             ids = list(encoded["input_ids"])
-            mask = encoded["assistant_masks"]
-            return Sample(ids, [t if m else IGNORE_INDEX for t, m in zip(ids, mask, strict=True)])
+            labels = [t if m else IGNORE_INDEX for t, m in zip(ids, encoded["assistant_masks"], strict=True)]
+            special = special_token_ids(self.tokenizer)
+            return Sample(*ended_marks(ids, labels, self.tokenizer, special, self.eos_after_turns))
         full = self.render(messages)
         spans = []
         for i, message in enumerate(messages):
@@ -189,6 +196,8 @@ class ChatTemplate:
         """Tokens of ``full``; a token is a target when it starts inside one of the character ``spans``, each
         ending at its end-of-turn token, or straddles a span's start (``in_span``)."""
         spans = [(start, self._end_of_turn(full, start, end)) for start, end in spans]
+        special = special_token_texts(self.tokenizer)
+        full, spans = ended_spans(full, spans, special, self.tokenizer.eos_token, self.eos_after_turns)
         encoded = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
         ids = encoded["input_ids"]
         labels = [
@@ -306,6 +315,12 @@ def special_token_texts(tokenizer: Any) -> frozenset[str]:
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     named = getattr(tokenizer, "all_special_tokens", [])
     return frozenset(named) | {t.content for t in added.values() if t.special}
+
+
+@functools.lru_cache(maxsize=8)
+def special_token_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids of ``special_token_texts``."""
+    return frozenset(tokenizer.convert_tokens_to_ids(sorted(special_token_texts(tokenizer))))
 
 
 def turns_problem(turns: Any) -> str | None:

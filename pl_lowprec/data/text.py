@@ -66,6 +66,7 @@ from pl_lowprec.data.sources import Source, describe_objects, is_dataset_object,
 from pl_lowprec.data.split_options import check_split, validation_sources
 from pl_lowprec.data.text_blocks import DocumentList, Documents, TextBlocks
 from pl_lowprec.data.token_table import TokenRows, read_table, table_path, tokenize
+from pl_lowprec.data.turn_end import NoTurnEnd
 from pl_lowprec.data.validation_split import (
     DEFAULT_VAL_FRACTION,
     warn_unused_val_fraction,
@@ -137,6 +138,10 @@ class TextDataModule(pl.LightningDataModule):
             with ``packing`` (``False``: SFT on whole records, e.g. chats rendered to text, as TRL's
             ``SFTTrainer`` reads its text field). ``None``: joined, with a warning where a record that would fit
             one block is cut across two.
+        eos_after_turns: What to do with an assistant turn the chat template ends with no end-of-turn token (a
+            newline alone), which trains no token to stop on: ``None`` refuses it before any step, with the fix;
+            ``True`` writes the tokenizer's EOS right after the turn's text, trained; ``False`` trains the turns as
+            written (``pl_lowprec.data.turn_end``).
         max_skipped_fraction: Share of a file's records that may be unusable (counted by reason in the log); above
             it the file is refused with the reasons (1.0 accepts any loss). 0.05, as for truncation: scattered bad
             records pass, a format the module does not read for a large part of the file does not.
@@ -160,6 +165,7 @@ class TextDataModule(pl.LightningDataModule):
         chat_template_kwargs: dict[str, Any] | None = None,
         max_skipped_fraction: float = 0.05,
         join_text: bool | None = None,
+        eos_after_turns: bool | None = None,
     ) -> None:
         super().__init__()
         if seq_len < 2:
@@ -206,6 +212,13 @@ class TextDataModule(pl.LightningDataModule):
         self.max_skipped_fraction = max_skipped_fraction
         self.packing = packing
         self.join_text = join_text
+        if eos_after_turns not in (None, True, False):
+            raise ValueError(
+                f"TextDataModule(eos_after_turns={eos_after_turns!r}) must be true (write the tokenizer's EOS after"
+                " an assistant turn the chat template ends with no end token), false (train such turns as written)"
+                " or null (refuse them)."
+            )
+        self.eos_after_turns = eos_after_turns
         self.text_records_cut = 0
         self.tokenizer: Any = None
         self.reports: list[FileReport] = []
@@ -333,7 +346,7 @@ class TextDataModule(pl.LightningDataModule):
                 sample_or_reason = self._encode(read_fields(record, self.fields), record, report)
             except UnusableChatRecord as unusable:  # the template refuses it: counted, as a record with no answer
                 sample_or_reason = unusable.reason
-            except (ChatTemplateMismatch, NoChatTemplate, TemplateFieldError) as problem:
+            except (ChatTemplateMismatch, NoChatTemplate, TemplateFieldError, NoTurnEnd) as problem:
                 where = f"line {number}" if report.unit == "lines" else f"row {number}"
                 said = self._no_template(record) if isinstance(problem, NoChatTemplate) else problem
                 raise ValueError(f"{report.path}, {where}: {said}") from None
@@ -439,7 +452,7 @@ class TextDataModule(pl.LightningDataModule):
     def _chat(self, record: dict[str, Any]) -> ChatTemplate:
         if self.tokenizer.chat_template is None:
             raise NoChatTemplate
-        return ChatTemplate.for_record(self.tokenizer, record, self.chat_template_kwargs)
+        return ChatTemplate.for_record(self.tokenizer, record, self.chat_template_kwargs, self.eos_after_turns)
 
     def _no_template(self, record: dict[str, Any]) -> str:
         """Why a chat record cannot be read with this tokenizer, in the record's own terms, and the two fixes."""

@@ -180,15 +180,51 @@ def test_a_tokenizer_with_named_templates_renders_with_the_one_a_record_takes(tm
     ]
 
 
-def test_a_turn_without_an_end_token_keeps_its_trailing_text(tmp_path, tokenizer_dir):
-    """Only whitespace after a special token is the template's separator; a template that ends turns with a
-    newline alone trains on it, as the model must learn where a turn ends."""
+def test_a_turn_the_template_ends_without_an_end_token_is_refused_or_given_the_eos(tmp_path, tokenizer_dir):
+    """A template that ends turns with a newline alone trained ``hi\n``: no token to stop on, so the fine-tuned
+    model never stopped in generate. Refused before any step by default, naming the fix; ``eos_after_turns=True``
+    writes the EOS after the turn's text, as a template ending it with ``{{ eos_token }}`` would;
+    ``eos_after_turns=False`` keeps the turn as the template writes it, the newline its only end."""
     plain = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
     plain += "{% if add_generation_prompt %}assistant: {% endif %}"
-    data = data_of_records(
-        tmp_path / "chat.jsonl", [{"messages": TURNS[1:3]}], _with_template(tokenizer_dir, plain, tmp_path / "t")
+    tokenizer = _with_template(tokenizer_dir, plain, tmp_path / "plain")
+    ended = "{% if m.role == 'assistant' %}</s>{% endif %}{{ '\\n' }}"  # jinja eats the newline after a block tag
+    ended = plain.replace("{{ m.content }}\n", "{{ m.content }}" + ended)
+    ended = _with_template(tokenizer_dir, ended, tmp_path / "ended")
+    records = [{"messages": TURNS[1:]}, {"prompt": TURNS[1:2], "completion": TURNS[2:3]}]
+    with pytest.raises(ValueError) as error:
+        data_of_records(tmp_path / "chat.jsonl", records, tokenizer)
+    said = str(error.value)
+    assert said.startswith(f"{tmp_path / 'chat.jsonl'}, line 1: the chat template ends an assistant turn with no")
+    assert "(its text ends '<think>greet</think>hi\\n')" in said and "generate would not stop" in said
+    assert "--data.eos_after_turns true to write the tokenizer's EOS '</s>' after each assistant turn" in said
+    given = data_of_records(tmp_path / "eos.jsonl", records, tokenizer, eos_after_turns=True)
+    expected = data_of_records(tmp_path / "ended.jsonl", records, ended)
+    assert rows_as_lists(given.train_set) == rows_as_lists(expected.train_set)
+    both, first = "<think>greet</think>hi</s><think>say it</think>pl</s>", "<think>greet</think>hi</s>"
+    assert [_targets(given, s) for s in given.train_set] == [both, first]
+    kept = data_of_records(tmp_path / "kept.jsonl", records[:1], tokenizer, eos_after_turns=False)
+    assert _targets(kept, kept.train_set[0]) == "<think>greet</think>hi\n<think>say it</think>pl\n"
+
+
+def test_generation_marks_without_an_end_token_are_refused_or_given_the_eos(tmp_path, tokenizer_dir):
+    """The same for a template whose {% generation %} marks hold no end token (TRL's assistant_only_loss reads
+    such marks and trains no token to stop on)."""
+    marked = (
+        "{% for m in messages %}{{ m.role }}: {% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
+        "{% endgeneration %}{% else %}{{ m.content }}{% endif %}{{ '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
     )
-    assert _targets(data, data.train_set[0]) == "<think>greet</think>hi\n"
+    tokenizer = _with_template(tokenizer_dir, marked, tmp_path / "marked")
+    records = [{"messages": TURNS[1:3]}]
+    with pytest.raises(ValueError, match=r"line 1: the chat template ends an assistant turn with no end-of-turn"):
+        data_of_records(tmp_path / "chat.jsonl", records, tokenizer)
+    given = data_of_records(tmp_path / "eos.jsonl", records, tokenizer, eos_after_turns=True)
+    assert _targets(given, given.train_set[0]) == "<think>greet</think>hi</s>"
+    assert (
+        given.tokenizer.decode(given.train_set[0]["input_ids"])
+        == "user: hello\nassistant: <think>greet</think>hi</s>\n"
+    )
 
 
 # A template that writes a default system turn where the conversation has none (as ChatML-style ones do), without
