@@ -259,6 +259,51 @@ def test_truncated_safetensors_names_the_file(capsys, tmp_path, user_files):
     assert "fetch or save the file again" in paragraph
 
 
+GPT = {"from": "gpt", "value": "yo"}
+NO_TURN_END = (  # a base model's ad-hoc template: each turn ends with a newline alone
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    "template, records, named",
+    [
+        (
+            NO_TURN_END,
+            [{"messages": [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}]}] * 8,
+            [
+                "chats.jsonl, line 1: the chat template ends an assistant turn with no end-of-turn token",
+                "eos_after_turns",
+            ],
+        ),
+        (
+            None,  # the model's own template; ShareGPT dumps name some answers by the model that wrote them
+            [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}] * 6
+            + [{"conversations": [{"from": "human", "value": "hi"}, {"from": "bing", "value": "x"}, GPT]}] * 2,
+            ["chats.jsonl", "turns of role 'bing'", "rename the role 'bing' to 'assistant'", "max_skipped_fraction"],
+        ),
+    ],
+    ids=["template-without-turn-end", "sharegpt-unknown-role"],
+)
+def test_chat_records_that_would_train_wrong_are_one_paragraph(capsys, tmp_path, user_files, template, records, named):
+    """``pl-lowprec fit`` on chat data that trained silently wrong: a template whose turns end with no end token
+    (the model never stopped), a role the template does not know (written as a role of its own)."""
+    from transformers import AutoTokenizer
+
+    pretrained, _ = user_files
+    model = shutil.copytree(pretrained, tmp_path / "model")
+    if template is not None:
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        tokenizer.chat_template = template
+        tokenizer.save_pretrained(model)
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    paragraph = refusal(capsys, finetune_args(model, data, tmp_path / "run"))
+    for part in named:
+        assert part in paragraph, paragraph
+
+
 SUBCOMMAND_CASES = [
     (["make-demo-model", "OUT", "--steps", "0"], "--steps: 0 is too small: give an integer >= 1"),
     (["make-demo-model", "OUT", "--steps", "-3"], "--steps: -3 is too small"),
