@@ -40,8 +40,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pl_lowprec.data.chat_roles import unknown_role_reason, unwritten_turn_reason
+from pl_lowprec.data.chat_roles import unknown_role_reason, unwritten_tools_reason, unwritten_turn_reason
 from pl_lowprec.data.records import Sample
+from pl_lowprec.data.template_arguments import template_words, unread_arguments
 from pl_lowprec.data.turn_end import ended_marks, ended_spans
 from pl_lowprec.models.token_loss import IGNORE_INDEX
 
@@ -114,10 +115,18 @@ class ChatTemplate:
         return self.tokenizer(self.render(turns, generation_prompt=True), add_special_tokens=False)["input_ids"]
 
     def check_turns(self, turns: list[dict[str, Any]]) -> None:
-        """``UnusableChatRecord`` for turns of a role the template does not know, or that it does not write
-        (``chat_roles``): each would train silently wrong."""
+        """``UnusableChatRecord`` for turns of a role the template does not know, or turns, tool calls or tools
+        that it does not write (``chat_roles``): each would train silently wrong."""
         reason = unknown_role_reason(turns, self.tokenizer.get_chat_template(None, self.tools))
-        reason = reason or unwritten_turn_reason(turns, self.render(turns))
+        unread = unread_arguments(self.kwargs, template_words(self.tokenizer))
+        if unread and not reason:
+            reason = (
+                f"records whose chat_template_kwargs name {unread[0]!r}, which the chat template never reads (it"
+                " would change nothing): name an argument the template reads, or leave it out"
+            )
+        if not reason:
+            rendered = self.render(turns)
+            reason = unwritten_turn_reason(turns, rendered) or unwritten_tools_reason(self.tools, rendered)
         if reason:
             raise UnusableChatRecord(reason)
 

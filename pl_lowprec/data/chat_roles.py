@@ -83,3 +83,18 @@ def loosely(text: str) -> str:
     """``text`` with its whitespace runs as one space and its case folded: what a template's ``trim`` or ``upper``
     leaves of a turn's text, so that only a turn left out counts as not written."""
     return " ".join(text.split()).casefold()
+
+
+def unwritten_tools_reason(tools: list[Any] | None, rendered: str) -> str | None:
+    """Why a record whose ``tools`` the template does not write (one with no tools section drops them) is
+    unusable, or ``None``: its tool calls would train without the definitions the model is given at inference."""
+    for tool in tools or []:
+        spec = tool.get("function", tool)  # {"type": "function", "function": {...}}, or LLaMA-Factory's schema alone
+        name = spec.get("name") if isinstance(spec, dict) else None
+        if isinstance(name, str) and name not in rendered:
+            return (
+                f"records with tools ({name!r}) the chat template does not write (it has no tools section), so they"
+                " would train without the definitions: use --data.tokenizer with a template that writes tools"
+                " (Qwen2.5's, Llama-3.1's), or leave the field out"
+            )
+    return None

@@ -64,6 +64,7 @@ from pl_lowprec.data.row_facts import ready_rows, row_lengths
 from pl_lowprec.data.row_views import subset
 from pl_lowprec.data.sources import Source, describe_objects, is_dataset_object, resolve_sources
 from pl_lowprec.data.split_options import check_split, validation_sources
+from pl_lowprec.data.template_arguments import check_template_arguments
 from pl_lowprec.data.text_blocks import DocumentList, Documents, TextBlocks
 from pl_lowprec.data.token_table import TokenRows, read_table, table_path, tokenize
 from pl_lowprec.data.turn_end import NoTurnEnd
@@ -234,6 +235,7 @@ class TextDataModule(pl.LightningDataModule):
         self.tokenizer = load_tokenizer(self.tokenizer_dir)
         check_tokenizer_with_model(self.trainer, self.tokenizer, self.tokenizer_dir)  # before any record is read
         check_seq_len_with_model(self.trainer, self.seq_len)
+        check_template_arguments(self.tokenizer, self.chat_template_kwargs, self.tokenizer_dir)
         train = self._samples(self.train_sources, self.train_splits, "train_files")
         if self.val_sources is not None:
             warn_unused_val_fraction(self.val_fraction)

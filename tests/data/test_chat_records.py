@@ -170,7 +170,8 @@ def test_a_tokenizer_with_named_templates_renders_with_the_one_a_record_takes(tm
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    tokenizer.chat_template = {"default": tokenizer.chat_template, "tool_use": MARKED}
+    writes_tools = "{% if tools %}<|tools|>{% for t in tools %}{{ t.function.name }};{% endfor %}</s>\n{% endif %}"
+    tokenizer.chat_template = {"default": tokenizer.chat_template, "tool_use": writes_tools + MARKED}
     tokenizer.save_pretrained(tmp_path / "named")
     records = [{"messages": TURNS[1:3]}, {"messages": TURNS, "tools": [TOOL]}]
     data = data_of_records(tmp_path / "chat.jsonl", records, str(tmp_path / "named"))
@@ -395,3 +396,26 @@ def test_an_answer_ending_with_the_eos_the_template_writes_trains_it_once(tmp_pa
     )
     kept = data_of_records(tmp_path / "plain.jsonl", ending_eos[:1], plain)
     assert _targets(kept, kept.train_set[0]) == "hi</s>"  # its one EOS, kept
+
+
+def test_template_arguments_or_tools_the_template_never_reads_are_refused(tmp_path, tokenizer_dir):
+    """apply_chat_template passes arguments a template does not use, and tools a template has no section for,
+    without a word: ``enable_thinking`` under a template without the switch (or misspelt) changed nothing, and
+    tool calls trained without the definitions."""
+    tokenizer = _with_template(tokenizer_dir, WITH_TOOLS, tmp_path / "tools")
+    turns = [{"role": "user", "content": "time?"}, {"role": "assistant", "content": "noon"}]
+    with pytest.raises(ValueError) as error:
+        data_of_records(tmp_path / "chat.jsonl", [{"messages": turns}], tokenizer, chat_template_kwargs={"persna": 1})
+    said = str(error.value)
+    assert said.startswith("TextDataModule(chat_template_kwargs={'persna': 1}): the chat template of the tokenizer")
+    assert "never reads 'persna' (did you mean 'persona'?)" in said and "Fix: name an argument the template" in said
+    records = [{"messages": turns}] * 3 + [{"messages": turns, "chat_template_kwargs": {"enable_thinking": False}}]
+    data = data_of_records(tmp_path / "own.jsonl", records, tokenizer, max_skipped_fraction=1)
+    assert "1 record whose chat_template_kwargs name 'enable_thinking', which the chat template never reads" in (
+        data.reports[0].describe()
+    )
+    no_tools = _with_template(tokenizer_dir, DEFAULT_SYSTEM_PLAIN, tmp_path / "no_tools")
+    records = [{"messages": turns}, {"messages": turns, "tools": [TOOL]}]
+    data = data_of_records(tmp_path / "tools.jsonl", records, no_tools, max_skipped_fraction=1)
+    assert data.reports[0].used == 1
+    assert "1 record with tools ('get_time') the chat template does not write" in data.reports[0].describe()
