@@ -29,6 +29,7 @@ from pl_lowprec.cli.own_options import check_own_options
 from pl_lowprec.cli.rebuild import config_files, rebuild, with_config
 from pl_lowprec.cli.resume import check_checkpoint
 from pl_lowprec.cli.subcommands import subcommand_parser
+from pl_lowprec.data.split_options import check_split
 from pl_lowprec.data.text import VAL_SPLITS
 from pl_lowprec.export.generate import (
     Decoding,
@@ -172,6 +173,7 @@ def main(args: list[str] | None = None) -> None:
     )
     fields = check_prompt_fields(parsed.fields)
     sources = prompt_sources(parsed.prompts)  # it exists and is read: before anything else loads
+    check_split("--split", parsed.split, sources, "--prompts")  # a file has none: it was read whole, unsaid
     inputs = {"prompts file": Path(parsed.prompts), "tokenizer": parsed.tokenizer and Path(parsed.tokenizer)}
     if parsed.ckpt_path is not None and parsed.dtype is not None:
         raise ValueError(

@@ -35,7 +35,7 @@ def has_splits(source: Source) -> bool:
 
 def check_split(option: str, split: str | None, sources: list[Source], argument: str) -> None:
     """A ``split`` other than ``train`` named in ``option`` for ``sources`` (those of ``argument``) none of which
-    has splits: refused, naming them."""
+    has splits: refused, naming them. ``option`` a command's (``--split``) or the data module's."""
     if split is None or split == ONE_SPLIT or any(has_splits(source) for source in sources):
         return
     named = ", ".join(source.label for source in sources[:3]) + (" ..." if len(sources) > 3 else "")
@@ -43,8 +43,9 @@ def check_split(option: str, split: str | None, sources: list[Source], argument:
     fix = f"leave {option} out (a file is read whole), or name the {split!r} split's own files as {argument}" + (
         " (and the held-out ones as val_files)" if files else ""
     )
+    given = f"{option} {split!r}" if option.startswith("--") else f"TextDataModule({option}={split!r})"
     raise ValueError(
-        f"TextDataModule({option}={split!r}): {argument} ({named}) has no splits to choose from: a file, or a"
+        f"{given}: {argument} ({named}) has no splits to choose from: a file, or a"
         f" single Dataset, is one split, {ONE_SPLIT!r}, as datasets.load_dataset reads it, and {option} would be"
         f" ignored, reading all of it. {option} chooses a split of {SPLIT_SOURCES}. Fix: {fix}."
     )

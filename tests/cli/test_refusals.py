@@ -185,6 +185,7 @@ def test_every_generate_refusal_is_one_paragraph_before_the_model_loads(run, tmp
             f"training checkpoint instead. Its directory is a GGUF export: {the_file}",
         ),
         ([f"--model={tmp_path / 'a_dir'}", ok, new, "--device=gpu"], "--device 'gpu' is not a device: give auto,"),
+        ([ckpt, ok, new, "--split=test"], f"--split 'test': --prompts ({tmp_path / 'ok.txt'}) has no splits"),
         ([ckpt, ok, new, "--top_p=0.9"], "top_p=0.9 sets sampling, and do_sample is off: greedy decoding would"),
         ([ckpt, ok, new, "--max-new-tokens=5"], "--max-new-tokens is not an option of pl-lowprec generate: did you"),
         ([f"--model={ggufs}", ok, new, "--max-new-tokens", "5"], "did you mean --max_new_tokens? Its options are"),
