@@ -27,7 +27,10 @@ is refused naming what is allowed (``TemplateFieldError``); the data module adds
 
 A turn's target ends with its end-of-turn token (``</s>``, ``<|im_end|>``, ``<|eot_id|>``): the whitespace a
 template writes after it (``</s>\n``) separates turns and is not learned, as axolotl's ``train_on_eos: turn``
-and templates' ``{% endgeneration %}`` before the newline have it.
+and templates' ``{% endgeneration %}`` before the newline have it. A turn the template ends with no such token
+trains no token to stop on: refused, or given the tokenizer's EOS, as ``eos_after_turns`` says (``turn_end``). A
+role the template does not know, and a turn, tool call, tool or template argument it does not write, make the
+record unusable (``chat_roles``, ``template_arguments``).
 """
 
 from __future__ import annotations
