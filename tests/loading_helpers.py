@@ -142,6 +142,15 @@ def rewrite_weights(directory: Path, edit: Callable[[dict], dict], copy_to: Path
     return directory
 
 
+def count_unpickles(monkeypatch) -> list:
+    """Every file ``torch.load`` opens from now on (each unpickles a whole .bin shard's pickle): a .bin read once
+    per load shows each shard here once."""
+    loads = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda file, *args, **kw: loads.append(file) or real_load(file, *args, **kw))
+    return loads
+
+
 def bin_copy(directory: Path, copy_to: Path, shards: int = 1, tied_key: bool = False) -> Path:
     """The model directory with its weights as transformers < 5 saved them without safetensors: one
     ``pytorch_model.bin``, or ``shards`` files ``pytorch_model-0000i-of-0000n.bin`` and

@@ -11,7 +11,7 @@ import torch
 from gguf_helpers import metadata
 from gguf_helpers import shrunk_model as shrunk
 from lightning_helpers import quiet_trainer
-from loading_helpers import LlamaModule, bin_copy, save_llama, save_tokenizer
+from loading_helpers import LlamaModule, bin_copy, count_unpickles, save_llama, save_tokenizer
 from model_shapes import SMOLLM2_135M
 from qlora_helpers import ids_loader
 
@@ -94,14 +94,6 @@ def test_merged_export_of_a_tied_bin_base_saves_the_shared_weight_once(tmp_path)
         assert torch.equal(loaded["from_bin"][key], tensor), key
 
 
-def _counting_unpickles(monkeypatch) -> list:
-    """Every file ``torch.load`` opens from now on (each unpickles a whole .bin shard's pickle)."""
-    loads = []
-    real_load = torch.load
-    monkeypatch.setattr(torch, "load", lambda file, *args, **kw: loads.append(file) or real_load(file, *args, **kw))
-    return loads
-
-
 def test_the_merged_export_unpickles_each_bin_shard_once(tmp_path, monkeypatch):
     """It read each shard twice (its headers, then its tensors), as the streamed load did before
     ``WeightFiles``: once now, the written tensors equal to those merged from the same weights as safetensors."""
@@ -118,7 +110,7 @@ def test_the_merged_export_unpickles_each_bin_shard_once(tmp_path, monkeypatch):
     trainer.fit(model, ids_loader(batches=1))
     (tmp_path / "from_safetensors").mkdir()
     merge_into_pretrained(model, PretrainedWeights(directory, prefix="model."), tmp_path / "from_safetensors")
-    loads = _counting_unpickles(monkeypatch)
+    loads = count_unpickles(monkeypatch)
     (tmp_path / "from_bin").mkdir()
     merge_into_pretrained(model, PretrainedWeights(bin_dir, prefix="model."), tmp_path / "from_bin")
     assert sorted(loads) == checkpoint_files(bin_dir)
@@ -141,7 +133,7 @@ def test_gguf_of_a_bin_model_directory_unpickles_each_shard_once_for_every_type(
     directory = shrunk(tmp_path / "st", tokenizer, SMOLLM2_135M, 32, 320, bos_token_id=0, eos_token_id=1)
     bin_dir = bin_copy(directory, tmp_path / "bin", shards=2, tied_key=True)
     main(["export", f"--model={directory}", f"--out={tmp_path / 'st-gguf'}", "--format=gguf", "--gguf_type=auto,q8_0"])
-    loads = _counting_unpickles(monkeypatch)
+    loads = count_unpickles(monkeypatch)
     main(["export", f"--model={bin_dir}", f"--out={tmp_path / 'bin-gguf'}", "--format=gguf", "--gguf_type=auto,q8_0"])
     assert sorted(loads) == checkpoint_files(bin_dir)
     for name in ("model-bf16.gguf", "model-q8_0.gguf"):

@@ -9,7 +9,7 @@ import zipfile
 import pytest
 import torch
 from lightning_helpers import quiet_trainer
-from loading_helpers import bin_copy, llama_config, save_llama, stand_in_hub
+from loading_helpers import bin_copy, count_unpickles, llama_config, save_llama, stand_in_hub
 from qlora_helpers import frozen_state
 
 from pl_lowprec import LowPrecisionStrategy
@@ -176,13 +176,9 @@ def test_a_single_state_dict_file_loads_as_its_directory_does(tmp_path):
 def test_each_bin_shard_is_unpickled_once_per_load(tmp_path, monkeypatch):
     """A 2-shard .bin was unpickled (~20 ms each) for every module that read from it, and twice more for its
     headers: once a file now, the tensors' bytes unchanged."""
-    import pl_lowprec.loading.torch_files as torch_files
-
     directory = save_llama(tmp_path / "st", hidden_size=64)
     bin_dir = bin_copy(directory, tmp_path / "bin", shards=2)
-    loads = []
-    real_load = torch.load
-    monkeypatch.setattr(torch_files.torch, "load", lambda file, **kw: loads.append(file) or real_load(file, **kw))
+    loads = count_unpickles(monkeypatch)
     streamed = _streamed(bin_dir)
     assert sorted(loads) == checkpoint_files(bin_dir)
     reference = transformers.AutoModelForCausalLM.from_pretrained(bin_dir)
