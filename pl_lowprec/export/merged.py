@@ -75,7 +75,7 @@ def _write_merged(
     source = Path(weights.path)
     deltas = {f"{name}.weight": delta.cpu() for name, delta in lora_deltas(module).items()}
     bias_deltas = {f"{name}.bias": delta.cpu() for name, delta in lora_bias_deltas(module).items()}
-    index = resolve_checkpoint(source, weights.prefix, files)
+    index = resolve_checkpoint(source, weights.prefix, files=files)
     check_biases_to_merge_into([key.removesuffix(".bias") for key in bias_deltas if key not in index.tensors])
     deltas |= bias_deltas
     absent = sorted(set(deltas) - set(index.tensors))

@@ -2,7 +2,8 @@
 
 - ``empty_weights``: build a module whose parameters are on the meta device (buffers stay real).
 - ``resolve_checkpoint``: a safetensors file, a sharded directory with its index, or a Hugging Face model
-  directory, as a map from key to file, shape and dtype (headers only; no tensor is read).
+  directory, as a map from key to file, shape and dtype (headers only; no tensor is read), opened through the
+  ``sources.WeightFiles`` of the load that reads the tensors next (a .bin is unpickled once for both).
 - ``load_pretrained``: materialize the module tensor by tensor; layers that will be quantized are quantized
   straight from the loaded tensor.
 """

@@ -136,20 +136,21 @@ def fitting_index(
     prefix: Prefix,
     new_heads: tuple = (),
     expected_prefix: str | None = None,
-    files: WeightFiles | None = None,
+    *,
+    files: WeightFiles,
 ) -> tuple[CheckpointIndex, KeyMatch, Prefix]:
     """The checkpoint's index under ``prefix``, where each tensor comes from, and the prefix used: the one given,
     or, where none was given, ``expected_prefix`` (what the module's keys usually need, taken without a word) and
     else the one prefix under which every key and shape matches (a base model's checkpoint, a peft wrapper's)."""
     first = prefix if prefix is not None else expected_prefix
-    index = resolve_checkpoint(source, first, files)
+    index = resolve_checkpoint(source, first, files=files)
     try:
         return index, check_against(model, index, first, new_heads=new_heads), first
     except CheckpointMismatch as mismatch:
         guess = mismatch.suggested_prefix
         if prefix is not None or guess is None or guess == (first or ""):
             raise
-    index = resolve_checkpoint(source, guess, files)
+    index = resolve_checkpoint(source, guess, files=files)
     match = check_against(model, index, guess, inferred=True, new_heads=new_heads)
     heads = " but for the heads named next" if match.fresh or match.unused else ""
     usual = f", not the usual {expected_prefix!r}" if expected_prefix is not None else ""

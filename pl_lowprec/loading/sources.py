@@ -167,22 +167,11 @@ _ALLOWED = (
 )
 
 
-@contextmanager
-def open_weights(file: Path, device: str | None = None) -> Iterator[Any]:
-    """A weights file opened for reading by key: ``safe_open`` for safetensors, else the torch file mapped
-    (``torch_files.open_torch_file``), which answers the same methods."""
-    if file.suffix == ".safetensors":
-        with open_safetensors(file, device) as handle:
-            yield handle
-    else:
-        with open_torch_file(file) as handle:
-            yield handle
-
-
 class WeightFiles:
-    """The weight files of one load, as ``open_weights`` opens them, except that a torch file is unpickled once and
-    kept mapped until ``close`` (unpickling took ~20 ms each time a module read from it); ``release`` drops a read
-    tensor's pages from it. A safetensors file is opened per use, as before: opening one reads only its header."""
+    """The weight files of one load or export, each opened for reading by key. A safetensors file is opened with
+    ``safe_open`` per use (that reads only its header); a torch file is mapped (``torch_files.open_torch_file``,
+    which answers the same methods) once and kept until ``close``, as unpickling it took ~20 ms each time a module
+    read from it; ``release`` drops a read tensor's pages from it."""
 
     def __init__(self) -> None:
         self._torch = ExitStack()
@@ -235,14 +224,14 @@ def open_safetensors(file: Path, device: str | None = None) -> Iterator[Any]:
 
 
 def resolve_checkpoint(
-    source: str | Path, prefix: str | Mapping[str, str] | None = None, files: WeightFiles | None = None
+    source: str | Path, prefix: str | Mapping[str, str] | None = None, *, files: WeightFiles
 ) -> CheckpointIndex:
     """Read the headers of every file of ``source``; keys are mapped through ``prefix`` (see ``prefix_map``).
     ``files``: the load's open files, which keep a torch file unpickled for the tensors read next."""
     prefixes = prefix_map(prefix)
     tensors: dict[str, TensorInfo] = {}
     for file in checkpoint_files(source):
-        with open_weights(file) if files is None else files.open(file) as handle:
+        with files.open(file) as handle:
             for key in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
                 tensor = handle.get_slice(key)
                 mapped = map_key(key, prefixes)

@@ -86,7 +86,7 @@ def load_pretrained(
     """
     device = torch.device(device)
     with WeightFiles() as files:  # a .bin shard is unpickled once for the whole load
-        index, match, prefix = fitting_index(model, source, prefix, new_heads, expected_prefix, files)
+        index, match, prefix = fitting_index(model, source, prefix, new_heads, expected_prefix, files=files)
         chosen = match.chosen
         if quantization is not None and not quantization.is_4bit:
             check_int8_trains(import_bitsandbytes(), device)
