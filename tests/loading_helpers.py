@@ -70,13 +70,14 @@ def save_tokenizer(directory: Path, vocab_size: int = 320) -> Path:
     return directory
 
 
-def save_pretrained_dir(directory: Path, hidden_size: int = 32, layers: int = 1) -> Path:
-    """A Hugging Face model directory as from the hub: tokenizer and Llama weights of matching vocabulary."""
+def save_pretrained_dir(directory: Path, hidden_size: int = 32, layers: int = 1, tie: bool = False) -> Path:
+    """A Hugging Face model directory as from the hub: tokenizer and Llama weights of matching vocabulary
+    (``tie``: the head shares the embedding, as SmolLM2's does)."""
     tokenizer = save_tokenizer(directory)
     from transformers import AutoTokenizer
 
     vocab = len(AutoTokenizer.from_pretrained(tokenizer))
-    return save_llama(directory, hidden_size=hidden_size, layers=layers, vocab_size=vocab)
+    return save_llama(directory, hidden_size=hidden_size, layers=layers, vocab_size=vocab, tie=tie)
 
 
 def causal_lm_fit_args(pretrained: Path, data: Path, tokenizer: Path | None = None) -> list[str]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning_helpers import quiet_trainer
-from loading_helpers import save_llama, save_pretrained_dir, save_tokenizer, write_prompt_completion
+from loading_helpers import save_pretrained_dir, write_prompt_completion
 
 from pl_lowprec import LowPrecisionStrategy
 from pl_lowprec.data import TextDataModule
@@ -50,19 +50,6 @@ def test_an_adapter_only_checkpoint_is_refused_in_one_paragraph_naming_the_fix(p
     assert "`pl-lowprec export --ckpt_path PATH`" in said
 
 
-def test_a_whole_model_checkpoint_loads_the_trained_weights(pretrained, tmp_path):
-    trained, checkpoint = _trained(pretrained, tmp_path, SingleDeviceStrategy(torch.device("cpu")))
-    loaded = CausalLM.load_from_checkpoint(checkpoint)
-    expected, got = trained.state_dict(), loaded.state_dict()
-    assert set(got) == set(expected)
-    from transformers import AutoModelForCausalLM
-
-    base = {f"model.{k}": v for k, v in AutoModelForCausalLM.from_pretrained(pretrained).state_dict().items()}
-    assert any(not torch.equal(base[k], v) for k, v in expected.items() if k in base)  # it trained: not the base
-    for key, tensor in expected.items():
-        assert torch.equal(got[key], tensor), key
-
-
 def _pretrained_files_opened(monkeypatch, pretrained) -> list[str]:
     """The names of the files of ``pretrained`` that safetensors opens from now on (the streamed load opens each
     for its headers and again for each module's tensors)."""
@@ -80,15 +67,39 @@ def _pretrained_files_opened(monkeypatch, pretrained) -> list[str]:
     return opened
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_a_checkpoint_holding_every_weight_loads_without_reading_the_pretrained_files(tmp_path, monkeypatch, tied):
-    """Every weight was streamed from pretrained= and then overwritten by the checkpoint's (read twice): the
-    checkpoint alone fills the model now, to the trained weights, tied ones staying one tensor."""
-    pretrained = save_tokenizer(tmp_path / "pretrained")
-    from transformers import AutoTokenizer
+def _loads_from_shapes_alone(pretrained: Path, checkpoint: Path, expected: dict, tmp_path: Path) -> None:
+    """A pretrained= of config.json alone is all the load of a whole checkpoint needs (it was refused as a
+    directory holding no weights)."""
+    shapes = tmp_path / "shapes"
+    shapes.mkdir()
+    shutil.copy(pretrained / "config.json", shapes / "config.json")
+    from_shapes = CausalLM.load_from_checkpoint(checkpoint, pretrained=str(shapes)).state_dict()
+    assert all(torch.equal(from_shapes[key], tensor) for key, tensor in expected.items())
 
-    vocab = len(AutoTokenizer.from_pretrained(pretrained))
-    save_llama(pretrained, hidden_size=32, layers=2, vocab_size=vocab, tie=tied)
+
+def test_a_whole_model_checkpoint_loads_the_trained_weights(pretrained, tmp_path, monkeypatch):
+    """Without reading the pretrained files: every weight was streamed from pretrained= and then overwritten by the
+    checkpoint's (read twice)."""
+    trained, checkpoint = _trained(pretrained, tmp_path, SingleDeviceStrategy(torch.device("cpu")))
+    opened = _pretrained_files_opened(monkeypatch, pretrained)
+    loaded = CausalLM.load_from_checkpoint(checkpoint)
+    assert opened == []
+    expected, got = trained.state_dict(), loaded.state_dict()
+    assert set(got) == set(expected)
+    from transformers import AutoModelForCausalLM
+
+    base = {f"model.{k}": v for k, v in AutoModelForCausalLM.from_pretrained(pretrained).state_dict().items()}
+    assert any(not torch.equal(base[k], v) for k, v in expected.items() if k in base)  # it trained: not the base
+    for key, tensor in expected.items():
+        assert torch.equal(got[key], tensor), key
+    assert loaded.model.get_output_embeddings().weight is not loaded.model.get_input_embeddings().weight
+    assert all(not p.is_meta for p in loaded.parameters())
+    _loads_from_shapes_alone(pretrained, checkpoint, expected, tmp_path)
+
+
+def test_a_tied_checkpoint_loads_with_its_head_and_embedding_one_tensor(tmp_path, monkeypatch):
+    """Filled from the checkpoint alone, as the untied one above, the tied weight staying one tensor."""
+    pretrained = save_pretrained_dir(tmp_path / "pretrained", hidden_size=32, layers=2, tie=True)
     trained, checkpoint = _trained(pretrained, tmp_path, SingleDeviceStrategy(torch.device("cpu")))
     opened = _pretrained_files_opened(monkeypatch, pretrained)
     loaded = CausalLM.load_from_checkpoint(checkpoint)
@@ -97,14 +108,9 @@ def test_a_checkpoint_holding_every_weight_loads_without_reading_the_pretrained_
     assert set(got) == set(expected)
     for key, tensor in expected.items():
         assert torch.equal(got[key], tensor), key
-    head, embeddings = loaded.model.get_output_embeddings().weight, loaded.model.get_input_embeddings().weight
-    assert (head is embeddings) == tied
+    assert loaded.model.get_output_embeddings().weight is loaded.model.get_input_embeddings().weight
     assert all(not p.is_meta for p in loaded.parameters())
-    shapes = tmp_path / "shapes"  # config.json alone: all this load needs (it said the directory held no weights)
-    shapes.mkdir()
-    shutil.copy(pretrained / "config.json", shapes / "config.json")
-    from_shapes = CausalLM.load_from_checkpoint(checkpoint, pretrained=str(shapes)).state_dict()
-    assert all(torch.equal(from_shapes[key], tensor) for key, tensor in expected.items())
+    _loads_from_shapes_alone(pretrained, checkpoint, expected, tmp_path)
 
 
 def test_a_checkpoint_without_some_weights_takes_them_from_the_pretrained_files(pretrained, tmp_path, monkeypatch):
