@@ -31,7 +31,7 @@ from pl_lowprec.loading.hub import resolve_pretrained
 from pl_lowprec.models.chunked_loss import causal_lm_loss_sum, chunk_loss, compiled_chunk_loss_standin
 from pl_lowprec.models.forward_batch import forward_batch
 from pl_lowprec.models.liger_loss import LossKernel, check_head, check_loss_kernel, choose_loss_kernel, liger_loss_sum
-from pl_lowprec.models.standalone_load import check_loads_without_strategy, holds_every_weight
+from pl_lowprec.models.standalone_load import check_loads_without_strategy
 from pl_lowprec.models.token_loss import TokenMeanLoss
 from pl_lowprec.models.tokenizer_check import check_tokenizer
 from pl_lowprec.transforms.dtypes import to_dtype
@@ -179,9 +179,8 @@ class CausalLM(pl.LightningModule):
         restores the checkpoint."""
         if self._trainer is not None or self.model is None:
             return
-        module_keys = set(self.state_dict())
-        check_loads_without_strategy(module_keys, checkpoint, self.directory)
-        if holds_every_weight(module_keys, checkpoint):
+        holds_every_weight = check_loads_without_strategy(set(self.state_dict()), checkpoint, self.directory)
+        if holds_every_weight:
             storage_to_fill(self.model)  # Lightning's load_state_dict copies every weight in next
         else:
             self.load_own_weights()

@@ -20,12 +20,13 @@ from typing import Any
 LORA_MARK = ".lora_"  # peft's lora_A / lora_B / lora_magnitude_vector / lora_embedding_A ...
 
 
-def check_loads_without_strategy(module_keys: set[str], checkpoint: Mapping[str, Any], pretrained: Path) -> None:
-    """Refuse, in one paragraph, a checkpoint whose ``state_dict`` holds tensors the plain model lacks."""
+def check_loads_without_strategy(module_keys: set[str], checkpoint: Mapping[str, Any], pretrained: Path) -> bool:
+    """Refuse, in one paragraph, a checkpoint whose ``state_dict`` holds tensors the plain model lacks; else return
+    whether it holds every key of the module (then nothing from ``pretrained=`` would survive its load)."""
     saved = list(checkpoint.get("state_dict", {}))
     foreign = [key for key in saved if key not in module_keys]
     if not foreign:
-        return
+        return len(saved) == len(module_keys)  # every saved key is the module's, each once: the same set
     lora = [key for key in foreign if LORA_MARK in key]
     peft_only = all(LORA_MARK in key or ".modules_to_save." in key for key in foreign)
     adapter_only = bool(lora) and peft_only and len(saved) < len(module_keys)
@@ -48,9 +49,3 @@ def check_loads_without_strategy(module_keys: set[str], checkpoint: Mapping[str,
         " elsewhere, `pl-lowprec export --ckpt_path PATH` writes the adapter (or the merged model) that peft and"
         " transformers load; `pl-lowprec generate --ckpt_path PATH` completes prompts with it."
     )
-
-
-def holds_every_weight(module_keys: set[str], checkpoint: Mapping[str, Any]) -> bool:
-    """The checkpoint's ``state_dict`` has a value for every key of the module: nothing from ``pretrained=`` would
-    survive its load."""
-    return module_keys <= set(checkpoint.get("state_dict", {}))
