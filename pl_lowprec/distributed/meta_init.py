@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from pl_lowprec.distributed.mesh import is_local_rows, local_rows
-from pl_lowprec.loading.empty import assert_no_meta, place_own, reset_on
+from pl_lowprec.loading.empty import assert_no_meta, place_own, replace_parameters, reset_on
 from pl_lowprec.transforms.quantization import QuantizationConfig, will_quantize
 
 Placement = Callable[[nn.Parameter], nn.Parameter]
@@ -86,14 +86,8 @@ def check_initializable(model: nn.Module, owners: list[str]) -> None:
 def meta_stand_ins(model: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
     """Swap every ``local_rows`` parameter for a meta tensor of its full shape (``fully_shard`` splits those
     without memory); return the rows to put back once the modules are sharded."""
-    rows, stand_ins = [], {}
-    for module in model.modules():
-        for attr, param in list(module._parameters.items()):
-            if param is None or not is_local_rows(param):
-                continue
-            rows.append((module, attr, param))
-            if id(param) not in stand_ins:  # a tied parameter stays one parameter for FSDP2
-                stand_in = torch.empty(param.shape, dtype=param.dtype, device="meta")
-                stand_ins[id(param)] = nn.Parameter(stand_in, requires_grad=param.requires_grad)
-            module._parameters[attr] = stand_ins[id(param)]
-    return rows
+
+    def stand_in(rows: nn.Parameter) -> nn.Parameter:  # one for a tied parameter, which FSDP2 shards once
+        return nn.Parameter(torch.empty(rows.shape, dtype=rows.dtype, device="meta"), requires_grad=rows.requires_grad)
+
+    return replace_parameters(model, is_local_rows, stand_in)

@@ -69,18 +69,28 @@ def reset_on(module: nn.Module, device: torch.device) -> None:
         module.reset_parameters()
 
 
-def storage_to_fill(module: nn.Module, device: torch.device | str = "cpu") -> None:
-    """Give every meta parameter uninitialized storage on ``device``, in its dtype, tied parameters staying one: for
-    a load that copies every value in next (Lightning's ``load_state_dict`` of a checkpoint holding every weight),
-    so that nothing is read twice."""
-    made: dict[int, nn.Parameter] = {}
+def storage_to_fill(module: nn.Module) -> None:
+    """Give every meta parameter uninitialized storage on the CPU, in its dtype, tied parameters staying one: for a
+    load that copies every value in next (Lightning's ``load_state_dict`` of a checkpoint holding every weight), so
+    that nothing is read twice."""
+    replace_parameters(module, is_meta, lambda p: nn.Parameter(torch.empty_like(p, device="cpu"), p.requires_grad))
+
+
+def replace_parameters(
+    module: nn.Module, chosen: Callable[[nn.Parameter], bool], replacement: Callable[[nn.Parameter], nn.Parameter]
+) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """Replace every parameter ``chosen`` picks by ``replacement(param)``, made once for each parameter so that tied
+    ones stay one; return each place replaced as ``(owner, attribute, the parameter it held)``."""
+    replaced, made = [], {}
     for owner in module.modules():
         for attr, param in list(owner._parameters.items()):
-            if param is None or not is_meta(param):
+            if param is None or not chosen(param):
                 continue
+            replaced.append((owner, attr, param))
             if id(param) not in made:
-                made[id(param)] = nn.Parameter(torch.empty_like(param, device=device), param.requires_grad)
+                made[id(param)] = replacement(param)
             owner._parameters[attr] = made[id(param)]
+    return replaced
 
 
 def place_own(module: nn.Module, place: Callable[[nn.Parameter], nn.Parameter]) -> None:
