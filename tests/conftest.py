@@ -59,24 +59,23 @@ def _process_group_started() -> bool:
 
 @pytest.fixture
 def no_process_group_left():
-    """A DDP or FSDP strategy's fit in this process starts a one-process group, which Lightning leaves: a test that
-    runs one names this fixture, which destroys the group afterwards, so the next test on this worker can start
-    its own."""
-    yield
-    if _process_group_started():
-        torch.distributed.destroy_process_group()
+    """A marker, with nothing of its own to do: a DDP or FSDP strategy's fit in this process starts a one-process
+    group, which Lightning leaves; a test that runs one names this fixture, and ``_no_process_group_leaked`` then
+    destroys the group after it without failing it, so the next test on this worker can start its own."""
 
 
 @pytest.fixture(autouse=True)
-def _no_process_group_leaked():
-    """A test that leaves a process group started, without naming ``no_process_group_left``, fails at its own
-    teardown (the group destroyed), instead of a later test on the same xdist worker.
+def _no_process_group_leaked(request):
+    """Destroy a process group a test leaves started; fail the test at its own teardown where it did not name
+    ``no_process_group_left``, instead of a later test on the same xdist worker.
 
     Why: a leaked one-process group broke the next test file on its worker ('trying to initialize the default
     process group twice'), far from the test that leaked it. The check is one ``is_initialized()`` call a test."""
     yield
-    if _process_group_started():
-        torch.distributed.destroy_process_group()
+    if not _process_group_started():
+        return
+    torch.distributed.destroy_process_group()
+    if "no_process_group_left" not in request.fixturenames:
         pytest.fail(
             "This test left a torch.distributed process group started (a DDP or FSDP strategy's fit in the test"
             " process starts a one-process group, which Lightning leaves). It was destroyed now; name the fixture"
