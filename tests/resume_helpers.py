@@ -28,8 +28,10 @@ class Regression(pl.LightningModule):
         plain_loader: bool = False,
         epoch_scheduler: bool = False,
         shuffled_validation: bool = False,
+        step_scheduler: bool = False,
     ) -> None:
         super().__init__()
+        self.step_scheduler = step_scheduler  # halve the learning rate at each optimizer step
         self.shuffled_validation = shuffled_validation  # a RandomSampler without generator: draws at each validation
         self.epoch_scheduler = epoch_scheduler  # halve the learning rate at each epoch's end
         self.plain_loader = plain_loader  # a shuffled DataLoader without state or generator: draws at each epoch
@@ -47,6 +49,9 @@ class Regression(pl.LightningModule):
 
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        if self.step_scheduler:
+            halving = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": halving, "interval": "step"}}
         if not self.epoch_scheduler:
             return optimizer
         halving = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
@@ -74,12 +79,15 @@ def fit(
     epoch_scheduler=False,
     shuffled_validation=False,
     callbacks=(),
+    step_scheduler=False,
+    module_class=Regression,
     **trainer_args,
 ) -> torch.Tensor:
     """Train to ``max_steps`` (or ``max_epochs``), the random generator from ``seed`` (after the weights' own),
     saving every 2 steps (or on ``schedule``'s arguments) and ``last.ckpt`` into ``directory``; validating every
-    ``validate_every`` batches where given, with ``callbacks`` besides. The final weights."""
-    model = Regression(dropout, plain_loader, epoch_scheduler, shuffled_validation)
+    ``validate_every`` batches where given, with ``callbacks`` besides; ``module_class``: a ``Regression`` subclass.
+    The final weights."""
+    model = module_class(dropout, plain_loader, epoch_scheduler, shuffled_validation, step_scheduler)
     torch.manual_seed(seed)
     schedule = {"every_n_train_steps": EVERY, "save_top_k": -1} if schedule is None else schedule
     trainer = pl.Trainer(

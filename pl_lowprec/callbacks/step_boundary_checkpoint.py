@@ -41,6 +41,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 
 from pl_lowprec.callbacks.epoch_end_resumption import as_saved_at_the_last_batch
+from pl_lowprec.callbacks.step_completion import finish_the_step, on_each_optimizer_step
 from pl_lowprec.callbacks.step_end_rewind import (
     AS_AT_THE_STEP_END,
     can_set_back,
@@ -63,6 +64,7 @@ class StepBoundaryCheckpoint(LightningModelCheckpoint):
     _step_end_random_states: dict[str, Any] | None = None  # where the latest step ended (``step_end_rewind.py``)
     _step_end_global_step: int | None = None  # that step's global_step
     _micro_batches_to_set_back: int | None = None  # set while this callback writes a file as at the last step's end
+    _optimizer_stepped = False  # in the current batch (``step_completion.py``)
 
     def _generate_state_key(self, **kwargs: Any) -> str:
         return f"{LightningModelCheckpoint.__qualname__}{kwargs!r}"  # Lightning's key: either class resumes the other
@@ -80,6 +82,11 @@ class StepBoundaryCheckpoint(LightningModelCheckpoint):
         super().on_train_start(trainer, pl_module)
         self._step_end_random_states = self._step_end_global_step = None  # an earlier fit's: none of this one yet
         self._validation_save_pending = False
+        if pl_module.automatic_optimization:
+            on_each_optimizer_step(trainer, self._note_optimizer_step)
+
+    def _note_optimizer_step(self) -> None:
+        self._optimizer_stepped = True
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Inside an accumulated step, an unmonitored save waits for the step's end: a file saved here would lack
@@ -96,7 +103,11 @@ class StepBoundaryCheckpoint(LightningModelCheckpoint):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """``save_on_exception``: the file is written as at the last step's end. As it stands, it holds the loop
         inside a step (the micro-batches so far counted, their gradients in no file: the step resumed on the rest
-        alone) and the random generators after the failed batch's draws (its retry draws other dropout masks)."""
+        alone) and the random generators after the failed batch's draws (its retry draws other dropout masks).
+        Raised after the optimizer stepped, the step is first finished as Lightning would have finished it
+        (``step_completion.py``)."""
+        if self._optimizer_stepped and trainer.state.fn == TrainerFn.FITTING and pl_module.automatic_optimization:
+            finish_the_step(trainer)
         with self._as_at_the_last_step_end(trainer):
             super().on_exception(trainer, pl_module, exception)
 
@@ -104,6 +115,7 @@ class StepBoundaryCheckpoint(LightningModelCheckpoint):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._global_step_at_batch_start = trainer.global_step
+        self._optimizer_stepped = False
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int

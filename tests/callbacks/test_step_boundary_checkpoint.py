@@ -2,6 +2,7 @@
 holds the trained model and every checkpoint resumes to the uninterrupted run's weights; Lightning's own class
 is the reference that fails each case."""
 
+import signal
 import warnings
 
 import lightning.pytorch as pl
@@ -331,3 +332,60 @@ def test_a_file_lightnings_on_exception_checkpoint_wrote_inside_a_batch_is_said_
     assert "StepBoundaryCheckpoint(save_on_exception=True)" in said
     assert not [w for w in caught if "micro-batches of optimizer step" in str(w.message)]  # one paragraph, not two
     assert not torch.equal(resumed, uninterrupted)
+
+
+class FailsAfterItsOptimizerStep(Regression):
+    """A module whose own ``optimizer_step`` raises after ``optimizer.step`` on the run's batch ``failing_batch``:
+    the weights stand at the new step, and Lightning has neither counted it nor stepped the scheduler."""
+
+    failing_batch: int | None = None
+    raised: type[BaseException] = Failure
+
+    def optimizer_step(self, *args, **kwargs):
+        super().optimizer_step(*args, **kwargs)
+        if self.trainer.fit_loop.total_batch_idx == self.failing_batch:
+            raise self.raised(f"after the optimizer step of batch {self.failing_batch}")
+
+
+class LearningRates(pl.Callback):
+    """``(global_step, learning rate)`` where each optimizer step's batch ends."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if not self.rows or self.rows[-1][0] != trainer.global_step:
+            self.rows.append((trainer.global_step, trainer.optimizers[0].param_groups[0]["lr"]))
+
+
+@pytest.mark.parametrize("raised", [Failure, KeyboardInterrupt])
+@pytest.mark.parametrize("batch", [5, 9])  # step 3's end; step 5's, the epoch's last batch
+def test_an_exception_after_the_optimizer_step_saves_a_file_with_the_step_counted_and_scheduled(
+    tmp_path, monkeypatch, raised, batch
+):
+    """Raised after ``optimizer.step`` (a module's own ``optimizer_step``, Ctrl-C), before Lightning counted the
+    step and stepped the scheduler: the file said step N-1 with step N's weights, and the resumption took step N
+    again, its learning rate one step behind from there on. The step is finished first: LR and weights follow the
+    uninterrupted run."""
+    sigint = signal.getsignal(signal.SIGINT)
+    run = {"schedule": {"every_n_train_steps": 4, "save_on_exception": True}, "max_steps": 8, "step_scheduler": True}
+    on = with_dropout_on_the_strategy(StepBoundaryCheckpoint)
+    full_rates = LearningRates()
+    uninterrupted = fit(tmp_path / "full", callbacks=[full_rates], module_class=FailsAfterItsOptimizerStep, **run, **on)
+    monkeypatch.setattr(FailsAfterItsOptimizerStep, "failing_batch", batch)
+    monkeypatch.setattr(FailsAfterItsOptimizerStep, "raised", raised)
+    try:
+        with pytest.raises(Failure if raised is Failure else SystemExit):
+            on = with_dropout_on_the_strategy(StepBoundaryCheckpoint)
+            fit(tmp_path / "part", module_class=FailsAfterItsOptimizerStep, **run, **on)
+    finally:
+        signal.signal(signal.SIGINT, sigint)
+    monkeypatch.setattr(FailsAfterItsOptimizerStep, "failing_batch", None)
+    step = (batch + 1) // ACCUMULATE
+    saved_file = torch.load(tmp_path / "part/last.ckpt", weights_only=False)
+    assert saved_file["global_step"] == step and saved_file["lr_schedulers"][0]["last_epoch"] == step
+    resumed_rates = LearningRates()
+    on = with_dropout_on_the_strategy(StepBoundaryCheckpoint)
+    resumed = fit(tmp_path / "part", ckpt_path=tmp_path / "part/last.ckpt", callbacks=[resumed_rates], **run, **on)
+    assert resumed_rates.rows == full_rates.rows[step:]
+    assert torch.equal(resumed, uninterrupted)
