@@ -31,6 +31,7 @@ keeps ``--trainer.callbacks+=ModelCheckpoint`` meaning Lightning's on the comman
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -51,6 +52,7 @@ from pl_lowprec.callbacks.step_end_rewind import (
     set_back,
 )
 from pl_lowprec.callbacks.swap import in_place, swap_default_callbacks
+from pl_lowprec.distributed.failing_ranks import every_rank_failed_here, ranks_not_failed_paragraph
 from pl_lowprec.generator_states import generators_held, random_states
 
 
@@ -105,9 +107,15 @@ class StepBoundaryCheckpoint(LightningModelCheckpoint):
         inside a step (the micro-batches so far counted, their gradients in no file: the step resumed on the rest
         alone) and the random generators after the failed batch's draws (its retry draws other dropout masks).
         Raised after the optimizer stepped, the step is first finished as Lightning would have finished it
-        (``step_completion.py``)."""
+        (``step_completion.py``). With several ranks, only where every rank raised at the same batch
+        (``failing_ranks.py``): the save's collectives would wait for a rank that trains on."""
         if self._optimizer_stepped and trainer.state.fn == TrainerFn.FITTING and pl_module.automatic_optimization:
             finish_the_step(trainer)
+        if not self._should_save_on_exception(trainer):
+            return
+        if not every_rank_failed_here(trainer):  # the save's collectives would wait for the others: no file
+            warnings.warn(ranks_not_failed_paragraph(trainer, exception, self.last_model_path), stacklevel=1)
+            return
         with self._as_at_the_last_step_end(trainer):
             super().on_exception(trainer, pl_module, exception)
 

@@ -1,0 +1,37 @@
+"""save_on_exception on 2 DDP CPU processes (gloo) where one rank raises alone: a message and an exit, never a
+hang; where every rank raises at the same batch, the exception's checkpoint."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import warm_python
+
+SCRIPT = Path(__file__).parents[1] / "_scripts" / "exception_ddp.py"
+
+
+def _run(out: Path, ranks: str):
+    command = [sys.executable, str(SCRIPT), str(out), ranks]
+    return warm_python.run(command, 120, ranks=2, pythonpath=SCRIPT.parents[1])  # TimeoutExpired: a hang
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("failing", ["1", "0"])
+def test_a_rank_that_raises_alone_saves_nothing_and_says_so_instead_of_hanging(tmp_path, failing):
+    """The save gathers every rank's random states and ends in a barrier: the failing rank waited in them for a
+    rank that trained on into its gradients' all-reduce, both until the process group's 30-minute timeout."""
+    result = _run(tmp_path, failing)
+    assert result.returncode != 0
+    said = f"save_on_exception: rank {failing} raised Failure at batch 0 of epoch 1 (global step 3), and not every"
+    assert said in result.stderr, result.stderr[-4000:]
+    assert f"The run's last checkpoint stays {tmp_path / 'last.ckpt'}; resume from it." in result.stderr
+    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 2
+
+
+@pytest.mark.slow
+def test_ranks_that_raise_at_the_same_batch_save_the_exceptions_checkpoint(tmp_path):
+    result = _run(tmp_path, "0,1")
+    assert result.returncode != 0 and "save_on_exception" not in result.stderr, result.stderr[-4000:]
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert saved["global_step"] == 3 and len(saved["pl_lowprec_random_states"]) == 2
