@@ -80,10 +80,15 @@ class StepBoundaryCheckpoint(LightningModelCheckpoint):
         if trainer.state.fn == TrainerFn.FITTING:
             as_saved_at_the_last_batch(checkpoint, trainer.max_steps)
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Where a fit begins, before anything of it can fail: an earlier fit's step end is none of this one's."""
+        super().setup(trainer, pl_module, stage)
+        if stage == TrainerFn.FITTING:
+            self._step_end_random_states = self._step_end_global_step = None
+            self._validation_save_pending = False
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
-        self._step_end_random_states = self._step_end_global_step = None  # an earlier fit's: none of this one yet
-        self._validation_save_pending = False
         if pl_module.automatic_optimization:
             on_each_optimizer_step(trainer, self._note_optimizer_step)
 

@@ -389,3 +389,37 @@ def test_an_exception_after_the_optimizer_step_saves_a_file_with_the_step_counte
     resumed = fit(tmp_path / "part", ckpt_path=tmp_path / "part/last.ckpt", callbacks=[resumed_rates], **run, **on)
     assert resumed_rates.rows == full_rates.rows[step:]
     assert torch.equal(resumed, uninterrupted)
+
+
+class FailsAsTrainingStarts(pl.Callback):
+    """Raises in ``on_train_start``, before the checkpoint callbacks' own (Lightning calls them last) and before the
+    strategy sets the resumed random states."""
+
+    def on_train_start(self, trainer, pl_module):
+        raise Failure("on_train_start")
+
+
+def test_a_resumed_fit_that_fails_before_training_saves_the_resumed_states_with_a_reused_callback(tmp_path):
+    """A ``save_on_exception`` callback that an earlier fit ended at the same global step still held that fit's
+    step-end random states, and wrote them into the exception file of a resumed fit failing before
+    ``on_train_start``, as at the step's end; without them the file held the generators as the fit found them, not
+    yet set to the resumed ones (the strategy sets them in ``on_train_start``). Either way the resumption from that
+    file drew other dropout masks than the uninterrupted run."""
+    run = {"schedule": {"every_n_train_steps": 4, "save_top_k": -1}, "max_steps": 8, "dropout": 0.5}
+    uninterrupted = fit(tmp_path / "full", strategy=LowPrecisionStrategy(), **run)
+    on_exception = StepBoundaryCheckpoint(dirpath=tmp_path / "failed", save_top_k=0, save_on_exception=True)
+    other_run = {**run, "max_steps": 4, "seed": 7}  # another run, ended at step 4 by this same callback object
+    fit(tmp_path / "other", strategy=LowPrecisionStrategy(), callbacks=[on_exception], **other_run)
+    assert on_exception._last_global_step_saved == 0  # it saved nothing: the resumed fit's exception is saved
+    with pytest.raises(Failure):
+        fit(
+            tmp_path / "resumed",
+            strategy=LowPrecisionStrategy(),
+            ckpt_path=tmp_path / "full/epoch=0-step=4.ckpt",
+            callbacks=[FailsAsTrainingStarts(), on_exception],
+            **run,
+        )
+    (failed,) = (tmp_path / "failed").glob("*.ckpt")
+    assert torch.load(failed, weights_only=False)["global_step"] == 4
+    resumed = fit(tmp_path / "again", strategy=LowPrecisionStrategy(), ckpt_path=failed, **run)
+    assert torch.equal(resumed, uninterrupted)
