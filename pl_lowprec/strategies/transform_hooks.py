@@ -51,6 +51,7 @@ from pl_lowprec.strategies.step_clock import StepClock
 from pl_lowprec.strategies.trainer_checks import check_trainer_arguments, check_validation_interval
 from pl_lowprec.strategies.transform_args import TransformArguments
 from pl_lowprec.strategies.unresumable_data import warn_unresumable_data
+from pl_lowprec.strategies.validation_draws import ValidationDraws
 from pl_lowprec.transforms.weight_sources import teardown_with_meta
 
 
@@ -68,6 +69,7 @@ class TransformHooks(TransformArguments):
     _resumed = False  # fit resumes from a checkpoint: on_train_start checks the training loader can
     _saved_run: dict[str, Any] | None = None  # the resumed checkpoint's settings (run_record.py)
     _built_schedulers: list[dict[str, Any]] | None = None  # as configure_optimizers built them (scheduler_arguments.py)
+    _validation_draws: ValidationDraws | None = None  # the current validation's, inside a fit (validation_draws.py)
 
     def setup(self, trainer: pl.Trainer) -> None:
         self.before_transform(trainer)
@@ -199,8 +201,17 @@ class TransformHooks(TransformArguments):
                 " step."
             )
 
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._validation_draws is None:
+            return super().validation_step(*args, **kwargs)
+        with self._validation_draws.drawing():
+            return super().validation_step(*args, **kwargs)
+
     def on_validation_start(self) -> None:
         super().on_validation_start()
+        trainer = self.lightning_module.trainer
+        fitting = trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking
+        self._validation_draws = ValidationDraws() if fitting else None
         if self.step_clock is not None:
             self.step_clock.pause()
 
