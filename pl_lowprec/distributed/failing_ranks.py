@@ -11,6 +11,7 @@ same hang; its own hook is left as it is.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from datetime import timedelta
 from typing import Any
@@ -32,14 +33,15 @@ def every_rank_failed_here(trainer: Any) -> bool:
     progress = trainer.fit_loop.epoch_loop.batch_progress.total
     place = f"pl_lowprec_failed/{next(_failures)}/{trainer.current_epoch}/{progress.ready}/{trainer.global_step}"
     store = dist.distributed_c10d._get_default_store()
-    store.set(f"{place}/{dist.get_rank()}", "1")
     keys = [f"{place}/{rank}" for rank in range(dist.get_world_size())]
     try:
+        store.set(keys[dist.get_rank()], "1")
         store.wait(keys, timedelta(seconds=EVERY_RANK_WAIT_S))
-    except RuntimeError:  # DistStoreError (a RuntimeError): a rank did not say so in time
-        store.set(f"{place}/gave_up", "1")  # a rank that says so later must not save with this one gone
+        return not store.check([f"{place}/gave_up"])
+    except RuntimeError:  # DistStoreError: a rank did not say so in time; DistNetworkError: rank 0's store is gone
+        with contextlib.suppress(RuntimeError):
+            store.set(f"{place}/gave_up", "1")  # a rank that says so later must not save with this one gone
         return False
-    return not store.check([f"{place}/gave_up"])
 
 
 def ranks_not_failed_paragraph(trainer: Any, exception: BaseException, last_file: str) -> str:
