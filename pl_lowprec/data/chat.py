@@ -117,9 +117,9 @@ class ChatTemplate:
         """The turns and the generation prompt as token ids, without extra special tokens (the template has them)."""
         return self.tokenizer(self.render(turns, generation_prompt=True), add_special_tokens=False)["input_ids"]
 
-    def check_turns(self, turns: list[dict[str, Any]]) -> None:
-        """``UnusableChatRecord`` for turns of a role the template does not know, or turns, tool calls or tools
-        that it does not write (``chat_roles``): each would train silently wrong."""
+    def check_turns(self, turns: list[dict[str, Any]]) -> str:
+        """``turns`` rendered, once checked; ``UnusableChatRecord`` for turns of a role the template does not know,
+        or turns, tool calls or tools that it does not write (``chat_roles``): each would train silently wrong."""
         reason = unknown_role_reason(turns, self.tokenizer.get_chat_template(None, self.tools))
         unread = unread_arguments(self.kwargs, template_words(self.tokenizer))
         if unread and not reason:
@@ -127,11 +127,13 @@ class ChatTemplate:
                 f"records whose chat_template_kwargs name {unread[0]!r}, which the chat template never reads (it"
                 " would change nothing): name an argument the template reads, or leave it out"
             )
-        if not reason:
-            rendered = self.render(turns)
-            reason = unwritten_turn_reason(turns, rendered) or unwritten_tools_reason(self.tools, rendered)
         if reason:
             raise UnusableChatRecord(reason)
+        rendered = self.render(turns)
+        reason = unwritten_turn_reason(turns, rendered) or unwritten_tools_reason(self.tools, rendered)
+        if reason:
+            raise UnusableChatRecord(reason)
+        return rendered
 
     def has_generation_marks(self) -> bool:
         """Whether the template this record renders with (a tokenizer may hold several by name: ``tool_use`` is
@@ -141,14 +143,13 @@ class ChatTemplate:
     def encode_messages(self, messages: list[dict[str, Any]]) -> Sample:
         """Every assistant turn a target: by the template's ``{% generation %}`` marks where it has them, else by
         the text each turn's prefix renders to."""
-        self.check_turns(messages)
+        full = self.check_turns(messages)
         if self.has_generation_marks():
             encoded = self._apply(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
             ids = list(encoded["input_ids"])
             labels = [t if m else IGNORE_INDEX for t, m in zip(ids, encoded["assistant_masks"], strict=True)]
             special = special_token_ids(self.tokenizer)
             return Sample(*ended_marks(ids, labels, self.tokenizer, special, self.eos_after_turns))
-        full = self.render(messages)
         spans = []
         for i, message in enumerate(messages):
             if message.get("role") != "assistant":
@@ -156,14 +157,14 @@ class ChatTemplate:
             start = (
                 self._prefix_of(full, messages[:i], generation_prompt=True) if i else self._text_start(full, message)
             )
-            end = self._prefix_of(full, messages[: i + 1], generation_prompt=False)
+            last = i == len(messages) - 1  # its prefix is the whole conversation: ``full`` itself
+            end = len(full) if last else self._prefix_of(full, messages[: i + 1], generation_prompt=False)
             spans.append((start, end))
         return self._encode_spans(full, spans)
 
     def encode_completion(self, prompt: list[dict[str, Any]], completion: list[dict[str, Any]]) -> Sample:
         """The completion's turns the target: the text after the prompt rendered with the generation prompt."""
-        self.check_turns(prompt + completion)
-        full = self.render(prompt + completion)
+        full = self.check_turns(prompt + completion)
         start = self._prefix_of(full, prompt, generation_prompt=True)
         return self._encode_spans(full, [(start, len(full))])
 
