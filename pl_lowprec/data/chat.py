@@ -207,8 +207,7 @@ class ChatTemplate:
 
     def _encode_spans(self, full: str, spans: list[tuple[int, int]]) -> Sample:
         """Tokens of ``full``; a token is a target when it starts inside one of the character ``spans``, each
-        ending at its end-of-turn token, or straddles a span's start (``in_span``)."""
-        spans = [(start, self._end_of_turn(full, start, end)) for start, end in spans]
+        ended at its end-of-turn token (``ended_spans``), or straddles a span's start (``in_span``)."""
         special = special_token_texts(self.tokenizer)
         full, spans = ended_spans(full, spans, special, self.tokenizer.eos_token, self.eos_after_turns)
         encoded = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
@@ -218,13 +217,6 @@ class ChatTemplate:
             for token, (begin, finish) in zip(ids, encoded["offset_mapping"], strict=True)
         ]
         return Sample(ids, labels)
-
-    def _end_of_turn(self, full: str, start: int, end: int) -> int:
-        """``end`` less the whitespace after a special token that ends ``full[start:end]``: the separator a
-        template writes after the end-of-turn token. A turn without such a token keeps its whole text."""
-        text = full[start:end].rstrip()
-        special = special_token_texts(self.tokenizer)
-        return start + len(text) if any(token and text.endswith(token) for token in special) else end
 
 
 def without_doubled_eos(sample: Sample, eos: int) -> tuple[Sample, bool]:

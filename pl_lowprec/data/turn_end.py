@@ -51,14 +51,19 @@ def no_turn_end_message(rendered_end: str, eos_token: str | None) -> str:
 def ended_spans(
     text: str, spans: list[tuple[int, int]], special: Collection[str], eos_token: str | None, policy: bool | None
 ) -> tuple[str, list[tuple[int, int]]]:
-    """``text`` and its assistant character ``spans`` with each span that ends with no special token refused
-    (``policy=None``), given the EOS after its text (``True``; the spans after it shifted), or kept (``False``)."""
+    """``text`` and its assistant character ``spans``, each ending at its end-of-turn token: a span whose text ends
+    with a special token loses the whitespace after it (the separator a template writes between turns), one that
+    ends with none is refused (``policy=None``), given the EOS after its text (``True``; the spans after it
+    shifted), or kept whole (``False``)."""
     ended: list[tuple[int, int]] = []
     shift = 0
     for start, end in spans:
         start, end = start + shift, end + shift
         body = text[start:end].rstrip()
-        if policy is False or any(token and body.endswith(token) for token in special):
+        if any(token and body.endswith(token) for token in special):
+            ended.append((start, start + len(body)))
+            continue
+        if policy is False:
             ended.append((start, end))
             continue
         if policy is None or not eos_token:
