@@ -43,7 +43,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pl_lowprec.data.chat_roles import unknown_role_reason, unwritten_tools_reason, unwritten_turn_reason
+from pl_lowprec.data.chat_roles import (
+    ANSWER_ROLES,
+    unknown_role_reason,
+    unwritten_tools_reason,
+    unwritten_turn_reason,
+)
 from pl_lowprec.data.records import Sample
 from pl_lowprec.data.template_arguments import template_words, unread_arguments
 from pl_lowprec.data.turn_end import ended_marks, ended_spans
@@ -368,10 +373,6 @@ def empty_answer_reason(turns: list[dict[str, Any]], eos_token: str | None = Non
                 " them or write their answers"
             )
     return None
-
-
-# the answers in other data ("Assistant"); ShareGPT dumps name some by the model that wrote them
-ANSWER_ROLES = ("assistant", "model", "gpt", "bot", "ai", "chatbot", "chatgpt", "bing", "bard")
 
 
 def no_answer_reason(turns: list[dict[str, Any]]) -> str | None:

@@ -17,9 +17,12 @@ import re
 from typing import Any
 
 STANDARD_ROLES = ("system", "user", "assistant", "tool")
+# the answers in other data ("Assistant"); ShareGPT dumps name some by the model that wrote them
+ANSWER_ROLES = ("assistant", "model", "gpt", "bot", "ai", "chatbot", "chatgpt", "bing", "bard")
 RENAMES = {
     **dict.fromkeys(("human", "usr", "question", "prompter"), "user"),
-    **dict.fromkeys(("gpt", "model", "bot", "ai", "chatbot", "chatgpt", "bing", "bard", "answer"), "assistant"),
+    # not "assistant" itself: a role "Assistant" is told the standard roles, not renamed to what it seems to be
+    **dict.fromkeys((*(role for role in ANSWER_ROLES if role != "assistant"), "answer"), "assistant"),
     **dict.fromkeys(("observation", "function", "ipython", "tool_response", "function_response"), "tool"),
 }
 
