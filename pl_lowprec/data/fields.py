@@ -32,7 +32,7 @@ FORMATS = ({"text"}, {"prompt", "completion"}, {"messages"})
 SHAREGPT_COLUMN = "conversations"
 ALPACA_COLUMNS = ("instruction", "output")  # and optionally input, system, history (LLaMA-Factory's alpaca format)
 READ_COLUMNS = frozenset({*FIELD_NAMES, SHAREGPT_COLUMN, *ALPACA_COLUMNS})  # what is read without a mapping
-SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "observation": "tool"}
 EXAMPLE = (
     "fields={'prompt': 'question', 'completion': 'answer'} (--data.fields '{prompt: question, completion: answer}')"
 )

@@ -6,8 +6,9 @@ LLaMA-Factory's ShareGPT format (its ``glaive_toolcall`` data) has, beside ``hum
 observations as context. Passed on under their own names, a generic template wrote them as any role
 (``<|im_start|>function_call``), one that names its roles dropped them, and the calls were not trained. Here, as
 Hugging Face's chat templates take tool use: a call is an assistant turn with ``tool_calls`` (trained, as every
-assistant turn), an observation a ``tool`` turn. A call whose value is not such JSON keeps its role, which the
-data module then counts as unusable, naming it.
+assistant turn), an observation a ``tool`` turn (a rename, in ``fields.SHAREGPT_ROLES``, as ``human`` is
+``user``). A call whose value is not such JSON keeps its role, which the data module then counts as unusable, naming
+it.
 """
 
 from __future__ import annotations
@@ -16,15 +17,12 @@ import json
 from typing import Any
 
 FUNCTION_CALL = "function_call"
-OBSERVATION = "observation"
 CALL_FORM = '{"name": ..., "arguments": {...}} (or a list of them), as LLaMA-Factory writes a function_call'
 
 
 def tool_use_turn(role: str, value: Any) -> dict[str, Any] | None:
-    """The chat template's turn for a ShareGPT ``function_call`` or ``observation`` turn; ``None`` for any other
-    role, or for a call whose value is not the JSON of one or more calls."""
-    if role == OBSERVATION:
-        return {"role": "tool", "content": value}
+    """The chat template's turn for a ShareGPT ``function_call`` turn; ``None`` for any other role, or for a call
+    whose value is not the JSON of one or more calls."""
     if role != FUNCTION_CALL:
         return None
     calls = tool_calls(value)
