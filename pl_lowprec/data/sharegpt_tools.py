@@ -17,7 +17,6 @@ import json
 from typing import Any
 
 FUNCTION_CALL = "function_call"
-CALL_FORM = '{"name": ..., "arguments": {...}} (or a list of them), as LLaMA-Factory writes a function_call'
 
 
 def tool_use_turn(role: str, value: Any) -> dict[str, Any] | None:
