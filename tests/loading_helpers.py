@@ -70,6 +70,17 @@ def save_tokenizer(directory: Path, vocab_size: int = 320) -> Path:
     return directory
 
 
+def save_with_template(tokenizer_dir: Path | str, template: str | dict[str, str] | None, directory: Path) -> str:
+    """The tokenizer of ``tokenizer_dir`` with ``template`` as its chat template, saved to ``directory`` (which may
+    be ``tokenizer_dir`` itself): what the user's ``--data.tokenizer`` would hold."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
 def save_pretrained_dir(directory: Path, hidden_size: int = 32, layers: int = 1, tie: bool = False) -> Path:
     """A Hugging Face model directory as from the hub: tokenizer and Llama weights of matching vocabulary
     (``tie``: the head shares the embedding, as SmolLM2's does)."""

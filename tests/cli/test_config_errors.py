@@ -13,7 +13,7 @@ import shutil
 import sys
 
 import pytest
-from loading_helpers import save_pretrained_dir
+from loading_helpers import save_pretrained_dir, save_with_template
 
 from pl_lowprec.cli import main
 
@@ -289,14 +289,10 @@ NO_TURN_END = (  # a base model's ad-hoc template: each turn ends with a newline
 def test_chat_records_that_would_train_wrong_are_one_paragraph(capsys, tmp_path, user_files, template, records, named):
     """``pl-lowprec fit`` on chat data that trained silently wrong: a template whose turns end with no end token
     (the model never stopped), a role the template does not know (written as a role of its own)."""
-    from transformers import AutoTokenizer
-
     pretrained, _ = user_files
     model = shutil.copytree(pretrained, tmp_path / "model")
     if template is not None:
-        tokenizer = AutoTokenizer.from_pretrained(model)
-        tokenizer.chat_template = template
-        tokenizer.save_pretrained(model)
+        save_with_template(model, template, model)
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     paragraph = refusal(capsys, finetune_args(model, data, tmp_path / "run"))

@@ -4,7 +4,7 @@
 import json
 
 import pytest
-from loading_helpers import save_tokenizer
+from loading_helpers import save_tokenizer, save_with_template
 from records_helpers import data_of_records, rows_as_lists
 
 from pl_lowprec.data import TextDataModule
@@ -50,15 +50,6 @@ def tokenizer_dir(tmp_path_factory):
     return save_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
-def _with_template(tokenizer_dir, template, directory):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    tokenizer.chat_template = template
-    tokenizer.save_pretrained(directory)
-    return str(directory)
-
-
 def _targets(data, sample):
     return data.tokenizer.decode([t for t in sample["labels"].tolist() if t != -100])
 
@@ -78,7 +69,7 @@ def test_conversational_prompt_completion_takes_loss_on_the_completion(tmp_path,
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_record(tmp_path, tokenizer_dir):
-    tokenizer = _with_template(tokenizer_dir, DROPS_REASONING, tmp_path / "qwen3_like")
+    tokenizer = save_with_template(tokenizer_dir, DROPS_REASONING, tmp_path / "qwen3_like")
     records = [{"messages": TURNS[1:3]}, {"messages": TURNS}]  # one answer renders the same; two do not
     with pytest.raises(ValueError) as refused:
         data_of_records(tmp_path / "chat.jsonl", records, tokenizer)
@@ -99,7 +90,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_record(tmp
 
 
 def test_generation_marks_choose_the_assistant_tokens(tmp_path, tokenizer_dir):
-    tokenizer = _with_template(tokenizer_dir, MARKED, tmp_path / "marked")
+    tokenizer = save_with_template(tokenizer_dir, MARKED, tmp_path / "marked")
     data = data_of_records(tmp_path / "chat.jsonl", [{"messages": TURNS}], tokenizer)
     (sample,) = data.train_set
     assert _targets(data, sample) == "hi</s><think>say it</think>pl</s>"  # marked; the rewritten first answer
@@ -109,7 +100,7 @@ def test_generation_marks_choose_the_assistant_tokens(tmp_path, tokenizer_dir):
 
 
 def test_tools_and_template_arguments_reach_the_template(tmp_path, tokenizer_dir):
-    tokenizer = _with_template(tokenizer_dir, WITH_TOOLS, tmp_path / "tools")
+    tokenizer = save_with_template(tokenizer_dir, WITH_TOOLS, tmp_path / "tools")
     call = {
         "role": "assistant",
         "tool_calls": [{"type": "function", "function": {"name": "get_time", "arguments": {}}}],
@@ -154,7 +145,7 @@ def test_alpaca_records_are_read_as_llama_factory_reads_them(tmp_path, tokenizer
 
 
 def test_the_data_modules_template_arguments_apply_to_every_record_under_its_own(tmp_path, tokenizer_dir):
-    tokenizer = _with_template(tokenizer_dir, WITH_TOOLS, tmp_path / "tools")
+    tokenizer = save_with_template(tokenizer_dir, WITH_TOOLS, tmp_path / "tools")
     turns = [{"role": "user", "content": "time?"}, {"role": "assistant", "content": "noon"}]
     records = [{"messages": turns}, {"messages": turns, "chat_template_kwargs": {"persona": "chatty"}}]
     data = data_of_records(tmp_path / "chat.jsonl", records, tokenizer, chat_template_kwargs={"persona": "terse"})
@@ -188,10 +179,10 @@ def test_a_turn_the_template_ends_without_an_end_token_is_refused_or_given_the_e
     ``eos_after_turns=False`` keeps the turn as the template writes it, the newline its only end."""
     plain = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
     plain += "{% if add_generation_prompt %}assistant: {% endif %}"
-    tokenizer = _with_template(tokenizer_dir, plain, tmp_path / "plain")
+    tokenizer = save_with_template(tokenizer_dir, plain, tmp_path / "plain")
     ended = "{% if m.role == 'assistant' %}</s>{% endif %}{{ '\\n' }}"  # jinja eats the newline after a block tag
     ended = plain.replace("{{ m.content }}\n", "{{ m.content }}" + ended)
-    ended = _with_template(tokenizer_dir, ended, tmp_path / "ended")
+    ended = save_with_template(tokenizer_dir, ended, tmp_path / "ended")
     records = [{"messages": TURNS[1:]}, {"prompt": TURNS[1:2], "completion": TURNS[2:3]}]
     with pytest.raises(ValueError) as error:
         data_of_records(tmp_path / "chat.jsonl", records, tokenizer)
@@ -216,7 +207,7 @@ def test_generation_marks_without_an_end_token_are_refused_or_given_the_eos(tmp_
         "{% endgeneration %}{% else %}{{ m.content }}{% endif %}{{ '\\n' }}{% endfor %}"
         "{% if add_generation_prompt %}assistant: {% endif %}"
     )
-    tokenizer = _with_template(tokenizer_dir, marked, tmp_path / "marked")
+    tokenizer = save_with_template(tokenizer_dir, marked, tmp_path / "marked")
     records = [{"messages": TURNS[1:3]}]
     with pytest.raises(ValueError, match=r"line 1: the chat template ends an assistant turn with no end-of-turn"):
         data_of_records(tmp_path / "chat.jsonl", records, tokenizer)
@@ -253,14 +244,14 @@ def test_a_conversation_that_starts_with_an_assistant_turn_trains_on_its_text_on
     ]
     samples = {}
     for name, template in (("plain", DEFAULT_SYSTEM_PLAIN), ("marked", DEFAULT_SYSTEM_MARKED)):
-        tokenizer = _with_template(tokenizer_dir, template, tmp_path / name)
+        tokenizer = save_with_template(tokenizer_dir, template, tmp_path / name)
         data = data_of_records(tmp_path / f"{name}.jsonl", [{"messages": greeting}], tokenizer)
         (samples[name],) = data.train_set
     assert _targets(data, samples["plain"]) == "Welcome</s>hi</s>"
     for key in ("input_ids", "labels"):
         assert samples["plain"][key].tolist() == samples["marked"][key].tolist()
     # A template that does not write the text as given (here upper-cased): where it starts is not known.
-    upper = _with_template(
+    upper = save_with_template(
         tokenizer_dir,
         "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content | upper }}</s>\n{% endfor %}",
         tmp_path / "upper",
@@ -277,7 +268,7 @@ def test_the_answers_first_token_is_trained_after_a_generation_prompt_ending_in_
         "{% else %}{{ 'Assistant: ' + m.content + eos_token + '\\n' }}{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}{{ 'Assistant: ' }}{% endif %}"
     )
-    tokenizer = _with_template(tokenizer_dir, spaced, tmp_path / "spaced")
+    tokenizer = save_with_template(tokenizer_dir, spaced, tmp_path / "spaced")
     turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "return x"}]
     records = [{"messages": turns}, {"prompt": turns[:1], "completion": turns[1:]}]
     data = data_of_records(tmp_path / "chat.jsonl", records, tokenizer)
@@ -294,7 +285,7 @@ NO_SYSTEM = (
 
 def test_a_record_the_template_refuses_is_counted_with_its_line_and_the_fix(tmp_path, tokenizer_dir):
     """It stopped the run with jinja2's traceback, naming no file or line."""
-    tokenizer = _with_template(tokenizer_dir, NO_SYSTEM, tmp_path / "gemma_like")
+    tokenizer = save_with_template(tokenizer_dir, NO_SYSTEM, tmp_path / "gemma_like")
     records = [{"messages": TURNS[1:3]}, {"messages": TURNS[:3]}]
     data = data_of_records(tmp_path / "chat.jsonl", records, tokenizer, max_skipped_fraction=1)
     (report,) = data.reports
@@ -321,7 +312,7 @@ def test_tools_or_template_arguments_of_another_form_are_refused_naming_the_line
 ):
     """They stopped the run with a traceback (AttributeError), or a JSON error that read like the file's own
     line 1 was broken, or transformers' words without the file or line."""
-    tokenizer = _with_template(tokenizer_dir, WITH_TOOLS, tmp_path / "tools")
+    tokenizer = save_with_template(tokenizer_dir, WITH_TOOLS, tmp_path / "tools")
     records = [{"messages": TURNS[1:3]}, {"messages": TURNS[1:3], field: value}]
     with pytest.raises(ValueError) as refused:
         data_of_records(tmp_path / "chat.jsonl", records, tokenizer)
@@ -333,7 +324,7 @@ def test_tools_or_template_arguments_of_another_form_are_refused_naming_the_line
 
 def test_template_arguments_stored_as_json_text_are_read(tmp_path, tokenizer_dir):
     """A CSV cell holds text: the arguments as a JSON string of an object, as tools may be."""
-    tokenizer = _with_template(tokenizer_dir, WITH_TOOLS, tmp_path / "tools")
+    tokenizer = save_with_template(tokenizer_dir, WITH_TOOLS, tmp_path / "tools")
     record = {"messages": TURNS[1:3], "chat_template_kwargs": json.dumps({"persona": "terse"})}
     data = data_of_records(tmp_path / "chat.jsonl", [record], tokenizer)
     assert data.tokenizer.decode(data.train_set[0]["input_ids"]).startswith("<|persona|>terse</s>")
@@ -353,7 +344,7 @@ def test_an_empty_answer_is_refused_as_an_empty_completion_is(tmp_path, tokenize
         {"messages": [TURNS[1], {"role": "assistant", "content": "", "tool_calls": [call]}]},  # 6: used
         {"messages": [TURNS[1], {"role": "assistant", "content": "</s>"}]},  # 7: the EOS alone
     ]
-    template = _with_template(tokenizer_dir, WITH_TOOLS, tmp_path / "t")
+    template = save_with_template(tokenizer_dir, WITH_TOOLS, tmp_path / "t")
     data = data_of_records(tmp_path / "chat.jsonl", records, template, max_skipped_fraction=1)
     (report,) = data.reports
     assert report.used == 2
@@ -383,7 +374,7 @@ def test_an_answer_ending_with_the_eos_the_template_writes_trains_it_once(tmp_pa
     user, answer = TURNS[1], {"role": "assistant", "content": "hi"}
     ending = {**answer, "content": "hi</s>"}
     plain = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
-    plain = _with_template(tokenizer_dir, plain + "{% if add_generation_prompt %}assistant: {% endif %}", tmp_path)
+    plain = save_with_template(tokenizer_dir, plain + "{% if add_generation_prompt %}assistant: {% endif %}", tmp_path)
     as_given = [{"messages": [user, answer]}, {"prompt": [user], "completion": [answer]}]
     ending_eos = [{"messages": [user, ending]}, {"prompt": [user], "completion": [ending]}]
     expected = data_of_records(tmp_path / "given.jsonl", as_given, str(tokenizer_dir))
@@ -402,7 +393,7 @@ def test_template_arguments_or_tools_the_template_never_reads_are_refused(tmp_pa
     """apply_chat_template passes arguments a template does not use, and tools a template has no section for,
     without a word: ``enable_thinking`` under a template without the switch (or misspelt) changed nothing, and
     tool calls trained without the definitions."""
-    tokenizer = _with_template(tokenizer_dir, WITH_TOOLS, tmp_path / "tools")
+    tokenizer = save_with_template(tokenizer_dir, WITH_TOOLS, tmp_path / "tools")
     turns = [{"role": "user", "content": "time?"}, {"role": "assistant", "content": "noon"}]
     with pytest.raises(ValueError) as error:
         data_of_records(tmp_path / "chat.jsonl", [{"messages": turns}], tokenizer, chat_template_kwargs={"persna": 1})
@@ -414,7 +405,7 @@ def test_template_arguments_or_tools_the_template_never_reads_are_refused(tmp_pa
     assert "1 record whose chat_template_kwargs name 'enable_thinking', which the chat template never reads" in (
         data.reports[0].describe()
     )
-    no_tools = _with_template(tokenizer_dir, DEFAULT_SYSTEM_PLAIN, tmp_path / "no_tools")
+    no_tools = save_with_template(tokenizer_dir, DEFAULT_SYSTEM_PLAIN, tmp_path / "no_tools")
     records = [{"messages": turns}, {"messages": turns, "tools": [TOOL]}]
     data = data_of_records(tmp_path / "tools.jsonl", records, no_tools, max_skipped_fraction=1)
     assert data.reports[0].used == 1

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from loading_helpers import save_pretrained_dir
+from loading_helpers import save_pretrained_dir, save_with_template
 from records_helpers import rows_as_lists
 
 from pl_lowprec.data import TextDataModule, token_table
@@ -194,16 +194,13 @@ def test_chats_stored_as_json_text_in_a_csv_give_the_samples_of_the_jsonl_file(p
 def tool_tokenizer(pretrained, tmp_path_factory):
     """The tokenizer with a template that tests ``is defined``, as Llama 3.1's does for ``tool_calls``: the None a
     table holds where a turn lacks a key must render as the ``.jsonl`` file's absent key."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(pretrained)
-    tokenizer.chat_template = (
+    template = (
         "{% if tools is not none %}<|tools|>{{ tools[0].function.name }}</s>\n{% endif %}{% for m in messages %}"
         "<|{{ m.role }}|>\n{% if m.tool_calls is defined %}call {{ m.tool_calls[0].function.name }}"
         "{% else %}{{ m.content }}{% endif %}</s>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
     )
     directory = tmp_path_factory.mktemp("tool_tokenizer")
-    tokenizer.save_pretrained(directory)
+    save_with_template(pretrained, template, directory)
     return directory
 
 
@@ -355,16 +352,12 @@ def test_a_role_the_template_does_not_name_is_refused_naming_it_and_the_rename(p
 def test_a_turn_or_tool_call_the_template_does_not_write_is_refused(pretrained, tmp_path):
     """A template that names its roles writes nothing for another (a tool's answer, as Zephyr's drops it), and one
     that writes ``content`` only drops an assistant's ``tool_calls``: the record trained without them."""
-    from transformers import AutoTokenizer
-
     named = (
         "{% for m in messages %}{% if m.role == 'user' %}<|user|>\n{{ m.content }}</s>\n"
         "{% elif m.role == 'assistant' %}<|assistant|>\n{{ m.content }}</s>\n{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
     )
-    tokenizer = AutoTokenizer.from_pretrained(pretrained)
-    tokenizer.chat_template = named
-    tokenizer.save_pretrained(tmp_path / "named")
+    save_with_template(pretrained, named, tmp_path / "named")
     call = {"role": "assistant", "tool_calls": [{"type": "function", "function": ADD_CALL}]}
     records = [
         {"messages": [{"role": "user", "content": "1+1?"}, {"role": "tool", "content": "two"}, call]},
