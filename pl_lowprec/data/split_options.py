@@ -38,7 +38,7 @@ def check_split(option: str, split: str | None, sources: list[Source], argument:
     has splits: refused, naming them. ``option`` a command's (``--split``) or the data module's."""
     if split is None or split == ONE_SPLIT or any(has_splits(source) for source in sources):
         return
-    named = ", ".join(source.label for source in sources[:3]) + (" ..." if len(sources) > 3 else "")
+    named = shown_labels(sources)
     files = argument == "train_files"
     fix = f"leave {option} out (a file is read whole), or name the {split!r} split's own files as {argument}" + (
         " (and the held-out ones as val_files)" if files else ""
@@ -57,7 +57,7 @@ def validation_sources(val_split: str, train_sources: list[Source]) -> list[Sour
     with_splits = [source for source in train_sources if has_splits(source)]
     if with_splits:
         return with_splits
-    named = ", ".join(source.label for source in train_sources[:3]) + (" ..." if len(train_sources) > 3 else "")
+    named = shown_labels(train_sources)
     raise ValueError(
         f"TextDataModule(val_split={val_split!r}) without val_files reads that split of train_files' dataset dicts,"
         f" and train_files ({named}) has none: a file, or a single Dataset, has no {val_split!r} split, and"
@@ -65,3 +65,8 @@ def validation_sources(val_split: str, train_sources: list[Source]) -> list[Sour
         f" a split of {SPLIT_SOURCES}. Fix: give the validation records as val_files (--data.val_files FILE), or"
         " leave val_split out to hold out val_fraction of the training records."
     )
+
+
+def shown_labels(sources: list[Source]) -> str:
+    """The first three sources' labels, then ``...`` where there are more: what a refusal names."""
+    return ", ".join(source.label for source in sources[:3]) + (" ..." if len(sources) > 3 else "")
