@@ -77,10 +77,10 @@ def ended_spans(
 
 def ended_marks(ids: list[int], labels: list[int], tokenizer: Any, special_ids: Collection[int], policy: bool | None):
     """The same for a template's ``{% generation %}`` marks: each run of targets whose last token that is not
-    whitespace is no special token is refused, or given the EOS id after that token, or kept."""
+    whitespace is no special token is refused, or given the EOS id after that token (in place: the caller's own
+    lists), or kept."""
     if policy is False:
         return ids, labels
-    ids, labels = list(ids), list(labels)
     runs, i = [], 0
     while i < len(labels):
         if labels[i] == IGNORE_INDEX:
