@@ -410,3 +410,23 @@ def test_template_arguments_or_tools_the_template_never_reads_are_refused(tmp_pa
     data = data_of_records(tmp_path / "tools.jsonl", records, no_tools, max_skipped_fraction=1)
     assert data.reports[0].used == 1
     assert "1 record with tools ('get_time') the chat template does not write" in data.reports[0].describe()
+
+
+def test_a_records_whole_conversation_is_rendered_once(tokenizer_dir):
+    """The check that every turn is written rendered the conversation, the encoding rendered it again, and the
+    last turn's end rendered it a third time: three template runs of the whole record where one gives the text."""
+    from transformers import AutoTokenizer
+
+    from pl_lowprec.data.chat import ChatTemplate
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    rendered, apply = [], tokenizer.apply_chat_template
+    tokenizer.apply_chat_template = lambda turns, **options: rendered.append(len(turns)) or apply(turns, **options)
+    template = ChatTemplate(tokenizer)
+    messages = template.encode_messages(TURNS)
+    assert rendered.count(len(TURNS)) == 1, rendered
+    rendered.clear()
+    completion = template.encode_completion(TURNS[:4], TURNS[4:])
+    assert rendered.count(len(TURNS)) == 1, rendered
+    whole = apply(TURNS, tokenize=False)
+    assert tokenizer.decode(messages.input_ids) == tokenizer.decode(completion.input_ids) == whole
