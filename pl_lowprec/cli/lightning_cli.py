@@ -47,6 +47,7 @@ from pl_lowprec.cli.config_errors import (
 )
 from pl_lowprec.cli.deferred_optimizer import defer_configure_optimizers
 from pl_lowprec.cli.empty_model import EmptyWhenPretrained
+from pl_lowprec.cli.misplaced_keys import misplaced_key_hint
 from pl_lowprec.cli.own_options import meant_config_key
 from pl_lowprec.cli.resume import check_checkpoint, check_same_run, finished_run_line, resolve_ckpt_path
 from pl_lowprec.cli.strategy_override import strategy_names_as_classes
@@ -160,6 +161,8 @@ class LowPrecisionCLI(LightningCLI):
             if meant is not None:
                 where = paragraph.split(":", 1)[0] if not meant.startswith("--") else ""
                 paragraph = f"{paragraph.rstrip('.')}: did you mean {f'--{where}.{meant}' if where else meant}?"
+            elif (home := misplaced_key_hint(str(err))) is not None:
+                paragraph = f"{paragraph.rstrip('.')}. {home}"
             refuse(f"{paragraph}\n{_help_tip(args)}")
 
     def _add_instantiators(self) -> None:
