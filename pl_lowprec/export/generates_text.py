@@ -45,11 +45,17 @@ def check_directory_generates(path: Path) -> None:
     config = path / "config.json"
     if not config.is_file():
         return
-    import transformers  # optional (pl_lowprec[hf]); generate needs it
-
     names = json.loads(config.read_text()).get("architectures") or []
-    classes = [getattr(transformers, name, None) for name in names]
-    if classes and all(c is not None and hasattr(c, "can_generate") and not c.can_generate() for c in classes):
+    if none_generates(names):
         raise _refusal(
             f"--model {str(path)!r} is a {names[0]} (config.json's architectures)", f"{names[0]}.from_pretrained"
         )
+
+
+def none_generates(architectures: list[str]) -> bool:
+    """Whether ``architectures`` (a ``config.json``'s) names only transformers classes that cannot generate (a
+    classifier, a base model without a head); ``False`` for none named or a class transformers does not have."""
+    import transformers  # optional (pl_lowprec[hf]); its callers need it
+
+    classes = [getattr(transformers, name, None) for name in architectures]
+    return bool(classes) and all(c is not None and hasattr(c, "can_generate") and not c.can_generate() for c in classes)

@@ -28,6 +28,7 @@ from pl_lowprec.loading import PretrainedWeights, empty_weights, load_pretrained
 from pl_lowprec.loading.empty import storage_to_fill
 from pl_lowprec.loading.generation_config import load_generation_config
 from pl_lowprec.loading.hub import resolve_pretrained
+from pl_lowprec.models.causal_config import check_causal_lm_config
 from pl_lowprec.models.chunked_loss import causal_lm_loss_sum, chunk_loss, compiled_chunk_loss_standin
 from pl_lowprec.models.forward_batch import forward_batch
 from pl_lowprec.models.liger_loss import LossKernel, check_head, check_loss_kernel, choose_loss_kernel, liger_loss_sum
@@ -110,6 +111,7 @@ class CausalLM(pl.LightningModule):
         else:
             self.directory, config_file = resolve_pretrained(pretrained), None
         self.config = AutoConfig.from_pretrained(str(config_file or self.directory), local_files_only=True)
+        check_causal_lm_config(self.config, pretrained)  # a classifier's: refused before anything is built
         self._pretrained_weights: PretrainedWeights | None = None
         self._checked_tokenizer: Any = None
         self.dtype_override = to_dtype(dtype)
