@@ -11,6 +11,8 @@ from typing import Any
 
 import yaml
 
+from pl_lowprec._did_you_mean import closest
+
 
 @dataclass(frozen=True)
 class Option:
@@ -82,4 +84,29 @@ def empty_config_paragraph(cli_args: list[str]) -> str | None:
                 f"{named} holds nothing (it is empty, or only comments): a config is YAML with the sections"
                 " that `pl-lowprec fit --print_config` shows (trainer:, model:, data:). Fill it, or leave it out."
             )
+    return None
+
+
+def missing_config_paragraph(cli_args: list[str]) -> str | None:
+    """The refusal of a ``--config`` file that does not exist (a value that reads as a plain string, not as inline
+    YAML's mapping), which jsonargparse words as 'Parser key "config": File does not exist'; with the nearest YAML
+    file of that directory, or of ``configs/`` for a bare name. ``None`` where every file exists."""
+    for value in config_values(cli_args):
+        try:
+            fields = yaml.safe_load(value)
+        except yaml.YAMLError:
+            continue  # not a path: jsonargparse names the line
+        path = Path(value)
+        if not isinstance(fields, str) or path.exists():
+            continue
+        folder = path.parent if path.parent != Path() or not Path("configs").is_dir() else Path("configs")
+        found = {yaml_file.stem: yaml_file for yaml_file in folder.glob("*.y*ml")} if folder.is_dir() else {}
+        near = closest(path.stem, found)  # by the name alone: every .yaml shares the suffix
+        near = str(found[near]) if near else None
+        where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
+        return (
+            f"--config {value} does not exist{where}.{f' Did you mean {near}?' if near else ''} A config is a"
+            " YAML file (`pl-lowprec fit --print_config` writes a full one to start from; the repository's are"
+            " in configs/), or YAML given inline: --config 'trainer: {max_steps: 10}'."
+        )
     return None
