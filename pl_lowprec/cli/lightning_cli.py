@@ -37,7 +37,6 @@ from pl_lowprec.cli.config_errors import (
     ClassRefusals,
     class_key,
     debugging,
-    first_paragraph,
     parse_error_paragraph,
     raised_refusal,
     refusal_message,
@@ -48,6 +47,7 @@ from pl_lowprec.cli.config_errors import (
 from pl_lowprec.cli.deferred_optimizer import defer_configure_optimizers
 from pl_lowprec.cli.empty_model import EmptyWhenPretrained
 from pl_lowprec.cli.misplaced_keys import misplaced_key_hint
+from pl_lowprec.cli.missing_loop import check_loop_defined, missing_loop_paragraph
 from pl_lowprec.cli.own_options import meant_config_key
 from pl_lowprec.cli.resume import check_checkpoint, check_same_run, finished_run_line, resolve_ckpt_path
 from pl_lowprec.cli.strategy_override import strategy_names_as_classes
@@ -203,6 +203,7 @@ class LowPrecisionCLI(LightningCLI):
 
     def _run_subcommand(self, subcommand: str) -> None:
         try:
+            check_loop_defined(subcommand, self.model, self.datamodule)  # before weights load, not once they did
             super()._run_subcommand(subcommand)
         except (*REFUSALS, MisconfigurationException) as err:
             if debugging() or (batches_started(self.trainer) and not isinstance(err, ResumeRefused)):
@@ -213,21 +214,6 @@ class LowPrecisionCLI(LightningCLI):
     def _subcommand_config(self) -> dict[str, Any]:
         config = self.config.as_dict()
         return config.get(self.subcommand, config) if self.subcommand else config
-
-
-def missing_loop_paragraph(subcommand: str, err: BaseException) -> str | None:
-    """Lightning's refusal of ``test``/``predict`` for a module without the step or data without the loader (as
-    ``CausalLM`` and ``TextDataModule`` have none), with the commands that do what the user likely wants."""
-    text = first_paragraph(str(err))
-    missing = f"`{subcommand}_step()`" in text or f"`{subcommand}_dataloader` must be implemented" in text
-    if subcommand not in ("test", "predict") or not isinstance(err, MisconfigurationException) or not missing:
-        return None
-    return (
-        f"{text} For the loss and perplexity of held-out files, run the same command as `pl-lowprec validate`"
-        " (the same --config and --ckpt_path; add --data.val_files FILE to score other files than the config's);"
-        " for completions of a file of prompts, `pl-lowprec generate --ckpt_path CKPT --prompts FILE --out"
-        " OUT.jsonl`."
-    )
 
 
 def precision_conflict_paragraph(err: BaseException) -> str | None:
