@@ -45,6 +45,9 @@ def strategy_names_as_classes(cli_args: list[str]) -> list[str]:
             passed += [f"--trainer.strategy.class_path={class_path}"]
             passed += [f"--trainer.strategy.init_args.{key}={value}" for key, value in arguments.items()]
             continue
+        elif option.name == "--trainer.strategy.help" and (change := class_change(option.value)) is not None:
+            passed += [f"--trainer.strategy.help={change[0]}"]  # jsonargparse's help takes a class, not a name
+            continue
         elif option.name == "--trainer.strategy":
             _warn_dropped_arguments(strategy, option.value, f"--trainer.strategy={option.value}")
             strategy = option.value

@@ -97,3 +97,14 @@ def test_a_second_config_naming_a_strategy_is_refused_and_one_naming_its_class_k
         f"--config={by_name}",
         f"--config={QUICKSTART}",
     ]
+
+
+@pytest.mark.parametrize(("name", "option"), [("lowprec", "quantization"), ("lowprec_fsdp", "shard_modules")])
+def test_strategy_help_takes_the_strategy_name_as_trainer_strategy_does(capsys, name, option):
+    """``--trainer.strategy.help lowprec`` was refused ("Expected a dot import path string"): jsonargparse's help
+    takes a class, while ``--trainer.strategy`` takes the registered name."""
+    with pytest.raises(SystemExit) as exited:
+        main(["fit", f"--trainer.strategy.help={name}"])
+    out, err = capsys.readouterr()
+    assert exited.value.code == 0, err
+    assert f"--trainer.strategy.{option}" in out and "Traceback" not in err
