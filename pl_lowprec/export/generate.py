@@ -201,9 +201,11 @@ def all_prompt_ids(tokenizer: Any, records: list[dict[str, Any]], template_kwarg
 
 def write_completions(records: list[dict[str, Any]], completions: list[str], out: Path) -> str:
     """Write the rows; return the summary line, with how many completions equal their reference, where the
-    prompts had one (a quick check of a fine-tune, and of what a quantized export keeps of it)."""
+    prompts had one (a quick check of a fine-tune, and of what a quantized export keeps of it), and how many are
+    empty (an empty file of completions says nothing by itself)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     references = equal = 0
+    empty = sum(not completion.strip() for completion in completions)
     with out.open("w", encoding="utf-8") as handle:
         for record, completion in zip(records, completions, strict=True):
             row = {"prompt": record["prompt"]} if "prompt" in record else {"messages": chat_turns(record)}
@@ -215,7 +217,14 @@ def write_completions(records: list[dict[str, Any]], completions: list[str], out
                 equal += completion == expected
             handle.write(json.dumps(row) + "\n")
     same = f" ({equal} of {references} equal to their reference)" if references else ""
-    return f"Wrote {len(completions)} completions to {out}{same}."
+    blank = (
+        f" {empty} of {len(completions)} are empty: the model ended them at once (an end-of-sequence token first:"
+        " check the chat template and the EOS the fine-tune learned) or wrote only tokens the tokenizer decodes to"
+        " nothing (a tokenizer that is not the model's)."
+        if empty
+        else ""
+    )
+    return f"Wrote {len(completions)} completions to {out}{same}.{blank}"
 
 
 def from_restored(restored: Restored, tokenizer: str | None = None) -> Generator:
