@@ -110,3 +110,28 @@ def missing_config_paragraph(cli_args: list[str]) -> str | None:
             " in configs/), or YAML given inline: --config 'trainer: {max_steps: 10}'."
         )
     return None
+
+
+def unreadable_config_paragraph(cli_args: list[str]) -> str | None:
+    """The refusal of a ``--config`` (a file, or YAML given inline) that is not YAML: where, and what the parser
+    found, with the line at fault. Every reader of the configs (``strategy_override``, ``plan``, jsonargparse) would
+    otherwise meet it first, the package's own with a traceback. ``None`` where every one reads."""
+    for value in config_values(cli_args):
+        try:
+            read_config(value)
+        except yaml.MarkedYAMLError as err:
+            named = f"--config {value}" if Path(value).is_file() else "the --config given inline"
+            mark = err.problem_mark
+            text = Path(value).read_text() if Path(value).is_file() else value
+            where = ""
+            if mark is not None:
+                line = text.splitlines()[mark.line] if mark.line < len(text.splitlines()) else ""
+                where = f" at line {mark.line + 1}, column {mark.column + 1} ({line.strip()!r})"
+            return (
+                f"{named} is not valid YAML: {err.problem or err.context}{where}. Keys of one section are indented"
+                " by the same number of spaces (no tabs), and a value with ': ' or '#' in it is quoted; `pl-lowprec"
+                " fit --print_config` writes a config that reads."
+            )
+        except (yaml.YAMLError, UnicodeDecodeError) as err:
+            return f"--config {value} is not a YAML file ({type(err).__name__}: {err}); a config is YAML text."
+    return None

@@ -1,0 +1,51 @@
+"""A ``--config`` that is not YAML (a key indented one space too far, an unclosed inline mapping, a binary file)
+is refused by every subcommand that reads configs as one paragraph naming the line at fault, exit status 2.
+
+It used to end in a 50-70 line traceback with exit status 1: the package's own reader of the configs
+(``strategy_override``, run before jsonargparse sees them) parsed the file first. The commands run in-process,
+the user's way (``pl_lowprec.cli.main``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pl_lowprec.cli import main
+
+COMMANDS = {  # subcommand: its other required arguments
+    "fit": [],
+    "estimate": [],
+    "plan": ["--memory=1GiB", "--out={tmp}/plan.yaml"],
+    "export": ["--ckpt_path={tmp}/last.ckpt", "--out={tmp}/adapter"],
+}
+
+
+def refusal(capsys, args: list[str]) -> str:
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    out, err = capsys.readouterr()
+    assert exited.value.code == 2, out + err
+    assert out == "" and "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("subcommand", list(COMMANDS))
+def test_a_config_file_that_is_not_yaml_is_one_paragraph_with_the_line(capsys, tmp_path, subcommand):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("trainer:\n  max_steps: 2\n   devices: 1\n")
+    others = [arg.format(tmp=tmp_path) for arg in COMMANDS[subcommand]]
+    said = refusal(capsys, [subcommand, f"--config={broken}", *others])
+    assert f"--config {broken} is not valid YAML: mapping values are not allowed here" in said, said
+    assert "at line 3, column 11 ('devices: 1')" in said, said
+    assert {path.name for path in tmp_path.iterdir()} == {"broken.yaml"}, "nothing is written"
+
+
+def test_inline_yaml_and_a_binary_file_are_refused_alike(capsys, tmp_path):
+    said = refusal(capsys, ["fit", "--config=trainer: {max_steps: 2"])
+    assert "the --config given inline is not valid YAML: expected ',' or '}'" in said, said
+    binary = tmp_path / "weights.yaml"
+    binary.write_bytes(bytes([0xDA, 0x00, 0xFF, 0x10]))
+    said = refusal(capsys, ["fit", f"--config={binary}"])
+    assert f"--config {binary} is not a YAML file (UnicodeDecodeError" in said, said
