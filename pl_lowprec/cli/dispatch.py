@@ -32,17 +32,18 @@ def main(args: list[str] | None = None) -> None:
     (``config_errors.refusals``).
     """
     argv = sys.argv[1:] if args is None else args
+    known = bool(argv) and (argv[0] in SUBCOMMANDS or argv[0] in LIGHTNING_SUBCOMMANDS or argv[0].startswith("-"))
+    if not known:  # before its arguments: a misspelt subcommand is the first thing to fix
+        with refusals("pl-lowprec"):
+            raise ValueError(unknown_subcommand_paragraph(argv[0] if argv else None))
     config = argv[1:]
-    empty = missing_config_paragraph(config) or unreadable_config_paragraph(config) or empty_config_paragraph(config)
-    if empty is not None:
+    unread = missing_config_paragraph(config) or unreadable_config_paragraph(config) or empty_config_paragraph(config)
+    if unread is not None:
         with refusals(f"pl-lowprec {argv[0]}"):
-            raise ValueError(empty)
-    subcommand = SUBCOMMANDS.get(argv[0]) if argv else None
+            raise ValueError(unread)
+    subcommand = SUBCOMMANDS.get(argv[0])
     if subcommand is not None:
         with refusals(f"pl-lowprec {argv[0]}"):
             subcommand(argv[1:])
         return
-    if not argv or not (argv[0].startswith("-") or argv[0] in LIGHTNING_SUBCOMMANDS):
-        with refusals("pl-lowprec"):
-            raise ValueError(unknown_subcommand_paragraph(argv[0] if argv else None))
     build_cli(args)
