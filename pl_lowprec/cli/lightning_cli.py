@@ -51,7 +51,7 @@ from pl_lowprec.cli.missing_loop import check_loop_defined, missing_loop_paragra
 from pl_lowprec.cli.own_options import meant_config_key
 from pl_lowprec.cli.resume import check_checkpoint, check_same_run, finished_run_line, resolve_ckpt_path
 from pl_lowprec.cli.strategy_override import strategy_names_as_classes
-from pl_lowprec.cli.subcommands import LIGHTNING_SUBCOMMANDS, overview, usage
+from pl_lowprec.cli.subcommands import LIGHTNING_SUBCOMMANDS, overview, package_options_epilog, usage
 from pl_lowprec.strategies.trainer_checks import batches_started, check_trainer_arguments
 
 DEFAULT_ROOT_DIR = "runs"
@@ -71,6 +71,11 @@ class LowPrecisionCLI(LightningCLI):
     def _add_subcommands(self, parser: Any, **kwargs: Any) -> None:
         super()._add_subcommands(parser, **kwargs)
         parser.usage = usage()  # after the subcommands took their prog from the default usage: every subcommand
+
+    def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> Any:
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        parser.epilog = package_options_epilog(subcommand)  # LightningCLI names the strategy and plugins as classes
+        return parser
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.set_defaults({"trainer.default_root_dir": DEFAULT_ROOT_DIR})

@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from pl_lowprec._did_you_mean import closest
+from pl_lowprec.strategy_names import STRATEGY_NAMES
 
 LIGHTNING_SUBCOMMANDS = {
     "fit": "train from a config",
@@ -69,4 +70,19 @@ def unknown_subcommand_paragraph(given: str | None) -> str:
     return (
         f"{start} The subcommands: {', '.join(names)}. `pl-lowprec --help` says what each does;"
         " `pl-lowprec SUBCOMMAND --help` lists its options."
+    )
+
+
+def package_options_epilog(subcommand: str) -> str:
+    """The end of ``pl-lowprec fit|validate|test|predict --help``: where this package's strategy and precision
+    arguments are. LightningCLI's help lists ``--trainer.strategy`` and ``--trainer.plugins`` as class paths only,
+    so their arguments (quantization, lora, memory_saving; precision, loss_scale) and the strategy names were not
+    on the page."""
+    return (
+        f"pl_lowprec: --trainer.strategy takes {', '.join(STRATEGY_NAMES)} (one device, DDP, FSDP2); their"
+        " arguments (quantization, lora, activation_checkpointing, memory_saving, optimizer, pretrained, ...),"
+        f" with docs and defaults: `pl-lowprec {subcommand} --trainer.strategy.help lowprec`. Mixed precision with"
+        " a dynamic loss scaler is --trainer.plugins AMPPrecision; its arguments (precision auto, 16-mixed or"
+        f" bf16-mixed, loss_scale, ...): `pl-lowprec {subcommand} --trainer.plugins.help AMPPrecision`. A full"
+        f" config to start from: `pl-lowprec {subcommand} --config configs/quickstart.yaml --print_config`."
     )
