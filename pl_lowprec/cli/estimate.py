@@ -3,6 +3,7 @@
     pl-lowprec estimate --config configs/finetune-causal-lm.yaml
     pl-lowprec estimate --config configs/finetune-causal-lm.yaml --gpu T4 --plot step.png
     pl-lowprec estimate --config my.yaml --model.pretrained runs/demo/model --data.seq_len 1024
+    pl-lowprec estimate --config my.yaml --json > estimate.json   (the figures for a script; the table on stderr)
 
 Arguments the estimate does not know (``--model.pretrained DIR``, ``--data.seq_len 1024``,
 ``--trainer.strategy.quantization nf4-dq``) go to the config, as for ``pl-lowprec fit``, whose ``--help`` lists them.
@@ -17,6 +18,7 @@ from how much free memory ``fit`` takes the fastest settings, and their peak.
 
 from __future__ import annotations
 
+import json
 import sys
 from typing import Any
 
@@ -26,6 +28,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from pl_lowprec._imports import import_matplotlib_pyplot
 from pl_lowprec.cli.config_errors import refuse, with_strategy_names
+from pl_lowprec.cli.estimate_json import estimate_record
 from pl_lowprec.cli.own_options import check_own_options
 from pl_lowprec.cli.rebuild import passed_on, rebuild_classes
 from pl_lowprec.cli.subcommands import subcommand_parser
@@ -237,6 +240,11 @@ def main(args: list[str] | None = None) -> None:
     )
     parser.add_argument("--plot", metavar="FILE.png", help="draw the step as stacked categories (needs matplotlib)")
     parser.add_argument("--gpu", help=f"predict the step time on this GPU ({', '.join(GPUS)}); default: here")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the estimate as one JSON object on stdout (bytes, seconds), the lines for a person on stderr",
+    )
     args = sys.argv[1:] if args is None else list(args)
     options, unknown = parser.parse_known_args(args)
     check_own_options(parser, unknown)
@@ -248,15 +256,19 @@ def main(args: list[str] | None = None) -> None:
     said: list[str] = []
     arguments = estimate_arguments(passed_on(parser, args), said, options.gpu)
     estimate = estimate_memory(**arguments, time_on=options.gpu)
-    print(*said, sep="\n")
-    print(estimate.table())
-    print(step_time_line(estimate))
+    person = sys.stderr if options.json else sys.stdout  # with --json, stdout holds the JSON alone
+    print(*said, sep="\n", file=person)
+    print(estimate.table(), file=person)
+    print(step_time_line(estimate), file=person)
     config = arguments["config"]
     if config is not None and config.compile_kwargs is not None:
-        print(COMPILED_CAVEAT.strip())
+        print(COMPILED_CAVEAT.strip(), file=person)
     if config is not None and config.chooses_automatically:  # the device is not known here: the faster choice
         line = faster_settings_line(**arguments)
         if line is not None:
-            print(line)
+            print(line, file=person)
+            said.append(line)
     if options.plot:
-        print(f"Plot: {plot_step(estimate, options.plot)}")
+        print(f"Plot: {plot_step(estimate, options.plot)}", file=person)
+    if options.json:
+        print(json.dumps(estimate_record(estimate, arguments["precision"], said), indent=1))
