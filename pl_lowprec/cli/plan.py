@@ -50,9 +50,8 @@ from pl_lowprec.memory.plan import (
     Settings,
     block_names,
     checkpointed_blocks,
-    doubling_bound,
     fresh_copies,
-    largest_fitting,
+    largest_by_doubling,
     plan_memory,
     resized,
     searched_config,
@@ -288,8 +287,7 @@ def _maximize(options, build, batch, shape, budget, precision, device, config, b
     start = min(seq_len if longest else 1, 16, ceiling)
     up_to = f"the model's max_position_embeddings, {positions}" if longest and positions else f"{ceiling}"
     print(f"Searching the largest {options.maximize} up to {up_to}, with {saving.describe()}.", flush=True)
-    low, high = doubling_bound(fits, start, ceiling) if fits(start) else (None, None)
-    best = None if low is None else largest_fitting(fits, low, high)
+    best = largest_by_doubling(fits, start, ceiling)
     if best is None:
         mode = saving.quantization or (config.quantization.mode if config.quantization is not None else None)
         print(

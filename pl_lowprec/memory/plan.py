@@ -30,6 +30,7 @@ to fewer changes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -431,6 +432,17 @@ def largest_fitting(fits: Callable[[int], bool], low: int, high: int) -> int | N
         else:
             high = middle - 1
     return low
+
+
+def largest_by_doubling(fits: Callable[[int], bool], start: int, ceiling: int) -> int | None:
+    """The largest value in ``[start, ceiling]`` for which ``fits`` holds (``None``: not even ``start``): doubled to
+    a bracket, then bisected. Each value is asked once: the bisection starts from the bracket's fitting end, and a
+    ``fits`` that simulates a step costs seconds."""
+    fits = functools.cache(fits)
+    if not fits(start):
+        return None
+    low, high = doubling_bound(fits, start, ceiling)
+    return largest_fitting(fits, low, high)
 
 
 def doubling_bound(fits: Callable[[int], bool], start: int, ceiling: int) -> tuple[int, int]:

@@ -264,6 +264,18 @@ def test_cli_maximize_seq_len_finds_the_longest_that_fits_and_writes_it_with_the
     assert estimate_config(["--config", str(out)]).peak <= 24 * 2**20
 
 
+@pytest.mark.parametrize(("ceiling", "threshold"), [(4096, 100), (4096, 4096), (128, 16), (4096, 5)])
+def test_the_largest_search_asks_each_value_once(ceiling, threshold):
+    """Doubling then bisecting: the bisection starts from the bracket's fitting end, which was asked already;
+    each ask simulates a step, so it is asked once (it was asked twice)."""
+    from pl_lowprec.memory.plan import largest_by_doubling
+
+    asked: list[int] = []
+    best = largest_by_doubling(lambda value: asked.append(value) or value <= threshold, 16, ceiling)
+    assert best == (threshold if threshold >= 16 else None)
+    assert len(asked) == len(set(asked)), asked
+
+
 def test_cli_maximize_seq_len_stops_at_the_models_positions(tmp_path, capsys):
     source = _write_config(tmp_path, max_len=128)
     cli(["plan", "--config", str(source), "--memory", "4GiB", "--maximize", "seq_len"])
