@@ -39,7 +39,7 @@ def _assert_all_close(actual, expected, **tolerance):
 
 # Every 2-process scenario at 32-true runs in one launch (each launch costs two imports of torch, Lightning and
 # transformers on 2 cores): train first, then resume from its checkpoint, then the rest.
-TWO_PROCESS = ["train", "resume", "pretrained", "options", "full", "overflow", "bad", "compiled"]
+TWO_PROCESS = ["train", "resume", "pretrained", "pretrained_bin", "options", "full", "overflow", "bad", "compiled"]
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +76,10 @@ def test_meta_module_filled_from_pretrained_or_initialized_holds_its_rows_only(f
 
 
 @pytest.mark.slow
-def test_a_pytorch_model_bin_base_trains_as_its_safetensors_copy_under_fsdp(tmp_path):
+def test_a_pytorch_model_bin_base_trains_as_its_safetensors_copy_under_fsdp(two_process):
     """The same base as pytorch_model.bin: every rank streams its rows from the mapped file, and the adapters
-    after training equal those from the safetensors base, bit for bit."""
-    runs = _run_many(2, tmp_path, "32-true", ["pretrained", "pretrained_bin"])
+    after training equal those from the safetensors base, bit for bit (both in the module's one launch)."""
+    runs = two_process
     for from_safetensors, from_bin in zip(runs["pretrained"], runs["pretrained_bin"], strict=True):
         assert "pytorch_model.bin" in from_bin["read"] and "model.safetensors" not in from_bin["read"]
         _assert_all_close(from_bin["adapters"], from_safetensors["adapters"], rtol=0, atol=0)
