@@ -323,13 +323,16 @@ def test_plan_ranks_by_predicted_time_where_flops_disagree():
     batch = {"input_ids": torch.randint(0, 256, (4, 64))}
     config, blocks, cache = TransformConfig(lora={"r": 8}), ["LlamaDecoderLayer"], {}
 
-    def plan(budget):
+    def plan(budget, micro_batch=None):
         make = functools.partial(resized, batch)
         return plan_memory(
-            _tiny, make, budget, 4, config=config, margin=0.0, block_names=blocks, cache=cache, time_on="H100"
-        )
+            _tiny, make, budget, 4, config=config, margin=0.0, block_names=blocks, cache=cache, time_on="H100",
+            micro_batch=micro_batch,
+        )  # fmt: skip
 
-    everything = {c.settings: c for c in plan(0).candidates}  # nothing fits: every candidate simulated
+    # every candidate of micro-batch 4 (nothing fits), and the first of 2 (all fits): the three compared below,
+    # simulated once for both plans (the cache); the rest as the plan at the budget walks them
+    everything = {c.settings: c for budget, micro in ((0, 4), (2**62, 2)) for c in plan(budget, micro).candidates}
     none, every_2nd = MemorySettings("none", frozenset()), MemorySettings("every 2nd block", frozenset())
     every_2nd, smaller = Settings(4, 1, every_2nd), Settings(2, 2, none)
     budget = everything[every_2nd].peak  # fits it and every smaller peak, not micro-batch 4 without recompute
