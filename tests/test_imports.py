@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "pl_lowprec"
 
@@ -124,14 +126,34 @@ def _fresh(code: str) -> tuple[list[str], str]:
     return json.loads(done.stdout.splitlines()[-1]), done.stdout + done.stderr
 
 
-def _registered_after(code: str) -> list[str]:
-    return _fresh(code)[0]
+def _said(printed: str, label: str) -> list[str]:
+    """The JSON list the fresh interpreter printed after ``label``."""
+    return json.loads(next(line for line in printed.splitlines() if line.startswith(f"{label} "))[len(label) + 1 :])
+
+
+def _names_now(label: str) -> str:
+    return f"print({label!r}, json.dumps(sorted(set(StrategyRegistry) - before)))"
+
+
+@pytest.fixture(scope="module")
+def estimate_then_cli() -> tuple[list[str], str]:
+    """One fresh interpreter (each imports torch and Lightning: seconds) for two facts: importing a part of the
+    package first (``pl_lowprec.memory.estimate``) registers every name, then the CLI finds one named in a config."""
+    code = f"""
+import pl_lowprec.memory.estimate
+{_names_now("ESTIMATE")}
+from pl_lowprec.cli import build_cli
+cli = build_cli(["--config", {str(ROOT / "configs/quickstart.yaml")!r}, "--trainer.strategy=lowprec",
+                 "--trainer.logger=false"], run=False)
+assert type(cli.trainer.strategy).__name__ == "LowPrecisionStrategy", cli.trainer.strategy
+"""
+    return _fresh(code)
 
 
 NAMES = ["lowprec", "lowprec_ddp", "lowprec_ddp_spawn", "lowprec_fsdp"]
 
 
-def test_import_pl_lowprec_registers_every_strategy_name_without_importing_the_strategies():
+def test_import_pl_lowprec_registers_every_strategy_name_without_importing_the_strategies(estimate_then_cli):
     """``import pl_lowprec`` is enough for ``Trainer(strategy="lowprec_ddp")``; the names map to factories, so the
     strategies (and what they import) load only when one is built. A plain ``Trainer`` then fits without
     Lightning 2.6's warning that torch deprecates ``LeafSpec`` (its own call, nothing to change): ``import
@@ -156,13 +178,14 @@ Trainer(strategy="lowprec", accelerator="cpu", max_steps=1, logger=False, enable
     assert registered == NAMES
     assert "max_steps=1` reached" in printed  # it did fit
     assert "LeafSpec" not in printed
-    assert _registered_after("import pl_lowprec.memory.estimate") == NAMES  # any part of the package
+    assert _said(estimate_then_cli[1], "ESTIMATE") == NAMES  # any part of the package, in a fresh interpreter
 
 
 def test_importing_the_strategies_registers_their_names_and_only_the_factories_names():
     """Building by name hands over to the class's own entry; no class registers a name the factories miss."""
-    code = """
-from lightning.pytorch.strategies import StrategyRegistry
+    code = f"""
+from pl_lowprec import LowPrecisionStrategy
+{_names_now("CLASS")}
 import pl_lowprec.strategies
 own = sorted(n for n, e in StrategyRegistry.items()
              if getattr(e["strategy"], "__module__", "").startswith("pl_lowprec.strategies."))
@@ -172,16 +195,9 @@ print("OWN", json.dumps(own))
     assert registered == NAMES
     from pl_lowprec.strategy_names import STRATEGY_NAMES
 
-    own = json.loads(next(line for line in printed.splitlines() if line.startswith("OWN "))[4:])
-    assert own == sorted(STRATEGY_NAMES) == NAMES
-    assert _registered_after("from pl_lowprec import LowPrecisionStrategy") == NAMES
+    assert _said(printed, "OWN") == sorted(STRATEGY_NAMES) == NAMES
+    assert _said(printed, "CLASS") == NAMES  # the class taken from the package, before its module is imported
 
 
-def test_a_strategy_named_in_a_config_is_found_by_the_cli():
-    code = f"""
-from pl_lowprec.cli import build_cli
-cli = build_cli(["--config", {str(ROOT / "configs/quickstart.yaml")!r}, "--trainer.strategy=lowprec",
-                 "--trainer.logger=false"], run=False)
-assert type(cli.trainer.strategy).__name__ == "LowPrecisionStrategy", cli.trainer.strategy
-"""
-    assert "lowprec" in _registered_after(code)
+def test_a_strategy_named_in_a_config_is_found_by_the_cli(estimate_then_cli):
+    assert "lowprec" in estimate_then_cli[0]
