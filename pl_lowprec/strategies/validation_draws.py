@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from pl_lowprec.generator_states import random_states, set_random_states
+from pl_lowprec.generator_states import generators_held, random_states
 
 
 class ValidationDraws:
@@ -32,11 +32,8 @@ class ValidationDraws:
     @contextmanager
     def drawing(self) -> Iterator[None]:
         """The block draws from this validation's stream; the generators stand as before it afterwards."""
-        training = random_states()
-        if self._states is not None:
-            set_random_states(self._states)
-        try:
-            yield
-        finally:
-            self._states = random_states()
-            set_random_states(training)
+        with generators_held(self._states):  # none on the first step: it begins from the training's
+            try:
+                yield
+            finally:
+                self._states = random_states()
