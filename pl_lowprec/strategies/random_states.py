@@ -43,10 +43,10 @@ def restart_epoch_iterator(trainer: Any) -> bool:
     return True
 
 
-def every_ranks_random_states() -> list[dict[str, Any]]:
-    """``random_states()`` of each rank, in rank order; every rank calls it (an all-gather where there are
-    several)."""
-    mine = random_states()
+def every_ranks_random_states(mine: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """``random_states()`` of each rank, in rank order, this rank's overridden by ``mine`` where given (a resumed
+    run's states not set yet); every rank calls it (an all-gather where there are several)."""
+    mine = random_states() if mine is None else {**random_states(), **mine}
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [mine]
     gathered: list[Any] = [None] * dist.get_world_size()

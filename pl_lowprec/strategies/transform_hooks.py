@@ -22,7 +22,7 @@ from pl_lowprec.callbacks.replacements import use_package_callbacks
 from pl_lowprec.callbacks.step_boundary_checkpoint import mid_step_resumption
 from pl_lowprec.distributed.equal_batches import check_equal_batches
 from pl_lowprec.distributed.launched_ranks import mark_failing
-from pl_lowprec.generator_states import generators_held, set_random_states
+from pl_lowprec.generator_states import set_random_states
 from pl_lowprec.memory.budget import check_memory_budget, first_training_batch, training_loader
 from pl_lowprec.memory.collectives import gradient_as_bucket_view
 from pl_lowprec.memory.sizing_batch import sizing_batch
@@ -231,8 +231,8 @@ class TransformHooks(TransformArguments):
         return self.transform.state_dict(self.lightning_module)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        with generators_held(self._random_states_to_set):  # resumed, not set yet (on_train_start): the resumed ones
-            checkpoint[RANDOM_STATES] = every_ranks_random_states()  # every rank calls it, as it does this hook
+        # resumed, not set yet (on_train_start): the resumed ones; every rank calls it, as it does this hook
+        checkpoint[RANDOM_STATES] = every_ranks_random_states(self._random_states_to_set)
         checkpoint[VALIDATION_FOLLOWS] = validation_follows(self.lightning_module.trainer)
         checkpoint[OPTIMIZERS] = optimizer_record(self.optimizers, self.transform_config.optimizer)
         checkpoint[RUN] = run_record(self.lightning_module.trainer)
