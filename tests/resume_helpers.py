@@ -66,6 +66,36 @@ class Regression(pl.LightningModule):
         return DataLoader(_pairs(4, 2), batch_size=2, shuffle=self.shuffled_validation)
 
 
+class Failure(Exception):
+    pass
+
+
+class FailAt(pl.Callback):
+    """Raises in ``hook`` on the run's batch ``batch`` (accumulating 2: batch 4 opens step 3, batch 5 ends it), on
+    the ranks ``ranks`` (every rank where ``None``)."""
+
+    def __init__(self, hook: str, batch: int, ranks: set[int] | None = None) -> None:
+        self.hook, self.batch, self.ranks, self.index, self.failing = hook, batch, ranks, -1, False
+
+    def _fail_in(self, hook: str) -> None:
+        if self.failing and hook == self.hook and self.index == self.batch:
+            raise Failure(f"{hook} at batch {self.batch}")
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.index = trainer.fit_loop.total_batch_idx
+        self.failing = self.ranks is None or trainer.global_rank in self.ranks
+        self._fail_in("on_train_batch_start")
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self._fail_in("on_before_backward")
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self._fail_in("on_before_optimizer_step")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._fail_in("on_train_batch_end")  # before the checkpoint's own (Lightning calls checkpoints last)
+
+
 def fit(
     directory,
     checkpoint_class=StepBoundaryCheckpoint,

@@ -7,24 +7,10 @@ Usage: python exception_ddp.py OUT_DIR RANKS (comma-separated). Run by tests/dis
 import sys
 import warnings
 
-import lightning.pytorch as pl
-from resume_helpers import fit
+from resume_helpers import FailAt, fit
 
 import pl_lowprec.distributed.failing_ranks
 from pl_lowprec import LowPrecisionDDPStrategy
-
-
-class Failure(Exception):
-    pass
-
-
-class FailAsBatchFiveStarts(pl.Callback):
-    def __init__(self, ranks: set[int]) -> None:
-        self.ranks = ranks
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_rank in self.ranks and trainer.fit_loop.total_batch_idx == 5:
-            raise Failure(f"rank {trainer.global_rank} at batch 5")
 
 
 def main(out: str, ranks: str) -> None:
@@ -39,7 +25,7 @@ def main(out: str, ranks: str) -> None:
         max_steps=8,
         dropout=0.5,
         schedule={"every_n_train_steps": 2, "save_on_exception": True},
-        callbacks=[FailAsBatchFiveStarts({int(rank) for rank in ranks.split(",")})],
+        callbacks=[FailAt("on_train_batch_start", 5, ranks={int(rank) for rank in ranks.split(",")})],
     )
 
 

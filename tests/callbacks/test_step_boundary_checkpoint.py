@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
-from resume_helpers import ACCUMULATE, EVERY, Regression, fit
+from resume_helpers import ACCUMULATE, EVERY, FailAt, Failure, Regression, fit
 
 from pl_lowprec import LowPrecisionStrategy
 from pl_lowprec.callbacks import StepBoundaryCheckpoint
@@ -244,34 +244,6 @@ def test_a_run_stopped_inside_a_step_saves_its_final_step_which_resumes_exactly(
     on = with_dropout_on_the_strategy(checkpoint_class)
     resumed = fit(tmp_path / "part", checkpoint_class, ckpt_path=tmp_path / "part/last.ckpt", **run, **on)
     assert torch.equal(resumed, uninterrupted)
-
-
-class Failure(Exception):
-    pass
-
-
-class FailAt(pl.Callback):
-    """Raises in ``hook`` on the run's batch ``batch`` (accumulating 2: batch 4 opens step 3, batch 5 ends it)."""
-
-    def __init__(self, hook: str, batch: int) -> None:
-        self.hook, self.batch, self.index = hook, batch, -1
-
-    def _fail_in(self, hook: str) -> None:
-        if hook == self.hook and self.index == self.batch:
-            raise Failure(f"{hook} at batch {self.batch}")
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.index = trainer.fit_loop.total_batch_idx
-        self._fail_in("on_train_batch_start")
-
-    def on_before_backward(self, trainer, pl_module, loss):
-        self._fail_in("on_before_backward")
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self._fail_in("on_before_optimizer_step")
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self._fail_in("on_train_batch_end")  # before the checkpoint's own (Lightning calls checkpoints last)
 
 
 @pytest.mark.parametrize(
