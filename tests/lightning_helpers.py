@@ -79,21 +79,24 @@ class TwoOptimizers(Classifier):
 
 
 class StepRecorder(pl.Callback):
-    """Records parameters, optimizer state and LR: entry k is the state after k optimizer steps."""
+    """Records parameters, optimizer state and LR: entry k is the state after k optimizer steps of the fit (a
+    resumed fit's entry 0: where it resumed)."""
 
     def __init__(self) -> None:
         self.params: list[dict[str, torch.Tensor]] = []
         self.optim_states: list[dict] = []
         self.lrs: list[float] = []
+        self._recorded_step = -1
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._record(trainer, pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if len(self.params) <= trainer.global_step:  # an optimizer step happened (not mid-window)
+        if trainer.global_step > self._recorded_step:  # an optimizer step happened (not mid-window)
             self._record(trainer, pl_module)
 
     def _record(self, trainer, pl_module) -> None:
+        self._recorded_step = trainer.global_step
         self.params.append({k: v.detach().clone() for k, v in pl_module.named_parameters()})
         self.optim_states.append(copy.deepcopy(trainer.optimizers[0].state_dict()["state"]))
         self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])

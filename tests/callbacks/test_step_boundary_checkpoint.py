@@ -10,6 +10,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
+from lightning_helpers import StepRecorder
 from resume_helpers import ACCUMULATE, EVERY, FailAt, Failure, Regression, fit
 
 from pl_lowprec import LowPrecisionStrategy
@@ -319,17 +320,6 @@ class FailsAfterItsOptimizerStep(Regression):
             raise self.raised(f"after the optimizer step of batch {self.failing_batch}")
 
 
-class LearningRates(pl.Callback):
-    """``(global_step, learning rate)`` where each optimizer step's batch ends."""
-
-    def __init__(self) -> None:
-        self.rows: list[tuple[int, float]] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if not self.rows or self.rows[-1][0] != trainer.global_step:
-            self.rows.append((trainer.global_step, trainer.optimizers[0].param_groups[0]["lr"]))
-
-
 @pytest.mark.parametrize("raised", [Failure, KeyboardInterrupt])
 @pytest.mark.parametrize("batch", [5, 9])  # step 3's end; step 5's, the epoch's last batch
 def test_an_exception_after_the_optimizer_step_saves_a_file_with_the_step_counted_and_scheduled(
@@ -342,8 +332,8 @@ def test_an_exception_after_the_optimizer_step_saves_a_file_with_the_step_counte
     sigint = signal.getsignal(signal.SIGINT)
     run = {"schedule": {"every_n_train_steps": 4, "save_on_exception": True}, "max_steps": 8, "step_scheduler": True}
     on = with_dropout_on_the_strategy(StepBoundaryCheckpoint)
-    full_rates = LearningRates()
-    uninterrupted = fit(tmp_path / "full", callbacks=[full_rates], module_class=FailsAfterItsOptimizerStep, **run, **on)
+    full_steps = StepRecorder()
+    uninterrupted = fit(tmp_path / "full", callbacks=[full_steps], module_class=FailsAfterItsOptimizerStep, **run, **on)
     monkeypatch.setattr(FailsAfterItsOptimizerStep, "failing_batch", batch)
     monkeypatch.setattr(FailsAfterItsOptimizerStep, "raised", raised)
     try:
@@ -356,10 +346,10 @@ def test_an_exception_after_the_optimizer_step_saves_a_file_with_the_step_counte
     step = (batch + 1) // ACCUMULATE
     saved_file = torch.load(tmp_path / "part/last.ckpt", weights_only=False)
     assert saved_file["global_step"] == step and saved_file["lr_schedulers"][0]["last_epoch"] == step
-    resumed_rates = LearningRates()
+    resumed_steps = StepRecorder()
     on = with_dropout_on_the_strategy(StepBoundaryCheckpoint)
-    resumed = fit(tmp_path / "part", ckpt_path=tmp_path / "part/last.ckpt", callbacks=[resumed_rates], **run, **on)
-    assert resumed_rates.rows == full_rates.rows[step:]
+    resumed = fit(tmp_path / "part", ckpt_path=tmp_path / "part/last.ckpt", callbacks=[resumed_steps], **run, **on)
+    assert resumed_steps.lrs == full_steps.lrs[step:]
     assert torch.equal(resumed, uninterrupted)
 
 
