@@ -55,83 +55,110 @@ def inline_from(fields: Any, source: str) -> str:
     return f"{SOURCE_MARK}{source}\n{yaml.safe_dump(fields)}"
 
 
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # YAML given inline, longer than a file name may be
+        return False
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a name longer than a file name may be: no such file
+        return False
+
+
 def read_config(value: str) -> tuple[Any, str]:
     """A ``--config`` value's fields (a YAML file's, or the YAML given inline) and where they come from, in words:
     the file's path, also for YAML that ``inline_from`` made of a file."""
     path = Path(value)
-    try:
-        is_file = path.is_file()
-    except OSError:  # YAML given inline, longer than a file name may be
-        is_file = False
-    if is_file:
+    if _is_file(path):
         return yaml.safe_load(path.read_text()), str(path)
     first, _, _ = value.partition("\n")
     source = first.removeprefix(SOURCE_MARK) if first.startswith(SOURCE_MARK) else "the --config given inline"
     return yaml.safe_load(value), source
 
 
-def empty_config_paragraph(cli_args: list[str]) -> str | None:
-    """The refusal of a ``--config`` file that holds nothing (empty, or only comments), which jsonargparse reports as
-    "Unexpected config" without its name; ``None`` where every file holds something."""
-    for value in config_values(cli_args):
-        try:
-            fields, source = read_config(value)
-        except (yaml.YAMLError, UnicodeDecodeError, OSError):
-            continue  # jsonargparse names the file and the line
-        if fields is None:
-            named = f"--config {source}" if source == value else source
-            return (
-                f"{named} holds nothing (it is empty, or only comments): a config is YAML with the sections"
-                " that `pl-lowprec fit --print_config` shows (trainer:, model:, data:). Fill it, or leave it out."
-            )
-    return None
+@dataclass(frozen=True)
+class _Read:
+    """One ``--config`` value, parsed once: its fields and their source, or the error that stopped the parse."""
+
+    value: str
+    fields: Any = None
+    source: str = ""
+    error: Exception | None = None
 
 
-def missing_config_paragraph(cli_args: list[str]) -> str | None:
-    """The refusal of a ``--config`` file that does not exist (a value that reads as a plain string, not as inline
-    YAML's mapping), which jsonargparse words as 'Parser key "config": File does not exist'; with the nearest YAML
-    file of that directory, or of ``configs/`` for a bare name. ``None`` where every file exists."""
-    for value in config_values(cli_args):
-        try:
-            fields = yaml.safe_load(value)
-        except yaml.YAMLError:
-            continue  # not a path: jsonargparse names the line
-        path = Path(value)
-        if not isinstance(fields, str) or path.exists():
-            continue
-        folder = path.parent if path.parent != Path() or not Path("configs").is_dir() else Path("configs")
-        found = {yaml_file.stem: yaml_file for yaml_file in folder.glob("*.y*ml")} if folder.is_dir() else {}
-        near = closest(path.stem, found)  # by the name alone: every .yaml shares the suffix
-        near = str(found[near]) if near else None
-        where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
+def _read(value: str) -> _Read:
+    try:
+        fields, source = read_config(value)
+    except (yaml.YAMLError, UnicodeDecodeError, OSError) as err:
+        return _Read(value, error=err)
+    return _Read(value, fields, source)
+
+
+def _missing_paragraph(read: _Read) -> str | None:
+    """A value that YAML reads as a plain string, not as inline YAML's mapping, and names no file: jsonargparse
+    words it as 'Parser key "config": File does not exist'; here with the nearest YAML file of that directory,
+    or of ``configs/`` for a bare name."""
+    path = Path(read.value)
+    if read.error is not None or not isinstance(read.fields, str) or _exists(path):
+        return None
+    folder = path.parent if path.parent != Path() or not Path("configs").is_dir() else Path("configs")
+    found = {yaml_file.stem: yaml_file for yaml_file in folder.glob("*.y*ml")} if folder.is_dir() else {}
+    near = closest(path.stem, found)  # by the name alone: every .yaml shares the suffix
+    near = str(found[near]) if near else None
+    where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
+    return (
+        f"--config {read.value} does not exist{where}.{f' Did you mean {near}?' if near else ''} A config is a"
+        " YAML file (`pl-lowprec fit --print_config` writes a full one to start from; the repository's are"
+        " in configs/), or YAML given inline: --config 'trainer: {max_steps: 10}'."
+    )
+
+
+def _unreadable_paragraph(read: _Read) -> str | None:
+    """A value (a file, or YAML given inline) that is not YAML: where, and what the parser found, with the line
+    at fault. Every reader of the configs (``strategy_override``, ``plan``, jsonargparse) would otherwise meet
+    it first, the package's own with a traceback."""
+    err = read.error
+    if isinstance(err, yaml.MarkedYAMLError):
+        named = f"--config {read.value}" if _is_file(Path(read.value)) else "the --config given inline"
+        mark = err.problem_mark
+        where = ""
+        if mark is not None:
+            lines = (mark.buffer or "").rstrip("\0").splitlines()  # the text parsed (the reader ends it with NUL)
+            line = lines[mark.line] if mark.line < len(lines) else ""
+            where = f" at line {mark.line + 1}, column {mark.column + 1} ({line.strip()!r})"
         return (
-            f"--config {value} does not exist{where}.{f' Did you mean {near}?' if near else ''} A config is a"
-            " YAML file (`pl-lowprec fit --print_config` writes a full one to start from; the repository's are"
-            " in configs/), or YAML given inline: --config 'trainer: {max_steps: 10}'."
+            f"{named} is not valid YAML: {err.problem or err.context}{where}. Keys of one section are indented"
+            " by the same number of spaces (no tabs), and a value with ': ' or '#' in it is quoted; `pl-lowprec"
+            " fit --print_config` writes a config that reads."
         )
+    if err is not None:
+        return f"--config {read.value} is not a YAML file ({type(err).__name__}: {err}); a config is YAML text."
     return None
 
 
-def unreadable_config_paragraph(cli_args: list[str]) -> str | None:
-    """The refusal of a ``--config`` (a file, or YAML given inline) that is not YAML: where, and what the parser
-    found, with the line at fault. Every reader of the configs (``strategy_override``, ``plan``, jsonargparse) would
-    otherwise meet it first, the package's own with a traceback. ``None`` where every one reads."""
-    for value in config_values(cli_args):
-        try:
-            read_config(value)
-        except yaml.MarkedYAMLError as err:
-            named = f"--config {value}" if Path(value).is_file() else "the --config given inline"
-            mark = err.problem_mark
-            text = Path(value).read_text() if Path(value).is_file() else value
-            where = ""
-            if mark is not None:
-                line = text.splitlines()[mark.line] if mark.line < len(text.splitlines()) else ""
-                where = f" at line {mark.line + 1}, column {mark.column + 1} ({line.strip()!r})"
-            return (
-                f"{named} is not valid YAML: {err.problem or err.context}{where}. Keys of one section are indented"
-                " by the same number of spaces (no tabs), and a value with ': ' or '#' in it is quoted; `pl-lowprec"
-                " fit --print_config` writes a config that reads."
-            )
-        except (yaml.YAMLError, UnicodeDecodeError) as err:
-            return f"--config {value} is not a YAML file ({type(err).__name__}: {err}); a config is YAML text."
+def _empty_paragraph(read: _Read) -> str | None:
+    """A file that holds nothing (empty, or only comments), which jsonargparse reports as "Unexpected config"
+    without its name."""
+    if read.error is not None or read.fields is not None:
+        return None
+    named = f"--config {read.source}" if read.source == read.value else read.source
+    return (
+        f"{named} holds nothing (it is empty, or only comments): a config is YAML with the sections"
+        " that `pl-lowprec fit --print_config` shows (trainer:, model:, data:). Fill it, or leave it out."
+    )
+
+
+def config_paragraph(cli_args: list[str]) -> str | None:
+    """The refusal of the first bad ``--config`` in ``cli_args``, each read once: a missing file first (of
+    any of them), then one that is not YAML, then one that holds nothing; ``None`` where every one reads."""
+    reads = [_read(value) for value in config_values(cli_args)]
+    for check in (_missing_paragraph, _unreadable_paragraph, _empty_paragraph):
+        for read in reads:
+            paragraph = check(read)
+            if paragraph is not None:
+                return paragraph
     return None

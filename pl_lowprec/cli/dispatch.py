@@ -6,7 +6,7 @@ import sys
 from collections.abc import Callable
 
 from pl_lowprec.cli import estimate, export, generate, make_demo_model, plan
-from pl_lowprec.cli.arguments import empty_config_paragraph, missing_config_paragraph, unreadable_config_paragraph
+from pl_lowprec.cli.arguments import config_paragraph
 from pl_lowprec.cli.config_errors import refusals
 from pl_lowprec.cli.lightning_cli import build_cli
 from pl_lowprec.cli.subcommands import LIGHTNING_SUBCOMMANDS, unknown_subcommand_paragraph
@@ -37,7 +37,7 @@ def main(args: list[str] | None = None) -> None:
         with refusals("pl-lowprec"):
             raise ValueError(unknown_subcommand_paragraph(argv[0] if argv else None))
     config = argv[1:]
-    unread = missing_config_paragraph(config) or unreadable_config_paragraph(config) or empty_config_paragraph(config)
+    unread = config_paragraph(config)
     if unread is not None:
         with refusals(f"pl-lowprec {argv[0]}"):
             raise ValueError(unread)

@@ -49,3 +49,27 @@ def test_inline_yaml_and_a_binary_file_are_refused_alike(capsys, tmp_path):
     binary.write_bytes(bytes([0xDA, 0x00, 0xFF, 0x10]))
     said = refusal(capsys, ["fit", f"--config={binary}"])
     assert f"--config {binary} is not a YAML file (UnicodeDecodeError" in said, said
+
+
+def test_a_long_broken_inline_config_is_one_paragraph(capsys):
+    """Inline YAML longer than a file name may be (255 bytes) is not taken for a path: asking whether it names a
+    file raised ``OSError: [Errno 36] File name too long``, a traceback."""
+    keys = ", ".join(f"key_{index}: {index}" for index in range(50))
+    given = f"trainer: {{max_steps: 2, {keys}"  # unclosed
+    assert len(given) > 255
+    said = refusal(capsys, ["fit", f"--config={given}"])
+    assert "the --config given inline is not valid YAML: expected ',' or '}'" in said, said
+    assert f"at line 1, column {len(given) + 1} ({given!r})" in said, said
+
+
+def test_a_config_is_parsed_once(capsys, monkeypatch, tmp_path):
+    """Each ``--config`` is read once before the subcommand, not once per check."""
+    import yaml
+
+    parsed: list[str] = []
+    safe_load = yaml.safe_load
+    monkeypatch.setattr(yaml, "safe_load", lambda text: parsed.append(text) or safe_load(text))
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("trainer:\n  max_steps: 2\n   devices: 1\n")
+    refusal(capsys, ["fit", f"--config={broken}", "--config=trainer: {max_steps: 3}"])
+    assert len(parsed) == 2, parsed
