@@ -10,21 +10,15 @@ that takes the key, for the Trainer and the package's own classes (strategy, pre
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from lightning.pytorch import Trainer
 
-from pl_lowprec.cli.own_options import _arguments
+from pl_lowprec.cli.own_options import _arguments, refused_key
 from pl_lowprec.data import TextDataModule
 from pl_lowprec.models import CausalLM
 from pl_lowprec.plugins import AMPPrecision
 from pl_lowprec.strategies import LowPrecisionStrategy
-
-_NOT_ACCEPTED_HERE = re.compile(r"does not accept option '(?P<key>[\w.]+)'")
-_UNRECOGNIZED = re.compile(r"unrecognized arguments: --(?P<key>[\w.]+)")
-_CLASS_OPTION = re.compile(r"class_path '[\w.]+'[:;]\s+Option '(?P<key>[\w.]+)' is not accepted")
-_PARSER_KEY = re.compile(r'Parser key "(?P<section>[\w.]+)"')
 
 
 @dataclass(frozen=True)
@@ -77,27 +71,13 @@ def _homes() -> list[tuple[Home, list[str]]]:
     ]
 
 
-def refused_key(message: str) -> tuple[str, str] | None:
-    """The section (``trainer``, ``model``, empty for the top level) and the key jsonargparse refused, from its
-    message; ``None`` where it refused no key."""
-    found = _CLASS_OPTION.search(message)
-    if found is not None:  # the class's section: the last key named before it
-        sections = _PARSER_KEY.findall(message[: found.start()])
-        return (sections[-1] if sections else ""), found["key"]
-    found = _NOT_ACCEPTED_HERE.search(message) or _UNRECOGNIZED.search(message)
-    if found is None:
-        return None
-    section, _, key = found["key"].rpartition(".")
-    return section, key
-
-
 def misplaced_key_hint(message: str) -> str | None:
     """Where the key jsonargparse refused in ``message`` belongs, in words; ``None`` where no other section that
     this knows takes it (a misspelling: ``own_options.meant_config_key`` suggests the key meant)."""
     refused = refused_key(message)
     if refused is None:
         return None
-    section, key = refused
+    section, key = refused.section, refused.key
     name = key.split(".")[0]
     section = section.removesuffix(".init_args")
     for home, names in _homes():

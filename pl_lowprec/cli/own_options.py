@@ -13,6 +13,7 @@ import argparse
 import importlib
 import inspect
 import re
+from typing import NamedTuple
 
 from lightning.pytorch import Trainer
 
@@ -58,26 +59,58 @@ def check_own_options(parser: argparse.ArgumentParser, unknown: list[str], takes
         )
 
 
-_UNRECOGNIZED = re.compile(r"unrecognized arguments: --(?P<section>\w+)\.(?P<key>[\w.-]+)")
-_NOT_ACCEPTED = re.compile(r"class_path '(?P<path>[\w.]+)'[:;]\s+Option '(?P<key>[\w-]+)' is not accepted")
+_UNRECOGNIZED = re.compile(r"unrecognized arguments: --(?P<key>[\w.-]+)")
+_NOT_ACCEPTED_HERE = re.compile(r"(?:Group '(?P<group>[\w.]+)' )?does not accept option '(?P<key>[\w.-]+)'")
+_CLASS_OPTION = re.compile(r"class_path '(?P<path>[\w.]+)'[:;]\s+Option '(?P<key>[\w.-]+)' is not accepted")
+_PARSER_KEY = re.compile(r'Parser key "(?P<section>[\w.]+)"')
+
+
+class RefusedKey(NamedTuple):
+    """A key jsonargparse refused: its section (``trainer``, ``model.init_args``, empty for the top level), the key,
+    the class whose option it is not (empty where the section is no class's), and whether it came as
+    ``--section.key`` on the command line rather than in a config."""
+
+    section: str
+    key: str
+    class_path: str
+    on_command_line: bool = False
+
+
+def refused_key(message: str) -> RefusedKey | None:
+    """The key jsonargparse refused, from its message; ``None`` where it refused no key. The one reader of these
+    messages: ``meant_config_key`` suggests the key meant, ``misplaced_keys`` the section that takes it."""
+    found = _CLASS_OPTION.search(message)
+    if found is not None:  # the class's section: the last key named before it
+        sections = _PARSER_KEY.findall(message[: found.start()])
+        return RefusedKey(sections[-1] if sections else "", found["key"], found["path"])
+    found = _UNRECOGNIZED.search(message)
+    if found is not None:
+        section, _, key = found["key"].rpartition(".")
+        return RefusedKey(section, key, "", on_command_line=True)
+    found = _NOT_ACCEPTED_HERE.search(message)  # "Group 'trainer' does not accept option 'x'", or 'trainer.x'
+    if found is None:
+        return None
+    section, _, key = ".".join(filter(None, (found["group"], found["key"]))).rpartition(".")
+    return RefusedKey(section, key, "")
 
 
 def meant_config_key(message: str) -> str | None:
     """For jsonargparse's refusal of an unknown key, the key meant: ``--trainer.max_steps`` for
     ``--trainer.max-steps``, ``pretrained`` for the class option ``pretrainedd``; ``None`` for anything else."""
-    found = _UNRECOGNIZED.search(message)
-    if found is not None and found["section"] == "trainer" and "." not in found["key"]:
-        meant = meant_option(f"--{found['key']}", [f"--{name}" for name in _arguments(Trainer)])
-        return f"--trainer.{meant[2:]}" if meant else None
-    found = _NOT_ACCEPTED.search(message)
-    if found is None:
+    refused = refused_key(message)
+    if refused is None or "." in refused.key:
         return None
-    module, _, name = found["path"].rpartition(".")
+    if refused.on_command_line and refused.section == "trainer":
+        meant = meant_option(f"--{refused.key}", [f"--{name}" for name in _arguments(Trainer)])
+        return f"--trainer.{meant[2:]}" if meant else None
+    if not refused.class_path:
+        return None
+    module, _, name = refused.class_path.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError):
         return None
-    meant = meant_option(f"--{found['key']}", [f"--{argument}" for argument in _arguments(cls)])
+    meant = meant_option(f"--{refused.key}", [f"--{argument}" for argument in _arguments(cls)])
     return meant[2:] if meant else None
 
 

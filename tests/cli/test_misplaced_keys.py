@@ -19,7 +19,7 @@ QUICKSTART = "configs/quickstart.yaml"
 STRATEGY_HOME = ["trainer.strategy.init_args", "--trainer.strategy.{name}=VALUE"]
 
 CASES = [  # (the misplaced setting: a --config YAML or a command-line option, the key's name, where it belongs)
-    ("--config=trainer: {quantization: nf4}", "quantization", STRATEGY_HOME),
+    ("--config=trainer: {quantization: nf4}", "quantization", [*STRATEGY_HOME, "not of trainer."]),
     ("--config=quantization: nf4", "quantization", [*STRATEGY_HOME, "not of the top level"]),
     ("--trainer.quantization=nf4", "quantization", STRATEGY_HOME),
     ("--config=model: {init_args: {lora: {r: 4}}}", "lora", [*STRATEGY_HOME, "not of model"]),
@@ -43,3 +43,15 @@ def test_a_key_in_the_wrong_section_is_refused_with_where_it_belongs(capsys, tmp
     for part in named:
         assert part.format(name=name) in paragraph, paragraph
     assert not list(tmp_path.iterdir()), "nothing is written before the refusal"
+
+
+def test_a_key_refused_in_a_group_is_placed_in_that_group(capsys):
+    """With ``--print_config`` jsonargparse words the refusal "Group 'trainer' does not accept option
+    'quantization'", naming the section apart from the key; it was read as a key of the top level."""
+    with pytest.raises(SystemExit) as exited:
+        main(["fit", f"--config={QUICKSTART}", "--print_config", "--config=trainer: {quantization: nf4}"])
+    out, err = capsys.readouterr()
+    assert exited.value.code == 2 and out == "", out + err
+    paragraph = next(line for line in err.splitlines() if "error: " in line)
+    assert "Group 'trainer' does not accept option 'quantization'" in paragraph, paragraph
+    assert "`quantization` is an argument of the strategy" in paragraph and "not of trainer." in paragraph, paragraph
