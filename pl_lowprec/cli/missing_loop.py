@@ -1,10 +1,11 @@
-"""``pl-lowprec test`` and ``predict`` of a module without the step or data without the loader (``CausalLM`` has no
-``test_step``, ``TextDataModule`` no test or predict loader), refused before anything loads.
+"""``pl-lowprec test`` and ``predict`` of data without the loader (``TextDataModule`` has no test or predict
+loader), refused before anything loads; and the paragraph for a module without the step (``CausalLM`` has no
+``test_step``).
 
-Lightning finds out once the run has started: the pretrained weights streamed in and quantized, and the
-``--ckpt_path`` restored, which for a large model takes minutes. The same check runs here first, on the classes
-the config built, with Lightning's wording; ``missing_loop_paragraph`` adds the commands that do what the user
-likely wants.
+Lightning checks the step itself before the model is built (``_verify_loop_configurations``), but the loader only
+once the run has started: the pretrained weights streamed in and quantized, and the ``--ckpt_path`` restored, which
+for a large model takes minutes. The loader check runs here first, on the classes the config built, with
+Lightning's wording; ``missing_loop_paragraph`` adds the commands that do what the user likely wants.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from pl_lowprec.cli.config_errors import first_paragraph
 
 
 def check_loop_defined(subcommand: str, model: Any, datamodule: Any) -> None:
-    """``MisconfigurationException`` in Lightning's words where ``test`` lacks the module's ``test_step``, or
-    ``test``/``predict`` the loader of the data module (or, without one, of the module)."""
+    """``MisconfigurationException`` in Lightning's words where ``test``/``predict`` lacks the loader of the data
+    module (or, without one, of the module). A missing ``test_step`` is left to
+    Lightning's own check (before the model is built), which names it rather than the loader."""
     if subcommand not in ("test", "predict"):
         return
     if subcommand == "test" and not is_overridden("test_step", model):
-        raise MisconfigurationException("No `test_step()` method defined to run `Trainer.test`.")
+        return  # Lightning refuses a missing step itself, in its words, before the model is built: the first fault
     loader = f"{subcommand}_dataloader"
     if not is_overridden(loader, datamodule if datamodule is not None else model):
         raise MisconfigurationException(f"`{loader}` must be implemented to be used with the Lightning Trainer.")
