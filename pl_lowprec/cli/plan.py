@@ -3,6 +3,7 @@
     pl-lowprec plan --config configs/finetune-causal-lm.yaml --memory 16GiB --gpu T4
     pl-lowprec plan --config configs/finetune-causal-lm.yaml --memory 24GiB --out runs/plan.yaml
     pl-lowprec plan --config my.yaml --memory 80GB --maximize seq_len --out runs/long.yaml --data.batch_size 4
+    pl-lowprec plan --config my.yaml --memory 24GiB --json > plan.json   (the plan for a script; the table on stderr)
 
 Arguments the plan does not know (``--model.pretrained DIR``, ``--data.batch_size 4``, ``--trainer.devices 2``)
 go to the config, as for ``pl-lowprec fit``, whose ``--help`` lists them; the written config keeps them.
@@ -20,9 +21,11 @@ micro-batch) that fits with the most memory-saving settings the config allows.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import inspect
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +39,7 @@ from pl_lowprec._checks import int_at_least
 from pl_lowprec.cli.arguments import options, read_config
 from pl_lowprec.cli.estimate import check_devices, check_strategy, device_of, devices_of, precision_of
 from pl_lowprec.cli.own_options import check_own_options
+from pl_lowprec.cli.plan_json import maximize_record, plan_record
 from pl_lowprec.cli.rebuild import config_files, passed_on, rebuild_classes
 from pl_lowprec.cli.subcommands import subcommand_parser
 from pl_lowprec.distributed.sharding import Sharding
@@ -90,9 +94,28 @@ def main(args: list[str] | None = None) -> None:
     parser.add_argument("--maximize", choices=["seq_len", "batch_size"], help="the largest value that fits")
     parser.add_argument("--allow_quantization", action="store_true", help="also try nf4-dq base weights")
     parser.add_argument("--gpu", help=f"rank by the predicted step time on this GPU ({', '.join(GPUS)})")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the plan as one JSON object on stdout (bytes, seconds), the lines for a person on stderr",
+    )
     args = sys.argv[1:] if args is None else list(args)
     options, unknown = parser.parse_known_args(args)
     check_own_options(parser, unknown)
+    if not options.json:
+        record = _plan(parser, options, args)
+    else:
+        with contextlib.redirect_stdout(sys.stderr):  # stdout holds the JSON alone
+            record = _plan(parser, options, args)
+        print(json.dumps(record, indent=1))
+    found = record["chosen"] if "chosen" in record else record["largest"]
+    if found is None:
+        raise SystemExit(1)  # nothing fits: said on stderr
+
+
+def _plan(parser: argparse.ArgumentParser, options: argparse.Namespace, args: list[str]) -> dict[str, Any]:
+    """The plan (or ``--maximize``'s search) of ``options``, printed for a person and written with ``--out``;
+    returned as ``plan --json`` prints it."""
     cli_args = passed_on(parser, args)  # the --config files and overrides, in order
     budget = parse_bytes(options.memory, "--memory")
     if not 0 <= options.margin < 1:
@@ -136,8 +159,7 @@ def main(args: list[str] | None = None) -> None:
     if options.maximize:
         shards = (sharding, devices, bucket_view)
         shape = (rows, accumulate)
-        _maximize(options, build, batch, shape, budget, precision, device, config, blocks, cli_args, run, shards)
-        return
+        return _maximize(options, build, batch, shape, budget, precision, device, config, blocks, cli_args, run, shards)
     plan = plan_memory(
         build,
         lambda micro: resized(batch, micro),
@@ -178,11 +200,12 @@ def main(args: list[str] | None = None) -> None:
     chosen = plan.chosen
     if chosen is None:
         print(plan.nothing_fits(), file=sys.stderr)
-        raise SystemExit(1)
+        return plan_record(plan, precision, devices, out)
     print(plan.chosen_line())
     if out is not None:
         write_plan(cli_args, out, chosen.settings, blocks, config, devices, run, strategy=switch_to, rows=rows)
         print(f"Wrote {out}: pl-lowprec fit --config {out}")
+    return plan_record(plan, precision, devices, out)
 
 
 def _sharded_alternative(
@@ -242,7 +265,9 @@ def _eight_bit(sharding: Any) -> str:
     return "torchao_adamw8bit" if sharding is not None else "adamw8bit"
 
 
-def _maximize(options, build, batch, shape, budget, precision, device, config, blocks, cli_args, run, shards) -> None:
+def _maximize(
+    options, build, batch, shape, budget, precision, device, config, blocks, cli_args, run, shards
+) -> dict[str, Any]:
     """The longest sequence (or largest micro-batch) that fits, with the most memory-saving settings allowed;
     ``shape``: the config's micro-batch rows and accumulation; ``shards``: the config's FSDP2 sharding (or
     ``None``), the number of ranks and DDP's ``gradient_as_bucket_view``.
@@ -296,7 +321,7 @@ def _maximize(options, build, batch, shape, budget, precision, device, config, b
             f" {weights_advice(mode)}; or plan for a larger device.",
             file=sys.stderr,
         )
-        raise SystemExit(1)
+        return maximize_record(options.maximize, None, saving, limit, options.out)
     capped = " (the model's max_position_embeddings)" if longest and best == positions else ""
     print(f"Largest {options.maximize} that fits in {format_bytes(limit)} with {saving.describe()}: {best}{capped}")
     if not longest:
@@ -310,6 +335,7 @@ def _maximize(options, build, batch, shape, budget, precision, device, config, b
         extra = {"data.init_args.seq_len": best} if longest else {}
         write_plan(cli_args, Path(options.out), written, blocks, config, world_size, run, extra, rows=rows)
         print(f"Wrote {options.out}: pl-lowprec fit --config {options.out}")
+    return maximize_record(options.maximize, best, saving, limit, options.out)
 
 
 MAX_BATCH_SIZE = 4096
