@@ -10,6 +10,7 @@ from pl_lowprec.cli.arguments import config_paragraph
 from pl_lowprec.cli.config_errors import refusals
 from pl_lowprec.cli.lightning_cli import build_cli
 from pl_lowprec.cli.subcommands import LIGHTNING_SUBCOMMANDS, unknown_subcommand_paragraph
+from pl_lowprec.cli.version import version_text
 from pl_lowprec.transforms.pretrained_adapter import adapters_resolved_once
 
 SUBCOMMANDS: dict[str, Callable[[list[str]], None]] = {
@@ -29,9 +30,12 @@ def main(args: list[str] | None = None) -> None:
     ``plan`` (the memory settings that fit a budget), ``make-demo-model`` (a small pretrained model and a
     fine-tuning task, made locally), ``export`` (a checkpoint to a peft adapter directory or a merged model) and
     ``generate`` (completions of a file of prompts). A refusal of any of them is one paragraph and exit status 2
-    (``config_errors.refusals``).
+    (``config_errors.refusals``). ``pl-lowprec --version`` prints the versions (``version.version_text``).
     """
     argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["--version"]:
+        print(version_text())
+        return
     known = bool(argv) and (argv[0] in SUBCOMMANDS or argv[0] in LIGHTNING_SUBCOMMANDS or argv[0].startswith("-"))
     if not known:  # before its arguments: a misspelt subcommand is the first thing to fix
         with refusals("pl-lowprec"):

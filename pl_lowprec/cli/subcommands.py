@@ -56,7 +56,8 @@ def usage() -> str:
 def overview() -> str:
     """Every subcommand with its line, for ``pl-lowprec --help``."""
     lines = [f"{name} ({summary})" for name, summary in {**LIGHTNING_SUBCOMMANDS, **OWN_SUBCOMMANDS}.items()]
-    return "Low-precision fine-tuning on LightningCLI. Subcommands: " + "; ".join(lines) + "."
+    versions = " `pl-lowprec --version` prints its version and those of torch, lightning, transformers and others."
+    return "Low-precision fine-tuning on LightningCLI. Subcommands: " + "; ".join(lines) + "." + versions
 
 
 def unknown_subcommand_paragraph(given: str | None) -> str:
