@@ -11,7 +11,7 @@ fragmentation, DDP's gradient buckets).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +20,7 @@ from torch import nn
 
 from pl_lowprec.memory.estimate import MemoryEstimate, estimate_memory
 from pl_lowprec.memory.fake_step import batch_tensors
-from pl_lowprec.memory.plan import fresh_copies, plan_memory, resized
+from pl_lowprec.memory.plan import Simulated, fresh_copies, plan_memory, resized
 from pl_lowprec.memory.quiet import quiet_setup_logs
 from pl_lowprec.memory.sizes import format_bytes
 from pl_lowprec.transforms.checkpointing import declared_blocks
@@ -52,10 +52,12 @@ def check_memory_budget(
     world_size: int = 1,
     estimate: MemoryEstimate | None = None,
     gradient_as_bucket_view: bool = False,
+    simulated: Sequence[tuple[TransformConfig, MemoryEstimate]] = (),
 ) -> MemoryEstimate:
     """Predict the peak of one optimizer step of ``batch`` (``first_training_batch``), ``accumulate`` micro-batches
     each, or take ``estimate``, made for ``config`` already; ``ValueError`` naming the plan's settings when it exceeds
-    ``budget``."""
+    ``budget``. ``simulated``: other configs' estimates for the same batch and accumulation (the automatic choice's
+    candidates), which the plan of the refusal takes instead of simulating them again."""
     build = fresh_copies(module)  # each call a meta copy: the estimate transforms its own, the module stays
     if estimate is None:
         with quiet_setup_logs():  # the run prints its setup lines itself, once, when it loads
@@ -70,6 +72,7 @@ def check_memory_budget(
                 world_size=world_size,
                 gradient_as_bucket_view=gradient_as_bucket_view,
             )
+        simulated = [*simulated, (config, estimate)]  # the plan's candidate with no change, where it has one
     per = " per rank" if sharding is not None else ""
     if estimate.peak <= budget:
         rank_zero_info(
@@ -84,7 +87,7 @@ def check_memory_budget(
     raise ValueError(
         f"memory_budget={format_bytes(budget)}: the predicted peak of this run is {format_bytes(estimate.peak)}{per}"
         f" (during the {estimate.peak_phase}; {parts}), above the budget, so it was stopped before loading any"
-        f" weight. {_suggestion(budget, build, batch, accumulate, precision, device, config, ranks)}"
+        f" weight. {_suggestion(budget, build, batch, accumulate, precision, device, config, ranks, simulated)}"
         " `pl-lowprec plan --config YOUR.yaml --memory BUDGET --out plan.yaml` writes such settings as a config;"
         " or raise memory_budget if the device has more memory."
     )
@@ -99,9 +102,10 @@ def _suggestion(
     device: torch.device,
     config: TransformConfig,
     ranks: tuple[Any, int, bool],
+    simulated: Sequence[tuple[TransformConfig, MemoryEstimate]],
 ) -> str:
     """What ``plan_memory`` chooses for the same global batch, or why nothing fits; ``ranks``: the sharding, the
-    number of ranks and DDP's ``gradient_as_bucket_view``."""
+    number of ranks and DDP's ``gradient_as_bucket_view``; ``simulated`` as ``check_memory_budget`` takes it."""
     sharding, world_size, gradient_as_bucket_view = ranks
     rows = next(t.shape[0] for t in batch_tensors(batch))
     plan = plan_memory(
@@ -117,6 +121,7 @@ def _suggestion(
         block_names=declared_blocks(build()),
         sharding=sharding,
         gradient_as_bucket_view=gradient_as_bucket_view,
+        simulated=[Simulated(done, rows, accumulate, estimate) for done, estimate in simulated],
     )
     chosen = plan.chosen
     if chosen is None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -218,6 +218,7 @@ def plan_memory(
     time_on: str | None = None,
     micro_batch: int | None = None,
     gradient_as_bucket_view: bool = False,
+    simulated: Sequence[Simulated] = (),
 ) -> MemoryPlan:
     """Simulate the candidates (``Settings``; per micro-batch down ``fastest.ladder`` to the first rung that
     fits) and rank them by predicted step time.
@@ -238,6 +239,8 @@ def plan_memory(
             and for CUDA without a GPU here, ``ASSUMED_GPU`` (the table says so).
         micro_batch: Search only this micro-batch (a module's own loader: nothing sets its batch size).
         gradient_as_bucket_view: DDP's own argument, as ``estimate_memory`` takes it.
+        simulated: Estimates made already with these arguments (``Simulated``: a refused ``fit``'s automatic
+            choice), taken for the candidates with the same config, micro-batch and accumulation.
     """
     config = searched_config(config or TransformConfig())
     device = torch.device(device)
@@ -255,7 +258,10 @@ def plan_memory(
         for rung in rungs:  # fastest first, as fit walks them
             for index, (optimizer, offloading, quantization) in enumerate(extras[:worth]):
                 settings = Settings(micro, per_device // micro, rung, optimizer, offloading, quantization)
+                candidate_config = settings_config(config, settings, blocks)
                 estimate = None if cache is None else cache.get(settings)
+                if estimate is None:
+                    estimate = simulated_already(simulated, candidate_config, micro, settings.accumulate)
                 if estimate is None:
                     with quiet_setup_logs():  # the transform's setup lines, once per candidate otherwise
                         estimate = estimate_memory(
@@ -263,7 +269,7 @@ def plan_memory(
                             make_batch(settings.micro_batch),
                             precision=precision,
                             device=device,
-                            config=settings_config(config, settings, blocks),
+                            config=candidate_config,
                             accumulate_grad_batches=settings.accumulate,
                             sharding=sharding,
                             world_size=devices,
@@ -280,6 +286,27 @@ def plan_memory(
                 break
     plan.candidates.sort(key=_ranking(plan.candidates))
     return plan
+
+
+@dataclass(frozen=True)
+class Simulated:
+    """An estimate made already, outside the plan, with the plan's other arguments: ``config`` at ``micro_batch``
+    rows (``make_batch``'s) and ``accumulate`` micro-batches per step."""
+
+    config: TransformConfig
+    micro_batch: int
+    accumulate: int
+    estimate: MemoryEstimate
+
+
+def simulated_already(
+    simulated: Sequence[Simulated], config: TransformConfig, micro_batch: int, accumulate: int
+) -> MemoryEstimate | None:
+    """The estimate of ``simulated`` made for exactly this candidate (a fake step costs seconds), or ``None``."""
+    for done in simulated:
+        if (done.config, done.micro_batch, done.accumulate) == (config, micro_batch, accumulate):
+            return done.estimate
+    return None
 
 
 TIED = 0.05  # predicted steps within 5% of the fastest are tied: a measured CPU's kernel times vary that much

@@ -147,6 +147,7 @@ class TransformHooks(TransformArguments):
             self.world_size,
             estimate=search.estimate if search is not None else None,
             gradient_as_bucket_view=gradient_as_bucket_view(self),
+            simulated=[(chosen, estimate) for _, chosen, estimate in search.tried] if search is not None else (),
         )
         self.prediction.interconnect = links
 

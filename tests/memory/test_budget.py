@@ -110,12 +110,34 @@ def test_above_the_budget_the_plan_searches_the_auto_settings_as_given():
     ) in str(refused.value)
 
 
-def test_a_budget_below_anything_possible_says_what_dominates(caplog):
+@pytest.fixture
+def fake_steps(monkeypatch):
+    """``(config, accumulation, batch shape)`` of each fake step the estimator simulates, in order."""
+    import pl_lowprec.memory.estimate as estimate_module
+
+    simulated = []
+    real_estimate = estimate_module._estimate
+
+    def counted(build, batch, precision, device, config, accumulate, *rest):
+        simulated.append((config, accumulate, next(iter(batch.values())).shape))
+        return real_estimate(build, batch, precision, device, config, accumulate, *rest)
+
+    monkeypatch.setattr(estimate_module, "_estimate", counted)
+    return simulated
+
+
+def repeats(simulated: list) -> list:
+    """The fake steps that simulated again what one before them did."""
+    return [s for i, s in enumerate(simulated) if s in simulated[:i]]
+
+
+def test_a_budget_below_anything_possible_says_what_dominates(caplog, fake_steps):
     expected = r"memory_budget=1\.00 KiB: .*Nothing fits in 1\.00 KiB.*The largest part is"  # not "0.00 MiB"
     with caplog.at_level("INFO"), pytest.raises(ValueError, match=expected):
         _fit(memory_budget="1KiB", batch_size=1)  # every candidate is simulated: keep them few
     # the simulated candidates set up no model: their setup lines (once per candidate) are silent
     assert "LoRA on " not in caplog.text and "Activation checkpointing" not in caplog.text, caplog.text
+    assert len(fake_steps) > 1 and not repeats(fake_steps)  # the plan takes the check's estimate of the run as given
 
 
 class CountingLoader(DataLoader):
@@ -128,7 +150,9 @@ class CountingLoader(DataLoader):
         return super().__iter__()
 
 
-def test_the_automatic_choice_and_the_budget_check_draw_one_batch_between_them():
+def test_the_automatic_choice_and_the_budget_check_draw_one_batch_and_simulate_each_config_once(fake_steps):
+    """The refusal's plan takes the estimates the automatic choice made (a fake step costs seconds each)."""
+    simulated = fake_steps
     rows = list(_loader(batch_size=1).dataset)
     loader = CountingLoader(rows, batch_size=1)
     CountingLoader.drawn = 0
@@ -139,6 +163,10 @@ def test_the_automatic_choice_and_the_budget_check_draw_one_batch_between_them()
     with pytest.raises(ValueError, match=r"memory_budget=1\.00 KiB: .*Nothing fits"):
         trainer.fit(tiny_llama(hidden_size=64), loader)
     assert CountingLoader.drawn == 1  # the refusal's plan reuses the batch the choice simulated
+    choice = [config for _, config, _ in strategy.automatic_choice.tried]
+    assert len(choice) >= 4 and [config for config, _, _ in simulated[: len(choice)]] == choice
+    assert len(simulated) > len(choice)  # the plan's own candidates (the 8-bit optimizer) were simulated
+    assert not repeats(simulated), f"{len(repeats(simulated))} of {len(simulated)} fake steps made twice"
 
 
 def test_small_sizes_read_as_sizes():
