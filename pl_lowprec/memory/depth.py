@@ -6,8 +6,12 @@ adds the same weights, saved activations and gradients; the peak sits at the sam
 ``x(L) = x(2) + (L - 2) * (x(3) - x(2))`` gives the same bytes (checked against the full simulation on 8B and 70B
 shapes, and in tests/memory/test_depth.py) as long as the peak stays at the same op. A third run with 4 blocks
 checks that: when its figures leave the line (with batch 1 x 2048 on 8B shapes, the peak sits in a block's
-recompute at 2 blocks and at the loss at 32), every block is simulated instead. Used only where the blocks are
-interchangeable: one class, the same parameter shapes, dtypes and trainability, and all checkpointed or none.
+recompute at 2 blocks and at the loss at 32), every block is simulated instead. Where another phase's line
+overtakes the peak's before the real depth (a full fine-tune's forward, which holds the last step's gradients; a
+checkpointed QLoRA forward over short sequences, as Llama-3.2-1B's at 1 x 64), that phase's peak and split, if they
+lie on a line at 2-4 blocks too, give the figures: the same bytes as simulating every block (test_depth.py). Used
+only where the blocks are interchangeable: one class, the same parameter shapes, dtypes and trainability, and all
+checkpointed or none.
 """
 
 from __future__ import annotations
@@ -56,6 +60,15 @@ def _line(at_2: float, at_3: float, depth: int) -> int:
     return round(at_2 + (depth - 2) * (at_3 - at_2))
 
 
+def _on_a_line(*points: tuple[int, dict[str, int]]) -> bool:
+    """Whether a figure and its split by category at 2, 3 and 4 blocks (``points``) grow by the same step."""
+    (at_2, split_2), (at_3, split_3), (at_4, split_4) = points
+    categories = set(split_2) | set(split_3) | set(split_4)
+    return at_4 - at_3 == at_3 - at_2 and all(
+        split_4.get(k, 0) - split_3.get(k, 0) == split_3.get(k, 0) - split_2.get(k, 0) for k in categories
+    )
+
+
 def extrapolated(simulate: Callable[[], SimulatedStep], blocks: nn.ModuleList) -> SimulatedStep:
     """``simulate()`` with 2 and 3 of ``blocks``, extrapolated to ``len(blocks)``, when a run with 4 blocks lies on
     the same line; else (the peak moves from one op to another as blocks are added) every block is simulated."""
@@ -67,25 +80,28 @@ def extrapolated(simulate: Callable[[], SimulatedStep], blocks: nn.ModuleList) -
     two, three, four = runs[2], runs[3], runs[4]
     if depth == 4:
         return four
-    straight = four.peak - three.peak == three.peak - two.peak and two.peak_phase == three.peak_phase == four.peak_phase
+    straight = two.peak_phase == three.peak_phase == four.peak_phase and _on_a_line(
+        *((s.peak, s.peak_split) for s in (two, three, four))
+    )
     straight = straight and [n for n, _ in two.timeline] == [n for n, _ in three.timeline]
     straight = straight and [n for n, _ in two.timeline] == [n for n, _ in four.timeline]
-    straight = straight and all(
-        four.peak_split.get(k, 0) - three.peak_split.get(k, 0) == three.peak_split.get(k, 0) - two.peak_split.get(k, 0)
-        for k in set(two.peak_split) | set(four.peak_split)
-    )
-    if straight:  # another phase's line may overtake the peak's before the real depth (a full fine-tune's
-        # forward, which holds the last step's gradients, grows faster with depth than its backward): then too
-        timeline = [(n, _line(a, b, depth)) for (n, a), (_, b) in zip(two.timeline, three.timeline, strict=True)]
-        peak = _line(two.peak, three.peak, depth)
-        straight = max(value for _, value in timeline) <= peak
     if not straight:
         return simulate()
-    categories = set(two.peak_split) | set(three.peak_split)
+    timeline = [(n, _line(a, b, depth)) for (n, a), (_, b) in zip(two.timeline, three.timeline, strict=True)]
+    peak, peak_phase, splits = _line(two.peak, three.peak, depth), three.peak_phase, (two.peak_split, three.peak_split)
+    overtaking, highest = max(timeline, key=lambda entry: entry[1])  # the first phase at the highest
+    if highest > peak:  # another phase's line overtakes the peak's before the real depth (a full fine-tune's
+        # forward, which holds the last step's gradients; a QLoRA forward over short sequences): its line, if it is one
+        phase = [(s.phase_splits.get(overtaking), dict(s.timeline)[overtaking]) for s in (two, three, four)]
+        if any(split is None for split, _ in phase) or not _on_a_line(*((v, split) for split, v in phase)):
+            return simulate()
+        peak, peak_phase = highest, overtaking.removesuffix(" peak")
+        splits = (phase[0][0], phase[1][0])
+    categories = set(splits[0]) | set(splits[1])
     return SimulatedStep(
         peak=peak,
-        peak_phase=three.peak_phase,
-        peak_split={k: _line(two.peak_split.get(k, 0), three.peak_split.get(k, 0), depth) for k in categories},
+        peak_phase=peak_phase,
+        peak_split={k: _line(splits[0].get(k, 0), splits[1].get(k, 0), depth) for k in categories},
         timeline=timeline,
         samples=three.samples,  # the shape of the step, for the plot, at 3 blocks
         saved_bytes=_line(two.saved_bytes, three.saved_bytes, depth),

@@ -265,6 +265,7 @@ class SimulatedStep:
     extrapolated: bool = False  # from 2 and 3 identical blocks (depth.py)
     ops: OpProfile = field(default_factory=OpProfile)  # the kernels of the step, for its time (step_time.py)
     repeated_micro_batches: int = 0  # counted as the last simulated one, not run (accumulation.py)
+    phase_splits: dict[str, dict[str, int]] = field(default_factory=dict)  # by timeline name: the split at its peak
 
 
 def simulate_step(
@@ -322,7 +323,8 @@ def simulate_step(
                 repeated = run_step(model, batch, optimizers[0], tracker, *step_args)
         tracker.remove_hooks()
     timeline = [tracker.timeline[0][:2]]
-    timeline += [(f"{name} peak", tracker.phase_peaks[name][0]) for name in PHASES if name in tracker.phase_peaks]
+    phases = [name for name in PHASES if name in tracker.phase_peaks]
+    timeline += [(f"{name} peak", tracker.phase_peaks[name][0]) for name in phases]
     return SimulatedStep(
         tracker.peak,
         tracker.peak_phase,
@@ -335,6 +337,7 @@ def simulate_step(
         optimizer_state=state_bytes,
         ops=counter.profile,
         repeated_micro_batches=repeated,
+        phase_splits={f"{name} peak": dict(tracker.phase_peaks[name][1]) for name in phases},
     )
 
 

@@ -32,10 +32,11 @@ def test_blocks_that_differ_are_all_simulated():
     assert estimate.peak == _estimate(False, **settings).peak
 
 
-def test_a_phase_that_overtakes_the_peak_between_four_blocks_and_the_real_depth_is_simulated(tmp_path):
+def test_a_phase_that_overtakes_the_peak_between_four_blocks_and_the_real_depth_is_extrapolated_on_its_line(tmp_path):
     """SmolLM2's shape, full fine-tune, 8 blocks: at 2-4 blocks the backward peaks (the tied embedding's gradient),
     at 8 the forward does (it holds the last step's gradients, which grow with every block); extrapolating the
-    backward's line gave the backward's peak, 2.5% under the forward's (the measured one)."""
+    backward's line gave the backward's peak, 2.5% under the forward's (the measured one). The forward's own line
+    (its peak and split at 2-4 blocks) gives the full simulation's figures, without simulating every block."""
     import json
 
     from model_shapes import SMOLLM2_135M
@@ -50,3 +51,6 @@ def test_a_phase_that_overtakes_the_peak_between_four_blocks_and_the_real_depth_
         for extrapolate in (True, False)
     ]
     assert estimates[0].peak == estimates[1].peak and estimates[0].peak_phase == estimates[1].peak_phase == "forward"
+    fast, full = estimates
+    assert fast.extrapolated and not full.extrapolated
+    assert fast.peak_split == full.peak_split and fast.timeline == full.timeline and fast.as_dict() == full.as_dict()

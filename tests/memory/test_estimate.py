@@ -93,6 +93,7 @@ def test_a_billion_parameter_model_is_estimated_without_allocating_it():
     assert estimate.parameters >= 1_000_000_000
     assert estimate.weights["quantized_4bit"] > 0.5 * 1e9 * 0.5  # ~0.52 bytes for each of ~1B quantized weights
     assert grown_mib < 300, f"peak RSS grew by {grown_mib:.0f} MiB"  # 1B fp32 weights would be 4000 MiB
+    assert estimate.extrapolated  # its forward overtakes the backward past 4 blocks: on its own line (depth.py)
 
 
 def test_cli_prints_the_table(capsys):
