@@ -41,7 +41,9 @@ def test_plan_json_is_all_of_stdout_and_holds_the_tables_choice(capsys, tmp_path
 
 def test_plan_json_when_nothing_fits_says_so_and_exits_1(capsys):
     with pytest.raises(SystemExit) as exited:
-        main(["plan", f"--config={QUICKSTART}", "--memory=1MiB", "--json"])
+        main(
+            ["plan", f"--config={QUICKSTART}", "--memory=1MiB", "--json", "--data.init_args.batch_size=1"]
+        )  # 10 candidates
     printed, err = capsys.readouterr()
     assert exited.value.code == 1
     record = json.loads(printed)
