@@ -77,40 +77,36 @@ def _loads_from_shapes_alone(pretrained: Path, checkpoint: Path, expected: dict,
     assert all(torch.equal(from_shapes[key], tensor) for key, tensor in expected.items())
 
 
-def test_a_whole_model_checkpoint_loads_the_trained_weights(pretrained, tmp_path, monkeypatch):
-    """Without reading the pretrained files: every weight was streamed from pretrained= and then overwritten by the
-    checkpoint's (read twice)."""
+def _loaded_from_the_checkpoint_alone(pretrained: Path, tmp_path: Path, monkeypatch) -> tuple[dict, CausalLM]:
+    """The trained weights and the model CausalLM.load_from_checkpoint gives back, having opened no pretrained file
+    (every weight was streamed from pretrained= and then overwritten by the checkpoint's: read twice); the same load
+    from a pretrained= of config.json alone."""
     trained, checkpoint = _trained(pretrained, tmp_path, SingleDeviceStrategy(torch.device("cpu")))
     opened = _pretrained_files_opened(monkeypatch, pretrained)
     loaded = CausalLM.load_from_checkpoint(checkpoint)
     assert opened == []
     expected, got = trained.state_dict(), loaded.state_dict()
     assert set(got) == set(expected)
+    for key, tensor in expected.items():
+        assert torch.equal(got[key], tensor), key
+    assert all(not p.is_meta for p in loaded.parameters())
+    _loads_from_shapes_alone(pretrained, checkpoint, expected, tmp_path)
+    return expected, loaded
+
+
+def test_a_whole_model_checkpoint_loads_the_trained_weights(pretrained, tmp_path, monkeypatch):
+    expected, loaded = _loaded_from_the_checkpoint_alone(pretrained, tmp_path, monkeypatch)
     from transformers import AutoModelForCausalLM
 
     base = {f"model.{k}": v for k, v in AutoModelForCausalLM.from_pretrained(pretrained).state_dict().items()}
     assert any(not torch.equal(base[k], v) for k, v in expected.items() if k in base)  # it trained: not the base
-    for key, tensor in expected.items():
-        assert torch.equal(got[key], tensor), key
     assert loaded.model.get_output_embeddings().weight is not loaded.model.get_input_embeddings().weight
-    assert all(not p.is_meta for p in loaded.parameters())
-    _loads_from_shapes_alone(pretrained, checkpoint, expected, tmp_path)
 
 
 def test_a_tied_checkpoint_loads_with_its_head_and_embedding_one_tensor(tmp_path, monkeypatch):
-    """Filled from the checkpoint alone, as the untied one above, the tied weight staying one tensor."""
     pretrained = save_pretrained_dir(tmp_path / "pretrained", hidden_size=32, layers=2, tie=True)
-    trained, checkpoint = _trained(pretrained, tmp_path, SingleDeviceStrategy(torch.device("cpu")))
-    opened = _pretrained_files_opened(monkeypatch, pretrained)
-    loaded = CausalLM.load_from_checkpoint(checkpoint)
-    assert opened == []
-    expected, got = trained.state_dict(), loaded.state_dict()
-    assert set(got) == set(expected)
-    for key, tensor in expected.items():
-        assert torch.equal(got[key], tensor), key
+    _, loaded = _loaded_from_the_checkpoint_alone(pretrained, tmp_path, monkeypatch)
     assert loaded.model.get_output_embeddings().weight is loaded.model.get_input_embeddings().weight
-    assert all(not p.is_meta for p in loaded.parameters())
-    _loads_from_shapes_alone(pretrained, checkpoint, expected, tmp_path)
 
 
 def test_a_checkpoint_without_some_weights_takes_them_from_the_pretrained_files(pretrained, tmp_path, monkeypatch):
