@@ -280,11 +280,14 @@ def test_the_largest_search_asks_each_value_once(ceiling, threshold):
 
 
 def test_cli_maximize_seq_len_stops_at_the_models_positions(tmp_path, capsys):
-    source = _write_config(tmp_path, max_len=128)
+    source = _write_config(tmp_path, max_len=32)  # the search asks 16 and 32: two short steps
+    fields = yaml.safe_load(source.read_text())
+    fields["data"]["init_args"]["seq_len"] = 32  # the config's own rows fit the model's positions
+    source.write_text(yaml.safe_dump(fields))
     cli(["plan", "--config", str(source), "--memory", "4GiB", "--maximize", "seq_len"])
     printed = capsys.readouterr().out
-    assert "Searching the largest seq_len up to the model's max_position_embeddings, 128," in printed
-    assert printed.rstrip().endswith(": 128 (the model's max_position_embeddings)")
+    assert "Searching the largest seq_len up to the model's max_position_embeddings, 32," in printed
+    assert printed.rstrip().endswith(": 32 (the model's max_position_embeddings)")
 
 
 def test_cli_maximize_batch_size_says_the_global_batch_changes(tmp_path, capsys):
