@@ -89,7 +89,8 @@ def test_above_the_budget_the_plan_searches_the_auto_settings_as_given():
     settings as the config gives them ("auto"), not the most memory-saving ones the choice ended on (every block
     checkpointed, which the plan would keep as given): at one row a micro-batch every 2nd block is enough."""
     build = lambda: tiny_llama(hidden_size=64)  # noqa: E731
-    blocks = {"activation_checkpointing": ["LlamaDecoderLayer"]}
+    # the optimizer given: the plan has no 8-bit variant of each candidate to simulate besides
+    blocks = {"activation_checkpointing": ["LlamaDecoderLayer"], "optimizer": "adamw8bit"}
     saving = estimate_memory(build, next(iter(_loader(batch_size=2))), precision="bf16-mixed", lora=LORA, **blocks)
     every_2nd_one_row = estimate_memory(
         build,
@@ -103,10 +104,11 @@ def test_above_the_budget_the_plan_searches_the_auto_settings_as_given():
     assert every_2nd_one_row.peak < saving.peak
     auto = {"memory_saving": "auto", "activation_checkpointing": "auto"}
     with pytest.raises(ValueError) as refused:
-        _fit(memory_budget=(every_2nd_one_row.peak + saving.peak) // 2, batch_size=2, **auto)
+        _fit(memory_budget=(every_2nd_one_row.peak + saving.peak) // 2, batch_size=2, optimizer="adamw8bit", **auto)
     assert (
         "The plan for this budget and the same global batch: micro-batch 1 x 2, activation checkpointing on every 2nd"
-        f" block, fused LoRA MLP, norms recomputed row-wise (predicted {every_2nd_one_row.peak / 2**20:.2f} MiB)"
+        " block, fused LoRA MLP, norms recomputed row-wise, optimizer adamw8bit"
+        f" (predicted {every_2nd_one_row.peak / 2**20:.2f} MiB)"
     ) in str(refused.value)
 
 
