@@ -64,14 +64,15 @@ def test_a_run_that_fits_trains_as_without_the_budget(caplog):
 
 
 def test_a_run_above_the_budget_stops_before_any_step_naming_the_plan():
-    unconstrained = _predicted_peak()
-    checkpointed = _predicted_peak(activation_checkpointing=["LlamaDecoderLayer"])
+    given = {"optimizer": "adamw8bit"}  # the optimizer given: the plan simulates no 8-bit variant of each candidate
+    unconstrained = _predicted_peak(**given)
+    checkpointed = _predicted_peak(activation_checkpointing=["LlamaDecoderLayer"], **given)
     assert checkpointed < unconstrained
     budget = (checkpointed + unconstrained) // 2  # fits only with a change the plan can make
     torch.manual_seed(0)
     model = tiny_llama(hidden_size=64)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    strategy = LowPrecisionStrategy(lora=LORA, memory_budget=budget)
+    strategy = LowPrecisionStrategy(lora=LORA, memory_budget=budget, **given)
     trainer = quiet_trainer(strategy=strategy, precision="bf16-mixed", max_steps=2)
     with pytest.raises(ValueError) as refused:
         trainer.fit(model, _loader(batch_size=2))  # the plan simulates micro-batches 2 and 1
