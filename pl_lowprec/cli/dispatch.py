@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pl_lowprec.cli import estimate, export, generate, make_demo_model, plan
 from pl_lowprec.cli.arguments import config_paragraph
 from pl_lowprec.cli.config_errors import refusals
+from pl_lowprec.cli.exit_without_collection import skip_collection_at_exit
 from pl_lowprec.cli.lightning_cli import build_cli
 from pl_lowprec.cli.subcommands import LIGHTNING_SUBCOMMANDS, unknown_subcommand_paragraph
 from pl_lowprec.cli.version import version_text
@@ -32,6 +33,7 @@ def main(args: list[str] | None = None) -> None:
     ``generate`` (completions of a file of prompts). A refusal of any of them is one paragraph and exit status 2
     (``config_errors.refusals``). ``pl-lowprec --version`` prints the versions (``version.version_text``).
     """
+    skip_collection_at_exit()  # the interpreter's teardown walks no objects once the command is done
     argv = sys.argv[1:] if args is None else args
     if argv[:1] == ["--version"]:
         print(version_text())
