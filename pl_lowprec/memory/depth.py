@@ -85,6 +85,9 @@ def extrapolated(simulate: Callable[[], SimulatedStep], blocks: nn.ModuleList) -
     )
     straight = straight and [n for n, _ in two.timeline] == [n for n, _ in three.timeline]
     straight = straight and [n for n, _ in two.timeline] == [n for n, _ in four.timeline]
+    straight = straight and all(  # every phase, not the peak's alone: another may overtake it before the depth
+        d - c == c - b for (_, b), (_, c), (_, d) in zip(two.timeline, three.timeline, four.timeline, strict=True)
+    )
     if not straight:
         return simulate()
     timeline = [(n, _line(a, b, depth)) for (n, a), (_, b) in zip(two.timeline, three.timeline, strict=True)]

@@ -54,3 +54,33 @@ def test_a_phase_that_overtakes_the_peak_between_four_blocks_and_the_real_depth_
     fast, full = estimates
     assert fast.extrapolated and not full.extrapolated
     assert fast.peak_split == full.peak_split and fast.timeline == full.timeline and fast.as_dict() == full.as_dict()
+
+
+def test_a_phase_off_its_line_at_four_blocks_makes_every_block_simulated():
+    """The peak's own phase is straight at 2, 3 and 4 blocks, but a third phase bends at 4 (its peak op moves): its
+    2-3 line would be taken for the real depth, where it may overtake. Every block is simulated instead."""
+    from torch import nn
+
+    from pl_lowprec.memory.depth import extrapolated
+    from pl_lowprec.memory.fake_step import SimulatedStep
+
+    blocks = nn.ModuleList(nn.Identity() for _ in range(8))
+
+    def simulate() -> SimulatedStep:
+        n = len(blocks)
+        backward = 100 + 10 * n
+        bent = 50 + 5 * n + (40 if n >= 4 else 0)  # straight from 2 to 3, off that line at 4
+        return SimulatedStep(
+            peak=backward,
+            peak_phase="backward",
+            peak_split={"activations": backward},
+            timeline=[("forward peak", bent), ("backward peak", backward)],
+            samples=[],
+            saved_bytes=n,
+            offloaded_bytes=0,
+            phase_splits={"forward peak": {"activations": bent}, "backward peak": {"activations": backward}},
+        )
+
+    estimate = extrapolated(simulate, blocks)
+    assert not estimate.extrapolated
+    assert dict(estimate.timeline)["forward peak"] == 50 + 5 * 8 + 40  # the full simulation's, not the line's 90
