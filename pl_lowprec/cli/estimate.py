@@ -29,6 +29,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from pl_lowprec._imports import import_matplotlib_pyplot
 from pl_lowprec.cli.config_errors import refuse, with_strategy_names
 from pl_lowprec.cli.estimate_json import estimate_record
+from pl_lowprec.cli.json_output import for_a_person
 from pl_lowprec.cli.own_options import check_own_options
 from pl_lowprec.cli.rebuild import passed_on, rebuild_classes
 from pl_lowprec.cli.subcommands import subcommand_parser
@@ -253,22 +254,22 @@ def main(args: list[str] | None = None) -> None:
         check_plot_path(options.plot)  # so does a directory that does not exist
     if options.gpu is not None:  # "" too: an empty name is refused here, not after the config is read
         device_spec(options.gpu)  # an unknown GPU is refused (``dispatch``'s refusals) before the estimate runs
-    said: list[str] = []
-    arguments = estimate_arguments(passed_on(parser, args), said, options.gpu)
-    estimate = estimate_memory(**arguments, time_on=options.gpu)
-    person = sys.stderr if options.json else sys.stdout  # with --json, stdout holds the JSON alone
-    print(*said, sep="\n", file=person)
-    print(estimate.table(), file=person)
-    print(step_time_line(estimate), file=person)
-    config = arguments["config"]
-    if config is not None and config.compile_kwargs is not None:
-        print(COMPILED_CAVEAT.strip(), file=person)
-    if config is not None and config.chooses_automatically:  # the device is not known here: the faster choice
-        line = faster_settings_line(**arguments)
-        if line is not None:
-            print(line, file=person)
-            said.append(line)
-    if options.plot:
-        print(f"Plot: {plot_step(estimate, options.plot)}", file=person)
+    with for_a_person(options.json):  # with --json, stdout holds the JSON alone
+        said: list[str] = []
+        arguments = estimate_arguments(passed_on(parser, args), said, options.gpu)
+        estimate = estimate_memory(**arguments, time_on=options.gpu)
+        print(*said, sep="\n")
+        print(estimate.table())
+        print(step_time_line(estimate))
+        config = arguments["config"]
+        if config is not None and config.compile_kwargs is not None:
+            print(COMPILED_CAVEAT.strip())
+        if config is not None and config.chooses_automatically:  # the device is not known here: the faster choice
+            line = faster_settings_line(**arguments)
+            if line is not None:
+                print(line)
+                said.append(line)
+        if options.plot:
+            print(f"Plot: {plot_step(estimate, options.plot)}")
     if options.json:
         print(json.dumps(estimate_record(estimate, arguments["precision"], said), indent=1))

@@ -21,7 +21,6 @@ micro-batch) that fits with the most memory-saving settings the config allows.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import inspect
@@ -38,6 +37,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from pl_lowprec._checks import int_at_least
 from pl_lowprec.cli.arguments import options, read_config
 from pl_lowprec.cli.estimate import check_devices, check_strategy, device_of, devices_of, precision_of
+from pl_lowprec.cli.json_output import for_a_person
 from pl_lowprec.cli.own_options import check_own_options
 from pl_lowprec.cli.plan_json import maximize_record, plan_record
 from pl_lowprec.cli.rebuild import config_files, passed_on, rebuild_classes
@@ -102,11 +102,9 @@ def main(args: list[str] | None = None) -> None:
     args = sys.argv[1:] if args is None else list(args)
     options, unknown = parser.parse_known_args(args)
     check_own_options(parser, unknown)
-    if not options.json:
+    with for_a_person(options.json):  # with --json, stdout holds the JSON alone
         record = _plan(parser, options, args)
-    else:
-        with contextlib.redirect_stdout(sys.stderr):  # stdout holds the JSON alone
-            record = _plan(parser, options, args)
+    if options.json:
         print(json.dumps(record, indent=1))
     found = record["chosen"] if "chosen" in record else record["largest"]
     if found is None:
