@@ -385,5 +385,4 @@ def no_answer_reason(turns: list[dict[str, Any]]) -> str | None:
     named = [role for role in roles if role.lower() in ANSWER_ROLES]
     if named:
         reason += f": rename the answers' role {named[0]!r} to 'assistant'"
-        reason += " (ShareGPT's roles are renamed in {from, value} turns only)" if named[0] == "gpt" else ""
     return reason

@@ -32,7 +32,10 @@ FORMATS = ({"text"}, {"prompt", "completion"}, {"messages"})
 SHAREGPT_COLUMN = "conversations"
 ALPACA_COLUMNS = ("instruction", "output")  # and optionally input, system, history (LLaMA-Factory's alpaca format)
 READ_COLUMNS = frozenset({*FIELD_NAMES, SHAREGPT_COLUMN, *ALPACA_COLUMNS})  # what is read without a mapping
-SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "observation": "tool"}
+# axolotl's chat_template default ``roles`` (user <- human, assistant <- gpt; system, tool as they are), read in
+# {role, content} turns too; LLaMA-Factory's default user_tag and assistant_tag are the same two
+ROLE_ALIASES = {"human": "user", "gpt": "assistant"}
+SHAREGPT_ROLES = {**ROLE_ALIASES, "system": "system", "observation": "tool"}
 EXAMPLE = (
     "fields={'prompt': 'question', 'completion': 'answer'} (--data.fields '{prompt: question, completion: answer}')"
 )
@@ -67,8 +70,9 @@ def read_fields(record: dict[str, Any], fields: dict[str, str] | None) -> dict[s
         record["messages"] = json_list(record["messages"])
     if fields is None and not {"messages", "prompt", "completion"} & record.keys() and is_alpaca(record):
         record["messages"] = alpaca_turns(record)
-    if isinstance(record.get("messages"), list):
-        record["messages"] = [chat_turn(turn) for turn in record["messages"]]
+    for name in ("messages", "prompt", "completion"):  # TRL's conversational prompt/completion: lists of turns
+        if isinstance(record.get(name), list):
+            record[name] = [chat_turn(turn) for turn in record[name]]
     if sharegpt:  # after chat_turn: a system turn of the conversation's own has its role by now
         record["messages"] = with_system_column(record["messages"], record.get("system"))
     return record
@@ -112,13 +116,16 @@ def alpaca_turns(record: dict[str, Any]) -> list[Any]:
 
 
 def chat_turn(turn: Any) -> Any:
-    """A ``{role, content}`` turn; a ShareGPT ``{from, value}`` turn converted, with its role renamed."""
+    """A ``{role, content}`` turn, its role ``human``/``gpt`` renamed as axolotl's default ``roles`` rename them; a
+    ShareGPT ``{from, value}`` turn converted, with its role renamed."""
     if not isinstance(turn, dict):
         return turn
     turn = {key: value for key, value in turn.items() if value is not None}
     if "role" not in turn and "from" in turn and "value" in turn:
         tool_use = tool_use_turn(turn["from"], turn["value"])
         return tool_use or {"role": SHAREGPT_ROLES.get(turn["from"], turn["from"]), "content": turn["value"]}
+    if isinstance(turn.get("role"), str) and turn["role"] in ROLE_ALIASES:
+        return turn | {"role": ROLE_ALIASES[turn["role"]]}
     return turn
 
 

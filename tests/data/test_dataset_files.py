@@ -334,7 +334,7 @@ def test_a_role_the_template_does_not_name_is_refused_naming_it_and_the_rename(p
     roles of their own (``<|human|>`` beside ``<|assistant|>``), and the model learnt roles it never meets."""
     bad = [
         {"conversations": [{"from": "human", "value": "hi"}, {"from": "bing", "value": "hello"}, ANSWER]},
-        {"messages": [{"role": "human", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+        {"messages": [{"role": "usr", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
         {"conversations": [{"from": "human", "value": "1+1?"}, {"from": "function_call", "value": "add(1)"}, ANSWER]},
     ]
     good = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
@@ -343,10 +343,33 @@ def test_a_role_the_template_does_not_name_is_refused_naming_it_and_the_rename(p
     assert data.reports[0].used == 1 and len(reasons) == 3, reasons
     said = data.reports[0].describe()
     assert "1 record with turns of role 'bing', which the chat template does not name" in said
-    assert "rename the role 'bing' to 'assistant'" in said and "rename the role 'human' to 'user'" in said
+    assert "rename the role 'bing' to 'assistant'" in said and "rename the role 'usr' to 'user'" in said
     assert "role 'function_call'" in said and "write each call as an assistant turn's tool_calls" in said
     with pytest.raises(ValueError, match=r"turns of role 'bing'.*max_skipped_fraction=0.05"):
         _data(_write("jsonl", bad[:1] + good * 3, tmp_path / "refused"), pretrained, max_skipped_fraction=0.05)
+
+
+def test_human_and_gpt_roles_in_role_content_turns_read_as_user_and_assistant(pretrained, tmp_path):
+    """ShareGPT's role names under ``role``/``content`` keys (axolotl's chat_template renames them by default,
+    ``roles: {user: [human, user], assistant: [gpt, assistant]}``) were refused as unknown roles: every record of
+    such a file was unusable. Only those two are renamed; any other role is refused as before, with its rename."""
+    renamed = {"user": "human", "assistant": "gpt"}
+
+    def aliased(turns):
+        return [t | {"role": renamed.get(t["role"], t["role"])} for t in turns]
+
+    chats = [{"messages": aliased(c["messages"])} for c in CHATS]
+    conversational = [{"prompt": aliased(c["prompt"]), "completion": aliased(c["completion"])} for c in CONVERSATIONAL]
+    expected = _data(_write("jsonl", CHATS, tmp_path / "chat"), pretrained, seq_len=64, val_fraction=0)
+    data = _data(_write("jsonl", chats, tmp_path / "aliased"), pretrained, seq_len=64, val_fraction=0)
+    assert data.reports[0].used == len(CHATS)
+    assert rows_as_lists(data.train_set) == rows_as_lists(expected.train_set)
+    expected = _data(_write("jsonl", CONVERSATIONAL, tmp_path / "pc"), pretrained, seq_len=96, val_fraction=0)
+    data = _data(_write("parquet", conversational, tmp_path / "pc-aliased"), pretrained, seq_len=96, val_fraction=0)
+    assert rows_as_lists(data.train_set) == rows_as_lists(expected.train_set)
+    other = [{"messages": [{"role": "Human", "content": "hi"}, {"role": "gpt", "content": "hello"}]}]
+    data = _data(_write("jsonl", other + CHATS[:3], tmp_path / "other"), pretrained, seq_len=64, val_fraction=0)
+    assert "turns of role 'Human'" in data.reports[0].describe() and data.reports[0].used == 3
 
 
 def test_a_turn_or_tool_call_the_template_does_not_write_is_refused(pretrained, tmp_path):
