@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import re
 from collections.abc import Mapping
@@ -168,10 +169,31 @@ class ChatTemplate:
         return self._encode_spans(full, spans)
 
     def encode_completion(self, prompt: list[dict[str, Any]], completion: list[dict[str, Any]]) -> Sample:
-        """The completion's turns the target: the text after the prompt rendered with the generation prompt."""
-        full = self.check_turns(prompt + completion)
+        """The completion's turns the target: the text after the prompt rendered with the generation prompt, cut
+        after each assistant turn so that every one ends at its end-of-turn token (``_completion_pieces``)."""
+        turns = prompt + completion
+        full = self.check_turns(turns)
         start = self._prefix_of(full, prompt, generation_prompt=True)
-        return self._encode_spans(full, [(start, len(full))])
+        return self._encode_spans(full, self._completion_pieces(full, turns, len(prompt), start))
+
+    def _completion_pieces(
+        self, full: str, turns: list[dict[str, Any]], first: int, start: int
+    ) -> list[tuple[int, int]]:
+        """The completion's span ``[start, len(full))`` cut where each of its assistant turns but the last ends,
+        so ``ended_spans`` checks every turn's end, not the last one's alone (a tool call the template ends with
+        a newline trained no token to stop on); the tool turns between stay targets, as TRL trains a whole
+        completion. Where the template rewrites a turn once later ones follow (Qwen3 writes an empty think block
+        in the last assistant turn alone), a turn's end cannot be read from its prefix: the span stays whole."""
+        ends = []
+        for i in range(first, len(turns) - 1):
+            if turns[i].get("role") != "assistant":
+                continue
+            try:
+                ends.append(self._prefix_of(full, turns[: i + 1], generation_prompt=False))
+            except ChatTemplateMismatch:
+                return [(start, len(full))]
+        bounds = [start, *ends, len(full)]
+        return list(itertools.pairwise(bounds))
 
     def _text_start(self, full: str, turn: dict[str, Any]) -> int:
         """Where the template writes the text of ``full``'s first turn, an assistant's: what comes before it (a

@@ -199,6 +199,41 @@ def test_a_turn_the_template_ends_without_an_end_token_is_refused_or_given_the_e
     assert _targets(kept, kept.train_set[0]) == "<think>greet</think>hi\n<think>say it</think>pl\n"
 
 
+def test_every_assistant_turn_of_a_completion_is_checked_for_its_end_token(tmp_path, tokenizer_dir):
+    """A completion of several turns (a tool call, its result, the answer) was one span whose end alone was
+    checked: a template that ends a tool call with a newline trained ``call get_time\n`` with no token to stop on,
+    so the model never stopped after a call. Each assistant turn of it is now refused, given the EOS, or kept."""
+    unended = (
+        "{% for m in messages %}<|{{ m.role }}|>\n{% if m.tool_calls %}call {{ m.tool_calls[0].function.name }}"
+        "{{ '\\n' }}{% else %}{{ m.content }}</s>\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+    tokenizer = save_with_template(tokenizer_dir, unended, tmp_path / "unended")
+    ended = save_with_template(tokenizer_dir, unended.replace("{{ '\\n' }}", "</s>\n"), tmp_path / "ended")
+    call = {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "get_time"}}]}
+    completion = [call, {"role": "tool", "content": "noon"}, {"role": "assistant", "content": "It is noon."}]
+    records = [{"prompt": [{"role": "user", "content": "Time?"}], "completion": completion}]
+    with pytest.raises(ValueError) as error:
+        data_of_records(tmp_path / "chat.jsonl", records, tokenizer)
+    said = str(error.value)
+    assert said.startswith(f"{tmp_path / 'chat.jsonl'}, line 1: the chat template ends an assistant turn with no")
+    assert "(its text ends 'call get_time\\n')" in said
+    given = data_of_records(tmp_path / "eos.jsonl", records, tokenizer, eos_after_turns=True)
+    expected = data_of_records(tmp_path / "ended.jsonl", records, ended)
+    assert rows_as_lists(given.train_set) == rows_as_lists(expected.train_set)
+    trained = "call get_time</s><|tool|>\nnoon</s>\n<|assistant|>\nIt is noon.</s>"
+    assert _targets(given, given.train_set[0]) == trained  # the tool's result a target, as TRL trains a completion
+    kept = data_of_records(tmp_path / "kept.jsonl", records, tokenizer, eos_after_turns=False)
+    assert _targets(kept, kept.train_set[0]) == "call get_time\n<|tool|>\nnoon</s>\n<|assistant|>\nIt is noon.</s>"
+    # a template that rewrites an assistant turn once others follow (as Qwen3's): the turn's end is not read from
+    # its prefix, the completion trains whole, as before (it is no reason to refuse the record)
+    rewrites = save_with_template(tokenizer_dir, DROPS_REASONING, tmp_path / "rewrites")
+    completion = [TURNS[2], {"role": "tool", "content": "noon"}, TURNS[4]]
+    whole = data_of_records(tmp_path / "r.jsonl", [{"prompt": TURNS[1:2], "completion": completion}], rewrites)
+    trained = "hi</s>\n<|tool|>\nnoon</s>\n<|assistant|>\n<think>say it</think>pl</s>"
+    assert _targets(whole, whole.train_set[0]) == trained
+
+
 def test_generation_marks_without_an_end_token_are_refused_or_given_the_eos(tmp_path, tokenizer_dir):
     """The same for a template whose {% generation %} marks hold no end token (TRL's assistant_only_loss reads
     such marks and trains no token to stop on)."""
