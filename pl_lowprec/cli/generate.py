@@ -35,10 +35,10 @@ from pl_lowprec.export.generate import (
     Decoding,
     Generator,
     adapter_base,
-    all_prompt_ids,
     check_chat_template,
     check_generation_dtype,
     check_model_dir,
+    checked_prompt_ids,
     directory_tokenizer,
     from_directory,
     from_restored,
@@ -112,6 +112,15 @@ def from_run(
     if chat and source:
         check_chat_template(load_tokenizer(source), source)
     return from_restored(restore(checkpoint, run.trainer, run.model, run.datamodule), tokenizer)
+
+
+def template_kwargs(given: dict | None, of_run: dict | None) -> tuple[dict, str]:
+    """The chat template's arguments for every prompt, ``--chat_template_kwargs`` (``given``) else the run's data's
+    (``of_run``), and how a refusal of them names them."""
+    if given is not None:
+        return given, f"--chat_template_kwargs '{json.dumps(given)}'"
+    kwargs = dict(of_run or {})
+    return kwargs, f"the run's data chat_template_kwargs {kwargs!r} (--chat_template_kwargs gives others)"
 
 
 def main(args: list[str] | None = None) -> None:
@@ -194,7 +203,12 @@ def main(args: list[str] | None = None) -> None:
         settings = prompt_settings(run.datamodule, fields, parsed.split)
         records = read_prompts(sources, parsed.chat, *settings, parsed.limit)
         chat = wants_chat(records)
-        generator = from_run(parsed.ckpt_path, run, parsed.tokenizer, chat)
+        source = parsed.tokenizer or getattr(run.datamodule, "tokenizer_dir", None)
+        if chat and source:  # before the checkpoint's weights load
+            of_run = getattr(run.datamodule, "chat_template_kwargs", None)
+            kwargs, given = template_kwargs(parsed.chat_template_kwargs, of_run)
+            prompt_ids = checked_prompt_ids(load_tokenizer(source), source, records, kwargs, given)
+        generator = from_run(parsed.ckpt_path, run, parsed.tokenizer, chat and prompt_ids is None)
     else:
         inputs |= {"model directory": Path(parsed.model), "base model": parsed.base and Path(parsed.base)}
         device = generation_device(parsed.device)
@@ -208,16 +222,17 @@ def main(args: list[str] | None = None) -> None:
         source = parsed.tokenizer or directory_tokenizer(model, base)
         tokenizer = model_tokenizer(source)
         if chat:  # before the model loads
-            check_chat_template(tokenizer, source)
-            prompt_ids = all_prompt_ids(tokenizer, records, parsed.chat_template_kwargs or {})
+            kwargs, given = template_kwargs(parsed.chat_template_kwargs, None)
+            prompt_ids = checked_prompt_ids(tokenizer, source, records, kwargs, given)
         generator = from_directory(model, base, device, tokenizer, dtype)
         print(f"Generating with --model {parsed.model} in {dtype} (--dtype).")
-    if chat:
-        check_chat_template(generator.tokenizer, parsed.tokenizer)
     if parsed.chat_template_kwargs is not None:
         generator.template_kwargs = parsed.chat_template_kwargs
-    if prompt_ids is None:
-        prompt_ids = all_prompt_ids(generator.tokenizer, records, generator.template_kwargs)
+    if prompt_ids is None:  # a checkpoint whose tokenizer was known only once it was restored
+        given = template_kwargs(parsed.chat_template_kwargs, generator.template_kwargs)[1]
+        prompt_ids = checked_prompt_ids(
+            generator.tokenizer, parsed.tokenizer, records, generator.template_kwargs, given
+        )
     sampling = decoding.sampling_line(generator.model)
     if sampling is not None:
         print(sampling)

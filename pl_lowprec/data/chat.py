@@ -120,12 +120,16 @@ class ChatTemplate:
             raise UnusableChatRecord(refusal_reason(str(error))) from None
 
     def prompt_ids(self, turns: list[dict[str, Any]]) -> list[int]:
-        """The turns and the generation prompt as token ids, without extra special tokens (the template has them)."""
-        return self.tokenizer(self.render(turns, generation_prompt=True), add_special_tokens=False)["input_ids"]
+        """The turns and the generation prompt as token ids, without extra special tokens (the template has them),
+        checked as training data is (``check_turns``): ``generate`` prompted with a role the template does not
+        know, or a turn it drops, answered a conversation other than the one given."""
+        rendered = self.check_turns(turns, generation_prompt=True)
+        return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
-    def check_turns(self, turns: list[dict[str, Any]]) -> str:
-        """``turns`` rendered, once checked; ``UnusableChatRecord`` for turns of a role the template does not know,
-        or turns, tool calls or tools that it does not write (``chat_roles``): each would train silently wrong."""
+    def check_turns(self, turns: list[dict[str, Any]], generation_prompt: bool = False) -> str:
+        """``turns`` rendered (with the generation prompt, for a prompt), once checked; ``UnusableChatRecord`` for
+        turns of a role the template does not know, template arguments it never reads, or turns, tool calls or
+        tools that it does not write (``chat_roles``): each would train, or prompt, silently wrong."""
         reason = unknown_role_reason(turns, self.tokenizer.get_chat_template(None, self.tools))
         unread = unread_arguments(self.kwargs, template_words(self.tokenizer))
         if unread and not reason:
@@ -135,7 +139,7 @@ class ChatTemplate:
             )
         if reason:
             raise UnusableChatRecord(reason)
-        rendered = self.render(turns)
+        rendered = self.render(turns, generation_prompt)
         reason = unwritten_turn_reason(turns, rendered) or unwritten_tools_reason(self.tools, rendered)
         if reason:
             raise UnusableChatRecord(reason)

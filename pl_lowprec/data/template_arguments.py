@@ -31,18 +31,22 @@ def unread_arguments(names: Iterable[str], words: frozenset[str]) -> list[str]:
     return [name for name in names if name not in words]
 
 
-def check_template_arguments(tokenizer: Any, kwargs: dict[str, Any], tokenizer_dir: str) -> None:
-    """The data module's ``chat_template_kwargs`` against the template, before any record is read."""
+def check_template_arguments(
+    tokenizer: Any, kwargs: dict[str, Any], tokenizer_dir: str, given: str | None = None
+) -> None:
+    """The data module's ``chat_template_kwargs`` (or ``generate``'s, named by ``given``) against the template,
+    before any record is read."""
     words = template_words(tokenizer)
     unread = unread_arguments(kwargs, words) if words else []
     if not unread:
         return
     name = unread[0]
     near = closest(name, words)
+    given = given or f"TextDataModule(chat_template_kwargs={kwargs!r})"
     raise ValueError(
-        f"TextDataModule(chat_template_kwargs={kwargs!r}): the chat template of the tokenizer in {tokenizer_dir!r}"
+        f"{given}: the chat template of the tokenizer in {tokenizer_dir!r}"
         f" never reads {name!r}" + (f" (did you mean {near!r}?)" if near else "") + ". apply_chat_template passes"
         " arguments a template does not use without a word, so it would change nothing and the template's default"
-        " would train. Fix: name an argument the template reads (its {% if ... %} tests name them), or leave it"
+        " would apply. Fix: name an argument the template reads (its {% if ... %} tests name them), or leave it"
         " out."
     )

@@ -33,6 +33,7 @@ from pl_lowprec._checks import check_at_least, check_fraction, check_positive
 from pl_lowprec._imports import import_peft
 from pl_lowprec.adapters import mismatch_summary, recorded_base
 from pl_lowprec.data.chat import ChatTemplate, TemplateFieldError, UnusableChatRecord
+from pl_lowprec.data.template_arguments import check_template_arguments
 from pl_lowprec.export.generates_text import check_directory_generates, check_module_generates
 from pl_lowprec.export.gguf_read import check_gguf_file, gguf_model, gguf_tokenizer, is_gguf, starts_as_gguf
 from pl_lowprec.export.prompt_files import chat_turns
@@ -172,26 +173,46 @@ def check_chat_template(tokenizer: Any, source: str | Path | None) -> None:
         )
 
 
+def checked_prompt_ids(
+    tokenizer: Any,
+    source: str | Path | None,
+    records: list[dict[str, Any]],
+    template_kwargs: dict[str, Any],
+    given: str,
+) -> list[list[int]]:
+    """``all_prompt_ids`` after the checks of the tokenizer alone: a chat template (``check_chat_template``) that
+    reads every one of ``template_kwargs`` (named ``given`` in the refusal). Needs no model: run before it loads."""
+    if wants_chat(records):
+        check_chat_template(tokenizer, source)
+        name = str(source) if source is not None else getattr(tokenizer, "name_or_path", "?")
+        check_template_arguments(tokenizer, template_kwargs, name, given)
+    return all_prompt_ids(tokenizer, records, template_kwargs)
+
+
 def prompt_ids(tokenizer: Any, record: dict[str, Any], template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """A chat record rendered as ``TextDataModule`` renders it (template, no extra special tokens) plus the
-    generation prompt; a plain prompt tokenized with the tokenizer's defaults."""
+    generation prompt, checked as its records are (``ChatTemplate.check_turns``: roles the template knows, every
+    turn and tool written, arguments read); a plain prompt tokenized with the tokenizer's defaults."""
     if "messages" not in record:
         return tokenizer(record["prompt"])["input_ids"]
     return ChatTemplate.for_record(tokenizer, record, template_kwargs).prompt_ids(chat_turns(record))
 
 
 def all_prompt_ids(tokenizer: Any, records: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[list[int]]:
-    """Each record's ``prompt_ids``; a record the chat template refuses (Gemma's has no system role), or whose
-    ``tools`` or ``chat_template_kwargs`` it cannot take, refused by its place among the prompts, before any
-    generates (a traceback from jinja2 named neither)."""
+    """Each record's ``prompt_ids``; a record the chat template refuses (Gemma's has no system role), whose
+    ``tools`` or ``chat_template_kwargs`` it cannot take, or that training would count unusable (a role the
+    template does not know, a turn it drops), refused by its place among the prompts, before any generates (a
+    traceback from jinja2 named neither)."""
     ids = []
     for number, record in enumerate(records, start=1):
         try:
             ids.append(prompt_ids(tokenizer, record, template_kwargs))
         except UnusableChatRecord as refused:
             turn = chat_turns(record)[0].get("content", "") if chat_turns(record) else ""
+            reason = str(refused).removeprefix("records ")
+            reason = f"a record {reason}" if reason.startswith(("with ", "whose ", "starting ")) else reason
             raise ValueError(
-                f"--prompts record {number} (first turn {str(turn)[:40]!r}): {str(refused).removeprefix('records ')}."
+                f"--prompts record {number} (first turn {str(turn)[:40]!r}): {reason}."
                 " Fix the record, or pass --tokenizer DIR with a template that takes it."
             ) from None
         except TemplateFieldError as problem:
