@@ -61,8 +61,9 @@ SHOWN_CHARS = 40
 TURN_TEXT = "PlLowprecTurnText"  # a stand-in turn text: no whitespace or markup for a template to trim or split
 TOOLS_ALLOWED = (
     'A record\'s tools are a list of JSON schemas, one per function ([{"type": "function", "function":'
-    ' {"name": ..., "description": ..., "parameters": {...}}}]), or a JSON string of such a list, as TRL'
-    " passes them to the chat template"
+    ' {"name": ..., "description": ..., "parameters": {...}}}], or LLaMA-Factory\'s bare {"name": ...,'
+    ' "description": ..., "parameters": {...}}, wrapped so), or a JSON string of such a list, as TRL passes them'
+    " to the chat template"
 )
 
 
@@ -310,13 +311,23 @@ def record_tools(tools: Any) -> list[Any] | None:
                 " record has none."
             ) from None
     if isinstance(tools, list) and all(isinstance(tool, dict) for tool in tools):
-        return tools
+        return [wrapped_tool(tool) for tool in tools]
     what = "one schema, not a list of them" if isinstance(tools, dict) else "not a list of JSON schemas"
     fix = "put the schema in a list, [{...}]" if isinstance(tools, dict) else "write them as such a list"
     raise TemplateFieldError(
         f"'tools' is {shown(given)}, {what}. {TOOLS_ALLOWED}. Fix: {fix}, or leave the field out where a record"
         " has none."
     )
+
+
+def wrapped_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool as Hugging Face's chat templates take it: a bare schema (``{"name", "description", "parameters"}``,
+    LLaMA-Factory's ``tools`` form) as ``{"type": "function", "function": schema}``, what transformers'
+    ``get_json_schema`` gives and LLaMA-Factory's Llama-3/Qwen/Mistral formatters wrap it in. Passed bare, a
+    template that writes each tool as JSON (Qwen2.5's, Llama-3.1's ``tool | tojson``) wrote another text than the
+    one the model meets at inference, and one that reads ``tool.function.name`` wrote nothing. A tool with a
+    ``type`` is left as it is."""
+    return tool if "type" in tool or not isinstance(tool.get("name"), str) else {"type": "function", "function": tool}
 
 
 def record_kwargs(kwargs: Any) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from loading_helpers import save_tokenizer, save_with_template
 from records_helpers import data_of_records, rows_as_lists
 
 from pl_lowprec.data import TextDataModule
+from pl_lowprec.data.chat import ChatTemplate
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -119,6 +120,24 @@ def test_tools_and_template_arguments_reach_the_template(tmp_path, tokenizer_dir
     (sample,) = data.train_set
     assert data.tokenizer.decode(sample["input_ids"]).startswith("<|persona|>terse</s>\n<|user|>\ntime?")
     assert _targets(data, sample) == "ok</s>"
+
+
+def test_bare_tool_schemas_render_as_the_wrapped_ones(tmp_path, tokenizer_dir):
+    """LLaMA-Factory's tools are bare schemas ({name, description, parameters}); Hugging Face's templates, and
+    transformers' get_json_schema, use {"type": "function", "function": schema}. Passed bare, a template that writes
+    each tool as JSON (as Qwen2.5's and Llama-3.1's do) trained on another tools text than the model meets at
+    inference; they are wrapped, as LLaMA-Factory's own Llama-3/Qwen/Mistral formatters wrap them."""
+    as_json = WITH_TOOLS.replace("{{ t.function.name }};", "{{ t | tojson }};")
+    tokenizer = save_with_template(tokenizer_dir, as_json, tmp_path / "tojson")
+    turns = [{"role": "user", "content": "time?"}, {"role": "assistant", "content": "noon"}]
+    wrapped = data_of_records(tmp_path / "wrapped.jsonl", [{"messages": turns, "tools": [TOOL]}], tokenizer)
+    text = wrapped.tokenizer.decode(wrapped.train_set[0]["input_ids"])
+    assert text.startswith('<|tools|>{"type": "function", "function": {"name": "get_time"')
+    for bare in ([TOOL["function"]], json.dumps([TOOL["function"]])):  # a list, or LLaMA-Factory's JSON string
+        data = data_of_records(tmp_path / "bare.jsonl", [{"messages": turns, "tools": bare}], tokenizer)
+        assert rows_as_lists(data.train_set) == rows_as_lists(wrapped.train_set)
+        rendered = ChatTemplate.for_record(data.tokenizer, {"tools": bare}).render(turns[:1], generation_prompt=True)
+        assert rendered == ChatTemplate.for_record(data.tokenizer, {"tools": [TOOL]}).render(turns[:1], True)
 
 
 def test_alpaca_records_are_read_as_llama_factory_reads_them(tmp_path, tokenizer_dir):
