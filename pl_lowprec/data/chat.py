@@ -2,7 +2,9 @@
 
 Two record forms, as TRL publishes them: ``messages`` (loss on every assistant turn) and the conversational
 prompt/completion (``prompt`` and ``completion`` each a list of turns; loss on the completion). A record's
-``tools`` and ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``) go to the template, as TRL passes them.
+``tools`` and ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``) go to the template, as TRL passes them
+(LLaMA-Factory's bare tool schemas wrapped as ``{"type": "function", "function": ...}``: ``wrapped_tool``).
+``generate``'s chat prompts go through the same checks (``ChatTemplate.prompt_ids``).
 
 Which tokens are the assistant's is read from the template in one of two ways:
 - a template that marks the assistant's text with ``{% generation %}`` is asked for its marks (Hugging Face's
