@@ -35,7 +35,6 @@ from pl_lowprec.export.generate import (
     Decoding,
     Generator,
     adapter_base,
-    check_chat_template,
     check_generation_dtype,
     check_model_dir,
     checked_prompt_ids,
@@ -81,11 +80,9 @@ def mapping(example: str) -> Callable[[str], dict]:
     return parse
 
 
-def from_checkpoint(
-    checkpoint: str | Path, cli_args: list[str], tokenizer: str | None = None, chat: bool = False
-) -> Generator:
+def from_checkpoint(checkpoint: str | Path, cli_args: list[str], tokenizer: str | None = None) -> Generator:
     """The trained module as it trained (quantized base, adapters), restored from its config."""
-    return from_run(checkpoint, rebuild(cli_args), tokenizer, chat)
+    return from_run(checkpoint, rebuild(cli_args), tokenizer)
 
 
 def prompt_settings(
@@ -101,16 +98,10 @@ def prompt_settings(
     return fields, splits
 
 
-def from_run(
-    checkpoint: str | Path, run: LowPrecisionCLI, tokenizer: str | None = None, chat: bool = False
-) -> Generator:
-    """``from_checkpoint`` of a run already rebuilt. With ``chat``, a tokenizer known from the arguments or the
-    config's data is checked for a template before the weights load."""
+def from_run(checkpoint: str | Path, run: LowPrecisionCLI, tokenizer: str | None = None) -> Generator:
+    """``from_checkpoint`` of a run already rebuilt."""
     # a model built in __init__ is known before the weights load
     check_module_generates(held_hf_model(run.model), type(run.model).__name__)
-    source = tokenizer or getattr(run.datamodule, "tokenizer_dir", None)
-    if chat and source:
-        check_chat_template(load_tokenizer(source), source)
     return from_restored(restore(checkpoint, run.trainer, run.model, run.datamodule), tokenizer)
 
 
@@ -208,7 +199,7 @@ def main(args: list[str] | None = None) -> None:
             of_run = getattr(run.datamodule, "chat_template_kwargs", None)
             kwargs, given = template_kwargs(parsed.chat_template_kwargs, of_run)
             prompt_ids = checked_prompt_ids(load_tokenizer(source), source, records, kwargs, given)
-        generator = from_run(parsed.ckpt_path, run, parsed.tokenizer, chat and prompt_ids is None)
+        generator = from_run(parsed.ckpt_path, run, parsed.tokenizer)
     else:
         inputs |= {"model directory": Path(parsed.model), "base model": parsed.base and Path(parsed.base)}
         device = generation_device(parsed.device)
@@ -226,13 +217,9 @@ def main(args: list[str] | None = None) -> None:
             prompt_ids = checked_prompt_ids(tokenizer, source, records, kwargs, given)
         generator = from_directory(model, base, device, tokenizer, dtype)
         print(f"Generating with --model {parsed.model} in {dtype} (--dtype).")
-    if parsed.chat_template_kwargs is not None:
-        generator.template_kwargs = parsed.chat_template_kwargs
     if prompt_ids is None:  # a checkpoint whose tokenizer was known only once it was restored
-        given = template_kwargs(parsed.chat_template_kwargs, generator.template_kwargs)[1]
-        prompt_ids = checked_prompt_ids(
-            generator.tokenizer, parsed.tokenizer, records, generator.template_kwargs, given
-        )
+        kwargs, given = template_kwargs(parsed.chat_template_kwargs, generator.template_kwargs)
+        prompt_ids = checked_prompt_ids(generator.tokenizer, parsed.tokenizer, records, kwargs, given)
     sampling = decoding.sampling_line(generator.model)
     if sampling is not None:
         print(sampling)

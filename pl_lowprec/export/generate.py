@@ -162,10 +162,15 @@ def wants_chat(records: list[dict[str, Any]]) -> bool:
     return any("messages" in r for r in records)
 
 
+def tokenizer_name(tokenizer: Any, source: str | Path | None) -> str:
+    """How a refusal names the tokenizer: where it was read from, else its own name."""
+    return str(source) if source is not None else getattr(tokenizer, "name_or_path", "?")
+
+
 def check_chat_template(tokenizer: Any, source: str | Path | None) -> None:
     """Chat prompts need a template; rendering them as plain text would not be what a chat model trained on."""
     if not getattr(tokenizer, "chat_template", None):
-        name = str(source) if source is not None else getattr(tokenizer, "name_or_path", "?")
+        name = tokenizer_name(tokenizer, source)
         raise ValueError(
             f"Chat prompts ('messages' records or --chat) need the tokenizer's chat template, and the tokenizer"
             f" {name!r} has none (no chat_template.jinja beside it, no chat_template in its tokenizer_config.json)."
@@ -184,8 +189,7 @@ def checked_prompt_ids(
     reads every one of ``template_kwargs`` (named ``given`` in the refusal). Needs no model: run before it loads."""
     if wants_chat(records):
         check_chat_template(tokenizer, source)
-        name = str(source) if source is not None else getattr(tokenizer, "name_or_path", "?")
-        check_template_arguments(tokenizer, template_kwargs, name, given)
+        check_template_arguments(tokenizer, template_kwargs, tokenizer_name(tokenizer, source), given)
     return all_prompt_ids(tokenizer, records, template_kwargs)
 
 
