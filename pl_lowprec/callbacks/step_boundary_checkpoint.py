@@ -31,7 +31,6 @@ keeps ``--trainer.callbacks+=ModelCheckpoint`` meaning Lightning's on the comman
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -42,7 +41,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 
 from pl_lowprec.callbacks.epoch_end_resumption import as_saved_at_the_last_batch
-from pl_lowprec.callbacks.step_completion import finish_the_step, on_each_optimizer_step
+from pl_lowprec.callbacks.exception_guard import ExceptionSaveGuard
+from pl_lowprec.callbacks.step_completion import finish_the_step
 from pl_lowprec.callbacks.step_end_rewind import (
     AS_AT_THE_STEP_END,
     can_set_back,
@@ -52,21 +52,28 @@ from pl_lowprec.callbacks.step_end_rewind import (
     set_back,
 )
 from pl_lowprec.callbacks.swap import in_place, swap_default_callbacks
-from pl_lowprec.distributed.failing_ranks import every_rank_failed_here, ranks_not_failed_paragraph
 from pl_lowprec.generator_states import generators_held, random_states
 
 
-class StepBoundaryCheckpoint(LightningModelCheckpoint):
+class StepBoundaryCheckpoint(ExceptionSaveGuard, LightningModelCheckpoint):
     """``lightning.pytorch.callbacks.ModelCheckpoint``, same arguments: never saves in the middle of an
     accumulated step, and saves the run's final step that ``every_n_train_steps`` or ``train_time_interval``
-    would miss."""
+    would miss.
+
+    One more: ``every_rank_wait_s``, with ``save_on_exception`` on several ranks, how long a failing rank waits for
+    every rank to fail at the same batch before it saves nothing and says so (a rank that raised alone would hang
+    in the save's collectives). Default: 60 s, or the process group's ``timeout`` where shorter
+    (``distributed/failing_ranks.py``)."""
 
     _global_step_at_batch_start: int | None = None
     _validation_save_pending: bool = False  # a validation ended inside a step: its save waits for the step's end
     _step_end_random_states: dict[str, Any] | None = None  # where the latest step ended (``step_end_rewind.py``)
     _step_end_global_step: int | None = None  # that step's global_step
     _micro_batches_to_set_back: int | None = None  # set while this callback writes a file as at the last step's end
-    _optimizer_stepped = False  # in the current batch (``step_completion.py``)
+
+    def __init__(self, *args: Any, every_rank_wait_s: float | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.every_rank_wait_s = every_rank_wait_s
 
     def _generate_state_key(self, **kwargs: Any) -> str:
         return f"{LightningModelCheckpoint.__qualname__}{kwargs!r}"  # Lightning's key: either class resumes the other
@@ -87,14 +94,6 @@ class StepBoundaryCheckpoint(LightningModelCheckpoint):
             self._step_end_random_states = self._step_end_global_step = None
             self._validation_save_pending = False
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_train_start(trainer, pl_module)
-        if pl_module.automatic_optimization:
-            on_each_optimizer_step(trainer, self._note_optimizer_step)
-
-    def _note_optimizer_step(self) -> None:
-        self._optimizer_stepped = True
-
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Inside an accumulated step, an unmonitored save waits for the step's end: a file saved here would lack
         the gradients of the step's micro-batches so far, and a resumption from it would take the step without
@@ -112,14 +111,14 @@ class StepBoundaryCheckpoint(LightningModelCheckpoint):
         inside a step (the micro-batches so far counted, their gradients in no file: the step resumed on the rest
         alone) and the random generators after the failed batch's draws (its retry draws other dropout masks).
         Raised after the optimizer stepped, the step is first finished as Lightning would have finished it
-        (``step_completion.py``). With several ranks, only where every rank raised at the same batch
-        (``failing_ranks.py``): the save's collectives would wait for a rank that trains on."""
+        (``step_completion.py``). No file where the exception interrupted the optimizer's update (weights of no
+        step), nor with several ranks unless every rank raised at the same batch (the save's collectives would wait
+        for a rank that trains on): ``exception_guard.py``."""
         if self._optimizer_stepped and trainer.state.fn == TrainerFn.FITTING and pl_module.automatic_optimization:
             finish_the_step(trainer)
         if not self._should_save_on_exception(trainer):
             return
-        if not every_rank_failed_here(trainer):  # the save's collectives would wait for the others: no file
-            warnings.warn(ranks_not_failed_paragraph(trainer, exception, self.last_model_path), stacklevel=1)
+        if not self._may_save_on_exception(trainer, exception, "save_on_exception"):
             return
         with self._as_at_the_last_step_end(trainer):
             super().on_exception(trainer, pl_module, exception)
@@ -127,8 +126,8 @@ class StepBoundaryCheckpoint(LightningModelCheckpoint):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         self._global_step_at_batch_start = trainer.global_step
-        self._optimizer_stepped = False
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int

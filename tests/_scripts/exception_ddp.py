@@ -1,22 +1,28 @@
 """Regression on 2 DDP CPU processes (gloo), 5 batches an epoch each, saving every 2 steps and on an exception
 that ranks RANKS raise as batch 5 starts (step 3 ended with the first epoch, unsaved).
 
-Usage: python exception_ddp.py OUT_DIR RANKS (comma-separated). Run by tests/distributed/test_failing_ranks.py.
+With a third argument ``OnExceptionCheckpoint``, Lightning's ``OnExceptionCheckpoint(OUT_DIR)`` saves on the
+exception instead (the failing ranks' wait shortened to 5 s, as the other way's ``every_rank_wait_s``).
+
+Usage: python exception_ddp.py OUT_DIR RANKS (comma-separated) [OnExceptionCheckpoint]. Run by
+tests/distributed/test_failing_ranks.py.
 """
 
 import sys
 import warnings
 
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from resume_helpers import FailAt, fit
 
 import pl_lowprec.distributed.failing_ranks
 from pl_lowprec import LowPrecisionDDPStrategy
 
 
-def main(out: str, ranks: str) -> None:
+def main(out: str, ranks: str, saved_by: str = "save_on_exception") -> None:
     warnings.filterwarnings("ignore")
-    warnings.filterwarnings("always", message="save_on_exception")
-    pl_lowprec.distributed.failing_ranks.EVERY_RANK_WAIT_S = 5.0
+    warnings.filterwarnings("always", message=saved_by)
+    lightnings = saved_by == "OnExceptionCheckpoint"
+    pl_lowprec.distributed.failing_ranks.DEFAULT_WAIT_S = 5.0
     fit(
         out,
         strategy=LowPrecisionDDPStrategy(process_group_backend="gloo"),
@@ -24,10 +30,16 @@ def main(out: str, ranks: str) -> None:
         use_distributed_sampler=False,
         max_steps=8,
         dropout=0.5,
-        schedule={"every_n_train_steps": 2, "save_on_exception": True},
-        callbacks=[FailAt("on_train_batch_start", 5, ranks={int(rank) for rank in ranks.split(",")})],
+        schedule={
+            "every_n_train_steps": 2,
+            **({} if lightnings else {"save_on_exception": True, "every_rank_wait_s": 5.0}),
+        },
+        callbacks=[
+            FailAt("on_train_batch_start", 5, ranks={int(rank) for rank in ranks.split(",")}),
+            *([OnExceptionCheckpoint(out)] if lightnings else []),
+        ],
     )
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])

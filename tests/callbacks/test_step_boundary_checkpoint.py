@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from lightning_helpers import StepRecorder
 from resume_helpers import ACCUMULATE, EVERY, FailAt, Failure, Regression, fit
 
-from pl_lowprec import LowPrecisionStrategy
+from pl_lowprec import AMPPrecision, LowPrecisionStrategy
 from pl_lowprec.callbacks import StepBoundaryCheckpoint
 from pl_lowprec.callbacks.step_boundary_checkpoint import use_step_boundary_checkpoints
 
@@ -385,3 +385,87 @@ def test_a_resumed_fit_that_fails_before_training_saves_the_resumed_states_with_
     assert torch.load(failed, weights_only=False)["global_step"] == 4
     resumed = fit(tmp_path / "again", strategy=LowPrecisionStrategy(), ckpt_path=failed, **run)
     assert torch.equal(resumed, uninterrupted)
+
+
+class HalfAppliedSGD(torch.optim.Optimizer):
+    """Plain SGD whose step, where ``fails()`` says so, raises ``raised`` after updating its first parameter only:
+    the weight holds the new step, the bias the old one."""
+
+    def __init__(self, params, lr, fails, raised):
+        super().__init__(params, {"lr": lr})
+        self.fails, self.raised = fails, raised
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:  # Lightning's plain precision: training_step and backward run in here first
+            with torch.enable_grad():
+                loss = closure()
+        group = self.param_groups[0]
+        for index, parameter in enumerate(group["params"]):
+            if index == 1 and self.fails():
+                raise self.raised("inside the optimizer's update")
+            parameter.add_(parameter.grad, alpha=-group["lr"])
+        return loss
+
+
+class UpdateRaisesHalfway(Regression):
+    """Its optimizer's step raises halfway through the update on the run's batch ``failing_batch``."""
+
+    failing_batch: int | None = None
+    raised: type[BaseException] = Failure
+
+    def configure_optimizers(self):
+        def fails() -> bool:
+            return self.trainer.fit_loop.total_batch_idx == self.failing_batch
+
+        return HalfAppliedSGD(self.parameters(), 0.1, fails, self.raised)
+
+
+@pytest.mark.parametrize(
+    ("on_exception", "raised", "amp"),
+    [
+        ("save_on_exception", Failure, False),  # the closure (training_step, backward) runs inside the step
+        ("save_on_exception", KeyboardInterrupt, False),
+        ("save_on_exception", Failure, True),  # GradScaler steps it after the closure, without one
+        ("OnExceptionCheckpoint", Failure, False),
+    ],
+)
+def test_an_exception_inside_the_optimizers_update_writes_no_file_and_says_which_to_resume_from(
+    tmp_path, monkeypatch, on_exception, raised, amp
+):
+    """Raised inside ``optimizer.step`` after the update began (a Ctrl-C in a foreach AdamW): the weights are those
+    of no step. The exception's file was written as at the last step's end, resumed as exact, and replaced
+    ``last.ckpt`` and the step-4 file; Lightning's ``OnExceptionCheckpoint`` (the strategy's) wrote it too. An
+    exception in the closure, before the update, still saves (``test_a_file_saved_on_an_exception_resumes_exactly``)."""
+    sigint = signal.getsignal(signal.SIGINT)
+    monkeypatch.setattr(UpdateRaisesHalfway, "failing_batch", 11)  # step 6's end, epoch 1; step 4 saved
+    monkeypatch.setattr(UpdateRaisesHalfway, "raised", raised)
+    schedule = {"every_n_train_steps": 4, "save_on_exception": on_exception == "save_on_exception"}
+    part = tmp_path / "part"
+    lightnings = OnExceptionCheckpoint(tmp_path / "on_exception")
+    callbacks = [lightnings] if on_exception == "OnExceptionCheckpoint" else []
+    try:
+        stops = pytest.raises(Failure if raised is Failure else SystemExit)  # Lightning exits on a Ctrl-C
+        with stops, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fit(
+                part,
+                module_class=UpdateRaisesHalfway,
+                schedule=schedule,
+                max_steps=8,
+                callbacks=callbacks,
+                plugins=[AMPPrecision("16-mixed", init_scale=256.0)] if amp else [],
+                **with_dropout_on_the_strategy(StepBoundaryCheckpoint),
+            )
+    finally:
+        signal.signal(signal.SIGINT, sigint)
+    assert sorted(path.name for path in part.iterdir()) == ["epoch=0-step=4.ckpt", "last.ckpt"]
+    assert saved(part / "last.ckpt")[0] == 4
+    assert not (tmp_path / "on_exception").exists()
+    (said,) = [str(w.message) for w in caught if "inside the optimizer's step" in str(w.message)]
+    assert said.startswith(
+        f"{on_exception}: {raised.__name__} was raised inside the optimizer's step, after it had begun updating the"
+        " parameters, at batch 1 of epoch 1 (global step 5)"
+    )
+    assert f"The run's last checkpoint stays {part / 'last.ckpt'}; resume from it." in said

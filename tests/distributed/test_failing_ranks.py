@@ -2,17 +2,21 @@
 hang; where every rank raises at the same batch, the exception's checkpoint."""
 
 import sys
+from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import warm_python
 
+from pl_lowprec.distributed.failing_ranks import every_rank_wait_s
+
 SCRIPT = Path(__file__).parents[1] / "_scripts" / "exception_ddp.py"
 
 
-def _run(out: Path, ranks: str):
-    command = [sys.executable, str(SCRIPT), str(out), ranks]
+def _run(out: Path, ranks: str, *saved_by: str):
+    command = [sys.executable, str(SCRIPT), str(out), ranks, *saved_by]
     return warm_python.run(command, 120, ranks=2, pythonpath=SCRIPT.parents[1])  # TimeoutExpired: a hang
 
 
@@ -35,3 +39,25 @@ def test_ranks_that_raise_at_the_same_batch_save_the_exceptions_checkpoint(tmp_p
     assert result.returncode != 0 and "save_on_exception" not in result.stderr, result.stderr[-4000:]
     saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
     assert saved["global_step"] == 3 and len(saved["pl_lowprec_random_states"]) == 2
+
+
+@pytest.mark.slow
+def test_lightnings_on_exception_checkpoint_where_a_rank_raises_alone_saves_nothing_and_says_so(tmp_path):
+    """Lightning's ``OnExceptionCheckpoint`` hung both ranks the same way (its save's collectives); under the
+    package's strategies it becomes one that asks the other ranks first."""
+    result = _run(tmp_path, "1", "OnExceptionCheckpoint")
+    assert result.returncode != 0
+    said = "OnExceptionCheckpoint: rank 1 raised Failure at batch 0 of epoch 1 (global step 3), and not every one"
+    assert said in result.stderr, result.stderr[-4000:]
+    assert f"The run's last checkpoint stays {tmp_path / 'last.ckpt'}; resume from it." in result.stderr
+    assert not (tmp_path / "on_exception.ckpt").exists()
+
+
+def test_the_wait_is_the_callbacks_else_a_minute_capped_at_the_process_groups_timeout():
+    def trainer(timeout):
+        return SimpleNamespace(strategy=SimpleNamespace(_timeout=timeout))
+
+    assert every_rank_wait_s(trainer(timedelta(minutes=30))) == 60.0  # Lightning's default timeout
+    assert every_rank_wait_s(trainer(timedelta(seconds=20))) == 20.0  # a rank waits no longer in a collective
+    assert every_rank_wait_s(SimpleNamespace(strategy=SimpleNamespace())) == 60.0  # one device: no group
+    assert every_rank_wait_s(trainer(timedelta(seconds=20)), 300) == 300.0  # StepBoundaryCheckpoint's own
