@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 
 from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 
@@ -54,6 +55,33 @@ def mark_failing() -> None:
 def mark_exiting() -> None:
     """This process is exiting (its ``atexit`` handlers run)."""
     _leaving.set()
+
+
+def rank_zero_failed() -> bool:
+    """Whether this process's run raised (``mark_failing``)."""
+    return _failing.is_set()
+
+
+def stop_ranks_left_running(launched: Sequence[subprocess.Popen], waited_s: float) -> None:
+    """Where rank 0 failed: kill each rank it launched that still runs ``waited_s`` seconds later (a rank whose
+    next collective waits for rank 0 would wait until the process group's timeout), as torchrun's agent stops
+    every worker when one fails, and say so. SIGKILL, as Lightning's own observer: Lightning's SIGTERM handler
+    would run only once the collective returns."""
+    running = [rank for rank, proc in enumerate(launched, start=1) if proc.poll() is None]
+    if not running:
+        return
+    for rank in running:
+        launched[rank - 1].kill()
+    for rank in running:
+        launched[rank - 1].wait()
+    names = f"rank{'s' if len(running) > 1 else ''} {', '.join(map(str, running))}"
+    print(
+        f"pl_lowprec: rank 0 failed, and {names} that it launched still ran {waited_s:g} s later (waiting for rank 0"
+        f" in a collective, which would last until the process group's timeout): stopped {names} (SIGKILL), as"
+        " torchrun stops every rank when one fails. Rank 0's error above is the run's.",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def exit_as_failed_ranks(launched: list[subprocess.Popen]) -> None:

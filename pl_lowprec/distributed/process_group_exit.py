@@ -15,7 +15,10 @@ free it; its own time let the thread finish in the other 23: there it is a mitig
 
 Rank 0 also waits for the ranks it launched (Lightning's launcher starts them as its child processes) before it
 destroys its group: ``pl-lowprec fit`` returns when every rank is done, as under ``torchrun``, with rank 0's exit
-status, or a failed rank's where rank 0 ended well (``launched_ranks.py``).
+status, or a failed rank's where rank 0 ended well (``launched_ranks.py``). Where rank 0's run failed, a rank that
+failed with it ends within seconds, but one that did not waits in its next collective for rank 0 until the process
+group's timeout: rank 0 waits ``FAILED_RANK_ZERO_WAIT_S`` for them, then kills those still running, as torchrun's
+agent does on a worker's failure (it waited ``LAUNCHED_RANKS_WAIT_S`` and left them to exit on their own).
 """
 
 from __future__ import annotations
@@ -24,14 +27,23 @@ import atexit
 import contextlib
 import gc
 import subprocess
+import time
 from typing import Any
 
 import torch.distributed as dist
 
-from pl_lowprec.distributed.launched_ranks import exit_as_failed_ranks, mark_exiting, spare_leaving_rank_zero
+from pl_lowprec.distributed.launched_ranks import (
+    exit_as_failed_ranks,
+    mark_exiting,
+    rank_zero_failed,
+    spare_leaving_rank_zero,
+    stop_ranks_left_running,
+)
 
-# How long rank 0 waits at exit for each rank it launched; a rank that is stuck is left to Lightning's launcher.
+# How long rank 0 waits at exit for the ranks it launched; a rank that is stuck is left to Lightning's launcher.
 LAUNCHED_RANKS_WAIT_S = 120.0
+# Where rank 0 failed: how long a rank that failed with it may take to end (its own exception's work and exit).
+FAILED_RANK_ZERO_WAIT_S = 10.0
 
 _registered = False
 _launched: list[subprocess.Popen] = []
@@ -53,9 +65,14 @@ def destroy_process_group_at_exit(strategy: Any = None) -> None:
 
 def _destroy_default_process_group() -> None:
     mark_exiting()
+    failed = rank_zero_failed()
+    wait_s = FAILED_RANK_ZERO_WAIT_S if failed else LAUNCHED_RANKS_WAIT_S
+    deadline = time.monotonic() + wait_s
     for proc in _launched:
         with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=LAUNCHED_RANKS_WAIT_S)
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    if failed:
+        stop_ranks_left_running(_launched, wait_s)
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
         gc.collect()  # while the interpreter is whole: the group's last holders go, and its threads are joined

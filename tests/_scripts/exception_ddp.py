@@ -1,5 +1,6 @@
 """Regression on 2 DDP CPU processes (gloo), 5 batches an epoch each, saving every 2 steps and on an exception
-that ranks RANKS raise as batch 5 starts (step 3 ended with the first epoch, unsaved).
+that ranks RANKS raise as batch 5 starts (step 3 ended with the first epoch, unsaved). A failing rank says when it
+raised (``time.time()``). Started as one process, Lightning's launcher starts rank 1.
 
 With a third argument ``OnExceptionCheckpoint``, Lightning's ``OnExceptionCheckpoint(OUT_DIR)`` saves on the
 exception instead (the failing ranks' wait shortened to 5 s, as the other way's ``every_rank_wait_s``).
@@ -9,13 +10,20 @@ tests/distributed/test_failing_ranks.py.
 """
 
 import sys
+import time
 import warnings
 
+import lightning.pytorch as pl
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from resume_helpers import FailAt, fit
 
 import pl_lowprec.distributed.failing_ranks
 from pl_lowprec import LowPrecisionDDPStrategy
+
+
+class SaysWhenItRaised(pl.Callback):
+    def on_exception(self, trainer, pl_module, exception):
+        print(f"rank {trainer.global_rank} raised at {time.time()}", file=sys.stderr, flush=True)
 
 
 def main(out: str, ranks: str, saved_by: str = "save_on_exception") -> None:
@@ -36,6 +44,7 @@ def main(out: str, ranks: str, saved_by: str = "save_on_exception") -> None:
         },
         callbacks=[
             FailAt("on_train_batch_start", 5, ranks={int(rank) for rank in ranks.split(",")}),
+            SaysWhenItRaised(),
             *([OnExceptionCheckpoint(out)] if lightnings else []),
         ],
     )

@@ -1,7 +1,9 @@
 """save_on_exception on 2 DDP CPU processes (gloo) where one rank raises alone: a message and an exit, never a
 hang; where every rank raises at the same batch, the exception's checkpoint."""
 
+import re
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -39,6 +41,21 @@ def test_ranks_that_raise_at_the_same_batch_save_the_exceptions_checkpoint(tmp_p
     assert result.returncode != 0 and "save_on_exception" not in result.stderr, result.stderr[-4000:]
     saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
     assert saved["global_step"] == 3 and len(saved["pl_lowprec_random_states"]) == 2
+
+
+@pytest.mark.slow
+def test_rank_zero_that_raises_alone_under_lightnings_launcher_stops_rank_one_instead_of_waiting(tmp_path):
+    """Rank 0 raised alone; rank 1, which Lightning's launcher started, waited in its gradients' all-reduce for it,
+    and rank 0 waited LAUNCHED_RANKS_WAIT_S (120 s) at exit for rank 1 before it ended. It now waits 10 s and
+    kills rank 1, as torchrun's agent stops the other workers when one fails."""
+    command = [sys.executable, str(SCRIPT), str(tmp_path), "0"]
+    result = warm_python.run(command, 300, pythonpath=SCRIPT.parents[1])  # rank 0; Lightning starts rank 1
+    ended = time.time()
+    raised = float(re.search(r"rank 0 raised at (\S+)", result.stderr)[1])
+    assert ended - raised < 60, result.stderr[-4000:]  # the store's 5 s, 10 s for rank 1, then the kill
+    assert "save_on_exception: rank 0 raised Failure at batch 0 of epoch 1" in result.stderr
+    assert "stopped rank 1 (SIGKILL)" in result.stderr
+    assert result.returncode == 1  # rank 0's own
 
 
 @pytest.mark.slow

@@ -2,11 +2,14 @@
 made finished 2-process runs abort at exit ("terminate called without an active exception", exit -6)."""
 
 import atexit
+import subprocess
+import threading
 from types import SimpleNamespace
 
+import pytest
 import torch.distributed as dist
 
-from pl_lowprec.distributed import process_group_exit
+from pl_lowprec.distributed import launched_ranks, process_group_exit
 from pl_lowprec.distributed.process_group_exit import destroy_process_group_at_exit
 
 
@@ -47,5 +50,41 @@ def test_rank_zero_waits_for_the_ranks_it_launched_before_destroying_its_group(t
     registered[0]()
     # the launched rank waited for while the group was alive; then the group destroyed and its holders collected,
     # which lets gloo's worker threads finish before the interpreter is torn down
-    assert events == [("waited", process_group_exit.LAUNCHED_RANKS_WAIT_S, True), ("collected", False)]
+    waited = pytest.approx(process_group_exit.LAUNCHED_RANKS_WAIT_S, abs=1.0)
+    assert events == [("waited", waited, True), ("collected", False)]
     assert not dist.is_initialized()
+
+
+def test_a_failed_rank_zero_waits_briefly_then_stops_the_ranks_still_running(monkeypatch, capsys):
+    """Rank 0 failed alone: rank 1 waits in a collective for it until the process group's timeout. Rank 0 waited
+    120 s for it, then left it to Lightning; it now waits FAILED_RANK_ZERO_WAIT_S and kills it, as torchrun does."""
+    registered, events = [], []
+
+    class StuckRank:
+        returncode = None
+
+        def wait(self, timeout=None):
+            if self.returncode is None:
+                events.append(("waited", round(timeout)))
+                raise subprocess.TimeoutExpired("rank 1", timeout)
+            return self.returncode
+
+        def poll(self):
+            return self.returncode
+
+        def kill(self):
+            events.append("killed")
+            self.returncode = -9
+
+    monkeypatch.setattr(process_group_exit, "_registered", False)
+    monkeypatch.setattr(process_group_exit, "_launched", [])
+    monkeypatch.setattr(atexit, "register", registered.append)
+    monkeypatch.setattr(launched_ranks, "_leaving", threading.Event())
+    monkeypatch.setattr(launched_ranks, "_failing", threading.Event())
+    launched_ranks.mark_failing()
+    destroy_process_group_at_exit(SimpleNamespace(launcher=SimpleNamespace(procs=[StuckRank()])))
+    registered[0]()
+    assert events == [("waited", process_group_exit.FAILED_RANK_ZERO_WAIT_S), "killed"]
+    said = capsys.readouterr().err
+    assert "rank 0 failed, and rank 1 that it launched still ran 10 s later" in said
+    assert "stopped rank 1 (SIGKILL)" in said
