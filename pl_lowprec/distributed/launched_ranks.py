@@ -52,6 +52,13 @@ def mark_failing() -> None:
     _leaving.set()
 
 
+def mark_running() -> None:
+    """A run starts (the strategies' ``setup``): an earlier run of this process that failed, its exception caught,
+    is not this one."""
+    _failing.clear()
+    _leaving.clear()
+
+
 def mark_exiting() -> None:
     """This process is exiting (its ``atexit`` handlers run)."""
     _leaving.set()

@@ -21,7 +21,7 @@ from pl_lowprec.callbacks.epoch_end_resumption import as_saved_at_the_last_batch
 from pl_lowprec.callbacks.replacements import use_package_callbacks
 from pl_lowprec.callbacks.step_boundary_checkpoint import mid_step_resumption
 from pl_lowprec.distributed.equal_batches import check_equal_batches
-from pl_lowprec.distributed.launched_ranks import mark_failing
+from pl_lowprec.distributed.launched_ranks import mark_failing, mark_running
 from pl_lowprec.generator_states import set_random_states
 from pl_lowprec.memory.budget import check_memory_budget, first_training_batch, training_loader
 from pl_lowprec.memory.collectives import gradient_as_bucket_view
@@ -84,7 +84,8 @@ class TransformHooks(TransformArguments):
 
     def before_transform(self, trainer: pl.Trainer) -> None:
         """The start of every strategy's ``setup`` (the FSDP one has its own): this package's callbacks in place of
-        Lightning's, then the checks before anything loads."""
+        Lightning's, then the checks before anything loads. A failure of an earlier run of this process is over."""
+        mark_running()
         use_package_callbacks(trainer)
         self.check_before_loading(trainer)
 

@@ -62,3 +62,10 @@ def test_rank_zero_that_ended_well_exits_with_a_failed_ranks_status(fresh_flags,
     launched_ranks.mark_failing()
     launched_ranks.exit_as_failed_ranks(ranks)  # rank 0 failed itself: its own status stands
     assert exits == [2, 1]
+
+
+def test_a_run_that_starts_after_a_failed_one_is_not_failing(fresh_flags):
+    """A caught failure of an earlier fit must not make rank 0's exit cut short the ranks of a later one."""
+    launched_ranks.mark_failing()
+    launched_ranks.mark_running()  # the strategies' setup
+    assert not launched_ranks.rank_zero_failed()

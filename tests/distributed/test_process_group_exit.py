@@ -42,6 +42,8 @@ def test_rank_zero_waits_for_the_ranks_it_launched_before_destroying_its_group(t
     monkeypatch.setattr(process_group_exit, "_registered", False)
     monkeypatch.setattr(process_group_exit, "_launched", [])
     monkeypatch.setattr(atexit, "register", registered.append)
+    monkeypatch.setattr(launched_ranks, "_leaving", threading.Event())  # rank 0 ended well
+    monkeypatch.setattr(launched_ranks, "_failing", threading.Event())
     monkeypatch.setattr(process_group_exit.gc, "collect", lambda: events.append(("collected", dist.is_initialized())))
     strategy = SimpleNamespace(launcher=SimpleNamespace(procs=[LaunchedRank()]))  # rank 0's, under Lightning's launcher
     destroy_process_group_at_exit(strategy)
