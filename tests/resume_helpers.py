@@ -96,6 +96,45 @@ class FailAt(pl.Callback):
         self._fail_in("on_train_batch_end")  # before the checkpoint's own (Lightning calls checkpoints last)
 
 
+class HalfAppliedSGD(torch.optim.Optimizer):
+    """Plain SGD whose step, where ``fails()`` says so, raises ``raised`` after updating its first parameter only:
+    the weight holds the new step, the bias the old one."""
+
+    def __init__(self, params, lr, fails, raised):
+        super().__init__(params, {"lr": lr})
+        self.fails, self.raised = fails, raised
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:  # Lightning's plain precision: training_step and backward run in here first
+            with torch.enable_grad():
+                loss = closure()
+        group = self.param_groups[0]
+        for index, parameter in enumerate(group["params"]):
+            if index == 1 and self.fails():
+                raise self.raised("inside the optimizer's update")
+            parameter.add_(parameter.grad, alpha=-group["lr"])
+        return loss
+
+
+class UpdateRaisesHalfway(Regression):
+    """Its optimizer's step raises halfway through the update on the run's batch ``failing_batch``, on the ranks
+    ``failing_ranks`` (every rank where ``None``)."""
+
+    failing_batch: int | None = None
+    failing_ranks: set[int] | None = None
+    raised: type[BaseException] = Failure
+
+    def configure_optimizers(self):
+        def fails() -> bool:
+            ranks = self.failing_ranks
+            on_this_rank = ranks is None or self.trainer.global_rank in ranks
+            return on_this_rank and self.trainer.fit_loop.total_batch_idx == self.failing_batch
+
+        return HalfAppliedSGD(self.parameters(), 0.1, fails, self.raised)
+
+
 def fit(
     directory,
     checkpoint_class=StepBoundaryCheckpoint,

@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from lightning_helpers import StepRecorder
-from resume_helpers import ACCUMULATE, EVERY, FailAt, Failure, Regression, fit
+from resume_helpers import ACCUMULATE, EVERY, FailAt, Failure, Regression, UpdateRaisesHalfway, fit
 
 from pl_lowprec import AMPPrecision, LowPrecisionStrategy
 from pl_lowprec.callbacks import StepBoundaryCheckpoint
@@ -385,41 +385,6 @@ def test_a_resumed_fit_that_fails_before_training_saves_the_resumed_states_with_
     assert torch.load(failed, weights_only=False)["global_step"] == 4
     resumed = fit(tmp_path / "again", strategy=LowPrecisionStrategy(), ckpt_path=failed, **run)
     assert torch.equal(resumed, uninterrupted)
-
-
-class HalfAppliedSGD(torch.optim.Optimizer):
-    """Plain SGD whose step, where ``fails()`` says so, raises ``raised`` after updating its first parameter only:
-    the weight holds the new step, the bias the old one."""
-
-    def __init__(self, params, lr, fails, raised):
-        super().__init__(params, {"lr": lr})
-        self.fails, self.raised = fails, raised
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:  # Lightning's plain precision: training_step and backward run in here first
-            with torch.enable_grad():
-                loss = closure()
-        group = self.param_groups[0]
-        for index, parameter in enumerate(group["params"]):
-            if index == 1 and self.fails():
-                raise self.raised("inside the optimizer's update")
-            parameter.add_(parameter.grad, alpha=-group["lr"])
-        return loss
-
-
-class UpdateRaisesHalfway(Regression):
-    """Its optimizer's step raises halfway through the update on the run's batch ``failing_batch``."""
-
-    failing_batch: int | None = None
-    raised: type[BaseException] = Failure
-
-    def configure_optimizers(self):
-        def fails() -> bool:
-            return self.trainer.fit_loop.total_batch_idx == self.failing_batch
-
-        return HalfAppliedSGD(self.parameters(), 0.1, fails, self.raised)
 
 
 @pytest.mark.parametrize(

@@ -70,6 +70,20 @@ def test_lightnings_on_exception_checkpoint_where_a_rank_raises_alone_saves_noth
     assert not (tmp_path / "on_exception.ckpt").exists()
 
 
+@pytest.mark.slow
+def test_where_one_ranks_update_was_interrupted_no_rank_saves(tmp_path):
+    """Rank 1's optimizer raised halfway through its update, rank 0 raised before its own at the same batch:
+    rank 1 writes no file, and rank 0 must not enter the save's collectives without it (it would hang)."""
+    result = _run(tmp_path, "0", "save_on_exception", "1")
+    assert result.returncode != 0
+    said = (
+        "save_on_exception: Failure was raised inside the optimizer's step on rank 1, after it had begun updating the"
+        " parameters, at batch 1 of epoch 1 (global step 3)"
+    )
+    assert result.stderr.count(said) == 2, result.stderr[-4000:]  # said by both ranks
+    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 2
+
+
 def test_the_wait_is_the_callbacks_else_a_minute_capped_at_the_process_groups_timeout():
     def trainer(timeout):
         return SimpleNamespace(strategy=SimpleNamespace(_timeout=timeout))
