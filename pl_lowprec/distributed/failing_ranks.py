@@ -11,9 +11,11 @@ while for every rank to say the same of the same batch. Every rank then reads th
 or none does.
 
 How long: ranks that run the same code on the same batch raise an exception they share (a bug, a Ctrl-C that
-reaches every rank) within the time the slowest is behind, at most a step's. ``DEFAULT_WAIT_S`` (60 s) covers
-that on any machine this package was run on; a process group whose timeout is shorter caps it (a rank of that
-group waits no longer in a collective either). ``StepBoundaryCheckpoint(every_rank_wait_s=...)`` sets it.
+reaches every rank) within the time the slowest is behind, at most about a step's, since the gradients' all-reduce
+lines them up every step. ``DEFAULT_WAIT_S`` (60 s) is a guess above that for most runs, and only delays the
+message of a rank that raised alone; a wait too short saves nothing (and says so), never a wrong file. A process
+group whose timeout is shorter caps it: a rank of that group waits no longer in a collective either. A run whose
+steps take longer sets ``StepBoundaryCheckpoint(every_rank_wait_s=...)``.
 """
 
 from __future__ import annotations
