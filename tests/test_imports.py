@@ -108,6 +108,21 @@ def test_no_circle_hides_behind_a_function_level_import():
     assert circle is None, "import circle (through function-level imports): " + " -> ".join(circle)
 
 
+def test_no_module_takes_a_private_name_from_another():
+    """A ``_name`` is its module's own: another module that needs it needs a public name (or the function moved
+    where both can import it), else a change inside the one module breaks the other unseen. Private modules
+    (``pl_lowprec._imports``) are the package's own helpers: their names are public within it."""
+    modules = module_names()
+    taken = []
+    for name, path in modules.items():
+        for node in all_imports(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ImportFrom) or node.level or not (node.module or "").startswith("pl_lowprec"):
+                continue
+            private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+            taken += [f"{name} imports {node.module}.{alias}" for alias in private if node.module != name]
+    assert not taken, "; ".join(taken)
+
+
 def test_the_circle_finder_finds_one_through_a_package_init():
     # a.b imports c, c imports a.d: initialising a.d runs a/__init__, which imports a.b (partially initialised)
     graph = {"a": {"a.b"}, "a.b": {"c"}, "c": {"a", "a.d"}, "a.d": set()}

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from lightning.pytorch import Trainer
 
-from pl_lowprec.cli.own_options import _arguments, refused_key
+from pl_lowprec.cli.class_arguments import keyword_arguments
+from pl_lowprec.cli.own_options import refused_key
 from pl_lowprec.data import TextDataModule
 from pl_lowprec.models import CausalLM
 from pl_lowprec.plugins import AMPPrecision
@@ -32,9 +33,9 @@ class Home:
 
 
 def _homes() -> list[tuple[Home, list[str]]]:
-    trainer = set(_arguments(Trainer))
-    plugin_only = [name for name in _arguments(AMPPrecision) if name not in trainer]
-    strategy = [name for name in _arguments(LowPrecisionStrategy) if name not in ("device", "accelerator")]
+    trainer = set(keyword_arguments(Trainer))
+    plugin_only = [name for name in keyword_arguments(AMPPrecision) if name not in trainer]
+    strategy = [name for name in keyword_arguments(LowPrecisionStrategy) if name not in ("device", "accelerator")]
     return [
         (Home("the Trainer", "trainer", "--trainer", "configs/quickstart.yaml"), sorted(trainer)),
         (
@@ -57,7 +58,7 @@ def _homes() -> list[tuple[Home, list[str]]]:
         ),
         (
             Home("the model (as CausalLM takes it)", "model.init_args", "--model", "configs/finetune-causal-lm.yaml"),
-            _arguments(CausalLM),
+            keyword_arguments(CausalLM),
         ),
         (
             Home(
@@ -66,7 +67,7 @@ def _homes() -> list[tuple[Home, list[str]]]:
                 "--data",
                 "configs/finetune-causal-lm.yaml",
             ),
-            _arguments(TextDataModule),
+            keyword_arguments(TextDataModule),
         ),
     ]
 

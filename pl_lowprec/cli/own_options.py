@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import inspect
 import re
 from typing import NamedTuple
 
@@ -19,6 +18,7 @@ from lightning.pytorch import Trainer
 
 from pl_lowprec._did_you_mean import closest
 from pl_lowprec.cli.arguments import options
+from pl_lowprec.cli.class_arguments import keyword_arguments
 
 CLOSE = 0.8  # difflib's ratio: --max_new_token, --gguf-type, --overwrit; not --optimizer for --overwrite
 OTHER_TOOLS_NAMES = {"--lora_model_dir": "--pretrained_adapter"}  # axolotl's name for continuing a saved adapter
@@ -101,7 +101,7 @@ def meant_config_key(message: str) -> str | None:
     if refused is None or "." in refused.key:
         return None
     if refused.on_command_line and refused.section == "trainer":
-        meant = meant_option(f"--{refused.key}", [f"--{name}" for name in _arguments(Trainer)])
+        meant = meant_option(f"--{refused.key}", [f"--{name}" for name in keyword_arguments(Trainer)])
         return f"--trainer.{meant[2:]}" if meant else None
     if not refused.class_path:
         return None
@@ -110,18 +110,5 @@ def meant_config_key(message: str) -> str | None:
         cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError):
         return None
-    meant = meant_option(f"--{refused.key}", [f"--{argument}" for argument in _arguments(cls)])
+    meant = meant_option(f"--{refused.key}", [f"--{argument}" for argument in keyword_arguments(cls)])
     return meant[2:] if meant else None
-
-
-def _arguments(cls: type) -> list[str]:
-    """The keyword arguments of ``cls``, those of its bases included where it passes ``**kwargs`` on."""
-    names: list[str] = []
-    for klass in inspect.getmro(cls):
-        if "__init__" not in vars(klass):
-            continue
-        parameters = inspect.signature(klass.__init__).parameters
-        names += [n for n, p in parameters.items() if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-        if not any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
-            break
-    return names
