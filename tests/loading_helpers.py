@@ -163,6 +163,23 @@ def count_unpickles(monkeypatch) -> list:
     return loads
 
 
+def count_safetensors_opens(monkeypatch, directory: Path) -> list[str]:
+    """The names of the files in ``directory`` that ``safetensors.safe_open`` opens from now on (a streamed load
+    opens each for its headers and again for each module's tensors)."""
+    import safetensors
+
+    opened = []
+    real_open = safetensors.safe_open
+
+    def counting(file, *args, **kwargs):
+        if Path(file).parent == Path(directory):
+            opened.append(Path(file).name)
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors, "safe_open", counting)
+    return opened
+
+
 def bin_copy(directory: Path, copy_to: Path, shards: int = 1, tied_key: bool = False) -> Path:
     """The model directory with its weights as transformers < 5 saved them without safetensors: one
     ``pytorch_model.bin``, or ``shards`` files ``pytorch_model-0000i-of-0000n.bin`` and

@@ -13,12 +13,7 @@ from torch import nn
 
 from pl_lowprec.distributed.mesh import full_tensor
 from pl_lowprec.loading.sources import TensorInfo, map_key, prefix_map
-from pl_lowprec.transforms.lora import ADAPTER_NAME, left_tied_to_originals
-
-
-def plain_key(name: str) -> str:
-    """A parameter's key in the model without peft's wrappers."""
-    return name.replace(f".modules_to_save.{ADAPTER_NAME}.", ".").replace(".base_layer.", ".")
+from pl_lowprec.transforms.lora import left_tied_to_originals, plain_key
 
 
 def trained_whole(module: nn.Module) -> dict[str, torch.Tensor]:

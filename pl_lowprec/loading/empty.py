@@ -69,11 +69,11 @@ def reset_on(module: nn.Module, device: torch.device) -> None:
         module.reset_parameters()
 
 
-def storage_to_fill(module: nn.Module) -> None:
-    """Give every meta parameter uninitialized storage on the CPU, in its dtype, tied parameters staying one: for a
-    load that copies every value in next (Lightning's ``load_state_dict`` of a checkpoint holding every weight), so
+def storage_to_fill(module: nn.Module, device: torch.device | str = "cpu") -> None:
+    """Give every meta parameter uninitialized storage on ``device``, in its dtype, tied parameters staying one: for
+    a load that copies every value in next (Lightning's ``load_state_dict`` of a checkpoint holding every weight), so
     that nothing is read twice."""
-    replace_parameters(module, is_meta, lambda p: nn.Parameter(torch.empty_like(p, device="cpu"), p.requires_grad))
+    replace_parameters(module, is_meta, lambda p: nn.Parameter(torch.empty_like(p, device=device), p.requires_grad))
 
 
 def replace_parameters(

@@ -273,5 +273,6 @@ class TransformHooks(TransformArguments):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         self.check_before_loading(self.lightning_module.trainer)  # resuming: this runs before setup
         self.before_resuming(checkpoint)
-        self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device)
+        state_dict = checkpoint["state_dict"]  # where it sets every weight, pretrained= is not read
+        self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device, restored_next=state_dict)
         self.transform.load_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)

@@ -297,6 +297,11 @@ def base_changing_init(model_or_config: Any) -> str | None:
     return lora_init_among(model_or_config, BASE_CHANGING_INITS)
 
 
+def plain_key(name: str) -> str:
+    """A parameter's key in the model without peft's wrappers (``q_proj.base_layer.weight`` is ``q_proj.weight``)."""
+    return name.replace(f".modules_to_save.{ADAPTER_NAME}.", ".").replace(".base_layer.", ".")
+
+
 def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
     peft = import_peft()
     return {n: m for n, m in model.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)}

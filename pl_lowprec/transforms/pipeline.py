@@ -59,6 +59,7 @@ from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.loading import PretrainedWeights, has_meta_tensors
 from pl_lowprec.loading.host_memory import release_freed_host_memory
 from pl_lowprec.transforms.autocast_activations import keep_activations_in_compute_dtype
+from pl_lowprec.transforms.checkpoint_fills import fills_every_weight
 from pl_lowprec.transforms.checkpointing import (
     CheckpointPolicy,
     is_checkpointed,
@@ -97,7 +98,12 @@ from pl_lowprec.transforms.quantization import QuantizationConfig, quantize_line
 from pl_lowprec.transforms.tied_linears import check_tied_layers_stay_tied
 from pl_lowprec.transforms.trainable import without_lora_line
 from pl_lowprec.transforms.trainable_bias import keep_trainable_biases
-from pl_lowprec.transforms.weight_sources import fill_meta_model, meta_init_context, weights_for
+from pl_lowprec.transforms.weight_sources import (
+    fill_meta_model,
+    meta_init_context,
+    storage_for_the_checkpoint,
+    weights_for,
+)
 
 
 class ModelTransform:
@@ -124,8 +130,16 @@ class ModelTransform:
         """The strategy's ``pretrained=`` source, if any."""
         return self.config.weights
 
-    def apply(self, model: nn.Module, precision_plugin: Any, device: torch.device) -> None:
-        """Transform ``model`` for training on ``device`` under ``precision_plugin`` (idempotent)."""
+    def apply(
+        self,
+        model: nn.Module,
+        precision_plugin: Any,
+        device: torch.device,
+        restored_next: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Transform ``model`` for training on ``device`` under ``precision_plugin`` (idempotent). ``restored_next``:
+        the checkpoint's state dict loaded after it (``ckpt_path=``); where it sets every weight, ``pretrained=`` is
+        not read (``checkpoint_fills.py``)."""
         c = self.config
         if hasattr(precision_plugin, "resolve"):  # AMPPrecision("auto") chooses for the device before quantizing
             precision_plugin.resolve(device)
@@ -148,7 +162,7 @@ class ModelTransform:
         if self.sharding is not None:
             self.sharding.check(model, c.quantization)
         streamed = has_meta_tensors(model)  # pretrained= quantizes as it loads
-        self.load_pretrained(model, compute_dtype, device)
+        self.load_pretrained(model, compute_dtype, device, restored_next)
         if c.quantization is not None:
             replaced = self.quantize(model, compute_dtype, device)
             if replaced:
@@ -268,9 +282,27 @@ class ModelTransform:
             return self.sharding.quantize_layer(linear, config, compute_dtype, device)
         return quantize_linear(linear, config, compute_dtype, device)
 
-    def load_pretrained(self, model: nn.Module, compute_dtype: torch.dtype, device: torch.device) -> None:
-        """Fill a module built on the meta device (``weight_sources.fill_meta_model``)."""
+    def load_pretrained(
+        self,
+        model: nn.Module,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        restored_next: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Fill a module built on the meta device (``weight_sources.fill_meta_model``), or only give it storage where
+        the checkpoint restored next sets every weight (``checkpoint_fills.py``)."""
         weights = self.weights_for(model)
+        if (
+            weights is not None
+            and restored_next is not None
+            and self.sharding is None
+            and fills_every_weight(model, self.config, restored_next)
+        ):
+            storage_for_the_checkpoint(model, weights, device)
+            rank_zero_info(
+                f"pretrained={str(weights.path)!r} is not read: the checkpoint restored next holds every weight."
+            )
+            return
         new_heads = tuple(self.config.lora.modules_to_save or ()) if self.config.lora is not None else ()
         fill_meta_model(
             model,

@@ -15,6 +15,7 @@ from torch import nn
 
 from pl_lowprec.distributed.sharding import Sharding
 from pl_lowprec.loading import PretrainedWeights, empty_weights, has_meta_tensors, load_pretrained
+from pl_lowprec.loading.empty import storage_to_fill
 from pl_lowprec.transforms.quantization import QuantizationConfig
 
 _LOADED_FROM = "_pl_lowprec_loaded_from"  # the PretrainedWeights the module was filled from
@@ -81,6 +82,13 @@ def fill_meta_model(
         weights.expected_prefix,
     )
     setattr(model, _LOADED_FROM, dataclasses.replace(weights, prefix=report.prefix))
+
+
+def storage_for_the_checkpoint(model: nn.Module, weights: PretrainedWeights, device: torch.device) -> None:
+    """Empty storage for a module whose every weight the checkpoint restored next sets (``checkpoint_fills.py``),
+    marked as filled for ``weights``: nothing of it is read."""
+    storage_to_fill(model, device)
+    setattr(model, _LOADED_FROM, weights)
 
 
 @contextmanager

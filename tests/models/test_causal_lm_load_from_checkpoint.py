@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning_helpers import quiet_trainer
-from loading_helpers import save_pretrained_dir, write_prompt_completion
+from loading_helpers import count_safetensors_opens, save_pretrained_dir, write_prompt_completion
 
 from pl_lowprec import LowPrecisionStrategy
 from pl_lowprec.data import TextDataModule
@@ -50,23 +50,6 @@ def test_an_adapter_only_checkpoint_is_refused_in_one_paragraph_naming_the_fix(p
     assert "`pl-lowprec export --ckpt_path PATH`" in said
 
 
-def _pretrained_files_opened(monkeypatch, pretrained) -> list[str]:
-    """The names of the files of ``pretrained`` that safetensors opens from now on (the streamed load opens each
-    for its headers and again for each module's tensors)."""
-    import safetensors
-
-    opened = []
-    real_open = safetensors.safe_open
-
-    def counting(file, *args, **kwargs):
-        if Path(file).parent == Path(pretrained):
-            opened.append(Path(file).name)
-        return real_open(file, *args, **kwargs)
-
-    monkeypatch.setattr(safetensors, "safe_open", counting)
-    return opened
-
-
 def _loads_from_shapes_alone(pretrained: Path, checkpoint: Path, expected: dict, tmp_path: Path) -> None:
     """A pretrained= of config.json alone is all the load of a whole checkpoint needs (it was refused as a
     directory holding no weights)."""
@@ -82,7 +65,7 @@ def _loaded_from_the_checkpoint_alone(pretrained: Path, tmp_path: Path, monkeypa
     (every weight was streamed from pretrained= and then overwritten by the checkpoint's: read twice); the same load
     from a pretrained= of config.json alone."""
     trained, checkpoint = _trained(pretrained, tmp_path, SingleDeviceStrategy(torch.device("cpu")))
-    opened = _pretrained_files_opened(monkeypatch, pretrained)
+    opened = count_safetensors_opens(monkeypatch, pretrained)
     loaded = CausalLM.load_from_checkpoint(checkpoint)
     assert opened == []
     expected, got = trained.state_dict(), loaded.state_dict()
@@ -116,7 +99,7 @@ def test_a_checkpoint_without_some_weights_takes_them_from_the_pretrained_files(
     del saved["state_dict"]["model.model.norm.weight"]
     partial = tmp_path / "partial.ckpt"
     torch.save(saved, partial)
-    opened = _pretrained_files_opened(monkeypatch, pretrained)
+    opened = count_safetensors_opens(monkeypatch, pretrained)
     loaded = CausalLM.load_from_checkpoint(partial, strict=False)
     assert "model.safetensors" in opened
     from transformers import AutoModelForCausalLM

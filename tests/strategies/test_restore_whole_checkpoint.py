@@ -1,0 +1,82 @@
+"""validate/test/predict (and a resumed fit) with ``ckpt_path=`` of a checkpoint holding every weight (no LoRA, or
+``adapter_only_checkpoint=False``) read no pretrained file: the strategy streamed ``pretrained=`` (every tensor) and
+then loaded the checkpoint over it, so every weight was read twice. The metrics are those of the trained model."""
+
+from __future__ import annotations
+
+import pytest
+from lightning_helpers import quiet_trainer
+from loading_helpers import LlamaModule, bin_copy, count_safetensors_opens, count_unpickles, save_llama
+from qlora_helpers import ids_loader
+
+from pl_lowprec import LowPrecisionStrategy
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+LORA = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
+
+
+class ValidatedLlama(LlamaModule):
+    def validation_step(self, batch, batch_idx):
+        loss = self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+        self.log("val_loss", loss)
+
+
+def _trained(pretrained, tmp_path, **strategy):
+    """Two steps from ``pretrained``; the checkpoint, and the validation loss of the model as it trained."""
+    trainer = quiet_trainer(strategy=LowPrecisionStrategy(pretrained=pretrained, **strategy), max_steps=2)
+    with trainer.init_module(empty_init=True):
+        model = ValidatedLlama(hidden_size=64)
+    trainer.fit(model, ids_loader(batches=2))
+    checkpoint = tmp_path / "trained.ckpt"
+    trainer.save_checkpoint(checkpoint)
+    (metrics,) = trainer.validate(model, ids_loader(batches=2, seed=1), verbose=False)
+    return checkpoint, metrics
+
+
+def _validated(pretrained, checkpoint, **strategy):
+    trainer = quiet_trainer(strategy=LowPrecisionStrategy(pretrained=pretrained, **strategy))
+    with trainer.init_module(empty_init=True):
+        model = ValidatedLlama(hidden_size=64)
+    (metrics,) = trainer.validate(model, ids_loader(batches=2, seed=1), ckpt_path=checkpoint, verbose=False)
+    return metrics
+
+
+@pytest.mark.parametrize(
+    "strategy", [{}, {"lora": LORA, "adapter_only_checkpoint": False}], ids=["whole-model", "lora-whole-checkpoint"]
+)
+def test_validate_of_a_whole_checkpoint_reads_no_pretrained_file(tmp_path, monkeypatch, strategy):
+    pretrained = save_llama(tmp_path / "base", hidden_size=64)
+    checkpoint, trained = _trained(pretrained, tmp_path, **strategy)
+    opened = count_safetensors_opens(monkeypatch, pretrained)
+    restored = _validated(pretrained, checkpoint, **strategy)
+    assert opened == []  # the model file, opened for its headers and per module, before
+    assert restored == trained
+
+
+def test_validate_of_a_whole_checkpoint_unpickles_no_bin_base(tmp_path, monkeypatch):
+    base = save_llama(tmp_path / "st", hidden_size=64)
+    pretrained = bin_copy(base, tmp_path / "bin", shards=2)
+    strategy = {"lora": LORA, "adapter_only_checkpoint": False}
+    checkpoint, trained = _trained(pretrained, tmp_path, **strategy)
+    loads = count_unpickles(monkeypatch)
+    restored = _validated(pretrained, checkpoint, **strategy)
+    assert [f for f in loads if str(f).endswith(".bin")] == []  # each shard once, before
+    assert restored == trained
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [{"lora": LORA}, {"lora": {**LORA, "init_lora_weights": "pissa"}, "adapter_only_checkpoint": False}],
+    ids=["adapter-only", "pissa-whole-checkpoint"],
+)
+def test_a_checkpoint_that_needs_the_base_still_reads_it(tmp_path, monkeypatch, strategy):
+    """An adapter-only checkpoint lacks the base; PiSSA computes its initial adapters from it (kept for the export):
+    pretrained= is read, as before."""
+    pretrained = save_llama(tmp_path / "base", hidden_size=64)
+    checkpoint, trained = _trained(pretrained, tmp_path, **strategy)
+    opened = count_safetensors_opens(monkeypatch, pretrained)
+    restored = _validated(pretrained, checkpoint, **strategy)
+    assert "model.safetensors" in opened
+    assert restored == trained
