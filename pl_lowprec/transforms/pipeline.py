@@ -162,7 +162,8 @@ class ModelTransform:
         if self.sharding is not None:
             self.sharding.check(model, c.quantization)
         streamed = has_meta_tensors(model)  # pretrained= quantizes as it loads
-        self.load_pretrained(model, compute_dtype, device, restored_next)
+        if not self.storage_for_the_checkpoint(model, device, restored_next):
+            self.load_pretrained(model, compute_dtype, device)
         if c.quantization is not None:
             replaced = self.quantize(model, compute_dtype, device)
             if replaced:
@@ -282,27 +283,23 @@ class ModelTransform:
             return self.sharding.quantize_layer(linear, config, compute_dtype, device)
         return quantize_linear(linear, config, compute_dtype, device)
 
-    def load_pretrained(
-        self,
-        model: nn.Module,
-        compute_dtype: torch.dtype,
-        device: torch.device,
-        restored_next: Mapping[str, torch.Tensor] | None = None,
-    ) -> None:
-        """Fill a module built on the meta device (``weight_sources.fill_meta_model``), or only give it storage where
-        the checkpoint restored next sets every weight (``checkpoint_fills.py``)."""
+    def storage_for_the_checkpoint(
+        self, model: nn.Module, device: torch.device, restored_next: Mapping[str, torch.Tensor] | None
+    ) -> bool:
+        """Empty storage in place of ``pretrained=`` where the checkpoint restored next (``restored_next``, its state
+        dict) sets every weight of the module (``checkpoint_fills.py``); whether it did so."""
         weights = self.weights_for(model)
-        if (
-            weights is not None
-            and restored_next is not None
-            and self.sharding is None
-            and fills_every_weight(model, self.config, restored_next)
-        ):
-            storage_for_the_checkpoint(model, weights, device)
-            rank_zero_info(
-                f"pretrained={str(weights.path)!r} is not read: the checkpoint restored next holds every weight."
-            )
-            return
+        if weights is None or restored_next is None or self.sharding is not None:
+            return False
+        if not fills_every_weight(model, self.config, restored_next):
+            return False
+        storage_for_the_checkpoint(model, weights, device)
+        rank_zero_info(f"pretrained={str(weights.path)!r} is not read: the checkpoint restored holds every weight.")
+        return True
+
+    def load_pretrained(self, model: nn.Module, compute_dtype: torch.dtype, device: torch.device) -> None:
+        """Fill a module built on the meta device (``weight_sources.fill_meta_model``)."""
+        weights = self.weights_for(model)
         new_heads = tuple(self.config.lora.modules_to_save or ()) if self.config.lora is not None else ()
         fill_meta_model(
             model,
