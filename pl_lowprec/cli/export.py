@@ -29,6 +29,7 @@ from pl_lowprec.export.out_paths import check_out_dir
 from pl_lowprec.export.quantized import check_qat_export, export_quantized
 from pl_lowprec.export.restore import restore, sources
 from pl_lowprec.export.write import check_dtype, check_export, choose_format, export, read_paths
+from pl_lowprec.loading.sources import shared_weight_files
 
 
 def main(args: list[str] | None = None) -> None:
@@ -113,13 +114,14 @@ def main(args: list[str] | None = None) -> None:
         # a classifier built in __init__ is known before the weights load
         check_module_generates(held_hf_model(run.model), type(run.model).__name__, GGUF)
         check_gguf_sources(weights, tokenizer_dir)
-    restored = restore(checkpoint, run.trainer, run.model, run.datamodule)
-    if qat is not None:
-        print(export_quantized(restored, out, parsed.overwrite, inputs))
-    elif export_format == "gguf":
-        print(export_gguf(restored, out, parsed.gguf_type, parsed.overwrite, inputs))
-    else:
-        print(export(restored, out, export_format == "merged", parsed.dtype, parsed.overwrite, inputs))
+    with shared_weight_files():  # the restore's load and the merge read the base: a .bin shard is unpickled once
+        restored = restore(checkpoint, run.trainer, run.model, run.datamodule)
+        if qat is not None:
+            print(export_quantized(restored, out, parsed.overwrite, inputs))
+        elif export_format == "gguf":
+            print(export_gguf(restored, out, parsed.gguf_type, parsed.overwrite, inputs))
+        else:
+            print(export(restored, out, export_format == "merged", parsed.dtype, parsed.overwrite, inputs))
     pushed(parsed, weights.path if weights is not None else None)
 
 

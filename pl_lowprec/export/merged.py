@@ -6,7 +6,8 @@ unquantized base). The original safetensors are streamed file by file (one shard
 adapted weight is merged in fp32 and rounded once to the output dtype, and every file keeps its name, keys and
 order, so ``AutoModelForCausalLM.from_pretrained`` loads the result as it loaded the original; a base of
 ``pytorch_model.bin`` files is unpickled once per shard, as the streamed load reads it (``loading.sources.WeightFiles``:
-headers and tensors from the one mapping, each tensor's pages dropped once written), and written as safetensors
+headers and tensors from the one mapping, each tensor's pages dropped once written; ``pl-lowprec export`` shares
+the mapping with the restore's load, ``sources.shared_weight_files``), and written as safetensors
 (``pytorch_model-00001-of-00002.bin`` as ``model-00001-of-00002.safetensors``, with ``model.safetensors.index.json``),
 as ``save_pretrained`` writes it.
 The other files of the model directory (``config.json``, ``generation_config.json``, the tokenizer) are copied.
@@ -47,7 +48,7 @@ from pl_lowprec.adapters import (
 )
 from pl_lowprec.export.trained_whole import file_key_of, trained_whole, untied_heads, without_absent_modules
 from pl_lowprec.loading import PretrainedWeights, resolve_checkpoint
-from pl_lowprec.loading.sources import INDEX_NAME, WeightFiles
+from pl_lowprec.loading.sources import INDEX_NAME, WeightFiles, weight_files
 from pl_lowprec.loading.torch_files import BIN_INDEX_NAME
 from pl_lowprec.transforms.conv1d import conv1d_weights
 from pl_lowprec.transforms.dtypes import to_dtype
@@ -62,7 +63,7 @@ def merge_into_pretrained(
 ) -> dict[str, int]:
     """Write the merged model to ``out_dir`` (which must exist and be empty); return how many tensors were
     ``merged`` (LoRA), written ``whole`` as they trained, ``left_out`` (heads the module lacks), ``tensors`` in all."""
-    with WeightFiles() as files:  # a .bin shard is unpickled once: its headers, then its tensors
+    with weight_files() as files:  # a .bin shard is unpickled once: headers, tensors (and the restore's load)
         return _write_merged(module, weights, out_dir, dtype, files)
 
 

@@ -205,6 +205,34 @@ class WeightFiles:
         self.close()
 
 
+_SHARED: ContextVar[WeightFiles | None] = ContextVar("shared_weight_files", default=None)
+
+
+@contextmanager
+def shared_weight_files() -> Iterator[WeightFiles]:
+    """One ``WeightFiles`` for every read of pretrained weights inside this block: an export restores the model
+    (its load reads the base) and then merges into the same base files, and a ``.bin`` shard is unpickled once for
+    both (it was once each)."""
+    with WeightFiles() as files:
+        token = _SHARED.set(files)
+        try:
+            yield files
+        finally:
+            _SHARED.reset(token)
+
+
+@contextmanager
+def weight_files() -> Iterator[WeightFiles]:
+    """The ``WeightFiles`` a read opens its files through: those of ``shared_weight_files`` around it, else its own
+    (closed when it ends)."""
+    shared = _SHARED.get()
+    if shared is not None:
+        yield shared
+        return
+    with WeightFiles() as files:
+        yield files
+
+
 @contextmanager
 def open_safetensors(file: Path, device: str | None = None) -> Iterator[Any]:
     """``safetensors.safe_open``; a file that is not a complete safetensors file fails naming it and its size."""

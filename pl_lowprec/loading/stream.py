@@ -32,7 +32,7 @@ from torch import nn
 from pl_lowprec._imports import import_bitsandbytes
 from pl_lowprec.loading.empty import assert_no_meta, place_own, reset_on
 from pl_lowprec.loading.key_match import Prefix, Slot, fitting_index, slots
-from pl_lowprec.loading.sources import CheckpointIndex, TensorInfo, WeightFiles
+from pl_lowprec.loading.sources import CheckpointIndex, TensorInfo, weight_files
 from pl_lowprec.transforms.conv1d import stored_transposed
 from pl_lowprec.transforms.quantization import (
     QuantizationConfig,
@@ -85,7 +85,7 @@ def load_pretrained(
     ``expected_prefix`` (without ``prefix``): the prefix tried first (``key_match.fitting_index``).
     """
     device = torch.device(device)
-    with WeightFiles() as files:  # a .bin shard is unpickled once for the whole load
+    with weight_files() as files:  # a .bin shard is unpickled once for the whole load (or the export around it)
         index, match, prefix = fitting_index(model, source, prefix, new_heads, expected_prefix, files=files)
         chosen = match.chosen
         if quantization is not None and not quantization.is_4bit:
