@@ -51,7 +51,13 @@ from pl_lowprec.cli.missing_loop import check_loop_defined, missing_loop_paragra
 from pl_lowprec.cli.own_options import meant_config_key
 from pl_lowprec.cli.resume import check_checkpoint, check_same_run, finished_run_line, resolve_ckpt_path
 from pl_lowprec.cli.strategy_override import strategy_names_as_classes
-from pl_lowprec.cli.subcommands import LIGHTNING_SUBCOMMANDS, overview, package_options_epilog, usage
+from pl_lowprec.cli.subcommands import (
+    LIGHTNING_SUBCOMMANDS,
+    OWN_SUBCOMMANDS,
+    overview,
+    package_options_epilog,
+    subcommand_lines,
+)
 from pl_lowprec.strategies.trainer_checks import batches_started, check_trainer_arguments
 
 DEFAULT_ROOT_DIR = "runs"
@@ -69,8 +75,17 @@ class LowPrecisionCLI(LightningCLI):
         defer_configure_optimizers(self, subcommand)  # built from the parameters that train, once transformed
 
     def _add_subcommands(self, parser: Any, **kwargs: Any) -> None:
+        """Lightning's four, then the package's own (``dispatch`` runs them before this parser is built), each with
+        its line: ``pl-lowprec --help``'s usage and "Available subcommands" list every one. Lightning's four take the
+        package's lines too: theirs are the Trainer methods' docstrings cut at a line's end ("It's separated from
+        fit to make sure you never run on your")."""
         super()._add_subcommands(parser, **kwargs)
-        parser.usage = usage()  # after the subcommands took their prog from the default usage: every subcommand
+        subcommands = parser._subcommands_action
+        lines = subcommand_lines()
+        for choice in subcommands._choices_actions:
+            choice.help = lines[choice.dest]
+        for name in OWN_SUBCOMMANDS:
+            subcommands.add_subcommand(name, self.init_parser(description=lines[name]), help=lines[name])
 
     def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> Any:
         parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)

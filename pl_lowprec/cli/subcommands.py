@@ -1,5 +1,6 @@
-"""The ``pl-lowprec`` subcommands, each in one line: the top-level help lists them all (LightningCLI's lists its own
-four), and an unknown or missing subcommand is refused with the list and the nearest name."""
+"""The ``pl-lowprec`` subcommands, each in one line: the top-level help lists them all (LightningCLI's listed its own
+four: the package's are added to its parser, ``lightning_cli.LowPrecisionCLI._add_subcommands``), and an unknown or
+missing subcommand is refused with the list and the nearest name."""
 
 from __future__ import annotations
 
@@ -24,10 +25,13 @@ OWN_SUBCOMMANDS = {
 }
 
 
+def sentence(summary: str) -> str:
+    return f"{summary[0].upper()}{summary[1:]}."
+
+
 def description(name: str) -> str:
     """A subcommand's line as its ``--help`` description."""
-    summary = OWN_SUBCOMMANDS[name]
-    return f"{summary[0].upper()}{summary[1:]}."
+    return sentence(OWN_SUBCOMMANDS[name])
 
 
 def examples(docstring: str) -> str:
@@ -48,16 +52,18 @@ def subcommand_parser(name: str, docstring: str, **options: Any) -> argparse.Arg
     )
 
 
-def usage() -> str:
-    """``pl-lowprec --help``'s usage line with every subcommand (LightningCLI's names its own four)."""
-    return f"pl-lowprec [-h] [-c CONFIG] {{{','.join({**LIGHTNING_SUBCOMMANDS, **OWN_SUBCOMMANDS})}}} ..."
+def subcommand_lines() -> dict[str, str]:
+    """Every subcommand with its line as a sentence: its help in ``pl-lowprec --help``'s list."""
+    return {name: sentence(summary) for name, summary in {**LIGHTNING_SUBCOMMANDS, **OWN_SUBCOMMANDS}.items()}
 
 
 def overview() -> str:
-    """Every subcommand with its line, for ``pl-lowprec --help``."""
-    lines = [f"{name} ({summary})" for name, summary in {**LIGHTNING_SUBCOMMANDS, **OWN_SUBCOMMANDS}.items()]
-    versions = " `pl-lowprec --version` prints its version and those of torch, lightning, transformers and others."
-    return "Low-precision fine-tuning on LightningCLI. Subcommands: " + "; ".join(lines) + "." + versions
+    """``pl-lowprec --help``'s description; the subcommands follow it, each with its line."""
+    return (
+        "Low-precision fine-tuning on LightningCLI: Lightning's fit, validate, test and predict, and the package's"
+        " estimate, plan, export, generate and make-demo-model. `pl-lowprec --version` prints its version and those"
+        " of torch, lightning, transformers and others."
+    )
 
 
 def unknown_subcommand_paragraph(given: str | None) -> str:
