@@ -4,7 +4,10 @@ into the config it writes, the rebuild hands them to LightningCLI with the run-o
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,12 +50,20 @@ def config_values(cli_args: list[str]) -> list[str]:
     return [option.value for option in options(cli_args) if option.name == "--config"]
 
 
+_READS: ContextVar[dict[tuple[Any, ...], tuple[Any, str]] | None] = ContextVar("config_reads", default=None)
+
+
 SOURCE_MARK = "# pl-lowprec: from "  # first line of YAML made from a file: where it came from
 
 
 def inline_from(fields: Any, source: str) -> str:
-    """``fields`` as inline YAML for ``--config``, remembering the file they came from (``read_config`` says it)."""
-    return f"{SOURCE_MARK}{source}\n{yaml.safe_dump(fields)}"
+    """``fields`` as inline YAML for ``--config``, remembering the file they came from (``read_config`` says it);
+    inside ``configs_read_once``, ``read_config`` of it gives ``fields`` back without parsing the text."""
+    text = f"{SOURCE_MARK}{source}\n{yaml.safe_dump(fields)}"
+    reads = _READS.get()
+    if reads is not None:
+        reads[(text,)] = (copy.deepcopy(fields), source)
+    return text
 
 
 def _is_file(path: Path) -> bool:
@@ -69,9 +80,41 @@ def _exists(path: Path) -> bool:
         return False
 
 
+@contextmanager
+def configs_read_once() -> Iterator[None]:
+    """Inside, each ``--config`` is parsed once: ``config_paragraph``'s checks parse it first, and the later readers
+    (``strategy_override``, ``plan``'s merge, the rebuild) get a copy of that parse, not a parse of their own."""
+    token = _READS.set({})
+    try:
+        yield
+    finally:
+        _READS.reset(token)
+
+
+def _read_key(value: str) -> tuple[Any, ...]:
+    """A value's key among the parses kept: a file's with its size and time, so a file written since is read anew."""
+    path = Path(value)
+    if not _is_file(path):
+        return (value,)
+    stat = path.stat()
+    return (value, stat.st_size, stat.st_mtime_ns)
+
+
 def read_config(value: str) -> tuple[Any, str]:
     """A ``--config`` value's fields (a YAML file's, or the YAML given inline) and where they come from, in words:
-    the file's path, also for YAML that ``inline_from`` made of a file."""
+    the file's path, also for YAML that ``inline_from`` made of a file. Inside ``configs_read_once`` a value is
+    parsed once and each reader gets its own copy (some set keys in what they read)."""
+    reads = _READS.get()
+    if reads is None:
+        return _parsed(value)
+    key = _read_key(value)
+    if key not in reads:
+        reads[key] = _parsed(value)
+    fields, source = reads[key]
+    return copy.deepcopy(fields), source
+
+
+def _parsed(value: str) -> tuple[Any, str]:
     path = Path(value)
     if _is_file(path):
         return yaml.safe_load(path.read_text()), str(path)

@@ -6,7 +6,7 @@ import sys
 from collections.abc import Callable
 
 from pl_lowprec.cli import estimate, export, generate, make_demo_model, plan
-from pl_lowprec.cli.arguments import config_paragraph
+from pl_lowprec.cli.arguments import config_paragraph, configs_read_once
 from pl_lowprec.cli.config_errors import refusals
 from pl_lowprec.cli.exit_without_collection import skip_collection_at_exit
 from pl_lowprec.cli.lightning_cli import build_cli
@@ -42,14 +42,15 @@ def main(args: list[str] | None = None) -> None:
     if not known:  # before its arguments: a misspelt subcommand is the first thing to fix
         with refusals("pl-lowprec"):
             raise ValueError(unknown_subcommand_paragraph(argv[0] if argv else None))
-    config = argv[1:]
-    unread = config_paragraph(config)
-    if unread is not None:
-        with refusals(f"pl-lowprec {argv[0]}"):
-            raise ValueError(unread)
-    subcommand = SUBCOMMANDS.get(argv[0])
-    if subcommand is not None:
-        with refusals(f"pl-lowprec {argv[0]}"):
-            subcommand(argv[1:])
-        return
-    build_cli(args)
+    with configs_read_once():  # the checks parse each --config; the later readers take that parse
+        config = argv[1:]
+        unread = config_paragraph(config)
+        if unread is not None:
+            with refusals(f"pl-lowprec {argv[0]}"):
+                raise ValueError(unread)
+        subcommand = SUBCOMMANDS.get(argv[0])
+        if subcommand is not None:
+            with refusals(f"pl-lowprec {argv[0]}"):
+                subcommand(argv[1:])
+            return
+        build_cli(args)

@@ -73,3 +73,45 @@ def test_a_config_is_parsed_once(capsys, monkeypatch, tmp_path):
     broken.write_text("trainer:\n  max_steps: 2\n   devices: 1\n")
     refusal(capsys, ["fit", f"--config={broken}", "--config=trainer: {max_steps: 3}"])
     assert len(parsed) == 2, parsed
+
+
+def _parses_of(monkeypatch, config) -> list[str]:
+    """Every YAML parse, from now on, of ``config``'s text or of the inline YAML the rebuild makes of it (which
+    names it on its first line)."""
+    import yaml
+
+    parsed: list[str] = []
+    safe_load = yaml.safe_load
+
+    def counting(text, *args, **kwargs):
+        if isinstance(text, str) and (str(config) in text or text == config.read_text()):
+            parsed.append(text)
+        return safe_load(text, *args, **kwargs)
+
+    monkeypatch.setattr(yaml, "safe_load", counting)
+    return parsed
+
+
+def test_a_config_that_reads_is_parsed_once_by_the_package(capsys, monkeypatch, tmp_path):
+    """The checks parse each ``--config`` once, and the later readers (the strategy override, plan's merge, the
+    rebuild's inline copy) take that parse: fit parsed it twice, plan four times (jsonargparse reads it with its own
+    loader, not counted here)."""
+    from loading_helpers import save_pretrained_dir, write_prompt_completion
+
+    model = save_pretrained_dir(tmp_path / "model")
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "trainer: {accelerator: cpu, precision: 32-true, strategy: {class_path: pl_lowprec.LowPrecisionStrategy,"
+        " init_args: {lora: {r: 4, target_modules: all-linear}}}}\n"
+        f"model: {{class_path: pl_lowprec.models.CausalLM, init_args: {{pretrained: {model}}}}}\n"
+        f"data: {{class_path: pl_lowprec.data.TextDataModule, init_args: {{train_files:"
+        f" {write_prompt_completion(tmp_path / 'pc.jsonl')}, tokenizer: {model}, seq_len: 32, batch_size: 2}}}}\n"
+    )
+    parsed = _parses_of(monkeypatch, config)
+    with pytest.raises(SystemExit) as exited:
+        main(["fit", f"--config={config}", "--print_config"])
+    assert exited.value.code == 0 and len(parsed) == 1, parsed
+    parsed.clear()
+    main(["plan", f"--config={config}", "--memory=1GiB", f"--out={tmp_path / 'planned.yaml'}"])
+    assert (tmp_path / "planned.yaml").is_file() and len(parsed) == 1, parsed
+    capsys.readouterr()
