@@ -163,6 +163,11 @@ class LowPrecisionCLI(LightningCLI):
     def parse_arguments(self, parser: Any, args: Any) -> None:
         from_argv = args is None
         given = sys.argv[1:] if from_argv else args
+        if isinstance(given, list) and given[:1] and given[0] in OWN_SUBCOMMANDS:  # listed in the help, not run here
+            refuse(
+                f"{given[0]} is one of pl-lowprec's own subcommands, which LightningCLI does not run: call"
+                f" pl_lowprec.cli.main([{given[0]!r}, ...]) (what the pl-lowprec command runs), not build_cli."
+            )
         if isinstance(given, list):
             try:
                 passed = strategy_names_as_classes(given)

@@ -75,3 +75,16 @@ def test_each_commands_help_shows_its_examples_and_the_config_arguments(capsys):
             main([name, "--help"])
         text = capsys.readouterr().out
         assert f"examples:\n    pl-lowprec {name} --" in text and said in " ".join(text.split())
+
+
+def test_build_cli_refuses_the_packages_own_subcommands(capsys):
+    """They are in LightningCLI's parser for its help only (main runs them before it is built): build_cli of one
+    is one paragraph, not a KeyError from LightningCLI looking for its parser."""
+    from pl_lowprec.cli import build_cli
+
+    with pytest.raises(SystemExit) as exited:
+        build_cli(["estimate", "--config", "configs/quickstart.yaml"])
+    assert exited.value.code == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err and err.count("\n") == 1, err
+    assert "estimate is one of pl-lowprec's own subcommands" in err and "pl_lowprec.cli.main(['estimate'" in err
