@@ -50,6 +50,7 @@ def config_values(cli_args: list[str]) -> list[str]:
     return [option.value for option in options(cli_args) if option.name == "--config"]
 
 
+# configs_read_once's parses, by value (a file's with its size and time): (fields, source)
 _READS: ContextVar[dict[tuple[Any, ...], tuple[Any, str]] | None] = ContextVar("config_reads", default=None)
 
 
