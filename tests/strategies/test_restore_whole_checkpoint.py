@@ -23,11 +23,11 @@ class ValidatedLlama(LlamaModule):
         self.log("val_loss", loss)
 
 
-def _trained(pretrained, tmp_path, **strategy):
+def _trained(pretrained, tmp_path, tie=False, **strategy):
     """Two steps from ``pretrained``; the checkpoint, and the validation loss of the model as it trained."""
     trainer = quiet_trainer(strategy=LowPrecisionStrategy(pretrained=pretrained, **strategy), max_steps=2)
     with trainer.init_module(empty_init=True):
-        model = ValidatedLlama(hidden_size=64)
+        model = ValidatedLlama(hidden_size=64, tie=tie)
     trainer.fit(model, ids_loader(batches=2))
     checkpoint = tmp_path / "trained.ckpt"
     trainer.save_checkpoint(checkpoint)
@@ -35,19 +35,23 @@ def _trained(pretrained, tmp_path, **strategy):
     return checkpoint, metrics
 
 
-def _validated(pretrained, checkpoint, **strategy):
+def _validated(pretrained, checkpoint, tie=False, **strategy):
     trainer = quiet_trainer(strategy=LowPrecisionStrategy(pretrained=pretrained, **strategy))
     with trainer.init_module(empty_init=True):
-        model = ValidatedLlama(hidden_size=64)
+        model = ValidatedLlama(hidden_size=64, tie=tie)
     (metrics,) = trainer.validate(model, ids_loader(batches=2, seed=1), ckpt_path=checkpoint, verbose=False)
+    if tie:  # one tensor still, filled once
+        assert model.model.lm_head.weight is model.model.model.embed_tokens.weight
     return metrics
 
 
 @pytest.mark.parametrize(
-    "strategy", [{}, {"lora": LORA, "adapter_only_checkpoint": False}], ids=["whole-model", "lora-whole-checkpoint"]
+    "strategy",
+    [{}, {"tie": True}, {"lora": LORA, "adapter_only_checkpoint": False}],
+    ids=["whole-model", "tied-whole-model", "lora-whole-checkpoint"],
 )
 def test_validate_of_a_whole_checkpoint_reads_no_pretrained_file(tmp_path, monkeypatch, strategy):
-    pretrained = save_llama(tmp_path / "base", hidden_size=64)
+    pretrained = save_llama(tmp_path / "base", hidden_size=64, tie=strategy.get("tie", False))
     checkpoint, trained = _trained(pretrained, tmp_path, **strategy)
     opened = count_safetensors_opens(monkeypatch, pretrained)
     restored = _validated(pretrained, checkpoint, **strategy)
