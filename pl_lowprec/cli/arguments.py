@@ -63,7 +63,7 @@ def inline_from(fields: Any, source: str) -> str:
     text = f"{SOURCE_MARK}{source}\n{yaml.safe_dump(fields)}"
     reads = _READS.get()
     if reads is not None:
-        reads[(text,)] = (copy.deepcopy(fields), source)
+        reads[(text,)] = (fields, source)  # read_config copies what it hands out
     return text
 
 

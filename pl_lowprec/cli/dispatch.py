@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, Callable[[list[str]], None]] = {
 
 
 @adapters_resolved_once()  # the strategy LightningCLI builds, and plan's candidates: the adapter resolved once
+@configs_read_once()  # the checks parse each --config; the later readers take that parse
 def main(args: list[str] | None = None) -> None:
     """The ``pl-lowprec`` console script; ``args`` replaces ``sys.argv[1:]``.
 
@@ -42,15 +43,14 @@ def main(args: list[str] | None = None) -> None:
     if not known:  # before its arguments: a misspelt subcommand is the first thing to fix
         with refusals("pl-lowprec"):
             raise ValueError(unknown_subcommand_paragraph(argv[0] if argv else None))
-    with configs_read_once():  # the checks parse each --config; the later readers take that parse
-        config = argv[1:]
-        unread = config_paragraph(config)
-        if unread is not None:
-            with refusals(f"pl-lowprec {argv[0]}"):
-                raise ValueError(unread)
-        subcommand = SUBCOMMANDS.get(argv[0])
-        if subcommand is not None:
-            with refusals(f"pl-lowprec {argv[0]}"):
-                subcommand(argv[1:])
-            return
-        build_cli(args)
+    config = argv[1:]
+    unread = config_paragraph(config)
+    if unread is not None:
+        with refusals(f"pl-lowprec {argv[0]}"):
+            raise ValueError(unread)
+    subcommand = SUBCOMMANDS.get(argv[0])
+    if subcommand is not None:
+        with refusals(f"pl-lowprec {argv[0]}"):
+            subcommand(argv[1:])
+        return
+    build_cli(args)

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 from lightning.pytorch import Trainer
 
-from pl_lowprec.cli.class_arguments import keyword_arguments
 from pl_lowprec.cli.own_options import refused_key
 from pl_lowprec.data import TextDataModule
 from pl_lowprec.models import CausalLM
 from pl_lowprec.plugins import AMPPrecision
 from pl_lowprec.strategies import LowPrecisionStrategy
+from pl_lowprec.strategies.signature import keyword_arguments
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from lightning.pytorch import Trainer
 
 from pl_lowprec._did_you_mean import closest
 from pl_lowprec.cli.arguments import options
-from pl_lowprec.cli.class_arguments import keyword_arguments
+from pl_lowprec.strategies.signature import keyword_arguments
 
 CLOSE = 0.8  # difflib's ratio: --max_new_token, --gguf-type, --overwrit; not --optimizer for --overwrite
 OTHER_TOOLS_NAMES = {"--lora_model_dir": "--pretrained_adapter"}  # axolotl's name for continuing a saved adapter

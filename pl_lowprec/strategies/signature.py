@@ -48,6 +48,12 @@ def forwarded_signature(cls: type, set_here: Iterable[str] = ()) -> inspect.Sign
     return inspect.Signature([*ordered, *([var_keyword] if var_keyword is not None else [])])
 
 
+def keyword_arguments(cls: type) -> list[str]:
+    """The names a config section of ``cls`` may hold (``forwarded_signature`` without ``**kwargs``): what the
+    refusals of a mistyped or misplaced config key compare the key against."""
+    return [n for n, p in forwarded_signature(cls).parameters.items() if p.kind is not p.VAR_KEYWORD]
+
+
 ARGS_HEADING = "Args:"
 
 

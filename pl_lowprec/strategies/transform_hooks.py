@@ -275,4 +275,4 @@ class TransformHooks(TransformArguments):
         self.before_resuming(checkpoint)
         state_dict = checkpoint["state_dict"]  # where it sets every weight, pretrained= is not read
         self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device, restored_next=state_dict)
-        self.transform.load_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)
+        self.transform.load_state_dict(self.lightning_module, state_dict, strict=strict)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gguf_helpers import fit_args
 from loading_helpers import bin_copy, count_unpickles, save_pretrained_dir, write_prompt_completion
 
 from pl_lowprec.cli import build_cli, main
@@ -16,23 +17,8 @@ pytest.importorskip("peft")
 
 
 def _args(pretrained, data, root) -> list[str]:
-    """configs/finetune-causal-lm.yaml, LoRA without quantization, a few fp32 steps on the CPU."""
-    return [
-        "--config=configs/finetune-causal-lm.yaml",
-        f"--model.pretrained={pretrained}",
-        f"--data.tokenizer={pretrained}",
-        f"--data.train_files={data}",
-        "--data.val_files=null",
-        "--data.batch_size=4",
-        "--trainer.strategy.init_args.quantization=null",
-        "--trainer.strategy.init_args.activation_checkpointing=null",
-        "--trainer.plugins=[]",
-        "--trainer.precision=32-true",
-        "--trainer.limit_val_batches=0",
-        f"--trainer.default_root_dir={root}",
-        "--trainer.enable_progress_bar=false",
-        "--trainer.logger=false",
-    ]
+    """The shipped config's fit, LoRA without quantization (the merge then reads the base's weights)."""
+    return [*fit_args(pretrained, data, root), "--trainer.strategy.init_args.quantization=null"]
 
 
 def _tensors(directory) -> dict:
