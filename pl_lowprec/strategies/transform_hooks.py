@@ -70,6 +70,7 @@ class TransformHooks(TransformArguments):
     _saved_run: dict[str, Any] | None = None  # the resumed checkpoint's settings (run_record.py)
     _built_schedulers: list[dict[str, Any]] | None = None  # as configure_optimizers built them (scheduler_arguments.py)
     _validation_draws: ValidationDraws | None = None  # the current validation's, inside a fit (validation_draws.py)
+    _training_started = False  # this run's training loop has started: a checkpoint restored now is no resumption
 
     def setup(self, trainer: pl.Trainer) -> None:
         self.before_transform(trainer)
@@ -86,6 +87,7 @@ class TransformHooks(TransformArguments):
         """The start of every strategy's ``setup`` (the FSDP one has its own): this package's callbacks in place of
         Lightning's, then the checks before anything loads. A failure of an earlier run of this process is over."""
         mark_running()
+        self._training_started = False
         use_package_callbacks(trainer)
         self.check_before_loading(trainer)
 
@@ -194,6 +196,9 @@ class TransformHooks(TransformArguments):
             self._resumed = False
         predicted = getattr(self.prediction, "step_time", None)  # nothing timed where nothing was predicted
         self.step_clock = StepClock(predicted) if predicted is not None else None
+        self._training_started = True
+        if self._frozen is not None:  # a tuner's trial steps started training once already in this fit
+            return
         self._frozen = freeze_long_lived_objects()
         if self._frozen is not None:
             frozen, seconds = self._frozen
@@ -250,9 +255,14 @@ class TransformHooks(TransformArguments):
     def before_resuming(self, checkpoint: Mapping[str, Any]) -> None:
         """Where ``fit`` resumes from ``checkpoint``: a warning if it was saved inside an accumulated step, the loop
         state of one saved at a training epoch's end as Lightning resumes it exactly (``epoch_end_resumption.py``),
-        and this rank's random states, set in ``on_train_start`` (``random_states.py``)."""
+        and this rank's random states, set in ``on_train_start`` (``random_states.py``).
+
+        Not where training has started already in this run: that restore is Lightning's tuners (``lr_find``,
+        ``scale_batch_size``, their callbacks) putting back the model they saved before their trial steps. A
+        resumption there would set the saved random states again at the next ``fit`` (over the user's
+        ``torch.manual_seed``) and warn that a run "resumes at step 0" that never stopped."""
         trainer = self.lightning_module.trainer
-        if trainer.state.fn != TrainerFn.FITTING:
+        if trainer.state.fn != TrainerFn.FITTING or self._training_started:
             return
         warning = interrupted_batch_paragraph(checkpoint, trainer.accumulate_grad_batches) or mid_step_resumption(
             checkpoint, trainer.accumulate_grad_batches

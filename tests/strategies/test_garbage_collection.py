@@ -10,6 +10,7 @@ import weakref
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import LearningRateFinder
 from lightning_helpers import quiet_trainer
 
 from pl_lowprec import LowPrecisionStrategy
@@ -81,3 +82,10 @@ def test_a_freeze_made_by_someone_else_is_left_alone(caplog):
         assert "Froze the " not in caplog.text
     finally:
         gc.unfreeze()
+
+
+def test_a_learning_rate_finder_in_the_fit_leaves_nothing_frozen():
+    """``LearningRateFinder`` runs trial steps in ``on_fit_start``: training starts twice in one fit, and the
+    second start found the first freeze and took it for someone else's, so teardown unfroze nothing."""
+    _fit(LearningRateFinder(num_training_steps=2, update_attr=False))
+    assert gc.get_freeze_count() == 0

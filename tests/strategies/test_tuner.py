@@ -1,0 +1,56 @@
+"""Lightning's tuners under the strategies: ``lr_find`` and ``scale_batch_size`` save the model, run trial steps and
+restore it. That restore is no resumption: the next ``fit`` follows the user's seed, as under Lightning's strategy."""
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.tuner import Tuner
+from lightning_helpers import quiet_trainer
+
+from pl_lowprec import LowPrecisionStrategy
+from pl_lowprec.demo.tiny_gpt import TinyGPT
+
+
+class RandomAtEachBatch(pl.Callback):
+    """The global generator's state as each training batch starts, and the losses."""
+
+    def __init__(self) -> None:
+        self.states: list[torch.Tensor] = []
+        self.losses: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.states.append(torch.get_rng_state())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def _tune_reseed_and_fit(strategy, tune: str) -> RandomAtEachBatch:
+    torch.manual_seed(0)
+    model = TinyGPT(dim=16, layers=1, heads=2, max_len=32, warmup_steps=1)
+    rows = [{"input_ids": r} for r in torch.randint(0, 256, (8, 17))]
+    model.train_dataloader = lambda: torch.utils.data.DataLoader(rows, batch_size=4, shuffle=True)
+    record = RandomAtEachBatch()
+    trainer = quiet_trainer(strategy=strategy, max_steps=4, limit_val_batches=0, callbacks=[record])
+    if tune == "lr_find":
+        Tuner(trainer).lr_find(model, num_training=3, update_attr=False)
+    else:
+        model.batch_size = 4
+        Tuner(trainer).scale_batch_size(model, max_trials=1, steps_per_trial=1)
+    record.states.clear(), record.losses.clear()
+    torch.manual_seed(123)
+    trainer.fit(model)  # 2 epochs of 2 batches: the second epoch's shuffle draws from the generator too
+    return record
+
+
+@pytest.mark.parametrize("tune", ["lr_find", "scale_batch_size"])
+def test_a_fit_after_a_tuner_follows_the_users_seed_as_under_lightnings_strategy(tune):
+    lightning = _tune_reseed_and_fit("auto", tune)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*resumes at step")  # no run resumed
+        ours = _tune_reseed_and_fit(LowPrecisionStrategy(), tune)
+    assert len(ours.states) == 4
+    assert all(torch.equal(a, b) for a, b in zip(ours.states, lightning.states, strict=True))
+    assert ours.losses == lightning.losses
