@@ -52,6 +52,7 @@ from pl_lowprec.strategies.trainer_checks import check_trainer_arguments, check_
 from pl_lowprec.strategies.transform_args import TransformArguments
 from pl_lowprec.strategies.unresumable_data import warn_unresumable_data
 from pl_lowprec.strategies.validation_draws import ValidationDraws
+from pl_lowprec.strategies.weight_averaging import check_weight_averaging
 from pl_lowprec.transforms.weight_sources import teardown_with_meta
 
 
@@ -105,7 +106,10 @@ class TransformHooks(TransformArguments):
                     " side (every declared block checkpointed, the exact memory-saving paths), whose numbers are the"
                     " fast side's up to rounding. A fit of this model after it keeps that side."
                 )
-        if self._checked_before_loading or trainer.state.fn != TrainerFn.FITTING:
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        check_weight_averaging(trainer, self.transform_config, self.transform.sharding is not None)
+        if self._checked_before_loading:
             return
         self._checked_before_loading = True
         loader = functools.cache(lambda: training_loader(trainer))
