@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
 from pl_lowprec.adapters import adapter_checkpoint_keys
@@ -44,8 +45,19 @@ def load_full_state_dict(
                 f" Unexpected keys: {unexpected[:8]}. Missing trainable keys: {missing[:8]}."
                 " Was it written with the same lora= and quantization= settings?"
             )
+    reshard(module)
     options = StateDictOptions(full_state_dict=True, strict=strict and not adapter_only)
     set_model_state_dict(module, dict(state_dict), options=options)
+
+
+def reshard(module: nn.Module) -> None:
+    """Every shard unit back to its shards. The root unit keeps its weights gathered after a forward that no
+    backward follows (``reshard_after_forward=None``: validate, test, predict, a validation ending a fit), and
+    ``set_model_state_dict`` copies into the shards: into gathered weights it fails ("aten.copy_.default got
+    mixed torch.Tensor and DTensor"), as ``validate(ckpt_path="best")`` after a fit and the tuners' restore did."""
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
 
 
 def optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
