@@ -88,7 +88,6 @@ class TransformHooks(TransformArguments):
         """The start of every strategy's ``setup`` (the FSDP one has its own): this package's callbacks in place of
         Lightning's, then the checks before anything loads. A failure of an earlier run of this process is over."""
         mark_running()
-        self._training_started = False
         use_package_callbacks(trainer)
         self.check_before_loading(trainer)
 
@@ -166,6 +165,7 @@ class TransformHooks(TransformArguments):
     def teardown(self) -> None:
         unfreeze(self._frozen)
         self._frozen = None
+        self._training_started = False  # the next run's checkpoint (fit(ckpt_path=...)) loads before its setup
         teardown_with_meta(self, super().teardown)
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:

@@ -54,3 +54,18 @@ def test_a_fit_after_a_tuner_follows_the_users_seed_as_under_lightnings_strategy
     assert len(ours.states) == 4
     assert all(torch.equal(a, b) for a, b in zip(ours.states, lightning.states, strict=True))
     assert ours.losses == lightning.losses
+
+
+def test_a_resumption_on_the_trainer_of_an_earlier_fit_is_still_one(tmp_path):
+    """The checkpoint of ``fit(ckpt_path=...)`` loads before the strategy's setup: what the earlier fit's training
+    left must not make it look like a tuner's restore."""
+    torch.manual_seed(0)
+    model = TinyGPT(dim=16, layers=1, heads=2, max_len=32, warmup_steps=1)
+    rows = [{"input_ids": r} for r in torch.randint(0, 256, (8, 17))]
+    loader = torch.utils.data.DataLoader(rows, batch_size=4, shuffle=True)
+    trainer = quiet_trainer(strategy=LowPrecisionStrategy(), max_steps=1, limit_val_batches=0)
+    trainer.fit(model, loader)
+    trainer.save_checkpoint(tmp_path / "step1.ckpt")
+    trainer.fit_loop.epoch_loop.max_steps = 2
+    with pytest.warns(UserWarning, match="This run resumes at step 1, inside epoch"):  # the resumption's warning
+        trainer.fit(model, loader, ckpt_path=tmp_path / "step1.ckpt")
