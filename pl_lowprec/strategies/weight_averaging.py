@@ -28,20 +28,29 @@ AVERAGING = (StochasticWeightAveraging, WeightAveraging)
 def check_weight_averaging(trainer: Any, config: TransformConfig, sharded: bool) -> None:
     """``ValueError`` (one paragraph) where a weight-averaging callback would average another module than the
     one that trains: under ``lora=``, ``quantization=`` or FSDP2 sharding."""
-    averaging = [callback for callback in trainer.callbacks if isinstance(callback, AVERAGING)]
+    averaging = next((callback for callback in trainer.callbacks if isinstance(callback, AVERAGING)), None)
     changes = [
         what
-        for what, on in (("lora=", config.lora is not None), ("quantization=", config.quantization is not None))
+        for what, on in (
+            ("lora=", config.lora is not None),
+            ("quantization=", config.quantization is not None),
+            ("FSDP2 sharding (lowprec_fsdp)", sharded),
+        )
         if on
-    ] + (["FSDP2 sharding (lowprec_fsdp)"] if sharded else [])
-    if not averaging or not changes:
+    ]
+    if averaging is None or not changes:
         return
-    name = type(averaging[0]).__name__
+    name = type(averaging).__name__
+    full_fine_tune = (
+        "lowprec or lowprec_ddp without lora= and quantization="
+        if sharded
+        else "the same strategy without lora= and quantization="
+    )
     raise ValueError(
         f"Trainer(callbacks=[{name}(...)]) cannot average this model: it copies the module in its setup hook,"
         f" before the strategy changes its layers ({', '.join(changes)}), then averages that copy's parameters"
         " pairwise against the trained ones, which no longer match (the fit would fail inside the callback with"
         " 'The size of tensor a ... must match the size of tensor b', after training). Remove the callback (LoRA"
-        " and QLoRA recipes train without it), or average a full fine-tune: the same strategy without lora= and"
-        " quantization= runs it as Lightning does."
+        f" and QLoRA recipes train without it), or average a full fine-tune: {full_fine_tune} runs it as Lightning"
+        " does."
     )

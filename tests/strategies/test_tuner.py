@@ -3,34 +3,35 @@ restore it. That restore is no resumption: the next ``fit`` follows the user's s
 
 import warnings
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.tuner import Tuner
 from lightning_helpers import quiet_trainer
+from qlora_helpers import LossRecorder
 
 from pl_lowprec import LowPrecisionStrategy
 from pl_lowprec.demo.tiny_gpt import TinyGPT
 
 
-class RandomAtEachBatch(pl.Callback):
+class RandomAtEachBatch(LossRecorder):
     """The global generator's state as each training batch starts, and the losses."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.states: list[torch.Tensor] = []
-        self.losses: list[float] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.states.append(torch.get_rng_state())
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.losses.append(float(outputs["loss"]))
+
+def _model_and_rows() -> tuple[TinyGPT, list[dict]]:
+    torch.manual_seed(0)
+    model = TinyGPT(dim=16, layers=1, heads=2, max_len=32, warmup_steps=1)
+    return model, [{"input_ids": r} for r in torch.randint(0, 256, (8, 17))]
 
 
 def _tune_reseed_and_fit(strategy, tune: str) -> RandomAtEachBatch:
-    torch.manual_seed(0)
-    model = TinyGPT(dim=16, layers=1, heads=2, max_len=32, warmup_steps=1)
-    rows = [{"input_ids": r} for r in torch.randint(0, 256, (8, 17))]
+    model, rows = _model_and_rows()
     model.train_dataloader = lambda: torch.utils.data.DataLoader(rows, batch_size=4, shuffle=True)
     record = RandomAtEachBatch()
     trainer = quiet_trainer(strategy=strategy, max_steps=4, limit_val_batches=0, callbacks=[record])
@@ -59,9 +60,7 @@ def test_a_fit_after_a_tuner_follows_the_users_seed_as_under_lightnings_strategy
 def test_a_resumption_on_the_trainer_of_an_earlier_fit_is_still_one(tmp_path):
     """The checkpoint of ``fit(ckpt_path=...)`` loads before the strategy's setup: what the earlier fit's training
     left must not make it look like a tuner's restore."""
-    torch.manual_seed(0)
-    model = TinyGPT(dim=16, layers=1, heads=2, max_len=32, warmup_steps=1)
-    rows = [{"input_ids": r} for r in torch.randint(0, 256, (8, 17))]
+    model, rows = _model_and_rows()
     loader = torch.utils.data.DataLoader(rows, batch_size=4, shuffle=True)
     trainer = quiet_trainer(strategy=LowPrecisionStrategy(), max_steps=1, limit_val_batches=0)
     trainer.fit(model, loader)
