@@ -28,6 +28,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from pl_lowprec.distributed.several_ranks import several_ranks
+
 DEFAULT_WAIT_S = 60.0  # how long a failing rank waits for the others to fail at the same batch, unless set
 
 _failures = itertools.count()  # this process's exceptions asked about: every rank counts the same ones
@@ -58,7 +60,7 @@ def ranks_at_failure(trainer: Any, exception: BaseException, update_interrupted:
     place = f"{trainer.current_epoch}/{progress.ready}/{trainer.global_step}"
     if _asked is not None and _asked[0] == (id(exception), place):
         return _asked[1]
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not several_ranks():
         answer = RanksAtFailure(True, (0,) if update_interrupted else (), 0.0)
     else:
         answer = _ask_the_store(f"pl_lowprec_failed/{next(_failures)}/{place}", update_interrupted, wait_s)
@@ -109,7 +111,7 @@ def interrupted_update_paragraph(
 ) -> str:
     """The message where an exception came inside an optimizer's update, so that no file is written."""
     on = ""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if several_ranks():
         on = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
     return (
         f"{who}: {type(exception).__name__} was raised inside the optimizer's step{on}, after it had begun"

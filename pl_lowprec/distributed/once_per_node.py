@@ -23,6 +23,8 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from pl_lowprec.distributed.several_ranks import several_ranks
+
 T = TypeVar("T")
 NO_TIMEOUT = timedelta(days=10000)  # as Lightning's _InfiniteBarrier
 
@@ -47,7 +49,7 @@ def once_per_node(trainer: Any, compute: Callable[[], T]) -> T:
     """``compute()`` on the node's first process (``trainer.local_rank == 0``), its result (which must pickle) on
     every process of the node; its error, or another node's, raised on every process. Every process calls it.
     Without a process group of several ranks, or a trainer, ``compute()`` here."""
-    if trainer is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if trainer is None or not several_ranks():
         return compute()
     own_error: Exception | None = None
     outcome: bytes | Failure | None = None

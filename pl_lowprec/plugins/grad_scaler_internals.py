@@ -31,6 +31,8 @@ from collections.abc import MutableMapping
 import torch
 import torch.distributed as dist
 
+from pl_lowprec.distributed.several_ranks import several_ranks
+
 CHECKED_TORCH_VERSION = "2.13.0"
 
 
@@ -57,7 +59,7 @@ def agree_on_overflow(scaler: torch.amp.GradScaler, optimizer_id: int) -> None:
     """After ``unscale_``: every process of the default group skips the step if any one found inf/NaN. One
     all-reduce of one number; nothing happens in a single process. Every rank calls it on the same steps (the
     plugin unscales once per optimizer step, before ``scaler.step``)."""
-    if not (scaler.is_enabled() and dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not (scaler.is_enabled() and several_ranks()):
         return
     found = list(scaler._per_optimizer_states[optimizer_id].get("found_inf_per_device", {}).values())
     device = found[0].device if found else torch.device("cpu")

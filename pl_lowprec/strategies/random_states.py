@@ -23,6 +23,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
+from pl_lowprec.distributed.several_ranks import several_ranks
 from pl_lowprec.generator_states import random_states
 from pl_lowprec.strategies.unresumable_data import resumed_where_an_epoch_ended
 
@@ -47,7 +48,7 @@ def every_ranks_random_states(mine: dict[str, Any] | None = None) -> list[dict[s
     """``random_states()`` of each rank, in rank order, this rank's overridden by ``mine`` where given (a resumed
     run's states not set yet); every rank calls it (an all-gather where there are several)."""
     mine = random_states() if mine is None else {**random_states(), **mine}
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not several_ranks():
         return [mine]
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
