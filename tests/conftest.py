@@ -1,5 +1,6 @@
 import gc
 import os
+import threading
 
 import pytest
 import torch
@@ -43,6 +44,18 @@ def _environment_restored():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture
+def fresh_flags(monkeypatch):
+    """``launched_ranks``' process-global flags, new for the test: rank 0 neither failing nor leaving.
+
+    Why: an earlier test's failed fit in this process leaves them set (as a real failed run would), and a test of a
+    rank 0 that ended well read it as failed."""
+    from pl_lowprec.distributed import launched_ranks
+
+    monkeypatch.setattr(launched_ranks, "_leaving", threading.Event())
+    monkeypatch.setattr(launched_ranks, "_failing", threading.Event())
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from resume_helpers import ACCUMULATE, EVERY, FailAt, Failure, Regression, Updat
 from pl_lowprec import AMPPrecision, LowPrecisionStrategy
 from pl_lowprec.callbacks import StepBoundaryCheckpoint
 from pl_lowprec.callbacks.step_boundary_checkpoint import use_step_boundary_checkpoints
+from pl_lowprec.distributed import launched_ranks
 
 
 def saved(path):
@@ -397,7 +398,7 @@ def test_a_resumed_fit_that_fails_before_training_saves_the_resumed_states_with_
     ],
 )
 def test_an_exception_inside_the_optimizers_update_writes_no_file_and_says_which_to_resume_from(
-    tmp_path, monkeypatch, on_exception, raised, amp
+    tmp_path, monkeypatch, fresh_flags, on_exception, raised, amp
 ):
     """Raised inside ``optimizer.step`` after the update began (a Ctrl-C in a foreach AdamW): the weights are those
     of no step. The exception's file was written as at the last step's end, resumed as exact, and replaced
@@ -425,6 +426,7 @@ def test_an_exception_inside_the_optimizers_update_writes_no_file_and_says_which
             )
     finally:
         signal.signal(signal.SIGINT, sigint)
+    assert launched_ranks.rank_zero_failed()  # the strategy's on_exception: a rank 0 would stop the ranks it launched
     assert sorted(path.name for path in part.iterdir()) == ["epoch=0-step=4.ckpt", "last.ckpt"]
     assert saved(part / "last.ckpt")[0] == 4
     assert not (tmp_path / "on_exception").exists()

@@ -5,19 +5,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 from types import SimpleNamespace
 
 import pytest
 from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 
 from pl_lowprec.distributed import launched_ranks
-
-
-@pytest.fixture
-def fresh_flags(monkeypatch):
-    monkeypatch.setattr(launched_ranks, "_leaving", threading.Event())
-    monkeypatch.setattr(launched_ranks, "_failing", threading.Event())
 
 
 def _observer_of_a_failed_rank():
@@ -69,3 +62,20 @@ def test_a_run_that_starts_after_a_failed_one_is_not_failing(fresh_flags):
     launched_ranks.mark_failing()
     launched_ranks.mark_running()  # the strategies' setup
     assert not launched_ranks.rank_zero_failed()
+
+
+def test_a_failed_rank_zero_kills_the_ranks_still_running_and_says_so(capsys):
+    """Rank 0 failed alone: a rank it launched waits in its next collective for it until the process group's
+    timeout (rank 0 waited 120 s for it at exit, then left it to Lightning). It is killed, as torchrun's agent
+    stops every worker when one fails: SIGKILL, since Lightning's SIGTERM handler runs only once the collective
+    returns."""
+    rank_one = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        launched_ranks.stop_ranks_left_running([rank_one], 10)
+        assert rank_one.wait(timeout=5) == -9
+    finally:
+        rank_one.kill()
+        rank_one.wait()
+    said = capsys.readouterr().err
+    assert "pl_lowprec: rank 0 failed, and rank 1 that it launched still ran 10 s later" in said
+    assert "stopped rank 1 (SIGKILL)" in said

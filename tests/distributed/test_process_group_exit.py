@@ -3,7 +3,6 @@ made finished 2-process runs abort at exit ("terminate called without an active 
 
 import atexit
 import subprocess
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -13,10 +12,18 @@ from pl_lowprec.distributed import launched_ranks, process_group_exit
 from pl_lowprec.distributed.process_group_exit import destroy_process_group_at_exit
 
 
-def test_registered_once_and_destroys_the_default_group(tmp_path, monkeypatch):
-    registered = []
+@pytest.fixture
+def registered(monkeypatch) -> list:
+    """The exit handlers registered (``atexit``'s, in a list: the test calls them, the test process's exit does not),
+    none yet and no launched rank."""
+    handlers: list = []
     monkeypatch.setattr(process_group_exit, "_registered", False)
-    monkeypatch.setattr(atexit, "register", registered.append)
+    monkeypatch.setattr(process_group_exit, "_launched", [])
+    monkeypatch.setattr(atexit, "register", handlers.append)
+    return handlers
+
+
+def test_registered_once_and_destroys_the_default_group(tmp_path, registered):
     destroy_process_group_at_exit()
     destroy_process_group_at_exit()
     assert len(registered) == 1
@@ -28,9 +35,11 @@ def test_registered_once_and_destroys_the_default_group(tmp_path, monkeypatch):
     registered[0]()  # nothing left to destroy: a no-op, not an error
 
 
-def test_rank_zero_waits_for_the_ranks_it_launched_before_destroying_its_group(tmp_path, monkeypatch):
+def test_rank_zero_waits_for_the_ranks_it_launched_before_destroying_its_group(
+    tmp_path, monkeypatch, registered, fresh_flags
+):
     """Under Lightning's launcher rank 0 returns when every rank is done, as under torchrun."""
-    registered, events = [], []
+    events = []
 
     class LaunchedRank:
         returncode = 0
@@ -39,11 +48,6 @@ def test_rank_zero_waits_for_the_ranks_it_launched_before_destroying_its_group(t
             events.append(("waited", timeout, dist.is_initialized()))
             return 0
 
-    monkeypatch.setattr(process_group_exit, "_registered", False)
-    monkeypatch.setattr(process_group_exit, "_launched", [])
-    monkeypatch.setattr(atexit, "register", registered.append)
-    monkeypatch.setattr(launched_ranks, "_leaving", threading.Event())  # rank 0 ended well
-    monkeypatch.setattr(launched_ranks, "_failing", threading.Event())
     monkeypatch.setattr(process_group_exit.gc, "collect", lambda: events.append(("collected", dist.is_initialized())))
     strategy = SimpleNamespace(launcher=SimpleNamespace(procs=[LaunchedRank()]))  # rank 0's, under Lightning's launcher
     destroy_process_group_at_exit(strategy)
@@ -57,10 +61,10 @@ def test_rank_zero_waits_for_the_ranks_it_launched_before_destroying_its_group(t
     assert not dist.is_initialized()
 
 
-def test_a_failed_rank_zero_waits_briefly_then_stops_the_ranks_still_running(monkeypatch, capsys):
+def test_a_failed_rank_zero_waits_briefly_then_stops_the_ranks_still_running(capsys, registered, fresh_flags):
     """Rank 0 failed alone: rank 1 waits in a collective for it until the process group's timeout. Rank 0 waited
     120 s for it, then left it to Lightning; it now waits FAILED_RANK_ZERO_WAIT_S and kills it, as torchrun does."""
-    registered, events = [], []
+    events = []
 
     class StuckRank:
         returncode = None
@@ -78,11 +82,6 @@ def test_a_failed_rank_zero_waits_briefly_then_stops_the_ranks_still_running(mon
             events.append("killed")
             self.returncode = -9
 
-    monkeypatch.setattr(process_group_exit, "_registered", False)
-    monkeypatch.setattr(process_group_exit, "_launched", [])
-    monkeypatch.setattr(atexit, "register", registered.append)
-    monkeypatch.setattr(launched_ranks, "_leaving", threading.Event())
-    monkeypatch.setattr(launched_ranks, "_failing", threading.Event())
     launched_ranks.mark_failing()
     destroy_process_group_at_exit(SimpleNamespace(launcher=SimpleNamespace(procs=[StuckRank()])))
     registered[0]()
