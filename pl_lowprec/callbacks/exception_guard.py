@@ -5,19 +5,26 @@ An exception that interrupted an optimizer's update leaves weights of no step (`
 of them would be resumed as exact. And with several ranks, a rank that raised alone would hang in the save's
 collectives (``distributed/failing_ranks.py``). Either way no file is written, and a paragraph says what happened
 and which file to resume from.
+
+The guards of one trainer share one ``TrainerGuard``: one watch of its optimizers (one set of hooks, one closure
+wrapped per step, however many guards), and one answer of the other ranks per failure (asked once: a second ask
+would wait for them again).
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import dataclass, field
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from pl_lowprec.callbacks.interrupted_update import UpdateWatch
 from pl_lowprec.distributed.failing_ranks import (
+    RanksAtFailure,
     every_rank_wait_s,
     interrupted_update_paragraph,
     ranks_at_failure,
@@ -25,44 +32,88 @@ from pl_lowprec.distributed.failing_ranks import (
 )
 
 
+@dataclass
+class TrainerGuard:
+    """What a trainer's guards share: the watch of the current fit's optimizers and the current failure's answer
+    from the ranks (``None`` until a guard asks; forgotten where a run or a batch starts)."""
+
+    watch: UpdateWatch = field(default_factory=UpdateWatch)
+    ranks: RanksAtFailure | None = None
+
+    def clear(self) -> None:
+        """A batch or a run starts: no step of it, no failure yet."""
+        self.watch.new_batch()
+        self.ranks = None
+
+
+_guards: WeakKeyDictionary[pl.Trainer, TrainerGuard] = WeakKeyDictionary()
+
+
+def trainer_guard(trainer: pl.Trainer) -> TrainerGuard:
+    """The trainer's ``TrainerGuard``; a new one where none is yet (a failure before the fit's training)."""
+    return _guards.setdefault(trainer, TrainerGuard())
+
+
+def _start_fits_guard(trainer: pl.Trainer) -> None:
+    """A new ``TrainerGuard`` for the fit's training, noting where each of Lightning's steps ends; an earlier fit's
+    torch hooks removed (a failed fit has no ``teardown``)."""
+    earlier = _guards.get(trainer)
+    if earlier is not None:
+        earlier.watch.release()
+    guard = _guards[trainer] = TrainerGuard()
+    guard.watch.follow_steps(trainer)
+
+
 class ExceptionSaveGuard(Callback):
     """A mixin before a checkpoint callback's class: ``_may_save_on_exception`` before its exception save. Its
-    state lives in class defaults and ``on_train_start``: a callback may become this class in place (no
-    ``__init__``)."""
+    state lives in class defaults and the trainer's ``TrainerGuard``: a callback may become this class in place
+    (no ``__init__``)."""
 
     every_rank_wait_s: float | None = None  # how long a failing rank waits for the others; None: derived
-    _update_watch: UpdateWatch | None = None
+
+    @property
+    def _saves_on_exception(self) -> bool:
+        """Whether this callback writes a file on an exception (``StepBoundaryCheckpoint``: ``save_on_exception``)."""
+        return True
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """A run starts: an earlier run's step and failure are not its own. (The strategies turn a callback into a
+        guard after this hook: in its first fit, ``on_train_start`` starts anew.)"""
+        super().setup(trainer, pl_module, stage)
+        trainer_guard(trainer).clear()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The trainer's first guard starts the fit's ``TrainerGuard``; the optimizers get torch's step hooks once,
+        where a guard saves on an exception."""
         super().on_train_start(trainer, pl_module)
-        if self._update_watch is None:
-            self._update_watch = UpdateWatch()
-        self._update_watch.follow(trainer)
+        if self is next((c for c in trainer.callbacks if isinstance(c, ExceptionSaveGuard)), self):
+            _start_fits_guard(trainer)
+        if self._saves_on_exception:
+            trainer_guard(trainer).watch.follow_updates(trainer)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        if self._update_watch is not None:
-            self._update_watch.new_batch()
+        trainer_guard(trainer).clear()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().teardown(trainer, pl_module, stage)
-        if self._update_watch is not None:
-            self._update_watch.release()
+        trainer_guard(trainer).watch.release()
 
-    @property
-    def _optimizer_stepped(self) -> bool:
+    def _optimizer_stepped(self, trainer: pl.Trainer) -> bool:
         """The current batch's optimizer step finished (an exception after it: ``step_completion.py``)."""
-        return self._update_watch is not None and self._update_watch.stepped
+        return trainer_guard(trainer).watch.stepped
 
     def _may_save_on_exception(self, trainer: pl.Trainer, exception: BaseException, who: str, note: str = "") -> bool:
         """Whether the exception's file may be written: no rank's update interrupted, and every rank raised at
         this batch; else a paragraph (``who``: the callback, ``note`` last) saying why not and which file to resume
-        from."""
-        interrupted = self._update_watch is not None and self._update_watch.interrupted
-        wait_s = every_rank_wait_s(trainer, self.every_rank_wait_s)
-        ranks = ranks_at_failure(trainer, exception, interrupted, wait_s)
+        from. The ranks are asked once per failure: a second guard takes the first one's answer."""
+        guard = trainer_guard(trainer)
+        if guard.ranks is None:
+            wait_s = every_rank_wait_s(trainer, self.every_rank_wait_s)
+            guard.ranks = ranks_at_failure(trainer, exception, guard.watch.interrupted, wait_s)
+        ranks = guard.ranks
         last_file = last_saved_file(trainer)
         if ranks.interrupted_updates:
             said = interrupted_update_paragraph(trainer, exception, ranks.interrupted_updates, last_file, who)
@@ -77,7 +128,7 @@ class ExceptionSaveGuard(Callback):
 def last_saved_file(trainer: pl.Trainer) -> str:
     """The latest file the trainer's ``ModelCheckpoint`` callbacks wrote in this run ("" if none)."""
     files = [
-        getattr(callback, "_last_checkpoint_saved", "") or callback.last_model_path
+        callback._last_checkpoint_saved or callback.last_model_path
         for callback in trainer.checkpoint_callbacks
         if isinstance(callback, ModelCheckpoint)
     ]

@@ -11,6 +11,8 @@ where the closure it was handed returns (Lightning's plain precision passes ``tr
 the closure, which ``step`` runs first: an exception in there is one before the update). It ends where Lightning's
 ``LightningOptimizer`` ran its after-step slot (automatic optimization: the loss scale updated too,
 ``step_completion.py``), or where torch's ``step`` returned (manual optimization, whose loop resets that slot).
+torch's hooks are registered only where a callback saves on an exception; the after-step slot always, for
+``finish_the_step``.
 """
 
 from __future__ import annotations
@@ -26,28 +28,37 @@ from pl_lowprec.callbacks.step_completion import on_each_optimizer_step
 
 
 class UpdateWatch:
-    """The current batch's optimizer step: whether it ``stepped`` (Lightning's step finished) and whether an update
-    is ``interrupted`` (begun, not finished)."""
+    """The current batch's optimizer step: whether it ``stepped`` (Lightning's step finished) and, where
+    ``follow_updates`` hooked the optimizers, whether an update is ``interrupted`` (begun, not finished)."""
 
     def __init__(self) -> None:
         self.begun = False  # an update of the parameters began in the current step
         self.stepped = False  # the current step finished (automatic: Lightning's after-step slot ran)
         self._handles: list[RemovableHandle] = []
+        self._follows_updates = False
 
     @property
     def interrupted(self) -> bool:
         return self.begun and not self.stepped
 
-    def follow(self, trainer: pl.Trainer) -> None:
-        """Hook the training's optimizers (once per fit: ``on_train_start``)."""
-        self.release()
+    def follow_steps(self, trainer: pl.Trainer) -> None:
+        """Note where each of Lightning's steps ends (automatic optimization: ``finish_the_step`` needs it). Once
+        per fit: the fit's ``LightningOptimizer`` objects are new."""
+        if trainer.lightning_module.automatic_optimization:
+            on_each_optimizer_step(trainer, self._after_lightning_step)
+
+    def follow_updates(self, trainer: pl.Trainer) -> None:
+        """torch's step hooks on the training's optimizers, once: where an update begins (and, under manual
+        optimization, where it ends). Only a callback that saves on an exception needs them: they wrap each step's
+        closure."""
+        if self._follows_updates:
+            return
+        self._follows_updates = True
         automatic = trainer.lightning_module.automatic_optimization
         for optimizer in trainer.optimizers:
             self._handles.append(optimizer.register_step_pre_hook(self._before_step))
             if not automatic:
                 self._handles.append(optimizer.register_step_post_hook(self._after_torch_step))
-        if automatic:
-            on_each_optimizer_step(trainer, self._after_lightning_step)
 
     def new_batch(self) -> None:
         self.begun = self.stepped = False
@@ -56,6 +67,7 @@ class UpdateWatch:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._follows_updates = False
 
     def _before_step(self, optimizer: Optimizer, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
         """torch's step pre-hook; ``args`` begins with the optimizer (``self``), then a positional closure."""

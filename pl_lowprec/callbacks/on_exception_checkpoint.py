@@ -14,7 +14,6 @@ one that resumes exactly.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
@@ -27,11 +26,10 @@ class GuardedOnExceptionCheckpoint(ExceptionSaveGuard, OnExceptionCheckpoint):
     """``lightning.pytorch.callbacks.OnExceptionCheckpoint``, same arguments; saves only where every rank raised
     at the same batch and no optimizer update was interrupted."""
 
-    def on_exception(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
-        exception = args[1] if len(args) > 1 else kwargs["exception"]
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         earlier = f" {self.ckpt_path} is an earlier failure's file." if os.path.exists(self.ckpt_path) else ""
         if self._may_save_on_exception(trainer, exception, "OnExceptionCheckpoint", earlier):
-            super().on_exception(trainer, *args, **kwargs)
+            super().on_exception(trainer, pl_module, exception)
 
 
 def use_guarded_exception_checkpoints(trainer: pl.Trainer) -> None:

@@ -75,6 +75,10 @@ class StepBoundaryCheckpoint(ExceptionSaveGuard, LightningModelCheckpoint):
         super().__init__(*args, **kwargs)
         self.every_rank_wait_s = every_rank_wait_s
 
+    @property
+    def _saves_on_exception(self) -> bool:
+        return self.save_on_exception
+
     def _generate_state_key(self, **kwargs: Any) -> str:
         return f"{LightningModelCheckpoint.__qualname__}{kwargs!r}"  # Lightning's key: either class resumes the other
 
@@ -114,7 +118,8 @@ class StepBoundaryCheckpoint(ExceptionSaveGuard, LightningModelCheckpoint):
         (``step_completion.py``). No file where the exception interrupted the optimizer's update (weights of no
         step), nor with several ranks unless every rank raised at the same batch (the save's collectives would wait
         for a rank that trains on): ``exception_guard.py``."""
-        if self._optimizer_stepped and trainer.state.fn == TrainerFn.FITTING and pl_module.automatic_optimization:
+        fitting_automatically = trainer.state.fn == TrainerFn.FITTING and pl_module.automatic_optimization
+        if self._optimizer_stepped(trainer) and fitting_automatically:
             finish_the_step(trainer)
         if not self._should_save_on_exception(trainer):
             return

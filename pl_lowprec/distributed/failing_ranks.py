@@ -33,7 +33,6 @@ from pl_lowprec.distributed.several_ranks import several_ranks
 DEFAULT_WAIT_S = 60.0  # how long a failing rank waits for the others to fail at the same batch, unless set
 
 _failures = itertools.count()  # this process's exceptions asked about: every rank counts the same ones
-_asked: tuple[tuple[int, str], RanksAtFailure] | None = None  # the latest answer: two callbacks ask it once
 
 
 @dataclass(frozen=True)
@@ -54,18 +53,13 @@ def every_rank_wait_s(trainer: Any, given: float | None = None) -> float:
 def ranks_at_failure(trainer: Any, exception: BaseException, update_interrupted: bool, wait_s: float) -> RanksAtFailure:
     """Whether every rank of the process group raised at this rank's place in the run (its epoch, batch and global
     step), and which of them had an optimizer update interrupted: at once with one process; else after up to
-    ``wait_s`` seconds. Asked again for the same exception (two callbacks), the first answer."""
-    global _asked
+    ``wait_s`` seconds. Once per failure (each call waits for the others' answers again): the callbacks share the
+    answer (``callbacks/exception_guard.py``)."""
+    if not several_ranks():
+        return RanksAtFailure(True, (0,) if update_interrupted else (), 0.0)
     progress = trainer.fit_loop.epoch_loop.batch_progress.total
     place = f"{trainer.current_epoch}/{progress.ready}/{trainer.global_step}"
-    if _asked is not None and _asked[0] == (id(exception), place):
-        return _asked[1]
-    if not several_ranks():
-        answer = RanksAtFailure(True, (0,) if update_interrupted else (), 0.0)
-    else:
-        answer = _ask_the_store(f"pl_lowprec_failed/{next(_failures)}/{place}", update_interrupted, wait_s)
-    _asked = ((id(exception), place), answer)
-    return answer
+    return _ask_the_store(f"pl_lowprec_failed/{next(_failures)}/{place}", update_interrupted, wait_s)
 
 
 def _ask_the_store(place: str, update_interrupted: bool, wait_s: float) -> RanksAtFailure:

@@ -15,8 +15,10 @@ from resume_helpers import ACCUMULATE, EVERY, FailAt, Failure, Regression, Updat
 
 from pl_lowprec import AMPPrecision, LowPrecisionStrategy
 from pl_lowprec.callbacks import StepBoundaryCheckpoint
+from pl_lowprec.callbacks.exception_guard import trainer_guard
+from pl_lowprec.callbacks.interrupted_update import UpdateWatch
 from pl_lowprec.callbacks.step_boundary_checkpoint import use_step_boundary_checkpoints
-from pl_lowprec.distributed import launched_ranks
+from pl_lowprec.distributed import failing_ranks, launched_ranks
 
 
 def saved(path):
@@ -436,3 +438,76 @@ def test_an_exception_inside_the_optimizers_update_writes_no_file_and_says_which
         " parameters, at batch 1 of epoch 1 (global step 5)"
     )
     assert f"The run's last checkpoint stays {part / 'last.ckpt'}; resume from it." in said
+
+
+class UpdateHooksCounted(pl.Callback):
+    """At each of the first two batches' ends: the optimizer's step pre-hooks that follow its updates, and whether
+    the guards noted the step's end (batch 1 ends step 1)."""
+
+    def __init__(self) -> None:
+        self.hooks: list[int] = []
+        self.stepped: list[bool] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        hooks = trainer.optimizers[0]._optimizer_step_pre_hooks.values()
+        self.hooks.append(sum(isinstance(getattr(hook, "__self__", None), UpdateWatch) for hook in hooks))
+        self.stepped.append(trainer_guard(trainer).watch.stepped)
+
+
+@pytest.mark.parametrize(
+    ("save_on_exception", "lightnings", "hooks"),
+    [(False, False, 0), (True, False, 1), (False, True, 1), (True, True, 1)],
+)
+def test_the_optimizer_is_followed_once_and_only_where_a_callback_saves_on_an_exception(
+    tmp_path, save_on_exception, lightnings, hooks
+):
+    """Each guard hooked the optimizer itself: with ``save_on_exception`` and the strategy's ``OnExceptionCheckpoint``
+    each step's closure was wrapped twice, and a run saving nothing on an exception (``StepBoundaryCheckpoint`` is
+    the default checkpoint) wrapped it too. The end of each step is still noted (``finish_the_step`` needs it)."""
+    counted = UpdateHooksCounted()
+    fit(
+        tmp_path / "run",
+        strategy=LowPrecisionStrategy(),
+        schedule={"every_n_train_steps": 4, "save_on_exception": save_on_exception},
+        callbacks=[counted, *([OnExceptionCheckpoint(tmp_path / "on_exception")] if lightnings else [])],
+        max_steps=1,
+    )
+    assert counted.hooks == [hooks, hooks]
+    assert counted.stepped == [False, True]
+
+
+class RaisesOneException(pl.Callback):
+    """Raises the same exception object at batch 5 of every fit: a later fit's exception where CPython gave it the
+    address of an earlier one's."""
+
+    exception = Failure("at batch 5")
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.fit_loop.total_batch_idx == 5:
+            raise self.exception
+
+
+def test_the_ranks_are_asked_once_per_failure_whichever_callbacks_save_on_it(tmp_path, monkeypatch):
+    """Two callbacks saving on one failure share the ranks' answer (a second ask would wait for them again), and a
+    later fit asks again: the answer was kept per process under the exception's ``id`` and the place in the run,
+    and a later fit's exception that CPython placed where an earlier one had been took that fit's answer."""
+    asked = []
+
+    def every_rank_failed(place, update_interrupted, wait_s):
+        asked.append(place)
+        return failing_ranks.RanksAtFailure(True, (), wait_s)
+
+    monkeypatch.setattr(failing_ranks, "several_ranks", lambda: True)
+    monkeypatch.setattr(failing_ranks, "_ask_the_store", every_rank_failed)
+    for run in ("first", "second"):
+        with pytest.raises(Failure):
+            fit(
+                tmp_path / run,
+                strategy=LowPrecisionStrategy(),
+                schedule={"every_n_train_steps": 4, "save_on_exception": True},
+                callbacks=[RaisesOneException(), OnExceptionCheckpoint(tmp_path / run)],
+                max_steps=8,
+            )
+        assert (tmp_path / run / "on_exception.ckpt").exists()  # both saved on the one answer
+        assert saved(tmp_path / run / "last.ckpt")[0] == 2
+    assert len(asked) == 2 and asked[0].endswith("0/6/2")
