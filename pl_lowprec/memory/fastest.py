@@ -183,6 +183,7 @@ class Search:
     candidates: int = 0
     tried: list[tuple[MemorySettings, TransformConfig, MemoryEstimate]] = field(default_factory=list)
     left_out: str = ""  # a candidate the user's own setting rules out, and why: said where it would have come
+    blocks: list[str] = field(default_factory=list)  # the blocks "auto" checkpoints (``ladder``'s)
 
     @property
     def fits(self) -> bool:
@@ -304,7 +305,7 @@ def search_ladder(
     ``blocks``): each one's config ``simulate``d (``estimate_memory`` with the run's model and batch bound) until
     one fits in ``limit``."""
     left_out = f"{SELECTIVE_LEFT_OUT}: {SELECTIVE_WHY}" if leaves_selective_out(config, blocks) else ""
-    search = Search(limit, len(order), left_out=left_out)
+    search = Search(limit, len(order), left_out=left_out, blocks=list(blocks))
     with quiet_setup_logs():  # each simulated transform would repeat what the run says once
         for settings in order:
             chosen = settings_config(config, settings, blocks)

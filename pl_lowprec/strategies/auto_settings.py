@@ -4,7 +4,8 @@ fits this device (``pl_lowprec.memory.fastest``), said in one line.
 The memory is ``memory_budget=`` where given (as given: it is what the peak may reach), else what the device has
 free now less a 10% margin for what the estimate does not see (the caching allocator's fragmentation, kernels'
 scratch, DDP's buckets): ``torch.cuda.mem_get_info`` on CUDA, the host's ``MemAvailable`` on CPU, shared by the
-processes on the host. Every rank takes the least of all ranks, so all of them choose the same settings. The
+processes on the host. Every rank takes the least of all ranks, and rank 0 alone simulates the candidates and
+sends its search to the others (``rank_zero_search.py``), so all of them run the same settings. The
 estimate runs as ``memory_budget``'s does: on a meta copy of the module as ``configure_model`` left it, with one
 batch of the run's own data drawn without touching its random state.
 """
@@ -22,6 +23,7 @@ from pl_lowprec.memory.fastest import MARGIN, Search, fastest_fitting
 from pl_lowprec.memory.plan import fresh_copies
 from pl_lowprec.memory.process import available_memory
 from pl_lowprec.memory.sizes import format_bytes
+from pl_lowprec.strategies.rank_zero_search import RefusedOnRankZero, search_on_rank_zero
 
 
 def choose_memory_settings(
@@ -42,8 +44,9 @@ def choose_memory_settings(
         rank_zero_info(f"Memory settings: the free memory of {device} cannot be read here: memory-saving settings.")
         return None
     config = strategy.transform_config
-    try:
-        search = fastest_fitting(
+
+    def simulate() -> Search:  # on rank 0 alone under several processes
+        return fastest_fitting(
             fresh_copies(strategy.lightning_module),  # each call a meta copy: the estimate transforms its own
             batch,
             limit,
@@ -55,8 +58,11 @@ def choose_memory_settings(
             world_size=strategy.world_size,
             gradient_as_bucket_view=gradient_as_bucket_view(strategy),
         )
+
+    try:
+        search = search_on_rank_zero(strategy, simulate, config, refused_by_the_transform)
     except Exception as err:  # the real run meets it again where it has its own handling (a refusal, a traceback)
-        if refused_by_the_transform(err):
+        if refused_by_the_transform(err) or isinstance(err, RefusedOnRankZero):
             raise  # the transform's own refusal (a group size, a layer float8 cannot take): said once, as it is
         rank_zero_warn(
             f"Memory settings: the simulated step failed ({briefly(err, 300)}), so"
