@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -173,3 +174,9 @@ def run(
     process = WarmProcess(command, env=env, cwd=cwd) if ranks == 1 else WarmRanks(command, ranks, env=env, cwd=cwd)
     stdout, stderr = process.communicate(timeout)
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def spawn(function: Callable[..., None], args: tuple = (), nprocs: int = 2) -> None:
+    """``torch.multiprocessing.spawn(function, args, nprocs)`` in warm children: forked from the forkserver that
+    imported torch once, where ``spawn`` started a fresh interpreter per process (its 5 s of imports each)."""
+    torch.multiprocessing.start_processes(function, args=args, nprocs=nprocs, start_method="forkserver")

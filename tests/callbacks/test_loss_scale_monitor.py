@@ -4,6 +4,7 @@ import csv
 
 import pytest
 import torch
+import warm_python
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning_helpers import Classifier, StepRecorder, TwoOptimizers, mlp_batches, quiet_trainer
@@ -283,7 +284,7 @@ def _gather_on_two_ranks(rank, path):
 
 def test_a_location_only_another_rank_saw_is_the_one_reported(tmp_path):
     """Only rank zero warns, and an activation's inf stays on the rank whose batch made it: rank 1's find was lost."""
-    torch.multiprocessing.spawn(_gather_on_two_ranks, args=(str(tmp_path / "rendezvous"),), nprocs=2)
+    warm_python.spawn(_gather_on_two_ranks, args=(str(tmp_path / "rendezvous"),), nprocs=2)
 
 
 def test_without_a_logger_it_says_where_its_numbers_go(monkeypatch):

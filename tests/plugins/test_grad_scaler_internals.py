@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 
 import pl_lowprec
 from pl_lowprec.plugins import grad_scaler_internals
@@ -122,6 +123,6 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     """GradScaler decided per process: rank 1 skipped and halved its scale, rank 0 applied the step and kept its
     scale, so the DDP replicas parted silently and rank zero (the one that logs) reported no skip."""
     out = [str(tmp_path / f"rank{r}.pt") for r in range(2)]
-    torch.multiprocessing.spawn(_step_with_inf_on_rank_one, args=(str(tmp_path / "rendezvous"), out), nprocs=2)
+    warm_python.spawn(_step_with_inf_on_rank_one, args=(str(tmp_path / "rendezvous"), out), nprocs=2)
     ranks = [torch.load(path) for path in out]
     assert ranks[0] == ranks[1] == {"skipped": True, "unchanged": True, "scale": 4.0}
