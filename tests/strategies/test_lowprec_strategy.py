@@ -3,6 +3,7 @@
 import lightning.pytorch as pl
 import pytest
 import torch
+import warm_python  # noqa: F401 - its forkserver preload: the spawned ranks start warm
 from lightning.pytorch.cli import LightningCLI
 from lightning_helpers import Classifier, quiet_trainer
 from torch import nn
@@ -199,7 +200,9 @@ def test_spawn_hands_the_trained_adapters_back_to_the_model_in_hand(tmp_path, qu
 
     model = Classifier(make_mlp(features=64, hidden=128))  # layers of 4,096+ weights, which bitsandbytes quantizes
     lora = {"r": 4, "target_modules": ["0", "3"]}
-    strategy = LowPrecisionDDPStrategy(start_method="spawn", lora=lora, quantization=quantization)
+    # forkserver: the spawn launcher's path (the trainer pickled to each rank, rank 0's weights loaded back here),
+    # its ranks forked from the warm server (tests/warm_python.py) instead of importing torch again each
+    strategy = LowPrecisionDDPStrategy(start_method="forkserver", lora=lora, quantization=quantization)
     saved = ModelCheckpoint(dirpath=tmp_path, save_last=True)
     trainer = quiet_trainer(
         strategy=strategy,
