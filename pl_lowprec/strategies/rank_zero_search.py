@@ -1,18 +1,20 @@
-"""The ``"auto"`` settings' search on rank 0 alone, its outcome sent to the other ranks.
+"""The ``"auto"`` settings' search, and ``memory_budget``'s estimate, on rank 0 alone, the outcome sent to the
+other ranks.
 
 Why: every rank must run the same settings, and each used to simulate the same candidates itself: seconds of
 the same work per rank (a 2-rank run on one host paid them twice on shared cores, in every run with ``"auto"``
 under DDP or FSDP). The memory limit is already the least of all ranks, so rank 0's search is the one every rank
 would make; taking it also rules out ranks choosing apart on batches of other shapes. The configs stay out of
 what is sent (a config may hold the user's callables, which do not pickle): each rank rebuilds them from the
-settings, as the search built them.
+settings, as the search built them. ``memory_budget``'s check (an estimate of the settings the run keeps, or
+its refusal) is sent whole.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -20,13 +22,49 @@ from pl_lowprec.memory.fastest import Search, settings_config
 from pl_lowprec.transforms.config import TransformConfig
 from pl_lowprec.transforms.pretrained_adapter import adapters_resolved_once
 
+T = TypeVar("T")
+
 
 class RefusedOnRankZero(ValueError):
-    """The transform's own refusal, met by rank 0's simulated step: raised on the other ranks in its words."""
+    """A refusal rank 0 met (the transform's own, or ``memory_budget``'s): raised on the other ranks in its words."""
 
 
 class SearchFailedOnRankZero(RuntimeError):
-    """Rank 0's simulated step failed (not a refusal): every rank keeps the memory-saving side."""
+    """Rank 0's simulated step failed (not a refusal), in its words on the other ranks."""
+
+
+def on_rank_zero(
+    strategy: Any,
+    compute: Callable[[], T],
+    refused: Callable[[BaseException], bool],
+    sendable: Callable[[T], Any] = lambda result: result,
+    received: Callable[[Any], T] = lambda sent: sent,
+) -> T:
+    """``compute()`` on rank 0 and, under several processes, its result on every other rank (``sendable`` of it,
+    pickled, then ``received``); an error of rank 0's is raised on every rank (``RefusedOnRankZero`` where
+    ``refused`` says it was a refusal, else ``SearchFailedOnRankZero``), rank 0 raising its own."""
+    if strategy.world_size <= 1 or not torch.distributed.is_initialized():
+        return compute()
+    result: T | None = None
+    error: Exception | None = None
+    sent: tuple[str, Any] | None = None
+    if strategy.global_rank == 0:
+        try:
+            result = compute()
+            sent = ("result", sendable(result))
+        except Exception as err:  # sent before raising: the other ranks wait in the broadcast
+            error = err
+            sent = ("refused" if refused(err) else "failed", str(err))
+    kind, payload = strategy.broadcast(sent, src=0)
+    if error is not None:
+        raise error
+    if strategy.global_rank == 0:
+        return result  # type: ignore[return-value]
+    if kind == "refused":
+        raise RefusedOnRankZero(payload)
+    if kind == "failed":
+        raise SearchFailedOnRankZero(payload)
+    return received(payload)
 
 
 def search_on_rank_zero(
@@ -35,31 +73,12 @@ def search_on_rank_zero(
     config: TransformConfig,
     refused: Callable[[BaseException], bool],
 ) -> Search:
-    """``search()`` on rank 0 and, under several processes, the same ``Search`` on every other rank; an error
-    of rank 0's is raised on every rank (``RefusedOnRankZero`` where ``refused`` says it was the transform's own
-    refusal, else ``SearchFailedOnRankZero``), rank 0 raising its own."""
-    if strategy.world_size <= 1 or not torch.distributed.is_initialized():
-        return search()
-    found: Search | None = None
-    error: Exception | None = None
-    sent: tuple[str, Any] | None = None
-    if strategy.global_rank == 0:
-        try:
-            found = search()
-            sent = ("search", dataclasses.replace(found, tried=[(s, None, e) for s, _, e in found.tried]))
-        except Exception as err:  # sent before raising: the other ranks wait in the broadcast
-            error = err
-            sent = ("refused" if refused(err) else "failed", str(err))
-    kind, payload = strategy.broadcast(sent, src=0)
-    if error is not None:
-        raise error
-    if found is not None:
-        return found
-    if kind == "refused":
-        raise RefusedOnRankZero(payload)
-    if kind == "failed":
-        raise SearchFailedOnRankZero(payload)
-    return with_configs(payload, config)
+    """``search()`` on rank 0, the same ``Search`` on every rank (``on_rank_zero``), sent without its configs."""
+
+    def without_configs(found: Search) -> Search:
+        return dataclasses.replace(found, tried=[(settings, None, e) for settings, _, e in found.tried])
+
+    return on_rank_zero(strategy, search, refused, without_configs, lambda sent: with_configs(sent, config))
 
 
 @adapters_resolved_once()  # each rebuilt config names the same pretrained_adapter: resolved once, as in the search

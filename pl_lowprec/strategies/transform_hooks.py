@@ -39,6 +39,7 @@ from pl_lowprec.strategies.random_states import (
     own_random_states,
     restart_epoch_iterator,
 )
+from pl_lowprec.strategies.rank_zero_search import on_rank_zero
 from pl_lowprec.strategies.run_record import CHECKPOINT_KEY as RUN
 from pl_lowprec.strategies.run_record import run_record, saved_run, warn_changed_run
 from pl_lowprec.strategies.scheduler_arguments import built_arguments
@@ -141,7 +142,8 @@ class TransformHooks(TransformArguments):
             self.prediction = search.estimate if search is not None else None
         if self.memory_budget is None or (search is not None and search.fits):
             return  # the choice's line gave the peak within the budget
-        self.prediction = check_memory_budget(
+        check = functools.partial(
+            check_memory_budget,
             self.memory_budget,
             self.lightning_module,
             batch,
@@ -155,6 +157,7 @@ class TransformHooks(TransformArguments):
             gradient_as_bucket_view=gradient_as_bucket_view(self),
             simulated=[(chosen, estimate) for _, chosen, estimate in search.tried] if search is not None else (),
         )
+        self.prediction = on_rank_zero(self, check, is_budget_refusal)  # the estimate, or its refusal, made once
         self.prediction.interconnect = links
 
     @contextmanager
@@ -290,3 +293,8 @@ class TransformHooks(TransformArguments):
         state_dict = checkpoint["state_dict"]  # where it sets every weight, pretrained= is not read
         self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device, restored_next=state_dict)
         self.transform.load_state_dict(self.lightning_module, state_dict, strict=strict)
+
+
+def is_budget_refusal(err: BaseException) -> bool:
+    """``check_memory_budget``'s refusal (a ``ValueError``, one paragraph), raised on every rank in its words."""
+    return isinstance(err, ValueError)

@@ -88,3 +88,32 @@ def test_rank_zeros_error_is_raised_on_every_rank(monkeypatch, refusal):
             assert _choose(_Rank(0, wire, model), BUDGET) is None
             assert _choose(_Rank(1, wire, model), BUDGET) is None  # said on rank 0 alone in a real run
     assert len(wire) == 1  # rank 0 sent before raising: the others are not left waiting in the broadcast
+
+
+def test_the_budget_check_is_made_once_and_its_refusal_raised_on_every_rank(monkeypatch):
+    """``memory_budget``'s check (``transform_hooks.settle_memory``) through ``on_rank_zero``: rank 1 holds rank
+    0's estimate without simulating, and a refusal reaches it in the same words."""
+    import functools
+
+    import pl_lowprec.memory.budget as budget
+    from pl_lowprec.strategies.transform_hooks import is_budget_refusal
+
+    monkeypatch.setattr(rank_zero_search.torch.distributed, "is_initialized", lambda: True)
+    calls = []
+    simulate = budget.estimate_memory
+    monkeypatch.setattr(budget, "estimate_memory", lambda *a, **k: calls.append(1) or simulate(*a, **k))
+    model = tiny_llama(hidden_size=64)
+
+    def on_rank(rank, wire, limit):
+        check = functools.partial(budget.check_memory_budget, limit, model, BATCH, 1, "bf16-mixed", "cpu", AUTO)
+        return rank_zero_search.on_rank_zero(_Rank(rank, wire, model), check, is_budget_refusal)
+
+    wire = []
+    zero, one = on_rank(0, wire, 2**30), on_rank(1, wire, 2**30)
+    assert len(calls) == 1 and (one.peak, one.timeline, one.ops) == (zero.peak, zero.timeline, zero.ops)
+    wire = []
+    with pytest.raises(ValueError, match=r"memory_budget=1\.00 MiB: the predicted peak") as on_zero:
+        on_rank(0, wire, 2**20)
+    with pytest.raises(rank_zero_search.RefusedOnRankZero) as on_one:
+        on_rank(1, wire, 2**20)
+    assert str(on_one.value) == str(on_zero.value)
