@@ -209,9 +209,9 @@ def test_meta_copy_copies_no_weight():
 
 def test_under_lowprec_fsdp_on_two_ranks_the_budget_is_per_rank(tmp_path):
     """``pl-lowprec fit`` of the shipped FSDP config on 2 gloo ranks, started as torchrun starts them (Lightning's
-    own launcher runs the same config in test_configs.py): each rank predicts its own shard's peak inside the
-    running process group, and the run goes on. The config's "auto" settings are chosen for the budget, which the
-    choice's line says."""
+    own launcher runs the same config in test_configs.py): rank 0 predicts the per-rank peak inside the running
+    process group and sends its choice to rank 1 (``rank_zero_search.py``), and the run goes on. The config's
+    "auto" settings are chosen for the budget, which the choice's line says."""
     command = [
         *(sys.executable, str(ROOT / "pl_lowprec" / "__main__.py"), "fit"),
         *("--config", str(ROOT / "configs" / "fsdp-qlora.yaml")),
