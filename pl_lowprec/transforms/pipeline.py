@@ -95,6 +95,7 @@ from pl_lowprec.transforms.optimizers import (
 from pl_lowprec.transforms.pretrained_adapter import load_adapter_weights, rooted_targets
 from pl_lowprec.transforms.qat import convert_qat, is_converted, prepare_qat
 from pl_lowprec.transforms.quantization import QuantizationConfig, quantize_linear, quantize_model
+from pl_lowprec.transforms.quantized_checkpoint import restore_4bit_weights
 from pl_lowprec.transforms.tied_linears import check_tied_layers_stay_tied
 from pl_lowprec.transforms.trainable import without_lora_line
 from pl_lowprec.transforms.trainable_bias import keep_trainable_biases
@@ -366,7 +367,9 @@ class ModelTransform:
         return adapter_checkpoint_state_dict(model) if self.config.adapter_only else model.state_dict()
 
     def load_state_dict(self, model: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool) -> None:
-        """``CheckpointMismatch`` (one paragraph) when the checkpoint's tensors do not fit the model."""
+        """``CheckpointMismatch`` (one paragraph) when the checkpoint's tensors do not fit the model. 4-bit base
+        weights saved whole come back with their saved constants (``quantized_checkpoint.py``)."""
+        state_dict = restore_4bit_weights(model, state_dict)
         try:
             if self.config.adapter_only:
                 load_trainable_state_dict(model, state_dict, strict=strict)

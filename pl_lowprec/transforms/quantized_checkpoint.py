@@ -1,0 +1,62 @@
+"""A whole checkpoint's 4-bit base weights (``adapter_only_checkpoint=False`` with ``quantization=``) restored as saved.
+
+bitsandbytes' ``Linear4bit._save_to_state_dict`` writes each packed weight with its quantization constants beside
+it: ``weight.absmax``, ``weight.quant_map``, with double quantization ``weight.nested_absmax`` and
+``weight.nested_quant_map``, and the rest packed in ``weight.quant_state.bitsandbytes__nf4`` (or ``__fp4``). Those
+keys are no module's parameters or buffers, so torch's ``load_state_dict`` refused them as unexpected, and a QLoRA
+run saved whole could not be resumed or validated. They are taken out here and each layer's weight is rebuilt from
+the saved bytes and constants with ``Params4bit.from_prequantized``, as transformers restores a saved 4-bit model
+(its ``Bnb4bitDeserialize``): the base the adapters were trained on, exactly, whatever ``pretrained=`` holds now.
+8-bit layers need nothing here: ``Linear8bitLt._load_from_state_dict`` reads its ``SCB`` and ``weight_format``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from pl_lowprec._imports import import_bitsandbytes
+from pl_lowprec.adapters import CheckpointMismatch
+from pl_lowprec.transforms.quantization import share_code_books
+
+PACKED_STATE = "quant_state.bitsandbytes__"  # the key whose tensor packs quant_type, blocksize, dtype, shape, ...
+
+
+def restore_4bit_weights(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rebuild every ``Linear4bit`` weight of ``model`` that ``state_dict`` saved with its constants; return the
+    state dict left for torch's ``load_state_dict``. ``CheckpointMismatch`` where a saved weight is not the
+    layer's: another shape, 4-bit type or double quantization."""
+    rest = dict(state_dict)
+    if not any(PACKED_STATE in key for key in rest):
+        return rest
+    bnb = import_bitsandbytes()
+    restored = False
+    for name, module in model.named_modules():
+        if not isinstance(module, bnb.nn.Linear4bit):
+            continue
+        prefix = f"{name}.weight." if name else "weight."
+        if prefix[:-1] not in rest:
+            continue  # not saved: torch's load_state_dict names it missing
+        stats = {key[len(prefix) :]: rest.pop(key) for key in list(rest) if key.startswith(prefix)}
+        if not stats:
+            continue
+        weight = module.weight  # the packed bytes stay in ``rest``: torch copies them in and counts the key loaded
+        saved = bnb.nn.Params4bit.from_prequantized(rest[prefix[:-1]], stats, requires_grad=False, device=weight.device)
+        check_same_layer(prefix[:-1], saved.quant_state, weight.quant_state)
+        saved.module = module
+        module.weight = saved
+        module.quant_state = saved.quant_state
+        restored = True
+    if restored:
+        share_code_books(model)  # the saved code books are one copy per layer again
+    return rest
+
+
+def check_same_layer(key: str, saved: object, built: object) -> None:
+    """The saved weight must be the one this config builds: its logical shape, 4-bit type and double quantization."""
+    for what in ("shape", "quant_type", "nested"):
+        was, now = getattr(saved, what), getattr(built, what, None)
+        if now is not None and was != now:
+            raise CheckpointMismatch(f"the 4-bit weight {key} has {what} {was} in the checkpoint, {now} in the model")

@@ -1,0 +1,76 @@
+"""A QLoRA run saved whole (``adapter_only_checkpoint=False``) resumes and validates from its checkpoint: the
+4-bit base comes back with the constants bitsandbytes saved beside each packed weight (``weight.absmax``,
+``weight.quant_map``, ``weight.quant_state.bitsandbytes__nf4``, ...), which torch's ``load_state_dict`` refused as
+42 unexpected keys. int8 layers read their own ``SCB`` and are the reference that always loaded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning_helpers import quiet_trainer
+from loading_helpers import LlamaModule, save_llama
+from qlora_helpers import LossRecorder, ids_loader
+
+from pl_lowprec import LowPrecisionStrategy
+from pl_lowprec.adapters import CheckpointMismatch
+
+pytest.importorskip("bitsandbytes")
+pytest.importorskip("peft")
+
+LORA = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
+
+
+class ValidatedLlama(LlamaModule):
+    def validation_step(self, batch, batch_idx):
+        loss = self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+        self.log("val_loss", loss)
+
+
+def _strategy(pretrained, quantization) -> LowPrecisionStrategy:
+    return LowPrecisionStrategy(
+        pretrained=pretrained, lora=LORA, quantization=quantization, adapter_only_checkpoint=False
+    )
+
+
+def _fit(pretrained, quantization, max_steps, ckpt_path=None, save_to=None):
+    """``max_steps`` epochs of one batch from ``pretrained`` (resumed from ``ckpt_path``); the module and its losses."""
+    torch.manual_seed(0)  # the LoRA A matrices
+    losses = LossRecorder()
+    strategy = _strategy(pretrained, quantization)
+    trainer = quiet_trainer(strategy=strategy, max_steps=max_steps, callbacks=[losses], num_sanity_val_steps=0)
+    with trainer.init_module(empty_init=True):
+        model = ValidatedLlama(hidden_size=64)
+    trainer.fit(model, ids_loader(batches=1), ckpt_path=ckpt_path)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
+    return trainer, model, losses.losses
+
+
+@pytest.mark.parametrize("quantization", ["nf4", "nf4-dq", "int8"])
+def test_a_whole_qlora_checkpoint_resumes_as_the_uninterrupted_run(tmp_path, quantization):
+    pretrained = save_llama(tmp_path / "base", hidden_size=64)
+    _, uninterrupted, losses = _fit(pretrained, quantization, max_steps=2)
+    _, _, first = _fit(pretrained, quantization, max_steps=1, save_to=tmp_path / "step1.ckpt")
+    _, resumed, rest = _fit(pretrained, quantization, max_steps=2, ckpt_path=tmp_path / "step1.ckpt")
+    assert first + rest == losses
+    expected, got = uninterrupted.state_dict(), resumed.state_dict()
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[key], got[key]) for key in expected)
+
+
+def test_validate_takes_the_saved_4bit_base_not_the_pretrained_one(tmp_path):
+    """``validate(ckpt_path=)`` gives the metric of the model as it trained, even where ``pretrained=`` now holds
+    other weights: the checkpoint's packed weights and constants are the base (``Params4bit.from_prequantized``)."""
+    trainer, model, _ = _fit(save_llama(tmp_path / "base", hidden_size=64), "nf4", 2, save_to=tmp_path / "w.ckpt")
+    (trained,) = trainer.validate(model, ids_loader(batches=2, seed=1), verbose=False)
+    other = save_llama(tmp_path / "other", seed=2, hidden_size=64)
+    trainer = quiet_trainer(strategy=_strategy(other, "nf4"))
+    with trainer.init_module(empty_init=True):
+        restored = ValidatedLlama(hidden_size=64)
+    (metrics,) = trainer.validate(restored, ids_loader(batches=2, seed=1), ckpt_path=tmp_path / "w.ckpt", verbose=False)
+    assert metrics == trained
+    with pytest.raises(CheckpointMismatch, match=r"q_proj\.base_layer\.weight has quant_type nf4 in the checkpoint"):
+        trainer = quiet_trainer(strategy=_strategy(other, "fp4"))
+        with trainer.init_module(empty_init=True):
+            restored = ValidatedLlama(hidden_size=64)
+        trainer.validate(restored, ids_loader(batches=1), ckpt_path=tmp_path / "w.ckpt", verbose=False)
