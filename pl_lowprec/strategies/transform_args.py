@@ -47,7 +47,8 @@ class TransformArguments:
             ``"paged_adamw32bit"`` or ``"lion8bit"`` (bitsandbytes), or ``"torchao_adamw8bit"`` (torchao's
             8-bit AdamW, which also steps on FSDP2's shards; ``lowprec_fsdp`` takes only this one).
         adapter_only_checkpoint: With ``lora``, checkpoints hold only the trainable weights and the buffers
-            (running statistics).
+            (running statistics). ``False``: the whole model, with ``quantization`` the packed base weights and
+            their constants, restored as saved.
         pretrained: Weights for a module built on the meta device (in ``configure_model`` under
             ``pl_lowprec.loading.empty_weights()``, or under ``trainer.init_module()``): a ``.safetensors`` file,
             a sharded directory with ``model.safetensors.index.json``, or a Hugging Face model directory. Loaded

@@ -12,7 +12,8 @@ from loading_helpers import LlamaModule, save_llama
 from qlora_helpers import LossRecorder, ids_loader
 
 from pl_lowprec import LowPrecisionStrategy
-from pl_lowprec.adapters import CheckpointMismatch
+from pl_lowprec.adapters import CheckpointMismatch, merged_state_dict
+from pl_lowprec.export.restore import restore
 
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
@@ -74,3 +75,17 @@ def test_validate_takes_the_saved_4bit_base_not_the_pretrained_one(tmp_path):
         with trainer.init_module(empty_init=True):
             restored = ValidatedLlama(hidden_size=64)
         trainer.validate(restored, ids_loader(batches=1), ckpt_path=tmp_path / "w.ckpt", verbose=False)
+
+
+def test_the_export_restores_a_whole_qlora_checkpoint(tmp_path):
+    """``pl-lowprec export --ckpt_path`` restores through the same load (``export.restore``): the merged weights are
+    the trained module's (it refused the checkpoint with the 42 unexpected keys)."""
+    pretrained = save_llama(tmp_path / "base", hidden_size=64)
+    _, trained, _ = _fit(pretrained, "nf4", 1, save_to=tmp_path / "w.ckpt")
+    trainer = quiet_trainer(strategy=_strategy(pretrained, "nf4"))
+    with trainer.init_module(empty_init=True):
+        module = ValidatedLlama(hidden_size=64)
+    restored = restore(tmp_path / "w.ckpt", trainer, module)
+    expected, got = merged_state_dict(trained), merged_state_dict(restored.module)
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[key], got[key]) for key in expected)
