@@ -22,6 +22,8 @@ from pl_lowprec.adapters import CheckpointMismatch
 from pl_lowprec.transforms.quantization import share_code_books
 
 PACKED_STATE = "quant_state.bitsandbytes__"  # the key whose tensor packs quant_type, blocksize, dtype, shape, ...
+# what Linear4bit saves beside ``weight`` (transformers' ``Bnb4BitHfQuantizer.serialized_names``)
+SAVED_BESIDE = ("absmax", "quant_map", "nested_absmax", "nested_quant_map", f"{PACKED_STATE}nf4", f"{PACKED_STATE}fp4")
 
 
 def restore_4bit_weights(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -36,15 +38,14 @@ def restore_4bit_weights(model: nn.Module, state_dict: Mapping[str, torch.Tensor
     for name, module in model.named_modules():
         if not isinstance(module, bnb.nn.Linear4bit):
             continue
-        prefix = f"{name}.weight." if name else "weight."
-        if prefix[:-1] not in rest:
-            continue  # not saved: torch's load_state_dict names it missing
-        stats = {key[len(prefix) :]: rest.pop(key) for key in list(rest) if key.startswith(prefix)}
-        if not stats:
+        key = f"{name}.weight" if name else "weight"
+        stats = {part: rest.pop(f"{key}.{part}") for part in SAVED_BESIDE if f"{key}.{part}" in rest}
+        if not stats or key not in rest:  # torch's load_state_dict names what is missing or unexpected
+            rest.update({f"{key}.{part}": value for part, value in stats.items()})
             continue
         weight = module.weight  # the packed bytes stay in ``rest``: torch copies them in and counts the key loaded
-        saved = bnb.nn.Params4bit.from_prequantized(rest[prefix[:-1]], stats, requires_grad=False, device=weight.device)
-        check_same_layer(prefix[:-1], saved.quant_state, weight.quant_state)
+        saved = bnb.nn.Params4bit.from_prequantized(rest[key], stats, requires_grad=False, device=weight.device)
+        check_same_layer(key, saved.quant_state, weight.quant_state)
         saved.module = module
         module.weight = saved
         module.quant_state = saved.quant_state
