@@ -18,6 +18,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from pl_lowprec._error_text import briefly, raised_under
+from pl_lowprec.distributed.several_ranks import several_ranks
 from pl_lowprec.memory.collectives import Interconnect, gradient_as_bucket_view, measure_interconnect
 from pl_lowprec.memory.fastest import MARGIN, Search, fastest_fitting
 from pl_lowprec.memory.plan import fresh_copies
@@ -88,7 +89,7 @@ def choose_memory_settings(
 def run_interconnect(strategy: Any) -> Interconnect | None:
     """How fast this run's ranks exchange tensors, measured on its process group (every rank calls it);
     ``None`` on one process."""
-    if strategy.world_size <= 1 or not torch.distributed.is_initialized():
+    if not several_ranks():
         return None
     return measure_interconnect(strategy.root_device)
 

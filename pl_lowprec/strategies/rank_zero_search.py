@@ -16,8 +16,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import torch
-
+from pl_lowprec.distributed.several_ranks import several_ranks
 from pl_lowprec.memory.fastest import Search, settings_config
 from pl_lowprec.transforms.config import TransformConfig
 from pl_lowprec.transforms.pretrained_adapter import adapters_resolved_once
@@ -43,7 +42,7 @@ def on_rank_zero(
     """``compute()`` on rank 0 and, under several processes, its result on every other rank (``sendable`` of it,
     pickled, then ``received``); an error of rank 0's is raised on every rank (``RefusedOnRankZero`` where
     ``refused`` says it was a refusal, else ``SearchFailedOnRankZero``), rank 0 raising its own."""
-    if strategy.world_size <= 1 or not torch.distributed.is_initialized():
+    if not several_ranks():
         return compute()
     result: T | None = None
     error: Exception | None = None

@@ -53,7 +53,7 @@ def test_rank_one_takes_rank_zeros_search_and_holds_what_its_own_would_give(monk
     model = tiny_llama(hidden_size=64)
     alone = _choose(_Rank(0, [], model), BUDGET)  # one process: its own search
     assert len(alone.tried) > 1  # the budget makes the search pass over faster candidates
-    monkeypatch.setattr(rank_zero_search.torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(rank_zero_search, "several_ranks", lambda: True)
     calls = []
     simulate = auto_settings.fastest_fitting
     monkeypatch.setattr(auto_settings, "fastest_fitting", lambda *a, **k: calls.append(1) or simulate(*a, **k))
@@ -70,7 +70,7 @@ def test_rank_one_takes_rank_zeros_search_and_holds_what_its_own_would_give(monk
 def test_rank_zeros_error_is_raised_on_every_rank(monkeypatch, refusal):
     """A refusal of the transform is raised on every rank in its words; any other failure keeps every rank on the
     memory-saving side (``None``), as one process does."""
-    monkeypatch.setattr(rank_zero_search.torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(rank_zero_search, "several_ranks", lambda: True)
 
     def fails(*args, **kwargs):
         raise ValueError("lora r=4: refused") if refusal else RuntimeError("the simulated step broke")
@@ -98,7 +98,7 @@ def test_the_budget_check_is_made_once_and_its_refusal_raised_on_every_rank(monk
     import pl_lowprec.memory.budget as budget
     from pl_lowprec.strategies.transform_hooks import is_budget_refusal
 
-    monkeypatch.setattr(rank_zero_search.torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(rank_zero_search, "several_ranks", lambda: True)
     calls = []
     simulate = budget.estimate_memory
     monkeypatch.setattr(budget, "estimate_memory", lambda *a, **k: calls.append(1) or simulate(*a, **k))
