@@ -17,32 +17,16 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from pl_lowprec.distributed.sent_outcome import Failure, computed_and_sent
 from pl_lowprec.distributed.several_ranks import several_ranks
 
 T = TypeVar("T")
 NO_TIMEOUT = timedelta(days=10000)  # as Lightning's _InfiniteBarrier
-
-
-@dataclass
-class Failure:
-    """The error of a node's first process, as the other processes raise it."""
-
-    message: str
-    pickled: bytes | None  # the exception itself, where it pickles
-
-    def error(self) -> BaseException:
-        if self.pickled is not None:
-            try:
-                return pickle.loads(self.pickled)
-            except Exception:  # a class that does not rebuild from its args: its message stands
-                pass
-        return RuntimeError(self.message)
 
 
 def once_per_node(trainer: Any, compute: Callable[[], T]) -> T:
@@ -51,28 +35,13 @@ def once_per_node(trainer: Any, compute: Callable[[], T]) -> T:
     Without a process group of several ranks, or a trainer, ``compute()`` here."""
     if trainer is None or not several_ranks():
         return compute()
-    own_error: Exception | None = None
-    outcome: bytes | Failure | None = None
-    if trainer.local_rank == 0:
-        try:
-            outcome = pickle.dumps(compute())  # pickled here: a result that does not pickle fails as compute() does
-        except Exception as err:  # every error goes to the other ranks, then is raised here
-            own_error, outcome = err, _failure(err)
-    gathered = _all_gather((trainer.node_rank, outcome))
+    _, gathered = computed_and_sent(
+        trainer.local_rank == 0, compute, lambda outcome: _all_gather((trainer.node_rank, outcome))
+    )
     failure = next((o for _, o in gathered if isinstance(o, Failure)), None)
-    if own_error is not None:
-        raise own_error
-    if failure is not None:
+    if failure is not None:  # another node's (the first process raised its own in computed_and_sent)
         raise failure.error()
     return pickle.loads(next(o for node, o in gathered if node == trainer.node_rank and o is not None))
-
-
-def _failure(err: Exception) -> Failure:
-    try:
-        pickled = pickle.dumps(err)
-    except Exception:  # its message is enough
-        pickled = None
-    return Failure(str(err), pickled)
 
 
 def _all_gather(mine: Any) -> list[Any]:

@@ -13,9 +13,11 @@ its refusal) is sent whole.
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from pl_lowprec.distributed.sent_outcome import Failure, computed_and_sent
 from pl_lowprec.distributed.several_ranks import several_ranks
 from pl_lowprec.memory.fastest import Search, settings_config
 from pl_lowprec.transforms.config import TransformConfig
@@ -44,26 +46,15 @@ def on_rank_zero(
     ``refused`` says it was a refusal, else ``SearchFailedOnRankZero``), rank 0 raising its own."""
     if not several_ranks():
         return compute()
-    result: T | None = None
-    error: Exception | None = None
-    sent: tuple[str, Any] | None = None
-    if strategy.global_rank == 0:
-        try:
-            result = compute()
-            sent = ("result", sendable(result))
-        except Exception as err:  # sent before raising: the other ranks wait in the broadcast
-            error = err
-            sent = ("refused" if refused(err) else "failed", str(err))
-    kind, payload = strategy.broadcast(sent, src=0)
-    if error is not None:
-        raise error
-    if strategy.global_rank == 0:
+    zero = strategy.global_rank == 0
+    result, sent = computed_and_sent(
+        zero, compute, lambda outcome: strategy.broadcast(outcome, src=0), sendable, refused
+    )
+    if zero:
         return result  # type: ignore[return-value]
-    if kind == "refused":
-        raise RefusedOnRankZero(payload)
-    if kind == "failed":
-        raise SearchFailedOnRankZero(payload)
-    return received(payload)
+    if isinstance(sent, Failure):
+        raise (RefusedOnRankZero if sent.refused else SearchFailedOnRankZero)(sent.message)
+    return received(pickle.loads(sent))
 
 
 def search_on_rank_zero(

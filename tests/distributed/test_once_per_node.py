@@ -5,7 +5,8 @@ import threading
 
 import pytest
 
-from pl_lowprec.distributed.once_per_node import _failure, once_per_node
+from pl_lowprec.distributed.once_per_node import once_per_node
+from pl_lowprec.distributed.sent_outcome import Failure
 
 
 def test_without_a_process_group_the_step_runs_here():
@@ -15,7 +16,7 @@ def test_without_a_process_group_the_step_runs_here():
 
 
 def test_an_error_is_raised_elsewhere_as_itself_or_by_its_message():
-    copied = _failure(ValueError("row 3: no chat template")).error()
+    copied = Failure.of(ValueError("row 3: no chat template")).error()
     assert type(copied) is ValueError and str(copied) == "row 3: no chat template"
 
     class Unpicklable(ValueError):
@@ -24,5 +25,5 @@ def test_an_error_is_raised_elsewhere_as_itself_or_by_its_message():
         def __reduce__(self):
             return (Unpicklable, (threading.Lock(),))
 
-    copied = _failure(Unpicklable("disk full")).error()
+    copied = Failure.of(Unpicklable("disk full")).error()
     assert type(copied) is RuntimeError and str(copied) == "disk full"

@@ -4,6 +4,7 @@ rank 0's errors raised on every rank instead of leaving them waiting. Two ranks 
 broadcast carried through pickle as ``broadcast_object_list`` carries it."""
 
 import pickle
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -117,3 +118,18 @@ def test_the_budget_check_is_made_once_and_its_refusal_raised_on_every_rank(monk
     with pytest.raises(rank_zero_search.RefusedOnRankZero) as on_one:
         on_rank(1, wire, 2**20)
     assert str(on_one.value) == str(on_zero.value)
+
+
+def test_a_result_that_does_not_pickle_reaches_the_other_ranks_as_rank_zeros_failure(monkeypatch):
+    """Pickled with the step, not in the broadcast: rank 0 raising while pickling would leave the others waiting."""
+    monkeypatch.setattr(rank_zero_search, "several_ranks", lambda: True)
+    wire, model = [], tiny_llama(hidden_size=64)
+
+    def on_rank(rank):
+        return rank_zero_search.on_rank_zero(_Rank(rank, wire, model), threading.Lock, lambda err: False)
+
+    with pytest.raises(TypeError, match="cannot pickle"):
+        on_rank(0)
+    assert len(wire) == 1  # sent before raising
+    with pytest.raises(rank_zero_search.SearchFailedOnRankZero, match="cannot pickle"):
+        on_rank(1)
