@@ -39,16 +39,18 @@ def restore_4bit_weights(model: nn.Module, state_dict: Mapping[str, torch.Tensor
         if not isinstance(module, bnb.nn.Linear4bit):
             continue
         key = f"{name}.weight" if name else "weight"
-        stats = {part: rest.pop(f"{key}.{part}") for part in SAVED_BESIDE if f"{key}.{part}" in rest}
-        if not stats or key not in rest:  # torch's load_state_dict names what is missing or unexpected
-            rest.update({f"{key}.{part}": value for part, value in stats.items()})
+        if key not in rest:  # torch's load_state_dict names what is missing or unexpected
             continue
-        weight = module.weight  # the packed bytes stay in ``rest``: torch copies them in and counts the key loaded
-        saved = bnb.nn.Params4bit.from_prequantized(rest[key], stats, requires_grad=False, device=weight.device)
-        check_same_layer(key, saved.quant_state, weight.quant_state)
-        saved.module = module
+        stats = {part: rest.pop(f"{key}.{part}") for part in SAVED_BESIDE if f"{key}.{part}" in rest}
+        if not stats:
+            continue
+        built = module.weight.quant_state
+        saved = bnb.nn.Params4bit.from_prequantized(
+            rest[key], stats, requires_grad=False, device=module.weight.device, module=module
+        )
+        check_same_layer(key, saved.quant_state, built)
         module.weight = saved
-        module.quant_state = saved.quant_state
+        rest[key] = saved  # torch's copy_ of the packed bytes then copies the tensor onto itself: nothing
         restored = True
     if restored:
         share_code_books(model)  # the saved code books are one copy per layer again
@@ -58,6 +60,6 @@ def restore_4bit_weights(model: nn.Module, state_dict: Mapping[str, torch.Tensor
 def check_same_layer(key: str, saved: object, built: object) -> None:
     """The saved weight must be the one this config builds: its logical shape, 4-bit type and double quantization."""
     for what in ("shape", "quant_type", "nested"):
-        was, now = getattr(saved, what), getattr(built, what, None)
-        if now is not None and was != now:
+        was, now = getattr(saved, what), getattr(built, what)
+        if was != now:
             raise CheckpointMismatch(f"the 4-bit weight {key} has {what} {was} in the checkpoint, {now} in the model")
