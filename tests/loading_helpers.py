@@ -43,6 +43,17 @@ class LlamaModule(pl.LightningModule):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
 
 
+LLAMA_LORA = {"r": 4, "target_modules": ["q_proj", "v_proj"]}  # LoRA for ``LlamaModule``'s attention
+
+
+class ValidatedLlama(LlamaModule):
+    """``LlamaModule`` that logs ``val_loss``: what ``validate(ckpt_path=)`` of a restored run gives."""
+
+    def validation_step(self, batch, batch_idx):
+        loss = self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+        self.log("val_loss", loss)
+
+
 def save_llama(
     directory: Path,
     seed: int = 1,

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning_helpers import quiet_trainer
-from loading_helpers import LlamaModule, save_llama
+from loading_helpers import LLAMA_LORA as LORA
+from loading_helpers import ValidatedLlama, save_llama
 from qlora_helpers import LossRecorder, ids_loader
 
 from pl_lowprec import LowPrecisionStrategy
@@ -17,14 +18,6 @@ from pl_lowprec.export.restore import restore
 
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
-
-LORA = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
-
-
-class ValidatedLlama(LlamaModule):
-    def validation_step(self, batch, batch_idx):
-        loss = self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
-        self.log("val_loss", loss)
 
 
 def _strategy(pretrained, quantization) -> LowPrecisionStrategy:

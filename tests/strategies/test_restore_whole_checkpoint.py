@@ -6,21 +6,20 @@ from __future__ import annotations
 
 import pytest
 from lightning_helpers import quiet_trainer
-from loading_helpers import LlamaModule, bin_copy, count_safetensors_opens, count_unpickles, save_llama
+from loading_helpers import LLAMA_LORA as LORA
+from loading_helpers import (
+    ValidatedLlama,
+    bin_copy,
+    count_safetensors_opens,
+    count_unpickles,
+    save_llama,
+)
 from qlora_helpers import ids_loader
 
 from pl_lowprec import LowPrecisionStrategy
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
-
-LORA = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
-
-
-class ValidatedLlama(LlamaModule):
-    def validation_step(self, batch, batch_idx):
-        loss = self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
-        self.log("val_loss", loss)
 
 
 def _trained(pretrained, tmp_path, tie=False, **strategy):
