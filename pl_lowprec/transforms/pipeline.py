@@ -95,7 +95,7 @@ from pl_lowprec.transforms.optimizers import (
 from pl_lowprec.transforms.pretrained_adapter import load_adapter_weights, rooted_targets
 from pl_lowprec.transforms.qat import convert_qat, is_converted, prepare_qat
 from pl_lowprec.transforms.quantization import QuantizationConfig, quantize_linear, quantize_model
-from pl_lowprec.transforms.quantized_checkpoint import restore_4bit_weights
+from pl_lowprec.transforms.quantized_checkpoint import check_int8_weights, restore_4bit_weights
 from pl_lowprec.transforms.tied_linears import check_tied_layers_stay_tied
 from pl_lowprec.transforms.trainable import without_lora_line
 from pl_lowprec.transforms.trainable_bias import keep_trainable_biases
@@ -369,6 +369,8 @@ class ModelTransform:
     def load_state_dict(self, model: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool) -> None:
         """``CheckpointMismatch`` (one paragraph) when the checkpoint's tensors do not fit the model. 4-bit base
         weights saved whole come back with their saved constants (``quantized_checkpoint.py``)."""
+        if self.config.quantization is not None and self.config.quantization.mode == "int8":
+            check_int8_weights(model, state_dict)
         state_dict = restore_4bit_weights(model, state_dict)
         try:
             if self.config.adapter_only:

@@ -7,7 +7,9 @@ keys are no module's parameters or buffers, so torch's ``load_state_dict`` refus
 run saved whole could not be resumed or validated. They are taken out here and each layer's weight is rebuilt from
 the saved bytes and constants with ``Params4bit.from_prequantized``, as transformers restores a saved 4-bit model
 (its ``Bnb4bitDeserialize``): the base the adapters were trained on, exactly, whatever ``pretrained=`` holds now.
-8-bit layers need nothing here: ``Linear8bitLt._load_from_state_dict`` reads its ``SCB`` and ``weight_format``.
+8-bit layers load themselves: ``Linear8bitLt._load_from_state_dict`` reads its ``SCB`` and ``weight_format``;
+but a weight saved unquantized (a run without ``quantization="int8"``) would be cast into the int8 storage and
+scaled by an ``SCB`` computed from whatever the layer held: ``check_int8_weights`` refuses it.
 """
 
 from __future__ import annotations
@@ -63,3 +65,20 @@ def check_same_layer(key: str, saved: object, built: object) -> None:
         was, now = getattr(saved, what), getattr(built, what)
         if was != now:
             raise CheckpointMismatch(f"the 4-bit weight {key} has {what} {was} in the checkpoint, {now} in the model")
+
+
+def check_int8_weights(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """``CheckpointMismatch`` where an int8 layer's saved weight is not int8 with its ``SCB``: torch's copy would
+    cast it into the layer silently, next to the ``SCB`` of what the layer held before (nothing, or the base)."""
+    bnb = import_bitsandbytes()
+    for name, module in model.named_modules():
+        key = f"{name}.weight" if name else "weight"
+        if not isinstance(module, bnb.nn.Linear8bitLt) or key not in state_dict:
+            continue
+        saved = state_dict[key]
+        scb = f"{name}.SCB" if name else "SCB"
+        if saved.dtype != torch.int8 or scb not in state_dict:
+            raise CheckpointMismatch(
+                f"the int8 layer {name} has a {str(saved.dtype).removeprefix('torch.')} weight"
+                f"{'' if scb in state_dict else ' and no SCB'} in the checkpoint, saved without quantization='int8'"
+            )

@@ -82,3 +82,23 @@ def test_the_export_restores_a_whole_qlora_checkpoint(tmp_path):
     expected, got = merged_state_dict(trained), merged_state_dict(restored.module)
     assert expected.keys() == got.keys()
     assert all(torch.equal(expected[key], got[key]) for key in expected)
+
+
+@pytest.mark.parametrize(
+    ("quantization", "refusal"),
+    [
+        ("int8", r"int8 layer model\.model\.layers\.0\.self_attn\.q_proj\.base_layer has a float32 weight and no SCB"),
+        ("nf4", r"q_proj\.base_layer\.weight: \[64, 64\] in the checkpoint, \[2048, 1\] in the model"),
+    ],
+)
+def test_a_whole_checkpoint_saved_unquantized_is_refused_by_a_quantized_config(tmp_path, quantization, refusal):
+    """A float weight into an int8 layer was cast silently, beside the ``SCB`` of what the layer held (quantized
+    from empty storage, as the checkpoint sets every weight: val_loss nan; before, from pretrained=: a wrong loss).
+    A 4-bit layer refuses it by its packed shape."""
+    pretrained = save_llama(tmp_path / "base", hidden_size=64)
+    _fit(pretrained, None, 1, save_to=tmp_path / "w.ckpt")
+    trainer = quiet_trainer(strategy=_strategy(pretrained, quantization))
+    with trainer.init_module(empty_init=True):
+        restored = ValidatedLlama(hidden_size=64)
+    with pytest.raises(CheckpointMismatch, match=refusal):
+        trainer.validate(restored, ids_loader(batches=1), ckpt_path=tmp_path / "w.ckpt", verbose=False)
