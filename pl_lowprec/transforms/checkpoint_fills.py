@@ -6,8 +6,10 @@ overwrites every weight ``pretrained=`` streamed in: each was read twice, the pr
 it holds every one, the model gets empty storage instead, the transform runs on it as on loaded weights
 (LoRA, QAT, FP8), and the checkpoint's load fills each value, as ``CausalLM.load_from_checkpoint`` does
 (``models/standalone_load.py``). A LoRA initialization computed from the base (PiSSA, OLoRA, ...: it moves part of
-the base into A and B, and keeps the initial A and B for the export) reads the pretrained weights as before, and
-so does ``quantization=``: its layers are quantized from the weights they hold.
+the base into A and B, and keeps the initial A and B for the export) reads the pretrained weights as before.
+With ``quantization=`` the layers are quantized from that empty storage, and the checkpoint's load replaces what
+it made: each 4-bit weight with its saved bytes and constants (``quantized_checkpoint.py``), each int8 weight
+with its saved bytes and ``SCB``.
 """
 
 from __future__ import annotations
@@ -27,8 +29,6 @@ def fills_every_weight(model: nn.Module, config: Any, state_dict: Mapping[str, A
     """Whether loading ``state_dict`` after the transform of ``config`` sets every parameter ``model`` still has
     on the meta device: then nothing read from ``pretrained=`` would survive."""
     if config.adapter_only or (config.lora is not None and config.lora.init_lora_weights not in INITS_FROM_NOTHING):
-        return False
-    if config.quantization is not None:  # the layers are quantized from what they hold: it must be the weights
         return False
     waiting = [name for name, param in model.named_parameters() if is_meta(param)]
     saved = {plain_key(key) for key in state_dict}

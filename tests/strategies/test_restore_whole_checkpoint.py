@@ -46,10 +46,20 @@ def _validated(pretrained, checkpoint, tie=False, **strategy):
 
 @pytest.mark.parametrize(
     "strategy",
-    [{}, {"tie": True}, {"lora": LORA, "adapter_only_checkpoint": False}],
-    ids=["whole-model", "tied-whole-model", "lora-whole-checkpoint"],
+    [
+        {},
+        {"tie": True},
+        {"lora": LORA, "adapter_only_checkpoint": False},
+        {"lora": LORA, "quantization": "nf4", "adapter_only_checkpoint": False},
+        {"lora": LORA, "quantization": "int8", "adapter_only_checkpoint": False},
+    ],
+    ids=["whole-model", "tied-whole-model", "lora-whole-checkpoint", "nf4-whole-checkpoint", "int8-whole-checkpoint"],
 )
 def test_validate_of_a_whole_checkpoint_reads_no_pretrained_file(tmp_path, monkeypatch, strategy):
+    """With quantization= too: the layers quantized from empty storage get the checkpoint's packed weights and
+    constants (4-bit: ``quantized_checkpoint.py``; int8: its ``SCB``)."""
+    if "quantization" in strategy:
+        pytest.importorskip("bitsandbytes")
     pretrained = save_llama(tmp_path / "base", hidden_size=64, tie=strategy.get("tie", False))
     checkpoint, trained = _trained(pretrained, tmp_path, **strategy)
     opened = count_safetensors_opens(monkeypatch, pretrained)
@@ -71,12 +81,18 @@ def test_validate_of_a_whole_checkpoint_unpickles_no_bin_base(tmp_path, monkeypa
 
 @pytest.mark.parametrize(
     "strategy",
-    [{"lora": LORA}, {"lora": {**LORA, "init_lora_weights": "pissa"}, "adapter_only_checkpoint": False}],
-    ids=["adapter-only", "pissa-whole-checkpoint"],
+    [
+        {"lora": LORA},
+        {"lora": {**LORA, "init_lora_weights": "pissa"}, "adapter_only_checkpoint": False},
+        {"lora": {**LORA, "init_lora_weights": "olora"}, "quantization": "nf4", "adapter_only_checkpoint": False},
+    ],
+    ids=["adapter-only", "pissa-whole-checkpoint", "olora-nf4-whole-checkpoint"],
 )
 def test_a_checkpoint_that_needs_the_base_still_reads_it(tmp_path, monkeypatch, strategy):
-    """An adapter-only checkpoint lacks the base; PiSSA computes its initial adapters from it (kept for the export):
-    pretrained= is read, as before."""
+    """An adapter-only checkpoint lacks the base; PiSSA computes its initial adapters from it (kept for the export),
+    OLoRA also from a 4-bit layer, which must not be quantized from empty storage: pretrained= is read, as before."""
+    if "quantization" in strategy:
+        pytest.importorskip("bitsandbytes")
     pretrained = save_llama(tmp_path / "base", hidden_size=64)
     checkpoint, trained = _trained(pretrained, tmp_path, **strategy)
     opened = count_safetensors_opens(monkeypatch, pretrained)
