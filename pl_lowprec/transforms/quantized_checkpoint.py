@@ -31,9 +31,9 @@ SAVED_BESIDE = ("absmax", "quant_map", "nested_absmax", "nested_quant_map", f"{P
 def restore_4bit_weights(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Rebuild every ``Linear4bit`` weight of ``model`` that ``state_dict`` saved with its constants; return the
     state dict left for torch's ``load_state_dict``. ``CheckpointMismatch`` where a saved weight is not the
-    layer's: another shape, 4-bit type or double quantization."""
+    layer's: another shape, 4-bit type or double quantization, or packed bytes saved without their constants."""
     rest = dict(state_dict)
-    if not any(PACKED_STATE in key for key in rest):
+    if not any(type(module).__name__ == "Linear4bit" for module in model.modules()):
         return rest
     bnb = import_bitsandbytes()
     restored = False
@@ -45,6 +45,7 @@ def restore_4bit_weights(model: nn.Module, state_dict: Mapping[str, torch.Tensor
             continue
         stats = {part: rest.pop(f"{key}.{part}") for part in SAVED_BESIDE if f"{key}.{part}" in rest}
         if not stats:
+            check_not_packed(key, rest[key], module.weight)
             continue
         built = module.weight.quant_state
         saved = bnb.nn.Params4bit.from_prequantized(
@@ -65,6 +66,17 @@ def check_same_layer(key: str, saved: object, built: object) -> None:
         was, now = getattr(saved, what), getattr(built, what)
         if was != now:
             raise CheckpointMismatch(f"the 4-bit weight {key} has {what} {was} in the checkpoint, {now} in the model")
+
+
+def check_not_packed(key: str, saved: torch.Tensor, built: torch.Tensor) -> None:
+    """Packed bytes without their constants would be copied in and read with the constants the layer computed from
+    what it held (the empty storage a whole checkpoint fills, or ``pretrained=``); a weight saved unquantized has
+    another shape, which torch's ``load_state_dict`` names."""
+    if saved.shape == built.shape and saved.dtype == built.dtype:
+        raise CheckpointMismatch(
+            f"the 4-bit weight {key} is in the checkpoint without the constants saved beside it"
+            f" ({', '.join(f'{key}.{part}' for part in SAVED_BESIDE[:2])}, ...)"
+        )
 
 
 def check_int8_weights(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:

@@ -102,3 +102,24 @@ def test_a_whole_checkpoint_saved_unquantized_is_refused_by_a_quantized_config(t
         restored = ValidatedLlama(hidden_size=64)
     with pytest.raises(CheckpointMismatch, match=refusal):
         trainer.validate(restored, ids_loader(batches=1), ckpt_path=tmp_path / "w.ckpt", verbose=False)
+
+
+@pytest.mark.parametrize("stripped", ["model.model.layers.0.self_attn.q_proj.base_layer.weight.", ".weight."])
+def test_packed_weights_without_their_constants_are_refused(tmp_path, stripped):
+    """Packed bytes have the layer's packed shape: torch copied them in, read with the constants the layer computed
+    from its empty storage (one layer's constants missing, or all of them)."""
+    pretrained = save_llama(tmp_path / "base", hidden_size=64)
+    _fit(pretrained, "nf4", 1, save_to=tmp_path / "w.ckpt")
+    saved = torch.load(tmp_path / "w.ckpt", weights_only=False)
+    beside = ("absmax", "quant_map", "quant_state.")
+    saved["state_dict"] = {
+        key: value
+        for key, value in saved["state_dict"].items()
+        if not (stripped in key and key.rsplit(".weight.", 1)[-1].startswith(beside))
+    }
+    torch.save(saved, tmp_path / "stripped.ckpt")
+    trainer = quiet_trainer(strategy=_strategy(pretrained, "nf4"))
+    with trainer.init_module(empty_init=True):
+        restored = ValidatedLlama(hidden_size=64)
+    with pytest.raises(CheckpointMismatch, match=r"q_proj\.base_layer\.weight is in the checkpoint without the const"):
+        trainer.validate(restored, ids_loader(batches=1), ckpt_path=tmp_path / "stripped.ckpt", verbose=False)
