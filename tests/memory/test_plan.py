@@ -10,6 +10,7 @@ import pytest
 import torch
 import warm_python
 import yaml
+from estimate_memo_helpers import estimates_once
 from lightning.pytorch.callbacks import Callback
 from lightning_helpers import quiet_trainer
 
@@ -17,6 +18,7 @@ from pl_lowprec import LowPrecisionStrategy, estimate_memory
 from pl_lowprec.cli.dispatch import main as cli
 from pl_lowprec.demo import StdlibTextDataModule, TinyLlama
 from pl_lowprec.distributed.sharding import Sharding
+from pl_lowprec.memory import plan as plan_module
 from pl_lowprec.memory.fastest import MemorySettings
 from pl_lowprec.memory.plan import MemoryPlan, Settings, plan_memory, resized, settings_config
 from pl_lowprec.memory.sizes import parse_bytes
@@ -350,10 +352,11 @@ def test_cli_on_several_devices_also_says_what_sharding_would_fit(tmp_path, caps
     assert said == round(per_rank / 2**20, 2)  # the figure said is the per-rank simulation of those settings
 
 
-def test_cli_on_several_devices_switches_to_sharding_when_only_it_fits(tmp_path, capsys):
+def test_cli_on_several_devices_switches_to_sharding_when_only_it_fits(tmp_path, capsys, monkeypatch):
     """Nothing fits unsharded, the same 2 devices sharded do: the sharded candidate is chosen and written with the
     FSDP2 strategy, and the written config's own per-rank estimate is the figure the plan chose by. A full
     fine-tune of short rows, so that weights, gradients and AdamW state (what sharding halves) dominate."""
+    estimates_once(monkeypatch, plan_module)  # the second plan asks the first one's candidates again
     source = _write_config(tmp_path, batch_size=1, strategy={}, hidden_size=256, num_layers=2)
     common = ["plan", "--config", str(source), "--devices", "2", "--margin", "0", "--data.max_bytes", "60000"]
     common += ["--data.seq_len", "16"]
@@ -550,14 +553,8 @@ def test_at_the_configs_micro_batch_the_plan_holds_what_auto_chooses_for_the_sam
     from pl_lowprec.memory import fastest
     from pl_lowprec.memory.fastest import fastest_fitting
 
-    simulated: dict = {}  # each candidate simulated once for all budgets (the search itself runs every time)
-
-    def estimate_once(*args, config, **kwargs):
-        if repr(config) not in simulated:
-            simulated[repr(config)] = estimate_memory(*args, config=config, **kwargs)
-        return simulated[repr(config)]
-
-    monkeypatch.setattr(fastest, "estimate_memory", estimate_once)
+    # each candidate simulated once for all budgets, by fit's search and the plan alike (both search every time)
+    estimates_once(monkeypatch, fastest, plan_module)
     build = lambda: tiny_llama(hidden_size=64)  # noqa: E731
     batch = {"input_ids": torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))}
     config = TransformConfig(lora={"r": 4, "lora_alpha": 8}, memory_saving="auto", activation_checkpointing="auto")
