@@ -11,12 +11,15 @@ from pl_lowprec.memory.estimate import estimate_memory
 from pl_lowprec.memory.fake_step import batch_tensors
 
 
-def estimates_once(monkeypatch: pytest.MonkeyPatch, *modules: Any) -> dict[tuple, Any]:
-    """Patch ``estimate_memory`` where ``modules`` call it with a memo keyed by every argument but the model
-    builder (each test builds one model) and by the batch's tensor shapes and dtypes; returns the memo, so a test
-    can say how many simulations ran."""
+def estimates_once(
+    monkeypatch: pytest.MonkeyPatch, *modules: Any, memo: list[tuple[tuple, Any]] | None = None
+) -> list[tuple[tuple, Any]]:
+    """Patch ``estimate_memory`` where ``modules`` call it with a memo of ``(arguments, estimate)``, the arguments
+    compared by value (every one but the model builder: each test builds one model; the batch by its tensors'
+    shapes and dtypes). A list, not a dict keyed by ``repr``: equal sets may print in another order. Returns the
+    memo (``memo`` where given: one shared with an earlier call), so a test can say how many simulations ran."""
     signature = inspect.signature(estimate_memory)
-    memo: dict[tuple, Any] = {}
+    memo = [] if memo is None else memo
 
     def once(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(*args, **kwargs)
@@ -26,10 +29,12 @@ def estimates_once(monkeypatch: pytest.MonkeyPatch, *modules: Any) -> dict[tuple
         batch = arguments.pop("example_batch")
         if arguments["device"] is not None:  # "cpu" and torch.device("cpu") alike
             arguments["device"] = torch.device(arguments["device"])
-        key = (repr(arguments), tuple((t.shape, t.dtype) for t in batch_tensors(batch)))
-        if key not in memo:
-            memo[key] = estimate_memory(*args, **kwargs)
-        return memo[key]
+        key = (arguments, [(t.shape, t.dtype) for t in batch_tensors(batch)])
+        for asked, estimate in memo:
+            if asked == key:
+                return estimate
+        memo.append((key, estimate_memory(*args, **kwargs)))
+        return memo[-1][1]
 
     for module in modules:
         monkeypatch.setattr(module, "estimate_memory", once)

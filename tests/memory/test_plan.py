@@ -15,6 +15,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning_helpers import quiet_trainer
 
 from pl_lowprec import LowPrecisionStrategy, estimate_memory
+from pl_lowprec.cli import estimate as estimate_cli_module
+from pl_lowprec.cli import plan as cli_plan_module
 from pl_lowprec.cli.dispatch import main as cli
 from pl_lowprec.demo import StdlibTextDataModule, TinyLlama
 from pl_lowprec.distributed.sharding import Sharding
@@ -230,7 +232,9 @@ def test_cli_nothing_fits_exits_1_with_the_paragraph(tmp_path, capsys):
     assert "Nothing fits in 0.90 MiB (budget 1.00 MiB less the 10% margin)" in capsys.readouterr().err
 
 
-def test_cli_maximize_seq_len_finds_the_longest_that_fits_and_writes_it_with_the_global_batch(tmp_path, capsys):
+def test_cli_maximize_seq_len_finds_the_longest_that_fits_and_writes_it_with_the_global_batch(
+    tmp_path, capsys, monkeypatch
+):
     """The longest sequence is searched at micro-batch 1 with the accumulation that keeps the config's 8 rows a
     step, and written so: the written config's own estimate fits, where the config's micro-batch of 8 at that
     length would not. The Trainer's batch counts follow the micro-batch, so validation comes after as many rows."""
@@ -241,6 +245,7 @@ def test_cli_maximize_seq_len_finds_the_longest_that_fits_and_writes_it_with_the
     out = tmp_path / "longest.yaml"
     # 2.2 MiB: the longest is between 64 and 128 (a peak of 1.9 MiB at 64, 2.6 at 128), a short bisection
     args = ["plan", "--config", str(source), "--memory", "2.2MiB", "--maximize", "seq_len", "--margin", "0"]
+    lengths = estimates_once(monkeypatch, cli_plan_module)  # each length the search simulated
     cli([*args, "--out", str(out)])
     printed = capsys.readouterr().out
     best = int(next(x for x in printed.splitlines() if x.startswith("Largest seq_len")).rsplit(": ", 1)[1])
@@ -249,16 +254,23 @@ def test_cli_maximize_seq_len_finds_the_longest_that_fits_and_writes_it_with_the
     from pl_lowprec.cli.estimate import estimate_config
 
     def peak(seq_len: int, config: Path = source) -> int:
-        return estimate_config(
-            [
-                "--config", str(config),
-                "--data.init_args.seq_len", str(seq_len),
-                "--data.init_args.batch_size", "1",
-                "--trainer.accumulate_grad_batches", "8",
-                "--trainer.strategy.init_args.activation_checkpointing", "[LlamaDecoderLayer]",
-                "--trainer.strategy.init_args.optimizer", "adamw8bit",
-            ]
-        ).peak  # fmt: skip
+        """The estimate of ``seq_len`` with the search's settings, which the search simulated already: taken from
+        it, and the test fails if the settings differ (a new simulation)."""
+        simulated = len(lengths)
+        with monkeypatch.context() as patch:
+            estimates_once(patch, estimate_cli_module, memo=lengths)
+            estimate = estimate_config(
+                [
+                    "--config", str(config),
+                    "--data.init_args.seq_len", str(seq_len),
+                    "--data.init_args.batch_size", "1",
+                    "--trainer.accumulate_grad_batches", "8",
+                    "--trainer.strategy.init_args.activation_checkpointing", "[LlamaDecoderLayer]",
+                    "--trainer.strategy.init_args.optimizer", "adamw8bit",
+                ]
+            )  # fmt: skip
+        assert len(lengths) == simulated, f"the search never simulated seq_len {seq_len} with these settings"
+        return estimate.peak
 
     planned = yaml.safe_load(out.read_text())
     searched = planned["trainer"]["strategy"]["init_args"]  # the settings the search ran with, written
