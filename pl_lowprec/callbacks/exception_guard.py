@@ -110,8 +110,9 @@ class ExceptionSaveGuard(Callback):
         this batch; else a paragraph (``who``: the callback, ``note`` last) saying why not and which file to resume
         from. The ranks are asked once per failure: a second guard takes the first one's answer."""
         guard = trainer_guard(trainer)
-        if guard.ranks is None:
-            wait_s = every_rank_wait_s(trainer, self.every_rank_wait_s)
+        if guard.ranks is None:  # the longest wait any guard was given: the ranks are asked once for all of them
+            given = [c.every_rank_wait_s for c in trainer.callbacks if isinstance(c, ExceptionSaveGuard)]
+            wait_s = every_rank_wait_s(trainer, max((s for s in given if s is not None), default=None))
             guard.ranks = ranks_at_failure(trainer, exception, guard.watch.interrupted, wait_s)
         ranks = guard.ranks
         last_file = last_saved_file(trainer)

@@ -491,10 +491,10 @@ def test_the_ranks_are_asked_once_per_failure_whichever_callbacks_save_on_it(tmp
     """Two callbacks saving on one failure share the ranks' answer (a second ask would wait for them again), and a
     later fit asks again: the answer was kept per process under the exception's ``id`` and the place in the run,
     and a later fit's exception that CPython placed where an earlier one had been took that fit's answer."""
-    asked = []
+    asked, waits = [], []
 
     def every_rank_failed(place, update_interrupted, wait_s):
-        asked.append(place)
+        asked.append(place), waits.append(wait_s)
         return failing_ranks.RanksAtFailure(True, (), wait_s)
 
     monkeypatch.setattr(failing_ranks, "several_ranks", lambda: True)
@@ -504,10 +504,11 @@ def test_the_ranks_are_asked_once_per_failure_whichever_callbacks_save_on_it(tmp
             fit(
                 tmp_path / run,
                 strategy=LowPrecisionStrategy(),
-                schedule={"every_n_train_steps": 4, "save_on_exception": True},
-                callbacks=[RaisesOneException(), OnExceptionCheckpoint(tmp_path / run)],
+                schedule={"every_n_train_steps": 4, "save_on_exception": True, "every_rank_wait_s": 300},
+                callbacks=[RaisesOneException(), OnExceptionCheckpoint(tmp_path / run)],  # asks first
                 max_steps=8,
             )
         assert (tmp_path / run / "on_exception.ckpt").exists()  # both saved on the one answer
         assert saved(tmp_path / run / "last.ckpt")[0] == 2
     assert len(asked) == 2 and asked[0].endswith("0/6/2")
+    assert waits == [300.0, 300.0]  # the wait the user gave StepBoundaryCheckpoint, though the other asked first
