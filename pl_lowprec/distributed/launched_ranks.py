@@ -95,7 +95,7 @@ def exit_as_failed_ranks(launched: list[subprocess.Popen]) -> None:
     """At rank 0's exit, after waiting for ``launched``: where one of them failed and rank 0 did not, exit with
     that rank's status (the first positive one; 1 for a rank ended by a signal)."""
     codes = [proc.returncode for proc in launched if proc.returncode]
-    if not codes or _failing.is_set():
+    if not codes or rank_zero_failed():
         return
     sys.stdout.flush()
     sys.stderr.flush()
