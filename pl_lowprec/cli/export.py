@@ -29,7 +29,7 @@ from pl_lowprec.export.out_paths import check_out_dir
 from pl_lowprec.export.quantized import check_qat_export, export_quantized
 from pl_lowprec.export.restore import restore, sources
 from pl_lowprec.export.write import check_dtype, check_export, choose_format, export, read_paths
-from pl_lowprec.loading.sources import shared_weight_files
+from pl_lowprec.loading.sources import weight_files
 
 
 def main(args: list[str] | None = None) -> None:
@@ -114,7 +114,7 @@ def main(args: list[str] | None = None) -> None:
         # a classifier built in __init__ is known before the weights load
         check_module_generates(held_hf_model(run.model), type(run.model).__name__, GGUF)
         check_gguf_sources(weights, tokenizer_dir)
-    with shared_weight_files():  # the restore's load and the merge read the base: a .bin shard is unpickled once
+    with weight_files():  # the restore's load and the merge read the base: a .bin shard is unpickled once
         restored = restore(checkpoint, run.trainer, run.model, run.datamodule)
         if qat is not None:
             print(export_quantized(restored, out, parsed.overwrite, inputs))

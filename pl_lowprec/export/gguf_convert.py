@@ -31,7 +31,7 @@ from pl_lowprec.export.gguf_arch import (
 )
 from pl_lowprec.export.gguf_types import K_MIXES, MixModel, encode, file_type, stored_as, tensor_types
 from pl_lowprec.export.gguf_vocab import add_vocabulary
-from pl_lowprec.loading.sources import WeightFiles, checkpoint_files
+from pl_lowprec.loading.sources import WeightFiles, checkpoint_files, weight_files
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ def model_config(model_dir: Path) -> Any:
     return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
 
 
-def weight_files(model_dir: Path) -> list[Path]:
+def model_weight_files(model_dir: Path) -> list[Path]:
     """The weight files of ``model_dir`` as the streamed load finds them (safetensors preferred, else
     ``pytorch_model.bin`` or its shards), in the order of their names, which is the order of the shards."""
     try:
@@ -62,7 +62,7 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 def auto_type(model_dir: Path, files: WeightFiles) -> str:
     """``--gguf_type auto``: bf16 for bf16 weights, else f16 (llama.cpp's converter reads the first matrix too)."""
-    with files.open(weight_files(model_dir)[0]) as handle:
+    with files.open(model_weight_files(model_dir)[0]) as handle:
         for key in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
             tensor = handle.get_slice(key)
             if len(tensor.get_shape()) >= 2:
@@ -76,7 +76,7 @@ def plan(
     """Every tensor the file will hold, from the files' headers (nothing is loaded)."""
 
     def headers() -> Iterator[tuple[Path, str, tuple[int, ...]]]:
-        for file in weight_files(model_dir):
+        for file in model_weight_files(model_dir):
             with files.open(file) as handle:
                 for key in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
                     yield file, key, tuple(handle.get_slice(key).get_shape())
@@ -161,7 +161,7 @@ def convert_to_gguf(
     """Write ``model_dir`` (config, safetensors or .bin, tokenizer) to ``out_file``; return what was written.
     ``files``: the export's open weight files, where it writes more than one type (a .bin is unpickled once)."""
     if files is None:
-        with WeightFiles() as own:
+        with weight_files() as own:
             return convert_to_gguf(model_dir, out_file, gguf_type, name, own)
     gguf = import_gguf()
     model_dir = Path(model_dir)

@@ -25,7 +25,7 @@ from pl_lowprec.export.restore import Restored
 from pl_lowprec.export.write import check_merged, export, pretrained_dir, read_paths
 from pl_lowprec.loading import PretrainedWeights
 from pl_lowprec.loading.hub import local_or_downloaded
-from pl_lowprec.loading.sources import WeightFiles
+from pl_lowprec.loading.sources import weight_files
 from pl_lowprec.loading.tokenizer import load_tokenizer
 
 
@@ -147,7 +147,7 @@ def write_ggufs(model_dir: Path, out: Path, requested: list[str], source: str, n
     """Each requested type of ``model_dir`` as ``out/model-<type>.gguf``, the ``Modelfile`` for the first, and the
     summary: a paragraph for the first file, a line for each other. ``name`` is the files' ``general.name``."""
     files = []
-    with WeightFiles() as weights:  # a .bin shard is unpickled once for every type
+    with weight_files() as weights:  # a .bin shard is unpickled once for every type
         resolved = [auto_type(model_dir, weights) if asked == "auto" else asked for asked in requested]
         for gguf_type in dict.fromkeys(resolved):  # each once (auto may resolve to a type also asked for)
             gguf_file = out / f"model-{gguf_type}.gguf"

@@ -7,7 +7,7 @@ adapted weight is merged in fp32 and rounded once to the output dtype, and every
 order, so ``AutoModelForCausalLM.from_pretrained`` loads the result as it loaded the original; a base of
 ``pytorch_model.bin`` files is unpickled once per shard, as the streamed load reads it (``loading.sources.WeightFiles``:
 headers and tensors from the one mapping, each tensor's pages dropped once written; ``pl-lowprec export`` shares
-the mapping with the restore's load, ``sources.shared_weight_files``), and written as safetensors
+the mapping with the restore's load, ``sources.weight_files``), and written as safetensors
 (``pytorch_model-00001-of-00002.bin`` as ``model-00001-of-00002.safetensors``, with ``model.safetensors.index.json``),
 as ``save_pretrained`` writes it.
 The other files of the model directory (``config.json``, ``generation_config.json``, the tokenizer) are copied.

@@ -209,28 +209,20 @@ _SHARED: ContextVar[WeightFiles | None] = ContextVar("shared_weight_files", defa
 
 
 @contextmanager
-def shared_weight_files() -> Iterator[WeightFiles]:
-    """One ``WeightFiles`` for every read of pretrained weights inside this block: an export restores the model
-    (its load reads the base) and then merges into the same base files, and a ``.bin`` shard is unpickled once for
-    both (it was once each)."""
+def weight_files() -> Iterator[WeightFiles]:
+    """The ``WeightFiles`` every read of pretrained weights inside this block opens its files through: those of a
+    ``weight_files`` around it, else new ones, closed when it ends. An export restores the model (its load reads the
+    base) and then merges into the same base files: a ``.bin`` shard is unpickled once for both (it was once each)."""
+    shared = _SHARED.get()
+    if shared is not None:
+        yield shared
+        return
     with WeightFiles() as files:
         token = _SHARED.set(files)
         try:
             yield files
         finally:
             _SHARED.reset(token)
-
-
-@contextmanager
-def weight_files() -> Iterator[WeightFiles]:
-    """The ``WeightFiles`` a read opens its files through: those of ``shared_weight_files`` around it, else its own
-    (closed when it ends)."""
-    shared = _SHARED.get()
-    if shared is not None:
-        yield shared
-        return
-    with WeightFiles() as files:
-        yield files
 
 
 @contextmanager
