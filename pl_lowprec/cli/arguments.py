@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import yaml
 
 from pl_lowprec._did_you_mean import closest
+from pl_lowprec._per_command import PerCommand
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ def config_values(cli_args: list[str]) -> list[str]:
 
 
 # configs_read_once's parses, by value (a file's with its size and time): (fields, source)
-_READS: ContextVar[dict[tuple[Any, ...], tuple[Any, str]] | None] = ContextVar("config_reads", default=None)
+_READS: PerCommand[dict[tuple[Any, ...], tuple[Any, str]]] = PerCommand("config_reads", dict)
 
 
 SOURCE_MARK = "# pl-lowprec: from "  # first line of YAML made from a file: where it came from
@@ -61,7 +61,7 @@ def inline_from(fields: Any, source: str) -> str:
     """``fields`` as inline YAML for ``--config``, remembering the file they came from (``read_config`` says it);
     inside ``configs_read_once``, ``read_config`` of it gives ``fields`` back without parsing the text."""
     text = f"{SOURCE_MARK}{source}\n{yaml.safe_dump(fields)}"
-    reads = _READS.get()
+    reads = _READS.current()
     if reads is not None:
         reads[(text,)] = (fields, source)  # read_config copies what it hands out
     return text
@@ -81,15 +81,10 @@ def _exists(path: Path) -> bool:
         return False
 
 
-@contextmanager
-def configs_read_once() -> Iterator[None]:
+def configs_read_once() -> AbstractContextManager[dict[tuple[Any, ...], tuple[Any, str]]]:
     """Inside, each ``--config`` is parsed once: ``config_paragraph``'s checks parse it first, and the later readers
     (``strategy_override``, ``plan``'s merge, the rebuild) get a copy of that parse, not a parse of their own."""
-    token = _READS.set({})
-    try:
-        yield
-    finally:
-        _READS.reset(token)
+    return _READS.scope()
 
 
 def _read_key(value: str) -> tuple[Any, ...]:
@@ -105,7 +100,7 @@ def read_config(value: str) -> tuple[Any, str]:
     """A ``--config`` value's fields (a YAML file's, or the YAML given inline) and where they come from, in words:
     the file's path, also for YAML that ``inline_from`` made of a file. Inside ``configs_read_once`` a value is
     parsed once and each reader gets its own copy (some set keys in what they read)."""
-    reads = _READS.get()
+    reads = _READS.current()
     if reads is None:
         return _parsed(value)
     key = _read_key(value)

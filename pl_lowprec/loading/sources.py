@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pl_lowprec._imports import import_safetensors
+from pl_lowprec._per_command import PerCommand
 from pl_lowprec.loading.host_memory import release_mapped_pages
 from pl_lowprec.loading.torch_files import (
     BIN_INDEX_NAME,
@@ -205,24 +206,14 @@ class WeightFiles:
         self.close()
 
 
-_SHARED: ContextVar[WeightFiles | None] = ContextVar("shared_weight_files", default=None)
+_OPEN_FILES: PerCommand[WeightFiles] = PerCommand("weight_files", WeightFiles, WeightFiles.close)
 
 
-@contextmanager
-def weight_files() -> Iterator[WeightFiles]:
+def weight_files() -> AbstractContextManager[WeightFiles]:
     """The ``WeightFiles`` every read of pretrained weights inside this block opens its files through: those of a
     ``weight_files`` around it, else new ones, closed when it ends. An export restores the model (its load reads the
     base) and then merges into the same base files: a ``.bin`` shard is unpickled once for both (it was once each)."""
-    shared = _SHARED.get()
-    if shared is not None:
-        yield shared
-        return
-    with WeightFiles() as files:
-        token = _SHARED.set(files)
-        try:
-            yield files
-        finally:
-            _SHARED.reset(token)
+    return _OPEN_FILES.scope()
 
 
 @contextmanager

@@ -14,9 +14,8 @@ loads nothing.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 from torch import nn
 
 from pl_lowprec._imports import import_peft
+from pl_lowprec._per_command import PerCommand
 from pl_lowprec.adapters import find_base_model, mismatch_summary, recorded_base
 from pl_lowprec.loading.hub import hub_snapshot, is_hub_id
 from pl_lowprec.transforms.lora import ADAPTER_NAME, base_changing_init, lora_config, with_task_heads
@@ -37,25 +37,20 @@ DATA_DRIVEN_INITS = ("eva", "lora_ga")  # only start A and B, which the saved te
 ADAPTER_DEFINING = ("r", "lora_alpha", "use_rslora", "use_dora", "target_modules", "rank_pattern", "alpha_pattern")
 
 
-_RESOLVED: ContextVar[dict[str, Path] | None] = ContextVar("resolved_adapters", default=None)
+_RESOLVED: PerCommand[dict[str, Path]] = PerCommand("resolved_adapters", dict)
 
 
-@contextmanager
-def adapters_resolved_once() -> Iterator[None]:
+def adapters_resolved_once() -> AbstractContextManager[dict[str, Path]]:
     """Within (each ``pl-lowprec`` command): a ``pretrained_adapter`` is resolved once and its directory reused.
     ``plan`` and ``fit``'s ``"auto"`` rebuild the strategy's config for every candidate (``dataclasses.replace``),
     and each rebuild resolved the adapter again: a hub round trip per candidate. Nested, the outer one's stand."""
-    token = _RESOLVED.set({} if _RESOLVED.get() is None else _RESOLVED.get())
-    try:
-        yield
-    finally:
-        _RESOLVED.reset(token)
+    return _RESOLVED.scope()
 
 
 def resolve_adapter(source: str | Path) -> Path:
     """A local adapter directory as it is; a hub id downloaded (adapter files only) where there is network; the
     directory found before for the same source inside ``adapters_resolved_once``."""
-    resolved = _RESOLVED.get()
+    resolved = _RESOLVED.current()
     if resolved is None:
         return _resolved(source)
     if str(source) not in resolved:
