@@ -19,6 +19,7 @@ import json
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -105,13 +106,17 @@ def from_run(checkpoint: str | Path, run: LowPrecisionCLI, tokenizer: str | None
     return from_restored(restore(checkpoint, run.trainer, run.model, run.datamodule), tokenizer)
 
 
-def template_kwargs(given: dict | None, of_run: dict | None) -> tuple[dict, str]:
-    """The chat template's arguments for every prompt, ``--chat_template_kwargs`` (``given``) else the run's data's
-    (``of_run``), and how a refusal of them names them."""
+def tokenized_prompts(
+    tokenizer: Any, source: str | Path | None, records: list[dict], given: dict | None, of_run: dict | None
+) -> list[list[int]]:
+    """``checked_prompt_ids`` under the chat template's arguments for every prompt: ``--chat_template_kwargs``
+    (``given``) else the run's data's (``of_run``), each named in a refusal as the user gave it."""
     if given is not None:
-        return given, f"--chat_template_kwargs '{json.dumps(given)}'"
-    kwargs = dict(of_run or {})
-    return kwargs, f"the run's data chat_template_kwargs {kwargs!r} (--chat_template_kwargs gives others)"
+        kwargs, named = given, f"--chat_template_kwargs '{json.dumps(given)}'"
+    else:
+        kwargs = dict(of_run or {})
+        named = f"the run's data chat_template_kwargs {kwargs!r} (--chat_template_kwargs gives others)"
+    return checked_prompt_ids(tokenizer, source, records, kwargs, named)
 
 
 def main(args: list[str] | None = None) -> None:
@@ -197,8 +202,7 @@ def main(args: list[str] | None = None) -> None:
         source = parsed.tokenizer or getattr(run.datamodule, "tokenizer_dir", None)
         if chat and source:  # before the checkpoint's weights load
             of_run = getattr(run.datamodule, "chat_template_kwargs", None)
-            kwargs, given = template_kwargs(parsed.chat_template_kwargs, of_run)
-            prompt_ids = checked_prompt_ids(load_tokenizer(source), source, records, kwargs, given)
+            prompt_ids = tokenized_prompts(load_tokenizer(source), source, records, parsed.chat_template_kwargs, of_run)
         generator = from_run(parsed.ckpt_path, run, parsed.tokenizer)
     else:
         inputs |= {"model directory": Path(parsed.model), "base model": parsed.base and Path(parsed.base)}
@@ -213,13 +217,13 @@ def main(args: list[str] | None = None) -> None:
         source = parsed.tokenizer or directory_tokenizer(model, base)
         tokenizer = model_tokenizer(source)
         if chat:  # before the model loads
-            kwargs, given = template_kwargs(parsed.chat_template_kwargs, None)
-            prompt_ids = checked_prompt_ids(tokenizer, source, records, kwargs, given)
+            prompt_ids = tokenized_prompts(tokenizer, source, records, parsed.chat_template_kwargs, None)
         generator = from_directory(model, base, device, tokenizer, dtype)
         print(f"Generating with --model {parsed.model} in {dtype} (--dtype).")
     if prompt_ids is None:  # a checkpoint whose tokenizer was known only once it was restored
-        kwargs, given = template_kwargs(parsed.chat_template_kwargs, generator.template_kwargs)
-        prompt_ids = checked_prompt_ids(generator.tokenizer, parsed.tokenizer, records, kwargs, given)
+        prompt_ids = tokenized_prompts(
+            generator.tokenizer, parsed.tokenizer, records, parsed.chat_template_kwargs, generator.template_kwargs
+        )
     sampling = decoding.sampling_line(generator.model)
     if sampling is not None:
         print(sampling)
