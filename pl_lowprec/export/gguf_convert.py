@@ -155,14 +155,15 @@ def writing_progress(out_file: Path, total: int) -> Any:
     return tqdm(total=total, unit="B", unit_scale=True, desc=f"Writing {out_file.name}", disable=None, leave=False)
 
 
-def convert_to_gguf(
-    model_dir: Path, out_file: Path, gguf_type: str, name: str, files: WeightFiles | None = None
-) -> dict[str, Any]:
-    """Write ``model_dir`` (config, safetensors or .bin, tokenizer) to ``out_file``; return what was written.
-    ``files``: the export's open weight files, where it writes more than one type (a .bin is unpickled once)."""
-    if files is None:
-        with weight_files() as own:
-            return convert_to_gguf(model_dir, out_file, gguf_type, name, own)
+def convert_to_gguf(model_dir: Path, out_file: Path, gguf_type: str, name: str) -> dict[str, Any]:
+    """Write ``model_dir`` (config, safetensors or .bin, tokenizer) to ``out_file``; return what was written. The
+    weight files are those of the command's scope where one is open (a .bin is unpickled once for every type)."""
+    with weight_files() as files:
+        return written_gguf(model_dir, out_file, gguf_type, name, files)
+
+
+def written_gguf(model_dir: Path, out_file: Path, gguf_type: str, name: str, files: WeightFiles) -> dict[str, Any]:
+    """``convert_to_gguf`` with the open weight files it reads."""
     gguf = import_gguf()
     model_dir = Path(model_dir)
     config = model_config(model_dir)

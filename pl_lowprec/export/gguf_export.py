@@ -151,7 +151,7 @@ def write_ggufs(model_dir: Path, out: Path, requested: list[str], source: str, n
         resolved = [auto_type(model_dir, weights) if asked == "auto" else asked for asked in requested]
         for gguf_type in dict.fromkeys(resolved):  # each once (auto may resolve to a type also asked for)
             gguf_file = out / f"model-{gguf_type}.gguf"
-            files.append((gguf_file, convert_to_gguf(model_dir, gguf_file, gguf_type, name, weights)))
+            files.append((gguf_file, convert_to_gguf(model_dir, gguf_file, gguf_type, name)))
     tokenizer = load_tokenizer(model_dir)
     (gguf_file, written), others = files[0], files[1:]
     vocab = written["vocab"]
