@@ -21,8 +21,10 @@ from weakref import WeakKeyDictionary
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 
 from pl_lowprec.callbacks.interrupted_update import UpdateWatch
+from pl_lowprec.callbacks.step_completion import finish_the_step
 from pl_lowprec.distributed.failing_ranks import (
     RanksAtFailure,
     every_rank_wait_s,
@@ -104,6 +106,14 @@ class ExceptionSaveGuard(Callback):
     def _optimizer_stepped(self, trainer: pl.Trainer) -> bool:
         """The current batch's optimizer step finished (an exception after it: ``step_completion.py``)."""
         return trainer_guard(trainer).watch.stepped
+
+    def _finish_a_stepped_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Raised after the optimizer stepped and before Lightning counted the step: the step finished as Lightning
+        would have finished it (``step_completion.py``), so that a file written now holds the step's weights with
+        the step counted. Once per failure whichever guard comes first: the later ones find nothing to do."""
+        fitting_automatically = trainer.state.fn == TrainerFn.FITTING and pl_module.automatic_optimization
+        if self._optimizer_stepped(trainer) and fitting_automatically:
+            finish_the_step(trainer)
 
     def _may_save_on_exception(self, trainer: pl.Trainer, exception: BaseException, who: str, note: str = "") -> bool:
         """Whether the exception's file may be written: no rank's update interrupted, and every rank raised at

@@ -6,9 +6,11 @@ save waited in its collectives for ranks that trained on into theirs: every rank
 timeout (30 minutes by default). And an exception inside an optimizer's update wrote weights of no step. The
 strategies turn Lightning's exact class into this one in place (``replacements.py``): it saves only where every
 rank raised at the same batch and no update was interrupted, else says why and which file to resume from
-(``exception_guard.py``). The file is still written as the run stood, as Lightning writes it (resuming from it says
-what that means, ``strategies/interrupted_batch.py``); ``StepBoundaryCheckpoint(save_on_exception=True)`` writes
-one that resumes exactly.
+(``exception_guard.py``). Raised after the optimizer stepped, the step is first finished as Lightning would have
+finished it (``step_completion.py``, as ``save_on_exception`` does): else the file held step N's weights with the
+loop before step N, and a resumption took step N again. The file is otherwise written as the run stood, as
+Lightning writes it (resuming from it says what that means, ``strategies/interrupted_batch.py``);
+``StepBoundaryCheckpoint(save_on_exception=True)`` writes one that resumes exactly.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ class GuardedOnExceptionCheckpoint(ExceptionSaveGuard, OnExceptionCheckpoint):
     at the same batch and no optimizer update was interrupted."""
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Raised after the optimizer stepped, the step is first finished as Lightning would have finished it: the
+        file said step N-1 with step N's weights, and a resumption took step N again."""
+        self._finish_a_stepped_batch(trainer, pl_module)
         earlier = f" {self.ckpt_path} is an earlier failure's file." if os.path.exists(self.ckpt_path) else ""
         if self._may_save_on_exception(trainer, exception, "OnExceptionCheckpoint", earlier):
             super().on_exception(trainer, pl_module, exception)

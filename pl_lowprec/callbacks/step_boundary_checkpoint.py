@@ -42,7 +42,6 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 
 from pl_lowprec.callbacks.epoch_end_resumption import as_saved_at_the_last_batch
 from pl_lowprec.callbacks.exception_guard import ExceptionSaveGuard
-from pl_lowprec.callbacks.step_completion import finish_the_step
 from pl_lowprec.callbacks.step_end_rewind import (
     AS_AT_THE_STEP_END,
     can_set_back,
@@ -118,9 +117,7 @@ class StepBoundaryCheckpoint(ExceptionSaveGuard, LightningModelCheckpoint):
         (``step_completion.py``). No file where the exception interrupted the optimizer's update (weights of no
         step), nor with several ranks unless every rank raised at the same batch (the save's collectives would wait
         for a rank that trains on): ``exception_guard.py``."""
-        fitting_automatically = trainer.state.fn == TrainerFn.FITTING and pl_module.automatic_optimization
-        if self._optimizer_stepped(trainer) and fitting_automatically:
-            finish_the_step(trainer)
+        self._finish_a_stepped_batch(trainer, pl_module)
         if not self._should_save_on_exception(trainer):
             return
         if not self._may_save_on_exception(trainer, exception, "save_on_exception"):

@@ -9,9 +9,10 @@ weights, the optimizer and the loss scaler at the new step and the rest behind. 
 holds step N's weights: a resumption takes step N again, with the scheduler one step behind from there on.
 
 ``finish_the_step`` does the rest of that bookkeeping, so that the run stands where the step's batch ended (the
-state ``on_train_batch_end`` saves, which resumes exactly). ``StepBoundaryCheckpoint`` learns that the optimizer
-stepped from Lightning's own after-step slot of each ``LightningOptimizer`` (the one its manual loop counts steps
-with), which runs once the strategy's step, the scaler's update included, has returned.
+state ``on_train_batch_end`` saves, which resumes exactly). The exception guards (``StepBoundaryCheckpoint`` and the
+strategies' ``OnExceptionCheckpoint``) call it before they save, and learn that the optimizer stepped from
+Lightning's own after-step slot of each ``LightningOptimizer`` (the one its manual loop counts steps with), which
+runs once the strategy's step, the scaler's update included, has returned.
 """
 
 from __future__ import annotations

@@ -356,6 +356,56 @@ def test_an_exception_after_the_optimizer_step_saves_a_file_with_the_step_counte
     assert torch.equal(resumed, uninterrupted)
 
 
+class LossRecorder(pl.Callback):
+    """Each training batch's loss, in the order the fit trained them."""
+
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(outputs["loss"].detach().clone())
+
+
+@pytest.mark.parametrize("batch", [5, 9])  # step 3's end; step 5's, the epoch's last batch
+def test_lightnings_on_exception_checkpoint_after_the_optimizer_step_resumes_exactly(tmp_path, monkeypatch, batch):
+    """The strategies' ``OnExceptionCheckpoint`` wrote, on an exception after ``optimizer.step`` (a module's own
+    ``optimizer_step``), step N's weights with the loop before step N: the resumption trained step N's batch again
+    (said as an interrupted batch whose draws differ, though its weights had taken it already). It finishes the step
+    first, as ``save_on_exception`` does: the resumed losses and parameters are the uninterrupted run's."""
+    run = {"schedule": {"every_n_train_steps": 4}, "max_steps": 8, "step_scheduler": True}
+    on = with_dropout_on_the_strategy(StepBoundaryCheckpoint)
+    full_steps, full_losses = StepRecorder(), LossRecorder()
+    fit(tmp_path / "full", callbacks=[full_steps, full_losses], module_class=FailsAfterItsOptimizerStep, **run, **on)
+    monkeypatch.setattr(FailsAfterItsOptimizerStep, "failing_batch", batch)
+    on_exception = OnExceptionCheckpoint(tmp_path / "on_exception")
+    with pytest.raises(Failure):
+        on = with_dropout_on_the_strategy(StepBoundaryCheckpoint)
+        fit(tmp_path / "part", callbacks=[on_exception], module_class=FailsAfterItsOptimizerStep, **run, **on)
+    monkeypatch.setattr(FailsAfterItsOptimizerStep, "failing_batch", None)
+    step = (batch + 1) // ACCUMULATE
+    assert torch.load(on_exception.ckpt_path, weights_only=False)["global_step"] == step
+    resumed_steps, resumed_losses = StepRecorder(), LossRecorder()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        on = with_dropout_on_the_strategy(StepBoundaryCheckpoint)
+        fit(
+            tmp_path / "resumed",
+            ckpt_path=on_exception.ckpt_path,
+            callbacks=[resumed_steps, resumed_losses],
+            module_class=FailsAfterItsOptimizerStep,
+            **run,
+            **on,
+        )
+    assert not [w for w in caught if "exception interrupted" in str(w.message)]
+    assert len(resumed_losses.losses) == len(full_losses.losses) - (batch + 1)
+    assert all(map(torch.equal, resumed_losses.losses, full_losses.losses[batch + 1 :]))
+    assert len(resumed_steps.params) == len(full_steps.params) - step
+    for resumed, uninterrupted in zip(resumed_steps.params, full_steps.params[step:], strict=True):
+        assert resumed.keys() == uninterrupted.keys()
+        assert all(torch.equal(resumed[name], uninterrupted[name]) for name in resumed)
+    assert resumed_steps.lrs == full_steps.lrs[step:]
+
+
 class FailsAsTrainingStarts(pl.Callback):
     """Raises in ``on_train_start``, before the checkpoint callbacks' own (Lightning calls them last) and before the
     strategy sets the resumed random states."""
