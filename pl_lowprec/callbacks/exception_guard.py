@@ -8,13 +8,19 @@ and which file to resume from.
 
 The guards of one trainer share one ``TrainerGuard``: one watch of its optimizers (one set of hooks, one closure
 wrapped per step, however many guards), and one answer of the other ranks per failure (asked once: a second ask
-would wait for them again).
+would wait for them again). That answer and the failed step belong to one failure: Lightning calls every
+callback's ``on_exception`` in turn, so the trainer's first guard to be called forgets an earlier failure's answer,
+and its last forgets this one's. A trainer that failed before and fails again before its callbacks' ``setup`` (in
+``prepare_data``, a datamodule's ``setup``) took the earlier failure's answer: on several ranks, "every rank raised"
+saved where another rank trained on (a hang in the save's collectives); on one, "inside the update" wrote no file.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 from weakref import WeakKeyDictionary
@@ -37,7 +43,8 @@ from pl_lowprec.distributed.failing_ranks import (
 @dataclass
 class TrainerGuard:
     """What a trainer's guards share: the watch of the current fit's optimizers and the current failure's answer
-    from the ranks (``None`` until a guard asks; forgotten where a run or a batch starts)."""
+    from the ranks (``None`` until a guard asks; forgotten where a run or a batch starts, and once the guards
+    handled the failure: ``ExceptionSaveGuard._one_failure``)."""
 
     watch: UpdateWatch = field(default_factory=UpdateWatch)
     ranks: RanksAtFailure | None = None
@@ -88,7 +95,7 @@ class ExceptionSaveGuard(Callback):
         """The trainer's first guard starts the fit's ``TrainerGuard``; the optimizers get torch's step hooks once,
         where a guard saves on an exception."""
         super().on_train_start(trainer, pl_module)
-        if self is next((c for c in trainer.callbacks if isinstance(c, ExceptionSaveGuard)), self):
+        if self is next(iter(_guards_of(trainer)), self):
             _start_fits_guard(trainer)
         if self._saves_on_exception:
             trainer_guard(trainer).watch.follow_updates(trainer)
@@ -102,6 +109,21 @@ class ExceptionSaveGuard(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().teardown(trainer, pl_module, stage)
         trainer_guard(trainer).watch.release()
+
+    @contextmanager
+    def _one_failure(self, trainer: pl.Trainer) -> Iterator[None]:
+        """Around a guard's ``on_exception``: the failure's answer and step are this failure's alone. The first guard
+        called forgets an earlier failure's answer (where a guard's ``on_exception`` raised, the last was not
+        called); the last forgets this one's answer and step, whatever it did."""
+        guards = _guards_of(trainer)
+        guard = trainer_guard(trainer)
+        if guards and self is guards[0]:
+            guard.ranks = None
+        try:
+            yield
+        finally:
+            if guards and self is guards[-1]:
+                guard.clear()
 
     def _optimizer_stepped(self, trainer: pl.Trainer) -> bool:
         """The current batch's optimizer step finished (an exception after it: ``step_completion.py``)."""
@@ -121,7 +143,7 @@ class ExceptionSaveGuard(Callback):
         from. The ranks are asked once per failure: a second guard takes the first one's answer."""
         guard = trainer_guard(trainer)
         if guard.ranks is None:  # the longest wait any guard was given: the ranks are asked once for all of them
-            given = [c.every_rank_wait_s for c in trainer.callbacks if isinstance(c, ExceptionSaveGuard)]
+            given = [callback.every_rank_wait_s for callback in _guards_of(trainer)]
             wait_s = every_rank_wait_s(trainer, max((s for s in given if s is not None), default=None))
             guard.ranks = ranks_at_failure(trainer, exception, guard.watch.interrupted, wait_s)
         ranks = guard.ranks
@@ -134,6 +156,11 @@ class ExceptionSaveGuard(Callback):
             return True
         warnings.warn(said + note, stacklevel=1)
         return False
+
+
+def _guards_of(trainer: pl.Trainer) -> list[ExceptionSaveGuard]:
+    """The trainer's guards, in the order Lightning calls them."""
+    return [callback for callback in trainer.callbacks if isinstance(callback, ExceptionSaveGuard)]
 
 
 def last_saved_file(trainer: pl.Trainer) -> str:
