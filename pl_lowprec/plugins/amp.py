@@ -41,7 +41,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from pl_lowprec._did_you_mean import closest, did_you_mean
-from pl_lowprec.plugins.anomaly_mode import NAN_CHECK_LEFT_TO_THE_SCALER, nan_check_off, nan_check_on
+from pl_lowprec.plugins.anomaly_mode import overflows_left_to_the_scaler
 from pl_lowprec.plugins.dtype_checks import (
     format_names,
     half_trainable_parameters,
@@ -160,7 +160,6 @@ class AMPPrecision(MixedPrecision):
         self._tracker = LossScaleTracker()
         self._backwards = 0  # backward passes so far: a backward between a step and its update shows
         self._noted_cpu_fp16 = False
-        self._noted_anomaly_mode = False  # anomaly mode's NaN check left to the scaler: said once
         if precision == "auto":
             self.precision = "auto"
             self.scaler = None
@@ -336,13 +335,7 @@ class AMPPrecision(MixedPrecision):
     ) -> None:
         """Where the loss is scaled, an overflow is the scaler's to skip, under ``detect_anomaly=True`` too
         (``anomaly_mode.py``)."""
-        if self.scaler is None or not nan_check_on():
-            super().backward(tensor, model, optimizer, *args, **kwargs)
-            return
-        if not self._noted_anomaly_mode:
-            self._noted_anomaly_mode = True
-            rank_zero_warn(NAN_CHECK_LEFT_TO_THE_SCALER)
-        with nan_check_off():
+        with overflows_left_to_the_scaler(self):
             super().backward(tensor, model, optimizer, *args, **kwargs)
 
     def optimizer_step(  # type: ignore[override]

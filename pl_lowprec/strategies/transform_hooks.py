@@ -26,6 +26,7 @@ from pl_lowprec.generator_states import set_random_states
 from pl_lowprec.memory.budget import check_memory_budget, first_training_batch, training_loader
 from pl_lowprec.memory.collectives import gradient_as_bucket_view
 from pl_lowprec.memory.sizing_batch import sizing_batch
+from pl_lowprec.plugins.anomaly_mode import overflows_left_to_the_scaler
 from pl_lowprec.strategies.auto_settings import choose_memory_settings, run_interconnect
 from pl_lowprec.strategies.garbage_collection import freeze_long_lived_objects, unfreeze
 from pl_lowprec.strategies.interrupted_batch import CHECKPOINT_KEY as INTERRUPTED_BATCH
@@ -180,6 +181,12 @@ class TransformHooks(TransformArguments):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.transform.offloading(self.lightning_module, self.root_device):
             return super().training_step(*args, **kwargs)
+
+    def backward(self, *args: Any, **kwargs: Any) -> Any:
+        """Under ``detect_anomaly=True``, an fp16 overflow is the loss scaler's to skip, whichever plugin scales
+        (``plugins/anomaly_mode.py``)."""
+        with overflows_left_to_the_scaler(self.precision_plugin):
+            return super().backward(*args, **kwargs)
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().optimizer_step(*args, **kwargs)
