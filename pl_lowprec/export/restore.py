@@ -7,11 +7,18 @@ so a DDP config restores in one process, and an FSDP config restores unsharded (
 either way). The ``"auto"`` memory settings take the fastest side (``nothing_traded``): without a backward pass
 checkpointing and the memory-saving paths save nothing. The run itself is rebuilt from its config by
 ``pl_lowprec.cli.rebuild``.
+
+A checkpoint that holds every weight (no LoRA, or ``adapter_only_checkpoint=False``) fills empty storage and
+``pretrained=`` is not streamed (``transforms/checkpoint_fills.py``), as in ``validate(ckpt_path=)``: only its
+headers are read, for the key prefix a merge writes the original files' keys with. The merge itself still reads the
+original files: it writes the full-precision weights the adapters trained on (which a QLoRA checkpoint holds in 4
+bits, and a run that kept its frozen weights in the compute dtype holds rounded), in their files, keys and dtypes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +29,10 @@ from torch import nn
 
 from pl_lowprec.adapters import CheckpointMismatch, adapter_checkpoint_keys, held_hf_model
 from pl_lowprec.loading import PretrainedWeights
+from pl_lowprec.loading.key_match import fitting_index
+from pl_lowprec.loading.sources import weight_files
 from pl_lowprec.memory.fastest import nothing_traded
+from pl_lowprec.transforms.checkpoint_fills import fills_every_weight
 from pl_lowprec.transforms.lora import has_lora
 from pl_lowprec.transforms.pipeline import ModelTransform
 
@@ -63,18 +73,40 @@ def restore(checkpoint: str | Path, trainer: Any, module: nn.Module, datamodule:
     module.trainer = trainer
     _call_configure_model(trainer)
     device = trainer.strategy.root_device
-    transform.apply(module, trainer.precision_plugin, device)
+    state_dict = state["state_dict"]
+    merge_base = base_of_a_whole_checkpoint(module, transform, state_dict)  # before the transform renames keys
+    transform.apply(module, trainer.precision_plugin, device, restored_next=state_dict)
     if not has_lora(module) and config.qat is None:  # a QAT run exports its converted model (export/quantized.py)
         raise ValueError(
             "The config trains no LoRA adapters (the strategy has no lora=), so there is nothing to export or"
             " merge. Pass the config the checkpoint was trained with."
         )
-    _load(module, transform, state["state_dict"], checkpoint)
+    _load(module, transform, state_dict, checkpoint)
     module = trainer.precision_plugin.convert_module(module)
     module.to(device).eval()
     tokenizer = getattr(datamodule, "tokenizer_dir", None) if datamodule is not None else None
     template_kwargs = dict(getattr(datamodule, "chat_template_kwargs", None) or {})
-    return Restored(module, trainer, transform, transform.weights_for(module), checkpoint, tokenizer, template_kwargs)
+    weights = merge_base or transform.weights_for(module)
+    return Restored(module, trainer, transform, weights, checkpoint, tokenizer, template_kwargs)
+
+
+def base_of_a_whole_checkpoint(
+    module: nn.Module, transform: ModelTransform, state_dict: Mapping[str, torch.Tensor]
+) -> PretrainedWeights | None:
+    """Where ``state_dict`` sets every weight of ``module`` (built on the meta device, not transformed yet), so that
+    ``transform`` reads nothing of ``pretrained=``: its weights with the key prefix a streamed load would have taken
+    (``key_match.fitting_index``, headers only), which a merge writes the original keys with. ``None`` otherwise:
+    the load takes the prefix."""
+    weights = transform.weights_for(module)
+    if weights is None or not fills_every_weight(module, transform.config, state_dict):
+        return None
+    if weights.prefix is not None:
+        return weights
+    lora = transform.config.lora
+    new_heads = tuple(lora.modules_to_save or ()) if lora is not None else ()
+    with weight_files() as files:
+        _, _, prefix = fitting_index(module, weights.path, None, new_heads, weights.expected_prefix, files=files)
+    return dataclasses.replace(weights, prefix=prefix)
 
 
 def strategy_transform(trainer: Any) -> ModelTransform:

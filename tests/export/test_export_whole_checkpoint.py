@@ -1,0 +1,72 @@
+"""``pl-lowprec export --ckpt_path`` of a checkpoint holding every weight (``adapter_only_checkpoint=False``): its
+restore streamed all of ``pretrained=`` (opened once for the headers and once per module) and loaded the checkpoint
+over it; it now reads only the headers (the prefix a merge writes the original keys with). The merge still reads the
+original files (the full-precision weights under a QLoRA base), and writes the same bytes as before."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+from contextlib import contextmanager
+
+import pytest
+from gguf_helpers import fit_args
+from loading_helpers import count_safetensors_opens, save_pretrained_dir, write_prompt_completion
+
+from pl_lowprec.cli import build_cli, main
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+
+@contextmanager
+def _streamed_as_before(monkeypatch):
+    """The restore as it was: ``pretrained=`` streamed in, then the checkpoint loaded over it."""
+    with monkeypatch.context() as patch:
+        for name in ("pl_lowprec.export.restore", "pl_lowprec.transforms.pipeline"):
+            patch.setattr(importlib.import_module(name), "fills_every_weight", lambda *_: False)
+        yield
+
+
+def _digests(directory) -> dict[str, str]:
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(directory.iterdir())}
+
+
+@pytest.mark.parametrize("quantization", ["null", "nf4"])
+def test_merged_export_of_a_whole_checkpoint_streams_no_base(tmp_path, monkeypatch, quantization):
+    if quantization != "null":
+        pytest.importorskip("bitsandbytes")
+    base = save_pretrained_dir(tmp_path / "base")
+    args = [
+        *fit_args(base, write_prompt_completion(tmp_path / "pc.jsonl"), tmp_path / "run"),
+        f"--trainer.strategy.init_args.quantization={quantization}",
+        "--trainer.strategy.init_args.adapter_only_checkpoint=false",
+    ]
+    cli = build_cli(["fit", *args, "--trainer.max_steps=2"])
+    checkpoint = tmp_path / "trained.ckpt"
+    cli.trainer.save_checkpoint(checkpoint)
+    export = ["export", f"--ckpt_path={checkpoint}", "--merged"]
+    with _streamed_as_before(monkeypatch):
+        main([*export, f"--out={tmp_path / 'streamed'}", *args])
+    opened = count_safetensors_opens(monkeypatch, base)
+    main([*export, f"--out={tmp_path / 'merged'}", *args])
+    # the restore's headers, then the merge's headers and tensors: 15 before (1 + 12 modules' streams, then 2)
+    assert opened == ["model.safetensors"] * 3
+    assert _digests(tmp_path / "merged") == _digests(tmp_path / "streamed")
+
+
+def test_adapter_export_of_a_whole_checkpoint_reads_only_headers(tmp_path, monkeypatch):
+    base = save_pretrained_dir(tmp_path / "base")
+    args = [
+        *fit_args(base, write_prompt_completion(tmp_path / "pc.jsonl"), tmp_path / "run"),
+        "--trainer.strategy.init_args.adapter_only_checkpoint=false",
+    ]
+    cli = build_cli(["fit", *args, "--trainer.max_steps=2"])
+    checkpoint = tmp_path / "trained.ckpt"
+    cli.trainer.save_checkpoint(checkpoint)
+    with _streamed_as_before(monkeypatch):
+        main(["export", f"--ckpt_path={checkpoint}", f"--out={tmp_path / 'streamed'}", *args])
+    opened = count_safetensors_opens(monkeypatch, base)
+    main(["export", f"--ckpt_path={checkpoint}", f"--out={tmp_path / 'adapter'}", *args])
+    assert opened == ["model.safetensors"]  # the headers, for the key prefix: 13 before (1 + 12 modules)
+    assert _digests(tmp_path / "adapter") == _digests(tmp_path / "streamed")
