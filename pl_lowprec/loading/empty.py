@@ -69,11 +69,21 @@ def reset_on(module: nn.Module, device: torch.device) -> None:
         module.reset_parameters()
 
 
-def storage_to_fill(module: nn.Module, device: torch.device | str = "cpu") -> None:
+def storage_to_fill(
+    module: nn.Module,
+    device: torch.device | str = "cpu",
+    place: Callable[[nn.Parameter], nn.Parameter] | None = None,
+) -> None:
     """Give every meta parameter uninitialized storage on ``device``, in its dtype, tied parameters staying one: for
     a load that copies every value in next (Lightning's ``load_state_dict`` of a checkpoint holding every weight), so
-    that nothing is read twice."""
-    replace_parameters(module, is_meta, lambda p: nn.Parameter(torch.empty_like(p, device=device), p.requires_grad))
+    that nothing is read twice. ``place``: what a rank keeps of each (under FSDP2, its rows), as a streamed load
+    keeps it."""
+
+    def empty(param: nn.Parameter) -> nn.Parameter:
+        storage = nn.Parameter(torch.empty_like(param, device=device), param.requires_grad)
+        return place(storage) if place is not None else storage
+
+    replace_parameters(module, is_meta, empty)
 
 
 def replace_parameters(

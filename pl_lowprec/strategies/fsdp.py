@@ -189,6 +189,15 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
     def lightning_restore_optimizer(self) -> bool:
         return True
 
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Lightning's FSDP2 strategy restores after ``setup``, where ``configure_model`` has built and sharded the
+        module. This one transforms and shards in ``load_model_state_dict`` itself, so the model is restored before
+        ``setup``, as on one device and under DDP: the transform then knows the checkpoint that follows, and where it
+        holds every weight ``pretrained=`` is not streamed (``checkpoint_fills.py``). The optimizer states still load
+        after ``setup``, into the optimizers it builds."""
+        return False
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return gathered_state_dict(self.transform.state_dict(self.lightning_module))
 
@@ -201,10 +210,11 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
             return torch.load(path, map_location="cpu", weights_only=weights_only)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self.check_before_loading(self.lightning_module.trainer)  # restored before setup
         self.before_resuming(checkpoint)
-        load_full_state_dict(
-            self.lightning_module, checkpoint["state_dict"], self.transform_config.adapter_only, strict
-        )
+        state_dict = checkpoint["state_dict"]  # where it sets every weight, pretrained= is not read
+        self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device, restored_next=state_dict)
+        load_full_state_dict(self.lightning_module, state_dict, self.transform_config.adapter_only, strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         check_same_optimizer(checkpoint, self.optimizers, self.transform_config.optimizer)

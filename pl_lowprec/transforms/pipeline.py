@@ -290,11 +290,11 @@ class ModelTransform:
         """Empty storage in place of ``pretrained=`` where the checkpoint restored next (``restored_next``, its state
         dict) sets every weight of the module (``checkpoint_fills.py``); whether it did so."""
         weights = self.weights_for(model)
-        if weights is None or restored_next is None or self.sharding is not None:
+        if weights is None or restored_next is None:
             return False
         if not fills_every_weight(model, self.config, restored_next):
             return False
-        storage_for_the_checkpoint(model, weights, device)
+        storage_for_the_checkpoint(model, weights, device, self.sharding)
         rank_zero_info(f"pretrained={str(weights.path)!r} is not read: the checkpoint restored holds every weight.")
         return True
 

@@ -84,10 +84,13 @@ def fill_meta_model(
     setattr(model, _LOADED_FROM, dataclasses.replace(weights, prefix=report.prefix))
 
 
-def storage_for_the_checkpoint(model: nn.Module, weights: PretrainedWeights, device: torch.device) -> None:
+def storage_for_the_checkpoint(
+    model: nn.Module, weights: PretrainedWeights, device: torch.device, sharding: Sharding | None
+) -> None:
     """Empty storage for a module whose every weight the checkpoint restored next sets (``checkpoint_fills.py``),
-    marked as filled for ``weights``: nothing of it is read."""
-    storage_to_fill(model, device)
+    marked as filled for ``weights``: nothing of it is read. Under FSDP2 each rank keeps its rows of it, as a
+    streamed load keeps them."""
+    storage_to_fill(model, device, sharding.placement() if sharding is not None else None)
     setattr(model, _LOADED_FROM, weights)
 
 
