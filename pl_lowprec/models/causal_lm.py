@@ -146,7 +146,13 @@ class CausalLM(pl.LightningModule):
         self._checked_tokenizer = tokenizer
 
     def configure_model(self) -> None:
-        """Build the model with its parameters on the meta device; the strategy fills them from ``pretrained``."""
+        """Build the model with its parameters on the meta device; the strategy fills them from ``pretrained``.
+
+        Under a plain Lightning strategy the module fills them here, even where ``ckpt_path=`` restores a checkpoint
+        holding every weight next: Lightning runs this hook before the restore, with no sign of it
+        (``trainer.ckpt_path`` is set after), and runs no hook between them when none comes, before its ``setup``
+        converts the module (precision plugins) and wraps or broadcasts it. ``LowPrecisionStrategy()`` restores
+        before it loads and then reads no pretrained file (``transforms/checkpoint_fills.py``)."""
         if self.model is not None:
             return
         from transformers import AutoModelForCausalLM

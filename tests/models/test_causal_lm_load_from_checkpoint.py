@@ -109,3 +109,29 @@ def test_a_checkpoint_without_some_weights_takes_them_from_the_pretrained_files(
     for key, tensor in trained.state_dict().items():
         if key != "model.model.norm.weight":
             assert torch.equal(loaded.state_dict()[key], tensor), key
+
+
+def test_validate_of_a_whole_checkpoint_reads_the_base_only_under_lightnings_own_strategy(
+    pretrained, tmp_path, monkeypatch
+):
+    """Under Lightning's own strategy, CausalLM loads its weights in ``configure_model``, which Lightning runs before
+    it restores the checkpoint, with no sign of it (``trainer.ckpt_path`` is set after, and no hook runs between
+    them when none comes, before ``setup`` converts and wraps the model): every weight is read, then overwritten.
+    ``LowPrecisionStrategy()`` without options restores before loading (``checkpoint_fills.py``): it reads none and
+    gives the same loss."""
+    _, checkpoint = _trained(pretrained, tmp_path, SingleDeviceStrategy(torch.device("cpu")))
+    path = write_prompt_completion(tmp_path / "val.jsonl", n=8)
+    losses, opens = {}, {}
+    for name, strategy in (
+        ("lightning", SingleDeviceStrategy(torch.device("cpu"))),
+        ("lowprec", LowPrecisionStrategy()),
+    ):
+        data = TextDataModule(train_files=str(path), val_files=str(path), tokenizer=str(pretrained), batch_size=4)
+        opened = count_safetensors_opens(monkeypatch, pretrained)
+        trainer = quiet_trainer(strategy=strategy)
+        (losses[name],) = trainer.validate(
+            CausalLM(str(pretrained)), datamodule=data, ckpt_path=checkpoint, verbose=False
+        )
+        opens[name] = len(opened)
+    assert opens == {"lightning": 22, "lowprec": 0}  # the headers, then once per module
+    assert losses["lowprec"] == losses["lightning"]
