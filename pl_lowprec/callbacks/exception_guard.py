@@ -111,30 +111,28 @@ class ExceptionSaveGuard(Callback):
         trainer_guard(trainer).watch.release()
 
     @contextmanager
-    def _one_failure(self, trainer: pl.Trainer) -> Iterator[None]:
+    def _one_failure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Iterator[None]:
         """Around a guard's ``on_exception``: the failure's answer and step are this failure's alone. The first guard
         called forgets an earlier failure's answer (where a guard's ``on_exception`` raised, the last was not
-        called); the last forgets this one's answer and step, whatever it did."""
+        called); the last forgets this one's answer and step, whatever it did. Inside, a step the optimizer took
+        before the exception is finished first (``_finish_a_stepped_batch``)."""
         guards = _guards_of(trainer)
         guard = trainer_guard(trainer)
         if guards and self is guards[0]:
             guard.ranks = None
         try:
+            self._finish_a_stepped_batch(trainer, pl_module)
             yield
         finally:
             if guards and self is guards[-1]:
                 guard.clear()
-
-    def _optimizer_stepped(self, trainer: pl.Trainer) -> bool:
-        """The current batch's optimizer step finished (an exception after it: ``step_completion.py``)."""
-        return trainer_guard(trainer).watch.stepped
 
     def _finish_a_stepped_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Raised after the optimizer stepped and before Lightning counted the step: the step finished as Lightning
         would have finished it (``step_completion.py``), so that a file written now holds the step's weights with
         the step counted. Once per failure whichever guard comes first: the later ones find nothing to do."""
         fitting_automatically = trainer.state.fn == TrainerFn.FITTING and pl_module.automatic_optimization
-        if self._optimizer_stepped(trainer) and fitting_automatically:
+        if trainer_guard(trainer).watch.stepped and fitting_automatically:
             finish_the_step(trainer)
 
     def _may_save_on_exception(self, trainer: pl.Trainer, exception: BaseException, who: str, note: str = "") -> bool:

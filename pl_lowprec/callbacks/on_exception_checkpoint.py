@@ -31,8 +31,7 @@ class GuardedOnExceptionCheckpoint(ExceptionSaveGuard, OnExceptionCheckpoint):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """Raised after the optimizer stepped, the step is first finished as Lightning would have finished it: the
         file said step N-1 with step N's weights, and a resumption took step N again."""
-        with self._one_failure(trainer):
-            self._finish_a_stepped_batch(trainer, pl_module)
+        with self._one_failure(trainer, pl_module):
             earlier = f" {self.ckpt_path} is an earlier failure's file." if os.path.exists(self.ckpt_path) else ""
             if self._may_save_on_exception(trainer, exception, "OnExceptionCheckpoint", earlier):
                 super().on_exception(trainer, pl_module, exception)

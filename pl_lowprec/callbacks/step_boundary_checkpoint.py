@@ -117,8 +117,7 @@ class StepBoundaryCheckpoint(ExceptionSaveGuard, LightningModelCheckpoint):
         (``step_completion.py``). No file where the exception interrupted the optimizer's update (weights of no
         step), nor with several ranks unless every rank raised at the same batch (the save's collectives would wait
         for a rank that trains on): ``exception_guard.py``."""
-        with self._one_failure(trainer):
-            self._finish_a_stepped_batch(trainer, pl_module)
+        with self._one_failure(trainer, pl_module):
             if not self._should_save_on_exception(trainer):
                 return
             if not self._may_save_on_exception(trainer, exception, "save_on_exception"):

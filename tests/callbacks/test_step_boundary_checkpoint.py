@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from lightning_helpers import StepRecorder
+from qlora_helpers import LossRecorder
 from resume_helpers import ACCUMULATE, EVERY, FailAt, Failure, Regression, UpdateRaisesHalfway, fit
 
 from pl_lowprec import AMPPrecision, LowPrecisionStrategy
@@ -356,16 +357,6 @@ def test_an_exception_after_the_optimizer_step_saves_a_file_with_the_step_counte
     assert torch.equal(resumed, uninterrupted)
 
 
-class LossRecorder(pl.Callback):
-    """Each training batch's loss, in the order the fit trained them."""
-
-    def __init__(self) -> None:
-        self.losses: list[torch.Tensor] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(outputs["loss"].detach().clone())
-
-
 @pytest.mark.parametrize("batch", [5, 9])  # step 3's end; step 5's, the epoch's last batch
 def test_lightnings_on_exception_checkpoint_after_the_optimizer_step_resumes_exactly(tmp_path, monkeypatch, batch):
     """The strategies' ``OnExceptionCheckpoint`` wrote, on an exception after ``optimizer.step`` (a module's own
@@ -398,7 +389,7 @@ def test_lightnings_on_exception_checkpoint_after_the_optimizer_step_resumes_exa
         )
     assert not [w for w in caught if "exception interrupted" in str(w.message)]
     assert len(resumed_losses.losses) == len(full_losses.losses) - (batch + 1)
-    assert all(map(torch.equal, resumed_losses.losses, full_losses.losses[batch + 1 :]))
+    assert resumed_losses.losses == full_losses.losses[batch + 1 :]
     assert len(resumed_steps.params) == len(full_steps.params) - step
     for resumed, uninterrupted in zip(resumed_steps.params, full_steps.params[step:], strict=True):
         assert resumed.keys() == uninterrupted.keys()

@@ -7,6 +7,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.plugins import MixedPrecision
+from lightning_helpers import quiet_trainer
 from resume_helpers import Regression
 
 from pl_lowprec import AMPPrecision, LowPrecisionStrategy
@@ -27,17 +28,8 @@ def fit_fp16(run: str, detect_anomaly: bool) -> tuple[torch.Tensor, pl.Lightning
     """The weights after 10 steps, the plugin and what was warned."""
     make_plugin, make_strategy = RUNS[run]
     plugin = make_plugin()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        strategy=make_strategy(),
-        plugins=[plugin],
-        detect_anomaly=detect_anomaly,
-        max_steps=10,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+    trainer = quiet_trainer(
+        strategy=make_strategy(), plugins=[plugin], detect_anomaly=detect_anomaly, max_steps=10, limit_val_batches=0
     )
     model = Regression()
     with warnings.catch_warnings(record=True) as caught:
