@@ -65,7 +65,7 @@ TOOLS_ALLOWED = (
     'A record\'s tools are a list of JSON schemas, one per function ([{"type": "function", "function":'
     ' {"name": ..., "description": ..., "parameters": {...}}}], or LLaMA-Factory\'s bare {"name": ...,'
     ' "description": ..., "parameters": {...}}, wrapped so), or a JSON string of such a list, as TRL passes them'
-    " to the chat template"
+    " to the chat template; one schema alone, or a JSON string of one, is read as a list of it"
 )
 
 
@@ -299,7 +299,9 @@ def refusal_reason(message: str) -> str:
 
 
 def record_tools(tools: Any) -> list[Any] | None:
-    """A record's ``tools``: a list of JSON schemas, or one JSON string of it (as datasets often store them)."""
+    """A record's ``tools``: a list of JSON schemas, or one JSON string of it (as datasets often store them). One
+    schema outside a list (LLaMA-Factory v1's renderer puts any parsed ``tools`` that is not a list in one) is the
+    list of it."""
     if tools is None:
         return None
     given = tools
@@ -312,13 +314,12 @@ def record_tools(tools: Any) -> list[Any] | None:
                 f" {TOOLS_ALLOWED}. Fix: write this record's tools as such a list, or leave the field out where a"
                 " record has none."
             ) from None
+    tools = [tools] if isinstance(tools, dict) else tools
     if isinstance(tools, list) and all(isinstance(tool, dict) for tool in tools):
         return [wrapped_tool(tool) for tool in tools]
-    what = "one schema, not a list of them" if isinstance(tools, dict) else "not a list of JSON schemas"
-    fix = "put the schema in a list, [{...}]" if isinstance(tools, dict) else "write them as such a list"
     raise TemplateFieldError(
-        f"'tools' is {shown(given)}, {what}. {TOOLS_ALLOWED}. Fix: {fix}, or leave the field out where a record"
-        " has none."
+        f"'tools' is {shown(given)}, not a list of JSON schemas. {TOOLS_ALLOWED}. Fix: write them as such a list,"
+        " or leave the field out where a record has none."
     )
 
 

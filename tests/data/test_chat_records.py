@@ -357,7 +357,7 @@ def test_a_record_the_template_refuses_is_counted_with_its_line_and_the_fix(tmp_
             "not json",
             "'tools' is 'not json' (a str), which is not valid JSON (Expecting value at character 0)",
         ),
-        ("tools", {"name": "f"}, "'tools' is {'name': 'f'} (a dict), one schema, not a list of them"),
+        ("tools", '["f"]', "'tools' is '[\"f\"]' (a str), not a list of JSON schemas"),  # one schema alone is read
         ("chat_template_kwargs", "enable_thinking=false", "'chat_template_kwargs' is 'enable_thinking=false' (a str)"),
     ],
 )

@@ -216,6 +216,19 @@ def test_conversational_records_in_every_format_give_the_samples_of_the_jsonl_fi
     assert rows_as_lists(data.train_set) == expected
 
 
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_one_tool_schema_outside_a_list_gives_the_samples_of_a_list_of_one(fmt, tool_tokenizer, tmp_path):
+    """LLaMA-Factory v1 takes ``tools`` that parse to one schema as a list of it; a dict, or a JSON string of one,
+    was refused ("one schema, not a list of them")."""
+    listed = {**CONVERSATIONAL[-1], "tools": [TOOL]}
+    expected = _data(_write("jsonl", [listed], tmp_path / "listed"), tool_tokenizer, seq_len=96, val_fraction=0)
+    assert expected.tokenizer.decode(expected.train_set[0]["input_ids"]).startswith("<|tools|>add</s>")
+    for i, alone in enumerate((TOOL, json.dumps(TOOL), TOOL["function"])):  # LLaMA-Factory's bare schema too
+        records = [{**listed, "tools": alone}]
+        data = _data(_write(fmt, records, tmp_path / f"{fmt}{i}"), tool_tokenizer, seq_len=96, val_fraction=0)
+        assert rows_as_lists(data.train_set) == rows_as_lists(expected.train_set)
+
+
 @pytest.mark.parametrize("fmt", ["parquet", "Dataset"])
 def test_alpaca_records_in_a_table_give_the_samples_of_the_jsonl_file(fmt, pretrained, tmp_path):
     jsonl = _data(_write("jsonl", ALPACA, tmp_path / "jsonl"), pretrained, seq_len=64, val_fraction=0)
