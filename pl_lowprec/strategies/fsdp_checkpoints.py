@@ -61,9 +61,19 @@ def reshard(module: nn.Module) -> None:
 
 
 def optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    """The optimizer's state gathered whole and keyed by parameter name (rank 0 holds it; the others get {})."""
+    """The optimizer's state gathered whole and keyed by parameter name (rank 0 holds it; the others get {}).
+
+    An optimizer that has not stepped is saved without state, as ``Optimizer.state_dict()`` saves it (one device,
+    ``lowprec_ddp``): torch fills one first with a zero step of its own (AdamW: step 1, zero moments), in the live
+    optimizer too, so a save before the first step (``LearningRateFinder``'s, in ``on_fit_start``) made the run's
+    first update 0.74 of theirs. The zero step changes no weight (its learning rate is 0) and is undone here."""
+    unstepped = not optimizer.state
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_optimizer_state_dict(module, optimizer, options=options)
+    state = get_optimizer_state_dict(module, optimizer, options=options)
+    if unstepped:
+        optimizer.state.clear()
+        state = {**state, "state": {}} if state else state
+    return state
 
 
 def load_optimizer_states(module: nn.Module, optimizers: Sequence[Optimizer], states: Sequence[dict]) -> None:
@@ -73,6 +83,8 @@ def load_optimizer_states(module: nn.Module, optimizers: Sequence[Optimizer], st
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
         state = keyed_by_name(module, optimizer, state)
         set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
+        if not state.get("state"):  # saved before the first step: torch keeps the live state (the tuners' trial
+            optimizer.state.clear()  # steps' moments, or its own zero step); Optimizer.load_state_dict clears it
 
 
 def keyed_by_name(module: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> dict[str, Any]:
