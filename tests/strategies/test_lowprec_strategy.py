@@ -222,6 +222,34 @@ def test_spawn_hands_the_trained_adapters_back_to_the_model_in_hand(tmp_path, qu
         assert type(model.model[0].base_layer).__name__ == "Linear4bit"
 
 
+@pytest.mark.slow
+def test_a_spawn_fit_hands_back_what_one_device_trains():
+    """``start_method="spawn"`` itself (the other spawn tests fork their ranks from the warm forkserver): fresh
+    interpreters unpickle the strategy and trainer; rank 0's weights and the logged loss come back into this
+    process, as Lightning's spawn launcher hands them back. Both ranks read every batch, so 2 steps equal one
+    device's (measured: the same weights in hand as under DDPStrategy(start_method="spawn"))."""
+    runs = {}
+    for name, strategy, devices in (
+        ("one device", "auto", 1),
+        ("spawn", LowPrecisionDDPStrategy(start_method="spawn", process_group_backend="gloo"), 2),
+    ):
+        model = _gpt(layers=1)
+        trainer = quiet_trainer(
+            strategy=strategy, devices=devices, max_steps=2, limit_val_batches=0, use_distributed_sampler=False
+        )
+        trainer.fit(model, _loader(batches=2))
+        runs[name] = model.state_dict(), dict(trainer.callback_metrics), trainer.state.finished
+    (weights, metrics, finished), (expected, expected_metrics, _) = runs["spawn"], runs["one device"]
+    assert finished and metrics.keys() == expected_metrics.keys() == {"train/loss"}
+    torch.testing.assert_close(metrics["train/loss"], expected_metrics["train/loss"])
+    assert weights.keys() == expected.keys()
+    for key, weight in expected.items():  # atol: AdamW turns the key bias's round-off gradient into updates of
+        # up to 3e-5 (softmax ignores that bias); an update is 3e-3 a step, the untrained weights 6e-3 away
+        torch.testing.assert_close(weights[key], weight, rtol=1e-4, atol=1e-4, msg=key)
+    untrained = _gpt(layers=1).state_dict()
+    assert not torch.equal(weights["head.weight"], untrained["head.weight"])  # trained, not the model as it was
+
+
 def test_spawn_warns_where_the_model_in_hand_cannot_take_the_trained_weights(tmp_path, monkeypatch):
     """fp8 or offloading cannot be applied on the main process's CPU: the model in hand stays untrained, and a warning
     says so and where the weights are, instead of Lightning's silent partial load."""
