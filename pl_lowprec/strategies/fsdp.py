@@ -209,11 +209,9 @@ class LowPrecisionFSDPStrategy(TransformHooks, ModelParallelStrategy):
         with path_globals():  # pathlib paths in the hyperparameters, as TransformHooks.load_checkpoint reads them
             return torch.load(path, map_location="cpu", weights_only=weights_only)
 
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        self.check_before_loading(self.lightning_module.trainer)  # restored before setup
-        self.before_resuming(checkpoint)
-        state_dict = checkpoint["state_dict"]  # where it sets every weight, pretrained= is not read
-        self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device, restored_next=state_dict)
+    def load_restored(self, state_dict: Mapping[str, Any], strict: bool) -> None:
+        """The gathered checkpoint goes into the shards (``load_full_state_dict``); restored before ``setup``, as
+        ``TransformHooks.load_model_state_dict`` runs it."""
         load_full_state_dict(self.lightning_module, state_dict, self.transform_config.adapter_only, strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

@@ -299,6 +299,11 @@ class TransformHooks(TransformArguments):
         self.before_resuming(checkpoint)
         state_dict = checkpoint["state_dict"]  # where it sets every weight, pretrained= is not read
         self.transform.apply(self.lightning_module, self.precision_plugin, self.root_device, restored_next=state_dict)
+        self.load_restored(state_dict, strict)
+
+    def load_restored(self, state_dict: Mapping[str, Any], strict: bool) -> None:
+        """Copy the checkpoint's state dict into the transformed module (``load_model_state_dict``'s last step, which
+        a strategy holding the module in another form replaces)."""
         self.transform.load_state_dict(self.lightning_module, state_dict, strict=strict)
 
 
