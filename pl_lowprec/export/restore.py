@@ -32,7 +32,6 @@ from pl_lowprec.loading import PretrainedWeights
 from pl_lowprec.loading.key_match import fitting_index
 from pl_lowprec.loading.sources import weight_files
 from pl_lowprec.memory.fastest import nothing_traded
-from pl_lowprec.transforms.checkpoint_fills import fills_every_weight
 from pl_lowprec.transforms.lora import has_lora
 from pl_lowprec.transforms.pipeline import ModelTransform
 
@@ -97,8 +96,8 @@ def base_of_a_whole_checkpoint(
     ``transform`` reads nothing of ``pretrained=``: its weights with the key prefix a streamed load would have taken
     (``key_match.fitting_index``, headers only), which a merge writes the original keys with. ``None`` otherwise:
     the load takes the prefix."""
-    weights = transform.weights_for(module)
-    if weights is None or not fills_every_weight(module, transform.config, state_dict):
+    weights = transform.weights_the_checkpoint_replaces(module, state_dict)
+    if weights is None:
         return None
     if weights.prefix is not None:
         return weights

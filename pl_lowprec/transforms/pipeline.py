@@ -289,14 +289,23 @@ class ModelTransform:
     ) -> bool:
         """Empty storage in place of ``pretrained=`` where the checkpoint restored next (``restored_next``, its state
         dict) sets every weight of the module (``checkpoint_fills.py``); whether it did so."""
-        weights = self.weights_for(model)
-        if weights is None or restored_next is None:
-            return False
-        if not fills_every_weight(model, self.config, restored_next):
+        weights = self.weights_the_checkpoint_replaces(model, restored_next)
+        if weights is None:
             return False
         storage_for_the_checkpoint(model, weights, device, self.sharding)
         rank_zero_info(f"pretrained={str(weights.path)!r} is not read: the checkpoint restored holds every weight.")
         return True
+
+    def weights_the_checkpoint_replaces(
+        self, model: nn.Module, restored_next: Mapping[str, torch.Tensor] | None
+    ) -> PretrainedWeights | None:
+        """The ``pretrained=`` weights of ``model`` (on the meta device, not transformed yet) that the checkpoint
+        restored next (its state dict) sets every one of, so that none need be read (``checkpoint_fills.py``);
+        ``None`` where there are none or the checkpoint leaves some to them."""
+        weights = self.weights_for(model)
+        if weights is None or restored_next is None or not fills_every_weight(model, self.config, restored_next):
+            return None
+        return weights
 
     def load_pretrained(self, model: nn.Module, compute_dtype: torch.dtype, device: torch.device) -> None:
         """Fill a module built on the meta device (``weight_sources.fill_meta_model``)."""
