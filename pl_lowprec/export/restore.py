@@ -101,10 +101,10 @@ def base_of_a_whole_checkpoint(
         return None
     if weights.prefix is not None:
         return weights
-    lora = transform.config.lora
-    new_heads = tuple(lora.modules_to_save or ()) if lora is not None else ()
     with weight_files() as files:
-        _, _, prefix = fitting_index(module, weights.path, None, new_heads, weights.expected_prefix, files=files)
+        _, _, prefix = fitting_index(
+            module, weights.path, None, transform.new_heads, weights.expected_prefix, files=files
+        )
     return dataclasses.replace(weights, prefix=prefix)
 
 

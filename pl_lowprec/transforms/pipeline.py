@@ -296,6 +296,13 @@ class ModelTransform:
         rank_zero_info(f"pretrained={str(weights.path)!r} is not read: the checkpoint restored holds every weight.")
         return True
 
+    @property
+    def new_heads(self) -> tuple[str, ...]:
+        """LoRA's ``modules_to_save``: modules the pretrained files may lack (a task's new head), left to their own
+        initialization by the load and not counted against a key prefix (``key_match.fitting_index``)."""
+        lora = self.config.lora
+        return tuple(lora.modules_to_save or ()) if lora is not None else ()
+
     def weights_the_checkpoint_replaces(
         self, model: nn.Module, restored_next: Mapping[str, torch.Tensor] | None
     ) -> PretrainedWeights | None:
@@ -310,7 +317,6 @@ class ModelTransform:
     def load_pretrained(self, model: nn.Module, compute_dtype: torch.dtype, device: torch.device) -> None:
         """Fill a module built on the meta device (``weight_sources.fill_meta_model``)."""
         weights = self.weights_for(model)
-        new_heads = tuple(self.config.lora.modules_to_save or ()) if self.config.lora is not None else ()
         fill_meta_model(
             model,
             weights,
@@ -319,7 +325,7 @@ class ModelTransform:
             device,
             self.quantize_layer,
             self.sharding,
-            new_heads,
+            self.new_heads,
         )
         if weights is not None:
             release_freed_host_memory()
