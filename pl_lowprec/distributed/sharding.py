@@ -8,6 +8,7 @@ The mesh helpers are in ``mesh.py``, which precision plugins run sharded in ``pr
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 from pl_lowprec._imports import import_torchao_nf4
-from pl_lowprec.distributed.mesh import is_sharded
+from pl_lowprec.distributed.mesh import empty_local_rows, is_sharded
 from pl_lowprec.distributed.meta_init import Placement, initialize_meta_modules, keep_local_rows
 from pl_lowprec.distributed.shard import ShardPolicy, check_trainable_dtypes, shard_model, shard_units
 from pl_lowprec.transforms.checkpointing import declared_blocks
@@ -92,6 +93,12 @@ class Sharding:
         """What a rank keeps of each parameter as a meta module is filled: its rows when there are several ranks;
         the whole tensor on one process (``None``), where nothing is sharded."""
         return None if self.world_size == 1 else keep_local_rows(self.mesh)
+
+    def empty_storage(self, device: torch.device) -> Callable[[nn.Parameter], torch.Tensor] | None:
+        """The uninitialized storage of a meta parameter that a checkpoint fills next (``empty.storage_to_fill``):
+        a rank's rows when there are several ranks, as ``placement`` keeps them; the whole tensor (``None``) on one
+        process."""
+        return None if self.world_size == 1 else functools.partial(empty_local_rows, mesh=self.mesh, device=device)
 
     def initialize(
         self,

@@ -72,16 +72,16 @@ def reset_on(module: nn.Module, device: torch.device) -> None:
 def storage_to_fill(
     module: nn.Module,
     device: torch.device | str = "cpu",
-    place: Callable[[nn.Parameter], nn.Parameter] | None = None,
+    empty_of: Callable[[nn.Parameter], torch.Tensor] | None = None,
 ) -> None:
     """Give every meta parameter uninitialized storage on ``device``, in its dtype, tied parameters staying one: for
     a load that copies every value in next (Lightning's ``load_state_dict`` of a checkpoint holding every weight), so
-    that nothing is read twice. ``place``: what a rank keeps of each (under FSDP2, its rows), as a streamed load
-    keeps it."""
+    that nothing is read twice. ``empty_of``: the storage of one, where a rank keeps only part of it (under FSDP2,
+    its rows: ``mesh.empty_local_rows``), as a streamed load keeps it."""
 
     def empty(param: nn.Parameter) -> nn.Parameter:
-        storage = nn.Parameter(torch.empty_like(param, device=device), param.requires_grad)
-        return place(storage) if place is not None else storage
+        storage = empty_of(param) if empty_of is not None else torch.empty_like(param, device=device)
+        return nn.Parameter(storage, param.requires_grad)
 
     replace_parameters(module, is_meta, empty)
 

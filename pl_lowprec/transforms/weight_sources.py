@@ -90,7 +90,7 @@ def storage_for_the_checkpoint(
     """Empty storage for a module whose every weight the checkpoint restored next sets (``checkpoint_fills.py``),
     marked as filled for ``weights``: nothing of it is read. Under FSDP2 each rank keeps its rows of it, as a
     streamed load keeps them."""
-    storage_to_fill(model, device, sharding.placement() if sharding is not None else None)
+    storage_to_fill(model, device, sharding.empty_storage(device) if sharding is not None else None)
     setattr(model, _LOADED_FROM, weights)
 
 
