@@ -1,9 +1,9 @@
-"""``lowprec_fsdp``: validate (and a resumed fit) with ``ckpt_path=`` of a checkpoint holding every weight (no LoRA,
-or ``adapter_only_checkpoint=False``) read no pretrained file. Lightning restores after the strategy's setup, which
-had streamed all of ``pretrained=`` into the shards before the checkpoint's load overwrote it; the strategy now
-restores before its setup, as ``lowprec``/``lowprec_ddp`` do, and the transform gives the model empty storage that
-the checkpoint fills (on several ranks, each rank's rows: ``Sharding.placement``). One process here (a one-rank
-gloo group): the same strategy, restore order and load as on several ranks, without spawning them."""
+"""``lowprec_fsdp``: a fit resumed with ``ckpt_path=`` of a checkpoint holding every weight (no LoRA, or
+``adapter_only_checkpoint=False``) reads no pretrained file and ends where the uninterrupted run ends (validate:
+``test_restore_whole_checkpoint.py``). Lightning restores after the strategy's setup, which had streamed all of
+``pretrained=`` into the shards before the checkpoint's load overwrote it; the strategy now restores before its
+setup, as ``lowprec``/``lowprec_ddp`` do. One process here (a one-rank gloo group): the same strategy, restore order
+and load as on several ranks, without spawning them."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pl_lowprec import LowPrecisionFSDPStrategy
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-STRATEGIES = {"whole-model": {}, "lora-whole-checkpoint": {"lora": LORA, "adapter_only_checkpoint": False}}
+WHOLE_CHECKPOINT = {"lora": LORA, "adapter_only_checkpoint": False}
 
 
 def _trainer(pretrained, **kwargs):
@@ -33,28 +33,10 @@ def _model(trainer):
 
 
 @pytest.mark.usefixtures("no_process_group_left")
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_fsdp_validate_of_a_whole_checkpoint_reads_no_pretrained_file(tmp_path, monkeypatch, strategy):
-    pretrained = save_llama(tmp_path / "base", hidden_size=64)
-    trainer = _trainer(pretrained, s=STRATEGIES[strategy], max_steps=2)
-    model = _model(trainer)
-    trainer.fit(model, ids_loader(batches=2))
-    checkpoint = tmp_path / "trained.ckpt"
-    trainer.save_checkpoint(checkpoint)
-    (trained,) = trainer.validate(model, ids_loader(batches=2, seed=1), verbose=False)
-
-    opened = count_safetensors_opens(monkeypatch, pretrained)
-    trainer = _trainer(pretrained, s=STRATEGIES[strategy])
-    (restored,) = trainer.validate(_model(trainer), ids_loader(batches=2, seed=1), ckpt_path=checkpoint, verbose=False)
-    assert opened == []  # 23 before: the headers, then once per module (22)
-    assert restored == trained
-
-
-@pytest.mark.usefixtures("no_process_group_left")
 def test_fsdp_resumed_fit_of_a_whole_checkpoint_reads_no_pretrained_file(tmp_path, monkeypatch):
     """A fit resumed from a whole checkpoint reads no pretrained file and ends where the uninterrupted run ends."""
     pretrained = save_llama(tmp_path / "base", hidden_size=64)
-    s = STRATEGIES["lora-whole-checkpoint"]
+    s = WHOLE_CHECKPOINT
     torch.manual_seed(0)
     whole = _trainer(pretrained, s=s, max_steps=4)
     uninterrupted = _model(whole)
