@@ -115,7 +115,7 @@ def main(args: list[str] | None = None) -> None:
         check_module_generates(held_hf_model(run.model), type(run.model).__name__, GGUF)
         check_gguf_sources(weights, tokenizer_dir)
     with weight_files():  # the restore's load and the merge read the base: a .bin shard is unpickled once
-        restored = restore(checkpoint, run.trainer, run.model, run.datamodule)
+        restored = restore(checkpoint, run.trainer, run.model, run.datamodule, merge=export_format != "adapter")
         if qat is not None:
             print(export_quantized(restored, out, parsed.overwrite, inputs))
         elif export_format == "gguf":

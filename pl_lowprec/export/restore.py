@@ -9,10 +9,11 @@ checkpointing and the memory-saving paths save nothing. The run itself is rebuil
 ``pl_lowprec.cli.rebuild``.
 
 A checkpoint that holds every weight (no LoRA, or ``adapter_only_checkpoint=False``) fills empty storage and
-``pretrained=`` is not streamed (``transforms/checkpoint_fills.py``), as in ``validate(ckpt_path=)``: only its
-headers are read, for the key prefix a merge writes the original files' keys with. The merge itself still reads the
-original files: it writes the full-precision weights the adapters trained on (which a QLoRA checkpoint holds in 4
-bits, and a run that kept its frozen weights in the compute dtype holds rounded), in their files, keys and dtypes.
+``pretrained=`` is not streamed (``transforms/checkpoint_fills.py``), as in ``validate(ckpt_path=)``: for a merge
+only its headers are read, for the key prefix the merge writes the original files' keys with; an adapter export
+reads nothing of them. The merge itself still reads the original files: it writes the full-precision weights the
+adapters trained on (which a QLoRA checkpoint holds in 4 bits, and a run that kept its frozen weights in the compute
+dtype holds rounded), in their files, keys and dtypes.
 """
 
 from __future__ import annotations
@@ -54,10 +55,14 @@ class Restored:
         return held_hf_model(self.module)
 
 
-def restore(checkpoint: str | Path, trainer: Any, module: nn.Module, datamodule: Any = None) -> Restored:
+def restore(
+    checkpoint: str | Path, trainer: Any, module: nn.Module, datamodule: Any = None, merge: bool = True
+) -> Restored:
     """``module`` with the weights of ``checkpoint``, through ``trainer``'s strategy and precision as in a fit.
 
-    ``trainer``, ``module`` and ``datamodule`` are a run rebuilt from its config (``pl_lowprec.cli.rebuild``)."""
+    ``trainer``, ``module`` and ``datamodule`` are a run rebuilt from its config (``pl_lowprec.cli.rebuild``).
+    ``merge``: whether the export merges into the original files (``--merged``, GGUF), whose key prefix a whole
+    checkpoint's restore then reads from their headers; an adapter export reads nothing of them."""
     checkpoint = Path(checkpoint)
     if not checkpoint.is_file():
         raise FileNotFoundError(f"Checkpoint {str(checkpoint)!r} does not exist (a Lightning .ckpt file).")
@@ -73,7 +78,8 @@ def restore(checkpoint: str | Path, trainer: Any, module: nn.Module, datamodule:
     _call_configure_model(trainer)
     device = trainer.strategy.root_device
     state_dict = state["state_dict"]
-    merge_base = base_of_a_whole_checkpoint(module, transform, state_dict)  # before the transform renames keys
+    # before the transform renames keys; only a merge writes the original files' keys
+    merge_base = base_of_a_whole_checkpoint(module, transform, state_dict) if merge else None
     transform.apply(module, trainer.precision_plugin, device, restored_next=state_dict)
     if not has_lora(module) and config.qat is None:  # a QAT run exports its converted model (export/quantized.py)
         raise ValueError(
