@@ -57,8 +57,8 @@ def call_label(func: Any, args: tuple, kwargs: dict | None) -> str | None:
     dtype, shape and strides (``bfloat16[2048,512](512,1)``), a dtype as ``torch.bfloat16``, a device as
     ``'cpu'`` (replays run here), numbers, strings and lists of them as their ``repr``. ``None`` where an
     argument is none of these (a list of tensors, a generator): that kernel keeps the roofline."""
-    parts = [str(func)]
     positions, by_name = _schema_arguments(func)
+    parts = [_op_name(func)]
     named = [(None, value, positions[i] if i < len(positions) else None) for i, value in enumerate(args)]
     named += [(name, value, by_name.get(name)) for name, value in (kwargs or {}).items()]
     for name, value, argument in named:
@@ -67,6 +67,11 @@ def call_label(func: Any, args: tuple, kwargs: dict | None) -> str | None:
             return None
         parts.append(text if name is None else f"{name}={text}")
     return " ".join(parts)
+
+
+@functools.cache
+def _op_name(func: Any) -> str:
+    return str(func)
 
 
 @functools.cache
@@ -101,11 +106,18 @@ def _argument(value: Any) -> str | None:
         text = repr(list(value)).replace(" ", "")
     else:
         return None
+    return text if _reads_back(text) else None
+
+
+@functools.lru_cache(maxsize=2**16)
+def _reads_back(text: str) -> bool:
+    """Whether ``text`` reads back as the value (inf and nan do not); parsed once per text: the same numbers and
+    shapes come back at every call of a step."""
     try:
-        ast.literal_eval(text)  # inf and nan do not come back
+        ast.literal_eval(text)
     except (ValueError, SyntaxError):
-        return None
-    return text
+        return False
+    return True
 
 
 def forget_timings() -> None:

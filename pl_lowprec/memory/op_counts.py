@@ -181,9 +181,9 @@ class OpCounter:
         elif packet in _GATHERS:
             read = [t for t in read if not t.is_floating_point()] + written  # the indices and the rows returned
         nbytes = _bytes(read) + _bytes(written)
-        flops, dtype = _flops(func, args, kwargs, out)
-        family = ATTENTION if packet in _ATTENTION_OPS else MATMUL if flops and packet in MATMULS else KERNEL
         label = call_label(func, args, kwargs)
+        flops, dtype = _flops_of_call(label, func, args, kwargs, out)
+        family = ATTENTION if packet in _ATTENTION_OPS else MATMUL if flops and packet in MATMULS else KERNEL
         kind = f"{family} {label}" if label is not None else "" if family == KERNEL else family
         key = (dtype, flops, nbytes, in_optimizer_step, kind)
         self.profile.counts[key] += 1
@@ -217,6 +217,24 @@ def _work(func: Any) -> str:
 def _aliases(written: list[torch.Tensor], read: list[torch.Tensor]) -> bool:
     inputs = {t.untyped_storage()._cdata for t in read}
     return any(t.untyped_storage()._cdata in inputs for t in written)
+
+
+_FLOPS_OF_CALL: dict[str, tuple[int, str]] = {}  # call label -> _flops: every block of a step repeats its calls
+_FLOPS_OF_CALL_LIMIT = 2**16
+
+
+def _flops_of_call(label: str | None, func: Any, args: tuple, kwargs: dict | None, out: Any) -> tuple[int, str]:
+    """``_flops``, once per call label: the label holds the op and every argument's dtype, shape, strides and
+    value (numbers passed as tensors or Scalars, which no formula reads, as one of their type), all that a FLOP
+    formula and the first floating input's dtype read."""
+    if label is None:
+        return _flops(func, args, kwargs, out)
+    known = _FLOPS_OF_CALL.get(label)
+    if known is None:
+        if len(_FLOPS_OF_CALL) >= _FLOPS_OF_CALL_LIMIT:
+            _FLOPS_OF_CALL.clear()
+        known = _FLOPS_OF_CALL[label] = _flops(func, args, kwargs, out)
+    return known
 
 
 def _flops(func: Any, args: tuple, kwargs: dict | None, out: Any) -> tuple[int, str]:

@@ -20,14 +20,14 @@ ops are then seen. Not seen: scratch that kernels allocate outside tensor storag
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -57,8 +57,19 @@ def allocated_bytes(nbytes: int, device_type: str) -> int:
     return nbytes
 
 
-def _storages(tensor: torch.Tensor) -> set[torch.UntypedStorage]:
-    return get_untyped_storages(tensor)  # a DTensor's local shard, a wrapper subclass's inner tensors
+def _storages(tensor: torch.Tensor) -> Collection[torch.UntypedStorage]:
+    """A plain (fake) tensor's one storage, read directly: this runs for every output of every op of the step.
+    A wrapper subclass (a DTensor's local shard, NF4's inner tensors) is taken apart by torch's own helper."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return (tensor.untyped_storage(),)
+    return get_untyped_storages(tensor)
+
+
+def _output_tensors(out: Any) -> list[Any]:
+    """The leaves of an op's output, as ``tree_flatten`` gives them; a single tensor (most ops) without it."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return tree_flatten(out)[0]
 
 
 class StepTracker(TorchDispatchMode):
@@ -241,7 +252,7 @@ class StepTracker(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if any(t is DTensor for t in types):  # DTensor runs its local ops, which are seen next
+        if DTensor in types:  # DTensor runs its local ops, which are seen next
             return NotImplemented
         if func is torch.ops.aten._local_scalar_dense.default:  # .item(), bool(): fake tensors hold no values
             return _ASSUMED_VALUES.get(args[0].dtype, 1)
@@ -258,7 +269,7 @@ class StepTracker(TorchDispatchMode):
         category = "activations" if self.phase_name == "forward" else "temporaries"
         if self._on_host:
             category = "host"
-        for tensor in tree_flatten(out)[0]:
+        for tensor in _output_tensors(out):
             if isinstance(tensor, torch.Tensor):
                 self._add(tensor, category)
         if self.total != before:
