@@ -12,12 +12,17 @@ from pl_lowprec.memory.fake_step import batch_tensors
 
 
 def estimates_once(
-    monkeypatch: pytest.MonkeyPatch, *modules: Any, memo: list[tuple[tuple, Any]] | None = None
+    monkeypatch: pytest.MonkeyPatch,
+    *modules: Any,
+    memo: list[tuple[tuple, Any]] | None = None,
+    by_model: bool = False,
 ) -> list[tuple[tuple, Any]]:
     """Patch ``estimate_memory`` where ``modules`` call it with a memo of ``(arguments, estimate)``, the arguments
     compared by value (every one but the model builder: each test builds one model; the batch by its tensors'
     shapes and dtypes). A list, not a dict keyed by ``repr``: equal sets may print in another order. Returns the
-    memo (``memo`` where given: one shared with an earlier call), so a test can say how many simulations ran."""
+    memo (``memo`` where given: one shared with an earlier call), so a test can say how many simulations ran.
+    ``by_model``: the model the builder makes is compared too, by its class, hyperparameters and layers (a test
+    whose configs could build different models: a CLI run builds the config's)."""
     signature = inspect.signature(estimate_memory)
     memo = [] if memo is None else memo
 
@@ -25,11 +30,15 @@ def estimates_once(
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         arguments = dict(bound.arguments)
-        arguments.pop("build_model")
+        build = arguments.pop("build_model")
         batch = arguments.pop("example_batch")
         if arguments["device"] is not None:  # "cpu" and torch.device("cpu") alike
             arguments["device"] = torch.device(arguments["device"])
         key = (arguments, [(t.shape, t.dtype) for t in batch_tensors(batch)])
+        if by_model:
+            with torch.device("meta"):
+                model = build()
+            key += (type(model), dict(getattr(model, "hparams", {})), repr(model))
         for asked, estimate in memo:
             if asked == key:
                 return estimate

@@ -8,8 +8,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from estimate_memo_helpers import estimates_once
 
+from pl_lowprec.cli import estimate as estimate_cli_module
 from pl_lowprec.cli import main
+from pl_lowprec.memory import fastest
 
 pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
@@ -25,13 +28,22 @@ def table(capsys, *args: str) -> str:
 
 
 @pytest.fixture
+def simulated_once(monkeypatch):
+    """The tests below compare the estimates of one config given several ways: each distinct estimate is
+    simulated once (the arguments and the model compared by value), so equal tables mean equal arguments."""
+    return estimates_once(monkeypatch, estimate_cli_module, fastest, by_model=True)
+
+
+@pytest.fixture
 def overlay(tmp_path):
     path = tmp_path / "overlay.yaml"
     path.write_text(yaml.safe_dump(OVERLAY))
     return path
 
 
-def test_estimate_of_several_configs_is_the_estimate_of_the_config_fit_merges(tmp_path, capsys, overlay):
+def test_estimate_of_several_configs_is_the_estimate_of_the_config_fit_merges(
+    tmp_path, capsys, overlay, simulated_once
+):
     with pytest.raises(SystemExit) as printed:
         main(["fit", f"--config={QUICKSTART}", f"--config={overlay}", "--print_config"])
     assert printed.value.code == 0
@@ -52,6 +64,9 @@ def test_estimate_of_several_configs_is_the_estimate_of_the_config_fit_merges(tm
     )
     # in order, as for fit: a later --config overrides an earlier override
     assert table(capsys, "--config", QUICKSTART, *overrides, "--config", QUICKSTART) == alone
+    # each with the faster settings' line: both and merged ask alike, and alone and the last; the dotted override
+    # keeps the quick-start's lora_alpha, which the overlay's lora mapping replaces (jsonargparse, as in fit)
+    assert len(simulated_once) == 3 * 2
 
 
 def test_plan_writes_the_configs_merged_and_runs_them(tmp_path, capsys, overlay):
@@ -74,10 +89,11 @@ def test_plan_writes_the_configs_merged_and_runs_them(tmp_path, capsys, overlay)
     assert table(capsys, "--config", str(out))  # the written file is a whole config
 
 
-def test_a_config_without_devices_is_estimated_as_lightning_resolves_auto(capsys):
+def test_a_config_without_devices_is_estimated_as_lightning_resolves_auto(capsys, simulated_once):
     """Lightning's default ``devices="auto"`` (the quick-start without its ``devices: 1``) was refused as if the
     single-device config were sharded."""
     assert table(capsys, "--config", QUICKSTART, "--trainer.devices=auto") == table(capsys, "--config", QUICKSTART)
+    assert len(simulated_once) == 2  # the estimate and the faster settings' line, asked alike both times
 
 
 def test_the_ranks_of_a_config_resolve_auto_where_lightning_would_and_refuse_an_unknown_count(monkeypatch):
@@ -158,9 +174,10 @@ def peak_line(capsys, *args: str) -> str:
 
 
 @pytest.mark.filterwarnings("ignore:`precision=.*is supported for historical reasons")
-def test_trainer_precision_bf16_is_estimated_as_the_bf16_mixed_that_fit_runs(capsys):
+def test_trainer_precision_bf16_is_estimated_as_the_bf16_mixed_that_fit_runs(capsys, simulated_once):
     """Lightning runs ``precision: bf16`` as bf16-mixed; the estimate took it for fp32 (+65%, audit 64b #1)."""
     plain = ("--trainer.plugins=null", "--trainer.strategy.init_args.memory_saving=true")
     alias = peak_line(capsys, *plain, "--trainer.precision=bf16")
     assert alias == peak_line(capsys, *plain, "--trainer.precision=bf16-mixed")
     assert alias != peak_line(capsys, *plain, "--trainer.precision=32-true")
+    assert len(simulated_once) == 2 * 2  # bf16 asked as bf16-mixed is, and 32-true (each with the faster line)
