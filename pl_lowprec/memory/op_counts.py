@@ -156,6 +156,7 @@ class OpCounter:
     def __init__(self) -> None:
         self.profile = OpProfile()
         self._works: dict[Any, str] = {}  # op -> "kernel", "composite" (a kernel unless it aliases) or "none"
+        self._flops_by_label: dict[str, tuple[int, str]] = {}  # call label -> _flops: each block repeats its calls
 
     def record(self, func: Any, args: tuple, kwargs: dict | None, out: Any, in_optimizer_step: bool = False) -> None:
         work = self._works.get(func)
@@ -182,7 +183,7 @@ class OpCounter:
             read = [t for t in read if not t.is_floating_point()] + written  # the indices and the rows returned
         nbytes = _bytes(read) + _bytes(written)
         label = call_label(func, args, kwargs)
-        flops, dtype = _flops_of_call(label, func, args, kwargs, out)
+        flops, dtype = self._flops_of_call(label, func, args, kwargs, out)
         family = ATTENTION if packet in _ATTENTION_OPS else MATMUL if flops and packet in MATMULS else KERNEL
         kind = f"{family} {label}" if label is not None else "" if family == KERNEL else family
         key = (dtype, flops, nbytes, in_optimizer_step, kind)
@@ -190,6 +191,20 @@ class OpCounter:
         fresh = 0 if func._schema.is_mutable else _fresh_bytes(written)  # in place: pages it holds
         if fresh:
             self.profile.fresh[key] = max(fresh, self.profile.fresh.get(key, 0))
+
+    def _flops_of_call(
+        self, label: str | None, func: Any, args: tuple, kwargs: dict | None, out: Any
+    ) -> tuple[int, str]:
+        """``_flops``, once per call label in this count: the label holds the op and every argument's dtype, shape,
+        strides and value (numbers passed as tensors or Scalars, which no formula reads, as one of their type). The
+        formulas read shapes only, but for varlen attention's on real tensors (its ``cum_seq`` values; CUDA only):
+        one count sees one kind of tensor, fake or real."""
+        if label is None:
+            return _flops(func, args, kwargs, out)
+        known = self._flops_by_label.get(label)
+        if known is None:
+            known = self._flops_by_label[label] = _flops(func, args, kwargs, out)
+        return known
 
 
 def _fresh_bytes(written: list[torch.Tensor]) -> int:
@@ -217,24 +232,6 @@ def _work(func: Any) -> str:
 def _aliases(written: list[torch.Tensor], read: list[torch.Tensor]) -> bool:
     inputs = {t.untyped_storage()._cdata for t in read}
     return any(t.untyped_storage()._cdata in inputs for t in written)
-
-
-_FLOPS_OF_CALL: dict[str, tuple[int, str]] = {}  # call label -> _flops: every block of a step repeats its calls
-_FLOPS_OF_CALL_LIMIT = 2**16
-
-
-def _flops_of_call(label: str | None, func: Any, args: tuple, kwargs: dict | None, out: Any) -> tuple[int, str]:
-    """``_flops``, once per call label: the label holds the op and every argument's dtype, shape, strides and
-    value (numbers passed as tensors or Scalars, which no formula reads, as one of their type), all that a FLOP
-    formula and the first floating input's dtype read."""
-    if label is None:
-        return _flops(func, args, kwargs, out)
-    known = _FLOPS_OF_CALL.get(label)
-    if known is None:
-        if len(_FLOPS_OF_CALL) >= _FLOPS_OF_CALL_LIMIT:
-            _FLOPS_OF_CALL.clear()
-        known = _FLOPS_OF_CALL[label] = _flops(func, args, kwargs, out)
-    return known
 
 
 def _flops(func: Any, args: tuple, kwargs: dict | None, out: Any) -> tuple[int, str]:
