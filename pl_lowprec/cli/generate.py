@@ -103,7 +103,8 @@ def from_run(checkpoint: str | Path, run: LowPrecisionCLI, tokenizer: str | None
     """``from_checkpoint`` of a run already rebuilt."""
     # a model built in __init__ is known before the weights load
     check_module_generates(held_hf_model(run.model), type(run.model).__name__)
-    return from_restored(restore(checkpoint, run.trainer, run.model, run.datamodule), tokenizer)
+    restored = restore(checkpoint, run.trainer, run.model, run.datamodule, merge=False)  # no original keys written
+    return from_restored(restored, tokenizer)
 
 
 def tokenized_prompts(

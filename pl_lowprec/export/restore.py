@@ -61,8 +61,9 @@ def restore(
     """``module`` with the weights of ``checkpoint``, through ``trainer``'s strategy and precision as in a fit.
 
     ``trainer``, ``module`` and ``datamodule`` are a run rebuilt from its config (``pl_lowprec.cli.rebuild``).
-    ``merge``: whether the export merges into the original files (``--merged``, GGUF), whose key prefix a whole
-    checkpoint's restore then reads from their headers; an adapter export reads nothing of them."""
+    ``merge``: whether the restored module may be merged into the original files (``--merged``, GGUF), whose key
+    prefix a whole checkpoint's restore then reads from their headers; an adapter export and ``generate`` pass
+    ``False`` and read nothing of them."""
     checkpoint = Path(checkpoint)
     if not checkpoint.is_file():
         raise FileNotFoundError(f"Checkpoint {str(checkpoint)!r} does not exist (a Lightning .ckpt file).")

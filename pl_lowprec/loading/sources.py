@@ -199,12 +199,6 @@ class WeightFiles:
         self._opened.clear()
         self._torch.close()
 
-    def __enter__(self) -> WeightFiles:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 _OPEN_FILES: PerCommand[WeightFiles] = PerCommand("weight_files", WeightFiles, WeightFiles.close)
 

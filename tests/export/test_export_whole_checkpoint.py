@@ -55,7 +55,8 @@ def test_merged_export_of_a_whole_checkpoint_streams_no_base(tmp_path, monkeypat
     assert _digests(tmp_path / "merged") == _digests(tmp_path / "streamed")
 
 
-def test_adapter_export_of_a_whole_checkpoint_reads_nothing_of_the_base(tmp_path, monkeypatch):
+def _trained_whole(tmp_path):
+    """A pretrained base, the run's arguments, and a checkpoint of that run holding every weight (LoRA too)."""
     base = save_pretrained_dir(tmp_path / "base")
     args = [
         *fit_args(base, write_prompt_completion(tmp_path / "pc.jsonl"), tmp_path / "run"),
@@ -64,9 +65,29 @@ def test_adapter_export_of_a_whole_checkpoint_reads_nothing_of_the_base(tmp_path
     cli = build_cli(["fit", *args, "--trainer.max_steps=2"])
     checkpoint = tmp_path / "trained.ckpt"
     cli.trainer.save_checkpoint(checkpoint)
+    return base, args, checkpoint
+
+
+def test_adapter_export_of_a_whole_checkpoint_reads_nothing_of_the_base(tmp_path, monkeypatch):
+    base, args, checkpoint = _trained_whole(tmp_path)
     with _streamed_as_before(monkeypatch):
         main(["export", f"--ckpt_path={checkpoint}", f"--out={tmp_path / 'streamed'}", *args])
     opened = count_safetensors_opens(monkeypatch, base)
     main(["export", f"--ckpt_path={checkpoint}", f"--out={tmp_path / 'adapter'}", *args])
     assert opened == []  # 13 with the streamed restore (1 + 12 modules), 1 with the headers read for a merge
     assert _digests(tmp_path / "adapter") == _digests(tmp_path / "streamed")
+
+
+def test_generate_from_a_whole_checkpoint_reads_nothing_of_the_base(tmp_path, monkeypatch):
+    """``generate --ckpt_path`` restores as an adapter export does: it merges into no original file, so it reads
+    not even the headers for their key prefix (it read them, a ``.bin`` base unpickled whole, for nothing)."""
+    base, args, checkpoint = _trained_whole(tmp_path)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def add(a, b):\nimport os\n", encoding="utf-8")
+    generate = ["generate", f"--ckpt_path={checkpoint}", f"--prompts={prompts}", "--max_new_tokens=4"]
+    with _streamed_as_before(monkeypatch):
+        main([*generate, f"--out={tmp_path / 'streamed.jsonl'}", *args])
+    opened = count_safetensors_opens(monkeypatch, base)
+    main([*generate, f"--out={tmp_path / 'restored.jsonl'}", *args])
+    assert opened == []  # 13 with the streamed restore, 1 with the headers read for a merge
+    assert (tmp_path / "restored.jsonl").read_text() == (tmp_path / "streamed.jsonl").read_text()
