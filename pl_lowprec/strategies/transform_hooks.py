@@ -28,6 +28,7 @@ from pl_lowprec.memory.collectives import gradient_as_bucket_view
 from pl_lowprec.memory.sizing_batch import sizing_batch
 from pl_lowprec.plugins.anomaly_mode import overflows_left_to_the_scaler
 from pl_lowprec.strategies.auto_settings import choose_memory_settings, run_interconnect
+from pl_lowprec.strategies.finder_resumption import check_no_finder_when_resuming
 from pl_lowprec.strategies.garbage_collection import freeze_long_lived_objects, unfreeze
 from pl_lowprec.strategies.interrupted_batch import CHECKPOINT_KEY as INTERRUPTED_BATCH
 from pl_lowprec.strategies.interrupted_batch import interrupted_batch, interrupted_batch_paragraph
@@ -269,7 +270,8 @@ class TransformHooks(TransformArguments):
     def before_resuming(self, checkpoint: Mapping[str, Any]) -> None:
         """Where ``fit`` resumes from ``checkpoint``: a warning if it was saved inside an accumulated step, the loop
         state of one saved at a training epoch's end as Lightning resumes it exactly (``epoch_end_resumption.py``),
-        and this rank's random states, set in ``on_train_start`` (``random_states.py``).
+        and this rank's random states, set in ``on_train_start`` (``random_states.py``). A tuner callback would
+        drop the checkpoint after its trial steps: refused (``finder_resumption.py``).
 
         Not where training has started already in this run: that restore is Lightning's tuners (``lr_find``,
         ``scale_batch_size``, their callbacks) putting back the model they saved before their trial steps. A
@@ -278,6 +280,7 @@ class TransformHooks(TransformArguments):
         trainer = self.lightning_module.trainer
         if trainer.state.fn != TrainerFn.FITTING or self._training_started:
             return
+        check_no_finder_when_resuming(trainer)
         warning = interrupted_batch_paragraph(checkpoint, trainer.accumulate_grad_batches) or mid_step_resumption(
             checkpoint, trainer.accumulate_grad_batches
         )

@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
 from lightning.pytorch.tuner import Tuner
 from lightning_helpers import quiet_trainer
 from qlora_helpers import LossRecorder
@@ -68,3 +69,44 @@ def test_a_resumption_on_the_trainer_of_an_earlier_fit_is_still_one(tmp_path):
     trainer.fit_loop.epoch_loop.max_steps = 2
     with pytest.warns(UserWarning, match="This run resumes at step 1, inside epoch"):  # the resumption's warning
         trainer.fit(model, loader, ckpt_path=tmp_path / "step1.ckpt")
+
+
+FINDERS = {
+    "LearningRateFinder": lambda: LearningRateFinder(num_training_steps=2, update_attr=False),
+    "BatchSizeFinder": lambda: BatchSizeFinder(max_trials=1, steps_per_trial=1),
+}
+
+
+@pytest.mark.parametrize("finder", FINDERS)
+def test_a_tuner_callback_in_a_resumed_fit_is_refused_before_any_step(tmp_path, finder):
+    """The callback's own restore dropped the checkpoint being resumed: the fit kept its weights but trained again
+    from step 0 with fresh optimizer moments (under Lightning's strategies too), saying only that the run
+    "resumes at step 0". Refused as the checkpoint loads, naming the callback and the ways to tune."""
+    model, rows = _model_and_rows()
+    model.batch_size = 4
+    model.train_dataloader = lambda: torch.utils.data.DataLoader(rows, batch_size=model.batch_size)
+    quiet_trainer(strategy=LowPrecisionStrategy(), max_steps=2, limit_val_batches=0).fit(model)
+    checkpoint = tmp_path / "step2.ckpt"
+    model.trainer.save_checkpoint(checkpoint)
+    trained = {name: param.detach().clone() for name, param in model.named_parameters()}
+    resumed = quiet_trainer(
+        strategy=LowPrecisionStrategy(), max_steps=4, limit_val_batches=0, callbacks=[FINDERS[finder]()]
+    )
+    with pytest.raises(ValueError) as refused:
+        resumed.fit(model, ckpt_path=checkpoint)
+    message = str(refused.value)
+    assert f"fit(ckpt_path={str(checkpoint)!r}) resumes a run, and Trainer(callbacks=[{finder}(...)])" in message
+    assert "start again at step 0" in message and "Tuner(trainer).lr_find(model)" in message
+    assert resumed.global_step == 0
+    assert all(torch.equal(param, trained[name]) for name, param in model.named_parameters())
+
+
+def test_a_tuner_callback_in_a_fit_that_resumes_nothing_runs():
+    """The callback's own restore (after its trial steps) is no resumption: nothing refused."""
+    model, rows = _model_and_rows()
+    model.train_dataloader = lambda: torch.utils.data.DataLoader(rows, batch_size=4)
+    trainer = quiet_trainer(
+        strategy=LowPrecisionStrategy(), max_steps=2, limit_val_batches=0, callbacks=[FINDERS["LearningRateFinder"]()]
+    )
+    trainer.fit(model)
+    assert trainer.global_step == 2
