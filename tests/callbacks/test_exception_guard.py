@@ -4,10 +4,10 @@ callbacks' ``setup`` (which forgets the earlier answer), asks again."""
 import signal
 import warnings
 
-import lightning.pytorch as pl
 import pytest
 import torch.distributed as dist
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
+from lightning_helpers import quiet_trainer
 from resume_helpers import Failure, UpdateRaisesHalfway
 
 from pl_lowprec import LowPrecisionStrategy
@@ -59,16 +59,13 @@ def test_a_failure_before_setup_on_a_trainer_that_failed_before_asks_the_ranks_a
     else:
         monkeypatch.setattr(UpdateRaisesHalfway, "failing_batch", 5)
     on_exception = OnExceptionCheckpoint(tmp_path, filename="failed")
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(  # its ModelCheckpoint a second guard: the first and the last guard differ
         strategy=LowPrecisionStrategy(),
         callbacks=[on_exception],
         max_steps=8,
         limit_val_batches=0,
-        logger=False,
+        enable_checkpointing=True,
         default_root_dir=tmp_path / "root",
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     sigint = signal.getsignal(signal.SIGINT)
     try:
