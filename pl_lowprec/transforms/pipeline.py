@@ -204,7 +204,8 @@ class ModelTransform:
             moved = rewrote_the_base_line(c.lora)
             unlike_peft = all_linear_against_peft(model, c.lora, c.skip_modules, adapted)
             rank_zero_info(
-                f"LoRA on {len(adapted)} layers{whole}; {trainable:,} trainable parameters.{unlike_peft}{moved}"
+                f"LoRA on {len(adapted)} layers (r={lora.r}, lora_alpha={lora.lora_alpha}){whole}; {trainable:,}"
+                f" trainable parameters.{unlike_peft}{moved}"
             )
             warn_half_trainable(model, precision_plugin.precision)
         if c.lora_in_compute_dtype(precision_plugin_is_mixed(precision_plugin)):

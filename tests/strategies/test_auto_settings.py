@@ -34,6 +34,7 @@ def _fit(caplog, free=None, steps=2, **strategy):
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Memory settings")]
     adapted = [r for r in caplog.records if r.getMessage().startswith("LoRA on 14 layers")]
     assert len(adapted) == 1  # the real transform says it; the simulated candidates do not repeat it
+    assert adapted[0].getMessage().startswith("LoRA on 14 layers (r=4, lora_alpha=8);")  # what an overlay kept
     return lines, built, model
 
 
