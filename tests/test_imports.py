@@ -168,15 +168,16 @@ assert type(cli.trainer.strategy).__name__ == "LowPrecisionStrategy", cli.traine
 NAMES = ["lowprec", "lowprec_ddp", "lowprec_ddp_spawn", "lowprec_fsdp"]
 
 
-def test_import_pl_lowprec_registers_every_strategy_name_without_importing_the_strategies(estimate_then_cli):
-    """``import pl_lowprec`` is enough for ``Trainer(strategy="lowprec_ddp")``; the names map to factories, so the
-    strategies (and what they import) load only when one is built. A plain ``Trainer`` then fits without
-    Lightning 2.6's warning that torch deprecates ``LeafSpec`` (its own call, nothing to change): ``import
-    pl_lowprec`` drops it, not only ``pl-lowprec``."""
-    code = """
+@pytest.fixture(scope="module")
+def package_then_strategies() -> tuple[list[str], str]:
+    """One fresh interpreter for the two tests below: ``import pl_lowprec`` first (the names, no strategies),
+    each name built and a fit, then the classes taken from the package and ``pl_lowprec.strategies`` imported
+    (the registry's own entries). A fresh interpreter imports torch and Lightning again: seconds each."""
+    code = f"""
 import sys
 import pl_lowprec
 assert "pl_lowprec.strategies" not in sys.modules, "import pl_lowprec imported the strategies"
+{_names_now("PACKAGE")}
 from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 for name, devices, cls, start in [("lowprec", 1, "LowPrecisionStrategy", None),
@@ -188,17 +189,6 @@ for name, devices, cls, start in [("lowprec", 1, "LowPrecisionStrategy", None),
     assert getattr(strategy, "_start_method", None) == start, (name, strategy._start_method)
 Trainer(strategy="lowprec", accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False).fit(BoringModel())
-"""
-    registered, printed = _fresh(code)
-    assert registered == NAMES
-    assert "max_steps=1` reached" in printed  # it did fit
-    assert "LeafSpec" not in printed
-    assert _said(estimate_then_cli[1], "ESTIMATE") == NAMES  # any part of the package, in a fresh interpreter
-
-
-def test_importing_the_strategies_registers_their_names_and_only_the_factories_names():
-    """Building by name hands over to the class's own entry; no class registers a name the factories miss."""
-    code = f"""
 from pl_lowprec import LowPrecisionStrategy
 {_names_now("CLASS")}
 import pl_lowprec.strategies
@@ -206,12 +196,31 @@ own = sorted(n for n, e in StrategyRegistry.items()
              if getattr(e["strategy"], "__module__", "").startswith("pl_lowprec.strategies."))
 print("OWN", json.dumps(own))
 """
-    registered, printed = _fresh(code)
+    return _fresh(code)
+
+
+def test_import_pl_lowprec_registers_every_strategy_name_without_importing_the_strategies(
+    package_then_strategies, estimate_then_cli
+):
+    """``import pl_lowprec`` is enough for ``Trainer(strategy="lowprec_ddp")``; the names map to factories, so the
+    strategies (and what they import) load only when one is built. A plain ``Trainer`` then fits without
+    Lightning 2.6's warning that torch deprecates ``LeafSpec`` (its own call, nothing to change): ``import
+    pl_lowprec`` drops it, not only ``pl-lowprec``."""
+    printed = package_then_strategies[1]
+    assert _said(printed, "PACKAGE") == NAMES
+    assert "max_steps=1` reached" in printed  # it did fit
+    assert "LeafSpec" not in printed
+    assert _said(estimate_then_cli[1], "ESTIMATE") == NAMES  # any part of the package, in a fresh interpreter
+
+
+def test_importing_the_strategies_registers_their_names_and_only_the_factories_names(package_then_strategies):
+    """Building by name hands over to the class's own entry; no class registers a name the factories miss."""
+    registered, printed = package_then_strategies
     assert registered == NAMES
     from pl_lowprec.strategy_names import STRATEGY_NAMES
 
     assert _said(printed, "OWN") == sorted(STRATEGY_NAMES) == NAMES
-    assert _said(printed, "CLASS") == NAMES  # the class taken from the package, before its module is imported
+    assert _said(printed, "CLASS") == NAMES  # the class taken from the package, after its names were built
 
 
 def test_a_strategy_named_in_a_config_is_found_by_the_cli(estimate_then_cli):
