@@ -40,9 +40,9 @@ trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, en
 trainer.fit(model, torch.utils.data.DataLoader([batch] * 2, batch_size=None))
 
 def step():  # Lightning's order: the last step's gradients live through the forward, freed before the backward
-    # Lightning's autocast (no cast cache): the graphs the fit compiled serve it, where the default
-    # cache_enabled=True failed their guards and compiled every block again (seconds)
-    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+    # the fit's own autocast (no cast cache): its compiled graphs serve it (torch.autocast's default cache failed
+    # their guards and compiled every block again, seconds)
+    with trainer.precision_plugin.forward_context():
         loss, _ = model.loss_sum(batch)
     for p in model.parameters():
         p.grad = None
