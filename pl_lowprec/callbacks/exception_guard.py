@@ -60,7 +60,10 @@ _guards: WeakKeyDictionary[pl.Trainer, TrainerGuard] = WeakKeyDictionary()
 
 def trainer_guard(trainer: pl.Trainer) -> TrainerGuard:
     """The trainer's ``TrainerGuard``; a new one where none is yet (a failure before the fit's training)."""
-    return _guards.setdefault(trainer, TrainerGuard())
+    guard = _guards.get(trainer)  # not setdefault: it would build a TrainerGuard at every batch to drop it
+    if guard is None:
+        guard = _guards[trainer] = TrainerGuard()
+    return guard
 
 
 def _start_fits_guard(trainer: pl.Trainer) -> None:

@@ -34,8 +34,7 @@ class UpdateWatch:
     def __init__(self) -> None:
         self.begun = False  # an update of the parameters began in the current step
         self.stepped = False  # the current step finished (automatic: Lightning's after-step slot ran)
-        self._handles: list[RemovableHandle] = []
-        self._follows_updates = False
+        self._handles: list[RemovableHandle] = []  # torch's step hooks, while follow_updates holds them
 
     @property
     def interrupted(self) -> bool:
@@ -51,9 +50,8 @@ class UpdateWatch:
         """torch's step hooks on the training's optimizers, once: where an update begins (and, under manual
         optimization, where it ends). Only a callback that saves on an exception needs them: they wrap each step's
         closure."""
-        if self._follows_updates:
+        if self._handles:
             return
-        self._follows_updates = True
         automatic = trainer.lightning_module.automatic_optimization
         for optimizer in trainer.optimizers:
             self._handles.append(optimizer.register_step_pre_hook(self._before_step))
@@ -67,7 +65,6 @@ class UpdateWatch:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._follows_updates = False
 
     def _before_step(self, optimizer: Optimizer, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
         """torch's step pre-hook; ``args`` begins with the optimizer (``self``), then a positional closure."""

@@ -14,12 +14,14 @@ from typing import Any
 
 from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
 
+from pl_lowprec.strategies.trainer_checks import first_callback
+
 FINDERS = (LearningRateFinder, BatchSizeFinder)
 
 
 def check_no_finder_when_resuming(trainer: Any) -> None:
     """``ValueError`` (one paragraph) where a fit resuming from a checkpoint has a tuner callback."""
-    finder = next((callback for callback in trainer.callbacks if isinstance(callback, FINDERS)), None)
+    finder = first_callback(trainer, FINDERS)
     if finder is None:
         return
     name = type(finder).__name__

@@ -21,6 +21,11 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch.utils.data import DataLoader
 
 
+def first_callback(trainer: Any, types: tuple[type, ...]) -> Any:
+    """The first of ``trainer``'s callbacks that is one of ``types``, or ``None``."""
+    return next((callback for callback in trainer.callbacks if isinstance(callback, types)), None)
+
+
 def check_trainer_arguments(trainer: Any) -> None:
     """``ValueError`` naming the first Trainer argument that would fail or mislead once training runs."""
     check_accumulation(trainer.accumulate_grad_batches)

@@ -15,6 +15,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import StochasticWeightAveraging
 
+from pl_lowprec.strategies.trainer_checks import first_callback
 from pl_lowprec.transforms.config import TransformConfig
 
 try:  # Lightning 2.5+
@@ -28,7 +29,7 @@ AVERAGING = (StochasticWeightAveraging, WeightAveraging)
 def check_weight_averaging(trainer: Any, config: TransformConfig, sharded: bool) -> None:
     """``ValueError`` (one paragraph) where a weight-averaging callback would average another module than the
     one that trains: under ``lora=``, ``quantization=`` or FSDP2 sharding."""
-    averaging = next((callback for callback in trainer.callbacks if isinstance(callback, AVERAGING)), None)
+    averaging = first_callback(trainer, AVERAGING)
     changes = [
         what
         for what, on in (
