@@ -28,6 +28,15 @@ class PerCommand(Generic[T]):
         """The value of the scope around the caller, or None outside any."""
         return self._value.get()
 
+    def cached(self, key: object, make: Callable[[], object]) -> object:
+        """For a value that is a dict: ``make()`` once per ``key`` inside a scope, each time outside any."""
+        store = self._value.get()
+        if store is None:
+            return make()
+        if key not in store:
+            store[key] = make()
+        return store[key]
+
     @contextmanager
     def scope(self) -> Iterator[T]:
         """The value of the scope around this one, else a new one for this block (also usable as a decorator)."""

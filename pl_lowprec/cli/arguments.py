@@ -103,10 +103,7 @@ def read_config(value: str) -> tuple[Any, str]:
     reads = _READS.current()
     if reads is None:
         return _parsed(value)
-    key = _read_key(value)
-    if key not in reads:
-        reads[key] = _parsed(value)
-    fields, source = reads[key]
+    fields, source = _READS.cached(_read_key(value), lambda: _parsed(value))
     return copy.deepcopy(fields), source
 
 

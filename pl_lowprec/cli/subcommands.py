@@ -5,6 +5,7 @@ missing subcommand is refused with the list and the nearest name."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
 from typing import Any
 
 from pl_lowprec._did_you_mean import closest
@@ -60,10 +61,16 @@ def subcommand_lines() -> dict[str, str]:
 def overview() -> str:
     """``pl-lowprec --help``'s description; the subcommands follow it, each with its line."""
     return (
-        "Low-precision fine-tuning on LightningCLI: Lightning's fit, validate, test and predict, and the package's"
-        " estimate, plan, export, generate and make-demo-model. `pl-lowprec --version` prints its version and those"
-        " of torch, lightning, transformers and others."
+        f"Low-precision fine-tuning on LightningCLI: Lightning's {_listed(LIGHTNING_SUBCOMMANDS)}, and the package's"
+        f" {_listed(OWN_SUBCOMMANDS)}. `pl-lowprec --version` prints its version and those of torch, lightning,"
+        " transformers and others."
     )
+
+
+def _listed(names: Iterable[str]) -> str:
+    """``a, b and c``."""
+    *rest, last = names
+    return f"{', '.join(rest)} and {last}"
 
 
 def unknown_subcommand_paragraph(given: str | None) -> str:

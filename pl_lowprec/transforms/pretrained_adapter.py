@@ -50,12 +50,7 @@ def adapters_resolved_once() -> AbstractContextManager[dict[str, Path]]:
 def resolve_adapter(source: str | Path) -> Path:
     """A local adapter directory as it is; a hub id downloaded (adapter files only) where there is network; the
     directory found before for the same source inside ``adapters_resolved_once``."""
-    resolved = _RESOLVED.current()
-    if resolved is None:
-        return _resolved(source)
-    if str(source) not in resolved:
-        resolved[str(source)] = _resolved(source)
-    return resolved[str(source)]
+    return _RESOLVED.cached(str(source), lambda: _resolved(source))
 
 
 def _resolved(source: str | Path) -> Path:
