@@ -113,17 +113,23 @@ def fit_args(pretrained: Path, data: Path, root: Path) -> list[str]:
     ]
 
 
+def fitted_checkpoint(args: list[str], checkpoint: Path, steps: int = 2) -> Path:
+    """``pl-lowprec fit`` of ``args`` for ``steps`` steps, in this process, saved to ``checkpoint``."""
+    from pl_lowprec.cli import build_cli
+
+    build_cli(["fit", *args, f"--trainer.max_steps={steps}"]).trainer.save_checkpoint(checkpoint)
+    return checkpoint
+
+
 def fit_and_export(pretrained: Path, root: Path, rows: list[dict]) -> tuple[Path, list[str], str]:
     """Fit 4 steps on ``rows`` (jsonl records), then export the checkpoint ``--merged`` and ``--format gguf`` (bf16)
     into ``root/merged`` and ``root/gguf``; the checkpoint, the fit arguments and what the GGUF export printed."""
-    from pl_lowprec.cli import build_cli, main
+    from pl_lowprec.cli import main
 
     data = root / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = fit_args(pretrained, data, root)
-    cli = build_cli(["fit", *args, "--trainer.max_steps=4"])
-    checkpoint = root / "trained.ckpt"
-    cli.trainer.save_checkpoint(checkpoint)
+    checkpoint = fitted_checkpoint(args, root / "trained.ckpt", steps=4)
     main(["export", f"--ckpt_path={checkpoint}", f"--out={root / 'merged'}", "--merged", *args])
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gguf_helpers import fit_args
+from gguf_helpers import fit_args, fitted_checkpoint
 from loading_helpers import bin_copy, count_unpickles, save_pretrained_dir, write_prompt_completion
 
-from pl_lowprec.cli import build_cli, main
+from pl_lowprec.cli import main
 from pl_lowprec.loading.sources import checkpoint_files
 
 pytest.importorskip("transformers")
@@ -31,9 +31,7 @@ def test_merged_export_of_a_bin_base_unpickles_each_shard_once(tmp_path, monkeyp
     st = save_pretrained_dir(tmp_path / "st")
     base = bin_copy(st, tmp_path / "bin", shards=2)
     args = _args(base, write_prompt_completion(tmp_path / "pc.jsonl"), tmp_path / "run")
-    cli = build_cli(["fit", *args, "--trainer.max_steps=2"])
-    checkpoint = tmp_path / "trained.ckpt"
-    cli.trainer.save_checkpoint(checkpoint)
+    checkpoint = fitted_checkpoint(args, tmp_path / "trained.ckpt")
     loads = count_unpickles(monkeypatch)
     main(["export", f"--ckpt_path={checkpoint}", f"--out={tmp_path / 'from_bin'}", "--merged", *args])
     assert sorted(f for f in loads if str(f).endswith(".bin")) == checkpoint_files(base)  # each twice, before

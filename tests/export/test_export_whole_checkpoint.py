@@ -11,10 +11,10 @@ import importlib
 from contextlib import contextmanager
 
 import pytest
-from gguf_helpers import fit_args
+from gguf_helpers import fit_args, fitted_checkpoint
 from loading_helpers import count_safetensors_opens, save_pretrained_dir, write_prompt_completion
 
-from pl_lowprec.cli import build_cli, main
+from pl_lowprec.cli import main
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -32,19 +32,22 @@ def _digests(directory) -> dict[str, str]:
     return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(directory.iterdir())}
 
 
+def _trained_whole(tmp_path, *extra_args):
+    """A pretrained base, the run's arguments, and a checkpoint of that run holding every weight (LoRA too)."""
+    base = save_pretrained_dir(tmp_path / "base")
+    args = [
+        *fit_args(base, write_prompt_completion(tmp_path / "pc.jsonl"), tmp_path / "run"),
+        *extra_args,
+        "--trainer.strategy.init_args.adapter_only_checkpoint=false",
+    ]
+    return base, args, fitted_checkpoint(args, tmp_path / "trained.ckpt")
+
+
 @pytest.mark.parametrize("quantization", ["null", "nf4"])
 def test_merged_export_of_a_whole_checkpoint_streams_no_base(tmp_path, monkeypatch, quantization):
     if quantization != "null":
         pytest.importorskip("bitsandbytes")
-    base = save_pretrained_dir(tmp_path / "base")
-    args = [
-        *fit_args(base, write_prompt_completion(tmp_path / "pc.jsonl"), tmp_path / "run"),
-        f"--trainer.strategy.init_args.quantization={quantization}",
-        "--trainer.strategy.init_args.adapter_only_checkpoint=false",
-    ]
-    cli = build_cli(["fit", *args, "--trainer.max_steps=2"])
-    checkpoint = tmp_path / "trained.ckpt"
-    cli.trainer.save_checkpoint(checkpoint)
+    base, args, checkpoint = _trained_whole(tmp_path, f"--trainer.strategy.init_args.quantization={quantization}")
     export = ["export", f"--ckpt_path={checkpoint}", "--merged"]
     with _streamed_as_before(monkeypatch):
         main([*export, f"--out={tmp_path / 'streamed'}", *args])
@@ -53,19 +56,6 @@ def test_merged_export_of_a_whole_checkpoint_streams_no_base(tmp_path, monkeypat
     # the restore's headers, then the merge's headers and tensors: 15 before (1 + 12 modules' streams, then 2)
     assert opened == ["model.safetensors"] * 3
     assert _digests(tmp_path / "merged") == _digests(tmp_path / "streamed")
-
-
-def _trained_whole(tmp_path):
-    """A pretrained base, the run's arguments, and a checkpoint of that run holding every weight (LoRA too)."""
-    base = save_pretrained_dir(tmp_path / "base")
-    args = [
-        *fit_args(base, write_prompt_completion(tmp_path / "pc.jsonl"), tmp_path / "run"),
-        "--trainer.strategy.init_args.adapter_only_checkpoint=false",
-    ]
-    cli = build_cli(["fit", *args, "--trainer.max_steps=2"])
-    checkpoint = tmp_path / "trained.ckpt"
-    cli.trainer.save_checkpoint(checkpoint)
-    return base, args, checkpoint
 
 
 def test_adapter_export_of_a_whole_checkpoint_reads_nothing_of_the_base(tmp_path, monkeypatch):
